@@ -1,0 +1,156 @@
+"""Byte-level data: a corpus of text files split by file into train and validation,
+train files dealt to learners as disjoint shards, and a deterministic, resumable reader.
+
+The default corpus is the Python standard library's ``.py`` files (tens of MB of real
+text on every machine, nothing to download). A local file, a local folder or any fsspec
+URL (file or folder) can be given instead. This is the only I/O in ``diloco/``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import fsspec
+import numpy as np
+
+DOC_SEPARATOR = b"\n\x00\n"  # between files, so no window silently joins two files
+TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".toml", ".c", ".h")
+
+
+class DataError(ValueError):
+    """The corpus is missing, empty or too small; the message says which."""
+
+
+def default_corpus() -> str:
+    return sysconfig.get_paths()["stdlib"]
+
+
+def _is_held_out(relpath: str, val_percent: int) -> bool:
+    # A hash of the path, not of a random draw: the split is the same on every machine
+    # that has the same files, whatever order they are listed in.
+    digest = hashlib.sha256(relpath.encode()).digest()
+    return int.from_bytes(digest[:4], "little") % 100 < val_percent
+
+
+def list_files(source: str | None) -> tuple[fsspec.AbstractFileSystem, list[tuple[str, str]]]:
+    """Return the filesystem and sorted ``(path, relpath)`` pairs of the corpus's text files."""
+    root = source or default_corpus()
+    fs, path = fsspec.core.url_to_fs(root)
+    if not fs.exists(path):
+        raise DataError(f"data source {root!r} does not exist")
+    if fs.isfile(path):
+        return fs, [(path, Path(path).name)]
+    found = []
+    for file in sorted(fs.find(path)):
+        rel = file[len(path) :].lstrip("/")
+        if "site-packages" in rel or "__pycache__" in rel:
+            continue  # the stdlib folder holds installed packages: not part of the corpus
+        if source is None and not rel.endswith(".py"):
+            continue
+        if source is not None and not rel.endswith(TEXT_SUFFIXES):
+            continue
+        found.append((file, rel))
+    if not found:
+        raise DataError(f"data source {root!r} holds no text files ({', '.join(TEXT_SUFFIXES)})")
+    return fs, found
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Token arrays (uint8) for validation and for each learner's disjoint training shard."""
+
+    train_shards: tuple[np.ndarray, ...]
+    validation: np.ndarray
+
+    @property
+    def train_tokens(self) -> int:
+        return sum(len(s) for s in self.train_shards)
+
+
+def load_corpus(source: str | None, num_shards: int, val_percent: int = 5) -> Corpus:
+    """Read every file once; split by file; deal training files round-robin to shards.
+
+    A single-file source is split by bytes instead (the last ``val_percent`` %).
+    """
+    fs, files = list_files(source)
+    if len(files) == 1:
+        data = np.frombuffer(fs.cat_file(files[0][0]), dtype=np.uint8)
+        cut = len(data) * (100 - val_percent) // 100
+        train, val = data[:cut], data[cut:]
+        shards = tuple(np.array_split(train, num_shards))
+        return _checked(Corpus(shards, val), source)
+    train_parts: list[list[bytes]] = [[] for _ in range(num_shards)]
+    val_parts: list[bytes] = []
+    i = 0
+    for path, rel in files:
+        text = fs.cat_file(path) + DOC_SEPARATOR
+        if _is_held_out(rel, val_percent):
+            val_parts.append(text)
+        else:
+            train_parts[i % num_shards].append(text)
+            i += 1
+    if not val_parts:  # a tiny folder where the hash held nothing out: hold out the last file
+        val_parts.append(train_parts[(i - 1) % num_shards].pop())
+    shards = tuple(np.frombuffer(b"".join(p), dtype=np.uint8) for p in train_parts)
+    return _checked(Corpus(shards, np.frombuffer(b"".join(val_parts), dtype=np.uint8)), source)
+
+
+def _checked(corpus: Corpus, source: str | None, min_tokens: int = 4096) -> Corpus:
+    name = source or "the Python standard library"
+    for m, shard in enumerate(corpus.train_shards):
+        if len(shard) < min_tokens:
+            raise DataError(
+                f"training shard {m} of {name} has {len(shard)} bytes; need >= {min_tokens} "
+                f"per learner (use a larger corpus or fewer learners)"
+            )
+    if len(corpus.validation) < min_tokens // 4:
+        raise DataError(f"validation split of {name} has only {len(corpus.validation)} bytes")
+    return corpus
+
+
+def sample_windows(
+    tokens: np.ndarray, batch: int, length: int, seed: int, stream: int, index: int
+) -> np.ndarray:
+    """Batch ``index`` of stream ``stream``: ``batch`` windows of ``length + 1`` tokens.
+
+    Pure function of its arguments, so a reader resumes from its position alone.
+    Returns int32 ``[batch, length + 1]`` (inputs are ``[:, :-1]``, targets ``[:, 1:]``).
+    """
+    rng = np.random.default_rng((seed, stream, index))
+    starts = rng.integers(0, len(tokens) - length - 1, size=batch)
+    return np.stack([tokens[s : s + length + 1] for s in starts]).astype(np.int32)
+
+
+@dataclass
+class ShardReader:
+    """A learner's reader over its own shard; ``position`` (batches served) is its whole state."""
+
+    tokens: np.ndarray
+    batch_size: int
+    context: int
+    seed: int
+    stream: int
+    position: int = 0
+
+    def next_batch(self) -> np.ndarray:
+        out = sample_windows(
+            self.tokens, self.batch_size, self.context, self.seed, self.stream, self.position
+        )
+        self.position += 1
+        return out
+
+
+VALIDATION_STREAM = 1_000_003
+
+
+def validation_batches(
+    corpus: Corpus, batch_size: int, context: int, count: int, seed: int
+) -> list[np.ndarray]:
+    """The fixed held-out batches every mode evaluates on (same seed -> same batches)."""
+    return [
+        sample_windows(corpus.validation, batch_size, context, seed, VALIDATION_STREAM, i)
+        for i in range(count)
+    ]

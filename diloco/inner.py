@@ -1,0 +1,100 @@
+"""Inner optimization of one learner: AdamW with warm-up, cosine decay and clipping.
+
+Parameters travel as a flat ``{name: jax.Array}`` dict (see ``model.ParamCodec``), so
+the step, the optimizer state and every fragment operation share one naming. The batch
+is sharded over all local JAX devices along a ``data`` mesh axis (data parallel inside
+one learner); parameters and optimizer state are replicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from diloco.config import InnerConfig
+from diloco.model import ParamCodec
+
+JaxParams = dict[str, jax.Array]
+
+
+def inner_optimizer(cfg: InnerConfig, total_steps: int) -> optax.GradientTransformation:
+    """Clip by global norm, then AdamW on a warm-up + cosine schedule.
+
+    Weight decay applies to matrices only (not to norms' scales or biases).
+    """
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=cfg.lr,
+        warmup_steps=cfg.warmup_steps,
+        decay_steps=max(total_steps, cfg.warmup_steps + 1),
+        end_value=cfg.lr * cfg.min_lr_ratio,
+    )
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm),
+        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask),
+    )
+
+
+class InnerTrainer:
+    """Compiled train and eval steps for one model shape, shared by all learners of a process."""
+
+    def __init__(
+        self,
+        codec: ParamCodec,
+        cfg: InnerConfig,
+        total_steps: int,
+        devices: Sequence[jax.Device] | None = None,
+    ):
+        self.codec = codec
+        self.tx = inner_optimizer(cfg, total_steps)
+        self.devices = list(devices or jax.devices())
+        mesh = Mesh(np.array(self.devices), ("data",))
+        self.batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+
+        def loss_fn(params: JaxParams, batch: jax.Array) -> jax.Array:
+            model = codec.model(codec.from_flat(params))
+            logits = model(batch[:, :-1])
+            labels = batch[:, 1:]
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+        def train_step(params, opt_state, batch):
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+            updates, opt_state = self.tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        self._train_step = jax.jit(train_step)
+        self._loss = jax.jit(loss_fn)
+
+    def place_params(self, flat: Mapping[str, np.ndarray]) -> JaxParams:
+        """Host arrays -> replicated device arrays (all tensors, or a fragment's subset)."""
+        return {n: jax.device_put(jnp.asarray(v), self.replicated) for n, v in flat.items()}
+
+    def init_opt_state(self, params: JaxParams) -> optax.OptState:
+        return self.tx.init(params)
+
+    def place_batch(self, batch: np.ndarray) -> jax.Array:
+        if batch.shape[0] % len(self.devices):
+            raise ValueError(
+                f"batch of {batch.shape[0]} sequences does not split over "
+                f"{len(self.devices)} devices; use a batch size divisible by the device count"
+            )
+        return jax.device_put(batch, self.batch_sharding)
+
+    def step(
+        self, params: JaxParams, opt_state: optax.OptState, batch: np.ndarray
+    ) -> tuple[JaxParams, optax.OptState, float]:
+        """One inner step. Returns new params, new optimizer state and the batch loss."""
+        params, opt_state, loss = self._train_step(params, opt_state, self.place_batch(batch))
+        return params, opt_state, loss
+
+    def evaluate(self, params: JaxParams, batches: Sequence[np.ndarray]) -> float:
+        """Mean next-byte cross-entropy (nats per byte) over ``batches``."""
+        losses = [self._loss(params, self.place_batch(b)) for b in batches]
+        return float(np.mean(jax.device_get(losses)))

@@ -1,0 +1,173 @@
+"""The learner unit: inner steps, contributions on the fragment schedule, and the
+application of global fragments after the overlap delay tau.
+
+The same ``Learner`` runs under the simulator's clock and inside the Prefect learner
+flow; only who calls it, and how contributions and globals travel, differ.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+import optax
+
+from diloco.config import TopologyConfig
+from diloco.data import ShardReader
+from diloco.fragments import FragmentPlan, due_fragment
+from diloco.inner import InnerTrainer, JaxParams
+from diloco.outer import Contribution, FlatParams, blend
+from diloco.quantize import ErrorFeedback, quantize
+
+
+@dataclass
+class FragmentState:
+    """What a learner knows of one fragment since it last received a global version."""
+
+    anchor: FlatParams  # the fragment's value right after that version was applied
+    base_version: int
+    tokens: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    sent_at_step: int | None = None  # inner step of the newest contribution still unanswered
+
+
+@dataclass
+class LearnerCheckpoint:
+    """Everything a learner needs to resume (JAX arrays are immutable: no copies needed)."""
+
+    params: JaxParams
+    opt_state: optax.OptState
+    data_position: int
+    step: int
+    seq: int
+    fragments: list[FragmentState]
+    residual: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+class Learner:
+    def __init__(
+        self,
+        learner_id: str,
+        trainer: InnerTrainer,
+        plan: FragmentPlan,
+        topology: TopologyConfig,
+        init: FlatParams,
+        reader: ShardReader,
+    ):
+        self.id = learner_id
+        self.trainer = trainer
+        self.plan = plan
+        self.topology = topology
+        self.reader = reader
+        self.params = trainer.place_params(init)
+        self.opt_state = trainer.init_opt_state(self.params)
+        self.step = 0
+        self.seq = 0
+        self.fragments = [
+            FragmentState(anchor={n: np.asarray(init[n]) for n in names}, base_version=0)
+            for names in plan
+        ]
+        self.feedback = (
+            ErrorFeedback(topology.quantization, topology.block_size, {})
+            if topology.error_feedback
+            else None
+        )
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.reader.batch_size * self.reader.context
+
+    def train_step(self, seconds: float = 0.0) -> jax.Array:
+        """One inner step; ``seconds`` is the (measured or simulated) time it took."""
+        batch = self.reader.next_batch()
+        self.params, self.opt_state, loss = self.trainer.step(self.params, self.opt_state, batch)
+        self.step += 1
+        for frag in self.fragments:
+            frag.tokens += self.tokens_per_step
+            frag.steps += 1
+            frag.seconds += seconds
+        return loss
+
+    def due(self) -> int | None:
+        return due_fragment(self.step, self.topology.inner_steps, len(self.plan))
+
+    def fragment_values(self, p: int) -> FlatParams:
+        names = self.plan[p]
+        values = jax.device_get([self.params[n] for n in names])
+        return {n: np.asarray(v, dtype=np.float32) for n, v in zip(names, values, strict=True)}
+
+    def contribute(self, p: int) -> Contribution:
+        """The outer gradient ``anchor - theta`` of fragment ``p``, quantized."""
+        frag = self.fragments[p]
+        theta = self.fragment_values(p)
+        kind, block = self.topology.quantization, self.topology.block_size
+        payload = {}
+        for name, value in theta.items():
+            delta = frag.anchor[name] - value
+            payload[name] = (
+                self.feedback(name, delta) if self.feedback else quantize(delta, kind, block)
+            )
+        self.seq += 1
+        frag.sent_at_step = self.step
+        return Contribution(
+            learner=self.id,
+            fragment=p,
+            seq=self.seq,
+            base_version=frag.base_version,
+            tokens=frag.tokens,
+            steps=frag.steps,
+            seconds=frag.seconds,
+            payload=payload,
+        )
+
+    def may_apply(self, p: int) -> bool:
+        """A new global of ``p`` lands only in answer to this learner's own send of ``p``, and
+        no earlier than tau steps after it. Taking versions between sends would overwrite
+        (alpha = 0) work on ``p`` that no contribution has carried to the syncer yet."""
+        sent = self.fragments[p].sent_at_step
+        return sent is not None and self.step >= sent + self.topology.tau
+
+    def waiting_on(self) -> list[int]:
+        """Fragments whose answer is overdue (tau steps passed): synchronous mode blocks on them."""
+        return [
+            p
+            for p, f in enumerate(self.fragments)
+            if f.sent_at_step is not None and self.step >= f.sent_at_step + self.topology.tau
+        ]
+
+    def apply_global(self, p: int, version: int, values: FlatParams) -> None:
+        """Blend global version ``version`` of fragment ``p`` in and re-anchor on it."""
+        frag = self.fragments[p]
+        if version <= frag.base_version:
+            return
+        mixed = blend(self.fragment_values(p), values, self.topology.alpha)
+        self.params = {**self.params, **self.trainer.place_params(mixed)}
+        self.fragments[p] = FragmentState(anchor=mixed, base_version=version)
+
+    def checkpoint(self) -> LearnerCheckpoint:
+        return LearnerCheckpoint(
+            params=self.params,
+            opt_state=self.opt_state,
+            data_position=self.reader.position,
+            step=self.step,
+            seq=self.seq,
+            fragments=copy.deepcopy(self.fragments),
+            residual=dict(self.feedback.residual) if self.feedback else {},
+        )
+
+    def restore(self, ckpt: LearnerCheckpoint, next_seq: int | None = None) -> None:
+        """Resume from ``ckpt``. ``next_seq`` keeps sequence numbers unique when contributions
+        were sent after the checkpoint was taken (they must never be reused)."""
+        self.params = ckpt.params
+        self.opt_state = ckpt.opt_state
+        self.reader.position = ckpt.data_position
+        self.step = ckpt.step
+        self.seq = max(ckpt.seq, (next_seq or 0) - 1)
+        self.fragments = copy.deepcopy(ckpt.fragments)
+        for frag in self.fragments:
+            frag.sent_at_step = None  # answers to pre-crash sends are applied on arrival
+        if self.feedback:
+            self.feedback.residual = dict(ckpt.residual)

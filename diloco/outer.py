@@ -1,0 +1,177 @@
+"""The outer step: contributions, their weights, the merge rules and outer Nesterov.
+
+All functions are pure and work on ``FlatParams`` (``{name: float32 ndarray}``) of one
+fragment. Conventions follow ALGORITHM.md:
+
+- outer gradient ``delta = anchor - theta`` (a descent direction, like a gradient);
+- weight ``w = c_tokens * (c_tokens / c_steps) * g(staleness)``;
+- merged ``Delta``; outer step ``optax.sgd(lr, momentum, nesterov=True)``, so with
+  optax's Nesterov ``v <- Delta + beta v``, ``Theta <- Theta - lr (Delta + beta v)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+import optax
+
+from diloco.config import OuterConfig
+from diloco.quantize import QuantizedTensor, dequantize
+
+FlatParams = dict[str, np.ndarray]
+StalenessFn = Callable[[int], float]
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One learner's outer gradient for one fragment, as it travels (quantized)."""
+
+    learner: str
+    fragment: int
+    seq: int  # per learner, strictly increasing
+    base_version: int  # global version of the fragment the anchor came from
+    tokens: int  # c_tokens since that version was applied
+    steps: int  # c_steps since then
+    seconds: float  # learner time those steps took (for step-time estimates and goodput)
+    payload: Mapping[str, QuantizedTensor] = field(repr=False)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.learner, self.seq)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(q.nbytes for q in self.payload.values())
+
+    def outer_gradient(self) -> FlatParams:
+        return {n: dequantize(q) for n, q in self.payload.items()}
+
+
+# --- staleness functions g(s) -------------------------------------------------------
+
+
+def constant_staleness() -> StalenessFn:
+    return lambda s: 1.0
+
+
+def polynomial_staleness(a: float = 0.5) -> StalenessFn:
+    """``(1 + s)^-a``; a = 0.5 is FedBuff's choice."""
+    return lambda s: float((1.0 + s) ** (-a))
+
+
+def exponential_staleness(lam: float = 0.5) -> StalenessFn:
+    return lambda s: float(math.exp(-lam * s))
+
+
+def hinge_staleness(a: float = 0.5, b: float = 1.0) -> StalenessFn:
+    """1 up to staleness ``b``, then ``1 / (a (s - b) + 1)``."""
+    return lambda s: 1.0 if s <= b else float(1.0 / (a * (s - b) + 1.0))
+
+
+def staleness_fn(cfg: OuterConfig) -> StalenessFn:
+    return {
+        "constant": lambda: constant_staleness(),
+        "polynomial": lambda: polynomial_staleness(cfg.staleness_a),
+        "exponential": lambda: exponential_staleness(cfg.staleness_lambda),
+        "hinge": lambda: hinge_staleness(cfg.staleness_a, cfg.staleness_b),
+    }[cfg.staleness]()
+
+
+def token_weight(tokens: int, steps: int) -> float:
+    """Quantity x quality: ``tokens * tokens / steps`` (tokens per step rewards full batches)."""
+    return 0.0 if steps <= 0 else tokens * tokens / steps
+
+
+def contribution_weight(c: Contribution, staleness: int, g: StalenessFn) -> float:
+    return token_weight(c.tokens, c.steps) * g(staleness)
+
+
+# --- merge rules ----------------------------------------------------------------------
+
+
+def _normalized(weights: Sequence[float]) -> np.ndarray:
+    w = np.asarray(weights, dtype=np.float64)
+    total = w.sum()
+    if not np.isfinite(total) or total <= 0:
+        raise ValueError(f"merge weights must sum to a positive number, got {w.tolist()}")
+    return w / total
+
+
+def weighted_mean(deltas: Sequence[FlatParams], weights: Sequence[float]) -> FlatParams:
+    """``sum_m w_m delta_m / sum_m w_m`` per tensor."""
+    w = _normalized(weights)
+    return {
+        n: sum(wi * d[n].astype(np.float64) for wi, d in zip(w, deltas, strict=True)).astype(
+            np.float32
+        )
+        for n in deltas[0]
+    }
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    norm = np.linalg.norm(x)
+    return x / norm if norm > 0 else np.zeros_like(x)
+
+
+def radial_directional_average(xs: Sequence[np.ndarray], w: np.ndarray) -> np.ndarray:
+    """RDA of one tensor: mean norm times the unit vector of the mean direction."""
+    xs64 = [x.astype(np.float64) for x in xs]
+    radius = sum(wi * np.linalg.norm(x) for wi, x in zip(w, xs64, strict=True))
+    direction = _unit(sum(wi * _unit(x) for wi, x in zip(w, xs64, strict=True)))
+    return (radius * direction).astype(np.float32)
+
+
+def rda_merge(
+    deltas: Sequence[FlatParams],
+    weights: Sequence[float],
+    is_embedding: Callable[[str], bool],
+) -> FlatParams:
+    """RDA per tensor, weighted mean for embeddings (ALGORITHM.md, merge rule)."""
+    w = _normalized(weights)
+    mean = weighted_mean(deltas, weights)
+    return {
+        n: mean[n] if is_embedding(n) else radial_directional_average([d[n] for d in deltas], w)
+        for n in deltas[0]
+    }
+
+
+def anchored_delta(current: FlatParams, base: FlatParams, delta: FlatParams) -> FlatParams:
+    """``Theta_current - theta_m`` with ``theta_m = Theta_base - delta`` (the anchored merge)."""
+    return {n: current[n] - base[n] + delta[n] for n in delta}
+
+
+# --- outer optimizer and learner blend -------------------------------------------------
+
+
+def outer_optimizer(cfg: OuterConfig) -> optax.GradientTransformation:
+    return optax.sgd(cfg.lr, momentum=cfg.momentum or None, nesterov=cfg.nesterov)
+
+
+def outer_step(
+    tx: optax.GradientTransformation,
+    params: FlatParams,
+    state: optax.OptState,
+    merged: FlatParams,
+) -> tuple[FlatParams, optax.OptState]:
+    """One outer step on one fragment; returns new parameters and optimizer state (NumPy)."""
+    updates, state = tx.update(merged, state, params)
+    new = optax.apply_updates(params, updates)
+    as_numpy = lambda t: jax.tree.map(lambda a: np.asarray(a, dtype=np.float32), t)  # noqa: E731
+    return as_numpy(new), as_numpy(state)
+
+
+def blend(local: FlatParams, global_: FlatParams, alpha: float) -> FlatParams:
+    """Learner side: ``theta <- alpha theta + (1 - alpha) Theta`` (alpha = 0 overwrites)."""
+    if alpha == 0.0:
+        return {n: np.array(v, dtype=np.float32) for n, v in global_.items()}
+    return {n: (alpha * local[n] + (1.0 - alpha) * global_[n]).astype(np.float32) for n in global_}
+
+
+def global_norm(tree: Mapping[str, np.ndarray]) -> float:
+    return float(
+        math.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in tree.values()))
+    )

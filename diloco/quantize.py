@@ -1,0 +1,114 @@
+"""Quantization of outer gradients: fp32, bf16, and blockwise-absmax int8 / int4.
+
+A tensor is flattened and cut into blocks of ``block_size`` values; each block keeps one
+float32 scale ``absmax / qmax`` and its values as ``round(x / scale)`` in
+``[-qmax, qmax]`` (qmax 127 for int8, 7 for int4). int4 codes are stored offset by 8
+and packed two per byte (low nibble first), so the payload really is half a byte per
+value. The error per value is at most ``scale / 2``.
+
+The payload is what travels and what storage writes; ``QuantizedTensor.nbytes`` is its
+exact size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+QMAX = {"int8": 127, "int4": 7}
+STORAGE_DTYPE = {"fp32": np.float32, "bf16": np.uint16, "int8": np.int8, "int4": np.uint8}
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    kind: str  # fp32 | bf16 | int8 | int4
+    shape: tuple[int, ...]
+    data: np.ndarray  # float32 | uint16 (bf16 bits) | int8 | uint8 (two int4 codes per byte)
+    scales: np.ndarray | None = None  # float32 [ceil(n / block_size)] for int8 / int4
+    block_size: int = 0
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + (0 if self.scales is None else self.scales.nbytes)
+
+
+def payload_bytes(size: int, kind: str, block_size: int = 128) -> int:
+    """Exact payload size of a ``size``-value tensor, without building it."""
+    blocks = -(-size // block_size)
+    return {
+        "fp32": 4 * size,
+        "bf16": 2 * size,
+        "int8": size + 4 * blocks,
+        "int4": -(-size // 2) + 4 * blocks,
+    }[kind]
+
+
+def quantize(x: np.ndarray, kind: str, block_size: int = 128) -> QuantizedTensor:
+    x = np.asarray(x, dtype=np.float32)
+    shape = tuple(x.shape)
+    if kind == "fp32":
+        return QuantizedTensor(kind, shape, x.reshape(-1).copy())
+    if kind == "bf16":
+        return QuantizedTensor(
+            kind, shape, x.reshape(-1).astype(ml_dtypes.bfloat16).view(np.uint16)
+        )
+    if kind not in QMAX:
+        raise ValueError(f"unknown quantization {kind!r}; choose fp32, bf16, int8 or int4")
+    if kind == "int4" and block_size % 2:
+        raise ValueError(f"int4 needs an even block size, got {block_size}")
+    qmax = QMAX[kind]
+    flat = x.reshape(-1)
+    n = flat.size
+    blocks = -(-n // block_size)
+    padded = np.zeros(blocks * block_size, dtype=np.float32)
+    padded[:n] = flat
+    padded = padded.reshape(blocks, block_size)
+    scales = np.abs(padded).max(axis=1) / qmax
+    safe = np.where(scales > 0, scales, 1.0)
+    codes = np.clip(np.rint(padded / safe[:, None]), -qmax, qmax).astype(np.int8).reshape(-1)
+    if kind == "int8":
+        return QuantizedTensor(kind, shape, codes[:n].copy(), scales.astype(np.float32), block_size)
+    nibbles = (codes[: n + (n % 2)] + 8).astype(np.uint8)  # [-7, 7] -> [1, 15]
+    packed = nibbles[0::2] | (nibbles[1::2] << 4)
+    return QuantizedTensor(kind, shape, packed, scales.astype(np.float32), block_size)
+
+
+def dequantize(q: QuantizedTensor) -> np.ndarray:
+    """Back to float32 of the original shape."""
+    n = q.size
+    if q.kind == "fp32":
+        return q.data.astype(np.float32).reshape(q.shape)
+    if q.kind == "bf16":
+        return q.data.view(ml_dtypes.bfloat16).astype(np.float32).reshape(q.shape)
+    if q.kind == "int8":
+        codes = q.data.astype(np.float32)
+    elif q.kind == "int4":
+        codes = np.empty(q.data.size * 2, dtype=np.float32)
+        codes[0::2] = (q.data & 0x0F).astype(np.float32) - 8
+        codes[1::2] = (q.data >> 4).astype(np.float32) - 8
+        codes = codes[:n]
+    else:
+        raise ValueError(f"unknown quantization {q.kind!r}")
+    scales = np.repeat(q.scales, q.block_size)[:n]
+    return (codes * scales).reshape(q.shape)
+
+
+@dataclass
+class ErrorFeedback:
+    """Keeps each tensor's quantization residual and adds it to the next value sent."""
+
+    kind: str
+    block_size: int
+    residual: dict[str, np.ndarray]
+
+    def __call__(self, name: str, x: np.ndarray) -> QuantizedTensor:
+        compensated = x + self.residual.get(name, 0.0)
+        q = quantize(compensated, self.kind, self.block_size)
+        self.residual[name] = compensated - dequantize(q)
+        return q

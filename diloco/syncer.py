@@ -1,0 +1,177 @@
+"""The syncer of one fragment: collect, decide when to merge, validate, weight, merge,
+step the outer optimizer and produce the next global version.
+
+When to merge is two pure decisions (``quorum_met`` and ``grace_window``) so the
+simulator's clock and the Prefect syncer's wall clock use the same rule.
+
+Replacement rule: pending contributions are keyed by (learner, base version). A newer
+contribution with the same key replaces the older one, because both are measured from
+the same anchor and the newer one's outer gradient already contains the older one's
+steps. Contributions of one learner from different base versions are separate work
+(the learner was re-anchored in between) and are merged side by side, each with its
+own staleness.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+import numpy as np
+import optax
+
+from diloco.config import OuterConfig
+from diloco.outer import (
+    Contribution,
+    FlatParams,
+    anchored_delta,
+    contribution_weight,
+    outer_optimizer,
+    outer_step,
+    rda_merge,
+    staleness_fn,
+    weighted_mean,
+)
+from diloco.validate import ContributionRejected, check_contribution
+
+
+def quorum_met(learners_present: Collection[str], quorum: int) -> bool:
+    """At least ``quorum`` distinct learners have a pending contribution."""
+    return len(set(learners_present)) >= quorum
+
+
+def grace_window(
+    step_seconds: float, tau: int, quorum_wait: float, sync_seconds: float, gamma: float
+) -> float:
+    """Seconds to keep waiting after the quorum: ``gamma * slack``, never negative.
+
+    ``slack = tau * step_seconds - (quorum_wait + sync_seconds)`` is the time learners can
+    still train before they need the new version (they apply it tau steps after sending),
+    less what collecting the quorum took and what the merge and transfers will take.
+    """
+    slack = tau * step_seconds - (quorum_wait + sync_seconds)
+    return max(0.0, gamma * slack)
+
+
+def estimate_step_seconds(pending: Collection[Contribution], default: float) -> float:
+    """Median measured seconds per inner step among the pending contributions."""
+    rates = [c.seconds / c.steps for c in pending if c.steps > 0 and c.seconds > 0]
+    return statistics.median(rates) if rates else default
+
+
+@dataclass(frozen=True)
+class GlobalVersion:
+    fragment: int
+    version: int
+    params: FlatParams
+    opt_state: optax.OptState
+    consumed: tuple[tuple[str, int], ...]  # (learner, seq) merged into this version
+    weights: dict[str, float]  # normalized merge weight per "learner/seq"
+    staleness: dict[str, int]
+    tokens: int  # tokens behind the merged contributions
+
+
+@dataclass
+class MergeOutcome:
+    version: GlobalVersion | None
+    rejected: list[ContributionRejected] = field(default_factory=list)
+
+
+class FragmentSyncer:
+    """Owns fragment ``fragment``: its global value, outer momentum and version counter."""
+
+    def __init__(
+        self,
+        fragment: int,
+        init: FlatParams,
+        cfg: OuterConfig,
+        learners: Collection[str],
+        is_embedding: Callable[[str], bool],
+        version: int = 0,
+        opt_state: optax.OptState | None = None,
+    ):
+        self.fragment = fragment
+        self.cfg = cfg
+        self.learners = frozenset(learners)
+        self.is_embedding = is_embedding
+        self.tx = outer_optimizer(cfg)
+        self.params = {n: np.asarray(v, dtype=np.float32) for n, v in init.items()}
+        self.shapes = {n: v.shape for n, v in self.params.items()}
+        self.opt_state = opt_state if opt_state is not None else self.tx.init(self.params)
+        self.version = version
+        self.g = staleness_fn(cfg)
+        self.pending: dict[tuple[str, int], Contribution] = {}
+        # Versions inside the staleness window, for the anchored merge.
+        self.history: dict[int, FlatParams] = {version: self.params}
+
+    def offer(self, c: Contribution) -> None:
+        key = (c.learner, c.base_version)
+        old = self.pending.get(key)
+        if old is None or c.seq > old.seq:
+            self.pending[key] = c
+
+    @property
+    def present(self) -> set[str]:
+        return {c.learner for c in self.pending.values()}
+
+    def merge(self) -> MergeOutcome:
+        """Merge every pending contribution that passes validation into version v + 1.
+
+        Returns no version when nothing valid is pending (rejections are still reported).
+        """
+        accepted: list[tuple[Contribution, FlatParams]] = []
+        rejected: list[ContributionRejected] = []
+        for c in sorted(self.pending.values(), key=lambda c: (c.learner, c.seq)):
+            try:
+                delta = check_contribution(
+                    c,
+                    self.shapes,
+                    self.learners,
+                    self.version,
+                    self.cfg.max_staleness,
+                    self.cfg.max_norm,
+                )
+            except ContributionRejected as exc:
+                rejected.append(exc)
+                continue
+            accepted.append((c, delta))
+        self.pending.clear()
+        if not accepted:
+            return MergeOutcome(None, rejected)
+
+        staleness = [self.version - c.base_version for c, _ in accepted]
+        weights = [
+            contribution_weight(c, s, self.g) for (c, _), s in zip(accepted, staleness, strict=True)
+        ]
+        deltas = [
+            anchored_delta(self.params, self.history[c.base_version], d)
+            if self.cfg.reference == "anchored"
+            else d
+            for c, d in accepted
+        ]
+        if self.cfg.merge == "rda":
+            merged = rda_merge(deltas, weights, self.is_embedding)
+        else:
+            merged = weighted_mean(deltas, weights)
+        self.params, self.opt_state = outer_step(self.tx, self.params, self.opt_state, merged)
+        self.version += 1
+        self.history[self.version] = self.params
+        for old in [v for v in self.history if v < self.version - self.cfg.max_staleness]:
+            del self.history[old]
+
+        total = sum(weights)
+        label = lambda c: f"{c.learner}/{c.seq}"  # noqa: E731
+        return MergeOutcome(
+            GlobalVersion(
+                fragment=self.fragment,
+                version=self.version,
+                params=self.params,
+                opt_state=self.opt_state,
+                consumed=tuple(c.key for c, _ in accepted),
+                weights={label(c): w / total for (c, _), w in zip(accepted, weights, strict=True)},
+                staleness={label(c): s for (c, _), s in zip(accepted, staleness, strict=True)},
+                tokens=sum(c.tokens for c, _ in accepted),
+            ),
+            rejected,
+        )

@@ -1,0 +1,61 @@
+import json
+
+import pytest
+
+from diloco.config import PRESETS, ConfigError, load_config, parse_override
+
+
+def test_presets_load_and_tiny_is_default():
+    for name in PRESETS:
+        load_config(name)
+    assert load_config().model.width == PRESETS["tiny"]["model"]["width"]
+
+
+def test_file_then_overrides_then_keywords(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('mode = "diloco"\n[outer]\nlr = 0.3\nmerge = "rda"\n')
+    cfg = load_config(
+        "tiny", file=path, overrides=["outer.lr=0.5", "sim.speeds=[1, 2, 1, 1]"], seed=7
+    )
+    assert (cfg.mode, cfg.outer.lr, cfg.outer.merge, cfg.seed) == ("diloco", 0.5, "rda", 7)
+    assert cfg.sim.speeds == (1.0, 2.0, 1.0, 1.0)
+    assert cfg.quorum == cfg.topology.learners  # synchronous DiLoCo waits for all
+
+
+def test_json_file(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"topology": {"learners": 2, "quorum": 1}}))
+    cfg = load_config("tiny", file=path)
+    assert cfg.quorum == 1
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("outer.lr=-1", "config field 'outer.lr': Input should be greater than 0"),
+        ("topology.quantization=int3", "config field 'topology.quantization'"),
+        ("outer.lrr=1", "config field 'outer.lrr': Extra inputs are not permitted"),
+        ("model.heads=5", "width 64 is not divisible by heads 5"),
+        ("topology.quorum=9", "topology.quorum 9 exceeds learners 4"),
+        ("sim.speeds=[1,2]", "sim.speeds has 2 entries for 4 learners"),
+        ('sim.failures=[{"learner": 7, "at": 0.1, "duration": 0.1}]', "names learner 7"),
+        ("mode=fast", "config field 'mode'"),
+    ],
+)
+def test_bad_values_name_the_field(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny", overrides=[override])
+    assert message in str(info.value)
+
+
+def test_malformed_file_and_bad_override(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("outer = [\n")
+    with pytest.raises(ConfigError, match=r"bad\.toml is malformed"):
+        load_config("tiny", file=path)
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config("tiny", file=tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="not of the form"):
+        parse_override("outer.lr")
+    with pytest.raises(ConfigError, match="unknown preset"):
+        load_config("huge")

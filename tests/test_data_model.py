@@ -1,0 +1,93 @@
+import jax
+import numpy as np
+import pytest
+
+from diloco.config import load_config
+from diloco.data import DataError, ShardReader, list_files, load_corpus, validation_batches
+from diloco.inner import InnerTrainer
+from diloco.model import ParamCodec
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus(None, num_shards=3)
+
+
+def test_default_corpus_is_stdlib_split_by_file(corpus):
+    _, files = list_files(None)
+    assert len(files) > 500 and all(rel.endswith(".py") for _, rel in files)
+    assert not any("site-packages" in rel for _, rel in files)
+    assert corpus.train_tokens > 10_000_000
+    # Held-out files are whole files: no validation file's text appears in a training shard.
+    probe = bytes(corpus.validation[1000:1200])
+    assert all(probe not in bytes(s) for s in corpus.train_shards)
+
+
+def test_shards_disjoint_and_deterministic(corpus):
+    again = load_corpus(None, num_shards=3)
+    for a, b in zip(corpus.train_shards, again.train_shards, strict=True):
+        np.testing.assert_array_equal(a, b)
+    heads = {bytes(s[:4096]) for s in corpus.train_shards}
+    assert len(heads) == 3
+
+
+def test_reader_resumes_from_position(corpus):
+    reader = ShardReader(corpus.train_shards[0], 4, 32, seed=1, stream=0)
+    batches = [reader.next_batch() for _ in range(5)]
+    assert batches[0].shape == (4, 33) and batches[0].dtype == np.int32
+    resumed = ShardReader(corpus.train_shards[0], 4, 32, seed=1, stream=0, position=3)
+    np.testing.assert_array_equal(resumed.next_batch(), batches[3])
+    other = ShardReader(corpus.train_shards[0], 4, 32, seed=1, stream=1)
+    assert not np.array_equal(other.next_batch(), batches[0])
+
+
+def test_local_folder_and_single_file_sources(tmp_path):
+    for i in range(6):
+        (tmp_path / f"doc{i}.txt").write_text(f"document {i} " * 2000)
+    (tmp_path / "image.png").write_bytes(b"\x89PNG")
+    corpus = load_corpus(str(tmp_path), num_shards=2)
+    assert len(corpus.train_shards) == 2 and len(corpus.validation) > 0
+    single = tmp_path / "one.txt"
+    single.write_text("abc " * 20000)
+    corpus = load_corpus(f"file://{single}", num_shards=2)
+    assert sum(len(s) for s in corpus.train_shards) + len(corpus.validation) == 80000
+
+
+def test_bad_sources_are_named(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        load_corpus(str(tmp_path / "nope"), 2)
+    (tmp_path / "x.bin").write_bytes(b"0")
+    with pytest.raises(DataError, match="holds no text files"):
+        load_corpus(str(tmp_path), 2)
+    (tmp_path / "small.txt").write_text("hi")
+    with pytest.raises(DataError, match="need >= 4096 per learner"):
+        load_corpus(str(tmp_path / "small.txt"), 2)
+
+
+def test_tiny_model_size_and_names():
+    codec, state = ParamCodec.create(load_config("tiny").model, 0)
+    assert codec.num_params < 1_000_000
+    assert "blocks.1.attn.qkv.kernel" in codec.names
+    flat = codec.to_flat(state)
+    back = codec.to_flat(codec.from_flat(flat))
+    assert all(np.array_equal(flat[n], back[n]) for n in flat)
+
+
+def test_train_step_sharded_over_two_devices_and_loss_falls(corpus):
+    assert len(jax.devices()) == 2  # tests/conftest.py forces two host devices
+    cfg = load_config("tiny")
+    codec, state = ParamCodec.create(cfg.model, 0)
+    trainer = InnerTrainer(codec, cfg.inner, total_steps=40)
+    params = trainer.place_params(codec.to_flat(state))
+    opt = trainer.init_opt_state(params)
+    reader = ShardReader(corpus.train_shards[0], 8, cfg.model.context, 0, 0)
+    val = validation_batches(corpus, 8, cfg.model.context, 2, 0)
+    before = trainer.evaluate(params, val)
+    for _ in range(40):
+        params, opt, _loss = trainer.step(params, opt, reader.next_batch())
+    batch = trainer.place_batch(reader.next_batch())
+    assert len(batch.sharding.device_set) == 2
+    assert batch.addressable_shards[0].data.shape[0] == 4  # each device holds half the batch
+    assert trainer.evaluate(params, val) < before - 1.0
+    with pytest.raises(ValueError, match="does not split over 2 devices"):
+        trainer.place_batch(np.zeros((3, 9), np.int32))

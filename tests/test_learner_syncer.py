@@ -1,0 +1,122 @@
+"""The learner and syncer state machines, driven by hand."""
+
+import numpy as np
+import pytest
+
+from diloco.config import OuterConfig, load_config
+from diloco.data import ShardReader, load_corpus
+from diloco.fragments import plan_fragments
+from diloco.inner import InnerTrainer
+from diloco.learner import Learner
+from diloco.model import ParamCodec, is_embedding
+from diloco.outer import Contribution
+from diloco.quantize import quantize
+from diloco.syncer import FragmentSyncer, estimate_step_seconds, grace_window, quorum_met
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = load_config("tiny", overrides=["topology.quantization=fp32", "topology.tau=2"])
+    codec, state = ParamCodec.create(cfg.model, 0)
+    init = codec.to_flat(state)
+    trainer = InnerTrainer(codec, cfg.inner, 100)
+    plan = plan_fragments(codec.sizes, cfg.topology.fragments)
+    corpus = load_corpus(None, 2)
+    return cfg, codec, init, trainer, plan, corpus
+
+
+def make_learner(setup, name="l0", stream=0):
+    cfg, _, init, trainer, plan, corpus = setup
+    reader = ShardReader(corpus.train_shards[stream], 8, cfg.model.context, 0, stream)
+    return Learner(name, trainer, plan, cfg.topology, init, reader)
+
+
+def test_contribution_is_anchor_minus_params(setup):
+    _, _, init, _, plan, _ = setup
+    lrn = make_learner(setup)
+    for _ in range(5):
+        lrn.train_step(seconds=0.5)
+    c = lrn.contribute(0)
+    theta = lrn.fragment_values(0)
+    for name in plan[0]:
+        np.testing.assert_allclose(c.outer_gradient()[name], init[name] - theta[name], atol=1e-7)
+    assert (c.seq, c.base_version, c.steps, c.tokens, c.seconds) == (1, 0, 5, 5 * 8 * 64, 2.5)
+
+
+def test_tau_delays_application_and_alpha_zero_overwrites(setup):
+    _, _, init, _, plan, _ = setup
+    lrn = make_learner(setup)
+    lrn.train_step()
+    assert not lrn.may_apply(1)  # nothing sent: no global is taken (it would erase unsent work)
+    lrn.contribute(1)
+    assert not lrn.may_apply(1) and not lrn.may_apply(0)
+    assert lrn.waiting_on() == []
+    lrn.train_step()
+    lrn.train_step()
+    assert lrn.may_apply(1) and lrn.waiting_on() == [1]
+    glob = {n: np.full_like(init[n], 0.25) for n in plan[1]}
+    lrn.apply_global(1, 3, glob)
+    for n in plan[1]:
+        np.testing.assert_array_equal(np.asarray(lrn.params[n]), glob[n])
+    frag = lrn.fragments[1]
+    assert (frag.base_version, frag.steps, frag.tokens, frag.sent_at_step) == (3, 0, 0, None)
+    lrn.apply_global(1, 2, {n: np.zeros_like(init[n]) for n in plan[1]})  # older: ignored
+    assert lrn.fragments[1].base_version == 3
+
+
+def test_checkpoint_restore_keeps_sequence_numbers_unique(setup):
+    lrn = make_learner(setup)
+    lrn.train_step()
+    ckpt = lrn.checkpoint()
+    lrn.train_step()
+    lrn.contribute(0)  # seq 1 sent after the checkpoint
+    lrn.restore(ckpt, next_seq=2)
+    assert lrn.step == 1 and lrn.reader.position == 1
+    assert lrn.contribute(0).seq == 2
+
+
+def contribution(learner, seq, base, value, shapes, tokens=100, steps=10):
+    payload = {n: quantize(np.full(s, value, np.float32), "fp32") for n, s in shapes.items()}
+    return Contribution(learner, 0, seq, base, tokens, steps, 1.0, payload)
+
+
+def test_syncer_merges_weighted_and_steps_outer_optimizer():
+    shapes = {"w": (3,)}
+    cfg = OuterConfig(lr=1.0, momentum=0.0, nesterov=False, staleness="constant")
+    syncer = FragmentSyncer(0, {"w": np.zeros(3, np.float32)}, cfg, ["a", "b"], is_embedding)
+    syncer.offer(contribution("a", 1, 0, 1.0, shapes, tokens=300, steps=10))
+    syncer.offer(contribution("b", 1, 0, 4.0, shapes, tokens=100, steps=10))
+    out = syncer.merge()
+    # weights 300*30 = 9000 and 100*10 = 1000 -> Delta = 0.9 * 1 + 0.1 * 4 = 1.3; Theta = -1.3
+    np.testing.assert_allclose(out.version.params["w"], -1.3, rtol=1e-6)
+    assert out.version.version == syncer.version == 1
+    assert out.version.weights == pytest.approx({"a/1": 0.9, "b/1": 0.1})
+    assert syncer.pending == {} and syncer.merge().version is None
+
+
+def test_syncer_replaces_same_base_keeps_different_base_and_rejects_bad():
+    shapes = {"w": (2,)}
+    syncer = FragmentSyncer(
+        0, {"w": np.zeros(2, np.float32)}, OuterConfig(), ["a", "b"], is_embedding
+    )
+    syncer.offer(contribution("a", 1, 0, 1.0, shapes))
+    syncer.offer(contribution("a", 2, 0, 2.0, shapes))  # replaces seq 1 (same anchor)
+    syncer.offer(contribution("a", 1, 0, 9.0, shapes))  # a late duplicate of an older seq: ignored
+    assert [c.seq for c in syncer.pending.values()] == [2]
+    syncer.offer(contribution("b", 5, 0, np.nan, shapes))
+    out = syncer.merge()
+    assert out.version.consumed == (("a", 2),)
+    assert len(out.rejected) == 1 and "NaN" in out.rejected[0].reason
+    syncer.offer(contribution("a", 3, 0, 1.0, shapes))  # base 0 vs version 1: staleness 1
+    syncer.offer(contribution("a", 4, 1, 1.0, shapes))  # re-anchored: separate work
+    assert syncer.merge().version.staleness == {"a/3": 1, "a/4": 0}
+
+
+def test_quorum_and_grace_window():
+    assert not quorum_met(["a", "a"], 2) and quorum_met(["a", "b"], 2)
+    # slack = 2 * 1.0 - (0.3 + 0.2) = 1.5; gamma 0.5 -> 0.75
+    assert grace_window(1.0, 2, 0.3, 0.2, 0.5) == pytest.approx(0.75)
+    assert grace_window(1.0, 1, 3.0, 0.2, 0.5) == 0.0
+    pending = [contribution(x, 1, 0, 1.0, {"w": (1,)}) for x in "ab"]
+    assert estimate_step_seconds(pending, 9.0) == pytest.approx(0.1)
+    assert estimate_step_seconds([], 9.0) == 9.0

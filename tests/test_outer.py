@@ -1,0 +1,132 @@
+"""Weights, staleness functions, merge rules, outer Nesterov and the blend, each checked
+against a direct NumPy computation."""
+
+import math
+
+import numpy as np
+import pytest
+
+from diloco.config import OuterConfig
+from diloco.outer import (
+    anchored_delta,
+    blend,
+    constant_staleness,
+    exponential_staleness,
+    hinge_staleness,
+    outer_optimizer,
+    outer_step,
+    polynomial_staleness,
+    rda_merge,
+    staleness_fn,
+    token_weight,
+    weighted_mean,
+)
+
+rng = np.random.default_rng(0)
+
+
+def _deltas(n=3):
+    return [
+        {
+            "embed.embedding": rng.normal(size=(4, 3)).astype(np.float32),
+            "blocks.0.up.kernel": rng.normal(size=(3, 5)).astype(np.float32),
+        }
+        for _ in range(n)
+    ]
+
+
+def test_token_weight_is_tokens_times_tokens_per_step():
+    assert token_weight(1000, 10) == 1000 * (1000 / 10)
+    # A learner with half the batch (same steps) weighs a quarter.
+    assert token_weight(500, 10) / token_weight(1000, 10) == pytest.approx(0.25)
+    assert token_weight(100, 0) == 0.0
+
+
+@pytest.mark.parametrize("s", [0, 1, 2, 5, 17])
+def test_staleness_functions_match_formulas(s):
+    assert constant_staleness()(s) == 1.0
+    assert polynomial_staleness(0.5)(s) == pytest.approx((1 + s) ** -0.5)
+    assert exponential_staleness(0.3)(s) == pytest.approx(math.exp(-0.3 * s))
+    expected_hinge = 1.0 if s <= 2 else 1 / (0.5 * (s - 2) + 1)
+    assert hinge_staleness(0.5, 2)(s) == pytest.approx(expected_hinge)
+
+
+def test_staleness_fn_reads_config():
+    g = staleness_fn(OuterConfig(staleness="exponential", staleness_lambda=0.7))
+    assert g(3) == pytest.approx(math.exp(-2.1))
+
+
+def test_weighted_mean_matches_numpy():
+    deltas, w = _deltas(), [3.0, 1.0, 0.5]
+    merged = weighted_mean(deltas, w)
+    for name in deltas[0]:
+        expected = sum(wi * d[name] for wi, d in zip(w, deltas, strict=True)) / sum(w)
+        np.testing.assert_allclose(merged[name], expected, rtol=1e-6)
+
+
+def test_weighted_mean_rejects_zero_weights():
+    with pytest.raises(ValueError, match="positive"):
+        weighted_mean(_deltas(2), [0.0, 0.0])
+
+
+def test_rda_matches_formula_and_keeps_embeddings_on_mean():
+    deltas, w = _deltas(), [2.0, 1.0, 1.0]
+    merged = rda_merge(deltas, w, lambda n: n.startswith("embed"))
+    wn = np.array(w) / sum(w)
+    name = "blocks.0.up.kernel"
+    xs = [d[name].astype(np.float64) for d in deltas]
+    radius = sum(wi * np.linalg.norm(x) for wi, x in zip(wn, xs, strict=True))
+    direction = sum(wi * x / np.linalg.norm(x) for wi, x in zip(wn, xs, strict=True))
+    expected = radius * direction / np.linalg.norm(direction)
+    np.testing.assert_allclose(merged[name], expected, rtol=1e-5)
+    np.testing.assert_allclose(
+        merged["embed.embedding"], weighted_mean(deltas, w)["embed.embedding"], rtol=1e-6
+    )
+
+
+def test_rda_keeps_norm_that_averaging_shrinks():
+    # Orthogonal outer gradients: the mean has norm 1/sqrt(M) of each, RDA keeps it.
+    eye = np.eye(4, dtype=np.float32)
+    deltas = [{"w": eye[i]} for i in range(4)]
+    assert np.linalg.norm(weighted_mean(deltas, [1] * 4)["w"]) == pytest.approx(0.5)
+    assert np.linalg.norm(rda_merge(deltas, [1] * 4, lambda n: False)["w"]) == pytest.approx(1.0)
+
+
+def test_rda_of_zero_vectors_is_zero():
+    deltas = [{"w": np.zeros(3, np.float32)}] * 2
+    np.testing.assert_array_equal(rda_merge(deltas, [1, 1], lambda n: False)["w"], np.zeros(3))
+
+
+def test_anchored_delta():
+    cur, base, d = ({"w": np.array([x], np.float32)} for x in (5.0, 3.0, 0.5))
+    # theta_m = base - d = 2.5; current - theta_m = 2.5
+    assert anchored_delta(cur, base, d)["w"][0] == pytest.approx(2.5)
+
+
+def test_outer_nesterov_matches_numpy_over_several_steps():
+    lr, beta = 0.7, 0.9
+    tx = outer_optimizer(OuterConfig(lr=lr, momentum=beta, nesterov=True))
+    params = {"w": rng.normal(size=(6,)).astype(np.float32)}
+    state = tx.init(params)
+    theta, v = params["w"].astype(np.float64), np.zeros(6)
+    for _ in range(4):
+        delta = rng.normal(size=(6,)).astype(np.float32)
+        params, state = outer_step(tx, params, state, {"w": delta})
+        v = delta + beta * v
+        theta = theta - lr * (delta + beta * v)
+        np.testing.assert_allclose(params["w"], theta, rtol=1e-5, atol=1e-6)
+
+
+def test_outer_plain_sgd_without_momentum():
+    tx = outer_optimizer(OuterConfig(lr=0.5, momentum=0.0, nesterov=False))
+    params = {"w": np.ones(3, np.float32)}
+    params, _ = outer_step(tx, params, tx.init(params), {"w": np.full(3, 2.0, np.float32)})
+    np.testing.assert_allclose(params["w"], np.zeros(3))
+
+
+def test_blend():
+    local, glob = {"w": np.array([1.0, 2.0])}, {"w": np.array([3.0, 6.0])}
+    np.testing.assert_allclose(blend(local, glob, 0.25)["w"], 0.25 * local["w"] + 0.75 * glob["w"])
+    out = blend(local, glob, 0.0)
+    np.testing.assert_array_equal(out["w"], glob["w"])
+    assert out["w"] is not glob["w"]  # the learner may not alias the syncer's array

@@ -1,0 +1,71 @@
+import ml_dtypes
+import numpy as np
+import pytest
+
+from diloco.quantize import ErrorFeedback, dequantize, payload_bytes, quantize
+
+rng = np.random.default_rng(1)
+
+
+@pytest.mark.parametrize("kind,qmax", [("int8", 127), ("int4", 7)])
+@pytest.mark.parametrize("shape", [(1000,), (37, 29), (5,)])
+def test_blockwise_error_bound(kind, qmax, shape):
+    x = rng.normal(size=shape).astype(np.float32) * 3
+    q = quantize(x, kind, block_size=64)
+    y = dequantize(q)
+    assert y.shape == x.shape and y.dtype == np.float32
+    flat = np.zeros(-(-x.size // 64) * 64, np.float32)
+    flat[: x.size] = x.reshape(-1)
+    absmax = np.abs(flat.reshape(-1, 64)).max(axis=1)
+    bound = np.repeat(absmax / qmax / 2, 64)[: x.size].reshape(shape)
+    assert np.all(np.abs(x - y) <= bound * (1 + 1e-6) + 1e-12)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("size", [1, 63, 64, 1001])
+def test_payload_bytes_are_exact(kind, size):
+    q = quantize(rng.normal(size=size).astype(np.float32), kind, block_size=64)
+    blocks = -(-size // 64)
+    expected = {"fp32": 4 * size, "bf16": 2 * size, "int8": size + 4 * blocks,
+                "int4": (size + 1) // 2 + 4 * blocks}[kind]  # fmt: skip
+    assert q.nbytes == expected == payload_bytes(size, kind, 64)
+
+
+def test_int4_packs_two_values_per_byte():
+    x = np.array([7.0, -7.0, 1.0, 0.0], np.float32)  # absmax 7 -> scale 1, codes exact
+    q = quantize(x, "int4", block_size=4)
+    assert q.data.dtype == np.uint8 and q.data.size == 2
+    # codes + 8: [15, 1, 9, 8]; low nibble first
+    assert q.data.tolist() == [15 | (1 << 4), 9 | (8 << 4)]
+    np.testing.assert_array_equal(dequantize(q), x)
+
+
+def test_fp32_exact_and_bf16_matches_ml_dtypes():
+    x = rng.normal(size=(17, 3)).astype(np.float32)
+    np.testing.assert_array_equal(dequantize(quantize(x, "fp32")), x)
+    expected = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(dequantize(quantize(x, "bf16")), expected)
+    assert quantize(x, "bf16").data.dtype == np.uint16
+
+
+def test_zero_block_round_trips():
+    np.testing.assert_array_equal(dequantize(quantize(np.zeros(200, np.float32), "int4")), 0)
+
+
+def test_unknown_kind_and_odd_int4_block_rejected():
+    with pytest.raises(ValueError, match="unknown quantization"):
+        quantize(np.ones(3), "int2")
+    with pytest.raises(ValueError, match="even block"):
+        quantize(np.ones(3), "int4", block_size=3)
+
+
+def test_error_feedback_carries_residual():
+    ef = ErrorFeedback("int4", 64, {})
+    x = rng.normal(size=256).astype(np.float32)
+    q1 = ef("w", x)
+    np.testing.assert_allclose(ef.residual["w"], x - dequantize(q1), rtol=1e-6)
+    # Sending the same value twice: the sum of what was sent tracks 2x better than without EF.
+    q2 = ef("w", x)
+    sent = dequantize(q1) + dequantize(q2)
+    without = 2 * dequantize(quantize(x, "int4", 64))
+    assert np.abs(sent - 2 * x).sum() < np.abs(without - 2 * x).sum()

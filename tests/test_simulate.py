@@ -1,0 +1,101 @@
+"""The simulator end to end on the tiny preset (each run takes seconds)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from diloco.config import load_config
+from diloco.simulate import simulate, time_to_loss
+
+SHORT = ["sim.total_tokens=64000", "sim.eval_points=2"]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {
+        mode: simulate(load_config("tiny", mode=mode, overrides=SHORT))
+        for mode in ("dp", "diloco", "decoupled")
+    }
+
+
+@pytest.mark.parametrize("mode", ["dp", "diloco", "decoupled"])
+def test_loss_falls_and_reports_the_same_way(runs, mode):
+    s = runs[mode].summary
+    assert s["final_loss"] < s["initial_loss"] - 1.0
+    assert s["tokens"] >= 64000
+    assert 0 < s["goodput"] <= 1
+    evals = runs[mode].evals
+    assert evals[0]["tokens"] == 0 and evals[-1]["final"]
+
+
+def test_bandwidth_saving_against_dp(runs):
+    assert runs["dp"].summary["bandwidth_ratio_vs_dp"] == pytest.approx(1.0)
+    d = runs["diloco"].summary
+    assert d["bytes_total"] * 5 < d["dp_bytes"]
+    assert d["versions"] > 0 and d["rejected"] == 0
+
+
+@pytest.mark.parametrize("mode", ["dp", "decoupled"])
+def test_same_seed_same_metrics_bit_for_bit(runs, mode):
+    again = simulate(load_config("tiny", mode=mode, overrides=SHORT))
+    assert json.dumps(again.metrics, sort_keys=True) == json.dumps(
+        runs[mode].metrics, sort_keys=True
+    )
+    other = simulate(load_config("tiny", mode=mode, overrides=SHORT, seed=1))
+    assert other.summary["final_loss"] != runs[mode].summary["final_loss"]
+
+
+def test_slow_learners_stall_diloco_but_not_decoupled():
+    over = [*SHORT, "sim.speeds=[1,1,2,3]"]
+    sync = simulate(load_config("tiny", mode="diloco", overrides=over)).summary
+    dec = simulate(load_config("tiny", mode="decoupled", overrides=over)).summary
+    # Synchronous DiLoCo runs at the pace of the slowest learner; decoupled does not wait.
+    assert dec["sim_seconds"] < sync["sim_seconds"]
+    assert dec["goodput"] > sync["goodput"]
+    assert dec["final_loss"] < dec["initial_loss"] - 1.0
+
+
+def test_failure_and_rejoin():
+    over = [
+        "sim.total_tokens=160000",
+        "sim.eval_points=2",
+        "topology.tau=1",
+        'sim.failures=[{"learner": 1, "at": 0.25, "duration": 0.5}]',
+        "sim.checkpoint_every=7",
+    ]
+    result = simulate(load_config("tiny", mode="decoupled", overrides=over))
+    events = [m for m in result.metrics if m["event"] in ("failure", "rejoin")]
+    assert [e["event"] for e in events] == ["failure", "rejoin"]
+    assert events[0]["lost_steps"] < 7  # only the work since the last checkpoint is lost
+    # The learner came back and its work reached the model again after the rejoin.
+    later = [m for m in result.metrics if m["event"] == "version" and m["time"] > events[1]["time"]]
+    assert any("learner-1/" in key for m in later for key in m["weights"])
+    assert result.summary["final_loss"] < result.summary["initial_loss"] - 1.0
+    dp = simulate(load_config("tiny", mode="dp", overrides=over)).summary
+    assert result.summary["goodput"] > dp["goodput"]  # one failure stops all of dp
+
+
+def test_time_to_loss_interpolates():
+    evals = [{"time": 0.0, "loss": 5.0}, {"time": 10.0, "loss": 3.0}, {"time": 20.0, "loss": 2.0}]
+    assert time_to_loss(evals, 4.0) == pytest.approx(5.0)
+    assert time_to_loss(evals, 2.5) == pytest.approx(15.0)
+    assert time_to_loss(evals, 1.0) == float("inf")
+
+
+def test_cli_writes_metrics_and_summary(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "diloco.cli", "simulate", "--preset", "tiny", "--quiet",
+           "--set", "sim.total_tokens=32000", "--set", "sim.eval_points=2", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "validation loss" in proc.stdout and "bandwidth saving vs dp" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mode"] == "decoupled"
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any(x["event"] == "version" for x in lines)
+    bad = subprocess.run(
+        [*cmd[:-2], "--set", "outer.lr=0"], capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2 and "config field 'outer.lr'" in bad.stderr
