@@ -20,29 +20,76 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from diloco.config import RunConfig, SimConfig
 from diloco.data import Corpus, ShardReader, load_corpus, validation_batches
-from diloco.fragments import fragment_sizes, plan_fragments
+from diloco.fragments import FragmentPlan, fragment_sizes, plan_fragments
 from diloco.inner import InnerTrainer
 from diloco.learner import Learner
 from diloco.model import ParamCodec, is_embedding
-from diloco.outer import Contribution
+from diloco.outer import Contribution, FlatParams
 from diloco.quantize import dequantize, quantize
 from diloco.syncer import (
     FragmentSyncer,
+    GlobalVersion,
     estimate_step_seconds,
     grace_window,
     quorum_met,
 )
 
 Progress = Callable[[int, int, float | None], None]  # tokens done, token budget, last eval loss
+
+
+class Transport(Protocol):
+    """How contributions reach the syncer and global versions reach learners.
+
+    The simulator's clock decides *when*; the transport decides *how*. In process by
+    default; ``storage_layout.sim_transport`` sends everything through buckets.
+    """
+
+    def send(self, c: Contribution) -> None: ...
+
+    def receive(self, c: Contribution) -> Contribution: ...
+
+    def publish(self, gv: GlobalVersion, opt_leaves: list[np.ndarray]) -> None: ...
+
+    def fetch(self, learner: str, fragment: int, version: int) -> FlatParams: ...
+
+    def close(self, summary: dict[str, Any]) -> None: ...
+
+
+TransportFactory = Callable[[RunConfig, FragmentPlan, Sequence[str]], Transport]
+
+
+class InProcessTransport:
+    """Objects passed by reference; globals rounded to the wire dtype as a bucket would."""
+
+    def __init__(self, wire_dtype: str):
+        self.wire_dtype = wire_dtype
+        self.globals: dict[tuple[int, int], FlatParams] = {}
+
+    def send(self, c: Contribution) -> None:
+        pass
+
+    def receive(self, c: Contribution) -> Contribution:
+        return c
+
+    def publish(self, gv: GlobalVersion, opt_leaves: list[np.ndarray]) -> None:
+        wire = {n: dequantize(quantize(v, self.wire_dtype)) for n, v in gv.params.items()}
+        self.globals[(gv.fragment, gv.version)] = wire
+        self.globals.pop((gv.fragment, gv.version - 2), None)  # nobody fetches that far back
+
+    def fetch(self, learner: str, fragment: int, version: int) -> FlatParams:
+        return self.globals[(fragment, version)]
+
+    def close(self, summary: dict[str, Any]) -> None:
+        pass
 
 
 @lru_cache(maxsize=4)
@@ -109,7 +156,11 @@ class _Run:
         return loss
 
 
-def simulate(cfg: RunConfig, progress: Progress | None = None) -> SimResult:
+def simulate(
+    cfg: RunConfig,
+    progress: Progress | None = None,
+    transport: TransportFactory | None = None,
+) -> SimResult:
     m = cfg.topology.learners
     corpus = cached_corpus(cfg.data.source, m, cfg.data.val_percent)
     codec, state = ParamCodec.create(cfg.model, cfg.seed)
@@ -126,7 +177,7 @@ def simulate(cfg: RunConfig, progress: Progress | None = None) -> SimResult:
     if cfg.mode == "dp":
         end = _simulate_dp(run, codec, init, readers)
     else:
-        end = _simulate_diloco(run, codec, init, readers)
+        end = _simulate_diloco(run, codec, init, readers, transport)
 
     dp_bytes = dp_bytes_per_step(codec.num_params, m) * (run.tokens // (m * cfg.tokens_per_step))
     moved = run.bytes_up + run.bytes_down
@@ -201,7 +252,13 @@ def _simulate_dp(run: _Run, codec: ParamCodec, init: dict, readers: list[ShardRe
     return now
 
 
-def _simulate_diloco(run: _Run, codec: ParamCodec, init: dict, readers: list[ShardReader]) -> float:
+def _simulate_diloco(
+    run: _Run,
+    codec: ParamCodec,
+    init: dict,
+    readers: list[ShardReader],
+    make_transport: TransportFactory | None,
+) -> float:
     cfg, sim, topo = run.cfg, run.cfg.sim, run.cfg.topology
     m, sync = topo.learners, cfg.mode == "diloco"
     speeds = sim.speeds or (1.0,) * m
@@ -217,6 +274,9 @@ def _simulate_diloco(run: _Run, codec: ParamCodec, init: dict, readers: list[Sha
     ]
     quorum = cfg.quorum
     gamma = 0.0 if sync else topo.grace
+    wire = (
+        make_transport(cfg, plan, ids) if make_transport else InProcessTransport(topo.global_dtype)
+    )
 
     queue: list[tuple[float, int, str, tuple]] = []
     order = itertools.count()
@@ -226,7 +286,7 @@ def _simulate_diloco(run: _Run, codec: ParamCodec, init: dict, readers: list[Sha
 
     alive, blocked = [True] * m, [False] * m
     generation = [0] * m  # bumps on failure: drops the dead learner's scheduled steps
-    inbox: list[list[tuple[float, int, dict] | None]] = [[None] * len(plan) for _ in range(m)]
+    inbox: list[list[tuple[float, int] | None]] = [[None] * len(plan) for _ in range(m)]
     checkpoints = [lrn.checkpoint() for lrn in learners]
     last_seq = [0] * m
     first_arrival: list[float | None] = [None] * len(plan)
@@ -243,10 +303,10 @@ def _simulate_diloco(run: _Run, codec: ParamCodec, init: dict, readers: list[Sha
         for p, item in enumerate(inbox[i]):
             if item is None:
                 continue
-            available, version, values = item
+            available, version = item
             newer = available <= now and version > lrn.fragments[p].base_version
             if newer and (force or lrn.may_apply(p)):
-                lrn.apply_global(p, version, values)
+                lrn.apply_global(p, version, wire.fetch(lrn.id, p, version))
                 run.bytes_down += global_bytes[p]
 
     def schedule_step(i: int, now: float) -> None:
@@ -291,10 +351,10 @@ def _simulate_diloco(run: _Run, codec: ParamCodec, init: dict, readers: list[Sha
                 "weights": gv.weights,
             }
         )
+        wire.publish(gv, syncers[p].opt_leaves)
         available = now + transfer_seconds(global_bytes[p], sim)
-        sent = {n: dequantize(quantize(v, topo.global_dtype)) for n, v in gv.params.items()}
         for i in range(m):
-            inbox[i][p] = (available, gv.version, sent)
+            inbox[i][p] = (available, gv.version)
             push(available, "deliver", i)
 
     arrived: list[list[Contribution]] = [[] for _ in plan]
@@ -319,6 +379,7 @@ def _simulate_diloco(run: _Run, codec: ParamCodec, init: dict, readers: list[Sha
             p = lrn.due()
             if p is not None:
                 c = lrn.contribute(p)
+                wire.send(c)
                 last_seq[i] = c.seq
                 run.bytes_up += c.nbytes
                 push(now + transfer_seconds(c.nbytes, sim), "arrive", c)
@@ -330,7 +391,7 @@ def _simulate_diloco(run: _Run, codec: ParamCodec, init: dict, readers: list[Sha
             run.maybe_evaluate(now, global_params)
             schedule_step(i, now)
         elif kind == "arrive":
-            (c,) = args
+            c = wire.receive(args[0])
             p = c.fragment
             syncers[p].offer(c)
             arrived[p].append(c)
@@ -372,7 +433,8 @@ def _simulate_diloco(run: _Run, codec: ParamCodec, init: dict, readers: list[Sha
 
     # Contributions still pending at the end are not merged: a last partial merge would take
     # a full momentum step on whatever happened to be left. Goodput counts them as lost.
-    run.evaluate(now, global_params(), final=True)
+    loss = run.evaluate(now, global_params(), final=True)
+    wire.close({"tokens": run.tokens, "sim_seconds": now, "final_loss": loss})
     return now
 
 

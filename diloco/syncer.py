@@ -18,6 +18,7 @@ import statistics
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+import jax
 import numpy as np
 import optax
 
@@ -67,6 +68,7 @@ class GlobalVersion:
     params: FlatParams
     opt_state: optax.OptState
     consumed: tuple[tuple[str, int], ...]  # (learner, seq) merged into this version
+    cursor: dict[str, int]  # per learner, the highest seq processed (merged, replaced, rejected)
     weights: dict[str, float]  # normalized merge weight per "learner/seq"
     staleness: dict[str, int]
     tokens: int  # tokens behind the merged contributions
@@ -89,7 +91,8 @@ class FragmentSyncer:
         learners: Collection[str],
         is_embedding: Callable[[str], bool],
         version: int = 0,
-        opt_state: optax.OptState | None = None,
+        opt_leaves: list[np.ndarray] | None = None,
+        cursor: dict[str, int] | None = None,
     ):
         self.fragment = fragment
         self.cfg = cfg
@@ -98,14 +101,31 @@ class FragmentSyncer:
         self.tx = outer_optimizer(cfg)
         self.params = {n: np.asarray(v, dtype=np.float32) for n, v in init.items()}
         self.shapes = {n: v.shape for n, v in self.params.items()}
-        self.opt_state = opt_state if opt_state is not None else self.tx.init(self.params)
+        self.opt_state = self.tx.init(self.params)
+        if opt_leaves is not None:  # resuming from a stored version
+            treedef = jax.tree_util.tree_structure(self.opt_state)
+            self.opt_state = jax.tree_util.tree_unflatten(
+                treedef, [np.asarray(x) for x in opt_leaves]
+            )
         self.version = version
+        self.cursor: dict[str, int] = dict(cursor or {})
         self.g = staleness_fn(cfg)
         self.pending: dict[tuple[str, int], Contribution] = {}
         # Versions inside the staleness window, for the anchored merge.
         self.history: dict[int, FlatParams] = {version: self.params}
 
+    @property
+    def opt_leaves(self) -> list[np.ndarray]:
+        """The outer optimizer state as a flat list of arrays (what storage keeps)."""
+        return [np.asarray(x) for x in jax.tree_util.tree_leaves(self.opt_state)]
+
+    def is_new(self, learner: str, seq: int) -> bool:
+        """Not yet processed by any committed version (restarts must not double-count)."""
+        return seq > self.cursor.get(learner, 0)
+
     def offer(self, c: Contribution) -> None:
+        if not self.is_new(c.learner, c.seq):
+            return
         key = (c.learner, c.base_version)
         old = self.pending.get(key)
         if old is None or c.seq > old.seq:
@@ -136,6 +156,8 @@ class FragmentSyncer:
                 rejected.append(exc)
                 continue
             accepted.append((c, delta))
+        for c in self.pending.values():
+            self.cursor[c.learner] = max(self.cursor.get(c.learner, 0), c.seq)
         self.pending.clear()
         if not accepted:
             return MergeOutcome(None, rejected)
@@ -169,6 +191,7 @@ class FragmentSyncer:
                 params=self.params,
                 opt_state=self.opt_state,
                 consumed=tuple(c.key for c, _ in accepted),
+                cursor=dict(self.cursor),
                 weights={label(c): w / total for (c, _), w in zip(accepted, weights, strict=True)},
                 staleness={label(c): s for (c, _), s in zip(accepted, staleness, strict=True)},
                 tokens=sum(c.tokens for c, _ in accepted),

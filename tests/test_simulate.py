@@ -86,7 +86,7 @@ def test_time_to_loss_interpolates():
 
 def test_cli_writes_metrics_and_summary(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "diloco.cli", "simulate", "--preset", "tiny", "--quiet",
+    cmd = [sys.executable, "-m", "flows.cli", "simulate", "--preset", "tiny", "--quiet",
            "--set", "sim.total_tokens=32000", "--set", "sim.eval_points=2", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,233 @@
+"""A region's bucket through fsspec: plain and exclusive writes, fresh listings, and
+per-region-pair traffic accounting.
+
+Exclusive create ("write only if absent") is what makes commit markers write-once:
+
+- ``s3://``: ``PutObject`` with ``If-None-Match: *`` (s3fs ``mode="create"``);
+- ``gs://``: ``ifGenerationMatch=0`` (gcsfs ``mode="create"``);
+- ``file://``: the object is written to a temporary name and hard-linked into place,
+  which fails atomically if the name exists (fsspec's generic ``mode="create"`` checks
+  and then writes, which two writers can both pass);
+- ``memory://``: an exclusive open in one process.
+
+Any other protocol is refused unless the user passes ``allow_unsafe_overwrite=True``.
+
+Credentials come from the environment, as each client reads them (``AWS_*`` and
+``AWS_ENDPOINT_URL`` for S3; ``GOOGLE_APPLICATION_CREDENTIALS`` or
+``STORAGE_EMULATOR_HOST`` for GCS), or from ``storage_options``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import uuid
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+
+EXCLUSIVE_PROTOCOLS = {"file", "local", "memory", "s3", "s3a", "gs", "gcs"}
+
+
+class BucketError(OSError):
+    """A bucket that is missing, unreachable, or unsafe to write to; the message says which."""
+
+
+@dataclass
+class Traffic:
+    """Bytes and requests per (source region, destination region); thread-safe."""
+
+    bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    requests: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, src: str, dst: str, nbytes: int) -> None:
+        with self._lock:
+            self.bytes[(src, dst)] += nbytes
+            self.requests[(src, dst)] += 1
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            pairs = sorted(set(self.bytes) | set(self.requests))
+            return {
+                f"{s}->{d}": {"bytes": self.bytes[(s, d)], "requests": self.requests[(s, d)]}
+                for s, d in pairs
+            }
+
+    @property
+    def cross_region_bytes(self) -> int:
+        return sum(n for (s, d), n in self.bytes.items() if s != d)
+
+
+def _check_s3_credentials(region: str, url: str, options: Mapping[str, Any]) -> None:
+    """s3fs silently falls back to anonymous requests when it finds no credentials, which
+    then fail with misleading errors ("bucket does not exist"). Say what is missing."""
+    if options.get("anon") or options.get("key") or options.get("profile"):
+        return
+    import botocore.session
+
+    if botocore.session.get_session().get_credentials() is None:
+        raise BucketError(
+            f"region {region}: no S3 credentials found for {url}; set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or pass storage option anon=True for a "
+            "public bucket"
+        )
+
+
+def protocol_of(fs: fsspec.AbstractFileSystem) -> str:
+    proto = fs.protocol
+    return proto if isinstance(proto, str) else proto[0]
+
+
+class Bucket:
+    """``url`` (``file:///data/us``, ``s3://bkt/prefix``, ``gs://bkt``, ``memory://x``) seen
+    from ``client_region``. Keys are relative to the URL."""
+
+    def __init__(
+        self,
+        url: str,
+        region: str = "default",
+        client_region: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        traffic: Traffic | None = None,
+        allow_unsafe_overwrite: bool = False,
+        must_exist: bool = True,
+    ):
+        self.url = url
+        self.region = region
+        self.client_region = client_region or region
+        self.traffic = traffic if traffic is not None else Traffic()
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+        except (ImportError, ValueError) as exc:
+            raise BucketError(f"region {region}: cannot open {url!r}: {exc}") from exc
+        self.root = self.root.rstrip("/")
+        self.protocol = protocol_of(self.fs)
+        if self.protocol in ("s3", "s3a"):
+            _check_s3_credentials(region, url, storage_options or {})
+        if self.protocol not in EXCLUSIVE_PROTOCOLS and not allow_unsafe_overwrite:
+            raise BucketError(
+                f"region {region}: {self.protocol}:// cannot write objects exclusively, so two "
+                "syncers could both publish one version; pass allow_unsafe_overwrite=True only "
+                "if a single writer per key is guaranteed some other way"
+            )
+        if self.protocol in ("file", "local") and not must_exist:
+            self.fs.makedirs(self.root, exist_ok=True)
+        if must_exist:
+            self.check_reachable()
+
+    def __repr__(self) -> str:
+        return f"Bucket({self.url!r}, region={self.region!r})"
+
+    def path(self, key: str) -> str:
+        return f"{self.root}/{key}" if key else self.root
+
+    def check_reachable(self) -> None:
+        try:
+            ok = self.fs.exists(self.root) or self.protocol == "memory"
+        except PermissionError as exc:
+            raise BucketError(
+                f"region {self.region}: access to {self.url} denied ({exc}); check the credentials"
+            ) from exc
+        except Exception as exc:
+            raise BucketError(
+                f"region {self.region}: bucket {self.url} is not reachable: {exc}"
+            ) from exc
+        if not ok:
+            raise BucketError(f"region {self.region}: bucket {self.url} does not exist")
+
+    # writes -------------------------------------------------------------------------
+    def _up(self, nbytes: int) -> None:
+        self.traffic.add(self.client_region, self.region, nbytes)
+
+    def _down(self, nbytes: int) -> None:
+        self.traffic.add(self.region, self.client_region, nbytes)
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self.path(key)
+        if self.protocol in ("file", "local"):
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        self.fs.pipe_file(path, data)
+        self._up(len(data))
+
+    def put_exclusive(self, key: str, data: bytes) -> None:
+        """Write ``key`` only if it does not exist; ``FileExistsError`` otherwise."""
+        path = self.path(key)
+        self._up(len(data))
+        if self.protocol in ("file", "local"):
+            folder = path.rsplit("/", 1)[0]
+            os.makedirs(folder, exist_ok=True)
+            tmp = f"{folder}/.tmp-{uuid.uuid4().hex}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)  # atomic; fails if the name exists
+            finally:
+                os.unlink(tmp)
+        elif self.protocol == "memory":
+            with self.fs.open(path, "xb") as f:
+                f.write(data)
+        elif self.protocol in EXCLUSIVE_PROTOCOLS:
+            self.fs.pipe_file(path, data, mode="create")
+        else:  # opted out of exclusivity
+            if self.fs.exists(path):
+                raise FileExistsError(path)
+            self.fs.pipe_file(path, data)
+
+    # reads --------------------------------------------------------------------------
+    def get(self, key: str) -> bytes:
+        data = self.fs.cat_file(self.path(key))
+        self._down(len(data))
+        return data
+
+    def exists(self, key: str) -> bool:
+        self.traffic.add(self.region, self.client_region, 0)
+        self.fs.invalidate_cache(self.path(key).rsplit("/", 1)[0])
+        return self.fs.exists(self.path(key))
+
+    def list(self, prefix: str) -> list[str]:
+        """Names directly under ``prefix`` (sorted), bypassing fsspec's listing cache so
+        other writers' new objects are seen. A missing prefix lists as empty."""
+        path = self.path(prefix)
+        self.traffic.add(self.region, self.client_region, 0)
+        try:
+            self.fs.invalidate_cache(path)
+            entries = self.fs.ls(path, detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        names = [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
+        return sorted(n for n in names if n and not n.startswith(".tmp-"))
+
+    def info(self, key: str) -> dict[str, Any]:
+        return self.fs.info(self.path(key))
+
+    def delete(self, keys: Iterable[str]) -> None:
+        paths = [self.path(k) for k in keys]
+        for path in paths:
+            self.traffic.add(self.client_region, self.region, 0)
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(path)
+        for folder in {p.rsplit("/", 1)[0] for p in paths}:
+            self.fs.invalidate_cache(folder)
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Remove every object under ``prefix`` (only ever a write-id-unique data prefix).
+
+        Object by object: gcsfs's batched recursive delete can hang on some servers.
+        """
+        path = self.path(prefix)
+        self.fs.invalidate_cache(path)
+        try:
+            found = self.fs.find(path)
+        except FileNotFoundError:
+            found = []
+        self.delete(f[len(self.root) + 1 :] for f in found)
+        if self.protocol in ("file", "local"):  # drop the emptied folders too
+            with contextlib.suppress(OSError):
+                self.fs.rm(path, recursive=True)

@@ -1,0 +1,118 @@
+"""Zarr v3 encoding of a fragment version: named tensor groups -> a few objects.
+
+A version is one Zarr group. Each named subgroup (``delta`` for a contribution;
+``params`` and ``momentum`` for a global version) holds one flat ``data`` array, the
+concatenation of its tensors' payloads in storage dtype (float32, bf16 bits as uint16,
+int8, or int4 packed two per byte as uint8), and for int8 / int4 one flat float32
+``scales`` array. Each array is one Zarr shard (1 Mi-element inner chunks, so a reader
+may fetch parts), uncompressed. The tensors' names, logical kinds, shapes, block sizes
+and offsets are in the subgroup's attributes. So a fragment of any size is a handful of
+objects, and the round trip is bit-exact.
+
+Encoding happens in memory (``zarr.storage.MemoryStore``); the commit protocol then
+uploads and hashes each object. Anyone can open a committed version with plain zarr.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import zarr
+from zarr.core.buffer import cpu
+from zarr.storage import MemoryStore
+
+from diloco.quantize import STORAGE_DTYPE, QuantizedTensor
+from storage_layout.layout import FORMAT_VERSION
+
+CHUNK = 1 << 20
+LOGICAL_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8", "int4": "int4"}
+
+TensorGroups = Mapping[str, Mapping[str, QuantizedTensor]]
+
+
+class FormatError(ValueError):
+    """Objects that do not decode as a fragment version of a known format."""
+
+
+def _array(group: zarr.Group, name: str, values: np.ndarray) -> None:
+    n = int(values.size)
+    chunk = max(1, min(CHUNK, n))
+    shard = -(-max(n, 1) // chunk) * chunk
+    arr = group.create_array(
+        name,
+        shape=(n,),
+        dtype=values.dtype,
+        chunks=(chunk,),
+        shards=(shard,),
+        compressors=None,
+        fill_value=0,
+    )
+    if n:
+        arr[:] = values
+
+
+def encode(groups: TensorGroups, attrs: Mapping[str, Any]) -> dict[str, bytes]:
+    """Tensor groups + JSON attributes -> ``{relative key: bytes}`` of one Zarr v3 group."""
+    objects: dict[str, Any] = {}
+    root = zarr.open_group(store=MemoryStore(objects), mode="w", zarr_format=3)
+    root.attrs.update({"format": FORMAT_VERSION, **attrs})
+    for gname, tensors in groups.items():
+        kinds = {q.kind for q in tensors.values()}
+        if len(kinds) > 1:
+            raise FormatError(f"group {gname!r} mixes payload kinds {sorted(kinds)}")
+        kind = kinds.pop() if kinds else "fp32"
+        index, data, scales, d0, s0 = [], [], [], 0, 0
+        for name in sorted(tensors):
+            q = tensors[name]
+            ns = 0 if q.scales is None else q.scales.size
+            index.append([name, list(q.shape), q.block_size, d0, d0 + q.data.size, s0, s0 + ns])
+            data.append(q.data.reshape(-1))
+            if ns:
+                scales.append(q.scales)
+            d0, s0 = d0 + q.data.size, s0 + ns
+        sub = root.create_group(gname)
+        sub.attrs.update({"kind": kind, "logical_dtype": LOGICAL_DTYPE[kind], "tensors": index})
+        dtype = STORAGE_DTYPE[kind]
+        _array(sub, "data", np.concatenate(data) if data else np.zeros(0, dtype))
+        if kind in ("int8", "int4"):
+            _array(sub, "scales", np.concatenate(scales) if scales else np.zeros(0, np.float32))
+    return {key: buf.to_bytes() for key, buf in objects.items()}
+
+
+def decode(objects: Mapping[str, bytes]) -> tuple[dict[str, dict[str, QuantizedTensor]], dict]:
+    """Inverse of ``encode``. Raises ``FormatError`` naming what does not fit."""
+    store = MemoryStore({k: cpu.Buffer.from_bytes(v) for k, v in objects.items()})
+    try:
+        root = zarr.open_group(store=store, mode="r", zarr_format=3)
+        attrs = dict(root.attrs)
+    except Exception as exc:  # zarr raises several types for unreadable metadata
+        raise FormatError(f"not a Zarr v3 group: {exc}") from exc
+    fmt = attrs.get("format")
+    if fmt != FORMAT_VERSION:
+        raise FormatError(f"unknown format version {fmt!r} (this code reads {FORMAT_VERSION})")
+    groups: dict[str, dict[str, QuantizedTensor]] = {}
+    for gname, sub in root.groups():
+        try:
+            kind = sub.attrs["kind"]
+            dtype = STORAGE_DTYPE[kind]
+            data = sub["data"][:]
+            scales = sub["scales"][:] if kind in ("int8", "int4") else None
+            tensors = {}
+            for name, shape, block, d0, d1, s0, s1 in sub.attrs["tensors"]:
+                if d1 > data.size or (scales is not None and s1 > scales.size):
+                    raise FormatError(f"tensor {name} of group {gname} runs past its array")
+                tensors[name] = QuantizedTensor(
+                    kind,
+                    tuple(shape),
+                    np.asarray(data[d0:d1], dtype=dtype),
+                    None if scales is None else np.asarray(scales[s0:s1], np.float32),
+                    block,
+                )
+        except FormatError:
+            raise
+        except Exception as exc:
+            raise FormatError(f"group {gname!r} does not decode: {exc}") from exc
+        groups[gname] = tensors
+    return groups, attrs

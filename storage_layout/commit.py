@@ -1,0 +1,209 @@
+"""The commit protocol: every version complete and immutable, or invisible.
+
+Writing a version:
+1. every data object under a fresh prefix that carries a random write id;
+2. then a small JSON **commit marker** listing each object's key, size and sha256, the
+   writer's identity and the write id, written create-exclusive.
+
+Exactly one writer wins a marker key; a second one gets ``CommitConflict`` and its data
+objects, under its own write id, never touch the winner's. When a marker write fails
+without a clear answer (a lost response), the marker is read back: our write id means we
+won, another means we lost, none means the write did not happen and is retried.
+
+Reading a version: read the marker, fetch exactly the objects it lists, check sizes and
+hashes, and only then decode. A version without a marker does not exist for readers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from storage_layout.bucket import Bucket
+from storage_layout.layout import FORMAT_VERSION
+
+MARKER_FORMAT = "diloco-commit"
+
+
+class CommitConflict(RuntimeError):
+    """Another writer committed this version first (we were fenced off)."""
+
+    def __init__(self, key: str, ours: str, theirs: CommitMarker):
+        self.key, self.ours, self.theirs = key, ours, theirs
+        super().__init__(
+            f"{key} was committed by {theirs.writer} (write {theirs.write_id}); "
+            f"our write {ours} lost and its data is discarded"
+        )
+
+
+class CorruptVersion(ValueError):
+    """A committed version whose marker or objects do not check out; the message says how."""
+
+
+def writer_identity(role: str) -> str:
+    return f"{role}@{socket.gethostname()}:{os.getpid()}"
+
+
+def new_write_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+@dataclass(frozen=True)
+class CommitMarker:
+    kind: str  # contribution | global | checkpoint
+    data_prefix: str  # bucket-relative prefix of the objects
+    objects: dict[str, dict[str, Any]]  # relative key -> {"size": int, "sha256": str}
+    writer: str
+    write_id: str
+    meta: dict[str, Any]
+
+    def to_json(self) -> bytes:
+        body = {
+            "format": MARKER_FORMAT,
+            "format_version": FORMAT_VERSION,
+            "kind": self.kind,
+            "data_prefix": self.data_prefix,
+            "objects": self.objects,
+            "writer": self.writer,
+            "write_id": self.write_id,
+            "meta": self.meta,
+        }
+        return json.dumps(body, sort_keys=True, indent=1).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, key: str) -> CommitMarker:
+        try:
+            body = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CorruptVersion(f"marker {key} is not JSON ({exc}); truncated or foreign") from exc
+        if not isinstance(body, dict) or body.get("format") != MARKER_FORMAT:
+            raise CorruptVersion(f"marker {key} is not a {MARKER_FORMAT} marker")
+        if body.get("format_version") != FORMAT_VERSION:
+            raise CorruptVersion(
+                f"marker {key} has format version {body.get('format_version')!r}; "
+                f"this code reads {FORMAT_VERSION}"
+            )
+        try:
+            objects = {
+                str(k): {"size": int(v["size"]), "sha256": str(v["sha256"])}
+                for k, v in body["objects"].items()
+            }
+            return cls(
+                kind=str(body["kind"]),
+                data_prefix=str(body["data_prefix"]),
+                objects=objects,
+                writer=str(body["writer"]),
+                write_id=str(body["write_id"]),
+                meta=dict(body.get("meta") or {}),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CorruptVersion(f"marker {key} lacks a field or has a wrong one: {exc}") from exc
+
+    @property
+    def size(self) -> int:
+        return sum(o["size"] for o in self.objects.values())
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def commit_version(
+    bucket: Bucket,
+    marker_key: str,
+    data_prefix: str,
+    objects: Mapping[str, bytes],
+    kind: str,
+    meta: Mapping[str, Any],
+    writer: str,
+    write_id: str | None = None,
+    attempts: int = 4,
+    skip_data: bool = False,
+) -> CommitMarker:
+    """Write ``objects`` under ``data_prefix`` and then the marker, exclusively.
+
+    Returns the committed marker (ours). Raises ``CommitConflict`` when another writer
+    holds the marker. ``skip_data`` is for a retry whose data objects are already there.
+    """
+    write_id = write_id or new_write_id()
+    marker = CommitMarker(
+        kind=kind,
+        data_prefix=data_prefix,
+        objects={k: {"size": len(v), "sha256": sha256(v)} for k, v in sorted(objects.items())},
+        writer=writer,
+        write_id=write_id,
+        meta=dict(meta),
+    )
+    if not skip_data:
+        for rel, data in objects.items():
+            bucket.put(f"{data_prefix}/{rel}", data)
+    body = marker.to_json()
+    delay = 0.1
+    for attempt in range(attempts):
+        try:
+            bucket.put_exclusive(marker_key, body)
+            return marker
+        except FileExistsError:
+            pass  # someone holds it: maybe us, if an earlier attempt's answer was lost
+        except OSError:
+            if attempt == attempts - 1:
+                raise
+        try:
+            held = CommitMarker.from_json(bucket.get(marker_key), marker_key)
+        except FileNotFoundError:
+            time.sleep(delay)  # the write did not land: try again
+            delay *= 2
+            continue
+        if held.write_id == write_id:
+            return held  # our write landed; only its response was lost
+        discard_data(bucket, data_prefix)
+        raise CommitConflict(marker_key, write_id, held)
+    raise OSError(f"could not write marker {marker_key} after {attempts} attempts")
+
+
+def discard_data(bucket: Bucket, data_prefix: str) -> None:
+    """Remove a losing or abandoned write's data (its prefix holds its write id alone)."""
+    bucket.delete_prefix(data_prefix)
+
+
+def read_marker(bucket: Bucket, marker_key: str) -> CommitMarker:
+    return CommitMarker.from_json(bucket.get(marker_key), marker_key)
+
+
+def read_version(bucket: Bucket, marker_key: str) -> tuple[CommitMarker, dict[str, bytes]]:
+    """The marker and its objects, each checked against the marker's size and sha256."""
+    marker = read_marker(bucket, marker_key)
+    return marker, fetch_objects(bucket, marker, marker_key)
+
+
+def fetch_objects(
+    bucket: Bucket, marker: CommitMarker, marker_key: str, groups: tuple[str, ...] | None = None
+) -> dict[str, bytes]:
+    """The marker's objects (or only the root metadata and the named Zarr subgroups),
+    each checked against the size and sha256 the marker records."""
+    out = {}
+    for rel, expect in marker.objects.items():
+        if groups is not None and "/" in rel and rel.split("/", 1)[0] not in groups:
+            continue
+        key = f"{marker.data_prefix}/{rel}"
+        try:
+            data = bucket.get(key)
+        except FileNotFoundError as exc:
+            raise CorruptVersion(
+                f"{marker_key}: object {key} listed in the marker is missing"
+            ) from exc
+        if len(data) != expect["size"]:
+            raise CorruptVersion(
+                f"{marker_key}: object {key} has {len(data)} bytes, the marker says {expect['size']}"
+            )
+        if sha256(data) != expect["sha256"]:
+            raise CorruptVersion(f"{marker_key}: object {key} does not match its sha256")
+        out[rel] = data
+    return out

@@ -1,0 +1,158 @@
+"""What a bucket holds: runs, regions, learners, fragments, newest versions, staleness,
+sizes and traffic per region pair; ``verify`` re-checks every committed object's hash.
+
+Works on any URL a ``Bucket`` opens (local folders, ``memory://``, ``s3://``, ``gs://``).
+The run's other regions are read from the URLs in its spec.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Any
+
+from storage_layout.bucket import Bucket, BucketError
+from storage_layout.commit import CorruptVersion, fetch_objects, read_marker
+from storage_layout.layout import RunLayout, parse_marker_name
+from storage_layout.store import RunStore
+
+
+def find_runs(bucket: Bucket) -> list[str]:
+    runs = []
+    for name in bucket.list(""):
+        try:
+            RunLayout(name)
+        except ValueError:
+            continue
+        if bucket.exists(RunLayout(name).spec):
+            runs.append(name)
+    return runs
+
+
+def _verify(bucket: Bucket, commits_dir: str, letter: str, problems: list[str]) -> int:
+    checked = 0
+    for name in bucket.list(commits_dir):
+        if parse_marker_name(name, letter) is None:
+            problems.append(f"{bucket.region}: foreign object {commits_dir}/{name}")
+            continue
+        key = f"{commits_dir}/{name}"
+        try:
+            fetch_objects(bucket, read_marker(bucket, key), key)
+            checked += 1
+        except (CorruptVersion, OSError) as exc:
+            problems.append(f"{bucket.region}: {exc}")
+    return checked
+
+
+def inspect_run(bucket: Bucket, run: str, verify: bool = False) -> dict[str, Any]:
+    spec = RunStore(run, {bucket.region: bucket.url}, bucket.region).read_spec()
+    regions: dict[str, str] = spec.get("regions") or {bucket.region: bucket.url}
+    learners: dict[str, str] = spec.get("learners") or {}
+    fragments = len(spec.get("fragments") or [])
+    home = bucket.region if bucket.region in regions else next(iter(regions))
+    store = RunStore(run, regions, home, writer="inspect")
+    layout = store.layout
+    out: dict[str, Any] = {
+        "run": run,
+        "regions": regions,
+        "problems": [],
+        "fragments": [],
+        "learners": [],
+    }
+    reachable = {}
+    for region in regions:
+        try:
+            store.bucket(region)
+            reachable[region] = True
+        except BucketError as exc:
+            reachable[region] = False
+            out["problems"].append(str(exc))
+    newest: dict[int, int] = {}
+    for p in range(fragments):
+        row: dict[str, Any] = {"fragment": p, "versions": {}}
+        for region in regions:
+            if not reachable[region]:
+                continue
+            versions = store.global_versions(p, region)
+            row["versions"][region] = versions[-1] if versions else None
+            if versions and region == home:
+                marker = store.global_marker(p, versions[-1], region)
+                row.update(
+                    newest=versions[-1],
+                    kept=len(versions),
+                    bytes=marker.size,
+                    consumed=len(marker.meta.get("consumed", [])),
+                    tokens=marker.meta.get("tokens"),
+                )
+                newest[p] = versions[-1]
+        out["fragments"].append(row)
+    for learner, region in sorted(learners.items()):
+        row = {"learner": learner, "region": region, "fragments": {}}
+        if reachable.get(region):
+            lb = store.bucket(region)
+            for p in range(fragments):
+                seqs = store.contribution_seqs(learner, p, region)
+                if not seqs:
+                    continue
+                meta = read_marker(lb, layout.contribution_marker(learner, p, seqs[-1])).meta
+                base = int(meta.get("base_version", 0))
+                row["fragments"][p] = {
+                    "newest_seq": seqs[-1],
+                    "stored": len(seqs),
+                    "base_version": base,
+                    "staleness": newest.get(p, base) - base,
+                    "bytes": int(meta.get("payload_bytes", 0)),
+                }
+            ckpts = store._numbers(lb, layout.checkpoint_commits(learner), "s")
+            row["checkpoint_step"] = ckpts[-1] if ckpts else None
+        out["learners"].append(row)
+    traffic: dict[str, dict[str, int]] = defaultdict(lambda: {"bytes": 0, "requests": 0})
+    for region in regions:
+        if not reachable[region]:
+            continue
+        b = store.bucket(region)
+        for name in b.list(f"{run}/metrics"):
+            try:
+                record = json.loads(b.get(f"{run}/metrics/{name}"))
+            except (json.JSONDecodeError, OSError) as exc:
+                out["problems"].append(f"{region}: metrics {name} unreadable: {exc}")
+                continue
+            for pair, t in (record.get("traffic") or {}).items():
+                traffic[pair]["bytes"] += int(t.get("bytes", 0))
+                traffic[pair]["requests"] += int(t.get("requests", 0))
+    out["traffic"] = dict(sorted(traffic.items()))
+    if verify:
+        checked = 0
+        for region in regions:
+            if not reachable[region]:
+                continue
+            b = store.bucket(region)
+            for p in range(fragments):
+                checked += _verify(b, layout.global_commits(p), "v", out["problems"])
+                for learner, lregion in learners.items():
+                    if lregion == region:
+                        checked += _verify(
+                            b, layout.contribution_commits(learner, p), "s", out["problems"]
+                        )
+            for learner, lregion in learners.items():
+                if lregion == region:
+                    checked += _verify(b, layout.checkpoint_commits(learner), "s", out["problems"])
+        out["verified_versions"] = checked
+    return out
+
+
+def inspect_bucket(url: str, run: str | None = None, verify: bool = False) -> dict[str, Any]:
+    bucket = Bucket(url, region="inspect")
+    runs = [run] if run else find_runs(bucket)
+    if run and not bucket.exists(RunLayout(run).spec):
+        raise FileNotFoundError(f"no run {run!r} in {url}")
+    result = {"url": url, "runs": []}
+    for name in runs:
+        # Name the inspected bucket after its region in the spec, so it is read directly.
+        spec = RunStore(name, {"inspect": url}, "inspect").read_spec()
+        region = next(
+            (r for r, u in (spec.get("regions") or {}).items() if u.rstrip("/") == url.rstrip("/")),
+            "inspect",
+        )
+        result["runs"].append(inspect_run(Bucket(url, region=region), name, verify))
+    return result

@@ -1,0 +1,103 @@
+"""Where everything of a run lives in a bucket (no I/O here).
+
+    {root}/{run}/spec.json                                         run spec, written once
+    {root}/{run}/learners/{learner}/contributions/f{P}/commits/s{SEQ}.json      markers
+    {root}/{run}/learners/{learner}/contributions/f{P}/data/s{SEQ}-{WRITE_ID}/  Zarr group
+    {root}/{run}/learners/{learner}/checkpoints/commits/s{STEP}.json
+    {root}/{run}/learners/{learner}/checkpoints/data/s{STEP}-{WRITE_ID}/
+    {root}/{run}/globals/f{P}/commits/v{VERSION}.json
+    {root}/{run}/globals/f{P}/data/v{VERSION}-{WRITE_ID}/
+    {root}/{run}/metrics/{writer}.json
+
+Numbers are zero-padded to 12 digits (fragments to 4), so keys sort lexicographically in
+version order, and they are logical counters, never wall-clock times. Markers sit in
+their own ``commits/`` prefix so discovery lists markers only, never data. Data prefixes
+carry the writer's random write id: two writers racing for one version never write the
+same object, so the loser cannot damage the winner's data.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+FORMAT_VERSION = 1
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_NUMBERED = re.compile(r"^([sv])(\d{12})\.json$")
+
+
+class LayoutError(ValueError):
+    """A name that cannot be a run, region or learner id, or a key not of this layout."""
+
+
+def check_name(kind: str, name: str) -> str:
+    if not NAME_RE.match(name):
+        raise LayoutError(
+            f"{kind} name {name!r} must be 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def number(n: int) -> str:
+    if n < 0 or n >= 10**12:
+        raise LayoutError(f"counter {n} is outside 0..10^12")
+    return f"{n:012d}"
+
+
+def parse_marker_name(name: str, prefix: str) -> int | None:
+    """``s000000000012.json`` -> 12 (prefix 's' or 'v'); None for a foreign file."""
+    match = _NUMBERED.match(name.rsplit("/", 1)[-1])
+    if not match or match.group(1) != prefix:
+        return None
+    return int(match.group(2))
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Keys of one run, relative to the bucket root."""
+
+    run: str
+
+    def __post_init__(self) -> None:
+        check_name("run", self.run)
+
+    @property
+    def spec(self) -> str:
+        return f"{self.run}/spec.json"
+
+    def metrics(self, writer: str) -> str:
+        return f"{self.run}/metrics/{check_name('writer', writer)}.json"
+
+    # contributions ---------------------------------------------------------------
+    def _contrib(self, learner: str, fragment: int) -> str:
+        return f"{self.run}/learners/{check_name('learner', learner)}/contributions/f{fragment:04d}"
+
+    def contribution_commits(self, learner: str, fragment: int) -> str:
+        return f"{self._contrib(learner, fragment)}/commits"
+
+    def contribution_marker(self, learner: str, fragment: int, seq: int) -> str:
+        return f"{self.contribution_commits(learner, fragment)}/s{number(seq)}.json"
+
+    def contribution_data(self, learner: str, fragment: int, seq: int, write_id: str) -> str:
+        return f"{self._contrib(learner, fragment)}/data/s{number(seq)}-{write_id}"
+
+    # globals -----------------------------------------------------------------------
+    def global_commits(self, fragment: int) -> str:
+        return f"{self.run}/globals/f{fragment:04d}/commits"
+
+    def global_marker(self, fragment: int, version: int) -> str:
+        return f"{self.global_commits(fragment)}/v{number(version)}.json"
+
+    def global_data(self, fragment: int, version: int, write_id: str) -> str:
+        return f"{self.run}/globals/f{fragment:04d}/data/v{number(version)}-{write_id}"
+
+    # checkpoints -------------------------------------------------------------------
+    def checkpoint_commits(self, learner: str) -> str:
+        return f"{self.run}/learners/{check_name('learner', learner)}/checkpoints/commits"
+
+    def checkpoint_marker(self, learner: str, step: int) -> str:
+        return f"{self.checkpoint_commits(learner)}/s{number(step)}.json"
+
+    def checkpoint_data(self, learner: str, step: int, write_id: str) -> str:
+        return f"{self.run}/learners/{check_name('learner', learner)}/checkpoints/data/s{number(step)}-{write_id}"

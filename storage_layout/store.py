@@ -1,0 +1,421 @@
+"""One run across its regions' buckets: the API learners, syncers and tools use.
+
+- The **run spec** is written once to every region (create-exclusive). Opening a run
+  with a spec that differs from the stored one fails with the differences listed.
+- A **learner** writes contributions and checkpoints only under its own prefix in its
+  own region's bucket, and reads global versions from its own region.
+- A **syncer** lists learners' contribution markers in every region, reads and verifies
+  them, and publishes each global version to every region. The syncer's home region is
+  the arbiter: the version is committed there first (so of two racing syncers exactly
+  one wins), then copied to the other regions. A region that is down is skipped and
+  brought up to date by ``sync_regions`` once it is back; it stops no other region.
+- Every byte and request is counted per (source region, destination region).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from diloco.outer import Contribution
+from diloco.quantize import QuantizedTensor, dequantize, quantize
+from storage_layout.bucket import Bucket, BucketError, Traffic
+from storage_layout.codec import FormatError, decode, encode
+from storage_layout.commit import (
+    CommitConflict,
+    CommitMarker,
+    CorruptVersion,
+    commit_version,
+    fetch_objects,
+    new_write_id,
+    read_marker,
+    writer_identity,
+)
+from storage_layout.layout import FORMAT_VERSION, RunLayout, check_name, parse_marker_name
+
+log = logging.getLogger(__name__)
+
+
+class SpecMismatch(ValueError):
+    """The run spec given does not match the one stored in the bucket."""
+
+
+class RegionDown(BucketError):
+    """A region's bucket could not be reached; only work touching it waits."""
+
+
+def spec_differences(stored: Any, given: Any, path: str = "") -> list[str]:
+    """Human-readable differences between two JSON-like values."""
+    if isinstance(stored, dict) and isinstance(given, dict):
+        out = []
+        for key in sorted(set(stored) | set(given), key=str):
+            where = f"{path}.{key}" if path else str(key)
+            if key not in stored:
+                out.append(f"{where}: not in the stored spec, given {given[key]!r}")
+            elif key not in given:
+                out.append(f"{where}: stored {stored[key]!r}, missing from the given spec")
+            else:
+                out.extend(spec_differences(stored[key], given[key], where))
+        return out
+    if isinstance(stored, list) and isinstance(given, list) and len(stored) == len(given):
+        return [
+            d
+            for i, (a, b) in enumerate(zip(stored, given, strict=True))
+            for d in spec_differences(a, b, f"{path}[{i}]")
+        ]
+    return [] if stored == given else [f"{path}: stored {stored!r}, given {given!r}"]
+
+
+@dataclass
+class GlobalState:
+    fragment: int
+    version: int
+    params: dict[str, np.ndarray]
+    opt_leaves: list[np.ndarray]
+    meta: dict[str, Any]
+
+
+@dataclass
+class PublishReport:
+    version: int
+    committed: list[str] = field(default_factory=list)  # regions holding the version now
+    lagging: dict[str, str] = field(default_factory=dict)  # region -> why it was skipped
+
+
+def _fp32(values: Mapping[str, np.ndarray]) -> dict[str, QuantizedTensor]:
+    return {n: quantize(v, "fp32") for n, v in values.items()}
+
+
+class RunStore:
+    def __init__(
+        self,
+        run: str,
+        regions: Mapping[str, str],
+        client_region: str,
+        writer: str | None = None,
+        storage_options: Mapping[str, Mapping[str, Any]] | None = None,
+        traffic: Traffic | None = None,
+        allow_unsafe_overwrite: bool = False,
+    ):
+        if client_region not in regions:
+            raise ValueError(f"client region {client_region!r} is not one of {sorted(regions)}")
+        self.layout = RunLayout(run)
+        self.run = run
+        self.client_region = client_region
+        self.writer = writer or writer_identity(client_region)
+        self.traffic = traffic if traffic is not None else Traffic()
+        self.urls = {check_name("region", r): url for r, url in regions.items()}
+        self._options = storage_options or {}
+        self._unsafe = allow_unsafe_overwrite
+        self._buckets: dict[str, Bucket] = {}
+
+    def bucket(self, region: str) -> Bucket:
+        """The region's bucket, opened on first use; ``RegionDown`` if it cannot be reached."""
+        if region not in self._buckets:
+            if region not in self.urls:
+                raise ValueError(f"unknown region {region!r}; this run has {sorted(self.urls)}")
+            try:
+                self._buckets[region] = Bucket(
+                    self.urls[region],
+                    region=region,
+                    client_region=self.client_region,
+                    storage_options=self._options.get(region),
+                    traffic=self.traffic,
+                    allow_unsafe_overwrite=self._unsafe,
+                )
+            except BucketError as exc:
+                raise RegionDown(str(exc)) from exc
+        return self._buckets[region]
+
+    @property
+    def home(self) -> Bucket:
+        return self.bucket(self.client_region)
+
+    # run spec -------------------------------------------------------------------------
+    def ensure_spec(self, spec: Mapping[str, Any]) -> dict[str, Any]:
+        """Write ``spec`` to every region once; if one is stored, it must match exactly."""
+        body = {"format_version": FORMAT_VERSION, **spec}
+        data = json.dumps(body, sort_keys=True, indent=1).encode()
+        for region in self.urls:
+            bucket = self.bucket(region)
+            try:
+                bucket.put_exclusive(self.layout.spec, data)
+            except FileExistsError:
+                stored = self.read_spec(region)
+                diffs = spec_differences(stored, json.loads(data))
+                if diffs:
+                    raise SpecMismatch(
+                        f"run {self.run!r} in region {region} was started with another spec; "
+                        "refusing to mix them:\n  " + "\n  ".join(diffs)
+                    ) from None
+        return body
+
+    def read_spec(self, region: str | None = None) -> dict[str, Any]:
+        bucket = self.bucket(region or self.client_region)
+        try:
+            raw = bucket.get(self.layout.spec)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no run {self.run!r} in {bucket.url} (no spec.json)") from None
+        try:
+            spec = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise CorruptVersion(f"{bucket.url}/{self.layout.spec} is not JSON: {exc}") from exc
+        if spec.get("format_version") != FORMAT_VERSION:
+            raise CorruptVersion(
+                f"run {self.run!r} has format version {spec.get('format_version')!r}; "
+                f"this code reads {FORMAT_VERSION}"
+            )
+        return spec
+
+    # discovery ----------------------------------------------------------------------
+    def _numbers(self, bucket: Bucket, prefix: str, letter: str) -> list[int]:
+        out = []
+        for name in bucket.list(prefix):
+            n = parse_marker_name(name, letter)
+            if n is None:
+                log.warning("ignoring foreign object %s/%s in %s", prefix, name, bucket.url)
+                continue
+            out.append(n)
+        return sorted(out)
+
+    def contribution_seqs(self, learner: str, fragment: int, region: str) -> list[int]:
+        return self._numbers(
+            self.bucket(region), self.layout.contribution_commits(learner, fragment), "s"
+        )
+
+    def global_versions(self, fragment: int, region: str | None = None) -> list[int]:
+        return self._numbers(
+            self.bucket(region or self.client_region), self.layout.global_commits(fragment), "v"
+        )
+
+    def latest_global(self, fragment: int, region: str | None = None) -> int | None:
+        versions = self.global_versions(fragment, region)
+        return versions[-1] if versions else None
+
+    def checkpoint_steps(self, learner: str) -> list[int]:
+        return self._numbers(self.home, self.layout.checkpoint_commits(learner), "s")
+
+    # contributions ------------------------------------------------------------------
+    def put_contribution(self, c: Contribution) -> CommitMarker:
+        """Commit ``c`` in this store's (the learner's) region."""
+        layout, bucket = self.layout, self.home
+        objects = encode({"delta": c.payload}, {"kind": "contribution"})
+        meta = {
+            "learner": c.learner, "fragment": c.fragment, "seq": c.seq,
+            "base_version": c.base_version, "tokens": c.tokens, "steps": c.steps,
+            "seconds": c.seconds, "payload_bytes": c.nbytes,
+        }  # fmt: skip
+        write_id = new_write_id()
+        return commit_version(
+            bucket,
+            layout.contribution_marker(c.learner, c.fragment, c.seq),
+            layout.contribution_data(c.learner, c.fragment, c.seq, write_id),
+            objects,
+            "contribution",
+            meta,
+            self.writer,
+            write_id,
+        )
+
+    def get_contribution(self, learner: str, fragment: int, seq: int, region: str) -> Contribution:
+        """Read and verify one committed contribution (``CorruptVersion`` if it fails)."""
+        bucket = self.bucket(region)
+        key = self.layout.contribution_marker(learner, fragment, seq)
+        marker = read_marker(bucket, key)
+        objects = fetch_objects(bucket, marker, key)
+        try:
+            groups, _ = decode(objects)
+            m = marker.meta
+            if (m.get("learner"), m.get("fragment"), m.get("seq")) != (learner, fragment, seq):
+                raise CorruptVersion(f"{key}: marker describes another contribution ({m})")
+            return Contribution(
+                learner=learner, fragment=fragment, seq=seq,
+                base_version=int(m["base_version"]), tokens=int(m["tokens"]),
+                steps=int(m["steps"]), seconds=float(m["seconds"]), payload=groups["delta"],
+            )  # fmt: skip
+        except (FormatError, KeyError) as exc:
+            raise CorruptVersion(f"{key}: {exc}") from exc
+
+    # global versions ----------------------------------------------------------------
+    @staticmethod
+    def global_objects(
+        params: Mapping[str, np.ndarray],
+        opt_leaves: list[np.ndarray],
+        meta: Mapping[str, Any],
+        wire_dtype: str = "fp32",
+    ) -> dict[str, bytes]:
+        """A global version: fp32 ``params`` and ``opt`` (what a restarted syncer needs) and
+        ``wire``, the parameters in the dtype learners download (they fetch only that)."""
+        opt = {f"{i:04d}": quantize(leaf, "fp32") for i, leaf in enumerate(opt_leaves)}
+        wire = {n: quantize(v, wire_dtype) for n, v in params.items()}
+        return encode(
+            {"params": _fp32(params), "opt": opt, "wire": wire},
+            {"kind": "global", "wire_dtype": wire_dtype, **meta},
+        )
+
+    def publish_global(
+        self,
+        fragment: int,
+        version: int,
+        params: Mapping[str, np.ndarray],
+        opt_leaves: list[np.ndarray],
+        meta: Mapping[str, Any],
+        wire_dtype: str = "fp32",
+    ) -> PublishReport:
+        """Commit version ``version`` of ``fragment`` at home (the arbiter), then everywhere.
+
+        Raises ``CommitConflict`` if another syncer already holds this version at home.
+        """
+        meta = {"fragment": fragment, "version": version, **meta}
+        objects = self.global_objects(params, opt_leaves, meta, wire_dtype)
+        write_id = new_write_id()
+        report = PublishReport(version)
+        order = [self.client_region] + [r for r in self.urls if r != self.client_region]
+        for region in order:
+            try:
+                commit_version(
+                    self.bucket(region),
+                    self.layout.global_marker(fragment, version),
+                    self.layout.global_data(fragment, version, write_id),
+                    objects,
+                    "global",
+                    meta,
+                    self.writer,
+                    write_id,
+                )
+                report.committed.append(region)
+            except CommitConflict:
+                if region == self.client_region:
+                    raise
+                report.lagging[region] = "holds another write of this version"
+            except OSError as exc:
+                if region == self.client_region:
+                    raise
+                report.lagging[region] = f"unreachable: {exc}"
+                log.warning("region %s is behind on fragment %d: %s", region, fragment, exc)
+        return report
+
+    def get_global(
+        self, fragment: int, version: int, region: str | None = None, learner_view: bool = False
+    ) -> GlobalState:
+        """A verified global version. ``learner_view`` fetches only the ``wire`` parameters
+        (what a learner applies), not the fp32 master copy and the optimizer state."""
+        bucket = self.bucket(region or self.client_region)
+        key = self.layout.global_marker(fragment, version)
+        marker = read_marker(bucket, key)
+        wanted = ("wire",) if learner_view else ("params", "opt")
+        objects = fetch_objects(bucket, marker, key, groups=wanted)
+        try:
+            groups, _ = decode(objects)
+            source = groups["wire"] if learner_view else groups["params"]
+            params = {n: dequantize(q) for n, q in source.items()}
+            opt = (
+                []
+                if learner_view
+                else [dequantize(groups["opt"][k]) for k in sorted(groups["opt"])]
+            )
+        except (FormatError, KeyError) as exc:
+            raise CorruptVersion(f"{key}: {exc}") from exc
+        return GlobalState(fragment, version, params, opt, dict(marker.meta))
+
+    def global_marker(self, fragment: int, version: int, region: str | None = None) -> CommitMarker:
+        return read_marker(
+            self.bucket(region or self.client_region), self.layout.global_marker(fragment, version)
+        )
+
+    def sync_regions(self, fragment: int) -> dict[str, int]:
+        """Copy the home region's newest version of ``fragment`` to regions that lag.
+
+        The objects are copied as committed (verified first), under the same write id, so
+        every region holds byte-identical versions. Returns region -> version copied;
+        regions still down are left for the next call.
+        """
+        newest = self.latest_global(fragment)
+        copied: dict[str, int] = {}
+        if newest is None:
+            return copied
+        key = self.layout.global_marker(fragment, newest)
+        source: tuple[CommitMarker, dict[str, bytes]] | None = None
+        for region in self.urls:
+            if region == self.client_region:
+                continue
+            try:
+                theirs = self.latest_global(fragment, region)
+                if theirs is not None and theirs >= newest:
+                    continue
+                if source is None:
+                    marker = read_marker(self.home, key)
+                    source = marker, fetch_objects(self.home, marker, key)
+                marker, objects = source
+                commit_version(
+                    self.bucket(region), key, marker.data_prefix, objects, "global",
+                    marker.meta, self.writer, marker.write_id,
+                )  # fmt: skip
+                copied[region] = newest
+            except (OSError, CommitConflict) as exc:
+                log.warning("region %s still behind on fragment %d: %s", region, fragment, exc)
+        return copied
+
+    # checkpoints and metrics ----------------------------------------------------------
+    def put_checkpoint(
+        self,
+        learner: str,
+        step: int,
+        tensors: Mapping[str, Mapping[str, np.ndarray]],
+        meta: Mapping[str, Any],
+    ) -> CommitMarker:
+        """Commit a learner checkpoint: named groups of float32 arrays plus JSON ``meta``."""
+        objects = encode({g: _fp32(t) for g, t in tensors.items()}, {"kind": "checkpoint"})
+        write_id = new_write_id()
+        return commit_version(
+            self.home,
+            self.layout.checkpoint_marker(learner, step),
+            self.layout.checkpoint_data(learner, step, write_id),
+            objects,
+            "checkpoint",
+            {"learner": learner, "step": step, **meta},
+            self.writer,
+            write_id,
+        )
+
+    def get_checkpoint(
+        self, learner: str, step: int
+    ) -> tuple[dict[str, dict[str, np.ndarray]], dict]:
+        key = self.layout.checkpoint_marker(learner, step)
+        marker = read_marker(self.home, key)
+        groups, _ = decode(fetch_objects(self.home, marker, key))
+        return {g: {n: dequantize(q) for n, q in t.items()} for g, t in groups.items()}, marker.meta
+
+    def write_metrics(self, name: str, record: Mapping[str, Any]) -> None:
+        """Overwrite this writer's metrics object (traffic, progress) in its home region."""
+        body = {"traffic": self.traffic.as_dict(), **record}
+        self.home.put(self.layout.metrics(name), json.dumps(body, sort_keys=True).encode())
+
+
+def poll(
+    probe: Callable[[], Any],
+    timeout: float,
+    first_delay: float = 0.05,
+    max_delay: float = 2.0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Any:
+    """Call ``probe`` until it returns something truthy, backing off exponentially.
+
+    Returns the value, or None after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    delay = first_delay
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() + delay > deadline:
+            return None
+        sleep(delay)
+        delay = min(max_delay, delay * 2)

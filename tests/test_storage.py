@@ -1,0 +1,371 @@
+"""The bucket protocol against four real backends: local files, memory://, S3 (moto
+server on loopback) and GCS (fake-gcs-server on loopback)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from diloco.outer import Contribution
+from diloco.quantize import quantize
+from storage_layout.bucket import Bucket, BucketError
+from storage_layout.codec import FormatError, decode, encode
+from storage_layout.commit import CommitConflict, CorruptVersion, read_marker
+from storage_layout.layout import LayoutError, RunLayout
+from storage_layout.retention import collect_garbage
+from storage_layout.store import RegionDown, RunStore, SpecMismatch, poll
+
+rng = np.random.default_rng(3)
+
+
+def contribution(learner="l0", fragment=0, seq=1, base=0, kind="int4"):
+    payload = {
+        "blocks.0.up.kernel": quantize(rng.normal(size=(33, 17)).astype(np.float32), kind),
+        "norm.scale": quantize(rng.normal(size=(17,)).astype(np.float32), kind),
+    }
+    return Contribution(learner, fragment, seq, base, 4096, 8, 2.5, payload)
+
+
+def same_payload(a, b):
+    for name, q in a.payload.items():
+        r = b.payload[name]
+        assert (q.kind, q.shape, q.block_size) == (r.kind, r.shape, r.block_size)
+        assert q.data.dtype == r.data.dtype and np.array_equal(q.data, r.data)
+        assert (q.scales is None and r.scales is None) or np.array_equal(q.scales, r.scales)
+
+
+def publish(store, fragment, version, value=1.0, meta=None):
+    params = {"w": np.full((4, 3), value, np.float32), "b": np.arange(3, dtype=np.float32)}
+    return store.publish_global(
+        fragment, version, params, [np.full((4, 3), 0.5, np.float32)], meta or {}, "bf16"
+    )
+
+
+# --- codec --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8", "int4"])
+def test_codec_round_trip_is_bit_exact(kind):
+    c = contribution(kind=kind)
+    objects = encode({"delta": c.payload, "empty": {}}, {"note": "x"})
+    assert 3 <= len(objects) <= 8  # a handful of objects, whatever the tensor count
+    groups, attrs = decode(objects)
+    assert attrs["note"] == "x" and groups["empty"] == {}
+    same_payload(c, Contribution(**{**c.__dict__, "payload": groups["delta"]}))
+    sub = json.loads(objects["delta/zarr.json"])["attributes"]
+    assert (
+        sub["logical_dtype"]
+        == {"fp32": "float32", "bf16": "bfloat16", "int8": "int8", "int4": "int4"}[kind]
+    )
+
+
+def test_codec_rejects_unknown_format_and_garbage():
+    objects = encode({"delta": contribution().payload}, {})
+    root = json.loads(objects["zarr.json"])
+    root["attributes"]["format"] = 99
+    with pytest.raises(FormatError, match="unknown format version 99"):
+        decode({**objects, "zarr.json": json.dumps(root).encode()})
+    with pytest.raises(FormatError, match="not a Zarr v3 group"):
+        decode({"zarr.json": b"{not json"})
+
+
+def test_layout_keys_sort_in_version_order_and_names_are_checked():
+    layout = RunLayout("run-1")
+    keys = [layout.global_marker(2, v) for v in (9, 10, 100, 11)]
+    assert sorted(keys) == [layout.global_marker(2, v) for v in (9, 10, 11, 100)]
+    assert layout.contribution_marker("us-east-2", 1, 7).endswith(
+        "f0001/commits/s000000000007.json"
+    )
+    with pytest.raises(LayoutError, match="learner name 'us/2'"):
+        layout.contribution_marker("us/2", 0, 1)
+
+
+# --- commit protocol on every backend -------------------------------------------------------
+
+
+def test_contribution_round_trip_and_discovery(bucket_url):
+    store = RunStore("run", {"us": bucket_url}, "us", writer="l0")
+    assert store.contribution_seqs("l0", 0, "us") == []
+    sent = [contribution(seq=s) for s in (1, 2, 3)]
+    for c in sent:
+        store.put_contribution(c)
+    assert store.contribution_seqs("l0", 0, "us") == [1, 2, 3]
+    got = store.get_contribution("l0", 0, 2, "us")
+    assert (got.base_version, got.tokens, got.steps, got.seconds) == (0, 4096, 8, 2.5)
+    same_payload(sent[1], got)
+    marker = read_marker(store.home, store.layout.contribution_marker("l0", 0, 2))
+    assert marker.writer == "l0" and len(marker.write_id) == 16
+    assert all(len(o["sha256"]) == 64 for o in marker.objects.values())
+
+
+def test_global_versions_full_and_learner_view(bucket_url):
+    store = RunStore("run", {"us": bucket_url}, "us", writer="syncer")
+    assert store.latest_global(0) is None
+    publish(store, 0, 1, 1.0, {"consumed": [["l0", 1]], "cursor": {"l0": 1}})
+    publish(store, 0, 2, 1.0 + 2**-10)
+    assert store.global_versions(0) == [1, 2] and store.latest_global(0) == 2
+    full = store.get_global(0, 2)
+    assert full.params["w"][0, 0] == np.float32(1.0 + 2**-10) and len(full.opt_leaves) == 1
+    view = store.get_global(0, 2, learner_view=True)
+    assert view.params["w"][0, 0] == 1.0 and view.opt_leaves == []  # bf16 on the wire
+    assert store.get_global(0, 1).meta["cursor"] == {"l0": 1}
+
+
+def test_racing_syncers_exactly_one_wins(bucket_url):
+    stores = [RunStore("run", {"us": bucket_url}, "us", writer=f"syncer-{i}") for i in range(2)]
+    barrier, outcome = threading.Barrier(2), {}
+
+    def race(i):
+        barrier.wait()
+        try:
+            publish(stores[i], 0, 1, float(i))
+            outcome[i] = "won"
+        except CommitConflict as exc:
+            outcome[i] = exc
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [i for i, o in outcome.items() if o == "won"]
+    assert len(winners) == 1
+    loser = 1 - winners[0]
+    assert f"committed by syncer-{winners[0]}" in str(outcome[loser])
+    # The winner's version is intact: the loser wrote under its own write id only.
+    assert stores[loser].get_global(0, 1).params["w"][0, 0] == float(winners[0])
+
+
+def test_lost_response_is_resolved_by_reading_the_marker_back(bucket_url):
+    store = RunStore("run", {"us": bucket_url}, "us", writer="syncer")
+    bucket = store.home
+    real = bucket.put_exclusive
+    calls = []
+
+    def lossy(key, data):
+        real(key, data)  # the write lands...
+        calls.append(key)
+        raise OSError("connection reset")  # ...but the answer is lost
+
+    bucket.put_exclusive = lossy
+    publish(store, 0, 1)
+    assert len(calls) == 1 and store.latest_global(0) == 1  # no duplicate, no conflict
+
+
+KILLED_WRITER = textwrap.dedent(
+    """
+    import sys, time
+    import numpy as np
+    from storage_layout.store import RunStore
+    store = RunStore("run", {"us": sys.argv[1]}, "us", writer="doomed")
+    def hang(key, data):
+        print("data written", flush=True)
+        time.sleep(600)
+    store.home.put_exclusive = hang
+    store.publish_global(0, 1, {"w": np.ones(3, np.float32)}, [], {}, "fp32")
+    """
+)
+
+
+@pytest.mark.parametrize("backend", ["file", "s3", "gcs"])
+def test_writer_killed_between_data_and_marker(backend, make_bucket):
+    url = make_bucket(backend)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WRITER, url],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ.copy(),
+    )
+    assert proc.stdout.readline().strip() == "data written"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    reader = RunStore("run", {"us": url}, "us", writer="reader")
+    data_dir = "run/globals/f0000/data"
+    assert len(reader.home.list(data_dir)) == 1  # the orphan data is there...
+    assert reader.latest_global(0) is None  # ...but no reader sees the version
+    publish(reader, 0, 1, 7.0)  # the retry completes it
+    assert reader.get_global(0, 1).params["w"][0, 0] == 7.0
+    # Retention removes the orphan once it is old enough, never the committed version.
+    assert collect_garbage(reader, 1, {}, window=4, orphan_age=None).orphans_deleted == 0
+    report = collect_garbage(reader, 1, {}, window=4, orphan_age=0.0)
+    assert report.orphans_deleted == 1 and len(reader.home.list(data_dir)) == 1
+    assert reader.get_global(0, 1).params["w"][0, 0] == 7.0
+
+
+# --- bad input and faults -------------------------------------------------------------------
+
+
+def _version_objects(store, fragment=0, version=1):
+    marker = read_marker(store.home, store.layout.global_marker(fragment, version))
+    return marker, {rel: f"{marker.data_prefix}/{rel}" for rel in marker.objects}
+
+
+def test_corrupt_truncated_and_missing_objects_are_detected(bucket_url):
+    store = RunStore("run", {"us": bucket_url}, "us", writer="syncer")
+    for v in (1, 2, 3, 4):
+        publish(store, 0, v)
+    bucket = store.home
+    _, keys = _version_objects(store, 0, 1)
+    chunk = keys["params/data/c/0"]
+    data = bytearray(bucket.get(chunk))
+    data[5] ^= 0x01
+    bucket.put(chunk, bytes(data))
+    with pytest.raises(CorruptVersion, match="does not match its sha256"):
+        store.get_global(0, 1)
+    _, keys = _version_objects(store, 0, 2)
+    bucket.put(keys["params/data/c/0"], bucket.get(keys["params/data/c/0"])[:-3])
+    with pytest.raises(CorruptVersion, match="the marker says"):
+        store.get_global(0, 2)
+    _, keys = _version_objects(store, 0, 3)
+    bucket.delete([keys["params/data/c/0"]])
+    with pytest.raises(CorruptVersion, match="listed in the marker is missing"):
+        store.get_global(0, 3)
+    marker, _ = _version_objects(store, 0, 4)
+    bucket.delete_prefix(marker.data_prefix)  # a marker without its data
+    with pytest.raises(CorruptVersion, match="missing"):
+        store.get_global(0, 4)
+
+
+def test_bad_markers_and_foreign_files(bucket_url, caplog):
+    store = RunStore("run", {"us": bucket_url}, "us", writer="syncer")
+    publish(store, 0, 1)
+    bucket, layout = store.home, store.layout
+    bucket.put(layout.global_marker(0, 2), b'{"format": "diloco-commit", "format_version": 7}')
+    bucket.put(layout.global_marker(0, 3), b'{"format": "diloco-co')
+    bucket.put(f"{layout.global_commits(0)}/notes.txt", b"hello")
+    with caplog.at_level("WARNING"):
+        assert store.global_versions(0) == [1, 2, 3]
+    assert "foreign object" in caplog.text
+    with pytest.raises(CorruptVersion, match="format version 7"):
+        store.get_global(0, 2)
+    with pytest.raises(CorruptVersion, match="not JSON"):
+        store.get_global(0, 3)
+    assert store.get_global(0, 1).version == 1  # the good version still reads
+
+
+def test_nothing_committed_is_overwritten(bucket_url):
+    store = RunStore("run", {"us": bucket_url}, "us", writer="l0")
+    store.put_contribution(contribution(seq=1))
+    before = store.get_contribution("l0", 0, 1, "us")
+    with pytest.raises(CommitConflict):
+        store.put_contribution(contribution(seq=1))  # a learner that reuses a seq is refused
+    same_payload(before, store.get_contribution("l0", 0, 1, "us"))
+
+
+def test_spec_written_once_and_differences_listed(bucket_url):
+    store = RunStore("run", {"us": bucket_url}, "us")
+    spec = {
+        "config": {"model": {"width": 64}},
+        "fragments": [["a"], ["b"]],
+        "regions": {"us": bucket_url},
+    }
+    store.ensure_spec(spec)
+    store.ensure_spec(spec)  # same spec: fine, e.g. a resumed run
+    changed = {**spec, "config": {"model": {"width": 128}}, "fragments": [["a", "b"]]}
+    with pytest.raises(SpecMismatch) as info:
+        store.ensure_spec(changed)
+    assert "config.model.width: stored 64, given 128" in str(info.value)
+    assert "fragments: stored" in str(info.value)
+    assert store.read_spec()["config"]["model"]["width"] == 64
+
+
+@pytest.mark.parametrize("backend", ["file", "s3", "gcs"])
+def test_missing_bucket_is_named(backend, make_bucket):
+    url = make_bucket(backend) + "-missing"
+    with pytest.raises(BucketError, match="does not exist"):
+        Bucket(url, region="eu")
+    with pytest.raises(RegionDown, match="region eu"):
+        RunStore("run", {"eu": url}, "eu").home  # noqa: B018
+
+
+def test_missing_credentials_are_reported(s3_server, make_bucket, monkeypatch):
+    url = make_bucket("s3")
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    with pytest.raises(BucketError, match="credentials"):
+        Bucket(url, region="us", storage_options={"skip_instance_cache": True})
+
+
+def test_backend_without_exclusive_writes_is_refused():
+    with pytest.raises(BucketError, match="cannot write objects exclusively"):
+        Bucket("http://127.0.0.1:9/bucket", region="x")
+
+
+# --- regions -------------------------------------------------------------------------------
+
+
+def test_two_regions_publish_everywhere_and_a_down_region_catches_up(make_bucket):
+    us, eu = make_bucket("file"), make_bucket("s3")
+    eu_later = eu + "-late"  # a bucket that does not exist yet: the region is down
+    regions = {"us": us, "eu": eu_later}
+    learner = RunStore("run", {"us": us, "eu": eu}, "eu", writer="l1")
+    learner.put_contribution(contribution(learner="l1"))
+    assert Bucket(us).list("run/learners") == []  # a learner writes only in its own region
+    syncer = RunStore("run", regions, "us", writer="syncer")
+    report = publish(syncer, 0, 1)
+    assert report.committed == ["us"] and "unreachable" in report.lagging["eu"]
+    import fsspec
+
+    fsspec.filesystem("s3").mkdir(eu_later.removeprefix("s3://"))  # the region comes back
+    syncer = RunStore("run", regions, "us", writer="syncer", traffic=syncer.traffic)
+    assert syncer.sync_regions(0) == {"eu": 1}
+    there = RunStore("run", regions, "eu", writer="l1").get_global(0, 1, learner_view=True)
+    assert there.params["w"][0, 0] == 1.0
+    pairs = syncer.traffic.as_dict()
+    assert pairs["us->eu"]["bytes"] > 0 and pairs["us->us"]["requests"] > 0
+    assert syncer.traffic.cross_region_bytes == pairs["us->eu"]["bytes"] + pairs.get(
+        "eu->us", {}
+    ).get("bytes", 0)
+
+
+def test_syncer_reads_learners_in_other_regions(make_bucket):
+    regions = {"us": make_bucket("gcs"), "eu": make_bucket("s3")}
+    sent = contribution(learner="l1", seq=4)
+    RunStore("run", regions, "eu", writer="l1").put_contribution(sent)
+    syncer = RunStore("run", regions, "us", writer="syncer")
+    assert syncer.contribution_seqs("l1", 0, "eu") == [4]
+    same_payload(sent, syncer.get_contribution("l1", 0, 4, "eu"))
+    assert syncer.traffic.as_dict()["eu->us"]["bytes"] > 0
+
+
+# --- retention and polling -------------------------------------------------------------------
+
+
+def test_retention_keeps_what_learners_need(bucket_url):
+    store = RunStore("run", {"us": bucket_url}, "us", writer="syncer")
+    learners = {"a": "us", "b": "us"}
+    for seq in (1, 2, 3):
+        store.put_contribution(contribution(learner="a", seq=seq, base=seq - 1))
+    store.put_contribution(contribution(learner="b", seq=1, base=1))  # unprocessed, anchored on v1
+    for v in range(1, 8):
+        publish(store, 0, v, meta={"cursor": {"a": 2}})
+    report = collect_garbage(store, 1, learners, window=2)
+    assert report.contributions_deleted == 2  # a/1 and a/2 processed; a/3 and b/1 are not
+    assert store.contribution_seqs("a", 0, "us") == [3] and store.contribution_seqs(
+        "b", 0, "us"
+    ) == [1]
+    # newest 7, window 2 -> keep 5, 6, 7; plus 1 and 2 that pending contributions anchor on
+    assert store.global_versions(0) == [1, 2, 5, 6, 7]
+    assert report.pinned[0] == [1, 2] and report.bytes_freed > 0
+    assert store.get_global(0, 5).version == 5
+
+
+def test_poll_backs_off_exponentially():
+    delays, answers = [], iter([None, None, None, "found"])
+    assert (
+        poll(lambda: next(answers), timeout=10, first_delay=0.1, max_delay=0.3, sleep=delays.append)
+        == "found"
+    )
+    assert delays == [0.1, 0.2, 0.3]
+    start = time.monotonic()
+    assert poll(lambda: None, timeout=0.2, first_delay=0.05) is None
+    assert time.monotonic() - start < 1.0
