@@ -19,6 +19,7 @@ Credentials come from the environment, as each client reads them (``AWS_*`` and
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import threading
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
+import fsspec.asyn
 
 EXCLUSIVE_PROTOCOLS = {"file", "local", "memory", "s3", "s3a", "gs", "gcs"}
 
@@ -154,6 +156,28 @@ class Bucket:
         self.fs.pipe_file(path, data)
         self._up(len(data))
 
+    def _gather(self, calls: list) -> list:
+        """Run the async filesystem's coroutines concurrently on its event loop."""
+
+        async def gather() -> list:
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+        return fsspec.asyn.sync(self.fs.loop, gather)
+
+    def put_many(self, objects: Mapping[str, bytes]) -> None:
+        """Write several objects; concurrently on async backends (S3, GCS)."""
+        if self.fs.async_impl:
+            calls = [self.fs._pipe_file(self.path(k), v) for k, v in objects.items()]
+            for result in self._gather(calls):
+                if isinstance(result, BaseException):
+                    raise result
+            for key, data in objects.items():
+                self.fs.invalidate_cache(self.path(key))
+                self._up(len(data))
+        else:
+            for key, data in objects.items():
+                self.put(key, data)
+
     def put_exclusive(self, key: str, data: bytes) -> None:
         """Write ``key`` only if it does not exist; ``FileExistsError`` otherwise."""
         path = self.path(key)
@@ -185,6 +209,28 @@ class Bucket:
         data = self.fs.cat_file(self.path(key))
         self._down(len(data))
         return data
+
+    def get_many(self, keys: list[str]) -> dict[str, bytes]:
+        """Read several objects; concurrently on async backends. A missing one raises
+        ``FileNotFoundError`` naming its key."""
+        if self.fs.async_impl:
+            results = self._gather([self.fs._cat_file(self.path(k)) for k in keys])
+        else:
+            results = []
+            for k in keys:
+                try:
+                    results.append(self.fs.cat_file(self.path(k)))
+                except FileNotFoundError as exc:
+                    results.append(exc)
+        out = {}
+        for key, value in zip(keys, results, strict=True):
+            if isinstance(value, FileNotFoundError):
+                raise FileNotFoundError(key)
+            if isinstance(value, BaseException):
+                raise value
+            self._down(len(value))
+            out[key] = value
+        return out
 
     def exists(self, key: str) -> bool:
         self.traffic.add(self.region, self.client_region, 0)

@@ -16,6 +16,7 @@ hashes, and only then decode. A version without a marker does not exist for read
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -30,6 +31,9 @@ from storage_layout.bucket import Bucket
 from storage_layout.layout import FORMAT_VERSION
 
 MARKER_FORMAT = "diloco-commit"
+# Objects up to this size (the Zarr metadata documents) are also inlined in the marker, so
+# a reader needs one request for the marker and one per chunk, not one per object.
+INLINE_BYTES = 4096
 
 
 class CommitConflict(RuntimeError):
@@ -59,7 +63,7 @@ def new_write_id() -> str:
 class CommitMarker:
     kind: str  # contribution | global | checkpoint
     data_prefix: str  # bucket-relative prefix of the objects
-    objects: dict[str, dict[str, Any]]  # relative key -> {"size": int, "sha256": str}
+    objects: dict[str, dict[str, Any]]  # key -> {"size", "sha256"[, "inline": utf-8 text]}
     writer: str
     write_id: str
     meta: dict[str, Any]
@@ -91,10 +95,12 @@ class CommitMarker:
                 f"this code reads {FORMAT_VERSION}"
             )
         try:
-            objects = {
-                str(k): {"size": int(v["size"]), "sha256": str(v["sha256"])}
-                for k, v in body["objects"].items()
-            }
+            objects = {}
+            for k, v in body["objects"].items():
+                entry = {"size": int(v["size"]), "sha256": str(v["sha256"])}
+                if "inline" in v:
+                    entry["inline"] = str(v["inline"])
+                objects[str(k)] = entry
             return cls(
                 kind=str(body["kind"]),
                 data_prefix=str(body["data_prefix"]),
@@ -113,6 +119,14 @@ class CommitMarker:
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def _entry(data: bytes) -> dict[str, Any]:
+    entry: dict[str, Any] = {"size": len(data), "sha256": sha256(data)}
+    if len(data) <= INLINE_BYTES:
+        with contextlib.suppress(UnicodeDecodeError):
+            entry["inline"] = data.decode("utf-8")
+    return entry
 
 
 def commit_version(
@@ -136,14 +150,13 @@ def commit_version(
     marker = CommitMarker(
         kind=kind,
         data_prefix=data_prefix,
-        objects={k: {"size": len(v), "sha256": sha256(v)} for k, v in sorted(objects.items())},
+        objects={k: _entry(v) for k, v in sorted(objects.items())},
         writer=writer,
         write_id=write_id,
         meta=dict(meta),
     )
     if not skip_data:
-        for rel, data in objects.items():
-            bucket.put(f"{data_prefix}/{rel}", data)
+        bucket.put_many({f"{data_prefix}/{rel}": data for rel, data in objects.items()})
     body = marker.to_json()
     delay = 0.1
     for attempt in range(attempts):
@@ -184,21 +197,34 @@ def read_version(bucket: Bucket, marker_key: str) -> tuple[CommitMarker, dict[st
 
 
 def fetch_objects(
-    bucket: Bucket, marker: CommitMarker, marker_key: str, groups: tuple[str, ...] | None = None
+    bucket: Bucket,
+    marker: CommitMarker,
+    marker_key: str,
+    groups: tuple[str, ...] | None = None,
+    use_inline: bool = True,
 ) -> dict[str, bytes]:
     """The marker's objects (or only the root metadata and the named Zarr subgroups),
-    each checked against the size and sha256 the marker records."""
+    each checked against the size and sha256 the marker records. Inlined copies are used
+    unless ``use_inline`` is False (a full verification reads every stored object)."""
+    wanted = {
+        rel: expect
+        for rel, expect in marker.objects.items()
+        if groups is None or "/" not in rel or rel.split("/", 1)[0] in groups
+    }
+    inline = {rel for rel, e in wanted.items() if use_inline and "inline" in e}
+    keys = {f"{marker.data_prefix}/{rel}": rel for rel in wanted if rel not in inline}
+    try:
+        fetched = bucket.get_many(list(keys))
+    except FileNotFoundError as exc:
+        raise CorruptVersion(
+            f"{marker_key}: object {exc.args[0]} listed in the marker is missing"
+        ) from exc
+    for rel in inline:
+        fetched[f"{marker.data_prefix}/{rel}"] = wanted[rel]["inline"].encode("utf-8")
+        keys[f"{marker.data_prefix}/{rel}"] = rel
     out = {}
-    for rel, expect in marker.objects.items():
-        if groups is not None and "/" in rel and rel.split("/", 1)[0] not in groups:
-            continue
-        key = f"{marker.data_prefix}/{rel}"
-        try:
-            data = bucket.get(key)
-        except FileNotFoundError as exc:
-            raise CorruptVersion(
-                f"{marker_key}: object {key} listed in the marker is missing"
-            ) from exc
+    for key, rel in keys.items():
+        data, expect = fetched[key], wanted[rel]
         if len(data) != expect["size"]:
             raise CorruptVersion(
                 f"{marker_key}: object {key} has {len(data)} bytes, the marker says {expect['size']}"

@@ -37,7 +37,7 @@ def _verify(bucket: Bucket, commits_dir: str, letter: str, problems: list[str]) 
             continue
         key = f"{commits_dir}/{name}"
         try:
-            fetch_objects(bucket, read_marker(bucket, key), key)
+            fetch_objects(bucket, read_marker(bucket, key), key, use_inline=False)
             checked += 1
         except (CorruptVersion, OSError) as exc:
             problems.append(f"{bucket.region}: {exc}")

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from machine import machine
 
 from diloco.config import load_config
 from diloco.simulate import simulate, time_to_loss
@@ -35,18 +36,6 @@ SCENARIOS = [
     ("decoupled, 1 learner down 25%", "decoupled", [FAIL]),
     ("dp, 1 learner down 25%", "dp", [FAIL]),
 ]
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, no GPU"
 
 
 def main() -> int:

@@ -1,0 +1,17 @@
+"""One line describing the machine a benchmark ran on, for its result table."""
+
+import os
+import platform
+from pathlib import Path
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, no GPU"
