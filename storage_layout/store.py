@@ -18,6 +18,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -276,29 +277,35 @@ class RunStore:
         objects = self.global_objects(params, opt_leaves, meta, wire_dtype)
         write_id = new_write_id()
         report = PublishReport(version)
-        order = [self.client_region] + [r for r in self.urls if r != self.client_region]
-        for region in order:
-            try:
-                commit_version(
-                    self.bucket(region),
-                    self.layout.global_marker(fragment, version),
-                    self.layout.global_data(fragment, version, write_id),
-                    objects,
-                    "global",
-                    meta,
-                    self.writer,
-                    write_id,
-                )
+
+        def commit_in(region: str) -> None:
+            commit_version(
+                self.bucket(region),
+                self.layout.global_marker(fragment, version),
+                self.layout.global_data(fragment, version, write_id),
+                objects,
+                "global",
+                meta,
+                self.writer,
+                write_id,
+            )
+
+        commit_in(self.client_region)  # the arbiter: a conflict here means we lost the race
+        report.committed.append(self.client_region)
+        others = [r for r in self.urls if r != self.client_region]
+        with ThreadPoolExecutor(max_workers=max(1, len(others))) as pool:
+            futures = {region: pool.submit(commit_in, region) for region in others}
+        for region, future in futures.items():
+            exc = future.exception()
+            if exc is None:
                 report.committed.append(region)
-            except CommitConflict:
-                if region == self.client_region:
-                    raise
+            elif isinstance(exc, CommitConflict):
                 report.lagging[region] = "holds another write of this version"
-            except OSError as exc:
-                if region == self.client_region:
-                    raise
+            elif isinstance(exc, OSError):
                 report.lagging[region] = f"unreachable: {exc}"
                 log.warning("region %s is behind on fragment %d: %s", region, fragment, exc)
+            else:
+                raise exc
         return report
 
     def get_global(
