@@ -76,7 +76,7 @@ class OuterConfig(_Strict):
     momentum: Annotated[float, Field(ge=0, lt=1)] = 0.8
     nesterov: bool = True
     merge: Literal["mean", "rda"] = "mean"
-    reference: Literal["delta", "anchored"] = "delta"
+    reference: Literal["delta", "anchored"] = "anchored"  # docs/algorithm.md: best with stale work
     staleness: StalenessName = "polynomial"
     staleness_a: PositiveFloat = 0.5  # polynomial exponent, or hinge slope
     staleness_b: Annotated[float, Field(ge=0)] = 1.0  # hinge knee

@@ -37,7 +37,7 @@ def test_bandwidth_saving_against_dp(runs):
     assert d["versions"] > 0 and d["rejected"] == 0
 
 
-@pytest.mark.parametrize("mode", ["dp", "decoupled"])
+@pytest.mark.parametrize("mode", ["dp", "diloco", "decoupled"])
 def test_same_seed_same_metrics_bit_for_bit(runs, mode):
     again = simulate(load_config("tiny", mode=mode, overrides=SHORT))
     assert json.dumps(again.metrics, sort_keys=True) == json.dumps(
