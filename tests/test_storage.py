@@ -369,3 +369,31 @@ def test_poll_backs_off_exponentially():
     start = time.monotonic()
     assert poll(lambda: None, timeout=0.2, first_delay=0.05) is None
     assert time.monotonic() - start < 1.0
+
+
+def test_checkpoints_round_trip_and_pin_their_anchors(bucket_url):
+    store = RunStore("run", {"us": bucket_url}, "us", writer="a")
+    params = {"w": rng.normal(size=(5, 3)).astype(np.float32)}
+    moments = {"mu.w": np.zeros((5, 3), np.float32), "nu.w": np.ones((5, 3), np.float32)}
+    store.put_checkpoint(
+        "a",
+        120,
+        {"params": params, "opt": moments},
+        {"data_position": 120, "base_versions": {"0": 2}},
+    )
+    store.put_checkpoint(
+        "a",
+        240,
+        {"params": params, "opt": moments},
+        {"data_position": 240, "base_versions": {"0": 3}},
+    )
+    assert store.checkpoint_steps("a") == [120, 240]
+    groups, meta = store.get_checkpoint("a", 240)
+    assert np.array_equal(groups["params"]["w"], params["w"])
+    assert np.all(groups["opt"]["nu.w"] == 1)
+    assert meta["data_position"] == 240 and meta["learner"] == "a"
+    for v in range(1, 9):
+        publish(store, 0, v)
+    report = collect_garbage(store, 1, {"a": "us"}, window=1)
+    assert store.global_versions(0) == [3, 7, 8]  # 3: the newest checkpoint's anchor
+    assert report.pinned[0] == [3] and store.checkpoint_steps("a") == [120, 240]

@@ -44,7 +44,7 @@ def main() -> int:
     parser.add_argument("--preset", default="small")
     parser.add_argument("--tokens", type=int, default=1_200_000)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--only", action="append", help="run only scenarios whose name has this")
+    parser.add_argument("--only", action="append", help="run only the scenarios named (repeatable)")
     parser.add_argument("--out", type=Path, default=here)
     args = parser.parse_args()
 
@@ -57,7 +57,7 @@ def main() -> int:
     ]
     results = []
     for name, mode, extra in SCENARIOS:
-        if args.only and not any(o in name for o in args.only):
+        if args.only and name not in args.only:
             continue
         cfg = load_config(args.preset, overrides=[*common, *extra], mode=mode)
         started = time.perf_counter()
