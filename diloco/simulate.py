@@ -319,6 +319,13 @@ def _simulate_diloco(
     def merge(p: int, now: float) -> None:
         merge_due[p], first_arrival[p] = False, None
         outcome = syncers[p].merge()
+        consumed = set(outcome.version.consumed) if outcome.version else set()
+        run.useful_seconds += share[p] * sum(
+            c.seconds for c in arrived[p] if (c.learner, c.seq) in consumed
+        )
+        # Everything at or below the cursor is settled (merged, superseded or rejected).
+        cursor = syncers[p].cursor
+        arrived[p] = [c for c in arrived[p] if c.seq > cursor.get(c.learner, 0)]
         for r in outcome.rejected:
             c = r.contribution
             run.metrics.append(
@@ -334,11 +341,6 @@ def _simulate_diloco(
         gv = outcome.version
         if gv is None:
             return
-        consumed = set(gv.consumed)
-        run.useful_seconds += share[p] * sum(
-            c.seconds for c in arrived[p] if (c.learner, c.seq) in consumed
-        )
-        arrived[p] = [c for c in arrived[p] if (c.learner, c.seq) not in consumed]
         run.metrics.append(
             {
                 "event": "version",

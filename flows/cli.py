@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, DataError, OSError, ValueError) as exc:
-        console.print(f"[bold red]error:[/] {exc}")
+        console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
         return 2
 
 

@@ -103,7 +103,7 @@ def inspect_run(bucket: Bucket, run: str, verify: bool = False) -> dict[str, Any
                     "staleness": newest.get(p, base) - base,
                     "bytes": int(meta.get("payload_bytes", 0)),
                 }
-            ckpts = store._numbers(lb, layout.checkpoint_commits(learner), "s")
+            ckpts = store.checkpoint_steps(learner, region)
             row["checkpoint_step"] = ckpts[-1] if ckpts else None
         out["learners"].append(row)
     traffic: dict[str, dict[str, int]] = defaultdict(lambda: {"bytes": 0, "requests": 0})

@@ -108,10 +108,11 @@ def collect_garbage(
     report = RetentionReport()
     layout = store.layout
     checkpoint_pins: dict[int, set[int]] = {}
-    for learner in learners:
-        steps = store.checkpoint_steps(learner) if store.client_region == learners[learner] else []
+    for learner, region in learners.items():
+        steps = store.checkpoint_steps(learner, region)
         if steps:
-            meta = read_marker(store.home, layout.checkpoint_marker(learner, steps[-1])).meta
+            marker_key = layout.checkpoint_marker(learner, steps[-1])
+            meta = read_marker(store.bucket(region), marker_key).meta
             for p, v in (meta.get("base_versions") or {}).items():
                 checkpoint_pins.setdefault(int(p), set()).add(int(v))
 

@@ -53,6 +53,12 @@ class StorageTransport:
         }
         self.wire_dtype = cfg.topology.global_dtype
         self.syncer.ensure_spec(run_spec(cfg, plan, regions, self.region_of))
+        if any(self.syncer.latest_global(p) is not None for p in range(len(plan))):
+            # A simulation always starts from step 0; committed versions are never overwritten.
+            raise FileExistsError(
+                f"run {run!r} in {regions[names[0]]} already holds global versions from an "
+                "earlier simulation; pass another --run name or remove that run"
+            )
 
     def send(self, c: Contribution) -> None:
         self.learners[c.learner].put_contribution(c)

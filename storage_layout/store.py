@@ -199,8 +199,10 @@ class RunStore:
         versions = self.global_versions(fragment, region)
         return versions[-1] if versions else None
 
-    def checkpoint_steps(self, learner: str) -> list[int]:
-        return self._numbers(self.home, self.layout.checkpoint_commits(learner), "s")
+    def checkpoint_steps(self, learner: str, region: str | None = None) -> list[int]:
+        return self._numbers(
+            self.bucket(region or self.client_region), self.layout.checkpoint_commits(learner), "s"
+        )
 
     # contributions ------------------------------------------------------------------
     def put_contribution(self, c: Contribution) -> CommitMarker:

@@ -20,7 +20,7 @@ def in_process():
     return simulate(load_config("tiny", overrides=OVER))
 
 
-@pytest.mark.parametrize("backend", ["memory", "file", "s3"])
+@pytest.mark.parametrize("backend", ["memory", "file", "s3", "gcs"])
 def test_same_results_through_storage(backend, make_bucket, in_process):
     regions = {"us": make_bucket(backend), "eu": make_bucket(backend)}
     stored = simulate(
@@ -69,3 +69,7 @@ def test_inspect_cli_json_and_verify_fails_on_a_flipped_byte(tmp_path):
         [*env_bin, "inspect", str(store), "--verify"], capture_output=True, text=True, timeout=120
     )
     assert bad.returncode == 1 and "does not match its sha256" in bad.stdout
+    again = subprocess.run(
+        [*env_bin, "simulate", *args], capture_output=True, text=True, timeout=300
+    )
+    assert again.returncode == 2 and "already holds global versions" in again.stderr
