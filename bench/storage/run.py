@@ -14,7 +14,6 @@ Writes ``results.md`` beside this file. Target: protocol throughput >= 0.8 x raw
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from machine import machine
 
 from diloco.quantize import quantize
+from infra.local_servers import LocalS3
 from storage_layout.bucket import Bucket
 from storage_layout.codec import decode, encode
 from storage_layout.commit import commit_version, read_version
@@ -43,21 +43,6 @@ def best(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def start_s3() -> tuple[object, str]:
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    os.environ.update(
-        AWS_ACCESS_KEY_ID="bench",
-        AWS_SECRET_ACCESS_KEY="bench",
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_ENDPOINT_URL=f"http://{host}:{port}",
-    )
-    return server, f"http://{host}:{port}"
 
 
 def new_bucket(backend: str, tmp: Path) -> str:
@@ -77,10 +62,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent)
     args = parser.parse_args()
-    import logging
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server, _ = start_s3()
+    server = LocalS3().start()
     tmp = Path(tempfile.mkdtemp(prefix="bench-storage-"))
     rng = np.random.default_rng(0)
     rows = []
