@@ -50,7 +50,7 @@ class Transport(Protocol):
     """How contributions reach the syncer and global versions reach learners.
 
     The simulator's clock decides *when*; the transport decides *how*. In process by
-    default; ``storage_layout.sim_transport`` sends everything through buckets.
+    default; ``flows.sim_transport`` sends everything through buckets.
     """
 
     def send(self, c: Contribution) -> None: ...

@@ -97,7 +97,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     cfg = _config_from_args(args)
     transport = None
     if args.store:
-        from storage_layout.sim_transport import storage_transport
+        from flows.sim_transport import storage_transport
 
         regions = parse_stores(args.store)
         run_name = args.run or f"sim-{cfg.mode}-seed{cfg.seed}"

@@ -9,8 +9,8 @@ import pytest
 
 from diloco.config import load_config
 from diloco.simulate import simulate
+from flows.sim_transport import storage_transport
 from storage_layout.inspect import inspect_bucket
-from storage_layout.sim_transport import storage_transport
 
 OVER = ["sim.total_tokens=48000", "sim.eval_points=2"]
 
