@@ -319,13 +319,6 @@ def _simulate_diloco(
     def merge(p: int, now: float) -> None:
         merge_due[p], first_arrival[p] = False, None
         outcome = syncers[p].merge()
-        consumed = set(outcome.version.consumed) if outcome.version else set()
-        run.useful_seconds += share[p] * sum(
-            c.seconds for c in arrived[p] if (c.learner, c.seq) in consumed
-        )
-        # Everything at or below the cursor is settled (merged, superseded or rejected).
-        cursor = syncers[p].cursor
-        arrived[p] = [c for c in arrived[p] if c.seq > cursor.get(c.learner, 0)]
         for r in outcome.rejected:
             c = r.contribution
             run.metrics.append(
@@ -341,6 +334,7 @@ def _simulate_diloco(
         gv = outcome.version
         if gv is None:
             return
+        run.useful_seconds += share[p] * gv.seconds
         run.metrics.append(
             {
                 "event": "version",
@@ -359,7 +353,6 @@ def _simulate_diloco(
             inbox[i][p] = (available, gv.version)
             push(available, "deliver", i)
 
-    arrived: list[list[Contribution]] = [[] for _ in plan]
     for i in range(m):
         push(step_time(i), "step", i, 0)
     for start, end, i in _failure_windows(cfg, cfg.steps_per_learner * sim.step_seconds):
@@ -396,7 +389,6 @@ def _simulate_diloco(
             c = wire.receive(args[0])
             p = c.fragment
             syncers[p].offer(c)
-            arrived[p].append(c)
             if first_arrival[p] is None:
                 first_arrival[p] = now
             if not merge_due[p] and quorum_met(syncers[p].present, quorum):

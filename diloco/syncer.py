@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax
 import numpy as np
@@ -71,7 +71,8 @@ class GlobalVersion:
     cursor: dict[str, int]  # per learner, the highest seq processed (merged, replaced, rejected)
     weights: dict[str, float]  # normalized merge weight per "learner/seq"
     staleness: dict[str, int]
-    tokens: int  # tokens behind the merged contributions
+    tokens: int  # tokens behind the merged contributions (new work only)
+    seconds: float  # learner time behind them (new work only), for goodput
 
 
 @dataclass
@@ -113,6 +114,9 @@ class FragmentSyncer:
         self.pending: dict[tuple[str, int], Contribution] = {}
         # Versions inside the staleness window, for the anchored merge.
         self.history: dict[int, FlatParams] = {version: self.params}
+        # Per (learner, base version): the last merged contribution, so a later, cumulative
+        # one from the same anchor is merged as its increment only (delta reference).
+        self.merged_from: dict[tuple[str, int], tuple[Contribution, FlatParams]] = {}
 
     @property
     def opt_leaves(self) -> list[np.ndarray]:
@@ -134,6 +138,30 @@ class FragmentSyncer:
     @property
     def present(self) -> set[str]:
         return {c.learner for c in self.pending.values()}
+
+    def _new_work(
+        self, item: tuple[Contribution, FlatParams]
+    ) -> tuple[Contribution, FlatParams] | None:
+        """The part of ``c`` not merged yet. A learner that sends again before it has
+        received the version holding its previous contribution (same anchor) sends a
+        cumulative outer gradient; merging it whole would count the earlier steps twice.
+        Counters always become the new work's; under the ``delta`` reference the outer
+        gradient does too (the ``anchored`` one already measures what is left: current
+        global minus the learner's parameters). None when nothing new is left."""
+        c, delta = item
+        key = (c.learner, c.base_version)
+        previous = self.merged_from.get(key)
+        self.merged_from[key] = (c, delta)
+        if previous is None:
+            return item
+        before, before_delta = previous
+        steps = c.steps - before.steps
+        if steps <= 0:
+            return None
+        if self.cfg.reference == "delta":
+            delta = {n: delta[n] - before_delta[n] for n in delta}
+        tokens, seconds = c.tokens - before.tokens, c.seconds - before.seconds
+        return replace(c, tokens=tokens, steps=steps, seconds=seconds), delta
 
     def merge(self) -> MergeOutcome:
         """Merge every pending contribution that passes validation into version v + 1.
@@ -159,6 +187,7 @@ class FragmentSyncer:
         for c in self.pending.values():
             self.cursor[c.learner] = max(self.cursor.get(c.learner, 0), c.seq)
         self.pending.clear()
+        accepted = [item for item in map(self._new_work, accepted) if item is not None]
         if not accepted:
             return MergeOutcome(None, rejected)
 
@@ -179,8 +208,11 @@ class FragmentSyncer:
         self.params, self.opt_state = outer_step(self.tx, self.params, self.opt_state, merged)
         self.version += 1
         self.history[self.version] = self.params
-        for old in [v for v in self.history if v < self.version - self.cfg.max_staleness]:
+        oldest = self.version - self.cfg.max_staleness
+        for old in [v for v in self.history if v < oldest]:
             del self.history[old]
+        for key in [k for k in self.merged_from if k[1] < oldest]:
+            del self.merged_from[key]
 
         total = sum(weights)
         label = lambda c: f"{c.learner}/{c.seq}"  # noqa: E731
@@ -195,6 +227,7 @@ class FragmentSyncer:
                 weights={label(c): w / total for (c, _), w in zip(accepted, weights, strict=True)},
                 staleness={label(c): s for (c, _), s in zip(accepted, staleness, strict=True)},
                 tokens=sum(c.tokens for c, _ in accepted),
+                seconds=sum(c.seconds for c, _ in accepted),
             ),
             rejected,
         )

@@ -107,7 +107,8 @@ def test_syncer_replaces_same_base_keeps_different_base_and_rejects_bad():
     out = syncer.merge()
     assert out.version.consumed == (("a", 2),)
     assert len(out.rejected) == 1 and "NaN" in out.rejected[0].reason
-    syncer.offer(contribution("a", 3, 0, 1.0, shapes))  # base 0 vs version 1: staleness 1
+    # Same anchor as the merged seq 2, ten steps further: staleness 1, new work only.
+    syncer.offer(contribution("a", 3, 0, 1.0, shapes, tokens=200, steps=20))
     syncer.offer(contribution("a", 4, 1, 1.0, shapes))  # re-anchored: separate work
     assert syncer.merge().version.staleness == {"a/3": 1, "a/4": 0}
 
@@ -120,3 +121,25 @@ def test_quorum_and_grace_window():
     pending = [contribution(x, 1, 0, 1.0, {"w": (1,)}) for x in "ab"]
     assert estimate_step_seconds(pending, 9.0) == pytest.approx(0.1)
     assert estimate_step_seconds([], 9.0) == 9.0
+
+
+@pytest.mark.parametrize("reference", ["delta", "anchored"])
+def test_resent_contribution_from_a_merged_anchor_counts_only_new_work(reference):
+    # A learner sends seq 1, it is merged into v1, and before receiving v1 it sends seq 2
+    # from the same anchor (base 0): seq 2's outer gradient (3.0) contains seq 1's (1.0).
+    shapes = {"w": (2,)}
+    cfg = OuterConfig(
+        lr=1.0, momentum=0.0, nesterov=False, staleness="constant", reference=reference
+    )
+    syncer = FragmentSyncer(0, {"w": np.zeros(2, np.float32)}, cfg, ["a"], is_embedding)
+    syncer.offer(contribution("a", 1, 0, 1.0, shapes, tokens=100, steps=10))
+    first = syncer.merge().version
+    np.testing.assert_allclose(first.params["w"], -1.0)
+    syncer.offer(contribution("a", 2, 0, 3.0, shapes, tokens=300, steps=30))
+    second = syncer.merge().version
+    # delta: merge the increment 3 - 1 = 2 -> Theta = -3 (merging it whole would give -4).
+    # anchored: Theta_1 - (Theta_0 - 3) = -1 - (0 - 3) = 2 -> Theta = -3 as well.
+    np.testing.assert_allclose(second.params["w"], -3.0)
+    assert (second.tokens, second.seconds) == (200, 0.0)  # only the new work is counted
+    syncer.offer(contribution("a", 3, 0, 3.0, shapes, tokens=300, steps=30))  # nothing new
+    assert syncer.merge().version is None
