@@ -97,7 +97,6 @@ class Bucket:
         storage_options: Mapping[str, Any] | None = None,
         traffic: Traffic | None = None,
         allow_unsafe_overwrite: bool = False,
-        must_exist: bool = True,
     ):
         self.url = url
         self.region = region
@@ -117,10 +116,7 @@ class Bucket:
                 "syncers could both publish one version; pass allow_unsafe_overwrite=True only "
                 "if a single writer per key is guaranteed some other way"
             )
-        if self.protocol in ("file", "local") and not must_exist:
-            self.fs.makedirs(self.root, exist_ok=True)
-        if must_exist:
-            self.check_reachable()
+        self.check_reachable()
 
     def __repr__(self) -> str:
         return f"Bucket({self.url!r}, region={self.region!r})"

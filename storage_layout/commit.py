@@ -139,12 +139,11 @@ def commit_version(
     writer: str,
     write_id: str | None = None,
     attempts: int = 4,
-    skip_data: bool = False,
 ) -> CommitMarker:
     """Write ``objects`` under ``data_prefix`` and then the marker, exclusively.
 
     Returns the committed marker (ours). Raises ``CommitConflict`` when another writer
-    holds the marker. ``skip_data`` is for a retry whose data objects are already there.
+    holds the marker.
     """
     write_id = write_id or new_write_id()
     marker = CommitMarker(
@@ -155,8 +154,7 @@ def commit_version(
         write_id=write_id,
         meta=dict(meta),
     )
-    if not skip_data:
-        bucket.put_many({f"{data_prefix}/{rel}": data for rel, data in objects.items()})
+    bucket.put_many({f"{data_prefix}/{rel}": data for rel, data in objects.items()})
     body = marker.to_json()
     delay = 0.1
     for attempt in range(attempts):

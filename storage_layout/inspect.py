@@ -44,8 +44,10 @@ def _verify(bucket: Bucket, commits_dir: str, letter: str, problems: list[str]) 
     return checked
 
 
-def inspect_run(bucket: Bucket, run: str, verify: bool = False) -> dict[str, Any]:
-    spec = RunStore(run, {bucket.region: bucket.url}, bucket.region).read_spec()
+def inspect_run(
+    bucket: Bucket, run: str, verify: bool = False, spec: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    spec = spec or RunStore(run, {bucket.region: bucket.url}, bucket.region).read_spec()
     regions: dict[str, str] = spec.get("regions") or {bucket.region: bucket.url}
     learners: dict[str, str] = spec.get("learners") or {}
     fragments = len(spec.get("fragments") or [])
@@ -154,5 +156,5 @@ def inspect_bucket(url: str, run: str | None = None, verify: bool = False) -> di
             (r for r, u in (spec.get("regions") or {}).items() if u.rstrip("/") == url.rstrip("/")),
             "inspect",
         )
-        result["runs"].append(inspect_run(Bucket(url, region=region), name, verify))
+        result["runs"].append(inspect_run(Bucket(url, region=region), name, verify, spec))
     return result
