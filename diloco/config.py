@@ -123,6 +123,21 @@ class SimConfig(_Strict):
     eval_points: PositiveInt = 10  # evaluations of the global model over the run
 
 
+class PipelineConfig(_Strict):
+    """How `diloco train` runs learners and syncers as Prefect flows (not part of the run
+    spec: these may change between two launches of one run)."""
+
+    round_steps: PositiveInt = 50  # inner steps per round (one Prefect task run)
+    rounds_per_flow_run: PositiveInt = 20  # a learner flow run ends after this many rounds
+    checkpoint_rounds: PositiveInt = 2  # checkpoint every this many rounds (and at the end)
+    versions_per_flow_run: PositiveInt = 200  # a syncer flow run ends after this many publishes
+    syncer_shards: PositiveInt = 2  # syncer processes; shard s owns fragments p with p % S == s
+    poll_seconds: PositiveFloat = 0.2  # how often learners and syncers list the buckets
+    max_restarts: Annotated[int, Field(ge=0)] = 3  # a crashed process is started again this often
+    eval_seconds: PositiveFloat = 10.0  # the launcher evaluates the newest globals this often
+    upload_retries: Annotated[int, Field(ge=0)] = 5  # per contribution, with backoff
+
+
 class RunConfig(_Strict):
     seed: int = 0
     mode: Literal["dp", "diloco", "decoupled"] = "decoupled"
@@ -132,6 +147,7 @@ class RunConfig(_Strict):
     outer: OuterConfig = OuterConfig()
     topology: TopologyConfig = TopologyConfig()
     sim: SimConfig = SimConfig()
+    pipeline: PipelineConfig = PipelineConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:

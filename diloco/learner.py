@@ -92,7 +92,10 @@ class Learner:
         return loss
 
     def due(self) -> int | None:
-        return due_fragment(self.step, self.topology.inner_steps, len(self.plan))
+        """The fragment to send after this step, if any (never one with no new steps: a
+        global applied at the same step re-anchored it)."""
+        p = due_fragment(self.step, self.topology.inner_steps, len(self.plan))
+        return p if p is not None and self.fragments[p].steps > 0 else None
 
     def fragment_values(self, p: int) -> FlatParams:
         names = self.plan[p]
@@ -158,16 +161,21 @@ class Learner:
             residual=dict(self.feedback.residual) if self.feedback else {},
         )
 
-    def restore(self, ckpt: LearnerCheckpoint, next_seq: int | None = None) -> None:
+    def restore(
+        self, ckpt: LearnerCheckpoint, next_seq: int | None = None, forget_sent: bool = True
+    ) -> None:
         """Resume from ``ckpt``. ``next_seq`` keeps sequence numbers unique when contributions
-        were sent after the checkpoint was taken (they must never be reused)."""
+        were sent after the checkpoint was taken (they must never be reused). With
+        ``forget_sent`` the answers to sends before the checkpoint are left to the caller
+        (the simulator applies the newest globals at once on rejoin)."""
         self.params = ckpt.params
         self.opt_state = ckpt.opt_state
         self.reader.position = ckpt.data_position
         self.step = ckpt.step
         self.seq = max(ckpt.seq, (next_seq or 0) - 1)
         self.fragments = copy.deepcopy(ckpt.fragments)
-        for frag in self.fragments:
-            frag.sent_at_step = None  # answers to pre-crash sends are applied on arrival
+        if forget_sent:
+            for frag in self.fragments:
+                frag.sent_at_step = None
         if self.feedback:
             self.feedback.residual = dict(ckpt.residual)

@@ -73,6 +73,7 @@ class GlobalVersion:
     staleness: dict[str, int]
     tokens: int  # tokens behind the merged contributions (new work only)
     seconds: float  # learner time behind them (new work only), for goodput
+    merged: dict[str, list[float]] = field(default_factory=dict)  # see FragmentSyncer.merged
 
 
 @dataclass
@@ -94,6 +95,7 @@ class FragmentSyncer:
         version: int = 0,
         opt_leaves: list[np.ndarray] | None = None,
         cursor: dict[str, int] | None = None,
+        merged: dict[str, list[float]] | None = None,
     ):
         self.fragment = fragment
         self.cfg = cfg
@@ -116,7 +118,22 @@ class FragmentSyncer:
         self.history: dict[int, FlatParams] = {version: self.params}
         # Per (learner, base version): the last merged contribution, so a later, cumulative
         # one from the same anchor is merged as its increment only (delta reference).
-        self.merged_from: dict[tuple[str, int], tuple[Contribution, FlatParams]] = {}
+        self.merged_from: dict[tuple[str, int], tuple[Contribution, FlatParams | None]] = {}
+        for key, (seq, tokens, steps, seconds) in (merged or {}).items():
+            learner, base = key.rsplit("/", 1)
+            c = Contribution(
+                learner, fragment, int(seq), int(base), int(tokens), int(steps), float(seconds), {}
+            )
+            self.merged_from[(learner, int(base))] = (c, None)
+
+    @property
+    def merged(self) -> dict[str, list[float]]:
+        """The counters of ``merged_from`` (stored with each version, so that a restarted
+        syncer still merges a re-sent cumulative contribution as its increment only)."""
+        return {
+            f"{learner}/{base}": [c.seq, c.tokens, c.steps, c.seconds]
+            for (learner, base), (c, _) in self.merged_from.items()
+        }
 
     @property
     def opt_leaves(self) -> list[np.ndarray]:
@@ -158,7 +175,8 @@ class FragmentSyncer:
         steps = c.steps - before.steps
         if steps <= 0:
             return None
-        if self.cfg.reference == "delta":
+        if self.cfg.reference == "delta" and before_delta is not None:
+            # (after a restart only the counters are known; the delta is then merged whole)
             delta = {n: delta[n] - before_delta[n] for n in delta}
         tokens, seconds = c.tokens - before.tokens, c.seconds - before.seconds
         return replace(c, tokens=tokens, steps=steps, seconds=seconds), delta
@@ -182,6 +200,11 @@ class FragmentSyncer:
                 )
             except ContributionRejected as exc:
                 rejected.append(exc)
+                continue
+            if self.cfg.reference == "anchored" and c.base_version not in self.history:
+                rejected.append(
+                    ContributionRejected(c, f"base version {c.base_version} is no longer held")
+                )
                 continue
             accepted.append((c, delta))
         for c in self.pending.values():
@@ -228,6 +251,7 @@ class FragmentSyncer:
                 staleness={label(c): s for (c, _), s in zip(accepted, staleness, strict=True)},
                 tokens=sum(c.tokens for c, _ in accepted),
                 seconds=sum(c.seconds for c, _ in accepted),
+                merged=self.merged,
             ),
             rejected,
         )

@@ -3,9 +3,14 @@
     diloco simulate [--preset tiny] [--mode decoupled] [--config run.toml]
                     [--set outer.lr=0.5 ...] [--seed 0] [--out runs/NAME]
                     [--store [REGION=]URL ...] [--run NAME]
+    diloco train [--run NAME] [--dir runs] [--preset tiny] [--config run.toml]
+                 [--set KEY=VALUE ...] [--tokens N] [--region NAME=URL ...]
     diloco inspect URL [--run NAME] [--verify] [--json]
 
-``simulate`` writes ``config.json``, ``metrics.jsonl`` and ``summary.json`` to the output
+``train`` runs the real pipeline: a learner process per learner and syncer shards as
+Prefect flows, linked only by the regions' buckets (by default two ``file://`` regions
+under ``runs/NAME/buckets``), with a local Prefect server unless ``PREFECT_API_URL`` is
+set. Run it again with the same ``--run`` to resume. ``simulate`` writes ``config.json``, ``metrics.jsonl`` and ``summary.json`` to the output
 folder and prints a summary table; with ``--store`` every contribution and global
 version goes through those buckets. ``inspect`` shows what a bucket holds.
 """
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -25,7 +31,7 @@ from rich.table import Table
 from diloco.config import PRESETS, ConfigError, RunConfig, load_config
 from diloco.data import DataError
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 
 def stdout_console() -> Console:
@@ -139,6 +145,116 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+TRAIN_REGIONS = ("us-east", "eu-west")
+TRAIN_TOKENS = 1_000_000  # the embedded default run: tiny preset, about 2 minutes on 2 cores
+
+
+def train_summary_table(summary: dict, title: str) -> Table:
+    table = Table(title=title, show_header=False)
+    table.add_column("metric", style="bold")
+    table.add_column("value", justify="right")
+    loss = (
+        f"{summary['initial_loss']:.4f} -> {summary['final_loss']:.4f}"
+        if summary.get("final_loss") is not None
+        else "-"
+    )
+    ratio = summary.get("bandwidth_ratio_vs_dp")
+    rows = [
+        ("mode", summary["mode"]),
+        ("parameters", f"{summary['params']:,}"),
+        ("learners / quorum", f"{summary['learners']} / {summary['quorum']}"),
+        ("tokens", f"{summary['tokens']:,}"),
+        ("validation loss", loss),
+        ("wall time", f"{summary['wall_seconds']:.0f} s"),
+        ("goodput", f"{summary['goodput']:.1%}"),
+        ("global versions", " ".join(f"f{p}:v{v}" for p, v in summary["versions"].items())),
+        ("rejected contributions", str(summary["rejected"])),
+        *[(f"bytes {pair}", _human_bytes(t["bytes"])) for pair, t in summary["traffic"].items()],
+        ("learners' bytes up + down", _human_bytes(summary["learner_bytes"])),
+        ("cross-region bytes", _human_bytes(summary["cross_region_bytes"])),
+        ("data-parallel would move", _human_bytes(summary["dp_bytes"])),
+        ("bandwidth saving vs dp", f"{ratio:.1f}x" if ratio else "-"),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import os
+
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # clean up the server on `kill` too
+
+    overrides = list(args.set or [])
+    if args.config is None:
+        overrides.insert(0, f"sim.total_tokens={TRAIN_TOKENS}")
+    cfg = load_config(preset=args.preset, file=args.config, overrides=overrides,
+                      mode=args.mode, seed=args.seed)  # fmt: skip
+    if args.tokens:
+        cfg = cfg.model_copy(
+            update={"sim": cfg.sim.model_copy(update={"total_tokens": args.tokens})}
+        )
+    root = Path(args.dir) / args.run
+    regions = parse_stores(args.region) if args.region else parse_stores(
+        [f"{r}={root / 'buckets' / r}" for r in TRAIN_REGIONS]
+    )  # fmt: skip
+    if len(regions) == 1 and "default" in regions:
+        raise ConfigError("--region needs NAME=URL")
+    prefect_home = root / "prefect"
+    os.environ.setdefault("PREFECT_HOME", str(prefect_home.resolve()))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    console.print(
+        f"[bold]train[/] run {args.run!r}: mode={cfg.mode} learners={cfg.topology.learners} "
+        f"quorum={cfg.quorum} fragments={cfg.topology.fragments} "
+        f"H={cfg.topology.inner_steps} tokens={cfg.sim.total_tokens:,}\n"
+        + "".join(f"  region {r}: {u}\n" for r, u in regions.items())
+    )
+    from contextlib import nullcontext
+
+    from infra.prefect_server import prefect_server
+
+    external = os.environ.get("PREFECT_API_URL")
+    server = nullcontext(external) if external else prefect_server(prefect_home)
+    started = time.perf_counter()
+    with server as api_url:
+        os.environ["PREFECT_API_URL"] = api_url
+        console.print(f"Prefect API {api_url}" + ("" if external else f" (home {prefect_home})"))
+        from flows.launcher import flush_prefect, on_interrupt, stop_children, train_flow
+
+        signal.signal(signal.SIGINT, on_interrupt)
+        signal.signal(signal.SIGTERM, on_interrupt)
+
+        try:
+            summary = train_flow(args.run, regions, cfg.model_dump(mode="json"),
+                                 str(root / "logs"))  # fmt: skip
+        except KeyboardInterrupt:
+            console.print("[yellow]interrupted[/]: stopping learners and syncers (they checkpoint)")
+            stop_children()
+            console.print(f"resume with the same command (run {args.run!r})")
+            return 130
+        finally:
+            flush_prefect()
+    wall = time.perf_counter() - started
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    stdout_console().print(train_summary_table(summary, f"diloco train {args.run} ({wall:.0f} s)"))
+    home = next(iter(regions))
+    console.print(
+        f"summary: {root / 'summary.json'}  worker logs: {root / 'logs'}\n"
+        f"inspect the buckets:  diloco inspect {regions[home]} --run {args.run}\n"
+        + (f"browse the run in the Prefect UI:  PREFECT_HOME={prefect_home} prefect server start"
+           if not external else f"Prefect UI: {external.removesuffix('/api')}")
+    )  # fmt: skip
+    if summary["failed"]:
+        console.print(f"[bold red]failed:[/] {', '.join(summary['failed'])} (see the logs)")
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diloco", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -158,6 +274,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--run", help="run name in the buckets (default sim-MODE-seedN)")
     sim.set_defaults(func=cmd_simulate)
+    tr = sub.add_parser("train", help="run learners and syncers as Prefect flows over buckets")
+    tr.add_argument("--run", default="quickstart", help="run name (same name: resume)")
+    tr.add_argument("--dir", default="runs", help="local folder for the run (default runs)")
+    tr.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    tr.add_argument("--mode", choices=["diloco", "decoupled"])
+    tr.add_argument("--config", help="a TOML or JSON file of config fields")
+    tr.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field")
+    tr.add_argument("--seed", type=int)
+    tr.add_argument("--tokens", type=int, help=f"token budget (default {TRAIN_TOKENS:,})")
+    tr.add_argument(
+        "--region",
+        action="append",
+        metavar="NAME=URL",
+        help="a region and its bucket (repeat; the first is the syncers' home); "
+        f"default: {', '.join(TRAIN_REGIONS)} under DIR/RUN/buckets",
+    )
+    tr.set_defaults(func=cmd_train)
     ins = sub.add_parser("inspect", help="show what a bucket holds")
     ins.add_argument("url", help="a region's bucket URL (file://, s3://, gs://, or a folder)")
     ins.add_argument("--run", help="only this run")

@@ -27,7 +27,7 @@ def run_spec(
 ) -> dict:
     """What is fixed for a run's lifetime: model, fragments, hyperparameters, topology."""
     return {
-        "config": cfg.model_dump(mode="json", exclude={"sim", "seed"}),
+        "config": cfg.model_dump(mode="json", exclude={"sim", "seed", "pipeline"}),
         "fragments": [list(f) for f in plan],
         "regions": dict(regions),
         "learners": dict(learners),

@@ -45,12 +45,18 @@ class Traffic:
 
     bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     requests: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    uploaded: int = 0  # bytes this client wrote, to any region
+    downloaded: int = 0  # bytes this client read, from any region
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, src: str, dst: str, nbytes: int) -> None:
+    def add(self, src: str, dst: str, nbytes: int, upload: bool = False) -> None:
         with self._lock:
             self.bytes[(src, dst)] += nbytes
             self.requests[(src, dst)] += 1
+            if upload:
+                self.uploaded += nbytes
+            else:
+                self.downloaded += nbytes
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         with self._lock:
@@ -140,7 +146,7 @@ class Bucket:
 
     # writes -------------------------------------------------------------------------
     def _up(self, nbytes: int) -> None:
-        self.traffic.add(self.client_region, self.region, nbytes)
+        self.traffic.add(self.client_region, self.region, nbytes, upload=True)
 
     def _down(self, nbytes: int) -> None:
         self.traffic.add(self.region, self.client_region, nbytes)

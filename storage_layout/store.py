@@ -7,7 +7,10 @@
 - A **syncer** lists learners' contribution markers in every region, reads and verifies
   them, and publishes each global version to every region. The syncer's home region is
   the arbiter: the version is committed there first (so of two racing syncers exactly
-  one wins), then copied to the other regions. A region that is down is skipped and
+  one wins), then copied to the other regions. Only the home region keeps the fp32
+  master copy and the outer optimizer state (what a restarted syncer needs); the other
+  regions get the ``wire`` group learners download, so a version crosses regions once,
+  in the wire dtype. A region that is down is skipped and
   brought up to date by ``sync_regions`` once it is back; it stops no other region.
 - Every byte and request is counted per (source region, destination region).
 """
@@ -89,6 +92,14 @@ class PublishReport:
     lagging: dict[str, str] = field(default_factory=dict)  # region -> why it was skipped
 
 
+WIRE = ("wire",)
+
+
+def learner_view(objects: Mapping[str, bytes]) -> dict[str, bytes]:
+    """A global version's objects without the master copy and optimizer state."""
+    return {k: v for k, v in objects.items() if "/" not in k or k.split("/", 1)[0] in WIRE}
+
+
 def _fp32(values: Mapping[str, np.ndarray]) -> dict[str, QuantizedTensor]:
     return {n: quantize(v, "fp32") for n, v in values.items()}
 
@@ -115,6 +126,7 @@ class RunStore:
         self._options = storage_options or {}
         self._unsafe = allow_unsafe_overwrite
         self._buckets: dict[str, Bucket] = {}
+        self._metrics_base: dict[str, tuple[dict, int, int]] = {}
 
     def bucket(self, region: str) -> Bucket:
         """The region's bucket, opened on first use; ``RegionDown`` if it cannot be reached."""
@@ -285,7 +297,7 @@ class RunStore:
                 self.bucket(region),
                 self.layout.global_marker(fragment, version),
                 self.layout.global_data(fragment, version, write_id),
-                objects,
+                objects if region == self.client_region else learner_view(objects),
                 "global",
                 meta,
                 self.writer,
@@ -318,8 +330,13 @@ class RunStore:
         bucket = self.bucket(region or self.client_region)
         key = self.layout.global_marker(fragment, version)
         marker = read_marker(bucket, key)
-        wanted = ("wire",) if learner_view else ("params", "opt")
+        wanted = WIRE if learner_view else ("params", "opt")
         objects = fetch_objects(bucket, marker, key, groups=wanted)
+        if not learner_view and "params/zarr.json" not in marker.objects:
+            raise CorruptVersion(
+                f"{bucket.url}/{key} holds the learner view only; the master copy and the "
+                f"optimizer state are in the syncer's home region"
+            )
         try:
             groups, _ = decode(objects)
             source = groups["wire"] if learner_view else groups["params"]
@@ -360,7 +377,7 @@ class RunStore:
                     continue
                 if source is None:
                     marker = read_marker(self.home, key)
-                    source = marker, fetch_objects(self.home, marker, key)
+                    source = marker, fetch_objects(self.home, marker, key, groups=WIRE)
                 marker, objects = source
                 commit_version(
                     self.bucket(region), key, marker.data_prefix, objects, "global",
@@ -402,9 +419,39 @@ class RunStore:
         return {g: {n: dequantize(q) for n, q in t.items()} for g, t in groups.items()}, marker.meta
 
     def write_metrics(self, name: str, record: Mapping[str, Any]) -> None:
-        """Overwrite this writer's metrics object (traffic, progress) in its home region."""
-        body = {"traffic": self.traffic.as_dict(), **record}
+        """Overwrite this writer's metrics object (traffic, progress) in its home region.
+
+        Traffic accumulates over the processes that wrote under ``name`` before: the
+        first write of this store adds its counts to those already stored."""
+        if name not in self._metrics_base:
+            old = self.read_metrics(name) or {}
+            self._metrics_base[name] = (old.get("traffic", {}), old.get("bytes_up", 0),
+                                        old.get("bytes_down", 0))  # fmt: skip
+        base, up, down = self._metrics_base[name]
+        traffic = {pair: dict(t) for pair, t in base.items()}
+        for pair, t in self.traffic.as_dict().items():
+            acc = traffic.setdefault(pair, {"bytes": 0, "requests": 0})
+            acc["bytes"] += t["bytes"]
+            acc["requests"] += t["requests"]
+        body = {
+            "traffic": traffic,
+            "bytes_up": up + self.traffic.uploaded,
+            "bytes_down": down + self.traffic.downloaded,
+            **record,
+        }
         self.home.put(self.layout.metrics(name), json.dumps(body, sort_keys=True).encode())
+
+    def read_metrics(self, name: str, region: str | None = None) -> dict[str, Any] | None:
+        """A writer's metrics object, or None if it has written none yet."""
+        try:
+            raw = self.bucket(region or self.client_region).get(self.layout.metrics(name))
+        except FileNotFoundError:
+            return None
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            log.warning("metrics object of %s is not JSON; ignored", name)
+            return None
 
 
 def poll(

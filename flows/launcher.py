@@ -1,0 +1,396 @@
+"""The launcher flow: write the run spec, start every learner and syncer shard as its own
+process, watch the run through the buckets, and report.
+
+Each process is a Prefect task run of this flow (``start learner us-east/2``) that
+spawns ``python -m flows.worker ...`` and waits for it. A process that dies (a crash, a
+SIGKILL, a region that stays down) fails its task run and Prefect retries it with
+backoff, up to ``pipeline.max_restarts`` times: the new process resumes from the
+buckets. Nothing passes between the processes but the buckets.
+
+While they run, the launcher evaluates the newest global versions every
+``pipeline.eval_seconds`` (the held-out loss of the model the syncers publish), logs a
+progress line and updates a progress artifact. At the end it writes the summary as a
+markdown artifact with the loss curve.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    update_progress_artifact,
+)
+from prefect.cache_policies import NO_CACHE
+from prefect.futures import wait
+from prefect.settings import PREFECT_API_URL
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from diloco.config import RunConfig, validate_config
+from diloco.simulate import dp_bytes_per_step
+from flows.learner import artifact_key
+from flows.run import build_model, initialize_run, validation
+from storage_layout.store import RunStore
+
+STOPPING = threading.Event()  # set on Ctrl-C: exits are then expected, not retried
+_children: set[subprocess.Popen] = set()
+_lock = threading.Lock()
+
+
+def child_env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    url = PREFECT_API_URL.value()
+    if url:
+        env["PREFECT_API_URL"] = url
+    return env
+
+
+@task(
+    name="process",
+    task_run_name="start {name}",
+    retry_delay_seconds=[2, 10, 30],
+    cache_policy=NO_CACHE,
+    persist_result=False,
+)
+def supervise(name: str, argv: list[str], log_path: str) -> int:
+    """Run one worker process to its end; a non-zero exit fails the task (and retries it)."""
+    if STOPPING.is_set():
+        return 130
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=child_env())
+    with _lock:
+        _children.add(proc)
+    try:
+        code = proc.wait()
+    finally:
+        with _lock:
+            _children.discard(proc)
+    if code == 0 or STOPPING.is_set():
+        return code
+    tail = Path(log_path).read_text(errors="replace")[-800:]
+    raise RuntimeError(f"{name} exited with status {code}; log {log_path}:\n{tail}")
+
+
+def on_interrupt(signum: int, frame: Any) -> None:
+    """SIGINT / SIGTERM in the launcher: ask the workers to checkpoint and stop right away
+    (the flow's task runner waits for them), then unwind as a KeyboardInterrupt."""
+    STOPPING.set()
+    with _lock:
+        procs = list(_children)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+    raise KeyboardInterrupt
+
+
+def stop_children(timeout: float = 60.0) -> None:
+    """Ctrl-C: ask every worker to checkpoint and exit, then kill what is left."""
+    STOPPING.set()
+    with _lock:
+        procs = list(_children)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def flush_prefect(timeout: float = 10.0) -> None:
+    """Send the logs and events still queued to the API (before a local server stops)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=timeout)
+
+
+def worker_commands(
+    run: str, regions: dict[str, str], cfg: RunConfig, spec: dict[str, Any]
+) -> list[tuple[str, list[str]]]:
+    pipeline = json.dumps(cfg.pipeline.model_dump())
+    base = [sys.executable, "-m", "flows.worker"]
+    out = []
+    home = next(iter(regions))
+    shards = min(cfg.pipeline.syncer_shards, cfg.topology.fragments)
+    for shard in range(shards):
+        out.append(
+            (
+                f"syncer {home}/{shard}",
+                [
+                    *base,
+                    "syncer",
+                    "--run",
+                    run,
+                    "--regions",
+                    json.dumps(regions),
+                    "--home",
+                    home,
+                    "--shard",
+                    str(shard),
+                    "--shards",
+                    str(shards),
+                    "--pipeline",
+                    pipeline,
+                    "--tags",
+                    f"run:{run},region:{home},syncer",
+                ],
+            )
+        )
+    for learner, region in spec["learners"].items():
+        index = learner.rsplit("-", 1)[1]
+        out.append(
+            (
+                f"learner {region}/{index}",
+                [
+                    *base,
+                    "learner",
+                    "--run",
+                    run,
+                    "--bucket",
+                    regions[region],
+                    "--region",
+                    region,
+                    "--index",
+                    index,
+                    "--pipeline",
+                    pipeline,
+                    "--tags",
+                    f"run:{run},region:{region},learner:{index}",
+                ],
+            )
+        )
+    return out
+
+
+class Monitor:
+    """Reads the run's state from the buckets and evaluates the newest global model."""
+
+    def __init__(self, store: RunStore, cfg: RunConfig, spec: dict[str, Any]):
+        self.store, self.cfg, self.spec = store, cfg, spec
+        self.model = build_model(cfg)
+        self.val = validation(cfg)
+        self.total_steps = int(spec["train"]["steps_per_learner"])
+        self.curve: list[dict[str, Any]] = []
+        self.started = time.time()
+
+    def statuses(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for learner, region in self.spec["learners"].items():
+            try:
+                out[learner] = self.store.read_metrics(learner, region) or {}
+            except OSError:
+                out[learner] = {"state": "unreachable"}
+        return out
+
+    def tokens(self, statuses: dict[str, dict[str, Any]]) -> int:
+        return sum(int(s.get("tokens", 0)) for s in statuses.values())
+
+    def versions(self) -> dict[int, int]:
+        return {p: self.store.latest_global(p) or 0 for p in range(len(self.model.plan))}
+
+    def evaluate(self, statuses: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        versions = self.versions()
+        params = {}
+        for p, v in versions.items():
+            params.update(self.store.get_global(p, v).params)
+        trainer = self.model.trainer
+        loss = trainer.evaluate(trainer.place_params(params), self.val)
+        point = {
+            "seconds": round(time.time() - self.started, 1),
+            "tokens": self.tokens(statuses),
+            "loss": loss,
+            "versions": versions,
+        }
+        self.curve.append(point)
+        return point
+
+    def progress(self, statuses: dict[str, dict[str, Any]]) -> float:
+        m = len(self.spec["learners"])
+        steps = sum(min(int(s.get("step", 0)), self.total_steps) for s in statuses.values())
+        return 100.0 * steps / (m * self.total_steps)
+
+    def summary(self, wall: float) -> dict[str, Any]:
+        """Totals from the buckets: traffic of every writer, goodput from the versions."""
+        store, spec = self.store, self.spec
+        statuses = self.statuses()
+        traffic: dict[str, dict[str, int]] = {}
+        writers = [(lid, region) for lid, region in spec["learners"].items()]
+        shards = min(self.cfg.pipeline.syncer_shards, self.cfg.topology.fragments)
+        writers += [(f"syncer-{s}", store.client_region) for s in range(shards)]
+        rejected, learner_bytes = 0, 0
+        for name, region in writers:
+            record = store.read_metrics(name, region) or {}
+            rejected += len(record.get("rejected", []))
+            if name in spec["learners"]:
+                learner_bytes += record.get("bytes_up", 0) + record.get("bytes_down", 0)
+            for pair, t in record.get("traffic", {}).items():
+                acc = traffic.setdefault(pair, {"bytes": 0, "requests": 0})
+                acc["bytes"] += t["bytes"]
+                acc["requests"] += t["requests"]
+        useful, versions = 0.0, {}
+        for p, share in enumerate(self.model.shares):
+            vs = store.global_versions(p)
+            versions[p] = vs[-1] if vs else 0
+            for v in vs:
+                meta = store.global_marker(p, v).meta
+                if meta.get("published_at", 0) >= self.started:
+                    useful += share * float(meta.get("seconds", 0.0))
+        m = len(spec["learners"])
+        tokens = self.tokens(statuses)
+        cross = sum(t["bytes"] for pair, t in traffic.items() if len(set(pair.split("->"))) > 1)
+        num_params = self.model.codec.num_params
+        dp_bytes = dp_bytes_per_step(num_params, m) * (tokens // (m * self.cfg.tokens_per_step))
+        first, last = (self.curve[0], self.curve[-1]) if self.curve else ({}, {})
+        return {
+            "run": store.run,
+            "mode": self.cfg.mode,
+            "params": num_params,
+            "learners": m,
+            "quorum": self.cfg.quorum,
+            "tokens": tokens,
+            "initial_loss": first.get("loss"),
+            "final_loss": last.get("loss"),
+            "wall_seconds": round(wall, 1),
+            "goodput": useful / (m * wall) if wall > 0 else 0.0,
+            "versions": versions,
+            "rejected": rejected,
+            "traffic": traffic,
+            "learner_bytes": learner_bytes,
+            "cross_region_bytes": cross,
+            "dp_bytes": dp_bytes,
+            "bandwidth_ratio_vs_dp": dp_bytes / learner_bytes if learner_bytes else None,
+            "learner_states": {k: v.get("state", "not started") for k, v in statuses.items()},
+            "curve": self.curve,
+        }
+
+
+def loss_plot_png(curve: list[dict[str, Any]], title: str) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([c["tokens"] for c in curve], [c["loss"] for c in curve], marker="o")
+    ax.set_xlabel("tokens (all learners)")
+    ax.set_ylabel("validation loss (nats/byte)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def summary_markdown(summary: dict[str, Any], png: bytes | None) -> str:
+    rows = [
+        ("mode", summary["mode"]),
+        ("learners / quorum", f"{summary['learners']} / {summary['quorum']}"),
+        ("tokens", f"{summary['tokens']:,}"),
+        ("validation loss", f"{summary['initial_loss']:.4f} → {summary['final_loss']:.4f}"),
+        ("wall time", f"{summary['wall_seconds']:.0f} s"),
+        ("goodput", f"{summary['goodput']:.1%}"),
+        ("global versions", ", ".join(f"f{p}: v{v}" for p, v in summary["versions"].items())),
+        ("rejected contributions", str(summary["rejected"])),
+    ]
+    rows += [(f"bytes {pair}", f"{t['bytes']:,}") for pair, t in summary["traffic"].items()]
+    lines = [f"# Run {summary['run']}", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+    if png:
+        lines += ["", f"![loss curve](data:image/png;base64,{base64.b64encode(png).decode()})"]
+    return "\n".join(lines)
+
+
+@flow(
+    name="train",
+    flow_run_name="train {run}",
+    persist_result=False,
+    task_runner=ThreadPoolTaskRunner(max_workers=64),
+)
+def train_flow(run: str, regions: dict[str, str], config: dict, logs: str) -> dict[str, Any]:
+    """Run ``run`` to its end across ``regions`` (region -> bucket URL; the first is the
+    syncers' home). ``config`` is a ``RunConfig`` as a dict; ``logs`` a local folder for
+    the worker processes' output."""
+    log = get_run_logger()
+    cfg = validate_config(config)
+    STOPPING.clear()
+    store = RunStore(run, regions, next(iter(regions)), writer="launcher")
+    spec = initialize_run(store, cfg)
+    Path(logs).mkdir(parents=True, exist_ok=True)
+    monitor = Monitor(store, cfg, spec)
+    first = monitor.evaluate(monitor.statuses())
+    log.info(
+        "run %s: %d learners in %s, validation loss %.4f at versions %s",
+        run,
+        cfg.topology.learners,
+        ", ".join(regions),
+        first["loss"],
+        first["versions"],
+    )
+    bar = create_progress_artifact(
+        monitor.progress(monitor.statuses()),
+        key=artifact_key(run, "progress"),
+        description=f"run {run}: share of all learners' inner steps done",
+    )
+    started = time.time()
+    futures, names = [], []
+    for name, argv in worker_commands(run, regions, cfg, spec):
+        names.append(name)
+        path = str(Path(logs) / f"{name.replace(' ', '-').replace('/', '-')}.log")
+        task_ = supervise.with_options(retries=cfg.pipeline.max_restarts)
+        futures.append(task_.submit(name, argv, path))
+    last_eval = time.monotonic()
+    while wait(futures, timeout=0.5).not_done:
+        if time.monotonic() - last_eval < cfg.pipeline.eval_seconds:
+            continue
+        last_eval = time.monotonic()
+        statuses = monitor.statuses()
+        point = monitor.evaluate(statuses)
+        pct = monitor.progress(statuses)
+        update_progress_artifact(bar, pct)
+        log.info(
+            "%5.1f%% | tokens %s | validation loss %.4f | versions %s",
+            pct,
+            f"{point['tokens']:,}",
+            point["loss"],
+            " ".join(f"f{p}:v{v}" for p, v in point["versions"].items()),
+        )
+    failed = []
+    for name, future in zip(names, futures, strict=True):
+        try:
+            future.result()
+        except Exception as exc:
+            log.error("%s failed for good: %s", name, exc)
+            failed.append(name)
+    wall = time.time() - started
+    monitor.evaluate(monitor.statuses())
+    update_progress_artifact(bar, monitor.progress(monitor.statuses()))
+    summary = monitor.summary(wall)
+    summary["failed"] = failed
+    png = loss_plot_png(monitor.curve, f"run {run}")
+    store.home.put(f"{run}/metrics/loss.png", png)
+    create_markdown_artifact(
+        summary_markdown(summary, png),
+        key=artifact_key(run, "summary"),
+        description=f"run {run}: summary and loss curve",
+    )
+    if failed:
+        log.error("gave up on %s after %d restarts each", failed, cfg.pipeline.max_restarts)
+    return summary

@@ -1,0 +1,79 @@
+"""One learner or syncer process: runs bounded flow runs one after another until done.
+
+    python -m flows.worker learner --run R --bucket URL --region us-east --index 2
+    python -m flows.worker syncer --run R --regions '{"us-east": "file:///..."}' \\
+        --home us-east --shard 0 --shards 2
+
+Every flow run resumes from the buckets (checkpoint or newest versions), so this process
+can be killed at any point and started again. Exit status: 0 when the role is done,
+130 when interrupted (after a checkpoint), 1 on an error (the launcher restarts it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flows.worker")
+    sub = parser.add_subparsers(dest="role", required=True)
+    lrn = sub.add_parser("learner")
+    lrn.add_argument("--run", required=True)
+    lrn.add_argument("--bucket", required=True)
+    lrn.add_argument("--region", required=True)
+    lrn.add_argument("--index", type=int, required=True)
+    syn = sub.add_parser("syncer")
+    syn.add_argument("--run", required=True)
+    syn.add_argument("--regions", required=True, help="JSON object: region -> bucket URL")
+    syn.add_argument("--home", required=True)
+    syn.add_argument("--shard", type=int, default=0)
+    syn.add_argument("--shards", type=int, default=1)
+    for p in (lrn, syn):
+        p.add_argument("--pipeline", default="{}", help="JSON object of pipeline.* fields")
+        p.add_argument("--tags", default="", help="comma-separated Prefect tags")
+    args = parser.parse_args(argv)
+    pipeline = json.loads(args.pipeline)
+
+    from prefect import tags  # slow import: after argument errors
+
+    from storage_layout.bucket import BucketError
+
+    def interrupted(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # the learner flow checkpoints on its way out
+
+    signal.signal(signal.SIGTERM, interrupted)
+    with tags(*[t for t in args.tags.split(",") if t]):
+        try:
+            while True:
+                if args.role == "learner":
+                    from flows.learner import learner_flow
+
+                    result = learner_flow(args.run, args.bucket, args.region, args.index, pipeline)
+                else:
+                    from flows.syncer import syncer_flow
+
+                    result = syncer_flow(
+                        args.run,
+                        json.loads(args.regions),
+                        args.home,
+                        args.shard,
+                        args.shards,
+                        pipeline,
+                    )
+                if result["done"]:
+                    return 0
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+        except BucketError as exc:  # a region down: the launcher retries with backoff
+            print(f"error: {exc}", file=sys.stderr)
+            time.sleep(1)
+            return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

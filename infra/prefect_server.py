@@ -1,0 +1,80 @@
+"""A Prefect API server for one run (or one local stack), as a child process.
+
+The ephemeral API that Prefect starts on its own lives inside one process; learners and
+syncers are separate processes, so they need a real server. This starts
+``prefect server start`` on a free loopback port with its own ``PREFECT_HOME`` (SQLite
+database, logs) and stops it on exit. The database stays, so the run can be browsed
+later with ``PREFECT_HOME=<home> prefect server start``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env(home: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+    }
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text()[-2000:] if log.exists() else ""
+            raise RuntimeError(f"the Prefect server exited with {proc.returncode}:\n{tail}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"the Prefect server at {url} did not answer in {timeout:.0f} s (log {log})")
+
+
+@contextmanager
+def prefect_server(home: Path, port: int | None = None, services: bool = False) -> Iterator[str]:
+    """Start a server whose state lives in ``home``; yields its API URL."""
+    home.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    log = home / "server.log"
+    argv = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+            "--port", str(port), "--analytics-off"]  # fmt: skip
+    if not services:
+        argv.append("--no-services")  # the API and UI only: flows run in our own processes
+    with log.open("ab") as out:
+        # Its own session: a Ctrl-C in the terminal must not stop it before the launcher has
+        # recorded the final states of its flow runs.
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                env=server_env(home), start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        wait_healthy(url, proc, log)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
