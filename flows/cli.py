@@ -204,6 +204,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     )  # fmt: skip
     if len(regions) == 1 and "default" in regions:
         raise ConfigError("--region needs NAME=URL")
+    from flows.run import initialize_run
+    from storage_layout.store import RunStore
+
+    # The spec check and the buckets' reachability first: a mismatch or a missing bucket
+    # is reported before anything starts.
+    initialize_run(RunStore(args.run, regions, next(iter(regions)), writer="launcher"), cfg)
     prefect_home = root / "prefect"
     os.environ.setdefault("PREFECT_HOME", str(prefect_home.resolve()))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -218,22 +224,35 @@ def cmd_train(args: argparse.Namespace) -> int:
     from infra.prefect_server import prefect_server
 
     external = os.environ.get("PREFECT_API_URL")
+    if args.via == "deployments" and not external:
+        raise ConfigError(
+            "--via deployments needs a Prefect server with a worker per region: set "
+            "PREFECT_API_URL (python -m infra.local_stack up starts one; see docs/deploy.md)"
+        )
     server = nullcontext(external) if external else prefect_server(prefect_home)
     started = time.perf_counter()
     with server as api_url:
         os.environ["PREFECT_API_URL"] = api_url
         console.print(f"Prefect API {api_url}" + ("" if external else f" (home {prefect_home})"))
-        from flows.launcher import flush_prefect, on_interrupt, stop_children, train_flow
+        from flows.launcher import (
+            cancel_flow_runs,
+            flush_prefect,
+            on_interrupt,
+            stop_children,
+            train_flow,
+        )
 
         signal.signal(signal.SIGINT, on_interrupt)
         signal.signal(signal.SIGTERM, on_interrupt)
 
         try:
             summary = train_flow(args.run, regions, cfg.model_dump(mode="json"),
-                                 str(root / "logs"))  # fmt: skip
+                                 str(root / "logs"), via=args.via)  # fmt: skip
         except KeyboardInterrupt:
             console.print("[yellow]interrupted[/]: stopping learners and syncers (they checkpoint)")
             stop_children()
+            if args.via == "deployments":
+                cancel_flow_runs()
             console.print(f"resume with the same command (run {args.run!r})")
             return 130
         finally:
@@ -289,6 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=URL",
         help="a region and its bucket (repeat; the first is the syncers' home); "
         f"default: {', '.join(TRAIN_REGIONS)} under DIR/RUN/buckets",
+    )
+    tr.add_argument(
+        "--via",
+        choices=["processes", "deployments"],
+        default="processes",
+        help="start workers as local processes (default) or as flow runs of the "
+        "learner/REGION and syncer/REGION deployments (needs PREFECT_API_URL and workers)",
     )
     tr.set_defaults(func=cmd_train)
     ins = sub.add_parser("inspect", help="show what a bucket holds")

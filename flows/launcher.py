@@ -83,6 +83,97 @@ def supervise(name: str, argv: list[str], log_path: str) -> int:
     raise RuntimeError(f"{name} exited with status {code}; log {log_path}:\n{tail}")
 
 
+_flow_runs: set[Any] = set()  # ids of deployment flow runs in progress
+
+
+@task(name="deployment", task_run_name="run {name}", cache_policy=NO_CACHE,
+      persist_result=False)  # fmt: skip
+def supervise_deployment(
+    name: str,
+    deployment: str,
+    parameters: dict[str, Any],
+    tags: list[str],
+    status: tuple[str, str],
+    run: str,
+    regions: dict[str, str],
+    max_restarts: int,
+) -> int:
+    """Start flow runs of ``deployment`` (on the region's work pool) one after another
+    until the worker's status object in the bucket says ``done``. A crashed or failed
+    flow run counts against ``max_restarts``; each one resumes from the buckets."""
+    from prefect.deployments import run_deployment
+
+    writer, region = status
+    store = RunStore(run, regions, region, writer="launcher")
+    failures, delay = 0, 2.0
+    log = get_run_logger()
+    while not STOPPING.is_set():
+        flow_run = run_deployment(deployment, parameters=parameters, tags=tags, timeout=0)
+        _flow_runs.add(flow_run.id)
+        try:
+            state = _wait_flow_run(flow_run.id)
+        finally:
+            _flow_runs.discard(flow_run.id)
+        if ((store.read_metrics(writer) or {}).get("state")) == "done":
+            return 0
+        if STOPPING.is_set():
+            return 130
+        if not state.is_completed():
+            failures += 1
+            if failures > max_restarts:
+                raise RuntimeError(f"{name}: {failures} flow runs ended {state.type.value}")
+            log.warning(
+                "%s: flow run ended %s; starting another in %.0f s", name, state.name, delay
+            )
+            time.sleep(delay)
+            delay = min(60.0, delay * 2)
+    return 130
+
+
+def _wait_flow_run(flow_run_id: Any, poll: float = 2.0) -> Any:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        while True:
+            state = client.read_flow_run(flow_run_id).state
+            if state is not None and state.is_final():
+                return state
+            time.sleep(poll)
+
+
+def cancel_flow_runs() -> None:
+    """Ctrl-C with deployments: ask the workers to cancel the flow runs we started."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    with get_client(sync_client=True) as client:
+        for flow_run_id in list(_flow_runs):
+            client.set_flow_run_state(flow_run_id, Cancelling(), force=True)
+
+
+def deployment_calls(
+    run: str, regions: dict[str, str], cfg: RunConfig, spec: dict[str, Any]
+) -> list[tuple[str, str, dict[str, Any], list[str], tuple[str, str]]]:
+    """(name, deployment, parameters, tags, (status writer, its region)) per worker; the
+    deployments are ``learner/REGION`` and ``syncer/REGION`` (see prefect.yaml)."""
+    pipeline = cfg.pipeline.model_dump()
+    home = next(iter(regions))
+    shards = min(cfg.pipeline.syncer_shards, cfg.topology.fragments)
+    out = []
+    for shard in range(shards):
+        params = {"run": run, "regions": regions, "home": home, "shard": shard,
+                  "shards": shards, "pipeline": pipeline}  # fmt: skip
+        out.append((f"syncer {home}/{shard}", f"syncer/{home}", params,
+                    [f"run:{run}", f"region:{home}", "syncer"], (f"syncer-{shard}", home)))  # fmt: skip
+    for learner, region in spec["learners"].items():
+        index = int(learner.rsplit("-", 1)[1])
+        params = {"run": run, "bucket": regions[region], "region": region, "index": index,
+                  "pipeline": pipeline}  # fmt: skip
+        out.append((f"learner {region}/{index}", f"learner/{region}", params,
+                    [f"run:{run}", f"region:{region}", f"learner:{index}"], (learner, region)))  # fmt: skip
+    return out
+
+
 def on_interrupt(signum: int, frame: Any) -> None:
     """SIGINT / SIGTERM in the launcher: ask the workers to checkpoint and stop right away
     (the flow's task runner waits for them), then unwind as a KeyboardInterrupt."""
@@ -324,10 +415,14 @@ def summary_markdown(summary: dict[str, Any], png: bytes | None) -> str:
     persist_result=False,
     task_runner=ThreadPoolTaskRunner(max_workers=64),
 )
-def train_flow(run: str, regions: dict[str, str], config: dict, logs: str) -> dict[str, Any]:
+def train_flow(
+    run: str, regions: dict[str, str], config: dict, logs: str, via: str = "processes"
+) -> dict[str, Any]:
     """Run ``run`` to its end across ``regions`` (region -> bucket URL; the first is the
     syncers' home). ``config`` is a ``RunConfig`` as a dict; ``logs`` a local folder for
-    the worker processes' output."""
+    the worker processes' output. ``via="deployments"`` starts the learners and syncers
+    as flow runs of the ``learner/REGION`` and ``syncer/REGION`` deployments (picked up
+    by each region's work pool) instead of local processes."""
     log = get_run_logger()
     cfg = validate_config(config)
     STOPPING.clear()
@@ -351,11 +446,19 @@ def train_flow(run: str, regions: dict[str, str], config: dict, logs: str) -> di
     )
     started = time.time()
     futures, names = [], []
-    for name, argv in worker_commands(run, regions, cfg, spec):
-        names.append(name)
-        path = str(Path(logs) / f"{name.replace(' ', '-').replace('/', '-')}.log")
-        task_ = supervise.with_options(retries=cfg.pipeline.max_restarts)
-        futures.append(task_.submit(name, argv, path))
+    if via == "deployments":
+        for name, deployment, params, tags, status in deployment_calls(run, regions, cfg, spec):
+            names.append(name)
+            futures.append(supervise_deployment.submit(name, deployment, params, tags, status,
+                                                       run, regions, cfg.pipeline.max_restarts))  # fmt: skip
+    elif via == "processes":
+        for name, argv in worker_commands(run, regions, cfg, spec):
+            names.append(name)
+            path = str(Path(logs) / f"{name.replace(' ', '-').replace('/', '-')}.log")
+            task_ = supervise.with_options(retries=cfg.pipeline.max_restarts)
+            futures.append(task_.submit(name, argv, path))
+    else:
+        raise ValueError(f"via must be 'processes' or 'deployments', not {via!r}")
     last_eval = time.monotonic()
     while wait(futures, timeout=0.5).not_done:
         if time.monotonic() - last_eval < cfg.pipeline.eval_seconds:

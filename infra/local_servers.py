@@ -1,6 +1,6 @@
 """Real object-storage servers on loopback, for tests, benchmarks and the local stack.
 
-- S3: moto's server (``ThreadedMotoServer``), in this process. It enforces
+- S3: moto's server, as a child process. It enforces
   ``If-None-Match: *``, so exclusive creates behave as on AWS.
 - GCS: fake-gcs-server (bundled binary), as a subprocess. It honours
   ``ifGenerationMatch=0``.
@@ -11,9 +11,12 @@ Each ``start`` sets the environment the clients read (``AWS_*``/``AWS_ENDPOINT_U
 
 from __future__ import annotations
 
-import logging
 import os
+import socket
+import subprocess
+import sys
 import threading
+import time
 from dataclasses import dataclass, field
 
 # gcsfs otherwise probes a gRPC endpoint for every new bucket (60 s each on an emulator).
@@ -24,31 +27,51 @@ _S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "
 
 @dataclass
 class LocalS3:
+    """moto's S3 server as a child process (its own interpreter: it serves many client
+    processes at once without sharing this one's GIL)."""
+
     url: str = ""
-    _server: object = None
+    port: int = 0
+    _process: subprocess.Popen | None = None
     _saved: dict = field(default_factory=dict)
 
     def start(self) -> LocalS3:
-        from moto.server import ThreadedMotoServer
+        from infra.prefect_server import free_port
 
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
         self._saved = {k: os.environ.get(k) for k in _S3_ENV}
-        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        self._server.start()
-        host, port = self._server.get_host_and_port()
-        self.url = f"http://{host}:{port}"
-        os.environ.update(
-            AWS_ACCESS_KEY_ID="local",
-            AWS_SECRET_ACCESS_KEY="local",
-            AWS_DEFAULT_REGION="us-east-1",
-            AWS_ENDPOINT_URL=self.url,
+        self.port = self.port or free_port()
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:
+                if self._process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("moto's S3 server did not start") from None
+                time.sleep(0.1)
+        os.environ.update(self.environment())
         return self
 
+    def environment(self) -> dict[str, str]:
+        """What a client process needs to reach this server."""
+        return {
+            "AWS_ACCESS_KEY_ID": "local",
+            "AWS_SECRET_ACCESS_KEY": "local",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": self.url,
+        }
+
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.stop()
-            self._server = None
+        if self._process is not None:
+            self._process.terminate()
+            self._process.wait(timeout=10)
+            self._process = None
         for key, value in self._saved.items():
             if value is None:
                 os.environ.pop(key, None)

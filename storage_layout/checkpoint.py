@@ -76,11 +76,13 @@ def load_learner_checkpoint(
                 f"checkpoint {learner}@{step}: {len(stored)} optimizer leaves, "
                 f"this model's optimizer has {len(kinds)}"
             )
-        leaves = [
-            jax.device_put(np.asarray(x, dtype=t.dtype).reshape(t.shape), t.sharding)
-            for x, t in zip(stored, kinds, strict=True)
-        ]
-        opt_state = jax.tree_util.tree_unflatten(treedef, leaves)
+        # ``place`` puts every leaf where the parameters are (replicated over the mesh).
+        host = {
+            f"{i:04d}": np.asarray(x, dtype=t.dtype).reshape(t.shape)
+            for i, (x, t) in enumerate(zip(stored, kinds, strict=True))
+        }
+        placed = place(host)
+        opt_state = jax.tree_util.tree_unflatten(treedef, [placed[k] for k in sorted(placed)])
         fragments = [
             FragmentState(
                 anchor={n: groups["anchor"][n] for n in names},

@@ -114,9 +114,11 @@ def inspect_run(
             continue
         b = store.bucket(region)
         for name in b.list(f"{run}/metrics"):
+            if not name.endswith(".json"):
+                continue  # e.g. the launcher's loss.png
             try:
                 record = json.loads(b.get(f"{run}/metrics/{name}"))
-            except (json.JSONDecodeError, OSError) as exc:
+            except (ValueError, OSError) as exc:
                 out["problems"].append(f"{region}: metrics {name} unreadable: {exc}")
                 continue
             for pair, t in (record.get("traffic") or {}).items():

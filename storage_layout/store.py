@@ -224,7 +224,7 @@ class RunStore:
         meta = {
             "learner": c.learner, "fragment": c.fragment, "seq": c.seq,
             "base_version": c.base_version, "tokens": c.tokens, "steps": c.steps,
-            "seconds": c.seconds, "payload_bytes": c.nbytes,
+            "seconds": c.seconds, "payload_bytes": c.nbytes, "written_at": time.time(),
         }  # fmt: skip
         write_id = new_write_id()
         return commit_version(

