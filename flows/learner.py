@@ -158,6 +158,8 @@ class LearnerRuntime:
             if frag.sent_at_step is not None:  # sent before the checkpoint, still unanswered
                 self.io.want(p, frag.base_version)
         self.step_seconds = 0.0  # measured mean of the last round
+        self._checkpoints = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self._checkpointing: Future | None = None
         self.applied: list[dict[str, Any]] = []
 
     def _compile(self) -> None:
@@ -288,6 +290,7 @@ class LearnerRuntime:
         self.step_seconds = seconds / max(1, steps)
         row = {
             "round": number,
+            "steps": steps,
             "step": lrn.step,
             "tokens": lrn.step * lrn.tokens_per_step,
             "loss": round(loss, 4),
@@ -303,10 +306,29 @@ class LearnerRuntime:
         self.write_status("training", row)
         return row
 
-    def checkpoint(self) -> None:
-        self.io.flush()  # contributions the checkpoint's counters cover are committed first
-        if self.learner.step not in self.ckpt_store.checkpoint_steps(self.id):
-            save_learner_checkpoint(self.ckpt_store, self.id, self.learner.checkpoint())
+    def checkpoint(self, wait: bool = False) -> None:
+        """Snapshot the learner now and write the checkpoint in the background (JAX arrays
+        are immutable, so the snapshot costs no copy of the parameters), after the
+        contributions it covers are committed. ``wait`` blocks until it is written."""
+        self.finish_checkpoint()  # one at a time, in order
+        snapshot = self.learner.checkpoint()
+        uploads = list(self.io.pending)
+
+        def write() -> None:
+            for future in uploads:
+                future.result()
+            if snapshot.step not in self.ckpt_store.checkpoint_steps(self.id):
+                save_learner_checkpoint(self.ckpt_store, self.id, snapshot)
+
+        self._checkpointing = self._checkpoints.submit(write)
+        if wait:
+            self.finish_checkpoint()
+
+    def finish_checkpoint(self) -> None:
+        """Wait for the checkpoint being written; raise if writing it failed."""
+        future, self._checkpointing = self._checkpointing, None
+        if future is not None:
+            future.result()
 
     def write_status(self, state: str, row: dict[str, Any] | None = None) -> None:
         record = {
@@ -326,7 +348,11 @@ class LearnerRuntime:
             self.log.warning("cannot write status: %s", exc)
 
     def close(self) -> None:
-        self.io.close()
+        try:
+            self.finish_checkpoint()
+        finally:
+            self._checkpoints.shutdown(wait=True)
+            self.io.close()
 
 
 def _logger() -> Any:
@@ -367,8 +393,8 @@ def train_round(rt: LearnerRuntime, label: str) -> dict[str, Any]:
     cache_policy=NO_CACHE,
     persist_result=False,
 )
-def save_checkpoint(rt: LearnerRuntime, label: str) -> int:
-    rt.checkpoint()
+def save_checkpoint(rt: LearnerRuntime, label: str, wait: bool = False) -> int:
+    rt.checkpoint(wait)
     return rt.learner.step
 
 
@@ -396,10 +422,10 @@ def learner_flow(
             rows.append(train_round(rt, f"learner {rt.label} round {rt.round}"))
             if (rt.round - 1) % opts.checkpoint_rounds == 0:
                 save_checkpoint(rt, f"learner {rt.label} checkpoint {rt.learner.step}")
-        save_checkpoint(rt, f"learner {rt.label} checkpoint {rt.learner.step}")
+        save_checkpoint(rt, f"learner {rt.label} checkpoint {rt.learner.step}", wait=True)
     except KeyboardInterrupt:
         log.warning("interrupted: checkpointing at step %d", rt.learner.step)
-        rt.checkpoint()
+        rt.checkpoint(wait=True)
         raise
     finally:
         rt.close()

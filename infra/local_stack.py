@@ -70,7 +70,7 @@ def up() -> dict:
     prefect_port = 4200 if _port_free(4200) else free_port()
     pids["prefect-server"] = _spawn("prefect-server", [sys.executable, "-m", "prefect", "server",
                                     "start", "--host", "127.0.0.1", "--port", str(prefect_port),
-                                    "--analytics-off", "--no-services"], env)  # fmt: skip
+                                    "--analytics-off"], env)  # fmt: skip
     s3_port, gcs_port = free_port(), free_port()
     pids["s3"] = _spawn("s3", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
                         str(s3_port)], env)  # fmt: skip
@@ -98,6 +98,7 @@ def up() -> dict:
         "STORAGE_EMULATOR_HOST": gcs_url,
         "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_WORKER_QUERY_SECONDS": "2",  # pick up new flow runs quickly (default 10 s)
     }
     env = {**env, **stack_env}
     state = {"pids": pids, "env": stack_env}
@@ -109,8 +110,10 @@ def up() -> dict:
     os.environ.update(stack_env)
     import fsspec
 
-    fsspec.filesystem("s3").mkdir(REGIONS["us-east"].removeprefix("s3://"))
-    fsspec.filesystem("gs").mkdir(REGIONS["eu-west"].removeprefix("gs://"))
+    for url in REGIONS.values():  # the buckets outlive `down` (moto's do not: in memory)
+        fs, name = fsspec.core.url_to_fs(url)
+        if not fs.exists(name):
+            fs.mkdir(name)
     for region in REGIONS:
         _prefect("work-pool", "create", region, "--type", "process", env=env, check=False)
         pids[f"worker-{region}"] = _spawn(f"worker-{region}", [sys.executable, "-m", "prefect",
@@ -199,7 +202,7 @@ def run(args: list[str]) -> int:
     state = _load()
     env = {**os.environ, **state["env"]}
     argv = [sys.executable, "-m", "flows.cli", "train", "--via", "deployments",
-            "--run", "stack-demo", "--tokens", "300000", "--dir", str(STATE / "runs"),
+            "--run", "stack-demo", "--tokens", "600000", "--dir", str(STATE / "runs"),
             *[f"--region={r}={u}" for r, u in REGIONS.items()], *args]  # fmt: skip
     return subprocess.call(argv, env=env, cwd=REPO)
 

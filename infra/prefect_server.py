@@ -61,7 +61,9 @@ def prefect_server(home: Path, port: int | None = None, services: bool = False) 
     argv = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
             "--port", str(port), "--analytics-off"]  # fmt: skip
     if not services:
-        argv.append("--no-services")  # the API and UI only: flows run in our own processes
+        # Flows run in our own processes: no scheduling. The event services stay on: task
+        # runs reach the database (and the UI) only through them.
+        argv += ["--no-scheduler", "--no-late-runs"]
     with log.open("ab") as out:
         # Its own session: a Ctrl-C in the terminal must not stop it before the launcher has
         # recorded the final states of its flow runs.

@@ -130,7 +130,16 @@ def test_two_region_run_on_s3_and_gcs(prefect_api, s3_server, gcs_server, tmp_pa
     assert {a["key"] for a in artifacts} == expected
     rounds = next(a for a in artifacts if a["key"] == f"{run}-learner-0-rounds")
     first = json.loads(rounds["data"])[0]
-    columns = {"loss", "tokens", "step", "staleness", "merge_weight", "bytes_up", "bytes_down"}
+    columns = {
+        "loss",
+        "tokens",
+        "steps",
+        "step",
+        "staleness",
+        "merge_weight",
+        "bytes_up",
+        "bytes_down",
+    }
     assert columns <= set(first)
 
 
