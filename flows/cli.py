@@ -209,7 +209,18 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     # The spec check and the buckets' reachability first: a mismatch or a missing bucket
     # is reported before anything starts.
-    initialize_run(RunStore(args.run, regions, next(iter(regions)), writer="launcher"), cfg)
+    store = RunStore(args.run, regions, next(iter(regions)), writer="launcher")
+    spec = initialize_run(store, cfg)
+    total = spec["train"]["steps_per_learner"]
+    if all(max(store.checkpoint_steps(lid, region), default=0) >= total
+           for lid, region in spec["learners"].items()):  # fmt: skip
+        console.print(f"run {args.run!r} is complete (every learner is at step {total}); "
+                      "pass another --run to start a new one")  # fmt: skip
+        saved = root / "summary.json"
+        if saved.exists():
+            summary = json.loads(saved.read_text())
+            stdout_console().print(train_summary_table(summary, f"diloco train {args.run}"))
+        return 0
     prefect_home = root / "prefect"
     os.environ.setdefault("PREFECT_HOME", str(prefect_home.resolve()))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

@@ -88,10 +88,10 @@ def test_two_region_run_on_s3_and_gcs(prefect_api, s3_server, gcs_server, tmp_pa
     cfg = tiny(160_000)
     summary = train_flow(run, regions, cfg.model_dump(mode="json"), str(tmp_path / "logs"))
 
-    assert summary["failed"] == []
-    assert set(summary["learner_states"].values()) == {"done"}
+    assert summary["failed"] == [], summary["failed"]
+    assert set(summary["learner_states"].values()) == {"done"}, summary["learner_states"]
     assert summary["final_loss"] < summary["initial_loss"] - 1.0, summary["curve"]
-    assert min(summary["versions"].values()) >= 3
+    assert min(summary["versions"].values()) >= 2, summary["versions"]  # ~5 at this budget
     pairs = set(summary["traffic"])
     assert {"us-east->eu-west", "eu-west->us-east"} <= pairs  # both directions crossed
     for url in regions.values():
