@@ -180,6 +180,15 @@ def train_summary_table(summary: dict, title: str) -> Table:
     return table
 
 
+def _bin(name: str) -> str:
+    """How to call a console script of this environment from the current folder."""
+    path = Path(sys.executable).parent / name
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -235,6 +244,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     from infra.prefect_server import prefect_server
 
     external = os.environ.get("PREFECT_API_URL")
+    if external:
+        import urllib.request
+
+        try:
+            urllib.request.urlopen(f"{external.rstrip('/')}/health", timeout=10).close()
+        except OSError as exc:
+            raise ConfigError(
+                f"the Prefect API at {external} (PREFECT_API_URL) is not reachable: {exc}; "
+                "start it, or unset PREFECT_API_URL to run with a server of the run's own"
+            ) from None
     if args.via == "deployments" and not external:
         raise ConfigError(
             "--via deployments needs a Prefect server with a worker per region: set "
@@ -275,8 +294,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     home = next(iter(regions))
     console.print(
         f"summary: {root / 'summary.json'}  worker logs: {root / 'logs'}\n"
-        f"inspect the buckets:  diloco inspect {regions[home]} --run {args.run}\n"
-        + (f"browse the run in the Prefect UI:  PREFECT_HOME={prefect_home} prefect server start"
+        f"inspect the buckets:  {_bin('diloco')} inspect {regions[home]} --run {args.run}\n"
+        + (f"browse the run in the Prefect UI:  PREFECT_HOME={prefect_home} {_bin('prefect')} server start"
            if not external else f"Prefect UI: {external.removesuffix('/api')}")
     )  # fmt: skip
     if summary["failed"]:

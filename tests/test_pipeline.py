@@ -365,3 +365,11 @@ def test_syncer_runtime_survives_a_region_that_is_down(tmp_path):
     syncer.catch_up_regions()  # ... and caught up once it is back
     assert syncer.lagging == set()
     assert store.latest_global(0, "eu-west") == 1
+
+
+def test_train_names_an_unreachable_prefect_api(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # nothing listens there
+    code = cli_main(["train", "--dir", str(tmp_path), "--run", "r", "--tokens", "20000"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "Prefect API at http://127.0.0.1:9/api (PREFECT_API_URL) is not reachable" in err
