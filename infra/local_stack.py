@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -110,7 +111,7 @@ def up() -> dict:
     os.environ.update(stack_env)
     import fsspec
 
-    for url in REGIONS.values():  # the buckets outlive `down` (moto's do not: in memory)
+    for url in REGIONS.values():
         fs, name = fsspec.core.url_to_fs(url)
         if not fs.exists(name):
             fs.mkdir(name)
@@ -184,6 +185,8 @@ def down() -> None:
             os.killpg(pid, signal.SIGKILL)
         print(f"stopped {name} ({pid})")
     (STATE / "state.json").unlink()
+    # moto keeps its buckets in memory: drop the GCS side too, so both regions start empty
+    shutil.rmtree(STATE / "gcs", ignore_errors=True)
 
 
 def status() -> int:
