@@ -143,3 +143,46 @@ def test_resent_contribution_from_a_merged_anchor_counts_only_new_work(reference
     assert (second.tokens, second.seconds) == (200, 0.0)  # only the new work is counted
     syncer.offer(contribution("a", 3, 0, 3.0, shapes, tokens=300, steps=30))  # nothing new
     assert syncer.merge().version is None
+
+
+def test_merge_counters_survive_a_syncer_restart():
+    """The same re-sent contribution as above, but the syncer is rebuilt from the stored
+    version in between (cursor, momentum and ``merged`` counters): still no double count."""
+    shapes = {"w": (2,)}
+    cfg = OuterConfig(lr=1.0, momentum=0.0, nesterov=False, staleness="constant")
+    syncer = FragmentSyncer(0, {"w": np.zeros(2, np.float32)}, cfg, ["a"], is_embedding)
+    syncer.offer(contribution("a", 1, 0, 1.0, shapes, tokens=100, steps=10))
+    v1 = syncer.merge().version
+    assert v1.merged == {"a/0": [1, 100, 10, 1.0]}
+    restarted = FragmentSyncer(0, v1.params, cfg, ["a"], is_embedding, version=1,
+                               opt_leaves=syncer.opt_leaves, cursor=v1.cursor, merged=v1.merged)  # fmt: skip
+    restarted.history[0] = {"w": np.zeros(2, np.float32)}  # what the flow reloads
+    restarted.offer(contribution("a", 1, 0, 1.0, shapes, tokens=100, steps=10))  # seen: ignored
+    assert restarted.pending == {}
+    restarted.offer(contribution("a", 2, 0, 3.0, shapes, tokens=300, steps=30))
+    v2 = restarted.merge().version
+    np.testing.assert_allclose(v2.params["w"], -3.0)
+    assert v2.tokens == 200
+
+
+def test_anchored_merge_rejects_a_base_it_no_longer_holds():
+    shapes = {"w": (2,)}
+    cfg = OuterConfig(staleness="constant", max_staleness=8)
+    syncer = FragmentSyncer(0, {"w": np.zeros(2, np.float32)}, cfg, ["a"], is_embedding, version=5)
+    syncer.offer(contribution("a", 1, 3, 1.0, shapes))  # base 3: within bounds, not loaded
+    outcome = syncer.merge()
+    assert outcome.version is None
+    assert "base version 3 is no longer held" in outcome.rejected[0].reason
+
+
+def test_no_contribution_of_a_fragment_with_no_new_steps(setup):
+    _, _, init, _, plan, _ = setup
+    lrn = make_learner(setup)
+    p = None
+    while p is None:
+        lrn.train_step()
+        p = lrn.due()
+    assert lrn.fragments[p].steps == lrn.step
+    lrn.apply_global(p, 1, {n: init[n] for n in plan[p]})  # a global lands at the due step
+    assert lrn.fragments[p].steps == 0
+    assert lrn.due() is None  # nothing to send: no step since the new anchor

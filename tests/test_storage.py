@@ -397,3 +397,71 @@ def test_checkpoints_round_trip_and_pin_their_anchors(bucket_url):
     report = collect_garbage(store, 1, {"a": "us"}, window=1)
     assert store.global_versions(0) == [3, 7, 8]  # 3: the newest checkpoint's anchor
     assert report.pinned[0] == [3] and store.checkpoint_steps("a") == [120, 240]
+
+
+def test_learner_checkpoint_round_trip(make_bucket):
+    """Parameters, the inner optimizer state (placed like the parameters), anchors and
+    counters come back; a learner restored from it trains on identically."""
+    import jax
+
+    from diloco.config import load_config
+    from diloco.data import ShardReader, load_corpus
+    from diloco.fragments import plan_fragments
+    from diloco.inner import InnerTrainer
+    from diloco.learner import Learner
+    from diloco.model import ParamCodec
+    from storage_layout.checkpoint import load_learner_checkpoint, save_learner_checkpoint
+
+    cfg = load_config("tiny")
+    codec, state = ParamCodec.create(cfg.model, 0)
+    trainer = InnerTrainer(codec, cfg.inner, 100)
+    plan = plan_fragments(codec.sizes, cfg.topology.fragments)
+    shard = load_corpus(None, 1).train_shards[0]
+
+    def learner() -> Learner:
+        reader = ShardReader(shard, 8, cfg.model.context, 0, 0)
+        return Learner("l0", trainer, plan, cfg.topology, codec.to_flat(state), reader)
+
+    a = learner()
+    for _ in range(7):
+        a.train_step(0.25)
+    a.contribute(0)
+    store = RunStore("run", {"r": make_bucket("file")}, "r", writer="l0")
+    save_learner_checkpoint(store, "l0", a.checkpoint())
+    assert store.checkpoint_steps("l0") == [7]
+    ckpt = load_learner_checkpoint(store, "l0", 7, plan, trainer.place_params,
+                                   trainer.init_opt_state)  # fmt: skip
+    assert (ckpt.step, ckpt.seq, ckpt.data_position) == (7, 1, 7)
+    assert ckpt.fragments[0].sent_at_step == 7 and ckpt.fragments[1].seconds == 7 * 0.25
+    b = learner()
+    b.restore(ckpt, forget_sent=False)
+    for x, y in zip(jax.tree_util.tree_leaves(a.opt_state), jax.tree_util.tree_leaves(b.opt_state),
+                    strict=True):  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    loss_a, loss_b = a.train_step(), b.train_step()
+    assert float(loss_a) == float(loss_b)
+    for name in plan[0]:
+        np.testing.assert_array_equal(np.asarray(a.params[name]), np.asarray(b.params[name]))
+
+
+def test_metrics_accumulate_traffic_over_processes(bucket_url):
+    first = RunStore("run", {"r": bucket_url}, "r", writer="l0")
+    first.put_contribution(contribution(learner="l0"))
+    first.write_metrics("l0", {"state": "training"})
+    up = first.read_metrics("l0")["bytes_up"]
+    assert up > 0
+    second = RunStore("run", {"r": bucket_url}, "r", writer="l0")  # a restarted process
+    second.put_contribution(contribution(learner="l0", seq=2))
+    second.write_metrics("l0", {"state": "done"})
+    record = second.read_metrics("l0")
+    assert record["state"] == "done" and record["bytes_up"] > up + up // 2
+
+
+def test_other_regions_hold_the_learner_view_only(make_bucket):
+    regions = {"us": make_bucket("file"), "eu": make_bucket("memory")}
+    syncer = RunStore("run", regions, "us", writer="syncer")
+    publish(syncer, 0, 1)
+    assert syncer.get_global(0, 1).opt_leaves  # home: master copy and optimizer state
+    with pytest.raises(CorruptVersion, match="learner view only"):
+        syncer.get_global(0, 1, region="eu")
+    assert syncer.get_global(0, 1, region="eu", learner_view=True).params["w"][0, 0] == 1.0
