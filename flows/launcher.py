@@ -238,8 +238,6 @@ def worker_commands(
                     str(shards),
                     "--pipeline",
                     pipeline,
-                    "--tags",
-                    f"run:{run},region:{home},syncer",
                 ],
             )
         )
@@ -261,8 +259,6 @@ def worker_commands(
                     index,
                     "--pipeline",
                     pipeline,
-                    "--tags",
-                    f"run:{run},region:{region},learner:{index}",
                 ],
             )
         )

@@ -40,6 +40,23 @@ def artifact_key(*parts: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
 
 
+def tag_flow_run(tags: list[str]) -> None:
+    """Tag the current flow run (run, region, role) so the UI can filter on them.
+
+    Set on the flow run itself rather than through ``prefect.tags(...)``: task runs
+    inherit context tags, and a tagged task run makes two concurrency-limit calls to the
+    API on every start and end, which stalls rounds whenever the API is busy."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    try:
+        with get_client(sync_client=True) as client:
+            current = client.read_flow_run(flow_run.id).tags or []
+            client.update_flow_run(flow_run.id, tags=sorted(set(current) | set(tags)))
+    except Exception as exc:  # tags are for people; never stop training for them
+        _logger().warning("could not tag the flow run: %s", exc)
+
+
 class LearnerIO:
     """Background transfers of one learner: contributions up, global versions down.
 
@@ -405,6 +422,7 @@ def learner_flow(
     """Train learner ``index`` of ``run`` in ``region`` (whose bucket is ``bucket``) for a
     bounded number of rounds; returns ``{"done": bool, "step": int, ...}``."""
     log = get_run_logger()
+    tag_flow_run([f"run:{run}", f"region:{region}", f"learner:{index}"])
     rt = LearnerRuntime(run, bucket, region, f"learner-{index}", pipeline)
     opts = rt.cfg.pipeline
     log.info(

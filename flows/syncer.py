@@ -29,7 +29,7 @@ from prefect.cache_policies import NO_CACHE
 
 from diloco.model import is_embedding
 from diloco.syncer import FragmentSyncer, estimate_step_seconds, grace_window, quorum_met
-from flows.learner import _logger, artifact_key
+from flows.learner import _logger, artifact_key, tag_flow_run
 from flows.run import build_model, config_from_spec
 from storage_layout.commit import CommitConflict, CorruptVersion
 from storage_layout.store import RunStore
@@ -247,6 +247,7 @@ def syncer_flow(
     """Merge and publish shard ``shard`` of ``shards`` from region ``home``; returns
     ``{"done": bool, "versions": {fragment: newest}, ...}``."""
     log = get_run_logger()
+    tag_flow_run([f"run:{run}", f"region:{home}", "syncer"])
     rt = SyncerRuntime(run, regions, home, shard, shards, pipeline)
     opts = rt.cfg.pipeline
     log.info(

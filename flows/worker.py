@@ -34,45 +34,41 @@ def main(argv: list[str] | None = None) -> int:
     syn.add_argument("--shards", type=int, default=1)
     for p in (lrn, syn):
         p.add_argument("--pipeline", default="{}", help="JSON object of pipeline.* fields")
-        p.add_argument("--tags", default="", help="comma-separated Prefect tags")
     args = parser.parse_args(argv)
     pipeline = json.loads(args.pipeline)
 
-    from prefect import tags  # slow import: after argument errors
-
-    from storage_layout.bucket import BucketError
+    from storage_layout.bucket import BucketError  # slow imports: after argument errors
 
     def interrupted(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # the learner flow checkpoints on its way out
 
     signal.signal(signal.SIGTERM, interrupted)
-    with tags(*[t for t in args.tags.split(",") if t]):
-        try:
-            while True:
-                if args.role == "learner":
-                    from flows.learner import learner_flow
+    try:
+        while True:
+            if args.role == "learner":
+                from flows.learner import learner_flow
 
-                    result = learner_flow(args.run, args.bucket, args.region, args.index, pipeline)
-                else:
-                    from flows.syncer import syncer_flow
+                result = learner_flow(args.run, args.bucket, args.region, args.index, pipeline)
+            else:
+                from flows.syncer import syncer_flow
 
-                    result = syncer_flow(
-                        args.run,
-                        json.loads(args.regions),
-                        args.home,
-                        args.shard,
-                        args.shards,
-                        pipeline,
-                    )
-                if result["done"]:
-                    return 0
-        except KeyboardInterrupt:
-            print("interrupted", file=sys.stderr)
-            return 130
-        except BucketError as exc:  # a region down: the launcher retries with backoff
-            print(f"error: {exc}", file=sys.stderr)
-            time.sleep(1)
-            return 1
+                result = syncer_flow(
+                    args.run,
+                    json.loads(args.regions),
+                    args.home,
+                    args.shard,
+                    args.shards,
+                    pipeline,
+                )
+            if result["done"]:
+                return 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BucketError as exc:  # a region down: the launcher retries with backoff
+        print(f"error: {exc}", file=sys.stderr)
+        time.sleep(1)
+        return 1
 
 
 if __name__ == "__main__":
