@@ -30,6 +30,7 @@ from rich.table import Table
 
 from diloco.config import PRESETS, ConfigError, RunConfig, load_config
 from diloco.data import DataError
+from flows.observe import human_bytes, train_summary_rows
 
 console = Console(stderr=True, soft_wrap=True)
 
@@ -37,14 +38,6 @@ console = Console(stderr=True, soft_wrap=True)
 def stdout_console() -> Console:
     """Rich wraps at 80 columns when stdout is not a terminal; logs and pipes want lines whole."""
     return Console() if sys.stdout.isatty() else Console(width=200)
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000:
-            return f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} PB"
 
 
 def summary_table(summary: dict, title: str) -> Table:
@@ -61,9 +54,9 @@ def summary_table(summary: dict, title: str) -> Table:
         ("goodput", f"{summary['goodput']:.1%}"),
         (
             "bytes up / down",
-            f"{_human_bytes(summary['bytes_up'])} / {_human_bytes(summary['bytes_down'])}",
+            f"{human_bytes(summary['bytes_up'])} / {human_bytes(summary['bytes_down'])}",
         ),
-        ("data-parallel would move", _human_bytes(summary["dp_bytes"])),
+        ("data-parallel would move", human_bytes(summary["dp_bytes"])),
         ("bandwidth saving vs dp", f"{summary['bandwidth_ratio_vs_dp']:.1f}x"),
         ("global versions", str(summary["versions"])),
         ("rejected contributions", str(summary["rejected"])),
@@ -153,29 +146,7 @@ def train_summary_table(summary: dict, title: str) -> Table:
     table = Table(title=title, show_header=False)
     table.add_column("metric", style="bold")
     table.add_column("value", justify="right")
-    loss = (
-        f"{summary['initial_loss']:.4f} -> {summary['final_loss']:.4f}"
-        if summary.get("final_loss") is not None
-        else "-"
-    )
-    ratio = summary.get("bandwidth_ratio_vs_dp")
-    rows = [
-        ("mode", summary["mode"]),
-        ("parameters", f"{summary['params']:,}"),
-        ("learners / quorum", f"{summary['learners']} / {summary['quorum']}"),
-        ("tokens", f"{summary['tokens']:,}"),
-        ("validation loss", loss),
-        ("wall time", f"{summary['wall_seconds']:.0f} s"),
-        ("goodput", f"{summary['goodput']:.1%}"),
-        ("global versions", " ".join(f"f{p}:v{v}" for p, v in summary["versions"].items())),
-        ("rejected contributions", str(summary["rejected"])),
-        *[(f"bytes {pair}", _human_bytes(t["bytes"])) for pair, t in summary["traffic"].items()],
-        ("learners' bytes up + down", _human_bytes(summary["learner_bytes"])),
-        ("cross-region bytes", _human_bytes(summary["cross_region_bytes"])),
-        ("data-parallel would move", _human_bytes(summary["dp_bytes"])),
-        ("bandwidth saving vs dp", f"{ratio:.1f}x" if ratio else "-"),
-    ]
-    for key, value in rows:
+    for key, value in train_summary_rows(summary):
         table.add_row(key, value)
     return table
 
@@ -377,7 +348,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             for f in run["fragments"]:
                 regions = " ".join(f"{r}:{v}" for r, v in f["versions"].items())
                 frag.add_row(str(f["fragment"]), str(f.get("newest", "-")), regions, str(f.get("kept", 0)),
-                             _human_bytes(f.get("bytes", 0)), str(f.get("consumed", "-")), str(f.get("tokens", "-")))  # fmt: skip
+                             human_bytes(f.get("bytes", 0)), str(f.get("consumed", "-")), str(f.get("tokens", "-")))  # fmt: skip
             out.print(frag)
             lrn = Table(
                 "learner",
@@ -393,13 +364,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             for row in run["learners"]:
                 for p, info in sorted(row["fragments"].items()):
                     lrn.add_row(row["learner"], row["region"], str(p), str(info["newest_seq"]), str(info["stored"]),
-                                str(info["base_version"]), str(info["staleness"]), _human_bytes(info["bytes"]),
+                                str(info["base_version"]), str(info["staleness"]), human_bytes(info["bytes"]),
                                 str(row.get("checkpoint_step")))  # fmt: skip
             out.print(lrn)
             if run["traffic"]:
                 tr = Table("source -> destination", "bytes", "requests")
                 for pair, t in run["traffic"].items():
-                    tr.add_row(pair, _human_bytes(t["bytes"]), str(t["requests"]))
+                    tr.add_row(pair, human_bytes(t["bytes"]), str(t["requests"]))
                 out.print(tr)
             if "verified_versions" in run:
                 out.print(f"verified {run['verified_versions']} committed versions")

@@ -40,7 +40,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from diloco.config import RunConfig, validate_config
 from diloco.simulate import dp_bytes_per_step
-from flows.learner import artifact_key
+from flows.observe import artifact_key, train_summary_rows
 from flows.run import build_model, initialize_run, validation
 from storage_layout.store import RunStore
 
@@ -174,26 +174,27 @@ def deployment_calls(
     return out
 
 
-def on_interrupt(signum: int, frame: Any) -> None:
-    """SIGINT / SIGTERM in the launcher: ask the workers to checkpoint and stop right away
-    (the flow's task runner waits for them), then unwind as a KeyboardInterrupt."""
+def _interrupt_children() -> list[subprocess.Popen]:
+    """Mark the run as stopping and send SIGINT to every live worker (each checkpoints)."""
     STOPPING.set()
     with _lock:
         procs = list(_children)
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
+    return procs
+
+
+def on_interrupt(signum: int, frame: Any) -> None:
+    """SIGINT / SIGTERM in the launcher: ask the workers to checkpoint and stop right away
+    (the flow's task runner waits for them), then unwind as a KeyboardInterrupt."""
+    _interrupt_children()
     raise KeyboardInterrupt
 
 
 def stop_children(timeout: float = 60.0) -> None:
     """Ctrl-C: ask every worker to checkpoint and exit, then kill what is left."""
-    STOPPING.set()
-    with _lock:
-        procs = list(_children)
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
+    procs = _interrupt_children()
     deadline = time.monotonic() + timeout
     for proc in procs:
         try:
@@ -387,17 +388,7 @@ def loss_plot_png(curve: list[dict[str, Any]], title: str) -> bytes:
 
 
 def summary_markdown(summary: dict[str, Any], png: bytes | None) -> str:
-    rows = [
-        ("mode", summary["mode"]),
-        ("learners / quorum", f"{summary['learners']} / {summary['quorum']}"),
-        ("tokens", f"{summary['tokens']:,}"),
-        ("validation loss", f"{summary['initial_loss']:.4f} → {summary['final_loss']:.4f}"),
-        ("wall time", f"{summary['wall_seconds']:.0f} s"),
-        ("goodput", f"{summary['goodput']:.1%}"),
-        ("global versions", ", ".join(f"f{p}: v{v}" for p, v in summary["versions"].items())),
-        ("rejected contributions", str(summary["rejected"])),
-    ]
-    rows += [(f"bytes {pair}", f"{t['bytes']:,}") for pair, t in summary["traffic"].items()]
+    rows = train_summary_rows(summary)
     lines = [f"# Run {summary['run']}", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
     if png:

@@ -14,8 +14,6 @@ inner steps; training never waits on the network in ``decoupled`` mode.
 
 from __future__ import annotations
 
-import logging
-import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,32 +27,11 @@ from prefect.cache_policies import NO_CACHE
 from diloco.config import RunConfig
 from diloco.learner import Learner
 from diloco.outer import Contribution
+from flows.observe import artifact_key, run_logger, tag_flow_run
 from flows.run import Model, build_model, config_from_spec, reader
 from storage_layout.checkpoint import load_learner_checkpoint, save_learner_checkpoint
 from storage_layout.commit import CommitConflict
 from storage_layout.store import GlobalState, RunStore
-
-
-def artifact_key(*parts: str) -> str:
-    """Prefect artifact keys: lowercase letters, digits and dashes."""
-    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
-
-
-def tag_flow_run(tags: list[str]) -> None:
-    """Tag the current flow run (run, region, role) so the UI can filter on them.
-
-    Set on the flow run itself rather than through ``prefect.tags(...)``: task runs
-    inherit context tags, and a tagged task run makes two concurrency-limit calls to the
-    API on every start and end, which stalls rounds whenever the API is busy."""
-    from prefect.client.orchestration import get_client
-    from prefect.runtime import flow_run
-
-    try:
-        with get_client(sync_client=True) as client:
-            current = client.read_flow_run(flow_run.id).tags or []
-            client.update_flow_run(flow_run.id, tags=sorted(set(current) | set(tags)))
-    except Exception as exc:  # tags are for people; never stop training for them
-        _logger().warning("could not tag the flow run: %s", exc)
 
 
 class LearnerIO:
@@ -151,7 +128,7 @@ class LearnerRuntime:
     def __init__(
         self, run: str, bucket: str, region: str, learner: str, pipeline: dict | None = None
     ):
-        self.log = _logger()
+        self.log = run_logger("diloco.learner")
         self.store = RunStore(run, {region: bucket}, region, writer=learner)
         # Checkpoints get their own traffic counter: they are not synchronization traffic.
         self.ckpt_store = RunStore(run, {region: bucket}, region, writer=learner)
@@ -370,13 +347,6 @@ class LearnerRuntime:
         finally:
             self._checkpoints.shutdown(wait=True)
             self.io.close()
-
-
-def _logger() -> Any:
-    try:
-        return get_run_logger()
-    except Exception:  # outside a flow run (tests of the runtime)
-        return logging.getLogger("diloco.learner")
 
 
 @task(

@@ -34,6 +34,19 @@ def run_spec(
     }
 
 
+def version_meta(gv: GlobalVersion) -> dict[str, Any]:
+    """What a global version's marker records besides its tensors (docs/storage-layout.md)."""
+    return {
+        "consumed": [list(k) for k in gv.consumed],
+        "cursor": gv.cursor,
+        "weights": gv.weights,
+        "staleness": gv.staleness,
+        "tokens": gv.tokens,
+        "seconds": gv.seconds,
+        "merged": gv.merged,
+    }
+
+
 class StorageTransport:
     def __init__(
         self,
@@ -67,13 +80,7 @@ class StorageTransport:
         return self.syncer.get_contribution(c.learner, c.fragment, c.seq, self.region_of[c.learner])
 
     def publish(self, gv: GlobalVersion, opt_leaves: list[np.ndarray]) -> None:
-        meta = {
-            "consumed": [list(k) for k in gv.consumed],
-            "cursor": gv.cursor,
-            "weights": gv.weights,
-            "staleness": gv.staleness,
-            "tokens": gv.tokens,
-        }
+        meta = version_meta(gv)
         self.syncer.publish_global(
             gv.fragment, gv.version, gv.params, opt_leaves, meta, self.wire_dtype
         )

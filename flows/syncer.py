@@ -29,8 +29,9 @@ from prefect.cache_policies import NO_CACHE
 
 from diloco.model import is_embedding
 from diloco.syncer import FragmentSyncer, estimate_step_seconds, grace_window, quorum_met
-from flows.learner import _logger, artifact_key, tag_flow_run
+from flows.observe import artifact_key, run_logger, tag_flow_run
 from flows.run import build_model, config_from_spec
+from flows.sim_transport import version_meta
 from storage_layout.commit import CommitConflict, CorruptVersion
 from storage_layout.store import RunStore
 
@@ -53,7 +54,7 @@ class SyncerRuntime:
         shards: int,
         pipeline: dict | None = None,
     ):
-        self.log = _logger()
+        self.log = run_logger("diloco.syncer")
         self.store = RunStore(run, regions, home, writer=f"syncer-{shard}")
         self.spec = self.store.read_spec()
         self.cfg = config_from_spec(self.spec, pipeline)
@@ -71,6 +72,7 @@ class SyncerRuntime:
         self.lagging: set[int] = set()
         self.sync_seconds = 0.05  # measured publish time (EMA)
         self.rejected: list[dict[str, Any]] = []
+        self.done: set[str] = set()  # learners that committed their final checkpoint
         for p in self.fragments:
             self.load(p)
 
@@ -168,16 +170,7 @@ class SyncerRuntime:
         gv = outcome.version
         if gv is None:
             return None
-        meta = {
-            "consumed": [list(k) for k in gv.consumed],
-            "cursor": gv.cursor,
-            "weights": gv.weights,
-            "staleness": gv.staleness,
-            "tokens": gv.tokens,
-            "seconds": gv.seconds,
-            "merged": gv.merged,
-            "published_at": time.time(),
-        }
+        meta = {**version_meta(gv), "published_at": time.time()}
         start = time.perf_counter()
         try:
             report = self.store.publish_global(
@@ -219,14 +212,18 @@ class SyncerRuntime:
 
     # ending ---------------------------------------------------------------------------
     def learners_done(self) -> bool:
-        """Every learner has committed its final checkpoint (so all its contributions)."""
+        """Every learner has committed its final checkpoint (so all its contributions).
+        Checked every poll: a learner found done is not listed again."""
         for learner, region in self.learners.items():
+            if learner in self.done:
+                continue
             try:
                 steps = self.store.checkpoint_steps(learner, region)
             except OSError:
                 return False
             if not steps or steps[-1] < self.total_steps:
                 return False
+            self.done.add(learner)
         return True
 
 
