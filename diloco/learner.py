@@ -19,7 +19,7 @@ from diloco.data import ShardReader
 from diloco.fragments import FragmentPlan, due_fragment
 from diloco.inner import InnerTrainer, JaxParams
 from diloco.outer import Contribution, FlatParams, blend
-from diloco.quantize import ErrorFeedback, quantize
+from diloco.quantize import quantize, quantize_with_feedback
 
 
 @dataclass
@@ -32,6 +32,14 @@ class FragmentState:
     steps: int = 0
     seconds: float = 0.0
     sent_at_step: int | None = None  # inner step of the newest contribution still unanswered
+    # Error feedback. ``carry``: the quantization residual this round started with (left by
+    # the previous round's last send); ``residual``: what the newest send of this round
+    # failed to carry. Every send of a round is measured from the same anchor and re-sends
+    # everything, so each adds ``carry``, not its predecessor's residual: a superseded send
+    # was never merged, and the syncer takes only the increment of a re-sent one. The
+    # residual becomes the carry when a global version re-anchors the fragment.
+    carry: FlatParams = field(default_factory=dict)
+    residual: FlatParams = field(default_factory=dict)
 
 
 @dataclass
@@ -44,7 +52,6 @@ class LearnerCheckpoint:
     step: int
     seq: int
     fragments: list[FragmentState]
-    residual: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 class Learner:
@@ -70,11 +77,6 @@ class Learner:
             FragmentState(anchor={n: np.asarray(init[n]) for n in names}, base_version=0)
             for names in plan
         ]
-        self.feedback = (
-            ErrorFeedback(topology.quantization, topology.block_size, {})
-            if topology.error_feedback
-            else None
-        )
 
     @property
     def tokens_per_step(self) -> int:
@@ -110,9 +112,12 @@ class Learner:
         payload = {}
         for name, value in theta.items():
             delta = frag.anchor[name] - value
-            payload[name] = (
-                self.feedback(name, delta) if self.feedback else quantize(delta, kind, block)
-            )
+            if self.topology.error_feedback:
+                payload[name], frag.residual[name] = quantize_with_feedback(
+                    delta, frag.carry.get(name), kind, block
+                )
+            else:
+                payload[name] = quantize(delta, kind, block)
         self.seq += 1
         frag.sent_at_step = self.step
         return Contribution(
@@ -148,7 +153,9 @@ class Learner:
             return
         mixed = blend(self.fragment_values(p), values, self.topology.alpha)
         self.params = {**self.params, **self.trainer.place_params(mixed)}
-        self.fragments[p] = FragmentState(anchor=mixed, base_version=version)
+        self.fragments[p] = FragmentState(
+            anchor=mixed, base_version=version, carry=frag.residual or frag.carry
+        )
 
     def checkpoint(self) -> LearnerCheckpoint:
         return LearnerCheckpoint(
@@ -158,7 +165,6 @@ class Learner:
             step=self.step,
             seq=self.seq,
             fragments=copy.deepcopy(self.fragments),
-            residual=dict(self.feedback.residual) if self.feedback else {},
         )
 
     def restore(
@@ -177,5 +183,3 @@ class Learner:
         if forget_sent:
             for frag in self.fragments:
                 frag.sent_at_step = None
-        if self.feedback:
-            self.feedback.residual = dict(ckpt.residual)

@@ -99,16 +99,11 @@ def dequantize(q: QuantizedTensor) -> np.ndarray:
     return (codes * scales).reshape(q.shape)
 
 
-@dataclass
-class ErrorFeedback:
-    """Keeps each tensor's quantization residual and adds it to the next value sent."""
-
-    kind: str
-    block_size: int
-    residual: dict[str, np.ndarray]
-
-    def __call__(self, name: str, x: np.ndarray) -> QuantizedTensor:
-        compensated = x + self.residual.get(name, 0.0)
-        q = quantize(compensated, self.kind, self.block_size)
-        self.residual[name] = compensated - dequantize(q)
-        return q
+def quantize_with_feedback(
+    x: np.ndarray, carry: np.ndarray | None, kind: str, block_size: int = 128
+) -> tuple[QuantizedTensor, np.ndarray]:
+    """Error feedback: quantize ``x + carry`` and return the code with its new residual
+    (what the code fails to carry), to be added to a later value."""
+    compensated = x if carry is None else x + carry
+    q = quantize(compensated, kind, block_size)
+    return q, compensated - dequantize(q)

@@ -86,6 +86,21 @@ def _check_s3_credentials(region: str, url: str, options: Mapping[str, Any]) -> 
         )
 
 
+def _check_gcs_credentials(
+    region: str, url: str, fs: fsspec.AbstractFileSystem, options: Mapping[str, Any]
+) -> None:
+    """gcsfs, too, falls back to anonymous access when every credential source fails."""
+    if options.get("token") or os.environ.get("STORAGE_EMULATOR_HOST"):
+        return
+    if getattr(getattr(fs, "credentials", None), "method", None) == "anon":
+        raise BucketError(
+            f"region {region}: no GCS credentials found for {url}; set "
+            "GOOGLE_APPLICATION_CREDENTIALS to a service-account key file (or run `gcloud auth "
+            "application-default login`), or pass storage option token='anon' for a public "
+            "bucket"
+        )
+
+
 def protocol_of(fs: fsspec.AbstractFileSystem) -> str:
     proto = fs.protocol
     return proto if isinstance(proto, str) else proto[0]
@@ -116,6 +131,8 @@ class Bucket:
         self.protocol = protocol_of(self.fs)
         if self.protocol in ("s3", "s3a"):
             _check_s3_credentials(region, url, storage_options or {})
+        if self.protocol in ("gs", "gcs"):
+            _check_gcs_credentials(region, url, self.fs, storage_options or {})
         if self.protocol not in EXCLUSIVE_PROTOCOLS and not allow_unsafe_overwrite:
             raise BucketError(
                 f"region {region}: {self.protocol}:// cannot write objects exclusively, so two "

@@ -7,7 +7,8 @@ Groups (all float32, committed through ``RunStore.put_checkpoint``):
   (restored into the structure of a freshly initialized state, so the optimizer's code
   defines the layout and nothing here needs to know optax's types);
 - ``anchor``: each fragment's anchor (names are unique across fragments);
-- ``residual``: the error-feedback residuals, when error feedback is on.
+- ``carry`` and ``residual``: each fragment's error-feedback residuals, when error
+  feedback is on (see ``FragmentState``).
 
 The marker's meta holds the counters (step, seq, data position, per-fragment base
 version, tokens, steps, seconds) and ``base_versions``, which retention reads to keep
@@ -35,8 +36,10 @@ def save_learner_checkpoint(store: RunStore, learner: str, ckpt: LearnerCheckpoi
     opt = {f"{i:04d}": np.asarray(x, dtype=np.float32) for i, x in enumerate(leaves)}
     anchor = {n: v for f in ckpt.fragments for n, v in f.anchor.items()}
     tensors = {"params": params, "opt": opt, "anchor": anchor}
-    if ckpt.residual:
-        tensors["residual"] = ckpt.residual
+    for group in ("carry", "residual"):
+        values = {n: v for f in ckpt.fragments for n, v in getattr(f, group).items()}
+        if values:
+            tensors[group] = values
     meta = {
         "data_position": ckpt.data_position,
         "seq": ckpt.seq,
@@ -91,6 +94,8 @@ def load_learner_checkpoint(
                 steps=int(f["steps"]),
                 seconds=float(f["seconds"]),
                 sent_at_step=f.get("sent_at_step"),
+                carry=pick(groups.get("carry", {}), names),
+                residual=pick(groups.get("residual", {}), names),
             )
             for names, f in zip(plan, meta["fragments"], strict=True)
         ]
@@ -103,5 +108,8 @@ def load_learner_checkpoint(
         step=int(meta["step"]),
         seq=int(meta["seq"]),
         fragments=fragments,
-        residual=dict(groups.get("residual", {})),
     )
+
+
+def pick(group: dict[str, np.ndarray], names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    return {n: group[n] for n in names if n in group}

@@ -186,3 +186,44 @@ def test_no_contribution_of_a_fragment_with_no_new_steps(setup):
     lrn.apply_global(p, 1, {n: init[n] for n in plan[p]})  # a global lands at the due step
     assert lrn.fragments[p].steps == 0
     assert lrn.due() is None  # nothing to send: no step since the new anchor
+
+
+def test_error_feedback_carries_a_residual_into_the_next_round_only(setup):
+    """Sends of one round are all measured from one anchor: each adds the residual the
+    round started with, never its superseded predecessor's. Re-anchoring makes the newest
+    send's residual the next round's carry."""
+    cfg, _, init, trainer, plan, corpus = setup
+    topology = cfg.topology.model_copy(update={"quantization": "int4", "error_feedback": True})
+    reader = ShardReader(corpus.train_shards[0], 8, cfg.model.context, 0, 0)
+    lrn = Learner("l0", trainer, plan, topology, init, reader)
+    names = plan[0]
+
+    def sent(c):
+        return c.outer_gradient()
+
+    lrn.train_step()
+    first = lrn.contribute(0)
+    r1 = dict(lrn.fragments[0].residual)
+    lrn.train_step()
+    second = lrn.contribute(0)  # supersedes the first: same anchor, zero carry
+    delta = {n: init[n] - lrn.fragment_values(0)[n] for n in names}
+    for n in names:
+        np.testing.assert_allclose(sent(second)[n] + lrn.fragments[0].residual[n], delta[n],
+                                   atol=1e-6)  # fmt: skip
+    assert any(not np.allclose(r1[n], lrn.fragments[0].residual[n]) for n in names)
+    assert sent(first).keys() == sent(second).keys()
+    r2 = dict(lrn.fragments[0].residual)
+    lrn.train_step()
+    lrn.train_step()
+    lrn.apply_global(0, 1, {n: init[n] for n in names})
+    frag = lrn.fragments[0]
+    assert frag.residual == {} and all(np.array_equal(frag.carry[n], r2[n]) for n in names)
+    lrn.train_step()
+    third = lrn.contribute(0)
+    delta = {n: init[n] - lrn.fragment_values(0)[n] for n in names}
+    for n in names:
+        np.testing.assert_allclose(sent(third)[n] + frag.residual[n], delta[n] + r2[n], atol=1e-6)
+    # A fragment re-anchored with no send in between keeps the carry it had.
+    lrn.apply_global(0, 2, {n: init[n] for n in names})
+    lrn.apply_global(0, 3, {n: init[n] for n in names})
+    assert all(np.array_equal(lrn.fragments[0].carry[n], frag.residual[n]) for n in names)

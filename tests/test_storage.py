@@ -295,6 +295,15 @@ def test_missing_credentials_are_reported(s3_server, make_bucket, monkeypatch):
         Bucket(url, region="us", storage_options={"skip_instance_cache": True})
 
 
+def test_missing_gcs_credentials_are_reported(monkeypatch):
+    for key in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("NO_GCE_CHECK", "true")  # no metadata-server probe
+    monkeypatch.setenv("CLOUDSDK_CONFIG", "/nonexistent")  # no gcloud user credentials
+    with pytest.raises(BucketError, match="region eu: no GCS credentials found for gs://b"):
+        Bucket("gs://b", region="eu", storage_options={"skip_instance_cache": True})
+
+
 def test_backend_without_exclusive_writes_is_refused():
     with pytest.raises(BucketError, match="cannot write objects exclusively"):
         Bucket("http://127.0.0.1:9/bucket", region="x")
@@ -401,7 +410,8 @@ def test_checkpoints_round_trip_and_pin_their_anchors(bucket_url):
 
 def test_learner_checkpoint_round_trip(make_bucket):
     """Parameters, the inner optimizer state (placed like the parameters), anchors and
-    counters come back; a learner restored from it trains on identically."""
+    counters and error-feedback residuals come back; a learner restored from it trains on
+    and sends identically."""
     import jax
 
     from diloco.config import load_config
@@ -412,7 +422,7 @@ def test_learner_checkpoint_round_trip(make_bucket):
     from diloco.model import ParamCodec
     from storage_layout.checkpoint import load_learner_checkpoint, save_learner_checkpoint
 
-    cfg = load_config("tiny")
+    cfg = load_config("tiny", overrides=["topology.error_feedback=true"])
     codec, state = ParamCodec.create(cfg.model, 0)
     trainer = InnerTrainer(codec, cfg.inner, 100)
     plan = plan_fragments(codec.sizes, cfg.topology.fragments)
@@ -426,13 +436,17 @@ def test_learner_checkpoint_round_trip(make_bucket):
     for _ in range(7):
         a.train_step(0.25)
     a.contribute(0)
+    a.apply_global(0, 1, a.fragment_values(0))  # the residual becomes the carry
+    a.contribute(1)
     store = RunStore("run", {"r": make_bucket("file")}, "r", writer="l0")
     save_learner_checkpoint(store, "l0", a.checkpoint())
     assert store.checkpoint_steps("l0") == [7]
     ckpt = load_learner_checkpoint(store, "l0", 7, plan, trainer.place_params,
                                    trainer.init_opt_state)  # fmt: skip
-    assert (ckpt.step, ckpt.seq, ckpt.data_position) == (7, 1, 7)
-    assert ckpt.fragments[0].sent_at_step == 7 and ckpt.fragments[1].seconds == 7 * 0.25
+    assert (ckpt.step, ckpt.seq, ckpt.data_position) == (7, 2, 7)
+    assert ckpt.fragments[1].sent_at_step == 7 and ckpt.fragments[1].seconds == 7 * 0.25
+    assert ckpt.fragments[0].carry.keys() == set(plan[0]) and not ckpt.fragments[0].residual
+    assert ckpt.fragments[1].residual.keys() == set(plan[1]) and not ckpt.fragments[1].carry
     b = learner()
     b.restore(ckpt, forget_sent=False)
     for x, y in zip(jax.tree_util.tree_leaves(a.opt_state), jax.tree_util.tree_leaves(b.opt_state),
@@ -442,6 +456,9 @@ def test_learner_checkpoint_round_trip(make_bucket):
     assert float(loss_a) == float(loss_b)
     for name in plan[0]:
         np.testing.assert_array_equal(np.asarray(a.params[name]), np.asarray(b.params[name]))
+    sent_a, sent_b = a.contribute(0).outer_gradient(), b.contribute(0).outer_gradient()
+    for name in plan[0]:
+        np.testing.assert_array_equal(sent_a[name], sent_b[name])
 
 
 def test_metrics_accumulate_traffic_over_processes(bucket_url):
