@@ -72,8 +72,9 @@ QuantName = Literal["fp32", "bf16", "int8", "int4"]
 class OuterConfig(_Strict):
     """Syncer side: staleness weighting, merge rule, outer Nesterov SGD."""
 
-    lr: PositiveFloat = 0.5  # bench/quality: 0.7 / 0.9 overshoots once quorums are partial
-    momentum: Annotated[float, Field(ge=0, lt=1)] = 0.8
+    # docs/algorithm.md: at H = 10-40 plain averaging beat every momentum tried (0.3-0.9).
+    lr: PositiveFloat = 1.0
+    momentum: Annotated[float, Field(ge=0, lt=1)] = 0.0
     nesterov: bool = True
     merge: Literal["mean", "rda"] = "mean"
     reference: Literal["delta", "anchored"] = "anchored"  # docs/algorithm.md: best with stale work
@@ -94,6 +95,9 @@ class TopologyConfig(_Strict):
     inner_steps: PositiveInt = 20  # H: inner steps between two syncs of one fragment
     tau: Annotated[int, Field(ge=0)] = 2  # apply a global no earlier than tau steps after sending
     alpha: Annotated[float, Field(ge=0, lt=1)] = 0.0  # blend: theta <- a*theta + (1-a)*global
+    # Instead of the blend, re-apply on top of the new global the local steps taken since
+    # the send it answers; they travel in the next contribution instead of being overwritten.
+    keep_unsent: bool = True
     quorum: PositiveInt | None = None  # K; None = M for diloco, max(1, M // 2) for decoupled
     grace: Annotated[float, Field(ge=0, lt=1)] = 0.5  # gamma of the adaptive grace window
     quantization: QuantName = "int4"

@@ -40,6 +40,8 @@ class FragmentState:
     # residual becomes the carry when a global version re-anchors the fragment.
     carry: FlatParams = field(default_factory=dict)
     residual: FlatParams = field(default_factory=dict)
+    # With ``keep_unsent``: the fragment's values at the newest send.
+    sent_values: FlatParams = field(default_factory=dict)
 
 
 @dataclass
@@ -120,6 +122,8 @@ class Learner:
                 payload[name] = quantize(delta, kind, block)
         self.seq += 1
         frag.sent_at_step = self.step
+        if self.topology.keep_unsent:
+            frag.sent_values = theta
         return Contribution(
             learner=self.id,
             fragment=p,
@@ -147,15 +151,33 @@ class Learner:
         ]
 
     def apply_global(self, p: int, version: int, values: FlatParams) -> None:
-        """Blend global version ``version`` of fragment ``p`` in and re-anchor on it."""
+        """Take global version ``version`` of fragment ``p`` and re-anchor on it: blended
+        with the local values (``alpha``), or, with ``keep_unsent``, plus the local steps
+        taken since the send it answers, which then count towards the next contribution."""
         frag = self.fragments[p]
         if version <= frag.base_version:
             return
-        mixed = blend(self.fragment_values(p), values, self.topology.alpha)
-        self.params = {**self.params, **self.trainer.place_params(mixed)}
-        self.fragments[p] = FragmentState(
-            anchor=mixed, base_version=version, carry=frag.residual or frag.carry
-        )
+        current = self.fragment_values(p)
+        carry = frag.residual or frag.carry
+        if self.topology.keep_unsent and frag.sent_values and frag.sent_at_step is not None:
+            kept = self.step - frag.sent_at_step
+            new = {
+                n: np.asarray(values[n], dtype=np.float32) + (current[n] - frag.sent_values[n])
+                for n in current
+            }
+            state = FragmentState(
+                anchor={n: np.asarray(values[n], dtype=np.float32) for n in current},
+                base_version=version,
+                tokens=kept * self.tokens_per_step,
+                steps=kept,
+                seconds=frag.seconds * kept / frag.steps if frag.steps else 0.0,
+                carry=carry,
+            )
+        else:
+            new = blend(current, values, self.topology.alpha)
+            state = FragmentState(anchor=new, base_version=version, carry=carry)
+        self.params = {**self.params, **self.trainer.place_params(new)}
+        self.fragments[p] = state
 
     def checkpoint(self) -> LearnerCheckpoint:
         return LearnerCheckpoint(
@@ -183,3 +205,4 @@ class Learner:
         if forget_sent:
             for frag in self.fragments:
                 frag.sent_at_step = None
+                frag.sent_values = {}

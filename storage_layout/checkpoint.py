@@ -8,7 +8,8 @@ Groups (all float32, committed through ``RunStore.put_checkpoint``):
   defines the layout and nothing here needs to know optax's types);
 - ``anchor``: each fragment's anchor (names are unique across fragments);
 - ``carry`` and ``residual``: each fragment's error-feedback residuals, when error
-  feedback is on (see ``FragmentState``).
+  feedback is on (see ``FragmentState``);
+- ``sent_values``: each fragment's values at its newest send, with ``keep_unsent``.
 
 The marker's meta holds the counters (step, seq, data position, per-fragment base
 version, tokens, steps, seconds) and ``base_versions``, which retention reads to keep
@@ -36,7 +37,7 @@ def save_learner_checkpoint(store: RunStore, learner: str, ckpt: LearnerCheckpoi
     opt = {f"{i:04d}": np.asarray(x, dtype=np.float32) for i, x in enumerate(leaves)}
     anchor = {n: v for f in ckpt.fragments for n, v in f.anchor.items()}
     tensors = {"params": params, "opt": opt, "anchor": anchor}
-    for group in ("carry", "residual"):
+    for group in ("carry", "residual", "sent_values"):
         values = {n: v for f in ckpt.fragments for n, v in getattr(f, group).items()}
         if values:
             tensors[group] = values
@@ -96,6 +97,7 @@ def load_learner_checkpoint(
                 sent_at_step=f.get("sent_at_step"),
                 carry=pick(groups.get("carry", {}), names),
                 residual=pick(groups.get("residual", {}), names),
+                sent_values=pick(groups.get("sent_values", {}), names),
             )
             for names, f in zip(plan, meta["fragments"], strict=True)
         ]

@@ -25,10 +25,10 @@ def setup():
     return cfg, codec, init, trainer, plan, corpus
 
 
-def make_learner(setup, name="l0", stream=0):
+def make_learner(setup, name="l0", stream=0, **topology):
     cfg, _, init, trainer, plan, corpus = setup
     reader = ShardReader(corpus.train_shards[stream], 8, cfg.model.context, 0, stream)
-    return Learner(name, trainer, plan, cfg.topology, init, reader)
+    return Learner(name, trainer, plan, cfg.topology.model_copy(update=topology), init, reader)
 
 
 def test_contribution_is_anchor_minus_params(setup):
@@ -45,7 +45,7 @@ def test_contribution_is_anchor_minus_params(setup):
 
 def test_tau_delays_application_and_alpha_zero_overwrites(setup):
     _, _, init, _, plan, _ = setup
-    lrn = make_learner(setup)
+    lrn = make_learner(setup, keep_unsent=False)
     lrn.train_step()
     assert not lrn.may_apply(1)  # nothing sent: no global is taken (it would erase unsent work)
     lrn.contribute(1)
@@ -192,10 +192,8 @@ def test_error_feedback_carries_a_residual_into_the_next_round_only(setup):
     """Sends of one round are all measured from one anchor: each adds the residual the
     round started with, never its superseded predecessor's. Re-anchoring makes the newest
     send's residual the next round's carry."""
-    cfg, _, init, trainer, plan, corpus = setup
-    topology = cfg.topology.model_copy(update={"quantization": "int4", "error_feedback": True})
-    reader = ShardReader(corpus.train_shards[0], 8, cfg.model.context, 0, 0)
-    lrn = Learner("l0", trainer, plan, topology, init, reader)
+    _, _, init, _, plan, _ = setup
+    lrn = make_learner(setup, quantization="int4", error_feedback=True)
     names = plan[0]
 
     def sent(c):
@@ -227,3 +225,36 @@ def test_error_feedback_carries_a_residual_into_the_next_round_only(setup):
     lrn.apply_global(0, 2, {n: init[n] for n in names})
     lrn.apply_global(0, 3, {n: init[n] for n in names})
     assert all(np.array_equal(lrn.fragments[0].carry[n], frag.residual[n]) for n in names)
+
+
+def test_keep_unsent_replays_the_steps_since_the_send_on_the_new_global(setup):
+    _, _, init, _, plan, _ = setup
+    lrn = make_learner(setup, keep_unsent=True)
+    names = plan[1]
+    for _ in range(3):
+        lrn.train_step(seconds=1.0)
+    lrn.contribute(1)
+    at_send = lrn.fragment_values(1)
+    lrn.train_step(seconds=1.0)
+    lrn.train_step(seconds=1.0)
+    before = lrn.fragment_values(1)
+    glob = {n: np.full_like(init[n], 0.25) for n in names}
+    lrn.apply_global(1, 4, glob)
+    frag = lrn.fragments[1]
+    for n in names:
+        np.testing.assert_allclose(
+            np.asarray(lrn.params[n]), glob[n] + before[n] - at_send[n], atol=1e-6
+        )
+        np.testing.assert_array_equal(frag.anchor[n], glob[n])
+    # The two steps since the send are the next contribution's, with their counters.
+    assert (frag.base_version, frag.steps, frag.tokens, frag.seconds) == (4, 2, 2 * 8 * 64, 2.0)
+    assert frag.sent_at_step is None and frag.sent_values == {}
+    nxt = lrn.contribute(1)
+    for n in names:
+        np.testing.assert_allclose(nxt.outer_gradient()[n], at_send[n] - before[n], atol=1e-6)
+    assert (nxt.base_version, nxt.steps) == (4, 2)
+    # A global taken with no send to answer (a rejoin) overwrites, as with alpha = 0.
+    lrn.restore(lrn.checkpoint())  # forgets the sends
+    lrn.apply_global(1, 5, glob)
+    for n in names:
+        np.testing.assert_array_equal(np.asarray(lrn.params[n]), glob[n])

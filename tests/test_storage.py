@@ -422,7 +422,9 @@ def test_learner_checkpoint_round_trip(make_bucket):
     from diloco.model import ParamCodec
     from storage_layout.checkpoint import load_learner_checkpoint, save_learner_checkpoint
 
-    cfg = load_config("tiny", overrides=["topology.error_feedback=true"])
+    cfg = load_config(
+        "tiny", overrides=["topology.error_feedback=true", "topology.keep_unsent=true"]
+    )
     codec, state = ParamCodec.create(cfg.model, 0)
     trainer = InnerTrainer(codec, cfg.inner, 100)
     plan = plan_fragments(codec.sizes, cfg.topology.fragments)
@@ -447,6 +449,7 @@ def test_learner_checkpoint_round_trip(make_bucket):
     assert ckpt.fragments[1].sent_at_step == 7 and ckpt.fragments[1].seconds == 7 * 0.25
     assert ckpt.fragments[0].carry.keys() == set(plan[0]) and not ckpt.fragments[0].residual
     assert ckpt.fragments[1].residual.keys() == set(plan[1]) and not ckpt.fragments[1].carry
+    assert ckpt.fragments[1].sent_values.keys() == set(plan[1])
     b = learner()
     b.restore(ckpt, forget_sent=False)
     for x, y in zip(jax.tree_util.tree_leaves(a.opt_state), jax.tree_util.tree_leaves(b.opt_state),
@@ -455,6 +458,11 @@ def test_learner_checkpoint_round_trip(make_bucket):
     loss_a, loss_b = a.train_step(), b.train_step()
     assert float(loss_a) == float(loss_b)
     for name in plan[0]:
+        np.testing.assert_array_equal(np.asarray(a.params[name]), np.asarray(b.params[name]))
+    glob = {n: np.zeros_like(a.fragment_values(1)[n]) for n in plan[1]}
+    a.apply_global(1, 2, glob)  # replays the steps since the send: needs the sent values
+    b.apply_global(1, 2, glob)
+    for name in plan[1]:
         np.testing.assert_array_equal(np.asarray(a.params[name]), np.asarray(b.params[name]))
     sent_a, sent_b = a.contribute(0).outer_gradient(), b.contribute(0).outer_gradient()
     for name in plan[0]:
