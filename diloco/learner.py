@@ -159,14 +159,12 @@ class Learner:
             return
         current = self.fragment_values(p)
         carry = frag.residual or frag.carry
-        if self.topology.keep_unsent and frag.sent_values and frag.sent_at_step is not None:
+        if frag.sent_values and frag.sent_at_step is not None:  # only with keep_unsent
             kept = self.step - frag.sent_at_step
-            new = {
-                n: np.asarray(values[n], dtype=np.float32) + (current[n] - frag.sent_values[n])
-                for n in current
-            }
+            anchor = {n: np.asarray(values[n], dtype=np.float32) for n in current}
+            new = {n: anchor[n] + (current[n] - frag.sent_values[n]) for n in current}
             state = FragmentState(
-                anchor={n: np.asarray(values[n], dtype=np.float32) for n in current},
+                anchor=anchor,
                 base_version=version,
                 tokens=kept * self.tokens_per_step,
                 steps=kept,

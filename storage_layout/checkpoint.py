@@ -35,9 +35,8 @@ def save_learner_checkpoint(store: RunStore, learner: str, ckpt: LearnerCheckpoi
     params = {n: np.asarray(v, dtype=np.float32) for n, v in jax.device_get(ckpt.params).items()}
     leaves = jax.device_get(jax.tree_util.tree_leaves(ckpt.opt_state))
     opt = {f"{i:04d}": np.asarray(x, dtype=np.float32) for i, x in enumerate(leaves)}
-    anchor = {n: v for f in ckpt.fragments for n, v in f.anchor.items()}
-    tensors = {"params": params, "opt": opt, "anchor": anchor}
-    for group in ("carry", "residual", "sent_values"):
+    tensors = {"params": params, "opt": opt}
+    for group in ("anchor", "carry", "residual", "sent_values"):  # per-fragment tensors
         values = {n: v for f in ckpt.fragments for n, v in getattr(f, group).items()}
         if values:
             tensors[group] = values
