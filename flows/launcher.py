@@ -276,6 +276,8 @@ class Monitor:
         self.total_steps = int(spec["train"]["steps_per_learner"])
         self.curve: list[dict[str, Any]] = []
         self.started = time.time()
+        # Learners' time counters before this launch (a resumed run has some already).
+        self.before = {k: _learner_seconds(v) for k, v in self.statuses().items()}
 
     def statuses(self) -> dict[str, dict[str, Any]]:
         out = {}
@@ -340,6 +342,12 @@ class Monitor:
                 if meta.get("published_at", 0) >= self.started:
                     useful += share * float(meta.get("seconds", 0.0))
         m = len(spec["learners"])
+        allocated = m * wall
+        startup = train = 0.0
+        for learner, status in statuses.items():
+            now, then = _learner_seconds(status), self.before.get(learner, (0.0, 0.0))
+            startup += now[0] - then[0]
+            train += now[1] - then[1]
         tokens = self.tokens(statuses)
         cross = sum(t["bytes"] for pair, t in traffic.items() if len(set(pair.split("->"))) > 1)
         num_params = self.model.codec.num_params
@@ -355,7 +363,17 @@ class Monitor:
             "initial_loss": first.get("loss"),
             "final_loss": last.get("loss"),
             "wall_seconds": round(wall, 1),
-            "goodput": useful / (m * wall) if wall > 0 else 0.0,
+            "goodput": useful / allocated if wall > 0 else 0.0,
+            # Shares of the allocated learner time; "other" is process start, waiting
+            # for answers outside rounds, checkpoints, restarts and time between flow runs.
+            "time_breakdown": {
+                "start-up": startup / allocated,
+                "training, kept": useful / allocated,
+                "training, lost": max(0.0, train - useful) / allocated,
+                "other": max(0.0, allocated - startup - max(train, useful)) / allocated,
+            }
+            if wall > 0
+            else {},
             "versions": versions,
             "rejected": rejected,
             "traffic": traffic,
@@ -366,6 +384,11 @@ class Monitor:
             "learner_states": {k: v.get("state", "not started") for k, v in statuses.items()},
             "curve": self.curve,
         }
+
+
+def _learner_seconds(status: dict[str, Any]) -> tuple[float, float]:
+    """(start-up, training) seconds a learner's status reports, summed over its flow runs."""
+    return float(status.get("startup_seconds", 0.0)), float(status.get("train_seconds", 0.0))
 
 
 def loss_plot_png(curve: list[dict[str, Any]], title: str) -> bytes:

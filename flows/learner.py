@@ -129,6 +129,7 @@ class LearnerRuntime:
         self, run: str, bucket: str, region: str, learner: str, pipeline: dict | None = None
     ):
         self.log = run_logger("diloco.learner")
+        opened = time.time()
         self.store = RunStore(run, {region: bucket}, region, writer=learner)
         # Checkpoints get their own traffic counter: they are not synchronization traffic.
         self.ckpt_store = RunStore(run, {region: bucket}, region, writer=learner)
@@ -152,6 +153,13 @@ class LearnerRuntime:
             if frag.sent_at_step is not None:  # sent before the checkpoint, still unanswered
                 self.io.want(p, frag.base_version)
         self.step_seconds = 0.0  # measured mean of the last round
+        # Where this learner's time went, summed over its flow runs (the launcher's
+        # goodput breakdown): start-up is opening the run, compiling and resuming, up to
+        # the first step of each flow run; training is the rounds themselves.
+        before = self.store.read_metrics(self.id) or {}
+        self.startup_seconds = float(before.get("startup_seconds", 0.0))
+        self.train_seconds = float(before.get("train_seconds", 0.0))
+        self._opened: float | None = opened
         self._checkpoints = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._checkpointing: Future | None = None
         self.applied: list[dict[str, Any]] = []
@@ -263,6 +271,9 @@ class LearnerRuntime:
         up, down = traffic.uploaded, traffic.downloaded
         number, self.applied = self.round, []
         losses, sent = [], 0
+        if self._opened is not None:
+            self.startup_seconds += time.time() - self._opened
+            self._opened = None
         start = last = time.perf_counter()
         for _ in range(steps):
             # Wall time per step; dispatch is asynchronous, but the device_get of each
@@ -282,6 +293,7 @@ class LearnerRuntime:
         loss = float(np.mean(np.asarray([float(x) for x in losses])))  # waits for the device
         seconds = time.perf_counter() - start
         self.step_seconds = seconds / max(1, steps)
+        self.train_seconds += seconds
         row = {
             "round": number,
             "steps": steps,
@@ -332,6 +344,8 @@ class LearnerRuntime:
             "total_steps": self.total_steps,
             "tokens": self.learner.step * self.learner.tokens_per_step,
             "time": time.time(),
+            "startup_seconds": round(self.startup_seconds, 3),
+            "train_seconds": round(self.train_seconds, 3),
             "checkpoint_bytes": self.ckpt_store.traffic.uploaded
             + self.ckpt_store.traffic.downloaded,
             **({"last_round": row} if row else {}),

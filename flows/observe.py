@@ -69,6 +69,10 @@ def train_summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("validation loss", loss),
         ("wall time", f"{summary['wall_seconds']:.0f} s"),
         ("goodput", f"{summary['goodput']:.1%}"),
+        (
+            "learner time",
+            " · ".join(f"{k} {v:.0%}" for k, v in summary.get("time_breakdown", {}).items()) or "-",
+        ),
         ("global versions", " ".join(f"f{p}:v{v}" for p, v in summary["versions"].items())),
         ("rejected contributions", str(summary["rejected"])),
         *[(f"bytes {pair}", human_bytes(t["bytes"])) for pair, t in summary["traffic"].items()],
