@@ -72,7 +72,8 @@ QuantName = Literal["fp32", "bf16", "int8", "int4"]
 class OuterConfig(_Strict):
     """Syncer side: staleness weighting, merge rule, outer Nesterov SGD."""
 
-    # docs/algorithm.md: at H = 10-40 plain averaging beat every momentum tried (0.3-0.9).
+    # docs/algorithm.md: with tens of outer steps per fragment plain averaging beat every
+    # momentum tried; the GPU presets (hundreds of outer steps) use Nesterov 0.9 / 0.5.
     lr: PositiveFloat = 1.0
     momentum: Annotated[float, Field(ge=0, lt=1)] = 0.0
     nesterov: bool = True
@@ -201,16 +202,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         "topology": {"inner_steps": 40, "fragments": 4},
         "sim": {"total_tokens": 1_200_000, "eval_points": 12},
     },
-    # GPU-sized presets.
+    # GPU-sized presets, for long runs: hundreds of outer steps per fragment, where outer
+    # Nesterov momentum beats the plain averaging that wins short runs
+    # (bench/quality/results.md, "At a budget where dp flattens").
     "base": {
         "model": {"width": 512, "depth": 8, "heads": 8, "context": 512},
         "data": {"batch_size": 32},
+        "outer": {"lr": 0.9, "momentum": 0.5},
         "topology": {"inner_steps": 100, "fragments": 4},
         "sim": {"total_tokens": 500_000_000},
     },
     "large": {
         "model": {"width": 1024, "depth": 16, "heads": 16, "context": 1024},
         "data": {"batch_size": 32},
+        "outer": {"lr": 0.9, "momentum": 0.5},
         "topology": {"inner_steps": 250, "fragments": 8},
         "sim": {"total_tokens": 5_000_000_000},
     },

@@ -364,12 +364,13 @@ class Monitor:
             "final_loss": last.get("loss"),
             "wall_seconds": round(wall, 1),
             "goodput": useful / allocated if wall > 0 else 0.0,
-            # Shares of the allocated learner time; "other" is process start, waiting
-            # for answers outside rounds, checkpoints, restarts and time between flow runs.
+            # Shares of the allocated learner time: start-up (compile, resume), training
+            # whose work reached a global version (kept) or did not (lost), and other:
+            # process start, checkpoints, restarts and time between flow runs.
             "time_breakdown": {
                 "start-up": startup / allocated,
-                "training, kept": useful / allocated,
-                "training, lost": max(0.0, train - useful) / allocated,
+                "kept": useful / allocated,
+                "lost": max(0.0, train - useful) / allocated,
                 "other": max(0.0, allocated - startup - max(train, useful)) / allocated,
             }
             if wall > 0
