@@ -153,12 +153,10 @@ class LearnerRuntime:
             if frag.sent_at_step is not None:  # sent before the checkpoint, still unanswered
                 self.io.want(p, frag.base_version)
         self.step_seconds = 0.0  # measured mean of the last round
-        # Where this learner's time went, summed over its flow runs (the launcher's
-        # goodput breakdown): start-up is opening the run, compiling and resuming, up to
-        # the first step of each flow run; training is the rounds themselves.
-        before = self.store.read_metrics(self.id) or {}
-        self.startup_seconds = float(before.get("startup_seconds", 0.0))
-        self.train_seconds = float(before.get("train_seconds", 0.0))
+        # Where this flow run's time went (the launcher's goodput breakdown; the status
+        # sums them over flow runs): start-up is opening the run, compiling and resuming,
+        # up to the first step; training is the rounds themselves.
+        self.startup_seconds = self.train_seconds = 0.0
         self._opened: float | None = opened
         self._checkpoints = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._checkpointing: Future | None = None
@@ -344,14 +342,19 @@ class LearnerRuntime:
             "total_steps": self.total_steps,
             "tokens": self.learner.step * self.learner.tokens_per_step,
             "time": time.time(),
-            "startup_seconds": round(self.startup_seconds, 3),
-            "train_seconds": round(self.train_seconds, 3),
             "checkpoint_bytes": self.ckpt_store.traffic.uploaded
             + self.ckpt_store.traffic.downloaded,
             **({"last_round": row} if row else {}),
         }
         try:
-            self.store.write_metrics(self.id, record)
+            self.store.write_metrics(
+                self.id,
+                record,
+                totals={
+                    "startup_seconds": self.startup_seconds,
+                    "train_seconds": self.train_seconds,
+                },
+            )
         except OSError as exc:
             self.log.warning("cannot write status: %s", exc)
 

@@ -126,7 +126,7 @@ class RunStore:
         self._options = storage_options or {}
         self._unsafe = allow_unsafe_overwrite
         self._buckets: dict[str, Bucket] = {}
-        self._metrics_base: dict[str, tuple[dict, int, int]] = {}
+        self._metrics_base: dict[str, dict[str, Any]] = {}  # as stored before our first write
 
     def bucket(self, region: str) -> Bucket:
         """The region's bucket, opened on first use; ``RegionDown`` if it cannot be reached."""
@@ -418,25 +418,27 @@ class RunStore:
         groups, _ = decode(fetch_objects(self.home, marker, key))
         return {g: {n: dequantize(q) for n, q in t.items()} for g, t in groups.items()}, marker.meta
 
-    def write_metrics(self, name: str, record: Mapping[str, Any]) -> None:
+    def write_metrics(
+        self, name: str, record: Mapping[str, Any], totals: Mapping[str, float] | None = None
+    ) -> None:
         """Overwrite this writer's metrics object (traffic, progress) in its home region.
 
-        Traffic accumulates over the processes that wrote under ``name`` before: the
-        first write of this store adds its counts to those already stored."""
+        Traffic and ``totals`` (this process's counters, e.g. seconds spent) accumulate over
+        the processes that wrote under ``name`` before: the first write of this store reads
+        what is stored and every write adds this process's counts to it."""
         if name not in self._metrics_base:
-            old = self.read_metrics(name) or {}
-            self._metrics_base[name] = (old.get("traffic", {}), old.get("bytes_up", 0),
-                                        old.get("bytes_down", 0))  # fmt: skip
-        base, up, down = self._metrics_base[name]
-        traffic = {pair: dict(t) for pair, t in base.items()}
+            self._metrics_base[name] = self.read_metrics(name) or {}
+        old = self._metrics_base[name]
+        traffic = {pair: dict(t) for pair, t in old.get("traffic", {}).items()}
         for pair, t in self.traffic.as_dict().items():
             acc = traffic.setdefault(pair, {"bytes": 0, "requests": 0})
             acc["bytes"] += t["bytes"]
             acc["requests"] += t["requests"]
         body = {
             "traffic": traffic,
-            "bytes_up": up + self.traffic.uploaded,
-            "bytes_down": down + self.traffic.downloaded,
+            "bytes_up": old.get("bytes_up", 0) + self.traffic.uploaded,
+            "bytes_down": old.get("bytes_down", 0) + self.traffic.downloaded,
+            **{k: old.get(k, 0) + v for k, v in (totals or {}).items()},
             **record,
         }
         self.home.put(self.layout.metrics(name), json.dumps(body, sort_keys=True).encode())

@@ -472,14 +472,16 @@ def test_learner_checkpoint_round_trip(make_bucket):
 def test_metrics_accumulate_traffic_over_processes(bucket_url):
     first = RunStore("run", {"r": bucket_url}, "r", writer="l0")
     first.put_contribution(contribution(learner="l0"))
-    first.write_metrics("l0", {"state": "training"})
+    first.write_metrics("l0", {"state": "training"}, totals={"seconds": 1.5})
     up = first.read_metrics("l0")["bytes_up"]
     assert up > 0
     second = RunStore("run", {"r": bucket_url}, "r", writer="l0")  # a restarted process
     second.put_contribution(contribution(learner="l0", seq=2))
-    second.write_metrics("l0", {"state": "done"})
+    second.write_metrics("l0", {"state": "training"}, totals={"seconds": 1.0})
+    second.write_metrics("l0", {"state": "done"}, totals={"seconds": 2.0})  # running total
     record = second.read_metrics("l0")
     assert record["state"] == "done" and record["bytes_up"] > up + up // 2
+    assert record["seconds"] == pytest.approx(3.5)
 
 
 def test_other_regions_hold_the_learner_view_only(make_bucket):
