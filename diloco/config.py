@@ -115,27 +115,35 @@ class Failure(_Strict):
     duration: Fraction
 
 
+class BudgetConfig(_Strict):
+    """How long a run trains: the simulator and the pipeline read the same budget."""
+
+    tokens: PositiveInt = 400_000  # over all learners; each does tokens / M of it
+
+
 class SimConfig(_Strict):
     """The simulated clock and network of `diloco simulate`."""
 
-    total_tokens: PositiveInt = 400_000  # over all learners together
     step_seconds: PositiveFloat = 1.0  # simulated time of one inner step at speed 1
     speeds: tuple[PositiveFloat, ...] = ()  # per-learner slowdown factors (2.0 = twice as slow)
     failures: tuple[Failure, ...] = ()
-    checkpoint_every: PositiveInt = 50  # inner steps between learner checkpoints
     bandwidth_gbps: PositiveFloat = 1.0  # per learner, between its region and the syncer
     latency_seconds: Annotated[float, Field(ge=0)] = 0.05
     eval_points: PositiveInt = 10  # evaluations of the global model over the run
 
 
 class PipelineConfig(_Strict):
-    """How `diloco train` runs learners and syncers as Prefect flows (not part of the run
-    spec: these may change between two launches of one run)."""
+    """How learners and syncers run (not part of the run spec: these may change between
+    two launches of one run). The simulator reads ``checkpoint_every`` and
+    ``syncer_shards`` too; the rest is for `diloco train`'s Prefect flows."""
 
+    checkpoint_every: PositiveInt = 50  # inner steps between learner checkpoints
     round_steps: PositiveInt = 50  # inner steps per round (one Prefect task run)
     rounds_per_flow_run: PositiveInt = 20  # a learner flow run ends after this many rounds
-    checkpoint_rounds: PositiveInt = 2  # checkpoint every this many rounds (and at the end)
     versions_per_flow_run: PositiveInt = 200  # a syncer flow run ends after this many publishes
+    # Global versions kept per fragment (at least max_staleness + 2); older ones and the
+    # contributions merged into them are deleted as the run goes.
+    keep_versions: PositiveInt = 100
     syncer_shards: PositiveInt = 2  # syncer processes; shard s owns fragments p with p % S == s
     poll_seconds: PositiveFloat = 0.2  # how often learners and syncers list the buckets
     max_restarts: Annotated[int, Field(ge=0)] = 3  # a crashed process is started again this often
@@ -151,6 +159,7 @@ class RunConfig(_Strict):
     inner: InnerConfig = InnerConfig()
     outer: OuterConfig = OuterConfig()
     topology: TopologyConfig = TopologyConfig()
+    budget: BudgetConfig = BudgetConfig()
     sim: SimConfig = SimConfig()
     pipeline: PipelineConfig = PipelineConfig()
 
@@ -181,8 +190,8 @@ class RunConfig(_Strict):
 
     @property
     def steps_per_learner(self) -> int:
-        """Inner steps per learner at full speed for the configured token budget."""
-        return max(1, -(-self.sim.total_tokens // (self.tokens_per_step * self.topology.learners)))
+        """Inner steps of each learner: the token budget dealt evenly (rounded up)."""
+        return max(1, -(-self.budget.tokens // (self.tokens_per_step * self.topology.learners)))
 
 
 # Presets: model size and a token budget that suits it. Everything else keeps its default.
@@ -193,14 +202,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         "data": {"batch_size": 8, "eval_batches": 4},
         "inner": {"warmup_steps": 10},
         "topology": {"inner_steps": 10},
-        "sim": {"total_tokens": 160_000, "eval_points": 5},
+        "budget": {"tokens": 160_000},
+        "sim": {"eval_points": 5},
     },
     # ~2 M parameters: the benchmark default on CPU.
     "small": {
         "model": {"width": 192, "depth": 4, "heads": 6, "context": 128},
         "data": {"batch_size": 8, "eval_batches": 16},
         "topology": {"inner_steps": 40, "fragments": 4},
-        "sim": {"total_tokens": 1_200_000, "eval_points": 12},
+        "budget": {"tokens": 1_200_000},
+        "sim": {"eval_points": 12},
     },
     # GPU-sized presets, for long runs: hundreds of outer steps per fragment, where outer
     # Nesterov momentum beats the plain averaging that wins short runs
@@ -210,14 +221,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "data": {"batch_size": 32},
         "outer": {"lr": 0.9, "momentum": 0.5},
         "topology": {"inner_steps": 100, "fragments": 4},
-        "sim": {"total_tokens": 500_000_000},
+        "budget": {"tokens": 500_000_000},
     },
     "large": {
         "model": {"width": 1024, "depth": 16, "heads": 16, "context": 1024},
         "data": {"batch_size": 32},
         "outer": {"lr": 0.9, "momentum": 0.5},
         "topology": {"inner_steps": 250, "fragments": 8},
-        "sim": {"total_tokens": 5_000_000_000},
+        "budget": {"tokens": 5_000_000_000},
     },
 }
 

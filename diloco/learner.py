@@ -7,7 +7,6 @@ flow; only who calls it, and how contributions and globals travel, differ.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import jax
@@ -17,7 +16,7 @@ import optax
 from diloco.config import TopologyConfig
 from diloco.data import ShardReader
 from diloco.fragments import FragmentPlan, due_fragment
-from diloco.inner import InnerTrainer, JaxParams
+from diloco.inner import InnerTrainer
 from diloco.outer import Contribution, FlatParams, blend
 from diloco.quantize import quantize, quantize_with_feedback
 
@@ -46,14 +45,14 @@ class FragmentState:
 
 @dataclass
 class LearnerCheckpoint:
-    """Everything a learner needs to resume (JAX arrays are immutable: no copies needed)."""
+    """What a rejoining learner takes from its checkpoint (``LearnerLoop.start``): the
+    inner optimizer state and its position. Parameters come from the newest global
+    versions instead, and the data position is the step (one batch per step). JAX arrays
+    are immutable: taking one costs no copy."""
 
-    params: JaxParams
-    opt_state: optax.OptState
-    data_position: int
     step: int
     seq: int
-    fragments: list[FragmentState]
+    opt_state: optax.OptState
 
 
 class Learner:
@@ -133,6 +132,7 @@ class Learner:
             steps=frag.steps,
             seconds=frag.seconds,
             payload=payload,
+            step=self.step,
         )
 
     def may_apply(self, p: int) -> bool:
@@ -178,29 +178,13 @@ class Learner:
         self.fragments[p] = state
 
     def checkpoint(self) -> LearnerCheckpoint:
-        return LearnerCheckpoint(
-            params=self.params,
-            opt_state=self.opt_state,
-            data_position=self.reader.position,
-            step=self.step,
-            seq=self.seq,
-            fragments=copy.deepcopy(self.fragments),
-        )
+        return LearnerCheckpoint(step=self.step, seq=self.seq, opt_state=self.opt_state)
 
-    def restore(
-        self, ckpt: LearnerCheckpoint, next_seq: int | None = None, forget_sent: bool = True
-    ) -> None:
-        """Resume from ``ckpt``. ``next_seq`` keeps sequence numbers unique when contributions
-        were sent after the checkpoint was taken (they must never be reused). With
-        ``forget_sent`` the answers to sends before the checkpoint are left to the caller
-        (the simulator applies the newest globals at once on rejoin)."""
-        self.params = ckpt.params
-        self.opt_state = ckpt.opt_state
-        self.reader.position = ckpt.data_position
-        self.step = ckpt.step
-        self.seq = max(ckpt.seq, (next_seq or 0) - 1)
-        self.fragments = copy.deepcopy(ckpt.fragments)
-        if forget_sent:
-            for frag in self.fragments:
-                frag.sent_at_step = None
-                frag.sent_values = {}
+    def resume(self, step: int, seq: int, opt_state: optax.OptState | None) -> None:
+        """Continue at inner step ``step`` (the data position follows it) with sequence
+        numbers after ``seq``; keep a fresh optimizer state when ``opt_state`` is None."""
+        self.step = step
+        self.reader.position = step
+        self.seq = seq
+        if opt_state is not None:
+            self.opt_state = opt_state

@@ -38,6 +38,7 @@ class Contribution:
     steps: int  # c_steps since then
     seconds: float  # learner time those steps took (for step-time estimates and goodput)
     payload: Mapping[str, QuantizedTensor] = field(repr=False)
+    step: int = 0  # the learner's inner step when it sent this (a rejoin resumes after it)
 
     @property
     def key(self) -> tuple[str, int]:

@@ -1,18 +1,21 @@
-"""Many learners and the syncer in one process, on a simulated clock.
+"""Many learners and the syncers in one process, on a simulated clock.
 
-Learners do real inner steps on real data (the compute is real, the clock is not):
-learner ``m`` takes ``speeds[m] * step_seconds`` simulated seconds per inner step, a
-transfer of ``n`` bytes takes ``latency + 8 n / bandwidth``. An event queue orders step
-completions, contribution arrivals, merges, deliveries of global versions, failures and
-rejoins; ties break by insertion order, so a seed fixes every number bit for bit.
+The simulator is a scheduler: it drives the same ``LearnerLoop`` and ``SyncerLoop``
+(``diloco.loops``) that the Prefect pipeline runs, over a ``SimulatedNetwork`` on a
+virtual clock instead of the wall clock. Learners do real inner steps on real data (the
+compute is real, the clock is not): learner ``m`` takes ``speeds[m] * step_seconds``
+simulated seconds per inner step, a transfer of ``n`` bytes takes
+``latency + 8 n / bandwidth``. A failure stops a learner's loop where it stands (like
+SIGKILL) and its rejoin starts a new one from the store, as a restarted process does.
+Ties break by insertion order, so a seed fixes every number bit for bit.
 
-Modes (ALGORITHM.md): ``dp`` (one model, global batch M x B, all-reduce every step),
-``diloco`` (K = M, no grace, learners wait for each answer), ``decoupled`` (K, adaptive
-grace window, staleness weights, learners never wait).
+Modes (ALGORITHM.md): ``dp`` (one model, global batch M x B, all-reduce every step; a
+baseline with its own loop), ``diloco`` (K = M, no grace, learners wait for each
+answer), ``decoupled`` (K, adaptive grace window, staleness weights, nobody waits).
 
 Goodput = learner time whose work reached the global model / allocated learner time
-(M x run time). Work is lost to failures (since the last checkpoint), to waiting, to
-rejection, and to steps never merged.
+(each learner from the start until its budget is done). Work is lost to failures (what
+was neither checkpointed nor sent), to waiting, to rejection, and to steps never merged.
 """
 
 from __future__ import annotations
@@ -20,85 +23,34 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from diloco.config import RunConfig, SimConfig
+from diloco import records
+from diloco.config import RunConfig
 from diloco.data import Corpus, ShardReader, load_corpus, validation_batches
 from diloco.fragments import FragmentPlan, fragment_sizes, plan_fragments
 from diloco.inner import InnerTrainer
-from diloco.learner import Learner
-from diloco.model import ParamCodec, is_embedding
-from diloco.outer import Contribution, FlatParams
-from diloco.quantize import dequantize, quantize
-from diloco.syncer import (
-    FragmentSyncer,
-    GlobalVersion,
-    estimate_step_seconds,
-    grace_window,
-    quorum_met,
-)
+from diloco.loops import STEP, LearnerLoop, Request, SyncerLoop, Wait
+from diloco.model import ParamCodec
+from diloco.outer import FlatParams
+from diloco.topology import learner_ids, shard_count, shard_fragments, shard_of
+from diloco.transport import MemoryStore, SimulatedNetwork, Store, transfer_seconds
 
 Progress = Callable[[int, int, float | None], None]  # tokens done, token budget, last eval loss
 
 
-class Transport(Protocol):
-    """How contributions reach the syncer and global versions reach learners.
-
-    The simulator's clock decides *when*; the transport decides *how*. In process by
-    default; ``flows.sim_transport`` sends everything through buckets.
-    """
-
-    def send(self, c: Contribution) -> None: ...
-
-    def receive(self, c: Contribution) -> Contribution: ...
-
-    def publish(self, gv: GlobalVersion, opt_leaves: list[np.ndarray]) -> None: ...
-
-    def fetch(self, learner: str, fragment: int, version: int) -> FlatParams: ...
-
-    def close(self, summary: dict[str, Any]) -> None: ...
-
-
-TransportFactory = Callable[[RunConfig, FragmentPlan, Sequence[str]], Transport]
-
-
-class InProcessTransport:
-    """Objects passed by reference; globals rounded to the wire dtype as a bucket would."""
-
-    def __init__(self, wire_dtype: str):
-        self.wire_dtype = wire_dtype
-        self.globals: dict[tuple[int, int], FlatParams] = {}
-
-    def send(self, c: Contribution) -> None:
-        pass
-
-    def receive(self, c: Contribution) -> Contribution:
-        return c
-
-    def publish(self, gv: GlobalVersion, opt_leaves: list[np.ndarray]) -> None:
-        wire = {n: dequantize(quantize(v, self.wire_dtype)) for n, v in gv.params.items()}
-        self.globals[(gv.fragment, gv.version)] = wire
-        self.globals.pop((gv.fragment, gv.version - 2), None)  # nobody fetches that far back
-
-    def fetch(self, learner: str, fragment: int, version: int) -> FlatParams:
-        return self.globals[(fragment, version)]
-
-    def close(self, summary: dict[str, Any]) -> None:
-        pass
+# (config, fragment plan, initial parameters, learner ids) -> the store a run goes through
+StoreFactory = Callable[[RunConfig, FragmentPlan, FlatParams, Sequence[str]], Store]
 
 
 @lru_cache(maxsize=4)
 def cached_corpus(source: str | None, shards: int, val_percent: int) -> Corpus:
     return load_corpus(source, shards, val_percent)
-
-
-def transfer_seconds(nbytes: int, sim: SimConfig) -> float:
-    return sim.latency_seconds + 8.0 * nbytes / (sim.bandwidth_gbps * 1e9)
 
 
 def dp_bytes_per_step(num_params: int, learners: int) -> int:
@@ -130,11 +82,12 @@ class _Run:
     next_eval: int = 0
     bytes_up: int = 0
     bytes_down: int = 0
-    useful_seconds: float = 0.0
+    goodput: float = 0.0
+    finished: dict[str, float] = field(default_factory=dict)  # learner -> when it was done
 
     @property
     def budget(self) -> int:
-        return self.cfg.sim.total_tokens
+        return self.cfg.budget.tokens
 
     def milestones(self) -> list[int]:
         n = self.cfg.sim.eval_points
@@ -148,9 +101,7 @@ class _Run:
 
     def evaluate(self, now: float, params: dict, final: bool = False) -> float:
         loss = self.trainer.evaluate(params, self.val)
-        self.metrics.append(
-            {"event": "eval", "tokens": self.tokens, "time": now, "loss": loss, "final": final}
-        )
+        self.metrics.append(records.evaluation(self.tokens, loss, now, final))
         if self.progress:
             self.progress(self.tokens, self.budget, loss)
         return loss
@@ -159,7 +110,7 @@ class _Run:
 def simulate(
     cfg: RunConfig,
     progress: Progress | None = None,
-    transport: TransportFactory | None = None,
+    store: StoreFactory | None = None,
 ) -> SimResult:
     m = cfg.topology.learners
     corpus = cached_corpus(cfg.data.source, m, cfg.data.val_percent)
@@ -177,7 +128,7 @@ def simulate(
     if cfg.mode == "dp":
         end = _simulate_dp(run, codec, init, readers)
     else:
-        end = _simulate_diloco(run, codec, init, readers, transport)
+        end = _simulate_loops(run, codec, init, readers, store)
 
     dp_bytes = dp_bytes_per_step(codec.num_params, m) * (run.tokens // (m * cfg.tokens_per_step))
     moved = run.bytes_up + run.bytes_down
@@ -191,7 +142,8 @@ def simulate(
         "final_loss": evals[-1]["loss"],
         "initial_loss": evals[0]["loss"],
         "sim_seconds": end,
-        "goodput": run.useful_seconds / (m * end) if end > 0 else 0.0,
+        "goodput": run.goodput,
+        "learner_seconds": run.finished,
         "bytes_up": run.bytes_up,
         "bytes_down": run.bytes_down,
         "bytes_total": moved,
@@ -224,212 +176,226 @@ def _simulate_dp(run: _Run, codec: ParamCodec, init: dict, readers: list[ShardRe
     failures = _failure_windows(cfg, steps * sim.step_seconds)
     params = run.trainer.place_params(init)
     opt_state = run.trainer.init_opt_state(params)
-    now, last_ckpt = 0.0, 0
+    now, last_ckpt, useful = 0.0, 0, 0.0
     run.maybe_evaluate(now, lambda: params)
     for step in range(1, steps + 1):
         batch = np.concatenate([r.next_batch() for r in readers])
-        params, opt_state, loss = run.trainer.step(params, opt_state, batch)
+        params, opt_state, _ = run.trainer.step(params, opt_state, batch)
         now += step_time
         while failures and failures[0][0] <= now:
             start, end, learner = failures.pop(0)
             lost = step - last_ckpt
-            run.metrics.append(
-                {"event": "failure", "learner": learner, "time": start, "lost_steps": lost}
-            )
+            run.metrics.append(records.failure(f"replica-{learner}", step, start))
             now = max(now, end) + lost * step_time
-        if step % sim.checkpoint_every == 0:
+        if step % cfg.pipeline.checkpoint_every == 0:
             last_ckpt = step
         run.tokens += m * cfg.tokens_per_step
         run.bytes_up += dp_bytes_per_step(codec.num_params, m) // 2
         run.bytes_down += dp_bytes_per_step(codec.num_params, m) // 2
-        run.useful_seconds += sum(speeds) * sim.step_seconds
-        if step % cfg.topology.inner_steps == 0:
-            run.metrics.append(
-                {"event": "train", "learner": "dp", "step": step, "loss": float(loss)}
-            )
+        useful += sum(speeds) * sim.step_seconds
         run.maybe_evaluate(now, lambda p=params: p)
     run.evaluate(now, params, final=True)
+    run.goodput = useful / (m * now) if now > 0 else 0.0
+    run.finished = {f"replica-{i}": now for i in range(m)}
     return now
 
 
-def _simulate_diloco(
+class VirtualClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+
+@dataclass
+class _Process:
+    loop: Iterator[Request]
+    token: int = 0
+    wake: float = 0.0
+    waiting: bool = False
+    stepping: bool = False
+
+
+class Scheduler:
+    """Resumes each loop at its own wake time on the virtual clock: after its step time
+    for a ``STEP``, at the end of a ``Wait`` or earlier when news arrives for it."""
+
+    def __init__(self, clock: VirtualClock, step_seconds: Callable[[str], float]):
+        self.clock = clock
+        self.step_seconds = step_seconds
+        self.procs: dict[str, _Process] = {}
+        self.news: dict[str, list[float]] = {}
+        self.queue: list[tuple[float, int, str, int]] = []
+        self.order = itertools.count()
+
+    def _push(self, name: str, proc: _Process, at: float) -> None:
+        proc.token += 1
+        proc.wake = at
+        heapq.heappush(self.queue, (at, next(self.order), name, proc.token))
+
+    def start(self, name: str, loop: Iterator[Request]) -> None:
+        self.procs[name] = proc = _Process(loop)
+        self._push(name, proc, self.clock.now())
+
+    def stop(self, name: str) -> bool:
+        """Stop a loop where it stands (its generator is closed); False if none runs."""
+        proc = self.procs.pop(name, None)
+        if proc is None:
+            return False
+        proc.loop.close()
+        return True
+
+    def notify(self, name: str, at: float) -> None:
+        heapq.heappush(self.news.setdefault(name, []), at)
+        proc = self.procs.get(name)
+        if proc is not None and proc.waiting and at < proc.wake:
+            self._push(name, proc, at)
+
+    def _next_news(self, name: str, now: float) -> float:
+        news = self.news.get(name, [])
+        while news and news[0] <= now:
+            heapq.heappop(news)  # arrived by now: the loop has just looked
+        return news[0] if news else math.inf
+
+    def run(self, on_step: Callable[[str], None], on_end: Callable[[str], None]) -> None:
+        while self.queue:
+            at, _, name, token = heapq.heappop(self.queue)
+            proc = self.procs.get(name)
+            if proc is None or token != proc.token:
+                continue  # stopped, or woken earlier
+            self.clock.t = at
+            try:
+                request = next(proc.loop)
+            except StopIteration:
+                del self.procs[name]
+                if proc.stepping:
+                    on_step(name)
+                on_end(name)
+                continue
+            if proc.stepping:
+                on_step(name)
+            now = self.clock.now()
+            proc.stepping = request is STEP
+            proc.waiting = isinstance(request, Wait)
+            if isinstance(request, Wait):
+                wake = min(now + request.seconds, self._next_news(name, now))
+                if math.isfinite(wake):
+                    self._push(name, proc, wake)
+                else:
+                    proc.token += 1
+                    proc.wake = math.inf  # until news
+            else:
+                self._push(name, proc, now + self.step_seconds(name))
+
+
+def _failure_schedule(
+    cfg: RunConfig, clock: VirtualClock, fail: Callable[[int], None], rejoin: Callable[[int], None]
+) -> Iterator[Request]:
+    """Kills and rejoins at the configured fractions of the nominal run time."""
+    nominal = cfg.steps_per_learner * cfg.sim.step_seconds
+    events = sorted(
+        [(f.at * nominal, 0, f.learner) for f in cfg.sim.failures]
+        + [((f.at + f.duration) * nominal, 1, f.learner) for f in cfg.sim.failures]
+    )
+    for at, kind, learner in events:
+        if at > clock.now():
+            yield Wait(at - clock.now())
+        (fail if kind == 0 else rejoin)(learner)
+
+
+def _simulate_loops(
     run: _Run,
     codec: ParamCodec,
-    init: dict,
+    init: FlatParams,
     readers: list[ShardReader],
-    make_transport: TransportFactory | None,
+    make_store: StoreFactory | None,
 ) -> float:
+    """Decoupled or synchronous DiLoCo: the pipeline's loops under the scheduler."""
     cfg, sim, topo = run.cfg, run.cfg.sim, run.cfg.topology
-    m, sync = topo.learners, cfg.mode == "diloco"
-    speeds = sim.speeds or (1.0,) * m
+    m, speeds = topo.learners, sim.speeds or (1.0,) * topo.learners
     plan = plan_fragments(codec.sizes, topo.fragments, topo.fragment_strategy)
     sizes = fragment_sizes(plan, codec.sizes)
-    share = [s / codec.num_params for s in sizes]
+    shares = [s / codec.num_params for s in sizes]
     global_bytes = [s * (4 if topo.global_dtype == "fp32" else 2) for s in sizes]
-    ids = [f"learner-{i}" for i in range(m)]
-    learners = [Learner(ids[i], run.trainer, plan, topo, init, readers[i]) for i in range(m)]
+    ids = learner_ids(m)
+    shards = shard_count(cfg.pipeline.syncer_shards, len(plan))
+    if make_store is not None:
+        store = make_store(cfg, plan, init, ids)
+    else:
+        initial = [{n: init[n] for n in names} for names in plan]
+        store = MemoryStore(initial, topo.global_dtype, cfg.outer.max_staleness)
+    clock = VirtualClock()
+    sched = Scheduler(clock, lambda name: speeds[ids.index(name)] * sim.step_seconds)
+    ended: dict[str, float] = {}  # learner -> when its loop ended
+    down: dict[int, int] = {}  # learner index -> its step when it failed
+    net = SimulatedNetwork(
+        store, clock, sim, global_bytes, ids,
+        owner=lambda p: f"syncer-{shard_of(p, shards)}",
+        notify=sched.notify,
+        finished=lambda: len(ended) == m and not down,
+    )  # fmt: skip
+    emit = run.metrics.append
     syncers = [
-        FragmentSyncer(p, {n: init[n] for n in names}, cfg.outer, ids, is_embedding)
-        for p, names in enumerate(plan)
+        SyncerLoop(cfg, shard_fragments(s, shards, len(plan)), ids, net, clock, emit)
+        for s in range(shards)
     ]
-    quorum = cfg.quorum
-    gamma = 0.0 if sync else topo.grace
-    wire = (
-        make_transport(cfg, plan, ids) if make_transport else InProcessTransport(topo.global_dtype)
-    )
+    learners: dict[str, LearnerLoop] = {}
 
-    queue: list[tuple[float, int, str, tuple]] = []
-    order = itertools.count()
+    def start_learner(i: int) -> str:
+        loop, source = LearnerLoop.start(
+            ids[i], run.trainer, plan, readers[i], cfg, net.learner_view(ids[i]), clock, emit
+        )
+        learners[ids[i]] = loop
+        ended.pop(ids[i], None)
+        sched.start(ids[i], loop.run())
+        return source
 
-    def push(t: float, kind: str, *args: Any) -> None:
-        heapq.heappush(queue, (t, next(order), kind, args))
+    def fail(i: int) -> None:
+        if ids[i] in ended or not sched.stop(ids[i]):
+            return  # done already: nothing to lose
+        down[i] = learners[ids[i]].learner.step
+        emit(records.failure(ids[i], down[i], clock.now()))
 
-    alive, blocked = [True] * m, [False] * m
-    generation = [0] * m  # bumps on failure: drops the dead learner's scheduled steps
-    inbox: list[list[tuple[float, int] | None]] = [[None] * len(plan) for _ in range(m)]
-    checkpoints = [lrn.checkpoint() for lrn in learners]
-    last_seq = [0] * m
-    first_arrival: list[float | None] = [None] * len(plan)
-    merge_due = [False] * len(plan)
-
-    def step_time(i: int) -> float:
-        return speeds[i] * sim.step_seconds
+    def rejoin(i: int) -> None:
+        if i not in down:
+            return
+        before = down.pop(i)
+        source = start_learner(i)
+        step = learners[ids[i]].learner.step
+        emit(records.rejoin(ids[i], step, before - step, source, clock.now()))
 
     def global_params() -> dict:
-        return run.trainer.place_params({n: v for s in syncers for n, v in s.params.items()})
+        flat = {n: v for s in syncers for f in s.syncers.values() for n, v in f.params.items()}
+        return run.trainer.place_params(flat)
 
-    def deliver(i: int, now: float, force: bool = False) -> None:
-        lrn = learners[i]
-        for p, item in enumerate(inbox[i]):
-            if item is None:
-                continue
-            available, version = item
-            newer = available <= now and version > lrn.fragments[p].base_version
-            if newer and (force or lrn.may_apply(p)):
-                lrn.apply_global(p, version, wire.fetch(lrn.id, p, version))
-                run.bytes_down += global_bytes[p]
+    def on_step(name: str) -> None:
+        run.tokens += cfg.tokens_per_step
+        run.maybe_evaluate(clock.now(), global_params)
 
-    def schedule_step(i: int, now: float) -> None:
-        if sync and learners[i].waiting_on():
-            blocked[i] = True
-            return
-        blocked[i] = False
-        push(now + step_time(i), "step", i, generation[i])
+    def on_end(name: str) -> None:
+        if name in learners and name not in ended:
+            ended[name] = clock.now()
+            for s in range(shards):  # a waiting syncer looks whether the run is over
+                sched.notify(f"syncer-{s}", clock.now())
 
-    def merge(p: int, now: float) -> None:
-        merge_due[p], first_arrival[p] = False, None
-        outcome = syncers[p].merge()
-        for r in outcome.rejected:
-            c = r.contribution
-            run.metrics.append(
-                {
-                    "event": "rejected",
-                    "time": now,
-                    "learner": c.learner,
-                    "fragment": p,
-                    "seq": c.seq,
-                    "reason": r.reason,
-                }
-            )
-        gv = outcome.version
-        if gv is None:
-            return
-        run.useful_seconds += share[p] * gv.seconds
-        run.metrics.append(
-            {
-                "event": "version",
-                "time": now,
-                "fragment": p,
-                "version": gv.version,
-                "consumed": len(gv.consumed),
-                "tokens": gv.tokens,
-                "staleness": gv.staleness,
-                "weights": gv.weights,
-            }
-        )
-        wire.publish(gv, syncers[p].opt_leaves)
-        available = now + transfer_seconds(global_bytes[p], sim)
-        for i in range(m):
-            inbox[i][p] = (available, gv.version)
-            push(available, "deliver", i)
-
+    for s, loop in enumerate(syncers):
+        sched.start(f"syncer-{s}", loop.run())
     for i in range(m):
-        push(step_time(i), "step", i, 0)
-    for start, end, i in _failure_windows(cfg, cfg.steps_per_learner * sim.step_seconds):
-        push(start, "fail", i)
-        push(end, "rejoin", i)
+        start_learner(i)
+    if sim.failures:
+        sched.start("failures", _failure_schedule(cfg, clock, fail, rejoin))
+    run.maybe_evaluate(0.0, global_params)
+    sched.run(on_step, on_end)
 
-    now = 0.0
-    run.maybe_evaluate(now, global_params)
-    while queue:
-        now, _, kind, args = heapq.heappop(queue)
-        if kind == "step":
-            i, gen = args
-            if gen != generation[i] or not alive[i] or run.tokens >= run.budget:
-                continue
-            lrn = learners[i]
-            loss = lrn.train_step(step_time(i))
-            run.tokens += lrn.tokens_per_step
-            deliver(i, now)
-            p = lrn.due()
-            if p is not None:
-                c = lrn.contribute(p)
-                wire.send(c)
-                last_seq[i] = c.seq
-                run.bytes_up += c.nbytes
-                push(now + transfer_seconds(c.nbytes, sim), "arrive", c)
-                run.metrics.append(
-                    {"event": "train", "learner": lrn.id, "step": lrn.step, "loss": float(loss)}
-                )
-            if lrn.step % sim.checkpoint_every == 0:
-                checkpoints[i] = lrn.checkpoint()
-            run.maybe_evaluate(now, global_params)
-            schedule_step(i, now)
-        elif kind == "arrive":
-            c = wire.receive(args[0])
-            p = c.fragment
-            syncers[p].offer(c)
-            if first_arrival[p] is None:
-                first_arrival[p] = now
-            if not merge_due[p] and quorum_met(syncers[p].present, quorum):
-                pending = syncers[p].pending.values()
-                est_step = estimate_step_seconds(pending, sim.step_seconds)
-                sync_seconds = transfer_seconds(global_bytes[p], sim)
-                grace = grace_window(
-                    est_step, topo.tau, now - first_arrival[p], sync_seconds, gamma
-                )
-                merge_due[p] = True
-                push(now + grace, "merge", p)
-        elif kind == "merge":
-            merge(args[0], now)
-        elif kind == "deliver":
-            (i,) = args
-            if alive[i]:
-                deliver(i, now)
-                if blocked[i] and run.tokens < run.budget:
-                    schedule_step(i, now)
-        elif kind == "fail":
-            (i,) = args
-            alive[i], blocked[i] = False, False
-            generation[i] += 1
-            lost = learners[i].step - checkpoints[i].step
-            run.metrics.append(
-                {"event": "failure", "learner": ids[i], "time": now, "lost_steps": lost}
-            )
-        elif kind == "rejoin":
-            (i,) = args
-            alive[i] = True
-            learners[i].restore(checkpoints[i], next_seq=last_seq[i] + 1)
-            deliver(i, now, force=True)  # pull the newest globals before training on
-            run.metrics.append({"event": "rejoin", "learner": ids[i], "time": now})
-            if run.tokens < run.budget:
-                schedule_step(i, now)
-
-    # Contributions still pending at the end are not merged: a last partial merge would take
-    # a full momentum step on whatever happened to be left. Goodput counts them as lost.
-    loss = run.evaluate(now, global_params(), final=True)
-    wire.close({"tokens": run.tokens, "sim_seconds": now, "final_loss": loss})
-    return now
+    end = clock.now()
+    loss = run.evaluate(end, global_params(), final=True)
+    store.close({"tokens": run.tokens, "sim_seconds": end, "final_loss": loss})
+    run.bytes_up, run.bytes_down = records.payload_traffic(run.metrics)
+    run.finished = {i: ended.get(i, end) for i in ids}
+    allocated = sum(run.finished.values())
+    run.goodput = records.goodput(records.of(run.metrics, "version"), shares, allocated)
+    return end
 
 
 def time_to_loss(evals: list[dict[str, Any]], target: float) -> float:

@@ -6,6 +6,7 @@
     diloco train [--run NAME] [--dir runs] [--preset tiny] [--config run.toml]
                  [--set KEY=VALUE ...] [--tokens N] [--region NAME=URL ...]
     diloco inspect URL [--run NAME] [--verify] [--json]
+    diloco gc URL --run NAME [--keep 100] [--orphan-age 3600]
 
 ``train`` runs the real pipeline: a learner process per learner and syncer shards as
 Prefect flows, linked only by the regions' buckets (by default two ``file://`` regions
@@ -19,25 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import time
 from pathlib import Path
 
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from diloco.config import PRESETS, ConfigError, RunConfig, load_config
 from diloco.data import DataError
-from flows.observe import human_bytes, train_summary_rows
-
-console = Console(stderr=True, soft_wrap=True)
-
-
-def stdout_console() -> Console:
-    """Rich wraps at 80 columns when stdout is not a terminal; logs and pipes want lines whole."""
-    return Console() if sys.stdout.isatty() else Console(width=200)
+from flows.observe import human_bytes
+from flows.train import console, stdout_console
 
 
 def summary_table(summary: dict, title: str) -> Table:
@@ -66,14 +59,16 @@ def summary_table(summary: dict, title: str) -> Table:
     return table
 
 
-def _config_from_args(args: argparse.Namespace) -> RunConfig:
-    return load_config(
-        preset=args.preset,
-        file=args.config,
-        overrides=args.set or [],
-        mode=args.mode,
-        seed=args.seed,
-    )
+def config_from_args(args: argparse.Namespace, default_tokens: int | None = None) -> RunConfig:
+    """Preset, file, ``--set`` and the command's own options, validated together: a bad
+    ``--tokens`` fails like a bad ``--set budget.tokens`` does, naming the field."""
+    overrides = list(args.set or [])
+    if default_tokens is not None and args.config is None:
+        overrides.insert(0, f"budget.tokens={default_tokens}")
+    if getattr(args, "tokens", None) is not None:
+        overrides.append(f"budget.tokens={args.tokens}")
+    return load_config(preset=args.preset, file=args.config, overrides=overrides,
+                       mode=args.mode, seed=args.seed)  # fmt: skip
 
 
 def parse_stores(specs: list[str]) -> dict[str, str]:
@@ -93,14 +88,14 @@ def parse_stores(specs: list[str]) -> dict[str, str]:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from diloco.simulate import simulate  # JAX import is slow: only when needed
 
-    cfg = _config_from_args(args)
-    transport = None
+    cfg = config_from_args(args)
+    store = None
     if args.store:
-        from flows.sim_transport import storage_transport
+        from flows.run import simulation_store
 
         regions = parse_stores(args.store)
         run_name = args.run or f"sim-{cfg.mode}-seed{cfg.seed}"
-        transport = storage_transport(run_name, regions)
+        store = simulation_store(run_name, regions)
         console.print(
             f"storage: run {run_name!r} in {', '.join(f'{k}={v}' for k, v in regions.items())}"
         )
@@ -110,7 +105,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     console.print(
         f"[bold]simulate[/] mode={cfg.mode} learners={cfg.topology.learners} "
         f"quorum={cfg.quorum} fragments={cfg.topology.fragments} H={cfg.topology.inner_steps} "
-        f"tokens={cfg.sim.total_tokens:,} -> {out}"
+        f"tokens={cfg.budget.tokens:,} -> {out}"
     )
     started = time.perf_counter()
     with Progress(
@@ -121,13 +116,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         console=console,
         disable=args.quiet,
     ) as bar:
-        task = bar.add_task("training", total=cfg.sim.total_tokens)
+        task = bar.add_task("training", total=cfg.budget.tokens)
 
         def progress(tokens: int, total: int, loss: float | None) -> None:
             label = f"val loss {loss:.3f}" if loss is not None else "training"
             bar.update(task, completed=min(tokens, total), description=label)
 
-        result = simulate(cfg, progress=progress, transport=transport)
+        result = simulate(cfg, progress=progress, store=store)
     wall = time.perf_counter() - started
     with (out / "metrics.jsonl").open("w") as f:
         for line in result.metrics:
@@ -142,137 +137,17 @@ TRAIN_REGIONS = ("us-east", "eu-west")
 TRAIN_TOKENS = 1_000_000  # the embedded default run: tiny preset, about 2 minutes on 2 cores
 
 
-def train_summary_table(summary: dict, title: str) -> Table:
-    table = Table(title=title, show_header=False)
-    table.add_column("metric", style="bold")
-    table.add_column("value", justify="right")
-    for key, value in train_summary_rows(summary):
-        table.add_row(key, value)
-    return table
-
-
-def _bin(name: str) -> str:
-    """How to call a console script of this environment from the current folder."""
-    path = Path(sys.executable).parent / name
-    try:
-        return str(path.relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def cmd_train(args: argparse.Namespace) -> int:
-    import os
+    from flows.train import train
 
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # clean up the server on `kill` too
-
-    overrides = list(args.set or [])
-    if args.config is None:
-        overrides.insert(0, f"sim.total_tokens={TRAIN_TOKENS}")
-    cfg = load_config(preset=args.preset, file=args.config, overrides=overrides,
-                      mode=args.mode, seed=args.seed)  # fmt: skip
-    if args.tokens:
-        cfg = cfg.model_copy(
-            update={"sim": cfg.sim.model_copy(update={"total_tokens": args.tokens})}
-        )
+    cfg = config_from_args(args, default_tokens=TRAIN_TOKENS)
     root = Path(args.dir) / args.run
     regions = parse_stores(args.region) if args.region else parse_stores(
         [f"{r}={root / 'buckets' / r}" for r in TRAIN_REGIONS]
     )  # fmt: skip
     if len(regions) == 1 and "default" in regions:
         raise ConfigError("--region needs NAME=URL")
-    from flows.run import initialize_run
-    from storage_layout.store import RunStore
-
-    # The spec check and the buckets' reachability first: a mismatch or a missing bucket
-    # is reported before anything starts.
-    store = RunStore(args.run, regions, next(iter(regions)), writer="launcher")
-    spec = initialize_run(store, cfg)
-    total = spec["train"]["steps_per_learner"]
-    if all(max(store.checkpoint_steps(lid, region), default=0) >= total
-           for lid, region in spec["learners"].items()):  # fmt: skip
-        console.print(f"run {args.run!r} is complete (every learner is at step {total}); "
-                      "pass another --run to start a new one")  # fmt: skip
-        saved = root / "summary.json"
-        if saved.exists():
-            summary = json.loads(saved.read_text())
-            stdout_console().print(train_summary_table(summary, f"diloco train {args.run}"))
-        return 0
-    prefect_home = root / "prefect"
-    os.environ.setdefault("PREFECT_HOME", str(prefect_home.resolve()))
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    console.print(
-        f"[bold]train[/] run {args.run!r}: mode={cfg.mode} learners={cfg.topology.learners} "
-        f"quorum={cfg.quorum} fragments={cfg.topology.fragments} "
-        f"H={cfg.topology.inner_steps} tokens={cfg.sim.total_tokens:,}\n"
-        + "".join(f"  region {r}: {u}\n" for r, u in regions.items())
-    )
-    from contextlib import nullcontext
-
-    from infra.prefect_server import prefect_server
-
-    external = os.environ.get("PREFECT_API_URL")
-    if external:
-        import urllib.request
-
-        try:
-            urllib.request.urlopen(f"{external.rstrip('/')}/health", timeout=10).close()
-        except OSError as exc:
-            raise ConfigError(
-                f"the Prefect API at {external} (PREFECT_API_URL) is not reachable: {exc}; "
-                "start it, or unset PREFECT_API_URL to run with a server of the run's own"
-            ) from None
-    if args.via == "deployments" and not external:
-        raise ConfigError(
-            "--via deployments needs a Prefect server with a worker per region: set "
-            "PREFECT_API_URL (python -m infra.local_stack up starts one; see docs/deploy.md)"
-        )
-    server = nullcontext(external) if external else prefect_server(prefect_home)
-    started = time.perf_counter()
-    with server as api_url:
-        os.environ["PREFECT_API_URL"] = api_url
-        console.print(f"Prefect API {api_url}" + ("" if external else f" (home {prefect_home})"))
-        from flows.launcher import (
-            cancel_flow_runs,
-            flush_prefect,
-            on_interrupt,
-            stop_children,
-            train_flow,
-        )
-
-        signal.signal(signal.SIGINT, on_interrupt)
-        signal.signal(signal.SIGTERM, on_interrupt)
-
-        try:
-            summary = train_flow(args.run, regions, cfg.model_dump(mode="json"),
-                                 str(root / "logs"), via=args.via)  # fmt: skip
-        except KeyboardInterrupt:
-            console.print("[yellow]interrupted[/]: stopping learners and syncers (they checkpoint)")
-            stop_children()
-            if args.via == "deployments":
-                cancel_flow_runs()
-            console.print(f"resume with the same command (run {args.run!r})")
-            return 130
-        finally:
-            flush_prefect()
-    wall = time.perf_counter() - started
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
-    stdout_console().print(train_summary_table(summary, f"diloco train {args.run} ({wall:.0f} s)"))
-    home = next(iter(regions))
-    console.print(
-        f"summary: {root / 'summary.json'}  worker logs: {root / 'logs'}\n"
-        f"inspect the buckets:  {_bin('diloco')} inspect {regions[home]} --run {args.run}\n"
-        + (f"browse the run in the Prefect UI:  PREFECT_HOME={prefect_home} {_bin('prefect')} server start"
-           if not external else f"Prefect UI: {external.removesuffix('/api')}")
-    )  # fmt: skip
-    if summary["failed"]:
-        console.print(f"[bold red]failed:[/] {', '.join(summary['failed'])} (see the logs)")
-        return 1
-    return 0
+    return train(args.run, regions, cfg, root, args.via)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -324,7 +199,43 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--verify", action="store_true", help="re-check every object's sha256")
     ins.add_argument("--json", action="store_true", help="machine-readable output")
     ins.set_defaults(func=cmd_inspect)
+    gc = sub.add_parser("gc", help="delete what no learner or syncer of a run can still need")
+    gc.add_argument("url", help="the run's home bucket (the syncers' region)")
+    gc.add_argument("--run", required=True, help="the run")
+    gc.add_argument("--keep", type=int, default=100,
+                    help="global versions kept per fragment (at least max_staleness + 2)")  # fmt: skip
+    gc.add_argument("--orphan-age", type=float, default=3600.0,
+                    help="delete uncommitted data older than this many seconds")  # fmt: skip
+    gc.set_defaults(func=cmd_gc)
     return parser
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    """Retention by hand (the syncers run it as they go): processed contributions, old
+    versions, abandoned writes. Reads the spec only: no training code is loaded."""
+    from storage_layout.retention import collect_garbage
+    from storage_layout.store import RunStore
+
+    if args.keep < 1:
+        raise ConfigError(f"--keep must be at least 1, got {args.keep}")
+    url = args.url if "://" in args.url else "file://" + str(Path(args.url).resolve())
+    spec = RunStore(args.run, {"gc": url}, "gc").read_spec()
+    regions = spec["regions"]
+    home = next((r for r, u in regions.items() if u.rstrip("/") == url.rstrip("/")), None)
+    if home is None:
+        raise ConfigError(f"{url} is none of run {args.run!r}'s regions: {regions}")
+    window = max(args.keep, int(spec["config"]["outer"]["max_staleness"]) + 2)
+    store = RunStore(args.run, regions, home, writer="gc")
+    report = collect_garbage(store, len(spec["fragments"]), spec["learners"], window,
+                             orphan_age=args.orphan_age)  # fmt: skip
+    stdout_console().print(
+        f"run {args.run}: deleted {report.contributions_deleted} contributions, "
+        f"{report.globals_deleted} global versions, {report.orphans_deleted} abandoned writes "
+        f"({human_bytes(report.bytes_freed)}); kept {window} versions per fragment"
+    )
+    for problem in report.problems:
+        console.print(f"[yellow]kept:[/] {problem}")
+    return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -38,8 +38,10 @@ from prefect.futures import wait
 from prefect.settings import PREFECT_API_URL
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from diloco import records
 from diloco.config import RunConfig, validate_config
 from diloco.simulate import dp_bytes_per_step
+from diloco.topology import home_region, learner_index, shard_count
 from flows.observe import artifact_key, train_summary_rows
 from flows.run import build_model, initialize_run, validation
 from storage_layout.store import RunStore
@@ -157,8 +159,8 @@ def deployment_calls(
     """(name, deployment, parameters, tags, (status writer, its region)) per worker; the
     deployments are ``learner/REGION`` and ``syncer/REGION`` (see prefect.yaml)."""
     pipeline = cfg.pipeline.model_dump()
-    home = next(iter(regions))
-    shards = min(cfg.pipeline.syncer_shards, cfg.topology.fragments)
+    home = home_region(regions)
+    shards = shard_count(cfg.pipeline.syncer_shards, cfg.topology.fragments)
     out = []
     for shard in range(shards):
         params = {"run": run, "regions": regions, "home": home, "shard": shard,
@@ -166,7 +168,7 @@ def deployment_calls(
         out.append((f"syncer {home}/{shard}", f"syncer/{home}", params,
                     [f"run:{run}", f"region:{home}", "syncer"], (f"syncer-{shard}", home)))  # fmt: skip
     for learner, region in spec["learners"].items():
-        index = int(learner.rsplit("-", 1)[1])
+        index = learner_index(learner)
         params = {"run": run, "bucket": regions[region], "region": region, "index": index,
                   "pipeline": pipeline}  # fmt: skip
         out.append((f"learner {region}/{index}", f"learner/{region}", params,
@@ -218,8 +220,8 @@ def worker_commands(
     pipeline = json.dumps(cfg.pipeline.model_dump())
     base = [sys.executable, "-m", "flows.worker"]
     out = []
-    home = next(iter(regions))
-    shards = min(cfg.pipeline.syncer_shards, cfg.topology.fragments)
+    home = home_region(regions)
+    shards = shard_count(cfg.pipeline.syncer_shards, cfg.topology.fragments)
     for shard in range(shards):
         out.append(
             (
@@ -243,7 +245,7 @@ def worker_commands(
             )
         )
     for learner, region in spec["learners"].items():
-        index = learner.rsplit("-", 1)[1]
+        index = str(learner_index(learner))
         out.append(
             (
                 f"learner {region}/{index}",
@@ -273,11 +275,22 @@ class Monitor:
         self.store, self.cfg, self.spec = store, cfg, spec
         self.model = build_model(cfg)
         self.val = validation(cfg)
-        self.total_steps = int(spec["train"]["steps_per_learner"])
+        self.total_steps = cfg.steps_per_learner
         self.curve: list[dict[str, Any]] = []
         self.started = time.time()
-        # Learners' time counters before this launch (a resumed run has some already).
+        # Learners' time counters and the work merged before this launch (a resumed run
+        # has some already).
         self.before = {k: _learner_seconds(v) for k, v in self.statuses().items()}
+        self.merged_before = self.merged_seconds()
+
+    def merged_seconds(self) -> dict[int, float]:
+        """Per fragment, the learner seconds merged so far (the newest version's total)."""
+        out = {}
+        for p in range(len(self.model.plan)):
+            newest = self.store.latest_global(p)
+            meta = self.store.global_marker(p, newest).meta if newest is not None else {}
+            out[p] = float(meta.get("seconds_total", 0.0))
+        return out
 
     def statuses(self) -> dict[str, dict[str, Any]]:
         out = {}
@@ -315,7 +328,7 @@ class Monitor:
         steps = sum(min(int(s.get("step", 0)), self.total_steps) for s in statuses.values())
         return 100.0 * steps / (m * self.total_steps)
 
-    def summary(self, wall: float) -> dict[str, Any]:
+    def summary(self, wall: float, allocated: float) -> dict[str, Any]:
         """Totals from the buckets: traffic of every writer, goodput from the versions."""
         store, spec = self.store, self.spec
         statuses = self.statuses()
@@ -333,16 +346,14 @@ class Monitor:
                 acc = traffic.setdefault(pair, {"bytes": 0, "requests": 0})
                 acc["bytes"] += t["bytes"]
                 acc["requests"] += t["requests"]
-        useful, versions = 0.0, {}
-        for p, share in enumerate(self.model.shares):
-            vs = store.global_versions(p)
-            versions[p] = vs[-1] if vs else 0
-            for v in vs:
-                meta = store.global_marker(p, v).meta
-                if meta.get("published_at", 0) >= self.started:
-                    useful += share * float(meta.get("seconds", 0.0))
+        merged = self.merged_seconds()
+        versions = self.versions()
+        since = [
+            {"fragment": p, "seconds": s - self.merged_before.get(p, 0.0)}
+            for p, s in merged.items()
+        ]
+        useful = records.useful_seconds(since, self.model.shares)
         m = len(spec["learners"])
-        allocated = m * wall
         startup = train = 0.0
         for learner, status in statuses.items():
             now, then = _learner_seconds(status), self.before.get(learner, (0.0, 0.0))
@@ -363,7 +374,7 @@ class Monitor:
             "initial_loss": first.get("loss"),
             "final_loss": last.get("loss"),
             "wall_seconds": round(wall, 1),
-            "goodput": useful / allocated if wall > 0 else 0.0,
+            "goodput": records.goodput(since, self.model.shares, allocated),
             # Shares of the allocated learner time: start-up (compile, resume), training
             # whose work reached a global version (kept) or did not (lost), and other:
             # process start, checkpoints, restarts and time between flow runs.
@@ -373,7 +384,7 @@ class Monitor:
                 "lost": max(0.0, train - useful) / allocated,
                 "other": max(0.0, allocated - startup - max(train, useful)) / allocated,
             }
-            if wall > 0
+            if allocated > 0
             else {},
             "versions": versions,
             "rejected": rejected,
@@ -437,7 +448,7 @@ def train_flow(
     log = get_run_logger()
     cfg = validate_config(config)
     STOPPING.clear()
-    store = RunStore(run, regions, next(iter(regions)), writer="launcher")
+    store = RunStore(run, regions, home_region(regions), writer="launcher")
     spec = initialize_run(store, cfg)
     Path(logs).mkdir(parents=True, exist_ok=True)
     monitor = Monitor(store, cfg, spec)
@@ -471,7 +482,11 @@ def train_flow(
     else:
         raise ValueError(f"via must be 'processes' or 'deployments', not {via!r}")
     last_eval = time.monotonic()
+    ended: dict[str, float] = {}  # worker -> when its task ended (its machine was freed)
     while wait(futures, timeout=0.5).not_done:
+        for name, future in zip(names, futures, strict=True):
+            if future.state.is_final() and name not in ended:
+                ended[name] = time.time()
         if time.monotonic() - last_eval < cfg.pipeline.eval_seconds:
             continue
         last_eval = time.monotonic()
@@ -493,10 +508,13 @@ def train_flow(
         except Exception as exc:
             log.error("%s failed for good: %s", name, exc)
             failed.append(name)
-    wall = time.time() - started
+    now = time.time()
+    wall = now - started
+    # Allocated learner time: each learner from the launch until its worker ended.
+    allocated = sum(ended.get(n, now) - started for n in names if n.startswith("learner"))
     monitor.evaluate(monitor.statuses())
     update_progress_artifact(bar, monitor.progress(monitor.statuses()))
-    summary = monitor.summary(wall)
+    summary = monitor.summary(wall, allocated)
     summary["failed"] = failed
     png = loss_plot_png(monitor.curve, f"run {run}")
     store.home.put(f"{run}/metrics/loss.png", png)

@@ -10,62 +10,47 @@ between two launches of one run.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
+from diloco import records
 from diloco.config import RunConfig, validate_config
 from diloco.data import Corpus, ShardReader, validation_batches
 from diloco.fragments import FragmentPlan, plan_fragments
 from diloco.inner import InnerTrainer
 from diloco.model import ParamCodec
-from diloco.simulate import cached_corpus
-from flows.sim_transport import run_spec
+from diloco.simulate import StoreFactory, cached_corpus
+from diloco.syncer import FragmentSyncer
+from diloco.topology import deal_learners, home_region
+from flows.bucket_io import BucketStore
 from storage_layout.commit import CommitConflict
 from storage_layout.store import RunStore
 
-
-def learner_ids(count: int) -> list[str]:
-    return [f"learner-{i}" for i in range(count)]
-
-
-def deal_learners(count: int, regions: Mapping[str, str]) -> dict[str, str]:
-    """Learner id -> region, round-robin over the regions in the order given."""
-    names = list(regions)
-    return {lid: names[i % len(names)] for i, lid in enumerate(learner_ids(count))}
+# Config sections that are not part of a run: how one launch runs it, or how a
+# simulation models the machines.
+NOT_IN_SPEC = {"sim", "pipeline"}
 
 
-def train_spec(cfg: RunConfig, regions: Mapping[str, str]) -> dict[str, Any]:
-    if cfg.mode == "dp":
-        raise ValueError("mode 'dp' is the simulator's baseline; train runs diloco or decoupled")
-    codec, _ = ParamCodec.create(cfg.model, cfg.seed)
-    topo = cfg.topology
-    plan = plan_fragments(codec.sizes, topo.fragments, topo.fragment_strategy)
-    spec = run_spec(cfg, plan, regions, deal_learners(topo.learners, regions))
-    spec["train"] = {
-        "seed": cfg.seed,
-        "total_tokens": cfg.sim.total_tokens,
-        "steps_per_learner": cfg.steps_per_learner,
+def run_spec(cfg: RunConfig, plan: FragmentPlan, regions: Mapping[str, str]) -> dict[str, Any]:
+    """What is fixed for a run's lifetime: the whole config but ``sim`` and ``pipeline``
+    (model, data, optimizers, topology, budget, seed), the fragment plan, the regions and
+    which learner lives where."""
+    return {
+        "config": cfg.model_dump(mode="json", exclude=NOT_IN_SPEC),
+        "fragments": [list(f) for f in plan],
+        "regions": dict(regions),
+        "learners": deal_learners(cfg.topology.learners, regions),
     }
-    return spec
 
 
 def config_from_spec(
     spec: Mapping[str, Any], pipeline: Mapping[str, Any] | None = None
 ) -> RunConfig:
-    train = spec.get("train")
-    if not train:
-        raise ValueError("this run was written by `diloco simulate`, not `diloco train`")
-    raw = {
-        **spec["config"],
-        "seed": train["seed"],
-        "sim": {"total_tokens": train["total_tokens"]},
-        "pipeline": dict(pipeline or {}),
-    }
-    return validate_config(raw)
+    return validate_config({**spec["config"], "pipeline": dict(pipeline or {})})
 
 
 @dataclass(frozen=True)
@@ -118,30 +103,56 @@ def validation(cfg: RunConfig) -> list[np.ndarray]:
 def initialize_run(store: RunStore, cfg: RunConfig) -> dict[str, Any]:
     """Write the spec (or check it against the stored one) and publish version 0 of every
     fragment (the initial parameters) if the run has none yet. Safe to repeat and to race."""
-    spec = store.ensure_spec(train_spec(cfg, store.urls))
+    if cfg.mode == "dp":
+        raise ValueError("mode 'dp' is the simulator's baseline; a run is diloco or decoupled")
     model = build_model(cfg)
+    spec = store.ensure_spec(run_spec(cfg, model.plan, store.urls))
     for p, names in enumerate(model.plan):
         if store.latest_global(p) is not None:
             store.sync_regions(p)
             continue
-        opt = _initial_opt_leaves(cfg, {n: model.init[n] for n in names})
-        meta = {
-            "consumed": [],
-            "cursor": {},
-            "weights": {},
-            "staleness": {},
-            "tokens": 0,
-            "seconds": 0.0,
-            "merged": {},
-        }
+        params = {n: model.init[n] for n in names}
+        opt = FragmentSyncer(p, params, cfg.outer, [], lambda _: False).opt_leaves
         # Another launcher may have initialized it first: same spec, same seed, same values.
         with contextlib.suppress(CommitConflict):
-            params = {n: model.init[n] for n in names}
-            store.publish_global(p, 0, params, opt, meta, cfg.topology.global_dtype)
+            store.publish_global(
+                p, 0, params, opt, records.initial_version(p, 0.0), cfg.topology.global_dtype
+            )
     return spec
 
 
-def _initial_opt_leaves(cfg: RunConfig, params: dict[str, np.ndarray]) -> list[np.ndarray]:
-    from diloco.syncer import FragmentSyncer
+def bucket_store(
+    run: str,
+    regions: Mapping[str, str],
+    spec: Mapping[str, Any],
+    cfg: RunConfig,
+    writer: str,
+    home: str | None = None,
+) -> BucketStore:
+    """The run's store as ``writer`` sees it from ``home`` (default: the syncers')."""
+    model = build_model(cfg)
+    trainer = model.trainer
+    return BucketStore(
+        run, regions, home or home_region(regions), spec["learners"], cfg.topology.global_dtype,
+        writer, place=trainer.place_params,
+        opt_template=lambda: trainer.init_opt_state(trainer.place_params(model.init)),
+    )  # fmt: skip
 
-    return FragmentSyncer(0, params, cfg.outer, [], lambda _: False).opt_leaves
+
+def simulation_store(run: str, regions: Mapping[str, str]) -> StoreFactory:
+    """`diloco simulate --store`: the simulation goes through these buckets. A simulation
+    always starts from step 0, so a run that holds versions already is refused (committed
+    versions are never overwritten)."""
+
+    def make(cfg: RunConfig, plan: FragmentPlan, init: Any, ids: Sequence[str]) -> BucketStore:
+        store = RunStore(run, regions, home_region(regions), writer="syncer")
+        spec = store.ensure_spec(run_spec(cfg, plan, regions))
+        if any(store.latest_global(p) is not None for p in range(len(plan))):
+            raise FileExistsError(
+                f"run {run!r} in {regions[home_region(regions)]} already holds global versions "
+                "from an earlier simulation; pass another --run name or remove that run"
+            )
+        initialize_run(store, cfg)
+        return bucket_store(run, regions, spec, cfg, writer="syncer")
+
+    return make

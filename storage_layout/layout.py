@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the spec holds the whole config; contributions record their step
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _NUMBERED = re.compile(r"^([sv])(\d{12})\.json$")
 

@@ -2,15 +2,17 @@
 
 Deleted:
 - contributions that a committed global version has processed (seq at or below the
-  newest version's cursor for that learner);
+  newest version's cursor for that learner), except each learner's newest one of each
+  fragment: a restarted learner reads its next sequence number and step from it;
 - global versions older than ``window`` versions behind the newest, in every region,
-  except versions a live learner may still anchor on (the base of a contribution not
-  yet processed, or of a learner's newest checkpoint);
+  except the bases of contributions not yet processed (a syncer's anchored merge needs
+  them). Learners need no old version: they rejoin from the newest ones;
 - with ``orphan_age`` set, data prefixes that no marker names (a writer died between data
   and marker, or lost a race) and that are older than that many seconds.
 
-Never deleted: anything a marker still needs, uncommitted data younger than
-``orphan_age`` (it may be a write in flight), checkpoints, the spec. A marker is deleted
+A learner's checkpoints are pruned by the learner itself (``prune_checkpoints``, its
+newest ``keep``). Never deleted: anything a marker still needs, uncommitted data younger
+than ``orphan_age`` (it may be a write in flight), the spec. A marker is deleted
 before its data, so no reader ever sees a marker whose data is gone on purpose.
 """
 
@@ -20,7 +22,7 @@ import datetime as dt
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from storage_layout.bucket import Bucket
@@ -36,6 +38,7 @@ class RetentionReport:
     contributions_deleted: int = 0
     globals_deleted: int = 0
     orphans_deleted: int = 0
+    checkpoints_deleted: int = 0
     bytes_freed: int = 0
     pinned: dict[int, list[int]] = field(
         default_factory=dict
@@ -53,6 +56,23 @@ def _drop_version(bucket: Bucket, marker_key: str, report: RetentionReport) -> b
     bucket.delete_prefix(marker.data_prefix)
     report.bytes_freed += marker.size
     return True
+
+
+def prune_checkpoints(store: RunStore, learner: str, keep: int = 2) -> int:
+    """Delete all but ``learner``'s newest ``keep`` checkpoints in its home region (a
+    rejoin reads only the newest readable one; the one before is the fallback should
+    the newest be corrupt). Returns how many were deleted."""
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, not {keep}")
+    report = RetentionReport()
+    steps = store.checkpoint_steps(learner)
+    for step in steps[:-keep]:
+        report.checkpoints_deleted += _drop_version(
+            store.home, store.layout.checkpoint_marker(learner, step), report
+        )
+    for problem in report.problems:
+        log.warning("checkpoint retention: %s", problem)
+    return report.checkpoints_deleted
 
 
 def _age_seconds(bucket: Bucket, key: str) -> float | None:
@@ -99,35 +119,28 @@ def _orphans(
 
 def collect_garbage(
     store: RunStore,
-    fragments: int,
+    fragments: int | Sequence[int],
     learners: Mapping[str, str],
     window: int,
     orphan_age: float | None = None,
 ) -> RetentionReport:
-    """Apply the retention rules above. ``learners`` maps learner id -> its region."""
+    """Apply the retention rules above to ``fragments`` (a count, or the fragments one
+    syncer shard owns). ``learners`` maps learner id -> its region."""
     report = RetentionReport()
     layout = store.layout
-    checkpoint_pins: dict[int, set[int]] = {}
-    for learner, region in learners.items():
-        steps = store.checkpoint_steps(learner, region)
-        if steps:
-            marker_key = layout.checkpoint_marker(learner, steps[-1])
-            meta = read_marker(store.bucket(region), marker_key).meta
-            for p, v in (meta.get("base_versions") or {}).items():
-                checkpoint_pins.setdefault(int(p), set()).add(int(v))
-
-    for p in range(fragments):
+    for p in range(fragments) if isinstance(fragments, int) else fragments:
         versions = store.global_versions(p)
         if not versions:
             continue
         newest = versions[-1]
         cursor = store.global_marker(p, newest).meta.get("cursor", {})
-        pins = set(checkpoint_pins.get(p, set()))
+        pins: set[int] = set()
         for learner, region in learners.items():
             bucket = store.bucket(region)
-            for seq in store.contribution_seqs(learner, p, region):
+            seqs = store.contribution_seqs(learner, p, region)
+            for seq in seqs:
                 key = layout.contribution_marker(learner, p, seq)
-                if seq <= int(cursor.get(learner, 0)):
+                if seq <= int(cursor.get(learner, 0)) and seq != seqs[-1]:
                     report.contributions_deleted += _drop_version(bucket, key, report)
                 else:
                     try:

@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from diloco.outer import Contribution
 from diloco.quantize import QuantizedTensor, dequantize, quantize
 from storage_layout.bucket import Bucket, BucketError, Traffic
 from storage_layout.codec import FormatError, decode, encode
@@ -217,45 +216,55 @@ class RunStore:
         )
 
     # contributions ------------------------------------------------------------------
-    def put_contribution(self, c: Contribution) -> CommitMarker:
-        """Commit ``c`` in this store's (the learner's) region."""
-        layout, bucket = self.layout, self.home
-        objects = encode({"delta": c.payload}, {"kind": "contribution"})
-        meta = {
-            "learner": c.learner, "fragment": c.fragment, "seq": c.seq,
-            "base_version": c.base_version, "tokens": c.tokens, "steps": c.steps,
-            "seconds": c.seconds, "payload_bytes": c.nbytes, "written_at": time.time(),
-        }  # fmt: skip
+    def put_contribution(
+        self,
+        learner: str,
+        fragment: int,
+        seq: int,
+        tensors: Mapping[str, QuantizedTensor],
+        meta: Mapping[str, Any],
+    ) -> CommitMarker:
+        """Commit contribution ``seq`` of ``learner``'s ``fragment`` (its tensors and JSON
+        meta) in this store's region, the learner's own."""
+        layout = self.layout
+        objects = encode({"delta": tensors}, {"kind": "contribution"})
+        payload = sum(q.nbytes for q in tensors.values())
+        body = {**meta, "learner": learner, "fragment": fragment, "seq": seq,
+                "payload_bytes": payload, "written_at": time.time()}  # fmt: skip
         write_id = new_write_id()
         return commit_version(
-            bucket,
-            layout.contribution_marker(c.learner, c.fragment, c.seq),
-            layout.contribution_data(c.learner, c.fragment, c.seq, write_id),
+            self.home,
+            layout.contribution_marker(learner, fragment, seq),
+            layout.contribution_data(learner, fragment, seq, write_id),
             objects,
             "contribution",
-            meta,
+            body,
             self.writer,
             write_id,
         )
 
-    def get_contribution(self, learner: str, fragment: int, seq: int, region: str) -> Contribution:
-        """Read and verify one committed contribution (``CorruptVersion`` if it fails)."""
+    def get_contribution(
+        self, learner: str, fragment: int, seq: int, region: str
+    ) -> tuple[dict[str, QuantizedTensor], dict[str, Any]]:
+        """One committed contribution's tensors and meta, verified against its marker
+        (``CorruptVersion`` if anything does not match)."""
         bucket = self.bucket(region)
         key = self.layout.contribution_marker(learner, fragment, seq)
         marker = read_marker(bucket, key)
         objects = fetch_objects(bucket, marker, key)
+        m = marker.meta
+        if (m.get("learner"), m.get("fragment"), m.get("seq")) != (learner, fragment, seq):
+            raise CorruptVersion(f"{key}: marker describes another contribution ({m})")
         try:
             groups, _ = decode(objects)
-            m = marker.meta
-            if (m.get("learner"), m.get("fragment"), m.get("seq")) != (learner, fragment, seq):
-                raise CorruptVersion(f"{key}: marker describes another contribution ({m})")
-            return Contribution(
-                learner=learner, fragment=fragment, seq=seq,
-                base_version=int(m["base_version"]), tokens=int(m["tokens"]),
-                steps=int(m["steps"]), seconds=float(m["seconds"]), payload=groups["delta"],
-            )  # fmt: skip
+            return groups["delta"], dict(m)
         except (FormatError, KeyError) as exc:
             raise CorruptVersion(f"{key}: {exc}") from exc
+
+    def contribution_meta(self, learner: str, fragment: int, seq: int, region: str) -> dict:
+        """The meta of one committed contribution's marker (no tensors are read)."""
+        key = self.layout.contribution_marker(learner, fragment, seq)
+        return dict(read_marker(self.bucket(region), key).meta)
 
     # global versions ----------------------------------------------------------------
     @staticmethod

@@ -64,15 +64,17 @@ def test_tau_delays_application_and_alpha_zero_overwrites(setup):
     assert lrn.fragments[1].base_version == 3
 
 
-def test_checkpoint_restore_keeps_sequence_numbers_unique(setup):
+def test_resume_continues_at_a_step_after_the_sent_sequence_numbers(setup):
     lrn = make_learner(setup)
     lrn.train_step()
     ckpt = lrn.checkpoint()
-    lrn.train_step()
-    lrn.contribute(0)  # seq 1 sent after the checkpoint
-    lrn.restore(ckpt, next_seq=2)
-    assert lrn.step == 1 and lrn.reader.position == 1
-    assert lrn.contribute(0).seq == 2
+    assert (ckpt.step, ckpt.seq) == (1, 0)
+    again = make_learner(setup)
+    again.resume(5, 3, ckpt.opt_state)  # seq 3 was sent at step 5, after the checkpoint
+    assert again.step == 5 and again.reader.position == 5 and again.opt_state is ckpt.opt_state
+    again.train_step()
+    c = again.contribute(0)
+    assert (c.seq, c.step) == (4, 6)
 
 
 def contribution(learner, seq, base, value, shapes, tokens=100, steps=10):
@@ -253,8 +255,3 @@ def test_keep_unsent_replays_the_steps_since_the_send_on_the_new_global(setup):
     for n in names:
         np.testing.assert_allclose(nxt.outer_gradient()[n], at_send[n] - before[n], atol=1e-6)
     assert (nxt.base_version, nxt.steps) == (4, 2)
-    # A global taken with no send to answer (a rejoin) overwrites, as with alpha = 0.
-    lrn.restore(lrn.checkpoint())  # forgets the sends
-    lrn.apply_global(1, 5, glob)
-    for n in names:
-        np.testing.assert_array_equal(np.asarray(lrn.params[n]), glob[n])

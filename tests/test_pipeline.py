@@ -28,8 +28,9 @@ import pytest
 from diloco.config import load_config
 from diloco.outer import Contribution
 from diloco.quantize import quantize
+from flows.bucket_io import contribution_meta
 from flows.cli import main as cli_main
-from flows.run import build_model, initialize_run
+from flows.run import build_model, config_from_spec, initialize_run
 from flows.syncer import SyncerRuntime
 from storage_layout.commit import read_marker
 from storage_layout.inspect import inspect_bucket
@@ -38,7 +39,7 @@ from storage_layout.store import RunStore
 PIPELINE = {
     "round_steps": 20,
     "rounds_per_flow_run": 3,  # several flow runs per learner: resuming is the normal path
-    "checkpoint_rounds": 1,
+    "checkpoint_every": 20,
     "poll_seconds": 0.1,
     "eval_seconds": 5.0,
     "syncer_shards": 2,
@@ -46,7 +47,7 @@ PIPELINE = {
 
 
 def tiny(tokens: int, **top):
-    overrides = [f"sim.total_tokens={tokens}"] + [f"pipeline.{k}={v}" for k, v in PIPELINE.items()]
+    overrides = [f"budget.tokens={tokens}"] + [f"pipeline.{k}={v}" for k, v in PIPELINE.items()]
     return load_config("tiny", overrides=overrides, **top)
 
 
@@ -242,7 +243,7 @@ def test_killed_learner_is_retried_and_rejoins_from_its_checkpoint(faulty_run):
     assert any(f"checkpoint at step {step} " in line for line in resumes), resumes
     # The others kept training while learner 1 was down and restarting.
     store = RunStore(run, regions, "us-east")
-    total = store.read_spec()["train"]["steps_per_learner"]
+    total = config_from_spec(store.read_spec()).steps_per_learner
     assert any(before < total for before in events["others_at_kill"].values())
     for lid, before in events["others_at_kill"].items():
         assert (store.read_metrics(lid) or {})["step"] == total, (lid, before)
@@ -311,7 +312,8 @@ def _local_run(tmp_path: Path, run: str, only_region: str | None = None):
     for lid, reg in store.read_spec()["learners"].items():
         if only_region in (None, reg):
             writer = RunStore(run, regions, reg, writer=lid)
-            writer.put_contribution(_contribution(model, 0, lid, 1, rng))
+            c = _contribution(model, 0, lid, 1, rng)
+            writer.put_contribution(lid, 0, 1, c.payload, contribution_meta(c))
             sent.append(lid)
     return cfg, regions, model, sent
 
@@ -347,7 +349,9 @@ def test_train_refuses_a_changed_spec_and_a_missing_bucket(tmp_path, capsys, s3_
     code = cli_main(["train", "--dir", str(tmp_path), "--run", "r", "--tokens", "30000", *regions])
     err = capsys.readouterr().err
     assert code == 2
-    assert "refusing to mix them" in err and "train.total_tokens: stored 20000, given 30000" in err
+    assert (
+        "refusing to mix them" in err and "config.budget.tokens: stored 20000, given 30000" in err
+    )
     code = cli_main(["train", "--dir", str(tmp_path), "--run", "r2", "--tokens", "20000",
                      "--region=us-east=s3://no-such-bucket-here"])  # fmt: skip
     err = capsys.readouterr().err
@@ -377,3 +381,28 @@ def test_train_names_an_unreachable_prefect_api(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert code == 2
     assert "Prefect API at http://127.0.0.1:9/api (PREFECT_API_URL) is not reachable" in err
+
+
+def test_syncers_collect_what_no_learner_needs_and_gc_does_it_by_hand(tmp_path, capsys):
+    """Processed contributions go (a learner's newest stays: a rejoin reads its seq and
+    step from it); the versions a syncer or learner can still need stay."""
+    cfg, regions, model, _sent = _local_run(tmp_path, "gc")
+    rng = np.random.default_rng(1)
+    store = RunStore("gc", regions, "us-east")
+    for lid, reg in store.read_spec()["learners"].items():
+        for seq in (2, 3):  # newer sends from the same anchor
+            c = _contribution(model, 0, lid, seq, rng)
+            RunStore("gc", regions, reg, writer=lid).put_contribution(
+                lid, 0, seq, c.payload, contribution_meta(c)
+            )
+    pipeline = {**cfg.pipeline.model_dump(), "keep_versions": 4}
+    syncer = SyncerRuntime("gc", regions, "us-east", 0, 2, pipeline)
+    assert syncer.poll() == 12
+    assert syncer.merge_and_publish(0)["merged"] == 4  # the newest of each learner
+    syncer.loop.transport.tend()  # what the loop does after every look
+    for lid, reg in store.read_spec()["learners"].items():
+        assert store.contribution_seqs(lid, 0, reg) == [3], lid
+    assert store.global_versions(0) == [0, 1]
+    code = cli_main(["gc", regions["us-east"], "--run", "gc", "--keep", "1"])
+    assert code == 0 and "deleted 0 contributions" in capsys.readouterr().out
+    assert store.global_versions(0) == [0, 1]  # max_staleness + 2 versions are always kept

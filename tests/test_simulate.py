@@ -9,7 +9,7 @@ import pytest
 from diloco.config import load_config
 from diloco.simulate import simulate, time_to_loss
 
-SHORT = ["sim.total_tokens=64000", "sim.eval_points=2"]
+SHORT = ["budget.tokens=64000", "sim.eval_points=2"]
 
 
 @pytest.fixture(scope="module")
@@ -51,24 +51,29 @@ def test_slow_learners_stall_diloco_but_not_decoupled():
     over = [*SHORT, "sim.speeds=[1,1,2,3]"]
     sync = simulate(load_config("tiny", mode="diloco", overrides=over)).summary
     dec = simulate(load_config("tiny", mode="decoupled", overrides=over)).summary
-    # Synchronous DiLoCo runs at the pace of the slowest learner; decoupled does not wait.
-    assert dec["sim_seconds"] < sync["sim_seconds"]
+    # Each learner trains its share of the budget. Synchronous DiLoCo holds every learner
+    # to the pace of the slowest; decoupled learners never wait, so the fast ones are done
+    # at their own pace and the allocated time is spent training.
+    fast = ("learner-0", "learner-1")
+    for lid in fast:
+        assert dec["learner_seconds"][lid] * 2 < sync["learner_seconds"][lid]
     assert dec["goodput"] > sync["goodput"]
     assert dec["final_loss"] < dec["initial_loss"] - 1.0
 
 
 def test_failure_and_rejoin():
     over = [
-        "sim.total_tokens=160000",
+        "budget.tokens=160000",
         "sim.eval_points=2",
         "topology.tau=1",
         'sim.failures=[{"learner": 1, "at": 0.25, "duration": 0.5}]',
-        "sim.checkpoint_every=7",
+        "pipeline.checkpoint_every=7",
     ]
     result = simulate(load_config("tiny", mode="decoupled", overrides=over))
     events = [m for m in result.metrics if m["event"] in ("failure", "rejoin")]
     assert [e["event"] for e in events] == ["failure", "rejoin"]
-    assert events[0]["lost_steps"] < 7  # only the work since the last checkpoint is lost
+    # Only what was neither checkpointed nor sent is lost.
+    assert 0 <= events[1]["lost_steps"] < 7
     # The learner came back and its work reached the model again after the rejoin.
     later = [m for m in result.metrics if m["event"] == "version" and m["time"] > events[1]["time"]]
     assert any("learner-1/" in key for m in later for key in m["weights"])
@@ -87,7 +92,7 @@ def test_time_to_loss_interpolates():
 def test_cli_writes_metrics_and_summary(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "flows.cli", "simulate", "--preset", "tiny", "--quiet",
-           "--set", "sim.total_tokens=32000", "--set", "sim.eval_points=2", "--out", str(out)]  # fmt: skip
+           "--set", "budget.tokens=32000", "--set", "sim.eval_points=2", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "validation loss" in proc.stdout and "bandwidth saving vs dp" in proc.stdout

@@ -15,11 +15,12 @@ import pytest
 
 from diloco.outer import Contribution
 from diloco.quantize import quantize
+from flows.bucket_io import contribution_from, contribution_meta
 from storage_layout.bucket import Bucket, BucketError
 from storage_layout.codec import FormatError, decode, encode
 from storage_layout.commit import CommitConflict, CorruptVersion, read_marker
 from storage_layout.layout import LayoutError, RunLayout
-from storage_layout.retention import collect_garbage
+from storage_layout.retention import collect_garbage, prune_checkpoints
 from storage_layout.store import RegionDown, RunStore, SpecMismatch, poll
 
 rng = np.random.default_rng(3)
@@ -31,6 +32,17 @@ def contribution(learner="l0", fragment=0, seq=1, base=0, kind="int4"):
         "norm.scale": quantize(rng.normal(size=(17,)).astype(np.float32), kind),
     }
     return Contribution(learner, fragment, seq, base, 4096, 8, 2.5, payload)
+
+
+def put(store, c):
+    """Commit ``c`` through the storage API (named tensors and JSON meta)."""
+    return store.put_contribution(c.learner, c.fragment, c.seq, c.payload, contribution_meta(c))
+
+
+def get(store, learner, fragment, seq, region):
+    return contribution_from(
+        learner, fragment, seq, *store.get_contribution(learner, fragment, seq, region)
+    )
 
 
 def same_payload(a, b):
@@ -95,9 +107,9 @@ def test_contribution_round_trip_and_discovery(bucket_url):
     assert store.contribution_seqs("l0", 0, "us") == []
     sent = [contribution(seq=s) for s in (1, 2, 3)]
     for c in sent:
-        store.put_contribution(c)
+        put(store, c)
     assert store.contribution_seqs("l0", 0, "us") == [1, 2, 3]
-    got = store.get_contribution("l0", 0, 2, "us")
+    got = get(store, "l0", 0, 2, "us")
     assert (got.base_version, got.tokens, got.steps, got.seconds) == (0, 4096, 8, 2.5)
     same_payload(sent[1], got)
     marker = read_marker(store.home, store.layout.contribution_marker("l0", 0, 2))
@@ -252,11 +264,11 @@ def test_bad_markers_and_foreign_files(bucket_url, caplog):
 
 def test_nothing_committed_is_overwritten(bucket_url):
     store = RunStore("run", {"us": bucket_url}, "us", writer="l0")
-    store.put_contribution(contribution(seq=1))
-    before = store.get_contribution("l0", 0, 1, "us")
+    put(store, contribution(seq=1))
+    before = get(store, "l0", 0, 1, "us")
     with pytest.raises(CommitConflict):
-        store.put_contribution(contribution(seq=1))  # a learner that reuses a seq is refused
-    same_payload(before, store.get_contribution("l0", 0, 1, "us"))
+        put(store, contribution(seq=1))  # a learner that reuses a seq is refused
+    same_payload(before, get(store, "l0", 0, 1, "us"))
 
 
 def test_spec_written_once_and_differences_listed(bucket_url):
@@ -317,7 +329,7 @@ def test_two_regions_publish_everywhere_and_a_down_region_catches_up(make_bucket
     eu_later = eu + "-late"  # a bucket that does not exist yet: the region is down
     regions = {"us": us, "eu": eu_later}
     learner = RunStore("run", {"us": us, "eu": eu}, "eu", writer="l1")
-    learner.put_contribution(contribution(learner="l1"))
+    put(learner, contribution(learner="l1"))
     assert Bucket(us).list("run/learners") == []  # a learner writes only in its own region
     syncer = RunStore("run", regions, "us", writer="syncer")
     report = publish(syncer, 0, 1)
@@ -339,10 +351,10 @@ def test_two_regions_publish_everywhere_and_a_down_region_catches_up(make_bucket
 def test_syncer_reads_learners_in_other_regions(make_bucket):
     regions = {"us": make_bucket("gcs"), "eu": make_bucket("s3")}
     sent = contribution(learner="l1", seq=4)
-    RunStore("run", regions, "eu", writer="l1").put_contribution(sent)
+    put(RunStore("run", regions, "eu", writer="l1"), sent)
     syncer = RunStore("run", regions, "us", writer="syncer")
     assert syncer.contribution_seqs("l1", 0, "eu") == [4]
-    same_payload(sent, syncer.get_contribution("l1", 0, 4, "eu"))
+    same_payload(sent, get(syncer, "l1", 0, 4, "eu"))
     assert syncer.traffic.as_dict()["eu->us"]["bytes"] > 0
 
 
@@ -353,8 +365,8 @@ def test_retention_keeps_what_learners_need(bucket_url):
     store = RunStore("run", {"us": bucket_url}, "us", writer="syncer")
     learners = {"a": "us", "b": "us"}
     for seq in (1, 2, 3):
-        store.put_contribution(contribution(learner="a", seq=seq, base=seq - 1))
-    store.put_contribution(contribution(learner="b", seq=1, base=1))  # unprocessed, anchored on v1
+        put(store, contribution(learner="a", seq=seq, base=seq - 1))
+    put(store, contribution(learner="b", seq=1, base=1))  # unprocessed, anchored on v1
     for v in range(1, 8):
         publish(store, 0, v, meta={"cursor": {"a": 2}})
     report = collect_garbage(store, 1, learners, window=2)
@@ -380,103 +392,37 @@ def test_poll_backs_off_exponentially():
     assert time.monotonic() - start < 1.0
 
 
-def test_checkpoints_round_trip_and_pin_their_anchors(bucket_url):
+def test_checkpoints_round_trip_and_survive_retention(bucket_url):
     store = RunStore("run", {"us": bucket_url}, "us", writer="a")
-    params = {"w": rng.normal(size=(5, 3)).astype(np.float32)}
     moments = {"mu.w": np.zeros((5, 3), np.float32), "nu.w": np.ones((5, 3), np.float32)}
-    store.put_checkpoint(
-        "a",
-        120,
-        {"params": params, "opt": moments},
-        {"data_position": 120, "base_versions": {"0": 2}},
-    )
-    store.put_checkpoint(
-        "a",
-        240,
-        {"params": params, "opt": moments},
-        {"data_position": 240, "base_versions": {"0": 3}},
-    )
+    store.put_checkpoint("a", 120, {"opt": moments}, {"seq": 4})
+    store.put_checkpoint("a", 240, {"opt": moments}, {"seq": 9})
     assert store.checkpoint_steps("a") == [120, 240]
     groups, meta = store.get_checkpoint("a", 240)
-    assert np.array_equal(groups["params"]["w"], params["w"])
-    assert np.all(groups["opt"]["nu.w"] == 1)
-    assert meta["data_position"] == 240 and meta["learner"] == "a"
+    assert np.all(groups["opt"]["nu.w"] == 1) and groups["opt"]["mu.w"].shape == (5, 3)
+    assert meta["seq"] == 9 and meta["learner"] == "a" and meta["step"] == 240
     for v in range(1, 9):
         publish(store, 0, v)
     report = collect_garbage(store, 1, {"a": "us"}, window=1)
-    assert store.global_versions(0) == [3, 7, 8]  # 3: the newest checkpoint's anchor
-    assert report.pinned[0] == [3] and store.checkpoint_steps("a") == [120, 240]
-
-
-def test_learner_checkpoint_round_trip(make_bucket):
-    """Parameters, the inner optimizer state (placed like the parameters), anchors and
-    counters and error-feedback residuals come back; a learner restored from it trains on
-    and sends identically."""
-    import jax
-
-    from diloco.config import load_config
-    from diloco.data import ShardReader, load_corpus
-    from diloco.fragments import plan_fragments
-    from diloco.inner import InnerTrainer
-    from diloco.learner import Learner
-    from diloco.model import ParamCodec
-    from storage_layout.checkpoint import load_learner_checkpoint, save_learner_checkpoint
-
-    cfg = load_config(
-        "tiny", overrides=["topology.error_feedback=true", "topology.keep_unsent=true"]
-    )
-    codec, state = ParamCodec.create(cfg.model, 0)
-    trainer = InnerTrainer(codec, cfg.inner, 100)
-    plan = plan_fragments(codec.sizes, cfg.topology.fragments)
-    shard = load_corpus(None, 1).train_shards[0]
-
-    def learner() -> Learner:
-        reader = ShardReader(shard, 8, cfg.model.context, 0, 0)
-        return Learner("l0", trainer, plan, cfg.topology, codec.to_flat(state), reader)
-
-    a = learner()
-    for _ in range(7):
-        a.train_step(0.25)
-    a.contribute(0)
-    a.apply_global(0, 1, a.fragment_values(0))  # the residual becomes the carry
-    a.contribute(1)
-    store = RunStore("run", {"r": make_bucket("file")}, "r", writer="l0")
-    save_learner_checkpoint(store, "l0", a.checkpoint())
-    assert store.checkpoint_steps("l0") == [7]
-    ckpt = load_learner_checkpoint(store, "l0", 7, plan, trainer.place_params,
-                                   trainer.init_opt_state)  # fmt: skip
-    assert (ckpt.step, ckpt.seq, ckpt.data_position) == (7, 2, 7)
-    assert ckpt.fragments[1].sent_at_step == 7 and ckpt.fragments[1].seconds == 7 * 0.25
-    assert ckpt.fragments[0].carry.keys() == set(plan[0]) and not ckpt.fragments[0].residual
-    assert ckpt.fragments[1].residual.keys() == set(plan[1]) and not ckpt.fragments[1].carry
-    assert ckpt.fragments[1].sent_values.keys() == set(plan[1])
-    b = learner()
-    b.restore(ckpt, forget_sent=False)
-    for x, y in zip(jax.tree_util.tree_leaves(a.opt_state), jax.tree_util.tree_leaves(b.opt_state),
-                    strict=True):  # fmt: skip
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    loss_a, loss_b = a.train_step(), b.train_step()
-    assert float(loss_a) == float(loss_b)
-    for name in plan[0]:
-        np.testing.assert_array_equal(np.asarray(a.params[name]), np.asarray(b.params[name]))
-    glob = {n: np.zeros_like(a.fragment_values(1)[n]) for n in plan[1]}
-    a.apply_global(1, 2, glob)  # replays the steps since the send: needs the sent values
-    b.apply_global(1, 2, glob)
-    for name in plan[1]:
-        np.testing.assert_array_equal(np.asarray(a.params[name]), np.asarray(b.params[name]))
-    sent_a, sent_b = a.contribute(0).outer_gradient(), b.contribute(0).outer_gradient()
-    for name in plan[0]:
-        np.testing.assert_array_equal(sent_a[name], sent_b[name])
+    # Learners rejoin from the newest versions: a checkpoint pins none.
+    assert store.global_versions(0) == [7, 8] and report.pinned[0] == []
+    assert store.checkpoint_steps("a") == [120, 240]
+    store.put_checkpoint("a", 360, {"opt": moments}, {"seq": 12})
+    assert prune_checkpoints(store, "a", keep=2) == 1  # the learner prunes its own
+    assert store.checkpoint_steps("a") == [240, 360]
+    assert store.get_checkpoint("a", 240)[1]["seq"] == 9
+    with pytest.raises(ValueError, match="keep must be at least 1"):
+        prune_checkpoints(store, "a", keep=0)
 
 
 def test_metrics_accumulate_traffic_over_processes(bucket_url):
     first = RunStore("run", {"r": bucket_url}, "r", writer="l0")
-    first.put_contribution(contribution(learner="l0"))
+    put(first, contribution(learner="l0"))
     first.write_metrics("l0", {"state": "training"}, totals={"seconds": 1.5})
     up = first.read_metrics("l0")["bytes_up"]
     assert up > 0
     second = RunStore("run", {"r": bucket_url}, "r", writer="l0")  # a restarted process
-    second.put_contribution(contribution(learner="l0", seq=2))
+    put(second, contribution(learner="l0", seq=2))
     second.write_metrics("l0", {"state": "training"}, totals={"seconds": 1.0})
     second.write_metrics("l0", {"state": "done"}, totals={"seconds": 2.0})  # running total
     record = second.read_metrics("l0")

@@ -9,10 +9,10 @@ import pytest
 
 from diloco.config import load_config
 from diloco.simulate import simulate
-from flows.sim_transport import storage_transport
+from flows.run import simulation_store
 from storage_layout.inspect import inspect_bucket
 
-OVER = ["sim.total_tokens=48000", "sim.eval_points=2"]
+OVER = ["budget.tokens=48000", "sim.eval_points=2"]
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +23,7 @@ def in_process():
 @pytest.mark.parametrize("backend", ["memory", "file", "s3", "gcs"])
 def test_same_results_through_storage(backend, make_bucket, in_process):
     regions = {"us": make_bucket(backend), "eu": make_bucket(backend)}
-    stored = simulate(
-        load_config("tiny", overrides=OVER), transport=storage_transport("run", regions)
-    )
+    stored = simulate(load_config("tiny", overrides=OVER), store=simulation_store("run", regions))
     assert json.dumps(stored.metrics, sort_keys=True) == json.dumps(
         in_process.metrics, sort_keys=True
     )
@@ -48,7 +46,7 @@ def test_inspect_cli_json_and_verify_fails_on_a_flipped_byte(tmp_path):
     env_bin = [sys.executable, "-m", "flows.cli"]
     store = tmp_path / "bucket"
     args = ["--quiet", "--store", str(store), "--run", "demo", "--out", str(tmp_path / "out")]
-    args += ["--set", "sim.total_tokens=32000", "--set", "sim.eval_points=2"]
+    args += ["--set", "budget.tokens=32000", "--set", "sim.eval_points=2"]
     sim = subprocess.run([*env_bin, "simulate", *args], capture_output=True, text=True, timeout=300)
     assert sim.returncode == 0, sim.stderr
     ok = subprocess.run(

@@ -162,7 +162,7 @@ def main() -> int:
     from diloco.config import load_config
 
     cfg = load_config(args.preset, overrides=[
-        f"topology.learners={args.learners}", f"sim.total_tokens={args.tokens}",
+        f"topology.learners={args.learners}", f"budget.tokens={args.tokens}",
         f"pipeline.round_steps={args.round_steps}", "pipeline.syncer_shards=1",
         f"pipeline.eval_seconds={args.eval_seconds}",
     ])  # fmt: skip

@@ -52,7 +52,7 @@ def main() -> int:
         "topology.learners=4",
         "topology.fragments=4",
         "topology.quantization=int4",
-        f"sim.total_tokens={args.tokens}",
+        f"budget.tokens={args.tokens}",
         *args.set,
     ]
     results = []

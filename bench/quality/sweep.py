@@ -1,7 +1,7 @@
 """Sweep simulator knobs: one run per variant, one JSON line each, appended to ``--out``.
 
     python bench/quality/sweep.py --preset small --mode diloco \\
-        --common sim.total_tokens=2000000 --common data.batch_size=16 \\
+        --common budget.tokens=2000000 --common data.batch_size=16 \\
         --variant "outer.lr=0.5 outer.momentum=0.8" --variant "outer.lr=1.0 outer.momentum=0.9"
 
 Every run uses M = 4 learners, P = 4 fragments and int4 outer gradients, as

@@ -1,0 +1,465 @@
+"""The learner loop and the syncer loop: the one program that the simulator, the tests
+and the Prefect pipeline run. Only the clock and the transport differ.
+
+Each loop is a generator that yields what it waits for:
+
+- ``STEP``: an inner step is about to be computed. The simulator's scheduler advances
+  this learner's virtual clock by its step time first; the wall-clock driver does
+  nothing (the computation itself takes the time).
+- ``Wait(seconds)``: nothing to do for at most ``seconds`` (``math.inf``: until news).
+  The simulator wakes the loop when something arrives for it or the time is up; the
+  wall-clock driver sleeps ``min(seconds, poll)`` and lets the loop look again.
+
+The rules each loop applies live here once: when a learner sends, takes a global
+version and checkpoints; how it starts or rejoins (``LearnerLoop.start``); the
+synchronous wait; when a syncer merges (quorum, adaptive grace window, step-time
+estimate) and how a run ends. ``docs/algorithm.md`` says why each was chosen.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from diloco import records
+from diloco.config import RunConfig
+from diloco.data import ShardReader
+from diloco.fragments import FragmentPlan
+from diloco.inner import InnerTrainer
+from diloco.learner import Learner, LearnerCheckpoint
+from diloco.model import is_embedding
+from diloco.outer import Contribution, FlatParams
+from diloco.syncer import FragmentSyncer, GlobalVersion, estimate_step_seconds, grace_window
+from diloco.syncer import quorum_met as _quorum_met
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Step:
+    """An inner step is about to be computed."""
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing to do for at most ``seconds`` (``math.inf``: until something arrives)."""
+
+    seconds: float
+
+
+STEP = Step()
+Request = Step | Wait
+Emit = Callable[[records.Record], None]
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...
+
+
+class WallClock:
+    """Unix time: records carry comparable times across processes and machines."""
+
+    def now(self) -> float:
+        return time.time()
+
+
+def drive(
+    loop: Iterator[Request], poll_seconds: float, stop: Callable[[], bool] | None = None
+) -> bool:
+    """Run a loop on the wall clock: a step needs nothing, a wait sleeps at most
+    ``poll_seconds`` (nothing tells another process that something arrived). Returns
+    True when the loop ended, False when ``stop()`` said so first."""
+    for request in loop:
+        if stop is not None and stop():
+            return False
+        if isinstance(request, Wait):
+            time.sleep(max(0.0, min(request.seconds, poll_seconds)))
+    return True
+
+
+@dataclass(frozen=True)
+class GlobalView:
+    """A global version of one fragment as a learner reads it (the wire dtype)."""
+
+    fragment: int
+    version: int
+    params: FlatParams
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StoredFragment:
+    """What a syncer restarts from: the newest committed version of its fragment (fp32
+    master copy, outer optimizer state, the version record) and, for the anchored merge,
+    the master copies of the versions inside the staleness window."""
+
+    version: int
+    params: FlatParams
+    opt_leaves: list[Any]
+    meta: Mapping[str, Any]
+    history: dict[int, FlatParams] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A committed contribution that cannot be read (corrupt, partial, forged marker)."""
+
+    learner: str
+    fragment: int
+    seq: int
+    reason: str
+
+
+class LearnerTransport(Protocol):
+    """How one learner's contributions leave and global versions arrive."""
+
+    def send(self, c: Contribution) -> None: ...
+
+    def want(self, fragment: int, above: int) -> None:
+        """A hint: a version of ``fragment`` newer than ``above`` answers a send."""
+
+    def latest_global(self, fragment: int) -> GlobalView | None:
+        """The newest version of ``fragment`` this learner can read now."""
+
+    def save_checkpoint(self, ckpt: LearnerCheckpoint) -> None: ...
+
+    def load_checkpoint(self) -> LearnerCheckpoint | None: ...
+
+    def sent_so_far(self) -> tuple[int, int]:
+        """(newest committed seq, the learner step it was sent at) of this learner."""
+
+
+class SyncerTransport(Protocol):
+    """How a syncer reads contributions and publishes versions."""
+
+    def contributions(
+        self, learner: str, fragment: int, after: int
+    ) -> list[Contribution | Unreadable]:
+        """Committed (and arrived) contributions with seq > ``after``, in seq order."""
+
+    def publish(self, gv: GlobalVersion, opt_leaves: list[Any], record: records.Record) -> bool:
+        """Commit ``gv``; False if another syncer already holds that version."""
+
+    def load_fragment(self, fragment: int, window: int) -> StoredFragment: ...
+
+    def delivery_seconds(self, fragment: int) -> float:
+        """Expected time for a published version to reach the learners."""
+
+    def learners_finished(self) -> bool:
+        """Every learner is done and all its contributions are readable."""
+
+    def tend(self) -> None:
+        """Housekeeping between two looks (catch up lagging regions, retention)."""
+
+
+def _nothing(record: records.Record) -> None:
+    pass
+
+
+class LearnerLoop:
+    """One learner: inner steps, a contribution when a fragment is due, global versions
+    taken in answer to its own sends (after tau steps), checkpoints every
+    ``pipeline.checkpoint_every`` steps and when its budget is done."""
+
+    def __init__(
+        self,
+        learner: Learner,
+        cfg: RunConfig,
+        transport: LearnerTransport,
+        clock: Clock,
+        emit: Emit = _nothing,
+        logger: Any = log,
+    ):
+        self.learner = learner
+        self.cfg = cfg
+        self.transport = transport
+        self.clock = clock
+        self.emit = emit
+        self.log = logger
+        self.total_steps = cfg.steps_per_learner
+        self.sync = cfg.mode == "diloco"
+        self.losses: list[Any] = []  # device scalars of the current ``run`` call
+        self._mark = 0.0
+
+    @classmethod
+    def start(
+        cls,
+        learner_id: str,
+        trainer: InnerTrainer,
+        plan: FragmentPlan,
+        reader: ShardReader,
+        cfg: RunConfig,
+        transport: LearnerTransport,
+        clock: Clock,
+        emit: Emit = _nothing,
+        logger: Any = log,
+    ) -> tuple[LearnerLoop, str]:
+        """Start or rejoin: the one policy for a fresh learner, a restarted process and a
+        simulated failure. Returns the loop and where it resumed from.
+
+        Parameters come from the newest global version of every fragment; the inner
+        optimizer state from the newest checkpoint, if any. The step (and with it the data
+        position) is the later of the checkpoint's and the newest committed send's, so
+        work already sent is never trained and merged again, and sequence numbers are
+        never reused. What was trained but not sent since then is lost (at most one
+        checkpoint interval)."""
+        newest: dict[int, GlobalView] = {}
+        for p in range(len(plan)):
+            view = transport.latest_global(p)
+            if view is None:
+                raise FileNotFoundError(f"no global version of fragment {p} to start from")
+            newest[p] = view
+        ckpt = transport.load_checkpoint()
+        seq, sent_step = transport.sent_so_far()
+        init = {n: v for g in newest.values() for n, v in g.params.items()}
+        learner = Learner(learner_id, trainer, plan, cfg.topology, init, reader)
+        step = max(ckpt.step if ckpt else 0, sent_step)
+        learner.resume(step, max(seq, ckpt.seq if ckpt else 0), ckpt.opt_state if ckpt else None)
+        for p, g in newest.items():
+            learner.fragments[p].base_version = g.version
+        versions = [g.version for g in newest.values()]
+        if ckpt is None and step == 0:
+            source = f"global versions {versions}"
+        else:
+            what = f"checkpoint at step {ckpt.step}" if ckpt else "no checkpoint"
+            source = f"{what} and sends up to step {sent_step} (global versions {versions})"
+        return cls(learner, cfg, transport, clock, emit, logger), source
+
+    @property
+    def finished(self) -> bool:
+        return self.learner.step >= self.total_steps
+
+    def run(self, steps: int | None = None) -> Iterator[Request]:
+        """At most ``steps`` more inner steps (all that are left by default)."""
+        lrn = self.learner
+        left = self.total_steps - lrn.step
+        self.losses = []
+        self._mark = self.clock.now()
+        for _ in range(min(left, steps if steps is not None else left)):
+            yield STEP
+            now = self.clock.now()
+            # Time since the previous step started, less any wait: the simulator's step
+            # time exactly; on the wall clock, the dispatch and the device_get of each
+            # contribution keep the sum honest.
+            seconds, self._mark = now - self._mark, now
+            loss = lrn.train_step(seconds)
+            self.losses.append(loss)
+            self.deliver()
+            p = lrn.due()
+            if p is not None:
+                self.send(p, loss)
+            if lrn.step % self.cfg.pipeline.checkpoint_every == 0 or self.finished:
+                self.transport.save_checkpoint(lrn.checkpoint())
+            if self.sync:
+                yield from self._wait_for_answers()
+
+    def send(self, p: int, loss: Any) -> None:
+        c = self.learner.contribute(p)
+        self.transport.send(c)
+        self.transport.want(p, c.base_version)
+        self.emit(records.sent(c, self.clock.now(), float(loss)))
+
+    def deliver(self) -> int:
+        """Apply every newer global that answers one of this learner's sends (tau steps
+        after it); returns how many."""
+        lrn, count = self.learner, 0
+        for p, frag in enumerate(lrn.fragments):
+            if not lrn.may_apply(p):
+                continue
+            view = self.transport.latest_global(p)
+            if view is None or view.version <= frag.base_version:
+                continue
+            mine = [
+                w for k, w in view.meta.get("weights", {}).items() if k.startswith(f"{lrn.id}/")
+            ]
+            nbytes = sum(self._wire_bytes(v) for v in view.params.values())
+            record = records.applied(
+                lrn.id, p, view.version, view.version - frag.base_version, sum(mine), nbytes,
+                self.clock.now(),
+            )  # fmt: skip
+            lrn.apply_global(p, view.version, view.params)
+            self.emit(record)
+            count += 1
+        return count
+
+    def _wire_bytes(self, value: Any) -> int:
+        return int(value.size) * (4 if self.cfg.topology.global_dtype == "fp32" else 2)
+
+    def _wait_for_answers(self) -> Iterator[Request]:
+        """Synchronous DiLoCo: block until every overdue fragment's answer is applied."""
+        started = noted = self.clock.now()
+        while self.learner.waiting_on():
+            self.deliver()
+            if not self.learner.waiting_on():
+                break
+            yield Wait(math.inf)
+            if self.clock.now() - noted > 60:
+                noted = self.clock.now()
+                self.log.info(
+                    "learner %s still waiting for fragments %s (%.0f s)",
+                    self.learner.id, self.learner.waiting_on(), noted - started,
+                )  # fmt: skip
+        self._mark += self.clock.now() - started  # waiting is not step time
+
+    def checkpoint(self) -> None:
+        self.transport.save_checkpoint(self.learner.checkpoint())
+
+
+@dataclass
+class _MergeClock:
+    first_arrival: float | None = None
+    merge_at: float | None = None
+
+
+class SyncerLoop:
+    """The syncer of a set of fragments: collect contributions, merge each fragment when
+    its quorum is met and its grace window is over, publish, and end when every learner
+    is done (a last merge of what meets the quorum, with no grace: nothing more comes)."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        fragments: Sequence[int],
+        learners: Sequence[str],
+        transport: SyncerTransport,
+        clock: Clock,
+        emit: Emit = _nothing,
+        logger: Any = log,
+    ):
+        self.cfg = cfg
+        self.learners = list(learners)
+        self.transport = transport
+        self.clock = clock
+        self.emit = emit
+        self.log = logger
+        self.gamma = 0.0 if cfg.mode == "diloco" else cfg.topology.grace
+        self.syncers: dict[int, FragmentSyncer] = {}
+        self.seen: dict[tuple[str, int], int] = {}  # (learner, fragment) -> newest seq read
+        self.clocks: dict[int, _MergeClock] = {}
+        self.step_seconds: dict[int, float] = {}  # the last step-time estimate per fragment
+        self.last: dict[int, Mapping[str, Any]] = {}  # the newest version's record
+        for p in fragments:
+            self.load(p)
+
+    def load(self, p: int) -> None:
+        """(Re)build fragment ``p`` from its newest committed version."""
+        outer = self.cfg.outer
+        stored = self.transport.load_fragment(p, outer.max_staleness)
+        syncer = FragmentSyncer(
+            p, stored.params, outer, self.learners, is_embedding, version=stored.version,
+            opt_leaves=stored.opt_leaves, cursor=stored.meta.get("cursor"),
+            merged=stored.meta.get("merged"),
+        )  # fmt: skip
+        syncer.history.update(stored.history)
+        self.syncers[p] = syncer
+        for learner in self.learners:
+            self.seen[(learner, p)] = syncer.cursor.get(learner, 0)
+        self.clocks[p] = _MergeClock()
+        self.step_seconds.setdefault(p, 0.0)
+        self.last[p] = stored.meta
+
+    @property
+    def versions(self) -> dict[int, int]:
+        return {p: s.version for p, s in self.syncers.items()}
+
+    def collect(self) -> int:
+        """Offer every new contribution; returns how many were read."""
+        found = 0
+        for learner in self.learners:
+            for p, syncer in self.syncers.items():
+                try:
+                    items = self.transport.contributions(learner, p, self.seen[(learner, p)])
+                except OSError as exc:
+                    self.log.warning("cannot list %s's contributions: %s", learner, exc)
+                    break  # its region is down: the other learners go on
+                for item in items:
+                    self.seen[(learner, p)] = item.seq
+                    if isinstance(item, Unreadable):
+                        self.log.error("skipping an unreadable contribution: %s", item.reason)
+                        self.emit(
+                            records.rejected(learner, p, item.seq, item.reason, self.clock.now())
+                        )
+                        continue
+                    syncer.offer(item)
+                    found += 1
+        now = self.clock.now()
+        for p, syncer in self.syncers.items():
+            if syncer.pending and self.clocks[p].first_arrival is None:
+                self.clocks[p].first_arrival = now
+        return found
+
+    def due(self, finishing: bool = False) -> list[int]:
+        """Fragments to merge now: quorum met and the grace window over."""
+        now, out = self.clock.now(), []
+        for p, syncer in self.syncers.items():
+            if not _quorum_met(syncer.present, self.cfg.quorum):
+                continue
+            clock = self.clocks[p]
+            if clock.merge_at is None:
+                est = estimate_step_seconds(syncer.pending.values(), self.step_seconds[p])
+                self.step_seconds[p] = est
+                waited = now - (clock.first_arrival or now)
+                grace = grace_window(
+                    est, self.cfg.topology.tau, waited, self.transport.delivery_seconds(p),
+                    self.gamma,
+                )  # fmt: skip
+                clock.merge_at = now + grace
+            if finishing or now >= clock.merge_at:
+                out.append(p)
+        return out
+
+    def merge(self, p: int) -> records.Record | None:
+        """Merge fragment ``p``'s pending contributions and publish the version; returns
+        its record, or None if nothing was merged or another syncer won the version."""
+        syncer = self.syncers[p]
+        self.clocks[p] = _MergeClock()
+        outcome = syncer.merge()
+        now = self.clock.now()
+        for r in outcome.rejected:
+            c = r.contribution
+            self.log.warning("%s", r)
+            self.emit(records.rejected(c.learner, p, c.seq, r.reason, now))
+        gv = outcome.version
+        if gv is None:
+            return None
+        record = records.version(gv, now, self.last[p])
+        try:
+            won = self.transport.publish(gv, syncer.opt_leaves, record)
+        except Exception:
+            self.load(p)  # nothing committed: forget the merge, read the contributions again
+            raise
+        if not won:
+            self.log.warning("fenced off at fragment %d v%d; reloading the winner's", p, gv.version)
+            self.load(p)
+            return None
+        self.last[p] = record
+        self.emit(record)
+        return record
+
+    def next_deadline(self) -> float:
+        """Seconds until the earliest pending merge (inf when none is scheduled)."""
+        now = self.clock.now()
+        times = [c.merge_at for c in self.clocks.values() if c.merge_at is not None]
+        return max(0.0, min(times) - now) if times else math.inf
+
+    def run(self) -> Iterator[Wait]:
+        """Until every learner is done and nothing that meets the quorum is left."""
+        while True:
+            finishing = self.transport.learners_finished()  # before listing: nothing after
+            self.collect()
+            for p in self.due(finishing):
+                try:
+                    self.merge(p)
+                except OSError as exc:
+                    self.log.warning("publishing fragment %d failed, will retry: %s", p, exc)
+            self.transport.tend()
+            if finishing and not self.due(finishing=True):
+                left = {p: len(s.pending) for p, s in self.syncers.items() if s.pending}
+                if left:
+                    self.log.info("run over; below the quorum, left unmerged: %s", left)
+                return
+            yield Wait(self.next_deadline())

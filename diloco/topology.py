@@ -1,0 +1,63 @@
+"""Who is who in a run, each rule in one place: learner ids, which region each learner
+lives in, the syncers' home region, and which syncer shard owns which fragment.
+
+The simulator, the pipeline, the launcher and the tools all call these; none of them
+spells an id or deals learners itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+LEARNER_PREFIX = "learner-"
+
+
+def learner_id(index: int) -> str:
+    return f"{LEARNER_PREFIX}{index}"
+
+
+def learner_ids(count: int) -> list[str]:
+    return [learner_id(i) for i in range(count)]
+
+
+def learner_index(learner: str) -> int:
+    """``"learner-3"`` -> 3; a clear error for anything else."""
+    number = learner.removeprefix(LEARNER_PREFIX)
+    if number == learner or not number.isdigit():
+        raise ValueError(f"{learner!r} is not a learner id (expected {LEARNER_PREFIX}N)")
+    return int(number)
+
+
+def deal_learners(count: int, regions: Sequence[str] | Mapping[str, str]) -> dict[str, str]:
+    """Learner id -> region, round-robin over the regions in the order given."""
+    names = list(regions)
+    if not names:
+        raise ValueError("a run needs at least one region")
+    return {lid: names[i % len(names)] for i, lid in enumerate(learner_ids(count))}
+
+
+def home_region(regions: Sequence[str] | Mapping[str, str]) -> str:
+    """The syncers' region, the arbiter of global versions: the first one given."""
+    names = list(regions)
+    if not names:
+        raise ValueError("a run needs at least one region")
+    return names[0]
+
+
+def shard_count(requested: int, fragments: int) -> int:
+    """Syncer shards actually run: never more than there are fragments."""
+    return max(1, min(requested, fragments))
+
+
+def shard_fragments(shard: int, shards: int, fragments: int) -> list[int]:
+    """Shard ``s`` of ``S`` owns the fragments ``p`` with ``p % S == s``."""
+    if not 0 <= shard < shards:
+        raise ValueError(f"syncer shard {shard} is outside 0..{shards - 1}")
+    owned = [p for p in range(fragments) if p % shards == shard]
+    if not owned:
+        raise ValueError(f"syncer shard {shard} of {shards} owns no fragment of {fragments}")
+    return owned
+
+
+def shard_of(fragment: int, shards: int) -> int:
+    return fragment % shards

@@ -1,0 +1,264 @@
+"""Transports: where contributions, global versions and checkpoints live, and how long
+they take to travel.
+
+- A ``Store`` holds a run's state: committed contributions, global versions (the fp32
+  master copy and outer optimizer state for syncers, the wire-dtype view for learners),
+  learner checkpoints. ``MemoryStore`` keeps it in this process;
+  ``flows.bucket_io.BucketStore`` keeps it in the regions' buckets. Both round globals
+  to the wire dtype the same way, so a run gives identical numbers through either.
+- ``StoreLearnerView`` is a learner's transport over a store with no delay (the
+  pipeline wraps it in background I/O threads).
+- ``SimulatedNetwork`` is the simulator's transport over any store: a contribution
+  reaches the syncer ``latency + 8 bytes / bandwidth`` seconds after it is sent, a
+  global version reaches learners as long after it is published, on the virtual clock.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from diloco.config import SimConfig
+from diloco.learner import LearnerCheckpoint
+from diloco.loops import Clock, GlobalView, StoredFragment, Unreadable
+from diloco.outer import Contribution, FlatParams
+from diloco.quantize import dequantize, quantize
+from diloco.records import Record
+from diloco.syncer import GlobalVersion
+
+
+class Store(Protocol):
+    def put_contribution(self, c: Contribution) -> None: ...
+
+    def contributions(
+        self, learner: str, fragment: int, after: int
+    ) -> list[Contribution | Unreadable]: ...
+
+    def sent_so_far(self, learner: str) -> tuple[int, int]: ...
+
+    def save_checkpoint(self, learner: str, ckpt: LearnerCheckpoint) -> None: ...
+
+    def load_checkpoint(self, learner: str) -> LearnerCheckpoint | None: ...
+
+    def publish(self, gv: GlobalVersion, opt_leaves: list[Any], record: Record) -> bool: ...
+
+    def newest_version(self, learner: str | None, fragment: int) -> int | None:
+        """Newest version of ``fragment`` in ``learner``'s region (None: the syncers')."""
+
+    def read_global(self, learner: str, fragment: int, version: int) -> GlobalView: ...
+
+    def load_fragment(self, fragment: int, window: int) -> StoredFragment: ...
+
+    def close(self, summary: dict[str, Any]) -> None:
+        """The run is over (the simulator's summary, for stores that keep one)."""
+
+
+def wire_view(params: FlatParams, wire_dtype: str) -> FlatParams:
+    """What learners download: the parameters rounded to the wire dtype."""
+    return {n: dequantize(quantize(v, wire_dtype)) for n, v in params.items()}
+
+
+class MemoryStore:
+    """A run's state in this process. Keeps the versions a syncer or learner can still
+    ask for (the staleness window and a little more), not the whole history."""
+
+    def __init__(self, init: Sequence[FlatParams], wire_dtype: str, window: int):
+        self.wire_dtype = wire_dtype
+        self.keep = window + 2
+        self.sent: dict[tuple[str, int], list[Contribution]] = defaultdict(list)
+        self.last_sent: dict[str, tuple[int, int]] = {}
+        self.checkpoints: dict[str, LearnerCheckpoint] = {}
+        # fragment -> version -> (master params, optimizer leaves or None, record, wire view)
+        self.versions: dict[int, dict[int, tuple[FlatParams, list | None, Record, FlatParams]]] = {
+            p: {0: (dict(params), None, {"weights": {}}, wire_view(params, wire_dtype))}
+            for p, params in enumerate(init)
+        }
+
+    def put_contribution(self, c: Contribution) -> None:
+        self.sent[(c.learner, c.fragment)].append(c)
+        seq, _ = self.last_sent.get(c.learner, (0, 0))
+        if c.seq > seq:
+            self.last_sent[c.learner] = (c.seq, c.step)
+
+    def contributions(self, learner: str, fragment: int, after: int) -> list[Contribution]:
+        return [c for c in self.sent[(learner, fragment)] if c.seq > after]
+
+    def settle(self, learner: str, fragment: int, cursor: int) -> None:
+        """Forget contributions a committed version has processed (memory stays flat)."""
+        key = (learner, fragment)
+        self.sent[key] = [c for c in self.sent[key] if c.seq > cursor]
+
+    def sent_so_far(self, learner: str) -> tuple[int, int]:
+        return self.last_sent.get(learner, (0, 0))
+
+    def save_checkpoint(self, learner: str, ckpt: LearnerCheckpoint) -> None:
+        self.checkpoints[learner] = ckpt
+
+    def load_checkpoint(self, learner: str) -> LearnerCheckpoint | None:
+        return self.checkpoints.get(learner)
+
+    def publish(self, gv: GlobalVersion, opt_leaves: list[Any], record: Record) -> bool:
+        held = self.versions[gv.fragment]
+        if gv.version in held:
+            return False
+        held[gv.version] = (gv.params, opt_leaves, record, wire_view(gv.params, self.wire_dtype))
+        for v in [v for v in held if v < gv.version - self.keep]:
+            del held[v]
+        for learner, cursor in gv.cursor.items():
+            self.settle(learner, gv.fragment, cursor)
+        return True
+
+    def newest_version(self, learner: str | None, fragment: int) -> int | None:
+        return max(self.versions[fragment])
+
+    def read_global(self, learner: str, fragment: int, version: int) -> GlobalView:
+        _, _, record, wire = self.versions[fragment][version]
+        return GlobalView(fragment, version, wire, record)
+
+    def load_fragment(self, fragment: int, window: int) -> StoredFragment:
+        held = self.versions[fragment]
+        newest = max(held)
+        params, opt, record, _ = held[newest]
+        history = {v: held[v][0] for v in held if newest - window <= v < newest}
+        return StoredFragment(newest, params, opt, record, history)
+
+    def close(self, summary: dict[str, Any]) -> None:
+        pass
+
+
+class StoreLearnerView:
+    """One learner's transport over a store, with no delay. A version already read is
+    not read again."""
+
+    def __init__(self, store: Store, learner: str):
+        self.store = store
+        self.learner = learner
+        self.cache: dict[int, GlobalView] = {}
+
+    def send(self, c: Contribution) -> None:
+        self.store.put_contribution(c)
+
+    def want(self, fragment: int, above: int) -> None:
+        pass
+
+    def latest_global(self, fragment: int) -> GlobalView | None:
+        newest = self.store.newest_version(self.learner, fragment)
+        return None if newest is None else self.read(fragment, newest)
+
+    def read(self, fragment: int, version: int) -> GlobalView:
+        held = self.cache.get(fragment)
+        if held is None or held.version != version:
+            held = self.cache[fragment] = self.store.read_global(self.learner, fragment, version)
+        return held
+
+    def save_checkpoint(self, ckpt: LearnerCheckpoint) -> None:
+        self.store.save_checkpoint(self.learner, ckpt)
+
+    def load_checkpoint(self) -> LearnerCheckpoint | None:
+        return self.store.load_checkpoint(self.learner)
+
+    def sent_so_far(self) -> tuple[int, int]:
+        return self.store.sent_so_far(self.learner)
+
+
+def transfer_seconds(nbytes: int, sim: SimConfig) -> float:
+    return sim.latency_seconds + 8.0 * nbytes / (sim.bandwidth_gbps * 1e9)
+
+
+class SimulatedNetwork:
+    """The simulator's transport: the store, seen through the virtual clock.
+
+    ``notify(process, time)`` tells the scheduler when something will arrive for a
+    process (a contribution for the syncer that owns its fragment, a global version for
+    every learner), so a waiting loop is woken then. ``finished()`` is the scheduler's
+    word that every learner's loop has ended.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        clock: Clock,
+        sim: SimConfig,
+        global_bytes: Sequence[int],
+        learners: Sequence[str],
+        owner: Callable[[int], str],
+        notify: Callable[[str, float], None],
+        finished: Callable[[], bool],
+    ):
+        self.store, self.clock, self.sim = store, clock, sim
+        self.global_bytes = list(global_bytes)
+        self.learners = list(learners)
+        self.owner, self.notify, self.finished = owner, notify, finished
+        self.arrival: dict[tuple[str, int, int], float] = {}  # (learner, fragment, seq)
+        self.last_arrival = 0.0
+        # fragment -> [(time available to learners, version)]; version 0 always is.
+        self.available: dict[int, list[tuple[float, int]]] = {
+            p: [(float("-inf"), 0)] for p in range(len(global_bytes))
+        }
+
+    def learner_view(self, learner: str) -> _DelayedLearnerView:
+        return _DelayedLearnerView(self, learner)
+
+    # syncer side ----------------------------------------------------------------------
+    def contributions(
+        self, learner: str, fragment: int, after: int
+    ) -> list[Contribution | Unreadable]:
+        now, out = self.clock.now(), []
+        for c in self.store.contributions(learner, fragment, after):
+            if self.arrival.get((learner, fragment, c.seq), now) > now:
+                break  # in flight; later seqs of one learner and fragment arrive later
+            out.append(c)
+        return out
+
+    def publish(self, gv: GlobalVersion, opt_leaves: list[Any], record: Record) -> bool:
+        if not self.store.publish(gv, opt_leaves, record):
+            return False
+        for key in [
+            k for k in self.arrival if k[1] == gv.fragment and k[2] <= gv.cursor.get(k[0], 0)
+        ]:
+            del self.arrival[key]  # settled: nobody asks again
+        at = self.clock.now() + self.delivery_seconds(gv.fragment)
+        self.available[gv.fragment].append((at, gv.version))
+        for learner in self.learners:
+            self.notify(learner, at)
+        return True
+
+    def load_fragment(self, fragment: int, window: int) -> StoredFragment:
+        return self.store.load_fragment(fragment, window)
+
+    def delivery_seconds(self, fragment: int) -> float:
+        return transfer_seconds(self.global_bytes[fragment], self.sim)
+
+    def learners_finished(self) -> bool:
+        return self.finished() and self.last_arrival <= self.clock.now()
+
+    def tend(self) -> None:
+        pass
+
+    # learner side ---------------------------------------------------------------------
+    def send(self, c: Contribution) -> None:
+        self.store.put_contribution(c)
+        at = self.clock.now() + transfer_seconds(c.nbytes, self.sim)
+        self.arrival[(c.learner, c.fragment, c.seq)] = at
+        self.last_arrival = max(self.last_arrival, at)
+        self.notify(self.owner(c.fragment), at)
+
+    def newest_available(self, fragment: int) -> int:
+        """Versions become available in publishing order: drop those a newer one hides."""
+        held, now = self.available[fragment], self.clock.now()
+        while len(held) > 1 and held[1][0] <= now:
+            held.pop(0)
+        return held[0][1]
+
+
+class _DelayedLearnerView(StoreLearnerView):
+    def __init__(self, network: SimulatedNetwork, learner: str):
+        super().__init__(network.store, learner)
+        self.network = network
+
+    def send(self, c: Contribution) -> None:
+        self.network.send(c)
+
+    def latest_global(self, fragment: int) -> GlobalView | None:
+        return self.read(fragment, self.network.newest_available(fragment))

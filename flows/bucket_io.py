@@ -1,0 +1,264 @@
+"""The one adapter between training types and the storage layer.
+
+``storage_layout`` stores named tensors and JSON meta under its commit protocol and
+knows nothing of training. This module turns contributions, learner checkpoints
+(the inner optimizer state) and global versions (parameters, outer optimizer state,
+the version record) into that form and back, and implements the core's ``Store``
+(``diloco.transport``) over a run's buckets: the simulator's ``--store`` runs and
+the pipeline's learner and syncer processes use this same class.
+
+What it adds to the storage layer is the training-side reading of failures: an
+unreadable contribution becomes ``Unreadable`` (the syncer rejects it and goes on), a
+corrupt checkpoint falls back to the one before, a corrupt version inside the staleness
+window is left out of the syncer's history.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from diloco.learner import LearnerCheckpoint
+from diloco.loops import GlobalView, StoredFragment, Unreadable
+from diloco.outer import Contribution
+from diloco.records import Record
+from diloco.syncer import GlobalVersion
+from storage_layout.bucket import Traffic
+from storage_layout.commit import CommitConflict, CorruptVersion
+from storage_layout.retention import prune_checkpoints
+from storage_layout.store import PublishReport, RunStore
+
+log = logging.getLogger(__name__)
+
+# Contribution fields kept in the marker's meta (the tensors are the payload).
+_COUNTERS = ("base_version", "step", "tokens", "steps", "seconds")
+
+
+def contribution_meta(c: Contribution) -> dict[str, Any]:
+    return {k: getattr(c, k) for k in _COUNTERS}
+
+
+def contribution_from(
+    learner: str, fragment: int, seq: int, tensors: Mapping[str, Any], meta: Mapping[str, Any]
+) -> Contribution:
+    return Contribution(
+        learner=learner, fragment=fragment, seq=seq, base_version=int(meta["base_version"]),
+        tokens=int(meta["tokens"]), steps=int(meta["steps"]), seconds=float(meta["seconds"]),
+        payload=dict(tensors), step=int(meta.get("step", 0)),
+    )  # fmt: skip
+
+
+def optimizer_leaves(state: optax.OptState) -> dict[str, np.ndarray]:
+    """An optimizer state's leaves as float32 arrays named by their path in the tree
+    (``1/0/mu/blocks.0.up.kernel``), so a checkpoint reads without our code."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(state)
+    out = {}
+    for path, leaf in flat:
+        name = "/".join(
+            str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path
+        )
+        out[name] = np.asarray(jax.device_get(leaf), dtype=np.float32)
+    return out
+
+
+def optimizer_state(
+    leaves: Mapping[str, np.ndarray], template: optax.OptState, place: Callable[[dict], dict]
+) -> optax.OptState:
+    """Inverse of ``optimizer_leaves`` into the structure of ``template`` (a freshly
+    initialized state: the optimizer's code defines the layout)."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(template)
+    names = list(optimizer_leaves(template))
+    missing = [n for n in names if n not in leaves]
+    if missing or len(leaves) != len(names):
+        raise CorruptVersion(
+            f"optimizer state has {len(leaves)} leaves, this model's optimizer "
+            f"{len(names)} (missing {missing[:3]})"
+        )
+    host = {
+        n: np.asarray(leaves[n], dtype=t.dtype).reshape(t.shape)
+        for n, (_, t) in zip(names, flat, strict=True)
+    }
+    placed = place(host)
+    return jax.tree_util.tree_unflatten(treedef, [placed[n] for n in names])
+
+
+class BucketStore:
+    """A run's ``Store`` in its regions' buckets (see the module docstring).
+
+    ``learners`` maps learner id -> region; a learner's writes go to its own region
+    through a store whose writer is the learner. ``home`` is the region this process
+    reads globals from and the syncers publish to first. ``place`` (the trainer's) and
+    ``opt_template`` (a freshly initialized inner optimizer state) rebuild checkpoints;
+    they are needed only where checkpoints are read.
+    """
+
+    def __init__(
+        self,
+        run: str,
+        regions: Mapping[str, str],
+        home: str,
+        learners: Mapping[str, str],
+        wire_dtype: str,
+        writer: str,
+        place: Callable[[dict], dict] | None = None,
+        opt_template: Callable[[], optax.OptState] | None = None,
+        traffic: Traffic | None = None,
+    ):
+        self.run, self.regions, self.home = run, dict(regions), home
+        self.learners = dict(learners)
+        self.wire_dtype = wire_dtype
+        self.place, self.opt_template = place, opt_template
+        self.traffic = traffic if traffic is not None else Traffic()
+        self.checkpoint_traffic = Traffic()  # not synchronization traffic
+        self.main = RunStore(run, regions, home, writer=writer, traffic=self.traffic)
+        self._writers: dict[str, RunStore] = {}
+        self._checkpoints: dict[str, RunStore] = {}
+        self.last_report: PublishReport | None = None
+
+    def writer_for(self, learner: str, checkpoints: bool = False) -> RunStore:
+        """The store ``learner`` writes through: its own region, itself as the writer."""
+        cache = self._checkpoints if checkpoints else self._writers
+        if learner not in cache:
+            region = self.region_of(learner)
+            traffic = self.checkpoint_traffic if checkpoints else self.traffic
+            cache[learner] = RunStore(
+                self.run, {region: self.regions[region]}, region, writer=learner, traffic=traffic
+            )
+        return cache[learner]
+
+    def region_of(self, learner: str) -> str:
+        if learner not in self.learners:
+            raise ValueError(f"{learner!r} is not a learner of run {self.run!r}")
+        return self.learners[learner]
+
+    # learner side ---------------------------------------------------------------------
+    def put_contribution(self, c: Contribution) -> None:
+        self.writer_for(c.learner).put_contribution(
+            c.learner, c.fragment, c.seq, c.payload, contribution_meta(c)
+        )
+
+    def sent_so_far(self, learner: str) -> tuple[int, int]:
+        """(newest seq, its step) among ``learner``'s committed contributions."""
+        store, region = self.writer_for(learner), self.region_of(learner)
+        newest = (0, -1)
+        for p in range(self._fragments()):
+            seqs = store.contribution_seqs(learner, p, region)
+            if seqs and seqs[-1] > newest[0]:
+                newest = (seqs[-1], p)
+        if newest[1] < 0:
+            return 0, 0
+        seq, p = newest
+        try:
+            meta = store.contribution_meta(learner, p, seq, region)
+        except (CorruptVersion, FileNotFoundError) as exc:
+            log.warning(
+                "newest contribution of %s unreadable (%s); its step is unknown", learner, exc
+            )
+            return seq, 0
+        return seq, int(meta.get("step", 0))
+
+    def _fragments(self) -> int:
+        if not hasattr(self, "_fragment_count"):
+            self._fragment_count = len(self.main.read_spec()["fragments"])
+        return self._fragment_count
+
+    def save_checkpoint(self, learner: str, ckpt: LearnerCheckpoint) -> None:
+        store = self.writer_for(learner, checkpoints=True)
+        if ckpt.step in store.checkpoint_steps(learner):
+            return  # this step is saved already (a flow run ended right after one)
+        meta = {"seq": ckpt.seq, "data_position": ckpt.step}
+        try:
+            store.put_checkpoint(
+                learner, ckpt.step, {"opt": optimizer_leaves(ckpt.opt_state)}, meta
+            )
+        except CommitConflict as exc:
+            log.warning(
+                "checkpoint %s@%d already written by another process: %s", learner, ckpt.step, exc
+            )
+        prune_checkpoints(store, learner, keep=2)
+
+    def load_checkpoint(self, learner: str) -> LearnerCheckpoint | None:
+        """The newest readable checkpoint (a corrupt one is reported and skipped)."""
+        if self.place is None or self.opt_template is None:
+            raise ValueError(
+                "this store was opened without the trainer; it cannot read checkpoints"
+            )
+        store = self.writer_for(learner, checkpoints=True)
+        for step in reversed(store.checkpoint_steps(learner)):
+            try:
+                groups, meta = store.get_checkpoint(learner, step)
+                opt = optimizer_state(groups["opt"], self.opt_template(), self.place)
+                return LearnerCheckpoint(
+                    step=int(meta["step"]), seq=int(meta["seq"]), opt_state=opt
+                )
+            except (CorruptVersion, KeyError, ValueError) as exc:
+                log.error(
+                    "checkpoint %s@%d is unreadable, trying an older one: %s", learner, step, exc
+                )
+        return None
+
+    def newest_version(self, learner: str | None, fragment: int) -> int | None:
+        region = self.home if learner is None else self.region_of(learner)
+        store = self.main if learner is None else self.writer_for(learner)
+        return store.latest_global(fragment, region)
+
+    def read_global(self, learner: str, fragment: int, version: int) -> GlobalView:
+        state = self.writer_for(learner).get_global(fragment, version, learner_view=True)
+        return GlobalView(fragment, version, state.params, state.meta)
+
+    # syncer side ----------------------------------------------------------------------
+    def contributions(
+        self, learner: str, fragment: int, after: int
+    ) -> list[Contribution | Unreadable]:
+        """New committed contributions in seq order; one that cannot be read yet (an
+        ``OSError``) ends the list, to be read on the next look."""
+        region = self.region_of(learner)
+        out: list[Contribution | Unreadable] = []
+        for seq in self.main.contribution_seqs(learner, fragment, region):
+            if seq <= after:
+                continue
+            try:
+                tensors, meta = self.main.get_contribution(learner, fragment, seq, region)
+                out.append(contribution_from(learner, fragment, seq, tensors, meta))
+            except (CorruptVersion, KeyError, ValueError) as exc:
+                out.append(Unreadable(learner, fragment, seq, f"unreadable: {exc}"))
+            except OSError as exc:
+                log.warning(
+                    "cannot read %s fragment %d seq %d yet: %s", learner, fragment, seq, exc
+                )
+                break
+        return out
+
+    def publish(self, gv: GlobalVersion, opt_leaves: list[Any], record: Record) -> bool:
+        try:
+            self.last_report = self.main.publish_global(
+                gv.fragment, gv.version, gv.params, opt_leaves, record, self.wire_dtype
+            )
+        except CommitConflict:
+            return False
+        return True
+
+    def load_fragment(self, fragment: int, window: int) -> StoredFragment:
+        store = self.main
+        version = store.latest_global(fragment)
+        if version is None:
+            raise FileNotFoundError(f"run {self.run!r} has no version of fragment {fragment}")
+        state = store.get_global(fragment, version)
+        history = {}
+        for v in store.global_versions(fragment):
+            if version - window <= v < version:
+                try:
+                    history[v] = store.get_global(fragment, v).params
+                except CorruptVersion as exc:
+                    # Contributions based on it are rejected ("no longer held"); the rest merge.
+                    log.error("fragment %d version %d is corrupt; left out: %s", fragment, v, exc)
+        return StoredFragment(version, state.params, state.opt_leaves, state.meta, history)
+
+    def close(self, summary: dict[str, Any]) -> None:
+        """Record the simulation's summary and the traffic of every writer it drove."""
+        self.main.write_metrics("simulator", {"summary": summary})

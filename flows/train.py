@@ -1,0 +1,148 @@
+"""``diloco train``: one validated config in, one finished (or resumed) run out.
+
+The launcher flow (``flows/launcher.py``) does the work; this module gets it a Prefect
+API (the user's ``PREFECT_API_URL`` or a server of the run's own), handles Ctrl-C and
+prints the summary. Prefect is imported only after ``PREFECT_HOME`` points at the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import urllib.request
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from diloco.config import ConfigError, RunConfig
+from diloco.topology import home_region
+from flows.observe import train_summary_rows
+
+console = Console(stderr=True, soft_wrap=True)
+
+
+def stdout_console() -> Console:
+    """Rich wraps at 80 columns when stdout is not a terminal; logs and pipes want lines whole."""
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
+def train_summary_table(summary: dict, title: str) -> Table:
+    table = Table(title=title, show_header=False)
+    table.add_column("metric", style="bold")
+    table.add_column("value", justify="right")
+    for key, value in train_summary_rows(summary):
+        table.add_row(key, value)
+    return table
+
+
+def _bin(name: str) -> str:
+    """How to call a console script of this environment from the current folder."""
+    path = Path(sys.executable).parent / name
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _is_complete(run: str, regions: dict[str, str], cfg: RunConfig, root: Path) -> bool:
+    """Check the spec and reach every bucket (a mismatch or a missing bucket is reported
+    before anything starts); True, with the stored summary printed, if the run is done."""
+    from flows.run import initialize_run
+    from storage_layout.store import RunStore
+
+    store = RunStore(run, regions, home_region(regions), writer="launcher")
+    spec = initialize_run(store, cfg)
+    total = cfg.steps_per_learner
+    if not all(max(store.checkpoint_steps(lid, region), default=0) >= total
+               for lid, region in spec["learners"].items()):  # fmt: skip
+        return False
+    console.print(f"run {run!r} is complete (every learner is at step {total}); "
+                  "pass another --run to start a new one")  # fmt: skip
+    saved = root / "summary.json"
+    if saved.exists():
+        summary = json.loads(saved.read_text())
+        stdout_console().print(train_summary_table(summary, f"diloco train {run}"))
+    return True
+
+
+def _prefect_api(prefect_home: Path, via: str) -> AbstractContextManager[str]:
+    """The user's Prefect API if ``PREFECT_API_URL`` is set (checked now), else a server of
+    the run's own under ``prefect_home``."""
+    from infra.prefect_server import prefect_server
+
+    external = os.environ.get("PREFECT_API_URL")
+    if external:
+        try:
+            urllib.request.urlopen(f"{external.rstrip('/')}/health", timeout=10).close()
+        except OSError as exc:
+            raise ConfigError(
+                f"the Prefect API at {external} (PREFECT_API_URL) is not reachable: {exc}; "
+                "start it, or unset PREFECT_API_URL to run with a server of the run's own"
+            ) from None
+        return nullcontext(external)
+    if via == "deployments":
+        raise ConfigError(
+            "--via deployments needs a Prefect server with a worker per region: set "
+            "PREFECT_API_URL (python -m infra.local_stack up starts one; see docs/deploy.md)"
+        )
+    return prefect_server(prefect_home)
+
+
+def train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: str) -> int:
+    """Run (or resume) ``run`` to the end of its budget; the exit status."""
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # clean up the server on `kill` too
+    if _is_complete(run, regions, cfg, root):
+        return 0
+    prefect_home = root / "prefect"
+    os.environ.setdefault("PREFECT_HOME", str(prefect_home.resolve()))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    console.print(
+        f"[bold]train[/] run {run!r}: mode={cfg.mode} learners={cfg.topology.learners} "
+        f"quorum={cfg.quorum} fragments={cfg.topology.fragments} "
+        f"H={cfg.topology.inner_steps} tokens={cfg.budget.tokens:,}\n"
+        + "".join(f"  region {r}: {u}\n" for r, u in regions.items())
+    )
+    external = os.environ.get("PREFECT_API_URL")
+    started = time.perf_counter()
+    with _prefect_api(prefect_home, via) as api_url:
+        os.environ["PREFECT_API_URL"] = api_url
+        console.print(f"Prefect API {api_url}" + ("" if external else f" (home {prefect_home})"))
+        from flows import launcher
+
+        signal.signal(signal.SIGINT, launcher.on_interrupt)
+        signal.signal(signal.SIGTERM, launcher.on_interrupt)
+        try:
+            summary = launcher.train_flow(run, regions, cfg.model_dump(mode="json"),
+                                          str(root / "logs"), via=via)  # fmt: skip
+        except KeyboardInterrupt:
+            console.print("[yellow]interrupted[/]: stopping learners and syncers (they checkpoint)")
+            launcher.stop_children()
+            if via == "deployments":
+                launcher.cancel_flow_runs()
+            console.print(f"resume with the same command (run {run!r})")
+            return 130
+        finally:
+            launcher.flush_prefect()
+    wall = time.perf_counter() - started
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    stdout_console().print(train_summary_table(summary, f"diloco train {run} ({wall:.0f} s)"))
+    console.print(
+        f"summary: {root / 'summary.json'}  worker logs: {root / 'logs'}\n"
+        f"inspect the buckets:  {_bin('diloco')} inspect {regions[home_region(regions)]} --run {run}\n"
+        + (f"browse the run in the Prefect UI:  PREFECT_HOME={prefect_home} {_bin('prefect')} server start"
+           if not external else f"Prefect UI: {external.removesuffix('/api')}")
+    )  # fmt: skip
+    if summary["failed"]:
+        console.print(f"[bold red]failed:[/] {', '.join(summary['failed'])} (see the logs)")
+        return 1
+    return 0
