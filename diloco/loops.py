@@ -393,9 +393,13 @@ class SyncerLoop:
         return found
 
     def due(self, finishing: bool = False) -> list[int]:
-        """Fragments to merge now: quorum met and the grace window over."""
+        """Fragments to merge now: quorum met and the grace window over. ``finishing`` (every
+        learner is done): whatever is pending, at once: nothing more will come."""
         now, out = self.clock.now(), []
         for p, syncer in self.syncers.items():
+            if finishing and syncer.pending:
+                out.append(p)
+                continue
             if not _quorum_met(syncer.present, self.cfg.quorum):
                 continue
             clock = self.clocks[p]
@@ -447,7 +451,7 @@ class SyncerLoop:
         return max(0.0, min(times) - now) if times else math.inf
 
     def run(self) -> Iterator[Wait]:
-        """Until every learner is done and nothing that meets the quorum is left."""
+        """Until every learner is done and their every contribution is processed."""
         while True:
             finishing = self.transport.learners_finished()  # before listing: nothing after
             self.collect()
@@ -458,8 +462,5 @@ class SyncerLoop:
                     self.log.warning("publishing fragment %d failed, will retry: %s", p, exc)
             self.transport.tend()
             if finishing and not self.due(finishing=True):
-                left = {p: len(s.pending) for p, s in self.syncers.items() if s.pending}
-                if left:
-                    self.log.info("run over; below the quorum, left unmerged: %s", left)
                 return
             yield Wait(self.next_deadline())

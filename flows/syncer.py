@@ -246,6 +246,7 @@ def syncer_flow(
             description=f"syncer {rt.label} of run {run}: one row per version",
         )
     if done:
+        rt.transport.collect_garbage()  # the run is over: leave the buckets lean
         _RUNTIMES.pop(key, None)
     return {"done": done, "versions": rt.loop.versions, "published": len(rows),
             "rejected": len(records.of(new, "rejected"))}  # fmt: skip
