@@ -304,6 +304,55 @@ def _failure_schedule(
         (fail if kind == 0 else rejoin)(learner)
 
 
+class _Fleet:
+    """The simulated learners: started, failed, rejoined and ended by the scheduler."""
+
+    def __init__(self, run: _Run, plan: FragmentPlan, readers: list[ShardReader],
+                 sched: Scheduler, clock: VirtualClock):  # fmt: skip
+        self.run, self.plan, self.readers = run, plan, readers
+        self.sched, self.clock = sched, clock
+        self.ids = learner_ids(run.cfg.topology.learners)
+        self.net: SimulatedNetwork | None = None  # set once the network exists
+        self.loops: dict[str, LearnerLoop] = {}
+        self.ended: dict[str, float] = {}  # learner -> when its loop ended
+        self.down: dict[int, int] = {}  # learner index -> its step when it failed
+
+    def finished(self) -> bool:
+        return len(self.ended) == len(self.ids) and not self.down
+
+    def start(self, i: int) -> str:
+        lid, run = self.ids[i], self.run
+        loop, source = LearnerLoop.start(lid, run.trainer, self.plan, self.readers[i], run.cfg,
+                                         self.net.learner_view(lid), self.clock,
+                                         run.metrics.append)  # fmt: skip
+        self.loops[lid] = loop
+        self.ended.pop(lid, None)
+        self.sched.start(lid, loop.run())
+        return source
+
+    def fail(self, i: int) -> None:
+        lid = self.ids[i]
+        if lid in self.ended or not self.sched.stop(lid):
+            return  # done already: nothing to lose
+        self.down[i] = self.loops[lid].learner.step
+        self.run.metrics.append(records.failure(lid, self.down[i], self.clock.now()))
+
+    def rejoin(self, i: int) -> None:
+        if i not in self.down:
+            return
+        before = self.down.pop(i)
+        source = self.start(i)
+        step = self.loops[self.ids[i]].learner.step
+        record = records.rejoin(self.ids[i], step, before - step, source, self.clock.now())
+        self.run.metrics.append(record)
+
+    def on_end(self, name: str, syncers: list[str]) -> None:
+        if name in self.loops and name not in self.ended:
+            self.ended[name] = self.clock.now()
+            for s in syncers:  # a waiting syncer looks whether the run is over
+                self.sched.notify(s, self.clock.now())
+
+
 def _simulate_loops(
     run: _Run,
     codec: ParamCodec,
@@ -313,12 +362,11 @@ def _simulate_loops(
 ) -> float:
     """Decoupled or synchronous DiLoCo: the pipeline's loops under the scheduler."""
     cfg, sim, topo = run.cfg, run.cfg.sim, run.cfg.topology
-    m, speeds = topo.learners, sim.speeds or (1.0,) * topo.learners
+    speeds = sim.speeds or (1.0,) * topo.learners
     plan = plan_fragments(codec.sizes, topo.fragments, topo.fragment_strategy)
     sizes = fragment_sizes(plan, codec.sizes)
-    shares = [s / codec.num_params for s in sizes]
     global_bytes = [s * (4 if topo.global_dtype == "fp32" else 2) for s in sizes]
-    ids = learner_ids(m)
+    ids = learner_ids(topo.learners)
     shards = shard_count(cfg.pipeline.syncer_shards, len(plan))
     if make_store is not None:
         store = make_store(cfg, plan, init, ids)
@@ -327,74 +375,45 @@ def _simulate_loops(
         store = MemoryStore(initial, topo.global_dtype, cfg.outer.max_staleness)
     clock = VirtualClock()
     sched = Scheduler(clock, lambda name: speeds[ids.index(name)] * sim.step_seconds)
-    ended: dict[str, float] = {}  # learner -> when its loop ended
-    down: dict[int, int] = {}  # learner index -> its step when it failed
-    net = SimulatedNetwork(
+    fleet = _Fleet(run, plan, readers, sched, clock)
+    fleet.net = net = SimulatedNetwork(
         store, clock, sim, global_bytes, ids,
         owner=lambda p: f"syncer-{shard_of(p, shards)}",
         notify=sched.notify,
-        finished=lambda: len(ended) == m and not down,
+        finished=fleet.finished,
     )  # fmt: skip
     emit = run.metrics.append
-    syncers = [
-        SyncerLoop(cfg, shard_fragments(s, shards, len(plan)), ids, net, clock, emit)
+    syncers = {
+        f"syncer-{s}": SyncerLoop(cfg, shard_fragments(s, shards, len(plan)), ids, net, clock, emit)
         for s in range(shards)
-    ]
-    learners: dict[str, LearnerLoop] = {}
-
-    def start_learner(i: int) -> str:
-        loop, source = LearnerLoop.start(
-            ids[i], run.trainer, plan, readers[i], cfg, net.learner_view(ids[i]), clock, emit
-        )
-        learners[ids[i]] = loop
-        ended.pop(ids[i], None)
-        sched.start(ids[i], loop.run())
-        return source
-
-    def fail(i: int) -> None:
-        if ids[i] in ended or not sched.stop(ids[i]):
-            return  # done already: nothing to lose
-        down[i] = learners[ids[i]].learner.step
-        emit(records.failure(ids[i], down[i], clock.now()))
-
-    def rejoin(i: int) -> None:
-        if i not in down:
-            return
-        before = down.pop(i)
-        source = start_learner(i)
-        step = learners[ids[i]].learner.step
-        emit(records.rejoin(ids[i], step, before - step, source, clock.now()))
+    }
 
     def global_params() -> dict:
-        flat = {n: v for s in syncers for f in s.syncers.values() for n, v in f.params.items()}
+        flat = {n: v for s in syncers.values() for f in s.syncers.values()
+                for n, v in f.params.items()}  # fmt: skip
         return run.trainer.place_params(flat)
 
     def on_step(name: str) -> None:
         run.tokens += cfg.tokens_per_step
         run.maybe_evaluate(clock.now(), global_params)
 
-    def on_end(name: str) -> None:
-        if name in learners and name not in ended:
-            ended[name] = clock.now()
-            for s in range(shards):  # a waiting syncer looks whether the run is over
-                sched.notify(f"syncer-{s}", clock.now())
-
-    for s, loop in enumerate(syncers):
-        sched.start(f"syncer-{s}", loop.run())
-    for i in range(m):
-        start_learner(i)
+    for name, loop in syncers.items():
+        sched.start(name, loop.run())
+    for i in range(topo.learners):
+        fleet.start(i)
     if sim.failures:
-        sched.start("failures", _failure_schedule(cfg, clock, fail, rejoin))
+        sched.start("failures", _failure_schedule(cfg, clock, fleet.fail, fleet.rejoin))
     run.maybe_evaluate(0.0, global_params)
-    sched.run(on_step, on_end)
+    sched.run(on_step, lambda name: fleet.on_end(name, list(syncers)))
 
     end = clock.now()
     loss = run.evaluate(end, global_params(), final=True)
     store.close({"tokens": run.tokens, "sim_seconds": end, "final_loss": loss})
     run.bytes_up, run.bytes_down = records.payload_traffic(run.metrics)
-    run.finished = {i: ended.get(i, end) for i in ids}
-    allocated = sum(run.finished.values())
-    run.goodput = records.goodput(records.of(run.metrics, "version"), shares, allocated)
+    run.finished = {i: fleet.ended.get(i, end) for i in ids}
+    shares = [s / codec.num_params for s in sizes]
+    versions = records.of(run.metrics, "version")
+    run.goodput = records.goodput(versions, shares, sum(run.finished.values()))
     return end
 
 

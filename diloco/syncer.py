@@ -181,36 +181,35 @@ class FragmentSyncer:
         tokens, seconds = c.tokens - before.tokens, c.seconds - before.seconds
         return replace(c, tokens=tokens, steps=steps, seconds=seconds), delta
 
-    def merge(self) -> MergeOutcome:
-        """Merge every pending contribution that passes validation into version v + 1.
-
-        Returns no version when nothing valid is pending (rejections are still reported).
-        """
+    def _admit(self) -> tuple[list[tuple[Contribution, FlatParams]], list[ContributionRejected]]:
+        """Validate and take every pending contribution (the cursor moves past each one,
+        accepted or not); returns the new work to merge and the rejections."""
         accepted: list[tuple[Contribution, FlatParams]] = []
         rejected: list[ContributionRejected] = []
+        cfg = self.cfg
         for c in sorted(self.pending.values(), key=lambda c: (c.learner, c.seq)):
             try:
-                delta = check_contribution(
-                    c,
-                    self.shapes,
-                    self.learners,
-                    self.version,
-                    self.cfg.max_staleness,
-                    self.cfg.max_norm,
-                )
+                delta = check_contribution(c, self.shapes, self.learners, self.version,
+                                           cfg.max_staleness, cfg.max_norm)  # fmt: skip
             except ContributionRejected as exc:
                 rejected.append(exc)
                 continue
-            if self.cfg.reference == "anchored" and c.base_version not in self.history:
-                rejected.append(
-                    ContributionRejected(c, f"base version {c.base_version} is no longer held")
-                )
+            if cfg.reference == "anchored" and c.base_version not in self.history:
+                reason = f"base version {c.base_version} is no longer held"
+                rejected.append(ContributionRejected(c, reason))
                 continue
             accepted.append((c, delta))
         for c in self.pending.values():
             self.cursor[c.learner] = max(self.cursor.get(c.learner, 0), c.seq)
         self.pending.clear()
-        accepted = [item for item in map(self._new_work, accepted) if item is not None]
+        return [item for item in map(self._new_work, accepted) if item is not None], rejected
+
+    def merge(self) -> MergeOutcome:
+        """Merge every pending contribution that passes validation into version v + 1.
+
+        Returns no version when nothing valid is pending (rejections are still reported).
+        """
+        accepted, rejected = self._admit()
         if not accepted:
             return MergeOutcome(None, rejected)
 

@@ -328,13 +328,13 @@ class Monitor:
         steps = sum(min(int(s.get("step", 0)), self.total_steps) for s in statuses.values())
         return 100.0 * steps / (m * self.total_steps)
 
-    def summary(self, wall: float, allocated: float) -> dict[str, Any]:
-        """Totals from the buckets: traffic of every writer, goodput from the versions."""
+    def traffic(self) -> tuple[dict[str, dict[str, int]], int, int]:
+        """Bytes and requests per region pair summed over every writer's metrics, the
+        learners' bytes up and down, and the rejected contributions."""
         store, spec = self.store, self.spec
-        statuses = self.statuses()
         traffic: dict[str, dict[str, int]] = {}
         writers = [(lid, region) for lid, region in spec["learners"].items()]
-        shards = min(self.cfg.pipeline.syncer_shards, self.cfg.topology.fragments)
+        shards = shard_count(self.cfg.pipeline.syncer_shards, self.cfg.topology.fragments)
         writers += [(f"syncer-{s}", store.client_region) for s in range(shards)]
         rejected, learner_bytes = 0, 0
         for name, region in writers:
@@ -346,6 +346,13 @@ class Monitor:
                 acc = traffic.setdefault(pair, {"bytes": 0, "requests": 0})
                 acc["bytes"] += t["bytes"]
                 acc["requests"] += t["requests"]
+        return traffic, learner_bytes, rejected
+
+    def summary(self, wall: float, allocated: float) -> dict[str, Any]:
+        """Totals from the buckets: traffic of every writer, goodput from the versions."""
+        store, spec = self.store, self.spec
+        statuses = self.statuses()
+        traffic, learner_bytes, rejected = self.traffic()
         merged = self.merged_seconds()
         versions = self.versions()
         since = [
@@ -431,6 +438,55 @@ def summary_markdown(summary: dict[str, Any], png: bytes | None) -> str:
     return "\n".join(lines)
 
 
+def _start_workers(
+    run: str, regions: dict[str, str], cfg: RunConfig, spec: dict, logs: str, via: str
+) -> tuple[list[str], list[Any]]:
+    """One supervising task per learner and syncer shard: its name and its future."""
+    futures, names = [], []
+    if via == "deployments":
+        for name, deployment, params, tags, status in deployment_calls(run, regions, cfg, spec):
+            names.append(name)
+            futures.append(supervise_deployment.submit(name, deployment, params, tags, status,
+                                                       run, regions, cfg.pipeline.max_restarts))  # fmt: skip
+    elif via == "processes":
+        for name, argv in worker_commands(run, regions, cfg, spec):
+            names.append(name)
+            path = str(Path(logs) / f"{name.replace(' ', '-').replace('/', '-')}.log")
+            task_ = supervise.with_options(retries=cfg.pipeline.max_restarts)
+            futures.append(task_.submit(name, argv, path))
+    else:
+        raise ValueError(f"via must be 'processes' or 'deployments', not {via!r}")
+    return names, futures
+
+
+def _watch(
+    names: list[str], futures: list[Any], monitor: Monitor, bar: Any, every: float, log: Any
+) -> dict[str, float]:
+    """Evaluate and log progress every ``every`` seconds until every worker's task has
+    ended; returns when each ended (its machine was freed: the end of its allocation)."""
+    last_eval = time.monotonic()
+    ended: dict[str, float] = {}
+    while wait(futures, timeout=0.5).not_done:
+        for name, future in zip(names, futures, strict=True):
+            if future.state.is_final() and name not in ended:
+                ended[name] = time.time()
+        if time.monotonic() - last_eval < every:
+            continue
+        last_eval = time.monotonic()
+        statuses = monitor.statuses()
+        point = monitor.evaluate(statuses)
+        pct = monitor.progress(statuses)
+        update_progress_artifact(bar, pct)
+        log.info(
+            "%5.1f%% | tokens %s | validation loss %.4f | versions %s",
+            pct,
+            f"{point['tokens']:,}",
+            point["loss"],
+            " ".join(f"f{p}:v{v}" for p, v in point["versions"].items()),
+        )
+    return ended
+
+
 @flow(
     name="train",
     flow_run_name="train {run}",
@@ -467,40 +523,8 @@ def train_flow(
         description=f"run {run}: share of all learners' inner steps done",
     )
     started = time.time()
-    futures, names = [], []
-    if via == "deployments":
-        for name, deployment, params, tags, status in deployment_calls(run, regions, cfg, spec):
-            names.append(name)
-            futures.append(supervise_deployment.submit(name, deployment, params, tags, status,
-                                                       run, regions, cfg.pipeline.max_restarts))  # fmt: skip
-    elif via == "processes":
-        for name, argv in worker_commands(run, regions, cfg, spec):
-            names.append(name)
-            path = str(Path(logs) / f"{name.replace(' ', '-').replace('/', '-')}.log")
-            task_ = supervise.with_options(retries=cfg.pipeline.max_restarts)
-            futures.append(task_.submit(name, argv, path))
-    else:
-        raise ValueError(f"via must be 'processes' or 'deployments', not {via!r}")
-    last_eval = time.monotonic()
-    ended: dict[str, float] = {}  # worker -> when its task ended (its machine was freed)
-    while wait(futures, timeout=0.5).not_done:
-        for name, future in zip(names, futures, strict=True):
-            if future.state.is_final() and name not in ended:
-                ended[name] = time.time()
-        if time.monotonic() - last_eval < cfg.pipeline.eval_seconds:
-            continue
-        last_eval = time.monotonic()
-        statuses = monitor.statuses()
-        point = monitor.evaluate(statuses)
-        pct = monitor.progress(statuses)
-        update_progress_artifact(bar, pct)
-        log.info(
-            "%5.1f%% | tokens %s | validation loss %.4f | versions %s",
-            pct,
-            f"{point['tokens']:,}",
-            point["loss"],
-            " ".join(f"f{p}:v{v}" for p, v in point["versions"].items()),
-        )
+    names, futures = _start_workers(run, regions, cfg, spec, logs, via)
+    ended = _watch(names, futures, monitor, bar, cfg.pipeline.eval_seconds, log)
     failed = []
     for name, future in zip(names, futures, strict=True):
         try:

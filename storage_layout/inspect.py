@@ -53,31 +53,38 @@ def inspect_run(
     fragments = len(spec.get("fragments") or [])
     home = bucket.region if bucket.region in regions else next(iter(regions))
     store = RunStore(run, regions, home, writer="inspect")
-    layout = store.layout
-    out: dict[str, Any] = {
-        "run": run,
-        "regions": regions,
-        "problems": [],
-        "fragments": [],
-        "learners": [],
-    }
-    reachable = {}
+    out: dict[str, Any] = {"run": run, "regions": regions, "problems": []}
+    reachable = []
     for region in regions:
         try:
             store.bucket(region)
-            reachable[region] = True
+            reachable.append(region)
         except BucketError as exc:
-            reachable[region] = False
             out["problems"].append(str(exc))
-    newest: dict[int, int] = {}
+    out["fragments"] = _fragment_rows(store, fragments, reachable)
+    newest = {row["fragment"]: row["newest"] for row in out["fragments"] if "newest" in row}
+    out["learners"] = [
+        _learner_row(store, learner, region, fragments, newest, region in reachable)
+        for learner, region in sorted(learners.items())
+    ]
+    out["traffic"] = _traffic(store, reachable, out["problems"])
+    if verify:
+        out["verified_versions"] = sum(
+            _verify_region(store, region, fragments, learners, out["problems"])
+            for region in reachable
+        )
+    return out
+
+
+def _fragment_rows(store: RunStore, fragments: int, reachable: list[str]) -> list[dict]:
+    """Per fragment: the newest version in each reachable region; at home its details."""
+    rows = []
     for p in range(fragments):
         row: dict[str, Any] = {"fragment": p, "versions": {}}
-        for region in regions:
-            if not reachable[region]:
-                continue
+        for region in reachable:
             versions = store.global_versions(p, region)
             row["versions"][region] = versions[-1] if versions else None
-            if versions and region == home:
+            if versions and region == store.client_region:
                 marker = store.global_marker(p, versions[-1], region)
                 row.update(
                     newest=versions[-1],
@@ -86,32 +93,42 @@ def inspect_run(
                     consumed=len(marker.meta.get("consumed", [])),
                     tokens=marker.meta.get("tokens"),
                 )
-                newest[p] = versions[-1]
-        out["fragments"].append(row)
-    for learner, region in sorted(learners.items()):
-        row = {"learner": learner, "region": region, "fragments": {}}
-        if reachable.get(region):
-            lb = store.bucket(region)
-            for p in range(fragments):
-                seqs = store.contribution_seqs(learner, p, region)
-                if not seqs:
-                    continue
-                meta = read_marker(lb, layout.contribution_marker(learner, p, seqs[-1])).meta
-                base = int(meta.get("base_version", 0))
-                row["fragments"][p] = {
-                    "newest_seq": seqs[-1],
-                    "stored": len(seqs),
-                    "base_version": base,
-                    "staleness": newest.get(p, base) - base,
-                    "bytes": int(meta.get("payload_bytes", 0)),
-                }
-            ckpts = store.checkpoint_steps(learner, region)
-            row["checkpoint_step"] = ckpts[-1] if ckpts else None
-        out["learners"].append(row)
-    traffic: dict[str, dict[str, int]] = defaultdict(lambda: {"bytes": 0, "requests": 0})
-    for region in regions:
-        if not reachable[region]:
+        rows.append(row)
+    return rows
+
+
+def _learner_row(
+    store: RunStore, learner: str, region: str, fragments: int, newest: dict[int, int],
+    reachable: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """A learner's newest contribution per fragment (its staleness) and checkpoint."""
+    row: dict[str, Any] = {"learner": learner, "region": region, "fragments": {}}
+    if not reachable:
+        return row
+    lb = store.bucket(region)
+    for p in range(fragments):
+        seqs = store.contribution_seqs(learner, p, region)
+        if not seqs:
             continue
+        meta = read_marker(lb, store.layout.contribution_marker(learner, p, seqs[-1])).meta
+        base = int(meta.get("base_version", 0))
+        row["fragments"][p] = {
+            "newest_seq": seqs[-1],
+            "stored": len(seqs),
+            "base_version": base,
+            "staleness": newest.get(p, base) - base,
+            "bytes": int(meta.get("payload_bytes", 0)),
+        }
+    ckpts = store.checkpoint_steps(learner, region)
+    row["checkpoint_step"] = ckpts[-1] if ckpts else None
+    return row
+
+
+def _traffic(store: RunStore, reachable: list[str], problems: list[str]) -> dict[str, dict]:
+    """Bytes and requests per region pair, summed over every writer's metrics object."""
+    traffic: dict[str, dict[str, int]] = defaultdict(lambda: {"bytes": 0, "requests": 0})
+    run = store.run
+    for region in reachable:
         b = store.bucket(region)
         for name in b.list(f"{run}/metrics"):
             if not name.endswith(".json"):
@@ -119,30 +136,28 @@ def inspect_run(
             try:
                 record = json.loads(b.get(f"{run}/metrics/{name}"))
             except (ValueError, OSError) as exc:
-                out["problems"].append(f"{region}: metrics {name} unreadable: {exc}")
+                problems.append(f"{region}: metrics {name} unreadable: {exc}")
                 continue
             for pair, t in (record.get("traffic") or {}).items():
                 traffic[pair]["bytes"] += int(t.get("bytes", 0))
                 traffic[pair]["requests"] += int(t.get("requests", 0))
-    out["traffic"] = dict(sorted(traffic.items()))
-    if verify:
-        checked = 0
-        for region in regions:
-            if not reachable[region]:
-                continue
-            b = store.bucket(region)
-            for p in range(fragments):
-                checked += _verify(b, layout.global_commits(p), "v", out["problems"])
-                for learner, lregion in learners.items():
-                    if lregion == region:
-                        checked += _verify(
-                            b, layout.contribution_commits(learner, p), "s", out["problems"]
-                        )
-            for learner, lregion in learners.items():
-                if lregion == region:
-                    checked += _verify(b, layout.checkpoint_commits(learner), "s", out["problems"])
-        out["verified_versions"] = checked
-    return out
+    return dict(sorted(traffic.items()))
+
+
+def _verify_region(
+    store: RunStore, region: str, fragments: int, learners: dict[str, str], problems: list[str]
+) -> int:
+    """Re-hash every committed object in ``region``; returns how many versions were read."""
+    b, layout = store.bucket(region), store.layout
+    local = [learner for learner, r in learners.items() if r == region]
+    checked = 0
+    for p in range(fragments):
+        checked += _verify(b, layout.global_commits(p), "v", problems)
+        for learner in local:
+            checked += _verify(b, layout.contribution_commits(learner, p), "s", problems)
+    for learner in local:
+        checked += _verify(b, layout.checkpoint_commits(learner), "s", problems)
+    return checked
 
 
 def inspect_bucket(url: str, run: str | None = None, verify: bool = False) -> dict[str, Any]:
