@@ -77,7 +77,7 @@ def load_corpus(source: str | None, num_shards: int, val_percent: int = 5) -> Co
     """
     fs, files = list_files(source)
     if len(files) == 1:
-        data = np.frombuffer(fs.cat_file(files[0][0]), dtype=np.uint8)
+        data = np.frombuffer(_text(fs.cat_file(files[0][0]), files[0][0]), dtype=np.uint8)
         cut = len(data) * (100 - val_percent) // 100
         train, val = data[:cut], data[cut:]
         shards = tuple(np.array_split(train, num_shards))
@@ -86,7 +86,7 @@ def load_corpus(source: str | None, num_shards: int, val_percent: int = 5) -> Co
     val_parts: list[bytes] = []
     i = 0
     for path, rel in files:
-        text = fs.cat_file(path) + DOC_SEPARATOR
+        text = _text(fs.cat_file(path), path) + DOC_SEPARATOR
         if _is_held_out(rel, val_percent):
             val_parts.append(text)
         else:
@@ -96,6 +96,16 @@ def load_corpus(source: str | None, num_shards: int, val_percent: int = 5) -> Co
         val_parts.append(train_parts[(i - 1) % num_shards].pop())
     shards = tuple(np.frombuffer(b"".join(p), dtype=np.uint8) for p in train_parts)
     return _checked(Corpus(shards, np.frombuffer(b"".join(val_parts), dtype=np.uint8)), source)
+
+
+def _text(data: bytes, path: str) -> bytes:
+    """``data`` unless it looks binary: a NUL byte in its first 8000 bytes (git's rule)."""
+    if b"\0" in data[:8000]:
+        raise DataError(
+            f"{path} looks binary (it has NUL bytes), not text; a language model's corpus "
+            "must be text files"
+        )
+    return data
 
 
 def _checked(corpus: Corpus, source: str | None, min_tokens: int = 4096) -> Corpus:

@@ -139,8 +139,10 @@ TRAIN_TOKENS = 1_000_000  # the embedded default run: tiny preset, about 2 minut
 
 def cmd_train(args: argparse.Namespace) -> int:
     from flows.train import train
+    from storage_layout.layout import check_name
 
     cfg = config_from_args(args, default_tokens=TRAIN_TOKENS)
+    check_name("run", args.run)  # before the run's folder is made from it
     root = Path(args.dir) / args.run
     regions = parse_stores(args.region) if args.region else parse_stores(
         [f"{r}={root / 'buckets' / r}" for r in TRAIN_REGIONS]

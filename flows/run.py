@@ -105,6 +105,7 @@ def initialize_run(store: RunStore, cfg: RunConfig) -> dict[str, Any]:
     fragment (the initial parameters) if the run has none yet. Safe to repeat and to race."""
     if cfg.mode == "dp":
         raise ValueError("mode 'dp' is the simulator's baseline; a run is diloco or decoupled")
+    corpus(cfg)  # a missing, empty or binary data source fails before anything is committed
     model = build_model(cfg)
     spec = store.ensure_spec(run_spec(cfg, model.plan, store.urls))
     for p, names in enumerate(model.plan):

@@ -123,9 +123,17 @@ class Bucket:
         self.region = region
         self.client_region = client_region or region
         self.traffic = traffic if traffic is not None else Traffic()
+        protocol = fsspec.core.split_protocol(url)[0] or "file"
+        if protocol not in EXCLUSIVE_PROTOCOLS and not allow_unsafe_overwrite:
+            raise BucketError(
+                f"region {region}: {url!r}: {protocol}:// cannot write objects exclusively, so "
+                f"two syncers could both publish one version (supported: "
+                f"{', '.join(sorted(EXCLUSIVE_PROTOCOLS))}); pass allow_unsafe_overwrite=True "
+                "only if a single writer per key is guaranteed some other way"
+            )
         try:
             self.fs, self.root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
-        except (ImportError, ValueError) as exc:
+        except (ImportError, ValueError, OSError) as exc:
             raise BucketError(f"region {region}: cannot open {url!r}: {exc}") from exc
         self.root = self.root.rstrip("/")
         self.protocol = protocol_of(self.fs)
@@ -133,12 +141,6 @@ class Bucket:
             _check_s3_credentials(region, url, storage_options or {})
         if self.protocol in ("gs", "gcs"):
             _check_gcs_credentials(region, url, self.fs, storage_options or {})
-        if self.protocol not in EXCLUSIVE_PROTOCOLS and not allow_unsafe_overwrite:
-            raise BucketError(
-                f"region {region}: {self.protocol}:// cannot write objects exclusively, so two "
-                "syncers could both publish one version; pass allow_unsafe_overwrite=True only "
-                "if a single writer per key is guaranteed some other way"
-            )
         self.check_reachable()
 
     def __repr__(self) -> str:

@@ -62,6 +62,9 @@ def test_bad_sources_are_named(tmp_path):
     (tmp_path / "small.txt").write_text("hi")
     with pytest.raises(DataError, match="need >= 4096 per learner"):
         load_corpus(str(tmp_path / "small.txt"), 2)
+    (tmp_path / "blob.txt").write_bytes(bytes(range(256)) * 100)
+    with pytest.raises(DataError, match=r"blob\.txt looks binary"):
+        load_corpus(str(tmp_path / "blob.txt"), 2)
 
 
 def test_tiny_model_size_and_names():

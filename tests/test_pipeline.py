@@ -358,6 +358,27 @@ def test_train_refuses_a_changed_spec_and_a_missing_bucket(tmp_path, capsys, s3_
     assert code == 2 and "no-such-bucket-here" in err and "does not exist" in err
 
 
+def test_train_checks_its_input_before_committing_anything(tmp_path, capsys):
+    """A bad data source, run name or region URL fails naming what is wrong, and leaves no
+    spec behind (so the corrected command is not refused as a spec change)."""
+    us = tmp_path / "us"
+    base = ["train", "--dir", str(tmp_path / "runs"), "--tokens", "20000"]
+    binary = tmp_path / "blob.txt"
+    binary.write_bytes(bytes(range(256)) * 100)
+    for source, reason in ((tmp_path / "nope", "does not exist"), (binary, "looks binary")):
+        code = cli_main([*base, "--run", "r", f"--region=us-east=file://{us}",
+                         "--set", f"data.source={source}"])  # fmt: skip
+        err = capsys.readouterr().err
+        assert code == 2 and reason in err, err
+        assert not (us / "r" / "spec.json").exists()
+    code = cli_main([*base, "--run", "../escape"])
+    assert code == 2 and "run name '../escape'" in capsys.readouterr().err
+    assert not (tmp_path / "escape").exists()
+    code = cli_main([*base, "--run", "r", "--region=us-east=ftp://nowhere.invalid/x"])
+    err = capsys.readouterr().err
+    assert code == 2 and "region us-east: 'ftp://nowhere.invalid/x'" in err, err
+
+
 def test_syncer_runtime_survives_a_region_that_is_down(tmp_path):
     """A learner region that cannot be listed is skipped; the rest merges on."""
     cfg, regions, _, sent = _local_run(tmp_path, "down", only_region="us-east")

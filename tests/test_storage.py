@@ -319,6 +319,9 @@ def test_missing_gcs_credentials_are_reported(monkeypatch):
 def test_backend_without_exclusive_writes_is_refused():
     with pytest.raises(BucketError, match="cannot write objects exclusively"):
         Bucket("http://127.0.0.1:9/bucket", region="x")
+    # Refused by its scheme, before any connection is tried, naming the region and URL.
+    with pytest.raises(BucketError, match=r"region a: 'ftp://nowhere\.invalid/x': ftp://"):
+        Bucket("ftp://nowhere.invalid/x", region="a")
 
 
 # --- regions -------------------------------------------------------------------------------
