@@ -18,12 +18,14 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +46,10 @@ from diloco.simulate import dp_bytes_per_step
 from diloco.topology import home_region, learner_index, shard_count
 from flows.observe import artifact_key, train_summary_rows
 from flows.run import build_model, initialize_run, validation
+from storage_layout.commit import CorruptVersion
 from storage_layout.store import RunStore
+
+log = logging.getLogger(__name__)
 
 STOPPING = threading.Event()  # set on Ctrl-C: exits are then expected, not retried
 _children: set[subprocess.Popen] = set()
@@ -271,8 +276,9 @@ def worker_commands(
 class Monitor:
     """Reads the run's state from the buckets and evaluates the newest global model."""
 
-    def __init__(self, store: RunStore, cfg: RunConfig, spec: dict[str, Any]):
-        self.store, self.cfg, self.spec = store, cfg, spec
+    def __init__(self, store: RunStore, cfg: RunConfig, spec: dict[str, Any], log: Any = log):
+        self.store, self.cfg, self.spec, self.log = store, cfg, spec, log
+        self.unreadable: set[tuple[int, int]] = set()  # reported once each
         self.model = build_model(cfg)
         self.val = validation(cfg)
         self.total_steps = cfg.steps_per_learner
@@ -287,10 +293,23 @@ class Monitor:
         """Per fragment, the learner seconds merged so far (the newest version's total)."""
         out = {}
         for p in range(len(self.model.plan)):
-            newest = self.store.latest_global(p)
-            meta = self.store.global_marker(p, newest).meta if newest is not None else {}
-            out[p] = float(meta.get("seconds_total", 0.0))
+            newest = self.readable(p, lambda v, p=p: self.store.global_marker(p, v))
+            out[p] = float(newest[1].meta.get("seconds_total", 0.0)) if newest else 0.0
         return out
+
+    def readable(self, p: int, read: Callable[[int], Any]) -> tuple[int, Any] | None:
+        """``read`` of fragment ``p``'s newest version that reads: a corrupt or vanished
+        one is reported once and the one before it is tried (never a crash: the launcher
+        must outlive a bad object to stop its workers)."""
+        for v in reversed(self.store.global_versions(p)):
+            try:
+                return v, read(v)
+            except (CorruptVersion, OSError) as exc:
+                if (p, v) not in self.unreadable:
+                    self.unreadable.add((p, v))
+                    self.log.error("fragment %d version %d is unreadable, evaluating an "
+                                   "older one: %s", p, v, exc)  # fmt: skip
+        return None
 
     def statuses(self) -> dict[str, dict[str, Any]]:
         out = {}
@@ -308,10 +327,13 @@ class Monitor:
         return {p: self.store.latest_global(p) or 0 for p in range(len(self.model.plan))}
 
     def evaluate(self, statuses: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        versions = self.versions()
-        params = {}
-        for p, v in versions.items():
-            params.update(self.store.get_global(p, v).params)
+        versions, params = {}, {}
+        for p in range(len(self.model.plan)):
+            found = self.readable(p, lambda v, p=p: self.store.get_global(p, v).params)
+            if found is None:
+                raise CorruptVersion(f"no readable version of fragment {p}")
+            versions[p] = found[0]
+            params.update(found[1])
         trainer = self.model.trainer
         loss = trainer.evaluate(trainer.place_params(params), self.val)
         point = {
@@ -474,7 +496,11 @@ def _watch(
             continue
         last_eval = time.monotonic()
         statuses = monitor.statuses()
-        point = monitor.evaluate(statuses)
+        try:
+            point = monitor.evaluate(statuses)
+        except Exception as exc:  # the workers go on; so does watching them
+            log.error("evaluation failed, trying again in %.0f s: %r", every, exc)
+            continue
         pct = monitor.progress(statuses)
         update_progress_artifact(bar, pct)
         log.info(
@@ -507,7 +533,7 @@ def train_flow(
     store = RunStore(run, regions, home_region(regions), writer="launcher")
     spec = initialize_run(store, cfg)
     Path(logs).mkdir(parents=True, exist_ok=True)
-    monitor = Monitor(store, cfg, spec)
+    monitor = Monitor(store, cfg, spec, log)
     first = monitor.evaluate(monitor.statuses())
     log.info(
         "run %s: %d learners in %s, validation loss %.4f at versions %s",
@@ -536,7 +562,10 @@ def train_flow(
     wall = now - started
     # Allocated learner time: each learner from the launch until its worker ended.
     allocated = sum(ended.get(n, now) - started for n in names if n.startswith("learner"))
-    monitor.evaluate(monitor.statuses())
+    try:
+        monitor.evaluate(monitor.statuses())
+    except Exception as exc:  # the summary still reports the curve so far
+        log.error("final evaluation failed: %r", exc)
     update_progress_artifact(bar, monitor.progress(monitor.statuses()))
     summary = monitor.summary(wall, allocated)
     summary["failed"] = failed

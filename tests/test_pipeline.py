@@ -30,6 +30,7 @@ from diloco.outer import Contribution
 from diloco.quantize import quantize
 from flows.bucket_io import contribution_meta
 from flows.cli import main as cli_main
+from flows.launcher import Monitor
 from flows.run import build_model, config_from_spec, initialize_run
 from flows.syncer import SyncerRuntime
 from storage_layout.commit import read_marker
@@ -316,6 +317,25 @@ def _local_run(tmp_path: Path, run: str, only_region: str | None = None):
             writer.put_contribution(lid, 0, 1, c.payload, contribution_meta(c))
             sent.append(lid)
     return cfg, regions, model, sent
+
+
+def test_launcher_evaluation_outlives_a_corrupt_newest_version(tmp_path, caplog):
+    """The launcher evaluates the newest version that reads; a corrupt one is named once."""
+    cfg, regions, _, _ = _local_run(tmp_path, "bad")
+    syncer = SyncerRuntime("bad", regions, "us-east", 0, 2, cfg.pipeline.model_dump())
+    syncer.poll()
+    assert syncer.merge_and_publish(0)["version"] == 1
+    store = RunStore("bad", regions, "us-east")
+    marker = store.global_marker(0, 1)
+    obj = max(marker.objects, key=lambda k: marker.objects[k]["size"])
+    path = tmp_path / "us" / marker.data_prefix / obj
+    path.write_bytes(path.read_bytes()[:-3])  # truncated by a faulty disk
+    monitor = Monitor(store, cfg, store.read_spec())
+    with caplog.at_level("ERROR"):
+        point = monitor.evaluate(monitor.statuses())
+        monitor.evaluate(monitor.statuses())
+    assert point["versions"] == {0: 0, 1: 0} and np.isfinite(point["loss"])
+    assert sum("fragment 0 version 1 is unreadable" in r.message for r in caplog.records) == 1
 
 
 def test_duplicate_syncer_is_fenced_off(tmp_path):
