@@ -146,7 +146,9 @@ class PipelineConfig(_Strict):
     keep_versions: PositiveInt = 100
     syncer_shards: PositiveInt = 2  # syncer processes; shard s owns fragments p with p % S == s
     poll_seconds: PositiveFloat = 0.2  # how often learners and syncers list the buckets
-    max_restarts: Annotated[int, Field(ge=0)] = 3  # a crashed process is started again this often
+    # A crashed worker is started again for as long as the run lasts; one that fails this
+    # many starts in a row without progress (a crash loop) is given up, by name.
+    max_failed_starts: PositiveInt = 5
     eval_seconds: PositiveFloat = 10.0  # the launcher evaluates the newest globals this often
     upload_retries: Annotated[int, Field(ge=0)] = 5  # per contribution, with backoff
 

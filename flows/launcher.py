@@ -1,11 +1,15 @@
 """The launcher flow: write the run spec, start every learner and syncer shard as its own
 process, watch the run through the buckets, and report.
 
-Each process is a Prefect task run of this flow (``start learner us-east/2``) that
-spawns ``python -m flows.worker ...`` and waits for it. A process that dies (a crash, a
-SIGKILL, a region that stays down) fails its task run and Prefect retries it with
-backoff, up to ``pipeline.max_restarts`` times: the new process resumes from the
-buckets. Nothing passes between the processes but the buckets.
+Each worker is a Prefect task run of this flow (``learner us-east/2``) that starts
+``python -m flows.worker ...`` as a nested task run (``start learner us-east/2``) and
+waits for it. A process that dies (a crash, a SIGKILL, a region that stays down) fails
+its ``start`` task run and is started again, with backoff, for as long as the run lasts:
+the new process resumes from the buckets. Only a worker that fails
+``pipeline.max_failed_starts`` times in a row without progress (a learner's step, a
+syncer's versions) is given up: it is named with its last error, the launcher records it
+in its status object, and syncers stop waiting for a learner given up. Nothing passes
+between the processes but the buckets.
 
 While they run, the launcher evaluates the newest global versions every
 ``pipeline.eval_seconds`` (the held-out loss of the model the syncers publish), logs a
@@ -43,7 +47,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from diloco import records
 from diloco.config import RunConfig, validate_config
 from diloco.simulate import dp_bytes_per_step
-from diloco.topology import home_region, learner_index, shard_count
+from diloco.topology import home_region, learner_index, shard_count, shard_fragments
 from flows.observe import artifact_key, train_summary_rows
 from flows.run import build_model, initialize_run, validation
 from storage_layout.commit import CorruptVersion
@@ -52,6 +56,7 @@ from storage_layout.store import RunStore
 log = logging.getLogger(__name__)
 
 STOPPING = threading.Event()  # set on Ctrl-C: exits are then expected, not retried
+Status = tuple[str, str, list[int]]  # (status writer, its region, fragments a syncer owns)
 _children: set[subprocess.Popen] = set()
 _lock = threading.Lock()
 
@@ -64,15 +69,10 @@ def child_env() -> dict[str, str]:
     return env
 
 
-@task(
-    name="process",
-    task_run_name="start {name}",
-    retry_delay_seconds=[2, 10, 30],
-    cache_policy=NO_CACHE,
-    persist_result=False,
-)
-def supervise(name: str, argv: list[str], log_path: str) -> int:
-    """Run one worker process to its end; a non-zero exit fails the task (and retries it)."""
+@task(name="process", task_run_name="start {name}", cache_policy=NO_CACHE,
+      persist_result=False)  # fmt: skip
+def run_process(name: str, argv: list[str], log_path: str) -> int:
+    """Run one worker process to its end; a non-zero exit fails the task run."""
     if STOPPING.is_set():
         return 130
     with open(log_path, "ab") as out:
@@ -90,6 +90,63 @@ def supervise(name: str, argv: list[str], log_path: str) -> int:
     raise RuntimeError(f"{name} exited with status {code}; log {log_path}:\n{tail}")
 
 
+def worker_progress(store: RunStore, status: Status) -> Any:
+    """What a worker has done so far, as the buckets tell it: a learner's step, a syncer
+    shard's newest versions. A crash after progress is a crash, not a crash loop."""
+    writer, region, fragments = status
+    try:
+        if fragments:
+            return [store.latest_global(p) for p in fragments]
+        return (store.read_metrics(writer, region) or {}).get("step")
+    except (OSError, ValueError):
+        return None
+
+
+def give_up(store: RunStore, writer: str, reason: str) -> None:
+    """Record in the launcher's status object that ``writer`` was given up (syncers read
+    it: a learner given up is not waited for)."""
+    status = store.read_metrics("launcher") or {}
+    given_up = {**status.get("given_up", {}), writer: reason[-300:]}
+    store.write_metrics("launcher", {**status, "given_up": given_up})
+
+
+@task(name="worker", task_run_name="{name}", cache_policy=NO_CACHE, persist_result=False)
+def supervise(
+    name: str,
+    argv: list[str],
+    log_path: str,
+    status: Status,
+    run: str,
+    regions: dict[str, str],
+    max_failed_starts: int,
+) -> int:
+    """Keep one worker process running until it ends its work: restart it after every
+    crash (backoff 2 s doubling to 60 s, reset by progress); give it up after
+    ``max_failed_starts`` crashes in a row without progress."""
+    log = get_run_logger()
+    store = RunStore(run, regions, home_region(regions), writer="launcher")
+    failed, delay = 0, 2.0
+    while not STOPPING.is_set():
+        before = worker_progress(store, status)
+        try:
+            return run_process(name, argv, log_path)
+        except Exception as exc:
+            if STOPPING.is_set():
+                return 130
+            if worker_progress(store, status) != before:
+                failed, delay = 0, 2.0  # it got somewhere: not a crash loop
+            failed += 1
+            if failed >= max_failed_starts:
+                reason = f"{failed} starts in a row failed without progress; last: {exc}"
+                give_up(store, status[0], reason)
+                raise RuntimeError(f"{name}: {reason}") from exc
+            log.warning("%s crashed (%s); restart %d in %.0f s", name,
+                        str(exc).splitlines()[0], failed, delay)  # fmt: skip
+            STOPPING.wait(delay)
+            delay = min(60.0, delay * 2)
+    return 130
+
+
 _flow_runs: set[Any] = set()  # ids of deployment flow runs in progress
 
 
@@ -100,21 +157,24 @@ def supervise_deployment(
     deployment: str,
     parameters: dict[str, Any],
     tags: list[str],
-    status: tuple[str, str],
+    status: Status,
     run: str,
     regions: dict[str, str],
-    max_restarts: int,
+    max_failed_starts: int,
 ) -> int:
     """Start flow runs of ``deployment`` (on the region's work pool) one after another
-    until the worker's status object in the bucket says ``done``. A crashed or failed
-    flow run counts against ``max_restarts``; each one resumes from the buckets."""
+    until the worker's status object in the bucket says ``done``, each resuming from the
+    buckets; given up after ``max_failed_starts`` failed flow runs in a row without
+    progress."""
     from prefect.deployments import run_deployment
 
-    writer, region = status
+    writer, region, _ = status
     store = RunStore(run, regions, region, writer="launcher")
+    home = RunStore(run, regions, home_region(regions), writer="launcher")
     failures, delay = 0, 2.0
     log = get_run_logger()
     while not STOPPING.is_set():
+        before = worker_progress(home, status)
         flow_run = run_deployment(deployment, parameters=parameters, tags=tags, timeout=0)
         _flow_runs.add(flow_run.id)
         try:
@@ -126,13 +186,17 @@ def supervise_deployment(
         if STOPPING.is_set():
             return 130
         if not state.is_completed():
+            if worker_progress(home, status) != before:
+                failures, delay = 0, 2.0
             failures += 1
-            if failures > max_restarts:
-                raise RuntimeError(f"{name}: {failures} flow runs ended {state.type.value}")
+            if failures >= max_failed_starts:
+                reason = f"{failures} flow runs in a row ended {state.type.value} without progress"
+                give_up(home, writer, reason)
+                raise RuntimeError(f"{name}: {reason}")
             log.warning(
                 "%s: flow run ended %s; starting another in %.0f s", name, state.name, delay
             )
-            time.sleep(delay)
+            STOPPING.wait(delay)
             delay = min(60.0, delay * 2)
     return 130
 
@@ -160,8 +224,8 @@ def cancel_flow_runs() -> None:
 
 def deployment_calls(
     run: str, regions: dict[str, str], cfg: RunConfig, spec: dict[str, Any]
-) -> list[tuple[str, str, dict[str, Any], list[str], tuple[str, str]]]:
-    """(name, deployment, parameters, tags, (status writer, its region)) per worker; the
+) -> list[tuple[str, str, dict[str, Any], list[str], Status]]:
+    """(name, deployment, parameters, tags, status) per worker; the
     deployments are ``learner/REGION`` and ``syncer/REGION`` (see prefect.yaml)."""
     pipeline = cfg.pipeline.model_dump()
     home = home_region(regions)
@@ -171,13 +235,13 @@ def deployment_calls(
         params = {"run": run, "regions": regions, "home": home, "shard": shard,
                   "shards": shards, "pipeline": pipeline}  # fmt: skip
         out.append((f"syncer {home}/{shard}", f"syncer/{home}", params,
-                    [f"run:{run}", f"region:{home}", "syncer"], (f"syncer-{shard}", home)))  # fmt: skip
+                    [f"run:{run}", f"region:{home}", "syncer"], (f"syncer-{shard}", home, shard_fragments(shard, shards, cfg.topology.fragments))))  # fmt: skip
     for learner, region in spec["learners"].items():
         index = learner_index(learner)
         params = {"run": run, "bucket": regions[region], "region": region, "index": index,
                   "pipeline": pipeline}  # fmt: skip
         out.append((f"learner {region}/{index}", f"learner/{region}", params,
-                    [f"run:{run}", f"region:{region}", f"learner:{index}"], (learner, region)))  # fmt: skip
+                    [f"run:{run}", f"region:{region}", f"learner:{index}"], (learner, region, [])))  # fmt: skip
     return out
 
 
@@ -221,55 +285,23 @@ def flush_prefect(timeout: float = 10.0) -> None:
 
 def worker_commands(
     run: str, regions: dict[str, str], cfg: RunConfig, spec: dict[str, Any]
-) -> list[tuple[str, list[str]]]:
+) -> list[tuple[str, list[str], Status]]:
+    """(name, argv, status) per worker process."""
     pipeline = json.dumps(cfg.pipeline.model_dump())
     base = [sys.executable, "-m", "flows.worker"]
     out = []
     home = home_region(regions)
     shards = shard_count(cfg.pipeline.syncer_shards, cfg.topology.fragments)
     for shard in range(shards):
-        out.append(
-            (
-                f"syncer {home}/{shard}",
-                [
-                    *base,
-                    "syncer",
-                    "--run",
-                    run,
-                    "--regions",
-                    json.dumps(regions),
-                    "--home",
-                    home,
-                    "--shard",
-                    str(shard),
-                    "--shards",
-                    str(shards),
-                    "--pipeline",
-                    pipeline,
-                ],
-            )
-        )
+        argv = [*base, "syncer", "--run", run, "--regions", json.dumps(regions), "--home", home,
+                "--shard", str(shard), "--shards", str(shards), "--pipeline", pipeline]  # fmt: skip
+        owned = shard_fragments(shard, shards, cfg.topology.fragments)
+        out.append((f"syncer {home}/{shard}", argv, (f"syncer-{shard}", home, owned)))
     for learner, region in spec["learners"].items():
         index = str(learner_index(learner))
-        out.append(
-            (
-                f"learner {region}/{index}",
-                [
-                    *base,
-                    "learner",
-                    "--run",
-                    run,
-                    "--bucket",
-                    regions[region],
-                    "--region",
-                    region,
-                    "--index",
-                    index,
-                    "--pipeline",
-                    pipeline,
-                ],
-            )
-        )
+        argv = [*base, "learner", "--run", run, "--bucket", regions[region], "--region", region,
+                "--index", index, "--pipeline", pipeline]  # fmt: skip
+        out.append((f"learner {region}/{index}", argv, (learner, region, [])))
     return out
 
 
@@ -465,17 +497,17 @@ def _start_workers(
 ) -> tuple[list[str], list[Any]]:
     """One supervising task per learner and syncer shard: its name and its future."""
     futures, names = [], []
+    limit = cfg.pipeline.max_failed_starts
     if via == "deployments":
         for name, deployment, params, tags, status in deployment_calls(run, regions, cfg, spec):
             names.append(name)
             futures.append(supervise_deployment.submit(name, deployment, params, tags, status,
-                                                       run, regions, cfg.pipeline.max_restarts))  # fmt: skip
+                                                       run, regions, limit))  # fmt: skip
     elif via == "processes":
-        for name, argv in worker_commands(run, regions, cfg, spec):
+        for name, argv, status in worker_commands(run, regions, cfg, spec):
             names.append(name)
             path = str(Path(logs) / f"{name.replace(' ', '-').replace('/', '-')}.log")
-            task_ = supervise.with_options(retries=cfg.pipeline.max_restarts)
-            futures.append(task_.submit(name, argv, path))
+            futures.append(supervise.submit(name, argv, path, status, run, regions, limit))
     else:
         raise ValueError(f"via must be 'processes' or 'deployments', not {via!r}")
     return names, futures
@@ -533,6 +565,10 @@ def train_flow(
     store = RunStore(run, regions, home_region(regions), writer="launcher")
     spec = initialize_run(store, cfg)
     Path(logs).mkdir(parents=True, exist_ok=True)
+    # Workers share a persistent JAX compilation cache: a restarted learner does not
+    # compile its step again (the variables reach them through child_env()).
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(logs).parent / "jax-cache"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     monitor = Monitor(store, cfg, spec, log)
     first = monitor.evaluate(monitor.statuses())
     log.info(
@@ -577,5 +613,6 @@ def train_flow(
         description=f"run {run}: summary and loss curve",
     )
     if failed:
-        log.error("gave up on %s after %d restarts each", failed, cfg.pipeline.max_restarts)
+        log.error("gave up on %s (each failed %d starts in a row without progress)",
+                  failed, cfg.pipeline.max_failed_starts)  # fmt: skip
     return summary

@@ -13,6 +13,7 @@ version ``v`` at home first wins; the other reloads from the winner's version.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -53,6 +54,8 @@ class PipelineSyncerTransport:
         self.sync_seconds = 0.05  # publish time, exponential moving average
         self.lagging: set[int] = set()
         self.done: set[str] = set()  # learners that committed their final checkpoint
+        self.given_up: set[str] = set()  # learners the launcher gave up
+        self._given_up_read = -math.inf
         self.published = 0
         # Set by the flow: runs each publish as a Prefect task run.
         self.wrap: Callable[[GlobalVersion, Callable[[], bool]], bool] | None = None
@@ -83,7 +86,8 @@ class PipelineSyncerTransport:
         return self.sync_seconds
 
     def learners_finished(self) -> bool:
-        """Every learner has committed its final checkpoint (so all its contributions)."""
+        """Every learner has committed its final checkpoint (so all its contributions),
+        or was given up by the launcher (its status object says so)."""
         main = self.store.main
         for learner, region in self.store.learners.items():
             if learner in self.done:
@@ -92,10 +96,27 @@ class PipelineSyncerTransport:
                 steps = main.checkpoint_steps(learner, region)
             except OSError:
                 return False
-            if not steps or steps[-1] < self.total_steps:
+            if (not steps or steps[-1] < self.total_steps) and not self._given_up(learner):
                 return False
             self.done.add(learner)
         return True
+
+    def _given_up(self, learner: str) -> bool:
+        """Whether the launcher gave ``learner`` up (read at most every 5 s)."""
+        now = time.monotonic()
+        if now - self._given_up_read >= 5.0:
+            self._given_up_read = now
+            try:
+                status = self.store.main.read_metrics("launcher") or {}
+            except (OSError, ValueError) as exc:
+                self.log.warning("cannot read the launcher's status: %s", exc)
+                status = {}
+            for name, reason in status.get("given_up", {}).items():
+                if name not in self.given_up:
+                    self.log.error("the launcher gave %s up (%s); not waiting for it",
+                                   name, reason)  # fmt: skip
+                    self.given_up.add(name)
+        return learner in self.given_up
 
     def tend(self) -> None:
         if self.lagging:

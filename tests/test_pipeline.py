@@ -12,6 +12,7 @@ harness's server), real buckets (moto S3, fake-gcs-server, local disk).
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -30,7 +31,7 @@ from diloco.outer import Contribution
 from diloco.quantize import quantize
 from flows.bucket_io import contribution_meta
 from flows.cli import main as cli_main
-from flows.launcher import Monitor
+from flows.launcher import Monitor, give_up, supervise
 from flows.run import build_model, config_from_spec, initialize_run
 from flows.syncer import SyncerRuntime
 from storage_layout.commit import read_marker
@@ -250,7 +251,8 @@ def test_killed_learner_is_retried_and_rejoins_from_its_checkpoint(faulty_run):
         assert (store.read_metrics(lid) or {})["step"] == total, (lid, before)
     train_log = (root / "train.log").read_text()
     assert "'start learner eu-west/1' - Task run failed" in train_log
-    assert "Retry 1/" in train_log
+    assert "learner eu-west/1 crashed (learner eu-west/1 exited with status -9" in train_log
+    assert "restart 1 in 2 s" in train_log
 
 
 @pytest.mark.slow
@@ -336,6 +338,33 @@ def test_launcher_evaluation_outlives_a_corrupt_newest_version(tmp_path, caplog)
         monitor.evaluate(monitor.statuses())
     assert point["versions"] == {0: 0, 1: 0} and np.isfinite(point["loss"])
     assert sum("fragment 0 version 1 is unreadable" in r.message for r in caplog.records) == 1
+
+
+def test_a_crash_looping_worker_is_given_up_by_name_and_not_waited_for(tmp_path, prefect_api):
+    """A worker is restarted after every crash; one that fails its starts in a row without
+    progress is given up with its last error, and syncers stop waiting for it."""
+    from prefect import flow
+
+    cfg, regions, _, _ = _local_run(tmp_path, "loop")
+    argv = [sys.executable, "-c", "import sys; print('no GPU here'); sys.exit(3)"]
+    status = ("learner-0", "us-east", [])
+
+    @flow
+    def launch() -> int:
+        return supervise("learner us-east/0", argv, str(tmp_path / "l0.log"), status, "loop",
+                         regions, 2)  # fmt: skip
+
+    with pytest.raises(RuntimeError, match="2 starts in a row failed without progress") as err:
+        launch()
+    assert "exited with status 3" in str(err.value) and "no GPU here" in str(err.value)
+    store = RunStore("loop", regions, "us-east")
+    assert list(store.read_metrics("launcher")["given_up"]) == ["learner-0"]
+    syncer = SyncerRuntime("loop", regions, "us-east", 0, 2, cfg.pipeline.model_dump())
+    assert not syncer.transport.learners_finished()  # the others have not finished
+    for lid in ("learner-1", "learner-2", "learner-3"):
+        give_up(store, lid, "test")
+    syncer.transport._given_up_read = -math.inf  # (it reads the launcher's status every 5 s)
+    assert syncer.transport.learners_finished()
 
 
 def test_duplicate_syncer_is_fenced_off(tmp_path):
