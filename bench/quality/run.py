@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -77,7 +78,7 @@ def main() -> int:
     lines = [
         "# bench/quality results",
         "",
-        f"Command: `python bench/quality/run.py {' '.join(sys.argv[1:])}`".rstrip(),
+        f"Command: `python bench/quality/run.py {shlex.join(sys.argv[1:])}`".rstrip(),
         f"Machine: {machine()}",
         f"Preset: `{args.preset}`; common settings: `{' '.join(common)}`",
         f"Config of the decoupled run: `{load_config(args.preset, overrides=common, mode='decoupled').model_dump_json()}`",
