@@ -151,6 +151,7 @@ class PipelineConfig(_Strict):
     max_failed_starts: PositiveInt = 5
     eval_seconds: PositiveFloat = 10.0  # the launcher evaluates the newest globals this often
     upload_retries: Annotated[int, Field(ge=0)] = 5  # per contribution, with backoff
+    stall_seconds: PositiveFloat = 120.0  # a learner says so when no awaited version came
 
 
 class RunConfig(_Strict):

@@ -53,8 +53,11 @@ class BackgroundIO:
     """
 
     def __init__(self, view: StoreLearnerView, fragments: int, poll_seconds: float,
-                 retries: int, log: Any):  # fmt: skip
+                 retries: int, log: Any, stall_seconds: float = 60.0):  # fmt: skip
         self.view, self.poll_seconds, self.retries, self.log = view, poll_seconds, retries, log
+        self.stall_seconds = stall_seconds
+        self.waiting: dict[int, float] = {}  # fragment -> since when it waits for news
+        self.stalled: dict[int, float] = {}  # fragment -> since when, once reported
         self.jobs = ThreadPoolExecutor(1, thread_name_prefix="uploads")
         self.failures = 0
         self.lock = threading.Lock()
@@ -85,6 +88,7 @@ class BackgroundIO:
     def want(self, fragment: int, above: int) -> None:
         with self.lock:
             self.wanted[fragment] = above
+            self.waiting.setdefault(fragment, time.monotonic())
 
     def latest_global(self, fragment: int) -> GlobalView | None:
         with self.lock:
@@ -139,6 +143,31 @@ class BackgroundIO:
                     continue
                 with self.lock:
                     self.inbox[p] = got
+            self._watch_stalls(wanted)
+
+    def _watch_stalls(self, wanted: dict[int, int]) -> None:
+        """Say so when the versions a learner waits on stop coming (its syncer is down, or
+        its region is cut off): once per stall, and once more when they come again."""
+        now = time.monotonic()
+        for p, above in wanted.items():
+            held = self.inbox.get(p)
+            if held is not None and held.version > above:
+                self.waiting.pop(p, None)
+                since = self.stalled.pop(p, None)
+                if since is not None:
+                    self.log.warning("fragment %d: version %d arrived after %.0f s without one",
+                                     p, held.version, now - since)  # fmt: skip
+                continue
+            since = self.waiting.setdefault(p, now)
+            if now - since >= self.stall_seconds and p not in self.stalled:
+                self.stalled[p] = since
+                self.log.warning(
+                    "no global version of fragment %d newer than %d for %.0f s: is its syncer "
+                    "running? (training goes on with the versions held)",
+                    p,
+                    above,
+                    now - since,
+                )
 
     def flush(self) -> None:
         """Wait for every upload and checkpoint queued so far."""
@@ -183,7 +212,8 @@ class LearnerRuntime:
         self._compile()
         opts, view = self.cfg.pipeline, StoreLearnerView(self.store, learner)
         self.io = io(view) if io else BackgroundIO(view, len(self.model.plan), opts.poll_seconds,
-                                                   opts.upload_retries, self.log)  # fmt: skip
+                                                   opts.upload_retries, self.log,
+                                                   opts.stall_seconds)  # fmt: skip
         self.records: list[records.Record] = []
         self.loop, self.resumed_from = LearnerLoop.start(
             learner, self.model.trainer, self.model.plan, reader(self.cfg, self.index),

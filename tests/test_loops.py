@@ -193,6 +193,29 @@ def test_background_io_survives_a_corrupt_global_version(tiny_run, caplog):
         io.close()
 
 
+def test_background_io_says_when_global_versions_stop_coming(tiny_run, caplog):
+    """A learner whose syncer is down keeps training and says so, once per stall."""
+    cfg, regions, spec, model = tiny_run
+    syncer = RunStore("r", regions, "us", writer="syncer")
+    store = bucket_store("r", regions, spec, cfg, "learner-0", home="us")
+    io = BackgroundIO(StoreLearnerView(store, "learner-0"), len(model.plan), 0.02, 0,
+                      logging.getLogger("test"), stall_seconds=0.2)  # fmt: skip
+    try:
+        with caplog.at_level(logging.WARNING, logger="test"):
+            io.want(0, 0)  # sent; no syncer answers
+            time.sleep(0.6)
+            assert caplog.text.count("no global version of fragment 0 newer than 0") == 1
+            params = {n: np.ones_like(model.init[n]) for n in model.plan[0]}
+            syncer.publish_global(0, 1, params, [], {"weights": {}}, "bf16")
+            deadline = time.monotonic() + 10
+            while "version 1 arrived after" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert "fragment 0: version 1 arrived after" in caplog.text
+        assert "fragment 1" not in caplog.text  # nothing awaited there
+    finally:
+        io.close()
+
+
 def test_a_round_is_not_retried_inside_the_process():
     """A round that fails half-way has changed the learner's state in memory; a retry
     would continue from there. The process ends instead and its restart rejoins from the
