@@ -152,6 +152,8 @@ class PipelineConfig(_Strict):
     eval_seconds: PositiveFloat = 10.0  # the launcher evaluates the newest globals this often
     upload_retries: Annotated[int, Field(ge=0)] = 5  # per contribution, with backoff
     stall_seconds: PositiveFloat = 120.0  # a learner says so when no awaited version came
+    # Before a run starts, check that every bucket refuses a second exclusive create.
+    probe_exclusive: bool = True
 
 
 class RunConfig(_Strict):

@@ -106,6 +106,9 @@ def initialize_run(store: RunStore, cfg: RunConfig) -> dict[str, Any]:
     if cfg.mode == "dp":
         raise ValueError("mode 'dp' is the simulator's baseline; a run is diloco or decoupled")
     corpus(cfg)  # a missing, empty or binary data source fails before anything is committed
+    if cfg.pipeline.probe_exclusive:
+        for region in store.urls:
+            store.bucket(region).probe_exclusive()
     model = build_model(cfg)
     spec = store.ensure_spec(run_spec(cfg, model.plan, store.urls))
     for p, names in enumerate(model.plan):

@@ -274,6 +274,27 @@ class Bucket:
     def info(self, key: str) -> dict[str, Any]:
         return self.fs.info(self.path(key))
 
+    def probe_exclusive(self) -> None:
+        """Ask the store for a real conflicting exclusive create (some S3-compatible
+        servers ignore ``If-None-Match`` and let the second write through); a store that
+        does not refuse it is refused here, naming the bucket."""
+        key = f".diloco-probe/{uuid.uuid4().hex}"
+        self.put_exclusive(key, b"first")
+        try:
+            try:
+                self.put_exclusive(key, b"second")
+            except FileExistsError:
+                return  # refused, as it must be
+            raise BucketError(
+                f"region {self.region}: bucket {self.url} does not honour exclusive creates "
+                f"(a second create of {key} succeeded), so two syncers could both publish "
+                "one version; use a store that honours If-None-Match / ifGenerationMatch, "
+                "or set pipeline.probe_exclusive=false only if a single writer per key is "
+                "guaranteed some other way"
+            )
+        finally:
+            self.delete([key])
+
     def delete(self, keys: Iterable[str]) -> None:
         paths = [self.path(k) for k in keys]
         for path in paths:

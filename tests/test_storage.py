@@ -316,6 +316,17 @@ def test_missing_gcs_credentials_are_reported(monkeypatch):
         Bucket("gs://b", region="eu", storage_options={"skip_instance_cache": True})
 
 
+def test_the_exclusive_create_probe(bucket_url):
+    """Each backend refuses a real conflicting create, and the probe leaves nothing."""
+    bucket = Bucket(bucket_url, region="r")
+    bucket.probe_exclusive()
+    assert bucket.list(".diloco-probe") == []
+    # A server that ignores If-None-Match lets the second create through: refused.
+    bucket.put_exclusive = bucket.put
+    with pytest.raises(BucketError, match=r"region r: bucket .* does not honour exclusive"):
+        bucket.probe_exclusive()
+
+
 def test_backend_without_exclusive_writes_is_refused():
     with pytest.raises(BucketError, match="cannot write objects exclusively"):
         Bucket("http://127.0.0.1:9/bucket", region="x")
