@@ -77,6 +77,7 @@ def run_process(name: str, argv: list[str], log_path: str) -> int:
         return 130
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=child_env())
+    get_run_logger().info("%s started (pid %d); its output goes to %s", name, proc.pid, log_path)
     with _lock:
         _children.add(proc)
     try:

@@ -40,6 +40,10 @@ from storage_layout.commit import CommitConflict
 from storage_layout.store import RunStore
 
 
+class Fenced(RuntimeError):
+    """Another process runs as this learner now; this one must stop."""
+
+
 class BackgroundIO:
     """A learner's transport in the pipeline: ``view`` (a ``StoreLearnerView`` over the
     bucket) behind two threads that never die on an error, only log it.
@@ -209,6 +213,8 @@ class LearnerRuntime:
         self.index = learner_index(learner)
         self.label = f"{region}/{self.index}"
         self.store = bucket_store(run, {region: bucket}, spec, self.cfg, learner, home=region)
+        # Fence off any older process of this learner before reading what it left.
+        self.generation = self.store.writer_for(learner).claim_generation(learner)
         self._compile()
         opts, view = self.cfg.pipeline, StoreLearnerView(self.store, learner)
         self.io = io(view) if io else BackgroundIO(view, len(self.model.plan), opts.poll_seconds,
@@ -247,8 +253,20 @@ class LearnerRuntime:
         """The number of the round about to run (1-based, stable across restarts)."""
         return self.step // self.cfg.pipeline.round_steps + 1
 
+    def check_fenced(self) -> None:
+        """Stop if another process has started as this learner since (a duplicate, or this
+        one was given up for dead while it was only cut off): two processes of one id
+        would race for its sequence numbers and mix its checkpoints."""
+        newest = self.store.writer_for(self.id).newest_generation(self.id)
+        if newest > self.generation:
+            raise Fenced(
+                f"learner {self.id}: another process took over as generation {newest} (this "
+                f"one is generation {self.generation}); this one stops"
+            )
+
     def train_round(self) -> dict[str, Any]:
         """One round of the core loop on the wall clock; returns its table row."""
+        self.check_fenced()
         number, first = self.round, len(self.records)
         traffic = self.store.traffic
         up, down, start_step = traffic.uploaded, traffic.downloaded, self.step
@@ -340,8 +358,9 @@ def learner_flow(
     rt = runtime(run, bucket, region, lid, pipeline)
     rt.loop.log = rt.io.log = rt.log = log
     if fresh:
-        log.info("learner %s resumes from %s (step %d of %d)",
-                 rt.label, rt.resumed_from, rt.step, rt.loop.total_steps)  # fmt: skip
+        log.info("learner %s resumes from %s (step %d of %d, generation %d)",
+                 rt.label, rt.resumed_from, rt.step, rt.loop.total_steps,
+                 rt.generation)  # fmt: skip
     rows: list[dict[str, Any]] = []
     try:
         for _ in range(rt.cfg.pipeline.rounds_per_flow_run):

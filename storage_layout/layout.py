@@ -93,6 +93,12 @@ class RunLayout:
         return f"{self.run}/globals/f{fragment:04d}/data/v{number(version)}-{write_id}"
 
     # checkpoints -------------------------------------------------------------------
+    def lease_commits(self, learner: str) -> str:
+        return f"{self.run}/learners/{check_name('learner', learner)}/leases"
+
+    def lease_marker(self, learner: str, generation: int) -> str:
+        return f"{self.lease_commits(learner)}/s{number(generation)}.json"
+
     def checkpoint_commits(self, learner: str) -> str:
         return f"{self.run}/learners/{check_name('learner', learner)}/checkpoints/commits"
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -214,6 +216,29 @@ class RunStore:
         return self._numbers(
             self.bucket(region or self.client_region), self.layout.checkpoint_commits(learner), "s"
         )
+
+    # learner generations -------------------------------------------------------------
+    def claim_generation(self, learner: str) -> int:
+        """Claim the next generation of ``learner`` in its home region (an exclusive
+        create, so two starters never share one). A process holding an older generation
+        is fenced off: it must stop once it sees a newer one."""
+        prefix = self.layout.lease_commits(learner)
+        while True:
+            taken = self._numbers(self.home, prefix, "s")
+            generation = (taken[-1] if taken else 0) + 1
+            claim = {"writer": self.writer, "host": socket.gethostname(), "pid": os.getpid(),
+                     "time": time.time()}  # fmt: skip
+            try:
+                self.home.put_exclusive(
+                    self.layout.lease_marker(learner, generation), json.dumps(claim).encode()
+                )
+                return generation
+            except FileExistsError:
+                continue  # another starter took it first: try the next one
+
+    def newest_generation(self, learner: str) -> int:
+        taken = self._numbers(self.home, self.layout.lease_commits(learner), "s")
+        return taken[-1] if taken else 0
 
     # contributions ------------------------------------------------------------------
     def put_contribution(

@@ -19,7 +19,7 @@ from diloco.loops import STEP, LearnerLoop
 from diloco.simulate import Scheduler, VirtualClock, simulate
 from diloco.topology import home_region, learner_ids, shard_count, shard_of
 from diloco.transport import SimulatedNetwork, StoreLearnerView
-from flows.learner import BackgroundIO, LearnerRuntime, train_round
+from flows.learner import BackgroundIO, Fenced, LearnerRuntime, train_round
 from flows.run import bucket_store, build_model, initialize_run, reader, simulation_store
 from flows.syncer import SyncerRuntime
 from storage_layout.store import RunStore
@@ -214,6 +214,26 @@ def test_background_io_says_when_global_versions_stop_coming(tiny_run, caplog):
         assert "fragment 1" not in caplog.text  # nothing awaited there
     finally:
         io.close()
+
+
+def test_a_second_process_of_one_learner_fences_the_first_off(tiny_run):
+    """Two processes with one learner id would race for its sequence numbers and mix its
+    checkpoints: each start claims a new generation, and an older one stops."""
+    cfg, regions, _, _ = tiny_run
+    pipeline = {**cfg.pipeline.model_dump(), "round_steps": 5}
+    old = LearnerRuntime("r", regions["us"], "us", "learner-0", pipeline)
+    new = LearnerRuntime("r", regions["us"], "us", "learner-0", pipeline)
+    try:
+        assert (old.generation, new.generation) == (1, 2)
+        with pytest.raises(Fenced, match=r"generation 2 \(this one is generation 1\)"):
+            old.train_round()
+        assert old.step == 0  # it stopped before training
+    finally:
+        old.close()
+    try:
+        assert new.train_round()["step"] == 5  # the newest goes on
+    finally:
+        new.close()
 
 
 def test_a_round_is_not_retried_inside_the_process():
