@@ -318,7 +318,7 @@ class _MergeClock:
 class SyncerLoop:
     """The syncer of a set of fragments: collect contributions, merge each fragment when
     its quorum is met and its grace window is over, publish, and end when every learner
-    is done (a last merge of what meets the quorum, with no grace: nothing more comes)."""
+    is done (a last merge of everything pending, with no grace: nothing more comes)."""
 
     def __init__(
         self,
@@ -339,6 +339,7 @@ class SyncerLoop:
         self.gamma = 0.0 if cfg.mode == "diloco" else cfg.topology.grace
         self.syncers: dict[int, FragmentSyncer] = {}
         self.seen: dict[tuple[str, int], int] = {}  # (learner, fragment) -> newest seq read
+        self.implausible: set[tuple[str, int, int]] = set()  # reported once each
         self.clocks: dict[int, _MergeClock] = {}
         self.step_seconds: dict[int, float] = {}  # the last step-time estimate per fragment
         self.last: dict[int, Mapping[str, Any]] = {}  # the newest version's record
@@ -377,6 +378,9 @@ class SyncerLoop:
                     self.log.warning("cannot list %s's contributions: %s", learner, exc)
                     break  # its region is down: the other learners go on
                 for item in items:
+                    if item.seq > self.cfg.steps_per_learner:
+                        self._implausible(learner, p, item.seq)
+                        continue  # and ``seen`` stays: the real ones below it still count
                     self.seen[(learner, p)] = item.seq
                     if isinstance(item, Unreadable):
                         self.log.error("skipping an unreadable contribution: %s", item.reason)
@@ -391,6 +395,17 @@ class SyncerLoop:
             if syncer.pending and self.clocks[p].first_arrival is None:
                 self.clocks[p].first_arrival = now
         return found
+
+    def _implausible(self, learner: str, p: int, seq: int) -> None:
+        """A sequence number no learner can reach: it sends at most once per inner step.
+        Taking it would move this syncer past every real contribution below it."""
+        if (learner, p, seq) in self.implausible:
+            return
+        self.implausible.add((learner, p, seq))
+        reason = (f"seq {seq} is beyond the {self.cfg.steps_per_learner} inner steps a learner "
+                  "has (at most one send per step): a forged or corrupt marker")  # fmt: skip
+        self.log.error("rejecting %s/%d fragment %d: %s", learner, seq, p, reason)
+        self.emit(records.rejected(learner, p, seq, reason, self.clock.now()))
 
     def due(self, finishing: bool = False) -> list[int]:
         """Fragments to merge now: quorum met and the grace window over. ``finishing`` (every

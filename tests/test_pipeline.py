@@ -428,6 +428,29 @@ def test_train_checks_its_input_before_committing_anything(tmp_path, capsys):
     assert code == 2 and "region us-east: 'ftp://nowhere.invalid/x'" in err, err
 
 
+def test_a_far_future_sequence_number_is_rejected_and_disables_nothing(tmp_path):
+    """A marker whose seq no learner can reach (at most one send per inner step) is
+    rejected by name; the learner's real contributions below it still merge."""
+    cfg, regions, model, sent = _local_run(tmp_path, "future")
+    spec_learners = RunStore("future", regions, "us-east").read_spec()["learners"]
+    lid, region = "learner-0", spec_learners["learner-0"]
+    writer = RunStore("future", regions, region, writer=lid)
+    rng = np.random.default_rng(5)
+    forged = _contribution(model, 0, lid, 10**9, rng)
+    writer.put_contribution(lid, 0, 10**9, forged.payload, contribution_meta(forged))
+    syncer = SyncerRuntime("future", regions, "us-east", 0, 1, cfg.pipeline.model_dump())
+    assert syncer.poll() == len(sent) == 4  # the forged one is not among them
+    assert [(r["learner"], r["seq"]) for r in syncer.rejected] == [(lid, 10**9)]
+    assert "beyond the" in syncer.rejected[0]["reason"]
+    real = _contribution(model, 0, lid, 2, rng)  # the learner's next real send
+    writer.put_contribution(lid, 0, 2, real.payload, contribution_meta(real))
+    assert syncer.poll() == 1 and len(syncer.rejected) == 1  # reported once
+    row = syncer.merge_and_publish(0)
+    assert row["version"] == 1
+    cursor = RunStore("future", regions, "us-east").global_marker(0, 1).meta["cursor"]
+    assert cursor[lid] == 2
+
+
 def test_syncer_runtime_survives_a_region_that_is_down(tmp_path):
     """A learner region that cannot be listed is skipped; the rest merges on."""
     cfg, regions, _, sent = _local_run(tmp_path, "down", only_region="us-east")
