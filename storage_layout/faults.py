@@ -1,0 +1,533 @@
+"""Seeded, replayable storage faults: a ``Bucket`` that misbehaves on purpose.
+
+With a fault plan active (``DILOCO_FAULTS``, JSON, or ``inject(plan)`` in tests),
+``open_bucket`` returns a ``FaultyBucket``; without one it returns a plain ``Bucket``, so
+normal runs are unchanged. Fault kinds (each with its own ``{kind}_rate`` in the plan,
+all 0 by default):
+
+- ``error``: the request fails before it is sent (``InjectedFault``, an ``OSError``);
+- ``timeout_before``: the request times out before it takes effect: nothing is written
+  (``InjectedTimeout``, a ``TimeoutError``);
+- ``timeout_after``: the request takes effect (the write lands, the traffic is counted),
+  then its response is lost (``InjectedTimeout``);
+- ``truncate`` / ``corrupt`` (reads): ``get`` and ``get_many`` return a prefix of the
+  object (half of it) or the object with one byte flipped;
+- ``stale_list`` (listings): the lexicographically last ``stale_list_drop`` names are
+  left out; keys are zero-padded counters, so these are the newest objects;
+- ``latency``: the request first waits ``latency_seconds``;
+- ``outage``: for one region, from ``t0 + start`` for ``seconds``, every request fails
+  (``RegionOutage``), whatever the rates, ``regions`` and ``ops``.
+
+Every fault is logged (logger ``storage_layout.faults``, WARNING) as ``injected <kind>
+fault: <op> <key> in region <r>`` and counted per kind (``counts()``).
+
+**Replay rule.** Whether a request draws a fault of a kind depends only on the plan's
+seed and on (region, op, key, n, kind), where ``n`` counts how often this process asked
+for this (region, op, key) before. A uniform number is hashed from these values, never
+taken from a shared random stream, so thread interleaving does not change the faults:
+the same seed and the same requests per key give the same faults; another seed gives
+others. ``put_many``, ``get_many`` and ``delete`` draw once per key (as ``put``, ``get``
+and ``delete``), so a batched request meets the same faults as one request per key.
+Only the outage depends on the clock.
+
+Requests that the bucket makes on its own behalf (``put_many`` calling ``put`` on a
+local filesystem, ``delete_prefix`` calling ``delete``, ``probe_exclusive``) are not
+drawn again: one call from outside is one request to the plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, TypeVar
+
+from storage_layout.bucket import Bucket, BucketError, Traffic
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+ENV_VAR = "DILOCO_FAULTS"
+KINDS = (
+    "error",
+    "timeout_before",
+    "timeout_after",
+    "truncate",
+    "corrupt",
+    "stale_list",
+    "latency",
+    "outage",
+)
+RANDOM_KINDS = KINDS[:-1]  # drawn per request; the outage follows the clock
+OPS = (
+    "open",
+    "put",
+    "put_exclusive",
+    "get",
+    "list",
+    "exists",
+    "info",
+    "delete",
+    "delete_prefix",
+    "probe_exclusive",
+)
+
+
+class FaultPlanError(ValueError):
+    """A fault plan that does not validate; the message names the field."""
+
+
+class InjectedFault(OSError):
+    """A failure the injector made up; ``kind`` says which fault it is."""
+
+    kind: str = "error"
+
+
+class InjectedTimeout(InjectedFault, TimeoutError):
+    """A request that timed out, before (``timeout_before``) or after its effect."""
+
+
+class RegionOutage(InjectedFault):
+    """A request to a region inside its outage window."""
+
+
+# --- the plan --------------------------------------------------------------------------------
+
+
+def _check_number(
+    name: str, value: Any, low: float, high: float = math.inf, integer: bool = False
+) -> None:
+    wanted = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, wanted):
+        kind = "an integer" if integer else "a number"
+        raise FaultPlanError(f"fault plan field {name!r}: expected {kind}, got {value!r}")
+    if not low <= value <= high:
+        raise FaultPlanError(
+            f"fault plan field {name!r}: must be between {low} and {high}, got {value!r}"
+        )
+
+
+def _check_names(name: str, value: Any, allowed: Iterable[str] | None = None) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, list | tuple):
+        raise FaultPlanError(f"fault plan field {name!r}: expected a list of names, got {value!r}")
+    for item in value:
+        if not isinstance(item, str) or not item:
+            raise FaultPlanError(f"fault plan field {name!r}: {item!r} is not a name")
+        if allowed is not None and item not in allowed:
+            raise FaultPlanError(
+                f"fault plan field {name!r}: unknown {item!r} (one of {', '.join(allowed)})"
+            )
+    return tuple(value)
+
+
+def _reject_unknown(cls: type, data: Any, where: str) -> None:
+    if not isinstance(data, Mapping):
+        what = f"fault plan field {where!r}" if where else "a fault plan"
+        raise FaultPlanError(f"{what}: expected an object, got {data!r}")
+    known = [f.name for f in dataclasses.fields(cls)]
+    for name in data:
+        if name not in known:
+            full = f"{where}.{name}" if where else str(name)
+            raise FaultPlanError(
+                f"fault plan field {full!r}: unknown field (known: {', '.join(known)})"
+            )
+
+
+@dataclass(frozen=True)
+class Outage:
+    """``region`` is down from ``t0 + start`` (the plan's ``t0``) for ``seconds``."""
+
+    region: str
+    start: float
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.region, str) or not self.region:
+            raise FaultPlanError(f"fault plan field 'outage.region': {self.region!r} is no name")
+        _check_number("outage.start", self.start, 0.0)
+        _check_number("outage.seconds", self.seconds, 0.0)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Outage:
+        _reject_unknown(cls, data, "outage")
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in data]
+        if missing:
+            raise FaultPlanError(f"fault plan field 'outage.{missing[0]}': missing")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """What to inject. Rates are per request, in [0, 1]; ``t0`` is Unix time (by default
+    when the plan was made; a launcher pins it so all its workers share one window)."""
+
+    seed: int = 0
+    error_rate: float = 0.0
+    timeout_before_rate: float = 0.0
+    timeout_after_rate: float = 0.0
+    truncate_rate: float = 0.0
+    corrupt_rate: float = 0.0
+    stale_list_rate: float = 0.0
+    stale_list_drop: int = 1  # names a stale listing leaves out
+    latency_rate: float = 0.0
+    latency_seconds: float = 0.0
+    outage: Outage | None = None
+    t0: float = field(default_factory=time.time)
+    regions: tuple[str, ...] | None = None  # only these regions draw random faults
+    ops: tuple[str, ...] | None = None  # only these operations draw random faults
+
+    def __post_init__(self) -> None:
+        _check_number("seed", self.seed, -math.inf, integer=True)
+        for kind in RANDOM_KINDS:
+            _check_number(f"{kind}_rate", self.rate(kind), 0.0, 1.0)
+        _check_number("stale_list_drop", self.stale_list_drop, 1, integer=True)
+        _check_number("latency_seconds", self.latency_seconds, 0.0, 3600.0)
+        _check_number("t0", self.t0, 0.0)
+        if isinstance(self.outage, Mapping):
+            object.__setattr__(self, "outage", Outage.from_dict(self.outage))
+        elif self.outage is not None and not isinstance(self.outage, Outage):
+            raise FaultPlanError(
+                f"fault plan field 'outage': expected an object, got {self.outage!r}"
+            )
+        if self.regions is not None:
+            object.__setattr__(self, "regions", _check_names("regions", self.regions))
+        if self.ops is not None:
+            object.__setattr__(self, "ops", _check_names("ops", self.ops, OPS))
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str | None = None) -> FaultPlan:
+        """A validated plan; ``FaultPlanError`` names the field that is wrong (and the
+        ``source`` the plan came from, if given)."""
+        try:
+            _reject_unknown(cls, data, "")
+            return cls(**data)
+        except FaultPlanError as exc:
+            if source is None:
+                raise
+            raise FaultPlanError(f"{source}: {exc}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    def to_env(self) -> dict[str, str]:
+        """The environment that activates this plan (``t0`` included) in a child process."""
+        return {ENV_VAR: self.to_json()}
+
+    def rate(self, kind: str) -> float:
+        return getattr(self, f"{kind}_rate")
+
+    @property
+    def inert(self) -> bool:
+        return self.outage is None and not any(self.rate(k) for k in RANDOM_KINDS)
+
+    def targets(self, region: str, op: str) -> bool:
+        """Whether requests of ``op`` to ``region`` draw random faults."""
+        return (self.regions is None or region in self.regions) and (
+            self.ops is None or op in self.ops
+        )
+
+
+def plan_from_env(environ: Mapping[str, str] | None = None) -> FaultPlan | None:
+    """The plan in ``DILOCO_FAULTS`` (JSON), or None when it is unset or empty."""
+    raw = (os.environ if environ is None else environ).get(ENV_VAR, "").strip()
+    if not raw:
+        return None
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise FaultPlanError(f"{ENV_VAR} is not JSON ({exc}): {raw[:200]!r}") from None
+    return FaultPlan.from_dict(data, source=ENV_VAR)
+
+
+# --- decisions ---------------------------------------------------------------------------------
+
+
+def uniform(*parts: object) -> float:
+    """A number in [0, 1) that depends on ``parts`` only (the replay rule)."""
+    digest = hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+@dataclass(frozen=True)
+class Request:
+    """The ``n``-th request of ``op`` on ``key`` in ``region`` in this process."""
+
+    plan: FaultPlan
+    region: str
+    op: str
+    key: str
+    n: int
+
+    def draw(self, kind: str) -> float:
+        return uniform(self.plan.seed, self.region, self.op, self.key, self.n, kind)
+
+    def hits(self, kind: str) -> bool:
+        rate = self.plan.rate(kind) if self.plan.targets(self.region, self.op) else 0.0
+        return rate > 0 and self.draw(kind) < rate
+
+
+_totals: Counter[str] = Counter()
+_totals_lock = threading.Lock()
+
+
+def counts() -> dict[str, int]:
+    """Faults injected in this process so far, by kind."""
+    with _totals_lock:
+        return dict(_totals)
+
+
+def reset_counts() -> None:
+    with _totals_lock:
+        _totals.clear()
+
+
+class Injector:
+    """One active plan: numbers the requests per (region, op, key) and records faults."""
+
+    def __init__(self, plan: FaultPlan):
+        self.plan = plan
+        self._asked: Counter[tuple[str, str, str]] = Counter()
+        self._counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def request(self, region: str, op: str, key: str) -> Request:
+        with self._lock:
+            n = self._asked[(region, op, key)]
+            self._asked[(region, op, key)] = n + 1
+        return Request(self.plan, region, op, key, n)
+
+    def outage(self, region: str, now: float | None = None) -> str | None:
+        """Why ``region`` is down now, or None when it is not."""
+        out = self.plan.outage
+        if out is None or out.region != region:
+            return None
+        start = self.plan.t0 + out.start
+        now = time.time() if now is None else now
+        if start <= now < start + out.seconds:
+            return f"region {region} is out for {out.seconds:g} s from t0 + {out.start:g} s"
+        return None
+
+    def record(self, kind: str, request: Request, detail: str = "") -> str:
+        """Log and count one fault; returns its message."""
+        key = request.key or "/"  # the bucket's root: an open, a listing of the top
+        message = f"injected {kind} fault: {request.op} {key} in region {request.region}"
+        message += f" ({detail})" if detail else ""
+        with self._lock:
+            self._counts[kind] += 1
+        with _totals_lock:
+            _totals[kind] += 1
+        log.warning("%s", message)
+        return message
+
+    def counts(self) -> dict[str, int]:
+        """Faults this injector made, by kind."""
+        with self._lock:
+            return dict(self._counts)
+
+
+# --- activation --------------------------------------------------------------------------------
+
+_UNSET: Any = object()
+_override: Any = _UNSET  # an Injector, None (faults off), or _UNSET (read the environment)
+_env_cache: tuple[str, Injector] | None = None
+_state_lock = threading.Lock()
+
+
+def active_injector() -> Injector | None:
+    """The injector of ``inject(...)`` if one is entered, else of ``DILOCO_FAULTS``
+    (one per value of the variable, so request numbers run on across buckets)."""
+    global _env_cache
+    if _override is not _UNSET:
+        return _override
+    raw = os.environ.get(ENV_VAR, "")
+    if not raw.strip():
+        return None
+    with _state_lock:
+        if _env_cache is None or _env_cache[0] != raw:
+            plan = plan_from_env({ENV_VAR: raw})
+            _env_cache = (raw, Injector(plan)) if plan else None
+        return _env_cache[1] if _env_cache else None
+
+
+@contextlib.contextmanager
+def inject(plan: FaultPlan | Mapping[str, Any] | None) -> Iterator[Injector | None]:
+    """Buckets opened inside use ``plan`` (a fresh injector, request numbers from 0),
+    whatever ``DILOCO_FAULTS`` says; ``inject(None)`` turns faults off. A bucket keeps
+    the plan it was opened with."""
+    global _override
+    if isinstance(plan, Mapping):
+        plan = FaultPlan.from_dict(plan)
+    injector = Injector(plan) if plan is not None else None
+    with _state_lock:
+        previous, _override = _override, injector
+    try:
+        yield injector
+    finally:
+        with _state_lock:
+            _override = previous
+
+
+def open_bucket(
+    url: str,
+    region: str = "default",
+    client_region: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    traffic: Traffic | None = None,
+    allow_unsafe_overwrite: bool = False,
+) -> Bucket:
+    """A ``Bucket`` (same arguments); a ``FaultyBucket`` while a fault plan is active."""
+    kwargs: dict[str, Any] = dict(
+        region=region,
+        client_region=client_region,
+        storage_options=storage_options,
+        traffic=traffic,
+        allow_unsafe_overwrite=allow_unsafe_overwrite,
+    )
+    injector = active_injector()
+    if injector is None or injector.plan.inert:
+        return Bucket(url, **kwargs)
+    return FaultyBucket(url, injector=injector, **kwargs)
+
+
+# --- the bucket ----------------------------------------------------------------------------------
+
+_local = threading.local()  # depth > 0: inside a request already drawn
+
+
+@contextlib.contextmanager
+def _inside() -> Iterator[None]:
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+class FaultyBucket(Bucket):
+    """A ``Bucket`` whose requests meet the faults of ``injector``'s plan."""
+
+    def __init__(self, url: str, *args: Any, injector: Injector, **kwargs: Any):
+        self.injector = injector
+        super().__init__(url, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"FaultyBucket({self.url!r}, region={self.region!r})"
+
+    def _call(
+        self,
+        op: str,
+        keys: list[str],
+        effect: Callable[[], T],
+        finish: Callable[[T, list[Request]], T] | None = None,
+    ) -> T:
+        """Draw one request per key, fail or delay before ``effect``, lose its response
+        after it, or damage what it returns (``finish``)."""
+        if getattr(_local, "depth", 0) or not keys:
+            return effect()
+        requests = [self.injector.request(self.region, op, key) for key in keys]
+        self._before(requests)
+        with _inside():
+            result = effect()
+        for r in requests:
+            if r.hits("timeout_after"):
+                raise self._fault(InjectedTimeout, "timeout_after", r, "it took effect")
+        return finish(result, requests) if finish else result
+
+    def _before(self, requests: list[Request]) -> None:
+        injector = self.injector
+        down = injector.outage(self.region)
+        if down:
+            raise self._fault(RegionOutage, "outage", requests[0], down)
+        slow = next((r for r in requests if r.hits("latency")), None)
+        if slow is not None:
+            seconds = injector.plan.latency_seconds
+            injector.record("latency", slow, f"+{seconds:g} s")
+            time.sleep(seconds)
+        for r in requests:
+            if r.hits("error"):
+                raise self._fault(InjectedFault, "error", r)
+            if r.hits("timeout_before"):
+                raise self._fault(InjectedTimeout, "timeout_before", r, "nothing done")
+
+    def _fault(
+        self, cls: type[InjectedFault], kind: str, request: Request, detail: str = ""
+    ) -> InjectedFault:
+        exc = cls(self.injector.record(kind, request, detail))
+        exc.kind = kind
+        return exc
+
+    def _damage(self, request: Request, data: bytes) -> bytes:
+        """A truncated or corrupted copy of ``data`` when ``request`` draws one."""
+        if data and request.hits("truncate"):
+            self.injector.record("truncate", request, f"{len(data) // 2} of {len(data)} bytes")
+            return data[: len(data) // 2]
+        if data and request.hits("corrupt"):
+            at = int(request.draw("corrupt-position") * len(data))
+            self.injector.record("corrupt", request, f"byte {at} flipped")
+            return data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1 :]
+        return data
+
+    def _stale(self, names: list[str], requests: list[Request]) -> list[str]:
+        if names and requests[0].hits("stale_list"):
+            drop = min(self.injector.plan.stale_list_drop, len(names))
+            self.injector.record("stale_list", requests[0], f"{drop} newest left out")
+            return names[:-drop]
+        return names
+
+    # the Bucket API, each call one request (one per key for the batched ones) -------------
+    def check_reachable(self) -> None:
+        try:
+            self._call("open", [""], super().check_reachable)
+        except InjectedFault as exc:  # an unreachable bucket, as Bucket reports it
+            raise BucketError(
+                f"region {self.region}: bucket {self.url} is not reachable: {exc}"
+            ) from exc
+
+    def put(self, key: str, data: bytes) -> None:
+        self._call("put", [key], partial(super().put, key, data))
+
+    def put_many(self, objects: Mapping[str, bytes]) -> None:
+        self._call("put", list(objects), partial(super().put_many, objects))
+
+    def put_exclusive(self, key: str, data: bytes) -> None:
+        self._call("put_exclusive", [key], partial(super().put_exclusive, key, data))
+
+    def get(self, key: str) -> bytes:
+        return self._call(
+            "get", [key], partial(super().get, key), lambda data, rs: self._damage(rs[0], data)
+        )
+
+    def get_many(self, keys: list[str]) -> dict[str, bytes]:
+        def damage(found: dict[str, bytes], requests: list[Request]) -> dict[str, bytes]:
+            return {r.key: self._damage(r, found[r.key]) for r in requests}
+
+        return self._call("get", list(keys), partial(super().get_many, keys), damage)
+
+    def exists(self, key: str) -> bool:
+        return self._call("exists", [key], partial(super().exists, key))
+
+    def list(self, prefix: str) -> list[str]:
+        return self._call("list", [prefix], partial(super().list, prefix), self._stale)
+
+    def info(self, key: str) -> dict[str, Any]:
+        return self._call("info", [key], partial(super().info, key))
+
+    def delete(self, keys: Iterable[str]) -> None:
+        keys = list(keys)
+        self._call("delete", keys, partial(super().delete, keys))
+
+    def delete_prefix(self, prefix: str) -> None:
+        self._call("delete_prefix", [prefix], partial(super().delete_prefix, prefix))
+
+    def probe_exclusive(self) -> None:
+        self._call("probe_exclusive", [".diloco-probe"], super().probe_exclusive)

@@ -1,0 +1,310 @@
+"""The storage fault injector: each fault kind on the four backends, replay, the commit
+protocol under lost responses and damaged reads, the outage window, and the plan from
+``DILOCO_FAULTS``."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from diloco.quantize import quantize
+from storage_layout import faults
+from storage_layout.bucket import Bucket
+from storage_layout.commit import CorruptVersion, fetch_objects, read_marker
+from storage_layout.faults import (
+    FaultPlan,
+    FaultPlanError,
+    FaultyBucket,
+    InjectedFault,
+    RegionOutage,
+    open_bucket,
+)
+from storage_layout.store import RegionDown, RunStore
+
+DATA = bytes(range(64))
+
+
+@pytest.fixture(autouse=True)
+def no_env_plan(monkeypatch):
+    monkeypatch.delenv(faults.ENV_VAR, raising=False)
+    faults.reset_counts()
+
+
+def faulty(url: str, region: str = "us", **fields) -> tuple[FaultyBucket, faults.Injector]:
+    """A bucket of ``url`` under a plan of ``fields`` (seed 1), and its injector."""
+    with faults.inject(FaultPlan(seed=1, **fields)) as injector:
+        bucket = open_bucket(url, region=region)
+    assert isinstance(bucket, FaultyBucket)
+    return bucket, injector
+
+
+def publish(store: RunStore, fragment: int = 0, version: int = 1) -> None:
+    params = {"w": np.full((4, 3), 1.5, np.float32), "b": np.arange(3, dtype=np.float32)}
+    store.publish_global(fragment, version, params, [np.ones((4, 3), np.float32)], {}, "bf16")
+
+
+def put_contribution(store: RunStore, seq: int = 1):
+    payload = {"w": quantize(np.linspace(-1, 1, 300, dtype=np.float32), "int8")}
+    return store.put_contribution("l0", 0, seq, payload, {"base_version": 0})
+
+
+# --- activation ------------------------------------------------------------------------------
+
+
+def test_without_a_plan_buckets_are_plain(bucket_url):
+    assert type(open_bucket(bucket_url, region="us")) is Bucket
+    assert type(RunStore("run", {"us": bucket_url}, "us").home) is Bucket
+    with faults.inject({"seed": 4}):  # a plan that injects nothing
+        assert type(open_bucket(bucket_url, region="us")) is Bucket
+    with faults.inject({"error_rate": 0.5}):
+        assert isinstance(RunStore("run", {"us": bucket_url}, "us").home, FaultyBucket)
+        with faults.inject(None):  # faults off inside
+            assert type(open_bucket(bucket_url, region="us")) is Bucket
+    assert type(open_bucket(bucket_url, region="us")) is Bucket  # nothing leaks out
+
+
+def test_plan_from_the_environment(monkeypatch, make_bucket):
+    url = make_bucket("memory")
+    plan = FaultPlan(seed=5, error_rate=1.0, ops=("put",), t0=1000.0)
+    for name, value in plan.to_env().items():
+        monkeypatch.setenv(name, value)
+    assert faults.plan_from_env() == plan  # t0 travels with it
+    store = RunStore("run", {"us": url}, "us")
+    assert isinstance(store.home, FaultyBucket)
+    with pytest.raises(InjectedFault, match="injected error fault: put k in region us"):
+        store.home.put("k", DATA)
+    monkeypatch.setenv(faults.ENV_VAR, "")
+    assert type(RunStore("run", {"us": url}, "us").home) is Bucket
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        ('{"error_rate": 2}', "'error_rate': must be between 0.0 and 1.0"),
+        ('{"latency_seconds": "long"}', "'latency_seconds': expected a number"),
+        ('{"eror_rate": 0.1}', "'eror_rate': unknown field"),
+        ('{"outage": {"region": "eu", "start": 0}}', "'outage.seconds': missing"),
+        ('{"ops": ["put", "copy"]}', "'ops': unknown 'copy'"),
+        ('{"seed": 1.5}', "'seed': expected an integer"),
+        ("[1, 2]", "expected an object"),
+        ("{error_rate: 1}", "DILOCO_FAULTS is not JSON"),
+    ],
+)
+def test_a_malformed_plan_names_the_field(monkeypatch, make_bucket, value, named):
+    monkeypatch.setenv(faults.ENV_VAR, value)
+    with pytest.raises(FaultPlanError, match=named) as caught:
+        RunStore("run", {"us": make_bucket("memory")}, "us").bucket("us")
+    assert str(caught.value).startswith(faults.ENV_VAR)
+
+
+# --- each kind, on every backend --------------------------------------------------------------
+
+
+def test_errors_fail_before_the_request(bucket_url, caplog):
+    bucket, injector = faulty(bucket_url, error_rate=1.0, ops=["put", "get", "list"])
+    plain = Bucket(bucket_url, region="us")
+    plain.put("a/old", DATA)
+    with caplog.at_level("WARNING", logger="storage_layout.faults"):
+        for call in (lambda: bucket.put("a/k", DATA), lambda: bucket.put_many({"a/m": DATA}),
+                     lambda: bucket.get("a/old"), lambda: bucket.list("a")):  # fmt: skip
+            with pytest.raises(InjectedFault) as caught:
+                call()
+            assert not isinstance(caught.value, FileNotFoundError | TimeoutError)
+    assert "injected error fault: put a/k in region us" in caplog.text
+    assert "injected error fault: get a/old in region us" in caplog.text
+    assert plain.list("a") == ["old"]  # nothing written
+    assert bucket.exists("a/old") and bucket.traffic.as_dict() == {"us->us": {"bytes": 0, "requests": 1}}  # fmt: skip
+    assert injector.counts() == faults.counts() == {"error": 4}
+
+
+def test_an_unreachable_open_is_a_region_down(bucket_url):
+    plan = {"error_rate": 1.0, "ops": ["open"]}
+    with faults.inject(plan), pytest.raises(RegionDown, match="injected error fault: open / in"):
+        RunStore("run", {"us": bucket_url}, "us").bucket("us")
+
+
+def test_timeouts_before_and_after_the_effect(bucket_url):
+    plain = Bucket(bucket_url, region="us")
+    before, _ = faulty(bucket_url, timeout_before_rate=1.0, ops=["put", "put_exclusive"])
+    after, injector = faulty(bucket_url, timeout_after_rate=1.0, ops=["put", "put_exclusive"])
+    for bucket in (before, after):
+        with pytest.raises(TimeoutError, match="injected timeout_"):
+            bucket.put("b/put", DATA)
+        with pytest.raises(TimeoutError):
+            bucket.put_many({"b/many1": DATA, "b/many2": DATA[:7]})
+        with pytest.raises(TimeoutError):
+            bucket.put_exclusive("b/excl", DATA)
+        landed = plain.list("b")
+        assert landed == ([] if bucket is before else ["excl", "many1", "many2", "put"])
+    assert before.traffic.uploaded == 0  # no request went out
+    assert after.traffic.uploaded == 3 * len(DATA) + 7  # each landed once
+    assert plain.get("b/many2") == DATA[:7]
+    with pytest.raises(FileExistsError):
+        plain.put_exclusive("b/excl", b"again")  # the lost-response write is there
+    assert injector.counts() == {"timeout_after": 3}
+
+
+def test_truncated_and_corrupted_reads(bucket_url):
+    plain = Bucket(bucket_url, region="us")
+    plain.put_many({"c/x": DATA, "c/y": DATA[::-1]})
+    short, _ = faulty(bucket_url, truncate_rate=1.0)
+    assert short.get("c/x") == DATA[:32]
+    assert short.get_many(["c/x", "c/y"]) == {"c/x": DATA[:32], "c/y": DATA[::-1][:32]}
+    bad, injector = faulty(bucket_url, corrupt_rate=1.0)
+    for key, value in {**bad.get_many(["c/x", "c/y"]), "c/x": bad.get("c/x")}.items():
+        original = plain.get(key)
+        diffs = [i for i in range(len(original)) if value[i] != original[i]]
+        assert len(value) == len(original) and len(diffs) == 1
+        assert value[diffs[0]] == original[diffs[0]] ^ 0xFF
+    assert injector.counts() == {"corrupt": 3}
+    assert plain.get("c/x") == DATA  # the stored object is untouched
+
+
+def test_stale_listings_leave_out_the_newest(bucket_url):
+    plain = Bucket(bucket_url, region="us")
+    names = [f"s{n:012d}.json" for n in (3, 10, 11, 200)]
+    plain.put_many({f"d/commits/{n}": b"{}" for n in names})
+    stale, injector = faulty(bucket_url, stale_list_rate=1.0, stale_list_drop=2)
+    assert stale.list("d/commits") == names[:2]
+    assert stale.list("d/nothing") == []  # an empty listing has nothing to leave out
+    assert plain.list("d/commits") == names
+    assert injector.counts() == {"stale_list": 1}
+
+
+def test_latency_spikes(make_bucket):
+    slow, injector = faulty(
+        make_bucket("memory"), latency_rate=1.0, latency_seconds=0.05, ops=["put", "get"]
+    )
+    start = time.perf_counter()
+    slow.put("e/k", DATA)
+    assert slow.get("e/k") == DATA
+    assert time.perf_counter() - start >= 0.1
+    assert injector.counts() == {"latency": 2}
+
+
+def test_outage_window(make_bucket):
+    regions = {"us": make_bucket("file"), "eu": make_bucket("memory")}
+    t0 = time.time()
+    plan = {"outage": {"region": "eu", "start": 0.2, "seconds": 0.4}, "t0": t0}
+    with faults.inject(plan) as injector:
+        syncer = RunStore("run", regions, "us", writer="syncer")
+        eu = syncer.bucket("eu")  # opened before the window
+        eu.put("k", DATA)
+        time.sleep(max(0.0, t0 + 0.25 - time.time()))
+        with pytest.raises(RegionOutage, match="injected outage fault: get k in region eu"):
+            eu.get("k")
+        with pytest.raises(RegionDown, match="outage"):
+            RunStore("run", regions, "eu").bucket("eu")  # a bucket cannot even be opened
+        assert syncer.home.list("") == []  # other regions are up
+        report = syncer.publish_global(0, 1, {"w": np.ones(3, np.float32)}, [], {}, "fp32")
+        assert report.committed == ["us"] and "outage" in report.lagging["eu"]
+        time.sleep(max(0.0, t0 + 0.65 - time.time()))
+        assert eu.get("k") == DATA  # the window is over
+        assert syncer.sync_regions(0) == {"eu": 1}
+    assert injector.counts()["outage"] >= 3
+
+
+# --- replay ----------------------------------------------------------------------------------
+
+
+def outcomes(url: str, seed: int, keys: list[str]) -> dict[str, list[str]]:
+    """Per key, what 6 puts and 6 gets met under a plan of several kinds."""
+    plan = FaultPlan(seed=seed, error_rate=0.2, timeout_before_rate=0.2, truncate_rate=0.3,
+                     ops=("put", "get"))  # fmt: skip
+    with faults.inject(plan):
+        bucket = open_bucket(url, region="us")
+    seen: dict[str, list[str]] = {}
+
+    def run(key: str) -> None:
+        seen[key] = []
+        for _ in range(6):
+            for call in (lambda: bucket.put(key, DATA), lambda: len(bucket.get(key))):
+                try:
+                    seen[key].append(str(call()))
+                except OSError as exc:
+                    seen[key].append(type(exc).__name__)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in keys]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return seen
+
+
+def test_same_seed_same_faults_whatever_the_interleaving(make_bucket):
+    keys = [f"r/k{i}" for i in range(8)]
+    first = outcomes(make_bucket("memory"), 7, keys)  # each run on a fresh, empty bucket
+    assert first == outcomes(make_bucket("memory"), 7, keys[::-1])  # threads in another order
+    assert first != outcomes(make_bucket("memory"), 8, keys)
+    kinds = {o for seq in first.values() for o in seq}
+    assert {"None", "64", "32", "InjectedFault", "InjectedTimeout"} <= kinds
+
+
+def test_nested_requests_draw_once_and_traffic_stays_true(make_bucket):
+    url = make_bucket("file")  # put_many is a loop over put on a local filesystem
+    bucket, injector = faulty(url, timeout_after_rate=1.0, ops=["put"])
+    objects = {f"n/{i}": DATA[: 10 + i] for i in range(3)}
+    with pytest.raises(TimeoutError):
+        bucket.put_many(objects)
+    assert Bucket(url).list("n") == ["0", "1", "2"]  # an inner put did not cut it short
+    assert injector.counts() == {"timeout_after": 1}
+    assert bucket.traffic.uploaded == sum(len(v) for v in objects.values())
+    deleting, _ = faulty(url, error_rate=1.0, ops=["delete"])
+    deleting.delete_prefix("n")  # its inner deletes are part of one delete_prefix request
+    assert Bucket(url).list("n") == []
+
+
+# --- the commit protocol under faults -----------------------------------------------------------
+
+
+def test_lost_marker_response_commits_exactly_once(bucket_url):
+    with faults.inject({"timeout_after_rate": 1.0, "ops": ["put_exclusive"]}) as injector:
+        store = RunStore("run", {"us": bucket_url}, "us", writer="l0")
+        marker = put_contribution(store)
+        publish(store)
+    assert injector.counts() == {"timeout_after": 2}
+    plain = RunStore("run", {"us": bucket_url}, "us", writer="reader")
+    key = plain.layout.contribution_marker("l0", 0, 1)
+    assert read_marker(plain.home, key).write_id == marker.write_id  # ours: no conflict
+    assert plain.home.list("run/learners/l0/contributions/f0000/data") == [
+        f"s000000000001-{marker.write_id}"
+    ]
+    assert plain.global_versions(0) == [1] and plain.get_global(0, 1).params["w"][0, 0] == 1.5
+
+
+def test_marker_write_that_timed_out_before_is_retried(bucket_url):
+    key = "run/learners/l0/contributions/f0000/commits/s000000000001.json"
+
+    def fails_once(seed: int) -> bool:
+        draw = [faults.uniform(seed, "us", "put_exclusive", key, n, "timeout_before") for n in (0, 1)]  # fmt: skip
+        return draw[0] < 0.5 <= draw[1]
+
+    seed = next(s for s in range(200) if fails_once(s))  # the replay rule, used directly
+    plan = {"seed": seed, "timeout_before_rate": 0.5, "ops": ["put_exclusive"]}
+    with faults.inject(plan) as injector:
+        marker = put_contribution(RunStore("run", {"us": bucket_url}, "us", writer="l0"))
+    assert injector.counts() == {"timeout_before": 1}
+    plain = RunStore("run", {"us": bucket_url}, "us")
+    assert read_marker(plain.home, key).write_id == marker.write_id
+
+
+@pytest.mark.parametrize("kind", ["truncate", "corrupt"])
+def test_damaged_reads_of_a_committed_version_raise_corrupt_version(bucket_url, kind):
+    writer = RunStore("run", {"us": bucket_url}, "us", writer="syncer")
+    publish(writer)
+    put_contribution(writer)
+    key = writer.layout.global_marker(0, 1)
+    marker = read_marker(writer.home, key)
+    with faults.inject({f"{kind}_rate": 1.0}):
+        reader = RunStore("run", {"us": bucket_url}, "us", writer="reader")
+        with pytest.raises(CorruptVersion):
+            reader.get_global(0, 1)  # the marker itself reads damaged
+        with pytest.raises(CorruptVersion):
+            reader.get_contribution("l0", 0, 1, "us")
+        with pytest.raises(CorruptVersion, match=r"marker says|sha256"):
+            fetch_objects(reader.home, marker, key, use_inline=False)  # the data objects
+    assert faults.counts()[kind] >= 3
