@@ -27,6 +27,7 @@ class FragmentState:
 
     anchor: FlatParams  # the fragment's value right after that version was applied
     base_version: int
+    anchor_seq: int = 0  # the learner's seq when the anchor was taken (Contribution.anchor_seq)
     tokens: int = 0
     steps: int = 0
     seconds: float = 0.0
@@ -133,6 +134,7 @@ class Learner:
             seconds=frag.seconds,
             payload=payload,
             step=self.step,
+            anchor_seq=frag.anchor_seq,
         )
 
     def may_apply(self, p: int) -> bool:
@@ -170,10 +172,13 @@ class Learner:
                 steps=kept,
                 seconds=frag.seconds * kept / frag.steps if frag.steps else 0.0,
                 carry=carry,
+                anchor_seq=self.seq,
             )
         else:
             new = blend(current, values, self.topology.alpha)
-            state = FragmentState(anchor=new, base_version=version, carry=carry)
+            state = FragmentState(
+                anchor=new, base_version=version, carry=carry, anchor_seq=self.seq
+            )
         self.params = {**self.params, **self.trainer.place_params(new)}
         self.fragments[p] = state
 

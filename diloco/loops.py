@@ -106,12 +106,15 @@ class StoredFragment:
 
 @dataclass(frozen=True)
 class Unreadable:
-    """A committed contribution that cannot be read (corrupt, partial, forged marker)."""
+    """A committed contribution that cannot be read (corrupt, partial, forged marker).
+    ``forged``: not written by its learner (its signature does not verify), so it must not
+    move the syncer past that learner's real contributions."""
 
     learner: str
     fragment: int
     seq: int
     reason: str
+    forged: bool = False
 
 
 class LearnerTransport(Protocol):
@@ -219,8 +222,9 @@ class LearnerLoop:
         learner = Learner(learner_id, trainer, plan, cfg.topology, init, reader)
         step = max(ckpt.step if ckpt else 0, sent_step)
         learner.resume(step, max(seq, ckpt.seq if ckpt else 0), ckpt.opt_state if ckpt else None)
-        for p, g in newest.items():
+        for p, g in newest.items():  # new anchors: nothing before the failure continues
             learner.fragments[p].base_version = g.version
+            learner.fragments[p].anchor_seq = learner.seq
         versions = [g.version for g in newest.values()]
         if ckpt is None and step == 0:
             source = f"global versions {versions}"
@@ -315,6 +319,12 @@ class _MergeClock:
     merge_at: float | None = None
 
 
+def _implausible(seq: int, cfg: RunConfig) -> str:
+    """A sequence number no learner can reach: it sends at most once per inner step."""
+    return (f"seq {seq} is beyond the {cfg.steps_per_learner} inner steps a learner has "
+            "(at most one send per step): a forged or corrupt marker")  # fmt: skip
+
+
 class SyncerLoop:
     """The syncer of a set of fragments: collect contributions, merge each fragment when
     its quorum is met and its grace window is over, publish, and end when every learner
@@ -339,7 +349,7 @@ class SyncerLoop:
         self.gamma = 0.0 if cfg.mode == "diloco" else cfg.topology.grace
         self.syncers: dict[int, FragmentSyncer] = {}
         self.seen: dict[tuple[str, int], int] = {}  # (learner, fragment) -> newest seq read
-        self.implausible: set[tuple[str, int, int]] = set()  # reported once each
+        self.implausible: set[tuple[str, int, int]] = set()  # refused, reported once each
         self.clocks: dict[int, _MergeClock] = {}
         self.step_seconds: dict[int, float] = {}  # the last step-time estimate per fragment
         self.last: dict[int, Mapping[str, Any]] = {}  # the newest version's record
@@ -379,11 +389,15 @@ class SyncerLoop:
                     break  # its region is down: the other learners go on
                 for item in items:
                     if item.seq > self.cfg.steps_per_learner:
-                        self._implausible(learner, p, item.seq)
+                        self._refuse(learner, p, item.seq, _implausible(item.seq, self.cfg))
                         continue  # and ``seen`` stays: the real ones below it still count
+                    if isinstance(item, Unreadable) and item.forged:
+                        self._refuse(learner, p, item.seq, item.reason)
+                        continue  # the same: a forger must not hide the learner's real ones
                     self.seen[(learner, p)] = item.seq
                     if isinstance(item, Unreadable):
                         self.log.error("skipping an unreadable contribution: %s", item.reason)
+                        syncer.reject(learner, item.seq, item.reason)
                         self.emit(
                             records.rejected(learner, p, item.seq, item.reason, self.clock.now())
                         )
@@ -396,15 +410,14 @@ class SyncerLoop:
                 self.clocks[p].first_arrival = now
         return found
 
-    def _implausible(self, learner: str, p: int, seq: int) -> None:
-        """A sequence number no learner can reach: it sends at most once per inner step.
-        Taking it would move this syncer past every real contribution below it."""
+    def _refuse(self, learner: str, p: int, seq: int, reason: str) -> None:
+        """Reject, once, a contribution that must not move this syncer's listing position
+        (a forged or implausible one): taking its seq would skip every real one below it."""
         if (learner, p, seq) in self.implausible:
             return
         self.implausible.add((learner, p, seq))
-        reason = (f"seq {seq} is beyond the {self.cfg.steps_per_learner} inner steps a learner "
-                  "has (at most one send per step): a forged or corrupt marker")  # fmt: skip
         self.log.error("rejecting %s/%d fragment %d: %s", learner, seq, p, reason)
+        self.syncers[p].reject(learner, seq, reason)
         self.emit(records.rejected(learner, p, seq, reason, self.clock.now()))
 
     def due(self, finishing: bool = False) -> list[int]:

@@ -39,10 +39,20 @@ class Contribution:
     seconds: float  # learner time those steps took (for step-time estimates and goodput)
     payload: Mapping[str, QuantizedTensor] = field(repr=False)
     step: int = 0  # the learner's inner step when it sent this (a rejoin resumes after it)
+    # The learner's seq counter when it took the anchor. Every send from one anchor has a
+    # higher seq and carries all the anchor's steps so far (a cumulative outer gradient),
+    # so (base_version, anchor_seq) names one trajectory: a learner that rejoins on the
+    # version it had anchored on before it failed starts a new one, not a continuation.
+    anchor_seq: int = 0
 
     @property
     def key(self) -> tuple[str, int]:
         return (self.learner, self.seq)
+
+    @property
+    def anchor(self) -> tuple[str, int, int]:
+        """(learner, base version, anchor seq): sends with one anchor are cumulative."""
+        return (self.learner, self.base_version, self.anchor_seq)
 
     @property
     def nbytes(self) -> int:

@@ -7,10 +7,12 @@ commit marker in the buckets (a ``version`` record), the flows' logs and artifac
 the launcher's summary; goodput and payload traffic are computed from them by one
 function each.
 
-    sent      learner, fragment, seq, base_version, step, tokens, steps, seconds, bytes, loss
+    sent      learner, fragment, seq, base_version, anchor_seq, step, tokens, steps,
+              seconds, bytes, loss
     applied   learner, fragment, version, staleness, weight, bytes
     version   fragment, version, consumed [[learner, seq]], cursor, weights, staleness,
-              tokens, seconds, merged, tokens_total, seconds_total
+              tokens, seconds, merged, tokens_total, seconds_total,
+              rejected [[learner, seq, reason]], superseded [[learner, seq, by seq]]
     rejected  learner, fragment, seq, reason
     failure   learner, step
     rejoin    learner, step, lost_steps, resumed_from
@@ -31,7 +33,8 @@ def sent(c: Any, time: float, loss: float | None = None) -> Record:
     """A contribution left the learner (``c`` is a ``diloco.outer.Contribution``)."""
     return {
         "event": "sent", "time": time, "learner": c.learner, "fragment": c.fragment,
-        "seq": c.seq, "base_version": c.base_version, "step": c.step, "tokens": c.tokens,
+        "seq": c.seq, "base_version": c.base_version, "anchor_seq": c.anchor_seq,
+        "step": c.step, "tokens": c.tokens,
         "steps": c.steps, "seconds": c.seconds, "bytes": c.nbytes, "loss": loss,
     }  # fmt: skip
 
@@ -72,6 +75,8 @@ def version(gv: Any, time: float, before: Mapping[str, Any] | None = None) -> Re
         "merged": dict(gv.merged),
         "tokens_total": int(before.get("tokens_total", 0)) + gv.tokens,
         "seconds_total": float(before.get("seconds_total", 0.0)) + gv.seconds,
+        "rejected": [list(r) for r in gv.rejected],
+        "superseded": [list(s) for s in gv.superseded],
     }
 
 
@@ -80,7 +85,7 @@ def initial_version(fragment: int, time: float) -> Record:
     return {
         "event": "version", "time": time, "fragment": fragment, "version": 0, "consumed": [],
         "cursor": {}, "weights": {}, "staleness": {}, "tokens": 0, "seconds": 0.0, "merged": {},
-        "tokens_total": 0, "seconds_total": 0.0,
+        "tokens_total": 0, "seconds_total": 0.0, "rejected": [], "superseded": [],
     }  # fmt: skip
 
 

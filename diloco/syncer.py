@@ -4,12 +4,14 @@ step the outer optimizer and produce the next global version.
 When to merge is two pure decisions (``quorum_met`` and ``grace_window``) so the
 simulator's clock and the Prefect syncer's wall clock use the same rule.
 
-Replacement rule: pending contributions are keyed by (learner, base version). A newer
-contribution with the same key replaces the older one, because both are measured from
-the same anchor and the newer one's outer gradient already contains the older one's
-steps. Contributions of one learner from different base versions are separate work
-(the learner was re-anchored in between) and are merged side by side, each with its
-own staleness.
+Replacement rule: pending contributions are keyed by their anchor (learner, base
+version, anchor seq). A newer contribution with the same anchor replaces the older one
+(which is then *superseded*), because both are measured from the same anchor and the
+newer one's outer gradient already contains the older one's steps. Contributions of
+one learner from different anchors are separate work (the learner was re-anchored in
+between, or failed and rejoined) and are merged side by side, each with its own
+staleness. Every outcome other than a merge (rejected, superseded) is carried into the
+next version's record, so the versions account for every contribution.
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ class GlobalVersion:
     tokens: int  # tokens behind the merged contributions (new work only)
     seconds: float  # learner time behind them (new work only), for goodput
     merged: dict[str, list[float]] = field(default_factory=dict)  # see FragmentSyncer.merged
+    # The other outcomes decided since the previous version, so that the versions alone
+    # account for every contribution (``storage_layout.audit``):
+    rejected: tuple[tuple[str, int, str], ...] = ()  # (learner, seq, reason)
+    superseded: tuple[tuple[str, int, int], ...] = ()  # (learner, seq, by seq): work inside
 
 
 @dataclass
@@ -113,26 +119,28 @@ class FragmentSyncer:
         self.version = version
         self.cursor: dict[str, int] = dict(cursor or {})
         self.g = staleness_fn(cfg)
-        self.pending: dict[tuple[str, int], Contribution] = {}
+        self.pending: dict[tuple[str, int, int], Contribution] = {}  # by Contribution.anchor
+        # Outcomes other than a merge, carried into the next version's record.
+        self.rejections: list[tuple[str, int, str]] = []
+        self.superseded: list[tuple[str, int, int]] = []
         # Versions inside the staleness window, for the anchored merge.
         self.history: dict[int, FlatParams] = {version: self.params}
-        # Per (learner, base version): the last merged contribution, so a later, cumulative
-        # one from the same anchor is merged as its increment only (delta reference).
-        self.merged_from: dict[tuple[str, int], tuple[Contribution, FlatParams | None]] = {}
+        # Per anchor (learner, base version, anchor seq): the last merged contribution, so a
+        # later, cumulative one from the same anchor is merged as its increment only.
+        self.merged_from: dict[tuple[str, int, int], tuple[Contribution, FlatParams | None]] = {}
         for key, (seq, tokens, steps, seconds) in (merged or {}).items():
-            learner, base = key.rsplit("/", 1)
-            c = Contribution(
-                learner, fragment, int(seq), int(base), int(tokens), int(steps), float(seconds), {}
-            )
-            self.merged_from[(learner, int(base))] = (c, None)
+            learner, base, *anchor = key.split("/")  # (no anchor seq: stored before it existed)
+            c = Contribution(learner, fragment, int(seq), int(base), int(tokens), int(steps),
+                             float(seconds), {}, anchor_seq=int(anchor[0]) if anchor else 0)  # fmt: skip
+            self.merged_from[c.anchor] = (c, None)
 
     @property
     def merged(self) -> dict[str, list[float]]:
         """The counters of ``merged_from`` (stored with each version, so that a restarted
         syncer still merges a re-sent cumulative contribution as its increment only)."""
         return {
-            f"{learner}/{base}": [c.seq, c.tokens, c.steps, c.seconds]
-            for (learner, base), (c, _) in self.merged_from.items()
+            f"{learner}/{base}/{anchor}": [c.seq, c.tokens, c.steps, c.seconds]
+            for (learner, base, anchor), (c, _) in self.merged_from.items()
         }
 
     @property
@@ -147,10 +155,18 @@ class FragmentSyncer:
     def offer(self, c: Contribution) -> None:
         if not self.is_new(c.learner, c.seq):
             return
-        key = (c.learner, c.base_version)
+        key = c.anchor
         old = self.pending.get(key)
         if old is None or c.seq > old.seq:
             self.pending[key] = c
+            if old is not None:
+                self.superseded.append((c.learner, old.seq, c.seq))
+        elif c.seq < old.seq:
+            self.superseded.append((c.learner, c.seq, old.seq))
+
+    def reject(self, learner: str, seq: int, reason: str) -> None:
+        """Note a contribution rejected before it was offered (unreadable, forged)."""
+        self.rejections.append((learner, seq, reason))
 
     @property
     def present(self) -> set[str]:
@@ -166,7 +182,7 @@ class FragmentSyncer:
         gradient does too (the ``anchored`` one already measures what is left: current
         global minus the learner's parameters). None when nothing new is left."""
         c, delta = item
-        key = (c.learner, c.base_version)
+        key = c.anchor
         previous = self.merged_from.get(key)
         self.merged_from[key] = (c, delta)
         if previous is None:
@@ -174,6 +190,7 @@ class FragmentSyncer:
         before, before_delta = previous
         steps = c.steps - before.steps
         if steps <= 0:
+            self.superseded.append((c.learner, c.seq, before.seq))  # nothing new in it
             return None
         if self.cfg.reference == "delta" and before_delta is not None:
             # (after a restart only the counters are known; the delta is then merged whole)
@@ -210,6 +227,8 @@ class FragmentSyncer:
         Returns no version when nothing valid is pending (rejections are still reported).
         """
         accepted, rejected = self._admit()
+        self.rejections.extend((r.contribution.learner, r.contribution.seq, r.reason)
+                               for r in rejected)  # fmt: skip
         if not accepted:
             return MergeOutcome(None, rejected)
 
@@ -251,6 +270,14 @@ class FragmentSyncer:
                 tokens=sum(c.tokens for c, _ in accepted),
                 seconds=sum(c.seconds for c, _ in accepted),
                 merged=self.merged,
+                rejected=tuple(self._take(self.rejections)),
+                superseded=tuple(self._take(self.superseded)),
             ),
             rejected,
         )
+
+    @staticmethod
+    def _take(items: list) -> list:
+        out = list(items)
+        items.clear()
+        return out

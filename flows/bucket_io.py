@@ -10,7 +10,9 @@ the pipeline's learner and syncer processes use this same class.
 What it adds to the storage layer is the training-side reading of failures: an
 unreadable contribution becomes ``Unreadable`` (the syncer rejects it and goes on), a
 corrupt checkpoint falls back to the one before, a corrupt version inside the staleness
-window is left out of the syncer's history.
+window is left out of the syncer's history. It also holds the process's keys
+(``storage_layout.auth``): a learner signs its contributions, and a syncer holding the run
+secret turns one its learner did not sign into ``Unreadable`` as well.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from diloco.loops import GlobalView, StoredFragment, Unreadable
 from diloco.outer import Contribution
 from diloco.records import Record
 from diloco.syncer import GlobalVersion
+from storage_layout.auth import Keys, Unauthenticated
 from storage_layout.bucket import Traffic
 from storage_layout.commit import CommitConflict, CorruptVersion
 from storage_layout.retention import prune_checkpoints
@@ -35,8 +38,9 @@ from storage_layout.store import PublishReport, RunStore
 
 log = logging.getLogger(__name__)
 
+READ_ATTEMPTS = 3  # reads of a contribution before it is rejected as corrupt
 # Contribution fields kept in the marker's meta (the tensors are the payload).
-_COUNTERS = ("base_version", "step", "tokens", "steps", "seconds")
+_COUNTERS = ("base_version", "anchor_seq", "step", "tokens", "steps", "seconds")
 
 
 def contribution_meta(c: Contribution) -> dict[str, Any]:
@@ -50,6 +54,7 @@ def contribution_from(
         learner=learner, fragment=fragment, seq=seq, base_version=int(meta["base_version"]),
         tokens=int(meta["tokens"]), steps=int(meta["steps"]), seconds=float(meta["seconds"]),
         payload=dict(tensors), step=int(meta.get("step", 0)),
+        anchor_seq=int(meta.get("anchor_seq", 0)),
     )  # fmt: skip
 
 
@@ -94,7 +99,8 @@ class BucketStore:
     through a store whose writer is the learner. ``home`` is the region this process
     reads globals from and the syncers publish to first. ``place`` (the trainer's) and
     ``opt_template`` (a freshly initialized inner optimizer state) rebuild checkpoints;
-    they are needed only where checkpoints are read.
+    they are needed only where checkpoints are read. ``keys`` default to the environment's
+    (``Keys.from_env``; a learner's own key when ``writer`` is a learner).
     """
 
     def __init__(
@@ -108,9 +114,13 @@ class BucketStore:
         place: Callable[[dict], dict] | None = None,
         opt_template: Callable[[], optax.OptState] | None = None,
         traffic: Traffic | None = None,
+        keys: Keys | None = None,
     ):
         self.run, self.regions, self.home = run, dict(regions), home
         self.learners = dict(learners)
+        if keys is None:
+            keys = Keys.from_env(run, writer if writer in self.learners else None)
+        self.keys = keys
         self.wire_dtype = wire_dtype
         self.place, self.opt_template = place, opt_template
         self.traffic = traffic if traffic is not None else Traffic()
@@ -138,8 +148,11 @@ class BucketStore:
 
     # learner side ---------------------------------------------------------------------
     def put_contribution(self, c: Contribution) -> None:
+        """Commit ``c`` in its learner's region, signed with the learner's key if this
+        process holds it (a syncer holding the run secret rejects unsigned ones)."""
+        key = self.keys.signing_key(c.learner)
         self.writer_for(c.learner).put_contribution(
-            c.learner, c.fragment, c.seq, c.payload, contribution_meta(c)
+            c.learner, c.fragment, c.seq, c.payload, contribution_meta(c), key=key
         )
 
     def sent_so_far(self, learner: str) -> tuple[int, int]:
@@ -216,15 +229,19 @@ class BucketStore:
         self, learner: str, fragment: int, after: int
     ) -> list[Contribution | Unreadable]:
         """New committed contributions in seq order; one that cannot be read yet (an
-        ``OSError``) ends the list, to be read on the next look."""
+        ``OSError``) ends the list, to be read on the next look. With the run secret, one
+        not signed with its learner's key is ``Unreadable``, named as such."""
         region = self.region_of(learner)
+        key = self.keys.verifying_key(learner)
         out: list[Contribution | Unreadable] = []
         for seq in self.main.contribution_seqs(learner, fragment, region):
             if seq <= after:
                 continue
             try:
-                tensors, meta = self.main.get_contribution(learner, fragment, seq, region)
+                tensors, meta = self._read_contribution(learner, fragment, seq, region, key)
                 out.append(contribution_from(learner, fragment, seq, tensors, meta))
+            except Unauthenticated as exc:
+                out.append(Unreadable(learner, fragment, seq, f"not authentic: {exc}", True))
             except (CorruptVersion, KeyError, ValueError) as exc:
                 out.append(Unreadable(learner, fragment, seq, f"unreadable: {exc}"))
             except OSError as exc:
@@ -233,6 +250,23 @@ class BucketStore:
                 )
                 break
         return out
+
+    def _read_contribution(
+        self, learner: str, fragment: int, seq: int, region: str, key: bytes | None,
+        attempts: int = READ_ATTEMPTS,
+    ) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+        """One contribution, read again when it does not check out: a read can come back
+        damaged (a truncated response) while the object is whole, and a rejection is for
+        good. What fails ``attempts`` reads in a row is corrupt (or forged)."""
+        for attempt in range(attempts):
+            try:
+                return self.main.get_contribution(learner, fragment, seq, region, key)
+            except (CorruptVersion, KeyError, ValueError) as exc:
+                if attempt == attempts - 1:
+                    raise
+                log.warning("%s fragment %d seq %d did not check out, reading it again: %s",
+                            learner, fragment, seq, exc)  # fmt: skip
+        raise AssertionError("unreachable")
 
     def publish(self, gv: GlobalVersion, opt_leaves: list[Any], record: Record) -> bool:
         try:

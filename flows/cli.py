@@ -6,6 +6,7 @@
     diloco train [--run NAME] [--dir runs] [--preset tiny] [--config run.toml]
                  [--set KEY=VALUE ...] [--tokens N] [--region NAME=URL ...]
     diloco inspect URL [--run NAME] [--verify] [--json]
+    diloco inspect [REGION=]URL ... --run NAME --audit [--json]
     diloco gc URL --run NAME [--keep 100] [--orphan-age 3600]
 
 ``train`` runs the real pipeline: a learner process per learner and syncer shards as
@@ -13,7 +14,8 @@ Prefect flows, linked only by the regions' buckets (by default two ``file://`` r
 under ``runs/NAME/buckets``), with a local Prefect server unless ``PREFECT_API_URL`` is
 set. Run it again with the same ``--run`` to resume. ``simulate`` writes ``config.json``, ``metrics.jsonl`` and ``summary.json`` to the output
 folder and prints a summary table; with ``--store`` every contribution and global
-version goes through those buckets. ``inspect`` shows what a bucket holds.
+version goes through those buckets. ``inspect`` shows what a bucket holds; with
+``--audit`` it checks a run's invariants in the buckets given (``storage_layout.audit``).
 """
 
 from __future__ import annotations
@@ -196,9 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.set_defaults(func=cmd_train)
     ins = sub.add_parser("inspect", help="show what a bucket holds")
-    ins.add_argument("url", help="a region's bucket URL (file://, s3://, gs://, or a folder)")
+    ins.add_argument("url", nargs="+", metavar="[REGION=]URL",
+                     help="a region's bucket URL (file://, s3://, gs://, or a folder)")  # fmt: skip
     ins.add_argument("--run", help="only this run")
     ins.add_argument("--verify", action="store_true", help="re-check every object's sha256")
+    ins.add_argument("--audit", action="store_true",
+                     help="check the run's invariants in the buckets given (needs --run): "
+                     "every contribution accounted for once, versions complete and intact")  # fmt: skip
     ins.add_argument("--json", action="store_true", help="machine-readable output")
     ins.set_defaults(func=cmd_inspect)
     gc = sub.add_parser("gc", help="delete what no learner or syncer of a run can still need")
@@ -220,7 +226,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
     if args.keep < 1:
         raise ConfigError(f"--keep must be at least 1, got {args.keep}")
-    url = args.url if "://" in args.url else "file://" + str(Path(args.url).resolve())
+    url = _bucket_url(args.url)
     spec = RunStore(args.run, {"gc": url}, "gc").read_spec()
     regions = spec["regions"]
     home = next((r for r, u in regions.items() if u.rstrip("/") == url.rstrip("/")), None)
@@ -240,10 +246,70 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bucket_url(url: str) -> str:
+    return url if "://" in url else "file://" + str(Path(url).resolve())
+
+
+def audited_regions(run: str, items: list[str]) -> dict[str, str]:
+    """``[REGION=]URL`` arguments -> region -> URL. A bare URL must be one the run's spec
+    names (a copy of a bucket elsewhere is given with its region: ``us=/backup/us``)."""
+    from storage_layout.store import RunStore
+
+    out: dict[str, str] = {}
+    for item in items:
+        named = "=" in item.split("://", 1)[0]
+        name, url = item.split("=", 1) if named else ("", item)
+        url = _bucket_url(url)
+        if not name:
+            regions = RunStore(run, {"given": url}, "given").read_spec().get("regions", {})
+            name = next((r for r, u in regions.items() if u.rstrip("/") == url.rstrip("/")), "")
+            if not name:
+                raise ConfigError(f"{url} is none of run {run!r}'s regions ({regions}); "
+                                  f"name the region it holds: REGION={url}")  # fmt: skip
+        if name in out:
+            raise ConfigError(f"region {name!r} given twice")
+        out[name] = url
+    return out
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    from storage_layout.audit import INVARIANTS, audit_run
+
+    if not args.run:
+        raise ConfigError("--audit needs --run NAME (the run whose invariants to check)")
+    report = audit_run(args.run, audited_regions(args.run, args.url))
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=1, sort_keys=True))
+        return 0 if report.ok else 1
+    out = stdout_console()
+    spec_note = (
+        f" (read at the spec's URL: {', '.join(report.from_spec)})" if report.from_spec else ""
+    )
+    out.print(f"[bold]audit of run {report.run}[/]{spec_note}")
+    for region, url in report.regions.items():
+        out.print(f"  {region}: {url}")
+    table = Table("invariant", "result", "objects")
+    for name in INVARIANTS:
+        bad = report.violations.get(name, [])
+        shown = "\n".join(bad[:10]) + (f"\n... and {len(bad) - 10} more" if len(bad) > 10 else "")
+        table.add_row(name, "[red]FAILED[/]" if bad else "[green]ok[/]", shown)
+    out.print(table)
+    out.print("contributions: " + ", ".join(f"{k} {v}" for k, v in report.outcomes.items()))
+    out.print("tokens: " + ", ".join(f"{k} {v:,}" for k, v in report.tokens.items()))
+    out.print(f"{report.versions} versions accounted for, {report.objects} markers verified")
+    for region, frags in report.lagging.items():
+        out.print(f"[yellow]lagging:[/] {region} holds newest versions {frags}")
+    return 0 if report.ok else 1
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from storage_layout.inspect import inspect_bucket
 
-    url = args.url if "://" in args.url else "file://" + str(Path(args.url).resolve())
+    if args.audit:
+        return cmd_audit(args)
+    if len(args.url) > 1:
+        raise ConfigError("inspect takes one bucket URL (several only with --audit)")
+    url = _bucket_url(args.url[0])
     report = inspect_bucket(url, run=args.run, verify=args.verify)
     problems = [p for r in report["runs"] for p in r["problems"]]
     if args.json:

@@ -47,9 +47,16 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from diloco import records
 from diloco.config import RunConfig, validate_config
 from diloco.simulate import dp_bytes_per_step
-from diloco.topology import home_region, learner_index, shard_count, shard_fragments
+from diloco.topology import (
+    LEARNER_PREFIX,
+    home_region,
+    learner_index,
+    shard_count,
+    shard_fragments,
+)
 from flows.observe import artifact_key, train_summary_rows
 from flows.run import build_model, initialize_run, validation
+from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV, learner_key, run_secret
 from storage_layout.commit import CorruptVersion
 from storage_layout.store import RunStore
 
@@ -61,22 +68,39 @@ _children: set[subprocess.Popen] = set()
 _lock = threading.Lock()
 
 
-def child_env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+# Run -> its secret, for the worker processes' environments. Never a flow or task
+# parameter: Prefect records those.
+_RUN_SECRETS: dict[str, str] = {}
+
+
+def child_env(run: str = "", worker: str = "", secret: str | None = None) -> dict[str, str]:
+    """A worker process's environment: the launcher's without any key material, the
+    Prefect API, and what ``worker`` may hold of the run ``secret``: a syncer shard
+    (``syncer-N``) the secret itself, to verify every learner; a learner only its own key
+    (``storage_layout.auth``), so it can sign for no other learner."""
+    env = {k: v for k, v in os.environ.items() if k not in (RUN_SECRET_ENV, LEARNER_KEY_ENV)}
+    env["PYTHONUNBUFFERED"] = "1"
     url = PREFECT_API_URL.value()
     if url:
         env["PREFECT_API_URL"] = url
+    if secret is not None:
+        if worker.startswith("syncer-"):
+            env[RUN_SECRET_ENV] = secret
+        elif worker.startswith(LEARNER_PREFIX):
+            env[LEARNER_KEY_ENV] = learner_key(secret, run, worker).hex()
     return env
 
 
 @task(name="process", task_run_name="start {name}", cache_policy=NO_CACHE,
       persist_result=False)  # fmt: skip
-def run_process(name: str, argv: list[str], log_path: str) -> int:
-    """Run one worker process to its end; a non-zero exit fails the task run."""
+def run_process(name: str, argv: list[str], log_path: str, run: str = "", worker: str = "") -> int:
+    """Run one worker process (``worker``: its writer id, a learner's or ``syncer-N``) to
+    its end; a non-zero exit fails the task run."""
     if STOPPING.is_set():
         return 130
+    env = child_env(run, worker, _RUN_SECRETS.get(run))
     with open(log_path, "ab") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=child_env())
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
     get_run_logger().info("%s started (pid %d); its output goes to %s", name, proc.pid, log_path)
     with _lock:
         _children.add(proc)
@@ -130,7 +154,7 @@ def supervise(
     while not STOPPING.is_set():
         before = worker_progress(store, status)
         try:
-            return run_process(name, argv, log_path)
+            return run_process(name, argv, log_path, run, status[0])
         except Exception as exc:
             if STOPPING.is_set():
                 return 130
@@ -546,6 +570,20 @@ def _watch(
     return ended
 
 
+def authenticate(run: str, folder: Path, via: str, log: Any) -> None:
+    """Sign the run's contributions: the run secret is ``DILOCO_RUN_SECRET`` or, if that
+    is not set, one kept in ``folder/run-secret`` (made on the first launch, mode 0600), so
+    a resumed run keeps its keys. Deployments' workers take theirs from their work pools."""
+    if via != "processes":
+        log.info("contributions are authenticated if the work pools set %s (syncers) and %s "
+                 "(learners); see docs/deploy.md", RUN_SECRET_ENV, LEARNER_KEY_ENV)  # fmt: skip
+        return
+    secret, source = run_secret(folder / "run-secret")
+    _RUN_SECRETS[run] = secret
+    log.info("contributions are signed: each learner gets its own key, the syncers the run "
+             "secret (from %s)", source)  # fmt: skip
+
+
 @flow(
     name="train",
     flow_run_name="train {run}",
@@ -566,6 +604,7 @@ def train_flow(
     store = RunStore(run, regions, home_region(regions), writer="launcher")
     spec = initialize_run(store, cfg)
     Path(logs).mkdir(parents=True, exist_ok=True)
+    authenticate(run, Path(logs).parent, via, log)
     # Workers share a persistent JAX compilation cache: a restarted learner does not
     # compile its step again (the variables reach them through child_env()).
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(logs).parent / "jax-cache"))

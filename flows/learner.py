@@ -17,6 +17,7 @@ training never waits on the network in ``decoupled`` mode.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from diloco.topology import learner_id, learner_index
 from diloco.transport import StoreLearnerView
 from flows.observe import artifact_key, run_logger, tag_flow_run
 from flows.run import bucket_store, build_model, config_from_spec, reader
+from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV
 from storage_layout.commit import CommitConflict
 from storage_layout.store import RunStore
 
@@ -66,7 +68,7 @@ class BackgroundIO:
         self.failures = 0
         self.lock = threading.Lock()
         self.wanted: dict[int, int] = {}
-        self.reported: set[tuple[int, int]] = set()
+        self.reported: dict[tuple[int, int], float] = {}  # (fragment, version) -> failed at
         self.inbox: dict[int, GlobalView] = {}
         for p in range(fragments):  # the start reads the newest of every fragment
             view_ = view.latest_global(p)
@@ -135,15 +137,16 @@ class BackgroundIO:
                     held = self.inbox.get(p)
                     if newest is None or newest <= max(above, held.version if held else -1):
                         continue
-                    if (p, newest) in self.reported:
-                        continue
+                    if time.monotonic() - self.reported.get((p, newest), -math.inf) < 2.0:
+                        continue  # it failed a moment ago: give it a little time
                     got = self.view.read(p, newest)
                 except Exception as exc:  # a corrupt version, a region down: skip, go on
                     if (p, newest) not in self.reported:
-                        self.reported.add((p, newest))
                         self.log.warning(
-                            "cannot read version %s of fragment %d: %r", newest, p, exc
-                        )
+                            "cannot read version %s of fragment %d (will try again): %r",
+                            newest, p, exc,
+                        )  # fmt: skip
+                    self.reported[(p, newest)] = time.monotonic()
                     continue
                 with self.lock:
                     self.inbox[p] = got
@@ -361,6 +364,9 @@ def learner_flow(
         log.info("learner %s resumes from %s (step %d of %d, generation %d)",
                  rt.label, rt.resumed_from, rt.step, rt.loop.total_steps,
                  rt.generation)  # fmt: skip
+        if rt.store.keys.signing_key(lid) is None:
+            log.warning("contributions are unsigned (no %s or %s): a syncer holding the run "
+                        "secret rejects them", LEARNER_KEY_ENV, RUN_SECRET_ENV)  # fmt: skip
     rows: list[dict[str, Any]] = []
     try:
         for _ in range(rt.cfg.pipeline.rounds_per_flow_run):

@@ -38,6 +38,7 @@ from diloco.topology import shard_fragments
 from flows.bucket_io import BucketStore
 from flows.observe import artifact_key, run_logger, tag_flow_run
 from flows.run import bucket_store, config_from_spec
+from storage_layout.auth import UNAUTHENTICATED
 from storage_layout.retention import collect_garbage
 from storage_layout.store import RunStore
 
@@ -241,6 +242,10 @@ def syncer_flow(
         rt = _RUNTIMES[key]
         log.info("syncer %s owns fragments %s, resumes at versions %s",
                  rt.label, rt.fragments, rt.loop.versions)  # fmt: skip
+        if rt.transport.store.keys.verifies:
+            log.info("contributions are authenticated: each must carry its learner's signature")
+        else:
+            log.warning(UNAUTHENTICATED)  # once per process: the runtime lives as long
     rt = _RUNTIMES[key]
     rt.loop.log = rt.transport.log = rt.log = log
     rt.transport.wrap = lambda gv, call: publish(

@@ -12,6 +12,10 @@ won, another means we lost, none means the write did not happen and is retried.
 
 Reading a version: read the marker, fetch exactly the objects it lists, check sizes and
 hashes, and only then decode. A version without a marker does not exist for readers.
+
+A marker may carry a ``signature`` (``storage_layout.auth``: learners sign their
+contributions). It covers every other field, and the marker lists each object's sha256,
+so it authenticates the data too. Unsigned markers read as before.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,9 +71,11 @@ class CommitMarker:
     writer: str
     write_id: str
     meta: dict[str, Any]
+    # {"alg": "hmac-sha256", "value": hex} over the rest of the marker, or None (unsigned)
+    signature: dict[str, str] | None = None
 
     def to_json(self) -> bytes:
-        body = {
+        body: dict[str, Any] = {
             "format": MARKER_FORMAT,
             "format_version": FORMAT_VERSION,
             "kind": self.kind,
@@ -79,6 +85,8 @@ class CommitMarker:
             "write_id": self.write_id,
             "meta": self.meta,
         }
+        if self.signature is not None:
+            body["signature"] = self.signature
         return json.dumps(body, sort_keys=True, indent=1).encode()
 
     @classmethod
@@ -108,6 +116,7 @@ class CommitMarker:
                 writer=str(body["writer"]),
                 write_id=str(body["write_id"]),
                 meta=dict(body.get("meta") or {}),
+                signature=_signature(body.get("signature")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CorruptVersion(f"marker {key} lacks a field or has a wrong one: {exc}") from exc
@@ -115,6 +124,15 @@ class CommitMarker:
     @property
     def size(self) -> int:
         return sum(o["size"] for o in self.objects.values())
+
+
+def _signature(value: Any) -> dict[str, str] | None:
+    """A marker's signature field as stored: absent (None) or a flat object of strings."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise TypeError(f"signature is a {type(value).__name__}, not an object")
+    return {str(k): str(v) for k, v in value.items()}
 
 
 def sha256(data: bytes) -> str:
@@ -139,9 +157,12 @@ def commit_version(
     writer: str,
     write_id: str | None = None,
     attempts: int = 4,
+    sign: Callable[[CommitMarker], CommitMarker] | None = None,
 ) -> CommitMarker:
     """Write ``objects`` under ``data_prefix`` and then the marker, exclusively.
 
+    ``sign`` (e.g. ``storage_layout.auth.signer(key)``) returns the marker with its
+    signature; it is applied to the finished marker, so it covers all of it.
     Returns the committed marker (ours). Raises ``CommitConflict`` when another writer
     holds the marker.
     """
@@ -154,6 +175,8 @@ def commit_version(
         write_id=write_id,
         meta=dict(meta),
     )
+    if sign is not None:
+        marker = sign(marker)
     bucket.put_many({f"{data_prefix}/{rel}": data for rel, data in objects.items()})
     body = marker.to_json()
     delay = 0.1
@@ -170,6 +193,10 @@ def commit_version(
             held = CommitMarker.from_json(bucket.get(marker_key), marker_key)
         except FileNotFoundError:
             time.sleep(delay)  # the write did not land: try again
+            delay *= 2
+            continue
+        except (OSError, CorruptVersion):
+            time.sleep(delay)  # no clear answer from the read-back either: ask again
             delay *= 2
             continue
         if held.write_id == write_id:

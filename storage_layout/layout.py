@@ -7,6 +7,7 @@
     {root}/{run}/learners/{learner}/checkpoints/data/s{STEP}-{WRITE_ID}/
     {root}/{run}/globals/f{P}/commits/v{VERSION}.json
     {root}/{run}/globals/f{P}/data/v{VERSION}-{WRITE_ID}/
+    {root}/{run}/ledger/f{P}/s{N}.json                 what retention deleted (for audits)
     {root}/{run}/metrics/{writer}.json
 
 Numbers are zero-padded to 12 digits (fragments to 4), so keys sort lexicographically in
@@ -91,6 +92,13 @@ class RunLayout:
 
     def global_data(self, fragment: int, version: int, write_id: str) -> str:
         return f"{self.run}/globals/f{fragment:04d}/data/v{number(version)}-{write_id}"
+
+    # retention ledger --------------------------------------------------------------
+    def ledger_commits(self, fragment: int) -> str:
+        return f"{self.run}/ledger/f{fragment:04d}"
+
+    def ledger_entry(self, fragment: int, n: int) -> str:
+        return f"{self.ledger_commits(fragment)}/s{number(n)}.json"
 
     # checkpoints -------------------------------------------------------------------
     def lease_commits(self, learner: str) -> str:

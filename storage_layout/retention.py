@@ -10,6 +10,11 @@ Deleted:
 - with ``orphan_age`` set, data prefixes that no marker names (a writer died between data
   and marker, or lost a race) and that are older than that many seconds.
 
+Before anything of a fragment is deleted, the deleted contributions' counters and the
+deleted versions' outcome lists are written to the run's **ledger** in the home region
+(``ledger/fP/sN.json``, never deleted), so ``diloco inspect --audit`` can still account
+for every contribution after retention.
+
 A learner's checkpoints are pruned by the learner itself (``prune_checkpoints``, its
 newest ``keep``). Never deleted: anything a marker still needs, uncommitted data younger
 than ``orphan_age`` (it may be a write in flight), the spec. A marker is deleted
@@ -19,14 +24,17 @@ before its data, so no reader ever sees a marker whose data is gone on purpose.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from storage_layout.bucket import Bucket
-from storage_layout.commit import CorruptVersion, read_marker
+from storage_layout.commit import CommitMarker, CorruptVersion, read_marker
+from storage_layout.layout import RunLayout, parse_marker_name
 from storage_layout.store import RunStore
 
 log = logging.getLogger(__name__)
@@ -46,15 +54,19 @@ class RetentionReport:
     problems: list[str] = field(default_factory=list)
 
 
+def _drop(bucket: Bucket, marker_key: str, marker: CommitMarker, report: RetentionReport) -> None:
+    bucket.delete([marker_key])  # marker first: the version disappears for readers at once
+    bucket.delete_prefix(marker.data_prefix)
+    report.bytes_freed += marker.size
+
+
 def _drop_version(bucket: Bucket, marker_key: str, report: RetentionReport) -> bool:
     try:
         marker = read_marker(bucket, marker_key)
     except (CorruptVersion, FileNotFoundError) as exc:
         report.problems.append(f"kept {marker_key}: {exc}")
         return False
-    bucket.delete([marker_key])  # marker first: the version disappears for readers at once
-    bucket.delete_prefix(marker.data_prefix)
-    report.bytes_freed += marker.size
+    _drop(bucket, marker_key, marker, report)
     return True
 
 
@@ -117,6 +129,111 @@ def _orphans(
             report.orphans_deleted += 1
 
 
+@dataclass
+class _Plan:
+    """What one fragment's collection deletes, and the ledger entry that records it."""
+
+    doomed: list[tuple[Bucket, str, CommitMarker]] = field(default_factory=list)
+    contributions: list[dict] = field(default_factory=list)
+    versions: dict[int, dict] = field(default_factory=dict)
+    pins: set[int] = field(default_factory=set)
+
+
+# What the ledger keeps of a deleted version's record: what the audit needs.
+_VERSION_FIELDS = ("consumed", "cursor", "rejected", "superseded", "tokens", "tokens_total")
+
+
+def _plan_contributions(
+    store: RunStore, p: int, learners: Mapping[str, str], cursor: Mapping[str, int],
+    plan: _Plan, report: RetentionReport, orphan_age: float | None,
+) -> None:  # fmt: skip
+    layout = store.layout
+    for learner, region in learners.items():
+        bucket = store.bucket(region)
+        seqs = store.contribution_seqs(learner, p, region)
+        for seq in seqs:
+            key = layout.contribution_marker(learner, p, seq)
+            try:
+                marker = read_marker(bucket, key)
+                base = int(marker.meta["base_version"])
+            except (CorruptVersion, KeyError, ValueError, FileNotFoundError) as exc:
+                report.problems.append(f"kept {key}: {exc}")
+                continue
+            if seq <= int(cursor.get(learner, 0)) and seq != seqs[-1]:
+                plan.doomed.append((bucket, key, marker))
+                m = marker.meta
+                plan.contributions.append(
+                    {"learner": learner, "seq": seq, "base_version": base,
+                     "tokens": m.get("tokens"), "steps": m.get("steps"),
+                     "write_id": marker.write_id}
+                )  # fmt: skip
+            else:
+                plan.pins.add(base)
+        if orphan_age is not None:
+            contrib = layout.contribution_commits(learner, p).rsplit("/", 1)[0]
+            _orphans(bucket, f"{contrib}/data", f"{contrib}/commits", orphan_age, report)
+
+
+def _plan_versions(
+    store: RunStore, p: int, keep: set[int], plan: _Plan, report: RetentionReport,
+    orphan_age: float | None,
+) -> None:  # fmt: skip
+    layout = store.layout
+    for region in store.urls:
+        bucket = store.bucket(region)
+        for v in store.global_versions(p, region):
+            if v in keep:
+                continue
+            key = layout.global_marker(p, v)
+            try:
+                marker = read_marker(bucket, key)
+            except (CorruptVersion, FileNotFoundError) as exc:
+                report.problems.append(f"kept {key}: {exc}")
+                continue
+            plan.doomed.append((bucket, key, marker))
+            row = plan.versions.setdefault(
+                v, {"version": v, "write_ids": {},
+                    **{k: marker.meta.get(k) for k in _VERSION_FIELDS}}
+            )  # fmt: skip
+            row["write_ids"][region] = marker.write_id
+        if orphan_age is not None:
+            base = layout.global_commits(p).rsplit("/", 1)[0]
+            _orphans(bucket, f"{base}/data", f"{base}/commits", orphan_age, report)
+
+
+def write_ledger(store: RunStore, fragment: int, entry: Mapping[str, Any]) -> int:
+    """Record what is about to be deleted in the home region's ledger, so an audit can
+    still account for every contribution and version (an exclusive create of the next
+    entry: two collectors never overwrite each other's; the audit drops duplicates).
+    Returns the entry's number."""
+    prefix = store.layout.ledger_commits(fragment)
+    body = json.dumps({**entry, "fragment": fragment, "writer": store.writer,
+                       "time": time.time()}, sort_keys=True).encode()  # fmt: skip
+    while True:
+        taken = [n for n in map(lambda x: parse_marker_name(x, "s"), store.home.list(prefix))
+                 if n is not None]  # fmt: skip
+        n = max(taken, default=0) + 1
+        try:
+            store.home.put_exclusive(store.layout.ledger_entry(fragment, n), body)
+            return n
+        except FileExistsError:
+            continue
+
+
+def read_ledger(bucket: Bucket, layout: RunLayout, fragment: int) -> list[dict[str, Any]]:
+    """Every ledger entry of ``fragment`` in ``bucket``, oldest first."""
+    out = []
+    prefix = layout.ledger_commits(fragment)
+    for name in bucket.list(prefix):
+        if parse_marker_name(name, "s") is None:
+            continue
+        try:
+            out.append(json.loads(bucket.get(f"{prefix}/{name}")))
+        except (ValueError, FileNotFoundError) as exc:
+            raise CorruptVersion(f"ledger entry {prefix}/{name} is unreadable: {exc}") from exc
+    return out
+
+
 def collect_garbage(
     store: RunStore,
     fragments: int | Sequence[int],
@@ -125,41 +242,27 @@ def collect_garbage(
     orphan_age: float | None = None,
 ) -> RetentionReport:
     """Apply the retention rules above to ``fragments`` (a count, or the fragments one
-    syncer shard owns). ``learners`` maps learner id -> its region."""
+    syncer shard owns). ``learners`` maps learner id -> its region. What is deleted is
+    first written to the ledger; if that fails, nothing of the fragment is deleted."""
     report = RetentionReport()
-    layout = store.layout
     for p in range(fragments) if isinstance(fragments, int) else fragments:
         versions = store.global_versions(p)
         if not versions:
             continue
         newest = versions[-1]
         cursor = store.global_marker(p, newest).meta.get("cursor", {})
-        pins: set[int] = set()
-        for learner, region in learners.items():
-            bucket = store.bucket(region)
-            seqs = store.contribution_seqs(learner, p, region)
-            for seq in seqs:
-                key = layout.contribution_marker(learner, p, seq)
-                if seq <= int(cursor.get(learner, 0)) and seq != seqs[-1]:
-                    report.contributions_deleted += _drop_version(bucket, key, report)
-                else:
-                    try:
-                        pins.add(int(read_marker(bucket, key).meta["base_version"]))
-                    except (CorruptVersion, KeyError, FileNotFoundError) as exc:
-                        report.problems.append(f"kept {key}: {exc}")
-            if orphan_age is not None:
-                contrib = layout.contribution_commits(learner, p).rsplit("/", 1)[0]
-                _orphans(bucket, f"{contrib}/data", f"{contrib}/commits", orphan_age, report)
-        report.pinned[p] = sorted(v for v in pins if v < newest - window)
-        keep = {v for v in versions if v >= newest - window} | pins
-        for region in store.urls:
-            bucket = store.bucket(region)
-            for v in store.global_versions(p, region):
-                if v not in keep:
-                    report.globals_deleted += _drop_version(
-                        bucket, layout.global_marker(p, v), report
-                    )
-            if orphan_age is not None:
-                base = layout.global_commits(p).rsplit("/", 1)[0]
-                _orphans(bucket, f"{base}/data", f"{base}/commits", orphan_age, report)
+        plan = _Plan()
+        _plan_contributions(store, p, learners, cursor, plan, report, orphan_age)
+        report.pinned[p] = sorted(v for v in plan.pins if v < newest - window)
+        keep = {v for v in versions if v >= newest - window} | plan.pins
+        _plan_versions(store, p, keep, plan, report, orphan_age)
+        if not plan.doomed:
+            continue
+        write_ledger(store, p, {"contributions": plan.contributions,
+                                "versions": sorted(plan.versions.values(),
+                                                   key=lambda r: r["version"])})  # fmt: skip
+        for bucket, key, marker in plan.doomed:
+            _drop(bucket, key, marker, report)
+        report.contributions_deleted += len(plan.contributions)
+        report.globals_deleted += sum(len(v["write_ids"]) for v in plan.versions.values())
     return report

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from diloco.quantize import QuantizedTensor, dequantize, quantize
+from storage_layout.auth import signer, verify
 from storage_layout.bucket import Bucket, BucketError, Traffic
 from storage_layout.codec import FormatError, decode, encode
 from storage_layout.commit import (
@@ -42,6 +43,7 @@ from storage_layout.commit import (
     read_marker,
     writer_identity,
 )
+from storage_layout.faults import open_bucket
 from storage_layout.layout import FORMAT_VERSION, RunLayout, check_name, parse_marker_name
 
 log = logging.getLogger(__name__)
@@ -135,7 +137,7 @@ class RunStore:
             if region not in self.urls:
                 raise ValueError(f"unknown region {region!r}; this run has {sorted(self.urls)}")
             try:
-                self._buckets[region] = Bucket(
+                self._buckets[region] = open_bucket(
                     self.urls[region],
                     region=region,
                     client_region=self.client_region,
@@ -248,9 +250,11 @@ class RunStore:
         seq: int,
         tensors: Mapping[str, QuantizedTensor],
         meta: Mapping[str, Any],
+        key: bytes | None = None,
     ) -> CommitMarker:
         """Commit contribution ``seq`` of ``learner``'s ``fragment`` (its tensors and JSON
-        meta) in this store's region, the learner's own."""
+        meta) in this store's region, the learner's own; its marker is signed with ``key``
+        (the learner's, ``storage_layout.auth``) if one is given."""
         layout = self.layout
         objects = encode({"delta": tensors}, {"kind": "contribution"})
         payload = sum(q.nbytes for q in tensors.values())
@@ -266,25 +270,29 @@ class RunStore:
             body,
             self.writer,
             write_id,
+            sign=None if key is None else signer(key),
         )
 
     def get_contribution(
-        self, learner: str, fragment: int, seq: int, region: str
+        self, learner: str, fragment: int, seq: int, region: str, key: bytes | None = None
     ) -> tuple[dict[str, QuantizedTensor], dict[str, Any]]:
         """One committed contribution's tensors and meta, verified against its marker
-        (``CorruptVersion`` if anything does not match)."""
+        (``CorruptVersion`` if anything does not match). With ``learner``'s ``key``, the
+        marker must be signed with it (``Unauthenticated``, before any data is fetched)."""
         bucket = self.bucket(region)
-        key = self.layout.contribution_marker(learner, fragment, seq)
-        marker = read_marker(bucket, key)
-        objects = fetch_objects(bucket, marker, key)
+        where = self.layout.contribution_marker(learner, fragment, seq)
+        marker = read_marker(bucket, where)
+        if key is not None:
+            verify(marker, key, learner, where)
+        objects = fetch_objects(bucket, marker, where)
         m = marker.meta
         if (m.get("learner"), m.get("fragment"), m.get("seq")) != (learner, fragment, seq):
-            raise CorruptVersion(f"{key}: marker describes another contribution ({m})")
+            raise CorruptVersion(f"{where}: marker describes another contribution ({m})")
         try:
             groups, _ = decode(objects)
             return groups["delta"], dict(m)
         except (FormatError, KeyError) as exc:
-            raise CorruptVersion(f"{key}: {exc}") from exc
+            raise CorruptVersion(f"{where}: {exc}") from exc
 
     def contribution_meta(self, learner: str, fragment: int, seq: int, region: str) -> dict:
         """The meta of one committed contribution's marker (no tensors are read)."""

@@ -13,6 +13,9 @@ import uuid
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# Tests choose their own keys (storage_layout.auth); none leak in from the shell.
+os.environ.pop("DILOCO_RUN_SECRET", None)
+os.environ.pop("DILOCO_LEARNER_KEY", None)
 
 import fsspec
 import pytest

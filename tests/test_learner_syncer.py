@@ -77,9 +77,9 @@ def test_resume_continues_at_a_step_after_the_sent_sequence_numbers(setup):
     assert (c.seq, c.step) == (4, 6)
 
 
-def contribution(learner, seq, base, value, shapes, tokens=100, steps=10):
+def contribution(learner, seq, base, value, shapes, tokens=100, steps=10, anchor_seq=0):
     payload = {n: quantize(np.full(s, value, np.float32), "fp32") for n, s in shapes.items()}
-    return Contribution(learner, 0, seq, base, tokens, steps, 1.0, payload)
+    return Contribution(learner, 0, seq, base, tokens, steps, 1.0, payload, anchor_seq=anchor_seq)
 
 
 def test_syncer_merges_weighted_and_steps_outer_optimizer():
@@ -113,6 +113,35 @@ def test_syncer_replaces_same_base_keeps_different_base_and_rejects_bad():
     syncer.offer(contribution("a", 3, 0, 1.0, shapes, tokens=200, steps=20))
     syncer.offer(contribution("a", 4, 1, 1.0, shapes))  # re-anchored: separate work
     assert syncer.merge().version.staleness == {"a/3": 1, "a/4": 0}
+
+
+@pytest.mark.parametrize("merged_first", [False, True])
+def test_a_learner_that_rejoins_on_the_version_it_had_is_new_work(merged_first):
+    """A learner sends seq 1 (40 steps from v0) and fails; it rejoins while v0 is still the
+    newest, so its next send (seq 2, 20 fresh steps) is also based on v0 but does not
+    contain seq 1's steps: a new anchor (anchor seq 1). Both must count, whether seq 1 is
+    still pending or was merged before seq 2 came (it used to be superseded, or seq 2 was
+    dropped as "nothing new")."""
+    shapes = {"w": (2,)}
+    cfg = OuterConfig(lr=1.0, momentum=0.0, nesterov=False, staleness="constant")
+    syncer = FragmentSyncer(0, {"w": np.zeros(2, np.float32)}, cfg, ["a"], is_embedding)
+    syncer.offer(contribution("a", 1, 0, 1.0, shapes, tokens=400, steps=40))
+    tokens = syncer.merge().version.tokens if merged_first else 0
+    syncer.offer(contribution("a", 2, 0, 1.0, shapes, tokens=200, steps=20, anchor_seq=1))
+    v = syncer.merge().version
+    assert tokens + v.tokens == 600
+    assert v.superseded == ()
+    assert v.consumed == ((("a", 2),) if merged_first else (("a", 1), ("a", 2)))
+
+
+def test_rejoin_takes_new_anchors(setup):
+    lrn = make_learner(setup)
+    lrn.resume(5, 3, None)  # what LearnerLoop.start does after a failure
+    for frag in lrn.fragments:
+        frag.anchor_seq = lrn.seq
+    lrn.train_step()
+    c = lrn.contribute(0)
+    assert (c.seq, c.base_version, c.anchor_seq, c.steps) == (4, 0, 3, 1)
 
 
 def test_quorum_and_grace_window():
@@ -155,7 +184,7 @@ def test_merge_counters_survive_a_syncer_restart():
     syncer = FragmentSyncer(0, {"w": np.zeros(2, np.float32)}, cfg, ["a"], is_embedding)
     syncer.offer(contribution("a", 1, 0, 1.0, shapes, tokens=100, steps=10))
     v1 = syncer.merge().version
-    assert v1.merged == {"a/0": [1, 100, 10, 1.0]}
+    assert v1.merged == {"a/0/0": [1, 100, 10, 1.0]}
     restarted = FragmentSyncer(0, v1.params, cfg, ["a"], is_embedding, version=1,
                                opt_leaves=syncer.opt_leaves, cursor=v1.cursor, merged=v1.merged)  # fmt: skip
     restarted.history[0] = {"w": np.zeros(2, np.float32)}  # what the flow reloads

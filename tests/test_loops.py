@@ -175,7 +175,8 @@ def test_background_io_survives_a_corrupt_global_version(tiny_run, caplog):
         marker = syncer.global_marker(0, 1)
         data = next(k for k in marker.objects if k.startswith("wire/") and "/c/" in k)
         path = Path(regions["us"].removeprefix("file://")) / marker.data_prefix / data
-        path.write_bytes(b"\x00" + path.read_bytes()[1:])  # a flipped byte
+        good = path.read_bytes()
+        path.write_bytes(b"\x00" + good[1:])  # a flipped byte
         with caplog.at_level(logging.WARNING, logger="test"):
             io.want(0, 0)  # the learner sent fragment 0 and waits for an answer
             deadline = time.monotonic() + 10
@@ -183,6 +184,13 @@ def test_background_io_survives_a_corrupt_global_version(tiny_run, caplog):
                 time.sleep(0.02)
         assert "cannot read version 1 of fragment 0" in caplog.text
         assert io.latest_global(0).version == 0 and io.poller.is_alive()
+        path.write_bytes(good)  # the damage was in the read, not the object: taken later
+        deadline = time.monotonic() + 10
+        while io.latest_global(0).version != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert io.latest_global(0).version == 1
+        path.write_bytes(b"\x00" + good[1:])  # damaged for good now
+        io.want(0, 1)
         publish(2, 2.0)
         deadline = time.monotonic() + 10
         while io.latest_global(0).version != 2 and time.monotonic() < deadline:

@@ -171,6 +171,31 @@ def test_lost_response_is_resolved_by_reading_the_marker_back(bucket_url):
     assert len(calls) == 1 and store.latest_global(0) == 1  # no duplicate, no conflict
 
 
+def test_a_failed_read_back_is_asked_again(bucket_url):
+    """The marker's answer is lost and so is the first read-back's (an error, then a
+    damaged body): the writer asks again instead of giving up on a write that landed."""
+    store = RunStore("run", {"us": bucket_url}, "us", writer="syncer")
+    bucket = store.home
+    real_put, real_get = bucket.put_exclusive, bucket.get
+    answers = [OSError("read timed out"), b"{not json"]
+
+    def lossy(key, data):
+        real_put(key, data)
+        raise OSError("connection reset")
+
+    def flaky(key):
+        if answers and key.endswith("v000000000001.json"):
+            answer = answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+        return real_get(key)
+
+    bucket.put_exclusive, bucket.get = lossy, flaky
+    publish(store, 0, 1)
+    assert answers == [] and store.latest_global(0) == 1
+
+
 KILLED_WRITER = textwrap.dedent(
     """
     import sys, time

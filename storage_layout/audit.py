@@ -1,0 +1,288 @@
+"""``diloco inspect --audit``: a run's invariants, read from its buckets alone.
+
+The buckets are the whole truth of a run: every contribution a learner committed, every
+global version with its record (what it merged, rejected and found superseded, the
+per-learner cursor), and the retention ledger (what was deleted, with the same fields).
+The audit reads them and checks, naming the objects that break each invariant:
+
+- ``objects-verify``: every committed object matches the size and sha256 its marker
+  records (all of them are read again, in every region audited);
+- ``versions-contiguous``: the versions of each fragment, held or in the ledger, are
+  0, 1, ..., newest (none missing);
+- ``not-overwritten``: each version and contribution was written once: every copy, in
+  every region and in the ledger, carries one write id;
+- ``merged-once``: no contribution is in the consumed list of two versions (also across
+  syncer restarts and duplicate syncers);
+- ``merged-committed``: every contribution a version merged was committed by its learner;
+- ``one-outcome``: every committed contribution was merged into a named version,
+  superseded by a newer one from the same anchor that was merged, rejected with a
+  reason, or is pending (after the newest version's cursor); none is lost;
+- ``tokens-balance``: the tokens the versions say they merged equal the new tokens of
+  the contributions merged or superseded (a send from an anchor carries all its steps so
+  far, so each one's new tokens are its count less its predecessor's from that anchor);
+  committed = merged + superseded + rejected + pending.
+
+Regions that hold an older newest version than the home region are reported as lagging
+(not a violation: they catch up). The buckets audited are the ones given; a region of
+the run not given is read at the URL in the run's spec and said so.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from storage_layout.bucket import Bucket, BucketError
+from storage_layout.commit import CommitMarker, CorruptVersion, fetch_objects, read_marker
+from storage_layout.retention import read_ledger
+from storage_layout.store import RunStore
+
+INVARIANTS = (
+    "objects-verify",
+    "versions-contiguous",
+    "not-overwritten",
+    "merged-once",
+    "merged-committed",
+    "one-outcome",
+    "tokens-balance",
+)
+OUTCOMES = ("merged", "superseded", "rejected", "pending", "lost")
+
+
+@dataclass
+class Sent:
+    """One committed contribution, as its marker (or the ledger) describes it."""
+
+    learner: str
+    seq: int
+    base_version: int
+    anchor_seq: int
+    tokens: int
+    write_id: str
+    new_tokens: int = 0  # tokens less those of its predecessor from the same anchor
+    outcome: str = ""
+    where: str = ""  # the version that merged it, the reason it was rejected, ...
+
+    @property
+    def anchor(self) -> tuple[str, int, int]:
+        return (self.learner, self.base_version, self.anchor_seq)
+
+
+@dataclass
+class AuditReport:
+    run: str
+    regions: dict[str, str]  # region -> URL read
+    from_spec: list[str]  # regions read at the spec's URL (not given)
+    violations: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    lagging: dict[str, dict[int, int]] = field(default_factory=dict)  # region -> fragment -> v
+    outcomes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("committed", "versions", *OUTCOMES), 0))  # fmt: skip
+    versions: int = 0  # versions accounted for (held or in the ledger), all fragments
+    objects: int = 0  # committed markers whose objects were read and verified
+
+    @property
+    def ok(self) -> bool:
+        return not any(self.violations.values())
+
+    def fail(self, invariant: str, what: str) -> None:
+        self.violations[invariant].append(what)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "run": self.run, "regions": self.regions, "from_spec": self.from_spec,
+            "ok": self.ok, "violations": {k: v for k, v in self.violations.items() if v},
+            "lagging": self.lagging, "outcomes": self.outcomes, "tokens": self.tokens,
+            "versions": self.versions, "objects_verified": self.objects,
+        }  # fmt: skip
+
+
+def audit_run(run: str, buckets: Mapping[str, str]) -> AuditReport:
+    """Audit ``run`` in ``buckets`` (region -> URL; at least one). The run's spec is read
+    from the first one; regions it names that are not given are read at its URLs."""
+    first, url = next(iter(buckets.items()))
+    spec = RunStore(run, {first: url}, first, writer="audit").read_spec()
+    regions = dict(spec.get("regions") or {})
+    unknown = sorted(set(buckets) - set(regions))
+    if unknown:
+        raise ValueError(f"run {run!r} has no region {unknown}; its regions are {sorted(regions)}")
+    urls = {r: buckets.get(r, u) for r, u in regions.items()}
+    home = next(iter(regions))
+    store = RunStore(run, urls, home, writer="audit")
+    report = AuditReport(run, urls, sorted(set(regions) - set(buckets)))
+    for region in urls:
+        try:
+            store.bucket(region)
+        except BucketError as exc:
+            raise BucketError(f"cannot audit run {run!r}: {exc}") from exc
+    learners: dict[str, str] = dict(spec.get("learners") or {})
+    for p in range(len(spec.get("fragments") or [])):
+        _audit_fragment(store, p, learners, report)
+    return report
+
+
+def _verified(bucket: Bucket, key: str, report: AuditReport) -> CommitMarker | None:
+    """The marker at ``key`` with every object it lists read and checked; None (and an
+    ``objects-verify`` violation) if any does not match."""
+    try:
+        marker = read_marker(bucket, key)
+        fetch_objects(bucket, marker, key, use_inline=False)
+    except (CorruptVersion, FileNotFoundError) as exc:
+        report.fail("objects-verify", f"{bucket.region}: {exc}")
+        return None
+    report.objects += 1
+    return marker
+
+
+def _audit_fragment(
+    store: RunStore, p: int, learners: Mapping[str, str], report: AuditReport
+) -> None:
+    records, write_ids, ledger_sent = _versions(store, p, report)
+    sent = _contributions(store, p, learners, ledger_sent, report)
+    _check_writes(p, write_ids, report)
+    newest = max(records, default=0)
+    missing = sorted(set(range(newest + 1)) - set(records))
+    if missing:
+        report.fail("versions-contiguous", f"fragment {p}: versions {missing} are missing")
+    report.versions += len(records)
+    _outcomes(p, records, sent, report)
+    _balance(p, records, sent, report)
+
+
+def _versions(
+    store: RunStore, p: int, report: AuditReport
+) -> tuple[dict[int, dict], dict[tuple[str, int], dict[str, str]], list[dict]]:
+    """Version records of fragment ``p`` (home's first, then other regions', then the
+    ledger's), each copy's write id, and the ledger's deleted contributions."""
+    records: dict[int, dict] = {}
+    write_ids: dict[tuple[str, int], dict[str, str]] = defaultdict(dict)  # (kind, n) -> where
+    home_newest = None
+    for region in store.urls:
+        bucket = store.bucket(region)
+        versions = store.global_versions(p, region)
+        if region == store.client_region:
+            home_newest = versions[-1] if versions else None
+        elif versions and home_newest is not None and versions[-1] < home_newest:
+            report.lagging.setdefault(region, {})[p] = versions[-1]
+        for v in versions:
+            marker = _verified(bucket, store.layout.global_marker(p, v), report)
+            if marker is not None:
+                records.setdefault(v, marker.meta)
+                write_ids[("version", v)][region] = marker.write_id
+    ledger_sent: list[dict] = []
+    for region in store.urls:
+        try:
+            entries = read_ledger(store.bucket(region), store.layout, p)
+        except CorruptVersion as exc:
+            report.fail("objects-verify", f"{region}: {exc}")
+            continue
+        for entry in entries:
+            ledger_sent.extend(entry.get("contributions", []))
+            for row in entry.get("versions", []):
+                v = int(row["version"])
+                records.setdefault(v, row)
+                for where, wid in row.get("write_ids", {}).items():
+                    write_ids[("version", v)].setdefault(f"{where} (ledger)", wid)
+    return records, write_ids, ledger_sent
+
+
+def _contributions(
+    store: RunStore, p: int, learners: Mapping[str, str], ledger: list[dict],
+    report: AuditReport,
+) -> dict[tuple[str, int], Sent]:  # fmt: skip
+    """Every committed contribution of fragment ``p``: held (verified) or in the ledger."""
+    sent: dict[tuple[str, int], Sent] = {}
+    for learner, region in learners.items():
+        bucket = store.bucket(region)
+        for seq in store.contribution_seqs(learner, p, region):
+            marker = _verified(bucket, store.layout.contribution_marker(learner, p, seq), report)
+            if marker is not None:
+                sent[(learner, seq)] = _sent(learner, seq, marker.meta, marker.write_id)
+    for row in ledger:
+        key = (str(row["learner"]), int(row["seq"]))
+        deleted = _sent(key[0], key[1], row, str(row.get("write_id")))
+        held = sent.setdefault(key, deleted)
+        if held.write_id != deleted.write_id:
+            report.fail("not-overwritten", f"contribution {key[0]}/{key[1]} of fragment {p} "
+                        f"has write ids {held.write_id} and {deleted.write_id} (ledger)")  # fmt: skip
+    return sent
+
+
+def _sent(learner: str, seq: int, meta: Mapping[str, Any], write_id: str) -> Sent:
+    return Sent(learner, seq, int(meta.get("base_version", 0)), int(meta.get("anchor_seq", 0)),
+                int(meta.get("tokens") or 0), write_id)  # fmt: skip
+
+
+def _check_writes(p: int, write_ids: Mapping[tuple[str, int], dict[str, str]],
+                  report: AuditReport) -> None:  # fmt: skip
+    for (kind, n), where in sorted(write_ids.items()):
+        if len(set(where.values())) > 1:
+            copies = ", ".join(f"{r}: {w}" for r, w in sorted(where.items()))
+            report.fail("not-overwritten", f"fragment {p} {kind} {n} was written twice ({copies})")
+
+
+def _outcomes(
+    p: int, records: Mapping[int, dict], sent: dict[tuple[str, int], Sent], report: AuditReport
+) -> None:
+    """Give every contribution its one outcome (see the module docstring)."""
+    merged_in: dict[tuple[str, int], list[int]] = defaultdict(list)
+    rejected: dict[tuple[str, int], str] = {}
+    superseded: dict[tuple[str, int], tuple[str, int]] = {}  # as recorded: -> by whom
+    for v, record in sorted(records.items()):
+        for learner, seq in record.get("consumed") or []:
+            merged_in[(learner, int(seq))].append(v)
+        for learner, seq, reason in record.get("rejected") or []:
+            rejected.setdefault((learner, int(seq)), str(reason))
+        for learner, seq, by in record.get("superseded") or []:
+            superseded.setdefault((learner, int(seq)), (learner, int(by)))
+    for key, versions in sorted(merged_in.items()):
+        if len(versions) > 1:
+            report.fail("merged-once", f"fragment {p}: {key[0]}/{key[1]} merged into versions {versions}")  # fmt: skip
+        if key not in sent:
+            report.fail("merged-committed", f"fragment {p}: version {versions[0]} merged "
+                        f"{key[0]}/{key[1]}, which its learner never committed")  # fmt: skip
+    cursor = (records.get(max(records, default=0)) or {}).get("cursor") or {}
+    merged_anchors: dict[tuple[str, int, int], list[int]] = defaultdict(list)
+    for key, c in sent.items():
+        if key in merged_in:
+            merged_anchors[c.anchor].append(c.seq)
+    for key, c in sorted(sent.items()):
+        later = [s for s in merged_anchors.get(c.anchor, []) if s > c.seq]
+        by = superseded.get(key)
+        if key in merged_in:
+            c.outcome, c.where = "merged", f"v{merged_in[key][0]}"
+        elif later:
+            c.outcome, c.where = "superseded", f"{c.learner}/{min(later)}"
+        elif by in merged_in:  # re-sent with nothing new since the merged ``by``
+            c.outcome, c.where = "superseded", f"{by[0]}/{by[1]}"
+        elif key in rejected or by in rejected:
+            c.outcome = "rejected"
+            c.where = rejected.get(key, f"superseded by {by}, rejected")
+        elif c.seq > int(cursor.get(c.learner, 0)):
+            c.outcome = "pending"
+        else:
+            c.outcome = "lost"
+            report.fail("one-outcome", f"fragment {p}: {c.learner}/{c.seq} is below the cursor "
+                        f"({cursor.get(c.learner)}) but was neither merged, superseded nor "
+                        "rejected")  # fmt: skip
+        report.outcomes[c.outcome] += 1
+
+
+def _balance(
+    p: int, records: Mapping[int, dict], sent: Mapping[tuple[str, int], Sent], report: AuditReport
+) -> None:
+    """New tokens per outcome, against what the versions say they merged."""
+    last: dict[tuple[str, int, int], int] = {}
+    for _, c in sorted(sent.items(), key=lambda kv: kv[1].seq):
+        c.new_tokens = c.tokens - last.get(c.anchor, 0)
+        last[c.anchor] = c.tokens
+        report.tokens["committed"] += c.new_tokens
+        report.tokens[c.outcome] += c.new_tokens
+    in_versions = sum(int(r.get("tokens") or 0) for r in records.values())
+    report.tokens["versions"] += in_versions
+    expected = sum(c.new_tokens for c in sent.values() if c.outcome in ("merged", "superseded"))
+    if in_versions != expected:
+        report.fail("tokens-balance", f"fragment {p}: the versions merged {in_versions} tokens, "
+                    f"the contributions merged or superseded carry {expected}")  # fmt: skip

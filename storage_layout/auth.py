@@ -1,0 +1,190 @@
+"""Authenticated contributions: who may write a learner's contributions into a bucket.
+
+Bucket permissions say who can write to a region; they do not say which learner wrote a
+contribution. So each learner signs its contribution markers with a key of its own, and
+a syncer rejects a marker whose signature is missing or does not verify.
+
+- The **run secret** (``DILOCO_RUN_SECRET``) is held by the syncers and the launcher.
+- A **learner's key** is ``HMAC-SHA256(secret, "{run}/{learner}")``: a learner process
+  gets only its own (``DILOCO_LEARNER_KEY``, hex), so it cannot sign for another learner,
+  nor for the same learner id in another run. A process that holds the secret derives
+  any learner's key.
+- The **signature** is an HMAC-SHA256 with the learner's key over the marker's canonical
+  JSON without the signature field: kind, data prefix, every object with its size and
+  sha256, writer, write id and meta. A reader checks each object against the marker's
+  sha256, so the signature authenticates the data as well.
+
+The keys are symmetric: a syncer holding the secret could sign for any learner. They keep
+out whoever can write to a bucket but holds no key (a leaked bucket credential, another
+tenant of the bucket, a misrouted job), not a syncer. Global versions and checkpoints are
+not signed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from storage_layout.commit import CommitMarker, CorruptVersion
+
+RUN_SECRET_ENV = "DILOCO_RUN_SECRET"
+LEARNER_KEY_ENV = "DILOCO_LEARNER_KEY"
+ALGORITHM = "hmac-sha256"
+MIN_SECRET_CHARS = 16
+KEY_BYTES = 32  # an HMAC-SHA256 digest
+UNAUTHENTICATED = (
+    "contributions are not authenticated: whoever can write to a region's bucket can add "
+    f"contributions in any learner's name. Set {RUN_SECRET_ENV} for the syncers and give "
+    f"each learner its {LEARNER_KEY_ENV} (diloco train does both; see docs/deploy.md, "
+    "'Authenticated contributions')"
+)
+
+
+class Unauthenticated(CorruptVersion):
+    """A contribution marker that is unsigned, or whose signature does not verify with
+    its learner's key: not written by that learner (forged or tampered)."""
+
+
+def new_run_secret() -> str:
+    """A fresh run secret: 256 random bits, hex."""
+    return secrets.token_hex(32)
+
+
+def check_secret(secret: str, source: str = RUN_SECRET_ENV) -> str:
+    if len(secret) < MIN_SECRET_CHARS:
+        raise ValueError(
+            f"the run secret in {source} has {len(secret)} characters; use at least "
+            f"{MIN_SECRET_CHARS} "
+            "(python -c 'import secrets; print(secrets.token_hex(32))' makes one)"
+        )
+    return secret
+
+
+def learner_key(secret: str, run: str, learner: str) -> bytes:
+    """``learner``'s key in ``run``: HMAC-SHA256(secret, "{run}/{learner}")."""
+    message = f"{run}/{learner}".encode()
+    return hmac.new(check_secret(secret).encode(), message, hashlib.sha256).digest()
+
+
+def parse_key(text: str, source: str = LEARNER_KEY_ENV) -> bytes:
+    """A learner key from its hex form (as ``diloco train`` passes it)."""
+    try:
+        key = bytes.fromhex(text.strip())
+    except ValueError:
+        key = b""
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"{source} is not a learner key ({2 * KEY_BYTES} hex digits)")
+    return key
+
+
+def signed_content(marker: CommitMarker) -> bytes:
+    """What a signature covers: the marker as stored, without its signature, as canonical
+    JSON. It goes through the marker's own JSON first, so the writer (with tuples, say) and
+    a reader (with lists) sign and check the same bytes."""
+    body = json.loads(marker.to_json())
+    body.pop("signature", None)
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def signature(marker: CommitMarker, key: bytes) -> str:
+    return hmac.new(key, signed_content(marker), hashlib.sha256).hexdigest()
+
+
+def sign(marker: CommitMarker, key: bytes) -> CommitMarker:
+    """``marker`` with its signature under ``key``."""
+    return replace(marker, signature={"alg": ALGORITHM, "value": signature(marker, key)})
+
+
+def signer(key: bytes) -> Callable[[CommitMarker], CommitMarker]:
+    """``commit_version``'s ``sign`` hook for ``key``."""
+    return lambda marker: sign(marker, key)
+
+
+def verify(marker: CommitMarker, key: bytes, learner: str, where: str) -> None:
+    """Raise ``Unauthenticated`` (naming ``where``, the marker's key, and ``learner``)
+    unless ``marker`` carries a signature that verifies with ``learner``'s ``key``."""
+    sig = marker.signature
+    if sig is None:
+        raise Unauthenticated(
+            f"{where}: unsigned, but this syncer requires {learner}'s signature: not written "
+            f"with {learner}'s key (forged, or {learner} runs without {LEARNER_KEY_ENV})"
+        )
+    if sig.get("alg") != ALGORITHM:
+        raise Unauthenticated(f"{where}: signed with {sig.get('alg')!r}, not {ALGORITHM}")
+    if not hmac.compare_digest(sig.get("value", "").encode(), signature(marker, key).encode()):
+        raise Unauthenticated(
+            f"{where}: signature does not verify: not written by {learner}'s key "
+            "(forged or tampered)"
+        )
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The key material one process holds for ``run``.
+
+    A syncer (or the launcher, or a simulation) holds the run ``secret``: it derives every
+    learner's key, so it signs for any learner and verifies all of them. A learner process
+    holds only its own ``key``. With neither, nothing is signed or verified.
+    """
+
+    run: str
+    secret: str | None = field(default=None, repr=False)  # never in a log line
+    learner: str | None = None
+    key: bytes | None = field(default=None, repr=False)
+
+    def signing_key(self, learner: str) -> bytes | None:
+        if self.secret is not None:
+            return learner_key(self.secret, self.run, learner)
+        return self.key if learner == self.learner else None
+
+    def verifying_key(self, learner: str) -> bytes | None:
+        """``learner``'s key if contributions must be signed (this process has the secret)."""
+        return None if self.secret is None else learner_key(self.secret, self.run, learner)
+
+    @property
+    def verifies(self) -> bool:
+        return self.secret is not None
+
+    @classmethod
+    def from_env(
+        cls, run: str, learner: str | None = None, environ: Mapping[str, str] | None = None
+    ) -> Keys:
+        """Keys from ``DILOCO_RUN_SECRET`` and, for the process of ``learner``,
+        ``DILOCO_LEARNER_KEY``. A learner key that is not ``learner``'s under the secret
+        (both set) is an error now rather than every contribution rejected later."""
+        env = os.environ if environ is None else environ
+        secret = env.get(RUN_SECRET_ENV) or None
+        if secret is not None:
+            check_secret(secret)
+        raw = env.get(LEARNER_KEY_ENV) or None
+        if learner is None or raw is None:
+            return cls(run, secret, learner)
+        key = parse_key(raw)
+        if secret is not None and not hmac.compare_digest(key, learner_key(secret, run, learner)):
+            raise ValueError(
+                f"{LEARNER_KEY_ENV} is not {learner}'s key in run {run!r} under {RUN_SECRET_ENV}"
+            )
+        return cls(run, secret, learner, key)
+
+
+def run_secret(path: Path, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """The run secret and where it comes from: ``DILOCO_RUN_SECRET`` if set, else the
+    file ``path``, created (mode 0600, exclusively) with a new secret on first use, so a
+    resumed run signs with the keys it started with."""
+    env = os.environ if environ is None else environ
+    if env.get(RUN_SECRET_ENV):
+        return check_secret(env[RUN_SECRET_ENV]), RUN_SECRET_ENV
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return check_secret(path.read_text().strip(), str(path)), str(path)
+    secret = new_run_secret()
+    with os.fdopen(fd, "w") as out:
+        out.write(secret + "\n")
+    return secret, str(path)
