@@ -85,6 +85,9 @@ class OuterConfig(_Strict):
     staleness_lambda: PositiveFloat = 0.5  # exponential rate
     max_staleness: Annotated[int, Field(ge=0)] = 8
     max_norm: PositiveFloat = 1e3  # reject outer gradients with a larger global L2 norm
+    # Reject one whose norm per inner step is this many times the median of the fragment's
+    # recent accepted ones (a learner gone wrong, or a forged update); 0 turns it off.
+    max_norm_ratio: Annotated[float, Field(ge=0)] = 10.0
 
 
 class TopologyConfig(_Strict):
@@ -154,6 +157,11 @@ class PipelineConfig(_Strict):
     stall_seconds: PositiveFloat = 120.0  # a learner says so when no awaited version came
     # Before a run starts, check that every bucket refuses a second exclusive create.
     probe_exclusive: bool = True
+    # Failure on purpose (docs/chaos.md), for `diloco train`'s local workers: a storage
+    # fault plan (the fields of storage_layout.faults.FaultPlan) and a process chaos plan
+    # (infra.chaos.ChaosPlan). Empty: none. Checked before the run starts.
+    faults: dict[str, Any] = {}
+    chaos: dict[str, Any] = {}
 
 
 class RunConfig(_Strict):

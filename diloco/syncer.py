@@ -17,6 +17,7 @@ next version's record, so the versions account for every contribution.
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 
@@ -30,6 +31,7 @@ from diloco.outer import (
     FlatParams,
     anchored_delta,
     contribution_weight,
+    global_norm,
     outer_optimizer,
     outer_step,
     rda_merge,
@@ -37,6 +39,8 @@ from diloco.outer import (
     weighted_mean,
 )
 from diloco.validate import ContributionRejected, check_contribution
+
+NORM_WINDOW, NORM_MIN = 32, 4  # recent accepted norms kept; needed before the check
 
 
 def quorum_met(learners_present: Collection[str], quorum: int) -> bool:
@@ -123,6 +127,8 @@ class FragmentSyncer:
         # Outcomes other than a merge, carried into the next version's record.
         self.rejections: list[tuple[str, int, str]] = []
         self.superseded: list[tuple[str, int, int]] = []
+        # Norms per inner step of the recently accepted contributions (an outlier check).
+        self.norms: deque[float] = deque(maxlen=NORM_WINDOW)
         # Versions inside the staleness window, for the anchored merge.
         self.history: dict[int, FlatParams] = {version: self.params}
         # Per anchor (learner, base version, anchor seq): the last merged contribution, so a
@@ -198,6 +204,12 @@ class FragmentSyncer:
         tokens, seconds = c.tokens - before.tokens, c.seconds - before.seconds
         return replace(c, tokens=tokens, steps=steps, seconds=seconds), delta
 
+    @property
+    def typical_norm(self) -> float | None:
+        """The median norm per inner step of the recently accepted contributions (None
+        until there are a few: the outlier check needs something to compare with)."""
+        return statistics.median(self.norms) if len(self.norms) >= NORM_MIN else None
+
     def _admit(self) -> tuple[list[tuple[Contribution, FlatParams]], list[ContributionRejected]]:
         """Validate and take every pending contribution (the cursor moves past each one,
         accepted or not); returns the new work to merge and the rejections."""
@@ -207,7 +219,8 @@ class FragmentSyncer:
         for c in sorted(self.pending.values(), key=lambda c: (c.learner, c.seq)):
             try:
                 delta = check_contribution(c, self.shapes, self.learners, self.version,
-                                           cfg.max_staleness, cfg.max_norm)  # fmt: skip
+                                           cfg.max_staleness, cfg.max_norm, self.typical_norm,
+                                           cfg.max_norm_ratio)  # fmt: skip
             except ContributionRejected as exc:
                 rejected.append(exc)
                 continue
@@ -216,6 +229,7 @@ class FragmentSyncer:
                 rejected.append(ContributionRejected(c, reason))
                 continue
             accepted.append((c, delta))
+            self.norms.append(global_norm(delta) / c.steps)
         for c in self.pending.values():
             self.cursor[c.learner] = max(self.cursor.get(c.learner, 0), c.seq)
         self.pending.clear()

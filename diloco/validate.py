@@ -33,8 +33,12 @@ def check_contribution(
     current_version: int,
     max_staleness: int,
     max_norm: float,
+    typical: float | None = None,
+    max_ratio: float = 0.0,
 ) -> FlatParams:
-    """Validate ``c`` against its fragment; return its outer gradient (float32)."""
+    """Validate ``c`` against its fragment; return its outer gradient (float32).
+    ``typical``: the median norm per inner step of the fragment's recent contributions;
+    one above ``max_ratio`` times it is rejected (``max_ratio`` 0: no such check)."""
 
     def reject(reason: str) -> ContributionRejected:
         return ContributionRejected(c, reason)
@@ -69,4 +73,10 @@ def check_contribution(
     norm = global_norm(delta)
     if norm > max_norm:
         raise reject(f"outer-gradient norm {norm:.4g} exceeds the bound {max_norm:.4g}")
+    per_step = norm / c.steps
+    if typical and max_ratio and per_step > max_ratio * typical:
+        raise reject(
+            f"outer-gradient norm per step {per_step:.4g} is {per_step / typical:.0f}x the "
+            f"median {typical:.4g} of the fragment's recent contributions (bound {max_ratio:g}x)"
+        )
     return delta

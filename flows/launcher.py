@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,8 @@ from diloco.topology import (
 )
 from flows.observe import artifact_key, train_summary_rows
 from flows.run import build_model, initialize_run, validation
+from infra.chaos import Chaos, ChaosPlan, kill_to_rejoin, percentiles, read_actions
+from storage_layout import faults
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV, learner_key, run_secret
 from storage_layout.commit import CorruptVersion
 from storage_layout.store import RunStore
@@ -65,7 +68,11 @@ log = logging.getLogger(__name__)
 STOPPING = threading.Event()  # set on Ctrl-C: exits are then expected, not retried
 Status = tuple[str, str, list[int]]  # (status writer, its region, fragments a syncer owns)
 _children: set[subprocess.Popen] = set()
+_workers: dict[str, subprocess.Popen] = {}  # writer id -> its live process (for chaos)
+_starts: Counter[str] = Counter()  # writer id -> processes started
 _lock = threading.Lock()
+# Run -> the fault plan its workers run under (DILOCO_FAULTS), if any.
+_FAULT_ENV: dict[str, dict[str, str]] = {}
 
 
 # Run -> its secret, for the worker processes' environments. Never a flow or task
@@ -73,12 +80,18 @@ _lock = threading.Lock()
 _RUN_SECRETS: dict[str, str] = {}
 
 
-def child_env(run: str = "", worker: str = "", secret: str | None = None) -> dict[str, str]:
+def child_env(
+    run: str = "", worker: str = "", secret: str | None = None, start: int = 0
+) -> dict[str, str]:
     """A worker process's environment: the launcher's without any key material, the
     Prefect API, and what ``worker`` may hold of the run ``secret``: a syncer shard
     (``syncer-N``) the secret itself, to verify every learner; a learner only its own key
     (``storage_layout.auth``), so it can sign for no other learner."""
-    env = {k: v for k, v in os.environ.items() if k not in (RUN_SECRET_ENV, LEARNER_KEY_ENV)}
+    hidden = (RUN_SECRET_ENV, LEARNER_KEY_ENV, faults.ENV_VAR)
+    env = {k: v for k, v in os.environ.items() if k not in hidden}
+    if run in _FAULT_ENV:  # salted per start: a restart must not replay its faults
+        plan = json.loads(_FAULT_ENV[run][faults.ENV_VAR])
+        env[faults.ENV_VAR] = json.dumps({**plan, "salt": f"{worker}/{start}"})
     env["PYTHONUNBUFFERED"] = "1"
     url = PREFECT_API_URL.value()
     if url:
@@ -98,31 +111,48 @@ def run_process(name: str, argv: list[str], log_path: str, run: str = "", worker
     its end; a non-zero exit fails the task run."""
     if STOPPING.is_set():
         return 130
-    env = child_env(run, worker, _RUN_SECRETS.get(run))
+    with _lock:
+        _starts[worker or name] += 1
+        start = _starts[worker or name]
+    env = child_env(run, worker, _RUN_SECRETS.get(run), start)
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
     get_run_logger().info("%s started (pid %d); its output goes to %s", name, proc.pid, log_path)
     with _lock:
         _children.add(proc)
+        _workers[worker or name] = proc
     try:
         code = proc.wait()
     finally:
         with _lock:
             _children.discard(proc)
+            if _workers.get(worker or name) is proc:
+                del _workers[worker or name]
     if code == 0 or STOPPING.is_set():
         return code
     tail = Path(log_path).read_text(errors="replace")[-800:]
+    if code < 0:
+        raise Killed(f"{name} was killed by signal {-code}; log {log_path}:\n{tail}")
     raise RuntimeError(f"{name} exited with status {code}; log {log_path}:\n{tail}")
 
 
+class Killed(RuntimeError):
+    """A worker process ended by a signal (a machine lost, a kill from outside), not by
+    failing on its own: restarted at once, and never counted as a crash loop."""
+
+
 def worker_progress(store: RunStore, status: Status) -> Any:
-    """What a worker has done so far, as the buckets tell it: a learner's step, a syncer
-    shard's newest versions. A crash after progress is a crash, not a crash loop."""
+    """What a worker has done so far, as the buckets tell it: a learner's step and its
+    newest contribution of each fragment (a learner killed mid-round has committed work
+    but not yet its status), a syncer shard's newest versions. A crash after progress is
+    a crash, not a crash loop."""
     writer, region, fragments = status
     try:
         if fragments:
             return [store.latest_global(p) for p in fragments]
-        return (store.read_metrics(writer, region) or {}).get("step")
+        sent = [(store.contribution_seqs(writer, p, region) or [0])[-1]
+                for p in range(len(store.read_spec()["fragments"]))]  # fmt: skip
+        return (store.read_metrics(writer, region) or {}).get("step"), sent
     except (OSError, ValueError):
         return None
 
@@ -147,7 +177,8 @@ def supervise(
 ) -> int:
     """Keep one worker process running until it ends its work: restart it after every
     crash (backoff 2 s doubling to 60 s, reset by progress); give it up after
-    ``max_failed_starts`` crashes in a row without progress."""
+    ``max_failed_starts`` crashes in a row without progress. A process killed by a
+    signal is restarted after 1 s and counts as no crash: it did not fail, it was lost."""
     log = get_run_logger()
     store = RunStore(run, regions, home_region(regions), writer="launcher")
     failed, delay = 0, 2.0
@@ -155,6 +186,12 @@ def supervise(
         before = worker_progress(store, status)
         try:
             return run_process(name, argv, log_path, run, status[0])
+        except Killed as exc:
+            if STOPPING.is_set():
+                return 130
+            log.warning("%s was killed (%s); restarting it", name, str(exc).splitlines()[0])
+            STOPPING.wait(1.0)
+            continue
         except Exception as exc:
             if STOPPING.is_set():
                 return 130
@@ -278,6 +315,7 @@ def _interrupt_children() -> list[subprocess.Popen]:
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGCONT)  # one paused by the chaos driver must hear it
     return procs
 
 
@@ -584,6 +622,53 @@ def authenticate(run: str, folder: Path, via: str, log: Any) -> None:
              "secret (from %s)", source)  # fmt: skip
 
 
+def worker_faults(run: str, cfg: RunConfig, folder: Path, log: Any) -> faults.FaultPlan | None:
+    """The storage fault plan the run's workers get (``pipeline.faults``), checked before
+    the run starts: one ``t0`` for all (a restarted worker keeps the outage window) and a
+    shared fault log, ``folder/faults.jsonl``. The launcher itself stays fault-free."""
+    _FAULT_ENV.pop(run, None)
+    if not cfg.pipeline.faults:
+        return None
+    data = {"log_path": str(folder / "faults.jsonl"), **cfg.pipeline.faults, "t0": time.time()}
+    plan = faults.FaultPlan.from_dict(data, source="pipeline.faults")
+    _FAULT_ENV[run] = plan.to_env()
+    log.warning("the workers run with injected storage faults: %s", plan.to_json())
+    return plan
+
+
+def start_chaos(plan: ChaosPlan, folder: Path, via: str, log: Any) -> Chaos | None:
+    """The process chaos driver over this launcher's live workers, if ``plan`` acts."""
+    if not plan.active:
+        return None
+    if via != "processes":
+        log.warning("pipeline.chaos needs the workers as local processes; no chaos")
+        return None
+
+    def live() -> dict[str, int]:
+        with _lock:
+            return {name: p.pid for name, p in _workers.items() if p.poll() is None}
+
+    log.warning("chaos on: %s; its actions go to %s", plan.model_dump(), folder / "chaos.jsonl")
+    return Chaos(plan, live, folder / "chaos.jsonl", log).start()
+
+
+def failure_report(store: RunStore, spec: dict, folder: Path) -> dict[str, Any]:
+    """What was done to the run on purpose (chaos actions and injected storage faults,
+    by kind) and what a learner kill cost: the seconds to its next contribution."""
+    actions = read_actions(folder / "chaos.jsonl")
+    injected = read_actions(folder / "faults.jsonl")
+    kills = [a for a in actions if a["action"] == "kill_learner"]
+    for fault in injected:  # a learner's own death during an upload or checkpoint write
+        parts = fault["key"].split("/")
+        if fault["kind"] == "crash" and "learners" in parts:
+            kills.append({"time": fault["time"], "worker": parts[parts.index("learners") + 1]})
+    return {
+        "actions": dict(Counter(a["action"] for a in actions)),
+        "faults": dict(Counter(f["kind"] for f in injected)),
+        "kill_to_rejoin": percentiles(kill_to_rejoin(store, spec, kills)),
+    }
+
+
 @flow(
     name="train",
     flow_run_name="train {run}",
@@ -601,10 +686,14 @@ def train_flow(
     log = get_run_logger()
     cfg = validate_config(config)
     STOPPING.clear()
+    folder = Path(logs).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    worker_faults(run, cfg, folder, log)  # both checked before anything is committed
+    chaos_plan = ChaosPlan(**cfg.pipeline.chaos)
     store = RunStore(run, regions, home_region(regions), writer="launcher")
     spec = initialize_run(store, cfg)
     Path(logs).mkdir(parents=True, exist_ok=True)
-    authenticate(run, Path(logs).parent, via, log)
+    authenticate(run, folder, via, log)
     # Workers share a persistent JAX compilation cache: a restarted learner does not
     # compile its step again (the variables reach them through child_env()).
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(logs).parent / "jax-cache"))
@@ -626,7 +715,12 @@ def train_flow(
     )
     started = time.time()
     names, futures = _start_workers(run, regions, cfg, spec, logs, via)
-    ended = _watch(names, futures, monitor, bar, cfg.pipeline.eval_seconds, log)
+    chaos = start_chaos(chaos_plan, folder, via, log)
+    try:
+        ended = _watch(names, futures, monitor, bar, cfg.pipeline.eval_seconds, log)
+    finally:
+        if chaos is not None:
+            chaos.stop()
     failed = []
     for name, future in zip(names, futures, strict=True):
         try:
@@ -645,6 +739,8 @@ def train_flow(
     update_progress_artifact(bar, monitor.progress(monitor.statuses()))
     summary = monitor.summary(wall, allocated)
     summary["failed"] = failed
+    if cfg.pipeline.faults or chaos_plan.active:
+        summary["chaos"] = failure_report(store, spec, folder)
     png = loss_plot_png(monitor.curve, f"run {run}")
     store.home.put(f"{run}/metrics/loss.png", png)
     create_markdown_artifact(

@@ -61,6 +61,24 @@ def train_summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         else "-"
     )
     ratio = summary.get("bandwidth_ratio_vs_dp")
+    return [*_base_rows(summary, loss, ratio), *_chaos_rows(summary.get("chaos"))]
+
+
+def _chaos_rows(chaos: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """What was done to the run on purpose, and what a learner kill cost."""
+    if not chaos:
+        return []
+    rejoin = chaos.get("kill_to_rejoin") or {}
+    return [
+        ("chaos", " · ".join(f"{k.replace('_', ' ')} {v}" for k, v in chaos["actions"].items()) or "-"),
+        ("storage faults", " · ".join(f"{k} {v}" for k, v in chaos["faults"].items()) or "-"),
+        ("kill to next contribution",
+         f"median {rejoin['median']:.1f} s · p90 {rejoin['p90']:.1f} s ({rejoin['n']} kills)"
+         if rejoin else "-"),
+    ]  # fmt: skip
+
+
+def _base_rows(summary: dict[str, Any], loss: str, ratio: float | None) -> list[tuple[str, str]]:
     return [
         ("mode", summary["mode"]),
         ("parameters", f"{summary['params']:,}"),

@@ -17,6 +17,9 @@ The audit reads them and checks, naming the objects that break each invariant:
 - ``one-outcome``: every committed contribution was merged into a named version,
   superseded by a newer one from the same anchor that was merged, rejected with a
   reason, or is pending (after the newest version's cursor); none is lost;
+- ``no-strangers``: contributions lie only under the learners dealt to each region (the
+  syncer never reads others: one under an unknown learner, or a learner of another
+  region, was written by someone else, and is named here);
 - ``tokens-balance``: the tokens the versions say they merged equal the new tokens of
   the contributions merged or superseded (a send from an anchor carries all its steps so
   far, so each one's new tokens are its count less its predecessor's from that anchor);
@@ -46,6 +49,7 @@ INVARIANTS = (
     "merged-once",
     "merged-committed",
     "one-outcome",
+    "no-strangers",
     "tokens-balance",
 )
 OUTCOMES = ("merged", "superseded", "rejected", "pending", "lost")
@@ -120,7 +124,23 @@ def audit_run(run: str, buckets: Mapping[str, str]) -> AuditReport:
     learners: dict[str, str] = dict(spec.get("learners") or {})
     for p in range(len(spec.get("fragments") or [])):
         _audit_fragment(store, p, learners, report)
+    _strangers(store, learners, report)
     return report
+
+
+def _strangers(store: RunStore, learners: Mapping[str, str], report: AuditReport) -> None:
+    for region in store.urls:
+        bucket = store.bucket(region)
+        for name in bucket.list(f"{store.run}/learners"):
+            if learners.get(name) == region:
+                continue
+            held = bucket.list(f"{store.run}/learners/{name}/contributions")
+            if held:
+                owner = (
+                    f"learner of {learners[name]}" if name in learners else "no learner of the run"
+                )
+                report.fail("no-strangers", f"{region}: {store.run}/learners/{name} holds "
+                            f"contributions ({', '.join(held)}) but is {owner}")  # fmt: skip
 
 
 def _verified(bucket: Bucket, key: str, report: AuditReport) -> CommitMarker | None:

@@ -23,16 +23,21 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import socket
 import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from storage_layout.bucket import Bucket
 from storage_layout.layout import FORMAT_VERSION
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+ATTEMPTS = 3  # of a request that failed in passing, before its failure is believed
 
 MARKER_FORMAT = "diloco-commit"
 # Objects up to this size (the Zarr metadata documents) are also inlined in the marker, so
@@ -53,6 +58,32 @@ class CommitConflict(RuntimeError):
 
 class CorruptVersion(ValueError):
     """A committed version whose marker or objects do not check out; the message says how."""
+
+
+# Failures that are answers, not accidents: asking again gives the same one.
+_DEFINITE = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
+             NotADirectoryError)  # fmt: skip
+
+
+def patiently(call: Callable[[], T], what: str, attempts: int = ATTEMPTS) -> T:
+    """``call()``, asked again after a failure in passing: an ``OSError`` that is not an
+    answer (a timeout, a reset connection, a region that blinked) or a ``CorruptVersion``
+    (a damaged read of an object that is immutable once committed). The clients retry
+    their own transport errors; this covers what still gets through. The last failure
+    is raised; a missing object is believed at once."""
+    delay = 0.05
+    for attempt in range(attempts):
+        try:
+            return call()
+        except _DEFINITE:
+            raise
+        except (OSError, CorruptVersion) as exc:
+            if attempt == attempts - 1:
+                raise
+            log.info("%s failed (%s); asking again in %.2f s", what, exc, delay)
+            time.sleep(delay)
+            delay *= 2
+    raise AssertionError("unreachable")
 
 
 def writer_identity(role: str) -> str:
@@ -177,7 +208,8 @@ def commit_version(
     )
     if sign is not None:
         marker = sign(marker)
-    bucket.put_many({f"{data_prefix}/{rel}": data for rel, data in objects.items()})
+    data = {f"{data_prefix}/{rel}": blob for rel, blob in objects.items()}
+    patiently(lambda: bucket.put_many(data), f"writing {data_prefix}")  # idempotent
     body = marker.to_json()
     delay = 0.1
     for attempt in range(attempts):
@@ -212,7 +244,7 @@ def discard_data(bucket: Bucket, data_prefix: str) -> None:
 
 
 def read_marker(bucket: Bucket, marker_key: str) -> CommitMarker:
-    return CommitMarker.from_json(bucket.get(marker_key), marker_key)
+    return patiently(lambda: CommitMarker.from_json(bucket.get(marker_key), marker_key), marker_key)
 
 
 def read_version(bucket: Bucket, marker_key: str) -> tuple[CommitMarker, dict[str, bytes]]:
@@ -229,8 +261,21 @@ def fetch_objects(
     use_inline: bool = True,
 ) -> dict[str, bytes]:
     """The marker's objects (or only the root metadata and the named Zarr subgroups),
-    each checked against the size and sha256 the marker records. Inlined copies are used
+    each checked against the size and sha256 the marker records (a mismatch is read
+    again, ``patiently``, before it is ``CorruptVersion``). Inlined copies are used
     unless ``use_inline`` is False (a full verification reads every stored object)."""
+    return patiently(
+        lambda: _fetch_objects(bucket, marker, marker_key, groups, use_inline), marker_key
+    )
+
+
+def _fetch_objects(
+    bucket: Bucket,
+    marker: CommitMarker,
+    marker_key: str,
+    groups: tuple[str, ...] | None,
+    use_inline: bool,
+) -> dict[str, bytes]:
     wanted = {
         rel: expect
         for rel, expect in marker.objects.items()

@@ -15,14 +15,20 @@ all 0 by default):
 - ``stale_list`` (listings): the lexicographically last ``stale_list_drop`` names are
   left out; keys are zero-padded counters, so these are the newest objects;
 - ``latency``: the request first waits ``latency_seconds``;
+- ``crash``: the process kills itself (SIGKILL) instead of writing a commit marker
+  (``put_exclusive``) whose key contains one of ``crash_keys``: the writer dies between
+  its data and its marker, e.g. a learner during an upload (``/contributions/``) or a
+  checkpoint write (``/checkpoints/``);
 - ``outage``: for one region, from ``t0 + start`` for ``seconds``, every request fails
   (``RegionOutage``), whatever the rates, ``regions`` and ``ops``.
 
 Every fault is logged (logger ``storage_layout.faults``, WARNING) as ``injected <kind>
-fault: <op> <key> in region <r>`` and counted per kind (``counts()``).
+fault: <op> <key> in region <r>`` and counted per kind (``counts()``); with ``log_path``
+set, also appended as a JSON line (time, pid, kind, op, key, region) to that file, which
+every process of a run can share (a benchmark counts the faults of all its workers).
 
 **Replay rule.** Whether a request draws a fault of a kind depends only on the plan's
-seed and on (region, op, key, n, kind), where ``n`` counts how often this process asked
+seed and salt and on (region, op, key, n, kind), where ``n`` counts how often this process asked
 for this (region, op, key) before. A uniform number is hashed from these values, never
 taken from a shared random stream, so thread interleaving does not change the faults:
 the same seed and the same requests per key give the same faults; another seed gives
@@ -44,6 +50,7 @@ import json
 import logging
 import math
 import os
+import signal
 import threading
 import time
 from collections import Counter
@@ -66,6 +73,7 @@ KINDS = (
     "corrupt",
     "stale_list",
     "latency",
+    "crash",
     "outage",
 )
 RANDOM_KINDS = KINDS[:-1]  # drawn per request; the outage follows the clock
@@ -181,10 +189,16 @@ class FaultPlan:
     stale_list_drop: int = 1  # names a stale listing leaves out
     latency_rate: float = 0.0
     latency_seconds: float = 0.0
+    crash_rate: float = 0.0
+    crash_keys: tuple[str, ...] = ("/contributions/", "/checkpoints/")
     outage: Outage | None = None
     t0: float = field(default_factory=time.time)
     regions: tuple[str, ...] | None = None  # only these regions draw random faults
     ops: tuple[str, ...] | None = None  # only these operations draw random faults
+    log_path: str | None = None  # a JSON line per fault is appended here
+    # Tells processes apart (a launcher sets "WORKER/START"): a restarted worker repeats
+    # its predecessor's requests, and must not meet the same faults forever.
+    salt: str = ""
 
     def __post_init__(self) -> None:
         _check_number("seed", self.seed, -math.inf, integer=True)
@@ -203,6 +217,11 @@ class FaultPlan:
             object.__setattr__(self, "regions", _check_names("regions", self.regions))
         if self.ops is not None:
             object.__setattr__(self, "ops", _check_names("ops", self.ops, OPS))
+        object.__setattr__(self, "crash_keys", _check_names("crash_keys", self.crash_keys))
+        if not isinstance(self.salt, str):
+            raise FaultPlanError(f"fault plan field 'salt': {self.salt!r} is not a string")
+        if self.log_path is not None and not isinstance(self.log_path, str):
+            raise FaultPlanError(f"fault plan field 'log_path': {self.log_path!r} is no path")
 
     @classmethod
     def from_dict(cls, data: Any, source: str | None = None) -> FaultPlan:
@@ -269,7 +288,8 @@ class Request:
     n: int
 
     def draw(self, kind: str) -> float:
-        return uniform(self.plan.seed, self.region, self.op, self.key, self.n, kind)
+        plan = self.plan
+        return uniform(plan.seed, plan.salt, self.region, self.op, self.key, self.n, kind)
 
     def hits(self, kind: str) -> bool:
         rate = self.plan.rate(kind) if self.plan.targets(self.region, self.op) else 0.0
@@ -327,6 +347,11 @@ class Injector:
         with _totals_lock:
             _totals[kind] += 1
         log.warning("%s", message)
+        if self.plan.log_path:
+            line = {"time": time.time(), "pid": os.getpid(), "kind": kind, "op": request.op,
+                    "key": request.key, "region": request.region, "detail": detail}  # fmt: skip
+            with open(self.plan.log_path, "a") as f:  # one short append: atomic on POSIX
+                f.write(json.dumps(line) + "\n")
         return message
 
     def counts(self) -> dict[str, int]:
@@ -500,7 +525,18 @@ class FaultyBucket(Bucket):
         self._call("put", list(objects), partial(super().put_many, objects))
 
     def put_exclusive(self, key: str, data: bytes) -> None:
-        self._call("put_exclusive", [key], partial(super().put_exclusive, key, data))
+        self._call("put_exclusive", [key], partial(self._marker, key, data))
+
+    def _marker(self, key: str, data: bytes) -> None:
+        """An exclusive write; or the writer's death just before it (``crash``)."""
+        plan = self.injector.plan
+        if plan.crash_rate and any(k in key for k in plan.crash_keys):
+            request = self.injector.request(self.region, "crash", key)
+            if request.draw("crash") < plan.crash_rate:
+                self.injector.record("crash", request, f"pid {os.getpid()} killed itself")
+                logging.shutdown()  # the record reaches the log before the process goes
+                os.kill(os.getpid(), signal.SIGKILL)
+        super().put_exclusive(key, data)
 
     def get(self, key: str) -> bytes:
         return self._call(

@@ -164,7 +164,8 @@ def _plan_contributions(
                 m = marker.meta
                 plan.contributions.append(
                     {"learner": learner, "seq": seq, "base_version": base,
-                     "tokens": m.get("tokens"), "steps": m.get("steps"),
+                     "anchor_seq": m.get("anchor_seq", 0), "tokens": m.get("tokens"),
+                     "steps": m.get("steps"), "written_at": m.get("written_at"),
                      "write_id": marker.write_id}
                 )  # fmt: skip
             else:

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,7 @@ from storage_layout.commit import (
     commit_version,
     fetch_objects,
     new_write_id,
+    patiently,
     read_marker,
     writer_identity,
 )
@@ -136,15 +138,12 @@ class RunStore:
         if region not in self._buckets:
             if region not in self.urls:
                 raise ValueError(f"unknown region {region!r}; this run has {sorted(self.urls)}")
+            opening = partial(open_bucket, self.urls[region], region=region,
+                              client_region=self.client_region,
+                              storage_options=self._options.get(region), traffic=self.traffic,
+                              allow_unsafe_overwrite=self._unsafe)  # fmt: skip
             try:
-                self._buckets[region] = open_bucket(
-                    self.urls[region],
-                    region=region,
-                    client_region=self.client_region,
-                    storage_options=self._options.get(region),
-                    traffic=self.traffic,
-                    allow_unsafe_overwrite=self._unsafe,
-                )
+                self._buckets[region] = patiently(opening, f"opening region {region}")
             except BucketError as exc:
                 raise RegionDown(str(exc)) from exc
         return self._buckets[region]
@@ -175,13 +174,9 @@ class RunStore:
     def read_spec(self, region: str | None = None) -> dict[str, Any]:
         bucket = self.bucket(region or self.client_region)
         try:
-            raw = bucket.get(self.layout.spec)
+            spec = _read_json(bucket, self.layout.spec)
         except FileNotFoundError:
             raise FileNotFoundError(f"no run {self.run!r} in {bucket.url} (no spec.json)") from None
-        try:
-            spec = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise CorruptVersion(f"{bucket.url}/{self.layout.spec} is not JSON: {exc}") from exc
         if spec.get("format_version") != FORMAT_VERSION:
             raise CorruptVersion(
                 f"run {self.run!r} has format version {spec.get('format_version')!r}; "
@@ -192,7 +187,7 @@ class RunStore:
     # discovery ----------------------------------------------------------------------
     def _numbers(self, bucket: Bucket, prefix: str, letter: str) -> list[int]:
         out = []
-        for name in bucket.list(prefix):
+        for name in patiently(lambda: bucket.list(prefix), f"listing {prefix}"):
             n = parse_marker_name(name, letter)
             if n is None:
                 log.warning("ignoring foreign object %s/%s in %s", prefix, name, bucket.url)
@@ -230,10 +225,9 @@ class RunStore:
             generation = (taken[-1] if taken else 0) + 1
             claim = {"writer": self.writer, "host": socket.gethostname(), "pid": os.getpid(),
                      "time": time.time()}  # fmt: skip
-            try:
-                self.home.put_exclusive(
-                    self.layout.lease_marker(learner, generation), json.dumps(claim).encode()
-                )
+            key, body = self.layout.lease_marker(learner, generation), json.dumps(claim).encode()
+            try:  # (a lost answer that landed shows up as taken: we claim the next one)
+                patiently(lambda: self.home.put_exclusive(key, body), key)  # noqa: B023
                 return generation
             except FileExistsError:
                 continue  # another starter took it first: try the next one
@@ -483,19 +477,31 @@ class RunStore:
             **{k: old.get(k, 0) + v for k, v in (totals or {}).items()},
             **record,
         }
-        self.home.put(self.layout.metrics(name), json.dumps(body, sort_keys=True).encode())
+        data = json.dumps(body, sort_keys=True).encode()
+        patiently(lambda: self.home.put(self.layout.metrics(name), data), f"metrics of {name}")
 
     def read_metrics(self, name: str, region: str | None = None) -> dict[str, Any] | None:
         """A writer's metrics object, or None if it has written none yet."""
         try:
-            raw = self.bucket(region or self.client_region).get(self.layout.metrics(name))
+            return _read_json(self.bucket(region or self.client_region), self.layout.metrics(name))
         except FileNotFoundError:
             return None
+        except CorruptVersion as exc:
+            log.warning("metrics object of %s ignored: %s", name, exc)
+            return None
+
+
+def _read_json(bucket: Bucket, key: str) -> Any:
+    """A JSON object, read again if a read comes back damaged (``patiently``)."""
+
+    def read() -> Any:
+        raw = bucket.get(key)
         try:
             return json.loads(raw)
-        except json.JSONDecodeError:
-            log.warning("metrics object of %s is not JSON; ignored", name)
-            return None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CorruptVersion(f"{bucket.url}/{key} is not JSON: {exc}") from exc
+
+    return patiently(read, key)
 
 
 def poll(

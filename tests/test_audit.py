@@ -108,6 +108,23 @@ def test_a_contribution_nothing_accounts_for_is_lost(run):
     assert f"{learner}/{seq}" in problem and report.outcomes["lost"] == 1
 
 
+def test_contributions_under_a_learner_of_another_region_are_named(run):
+    """The syncer reads a learner's contributions only in its own region; what lies under
+    another region's learner, or an unknown one, was written by someone else."""
+    store = RunStore("r", run, "us")
+    spec = store.read_spec()
+    learner = next(lid for lid, region in spec["learners"].items() if region == "us")
+    seq = store.contribution_seqs(learner, 0, "us")[-1]
+    tensors, meta = store.get_contribution(learner, 0, seq, "us")
+    eu = RunStore("r", run, "eu", writer="intruder")
+    eu.put_contribution(learner, 0, seq + 1, tensors, meta)
+    eu.put_contribution("learner-9", 0, 1, tensors, meta)
+    found = audit_run("r", run).violations["no-strangers"]
+    assert len(found) == 2
+    assert any(f"learners/{learner} holds" in p and "learner of us" in p for p in found)
+    assert any("learners/learner-9 holds" in p and "no learner of the run" in p for p in found)
+
+
 def test_a_version_written_twice_is_named(run):
     """Another write of a version in a region (different write id) is an overwrite."""
     eu = RunStore("r", run, "eu", writer="rogue")

@@ -280,7 +280,7 @@ def test_marker_write_that_timed_out_before_is_retried(bucket_url):
     key = "run/learners/l0/contributions/f0000/commits/s000000000001.json"
 
     def fails_once(seed: int) -> bool:
-        draw = [faults.uniform(seed, "us", "put_exclusive", key, n, "timeout_before") for n in (0, 1)]  # fmt: skip
+        draw = [faults.uniform(seed, "", "us", "put_exclusive", key, n, "timeout_before") for n in (0, 1)]  # fmt: skip
         return draw[0] < 0.5 <= draw[1]
 
     seed = next(s for s in range(200) if fails_once(s))  # the replay rule, used directly
@@ -308,3 +308,43 @@ def test_damaged_reads_of_a_committed_version_raise_corrupt_version(bucket_url, 
         with pytest.raises(CorruptVersion, match=r"marker says|sha256"):
             fetch_objects(reader.home, marker, key, use_inline=False)  # the data objects
     assert faults.counts()[kind] >= 3
+
+
+CRASHING_WRITER = """
+import sys
+import numpy as np
+from diloco.quantize import quantize
+from storage_layout.store import RunStore
+store = RunStore("run", {"us": sys.argv[1]}, "us", writer="learner-0")
+store.put_contribution("learner-0", 0, 1, {"w": quantize(np.ones(4, np.float32), "fp32")},
+                       {"base_version": 0})
+print("survived")
+"""
+
+
+def test_a_crash_kills_the_writer_between_its_data_and_its_marker(tmp_path):
+    """``crash``: a learner dies during an upload (data written, marker not), and says so
+    in the shared fault log first."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    log = tmp_path / "faults.jsonl"
+    plan = {"seed": 1, "crash_rate": 1.0, "log_path": str(log)}
+    env = {**os.environ, "DILOCO_FAULTS": json.dumps(plan)}
+    (tmp_path / "b").mkdir()
+    url = f"file://{tmp_path / 'b'}"
+    proc = subprocess.run([sys.executable, "-c", CRASHING_WRITER, url], env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == -9 and "survived" not in proc.stdout, proc.stderr
+    assert "injected crash fault" in proc.stderr
+    (line,) = [json.loads(x) for x in log.read_text().splitlines()]
+    assert line["kind"] == "crash" and line["pid"] > 0 and "/contributions/" in line["key"]
+    store = RunStore("run", {"us": url}, "us")
+    assert store.contribution_seqs("learner-0", 0, "us") == []  # no marker: invisible
+    data = tmp_path / "b" / "run" / "learners" / "learner-0" / "contributions" / "f0000" / "data"
+    assert len(list(data.iterdir())) == 1  # what it wrote before it died
+    # Other markers (a global version) are not crash points.
+    with faults.inject({**plan, "log_path": None}):
+        RunStore("run", {"us": url}, "us").publish_global(0, 0, {"w": np.ones(2)}, [], {})

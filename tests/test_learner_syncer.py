@@ -144,6 +144,28 @@ def test_rejoin_takes_new_anchors(setup):
     assert (c.seq, c.base_version, c.anchor_seq, c.steps) == (4, 0, 3, 1)
 
 
+def test_a_norm_far_above_the_recent_ones_is_rejected():
+    """Per inner step, against the median of the fragment's recent accepted contributions:
+    a learner gone wrong (or a forged update) is not merged; larger but ordinary ones are,
+    and nothing is compared before there is a history."""
+    shapes = {"w": (4,)}
+    cfg = OuterConfig(staleness="constant", max_norm=1e9, max_norm_ratio=10.0)
+    syncer = FragmentSyncer(0, {"w": np.zeros(4, np.float32)}, cfg, ["a", "b"], is_embedding)
+    syncer.offer(contribution("a", 1, 0, 500.0, shapes, steps=10))  # no history: taken
+    syncer.merge()
+    for seq in range(2, 6):
+        syncer.offer(contribution("a", seq, syncer.version, 1.0, shapes, steps=10))
+        syncer.merge()
+    assert syncer.typical_norm == pytest.approx(0.2)  # |(1,1,1,1)| / 10 steps
+    syncer.offer(contribution("a", 6, syncer.version, 1.0 * 9, shapes, steps=10))  # 9x
+    syncer.offer(contribution("b", 1, syncer.version, 1.0 * 40, shapes, steps=20))  # 20x
+    out = syncer.merge()
+    assert out.version.consumed == (("a", 6),)
+    (bad,) = out.rejected
+    assert bad.contribution.learner == "b" and "20x the median" in bad.reason
+    assert out.version.rejected == (("b", 1, bad.reason),)
+
+
 def test_quorum_and_grace_window():
     assert not quorum_met(["a", "a"], 2) and quorum_met(["a", "b"], 2)
     # slack = 2 * 1.0 - (0.3 + 0.2) = 1.5; gamma 0.5 -> 0.75

@@ -1,0 +1,185 @@
+"""Chaos benchmark: the real pipeline under failure, against the same run without it.
+
+`diloco train` (the `tiny` preset, M = 4 learners in two file:// regions, real processes
+and a real Prefect API) runs four times with the same seed and budget: decoupled and
+synchronous DiLoCo, each without and with chaos. Chaos is the same plan for both modes:
+
+- process chaos (`pipeline.chaos`): learner and syncer SIGKILLs and learner pauses at
+  exponential intervals (`infra/chaos.py`);
+- storage faults (`pipeline.faults`): errors, lost responses, truncated reads, stale
+  listings, latency spikes, and learners dying between data and marker;
+- forged input: a forger writes, every `--forge-every` seconds, an unsigned contribution,
+  one signed but full of NaN, one signed with a norm 1000x too large, and one whose data
+  is damaged after it was committed, into the learners' buckets.
+
+Every bucket is then audited (`storage_layout.audit`). The table: kills and faults by
+kind, the audit, final validation loss and goodput with and without chaos at equal
+tokens, and the time from a learner kill to its next contribution.
+
+    python bench/chaos/run.py [--tokens 2000000] [--kill-every 15] [--only decoupled]
+
+Writes bench/chaos/results.md and results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench.machine import machine  # noqa: E402
+from diloco.quantize import quantize  # noqa: E402
+from storage_layout.audit import audit_run  # noqa: E402
+from storage_layout.auth import learner_key  # noqa: E402
+from storage_layout.store import RunStore  # noqa: E402
+
+FORGERIES = ("unsigned", "nan", "norm", "corrupt")
+
+
+def chaos_settings(args: argparse.Namespace) -> list[str]:
+    chaos = {"seed": args.seed, "learner_kill_every": args.kill_every,
+             "syncer_kill_every": args.syncer_kill_every, "pause_every": args.pause_every,
+             "pause_seconds": 8.0, "start_after": 10.0}  # fmt: skip
+    faults = {"seed": args.seed, "error_rate": 0.05, "timeout_after_rate": 0.02,
+              "truncate_rate": 0.01, "stale_list_rate": 0.05, "latency_rate": 0.01,
+              "latency_seconds": 1.0, "crash_rate": 0.005}  # fmt: skip
+    out = [f"pipeline.chaos.{k}={json.dumps(v)}" for k, v in chaos.items()]
+    out += [f"pipeline.faults.{k}={json.dumps(v)}" for k, v in faults.items()]
+    return [*out, "pipeline.max_failed_starts=20"]
+
+
+class Forger(threading.Thread):
+    """Writes bad contributions into the learners' buckets while the run goes on, at a
+    sequence number the learner used for another fragment (so it never collides with a
+    real send) and above what the syncer has read of this fragment."""
+
+    def __init__(self, run: str, folder: Path, every: float, seed: int):
+        super().__init__(daemon=True, name="forger")
+        self.run_name, self.folder, self.every = run, folder, every
+        self.rng = random.Random(seed)
+        self.stop = threading.Event()
+        self.done: list[dict] = []
+
+    def run(self) -> None:
+        kinds = iter(FORGERIES * 1000)
+        while not self.stop.wait(self.every):
+            try:
+                self.forge(next(kinds))
+            except Exception as exc:  # the benchmark goes on; the table says how many landed
+                print(f"forger: {exc!r}", flush=True)
+
+    def forge(self, kind: str) -> None:
+        regions = json.loads((self.folder / "regions.json").read_text())
+        store = RunStore(self.run_name, regions, next(iter(regions)), writer="forger")
+        spec = store.read_spec()
+        lid = self.rng.choice(sorted(spec["learners"]))
+        region = spec["learners"][lid]
+        seqs = {p: store.contribution_seqs(lid, p, region) for p in range(len(spec["fragments"]))}
+        newest = max((s[-1], p) for p, s in seqs.items() if s)
+        p = (newest[1] + 1) % len(seqs)
+        if not seqs[p] or newest[0] in seqs[p]:
+            return
+        tensors, meta = store.get_contribution(lid, p, seqs[p][-1], region)
+        secret = (self.folder / "run-secret").read_text().strip()
+        key = None if kind == "unsigned" else learner_key(secret, self.run_name, lid)
+        if kind in ("nan", "norm"):
+            fill = np.nan if kind == "nan" else 1e3
+            tensors = {n: quantize(np.full(q.shape, fill, np.float32), "fp32")
+                       for n, q in tensors.items()}  # fmt: skip
+        writer = RunStore(self.run_name, {region: regions[region]}, region, writer=lid)
+        marker = writer.put_contribution(lid, p, newest[0], tensors, meta, key)
+        if kind == "corrupt":  # damaged after the commit: its bytes no longer match
+            rel = next(r for r in marker.objects if "/c/" in r)
+            path = marker.data_prefix + "/" + rel
+            data = bytearray(writer.home.get(path))
+            data[0] ^= 0xFF
+            writer.home.put(path, bytes(data))
+        self.done.append({"kind": kind, "learner": lid, "fragment": p, "seq": newest[0]})
+
+
+def train(name: str, mode: str, args: argparse.Namespace, chaos: bool, root: Path) -> dict:
+    """One `diloco train` run; its summary, audit and forgeries."""
+    run = f"{name}-{mode}"
+    folder = root / run
+    regions = {"us-east": f"file://{root}/{run}-us", "eu-west": f"file://{root}/{run}-eu"}
+    sets = [f"budget.tokens={args.tokens}", f"seed={args.seed}", "pipeline.eval_seconds=20"]
+    sets += chaos_settings(args) if chaos else []
+    argv = [sys.executable, "-m", "flows.cli", "train", "--run", run, "--dir", str(root),
+            "--mode", mode] + [x for s in sets for x in ("--set", s)]  # fmt: skip
+    argv += [x for r, u in regions.items() for x in ("--region", f"{r}={u}")]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "regions.json").write_text(json.dumps(regions))
+    forger = Forger(run, folder, args.forge_every, args.seed)
+    if chaos:
+        forger.start()
+    started = time.time()
+    with open(folder / "train.log", "w") as out:
+        code = subprocess.run(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT).returncode
+    forger.stop.set()
+    summary = json.loads((folder / "summary.json").read_text()) if code == 0 else {}
+    audit = audit_run(run, regions).as_dict()
+    return {"run": run, "mode": mode, "chaos": chaos, "exit": code, "seconds": time.time() - started,
+            "summary": summary, "audit": audit, "forged": forger.done}  # fmt: skip
+
+
+def row(r: dict) -> str:
+    s, a = r["summary"], r["audit"]
+    chaos = s.get("chaos") or {}
+    rejoin = chaos.get("kill_to_rejoin") or {}
+    forged = ", ".join(f"{k} {sum(f['kind'] == k for f in r['forged'])}" for k in FORGERIES)
+    kills = " · ".join(f"{k} {v}" for k, v in chaos.get("actions", {}).items()) or "-"
+    faults = " · ".join(f"{k} {v}" for k, v in chaos.get("faults", {}).items()) or "-"
+    audit = "clean" if a["ok"] else "FAILED: " + "; ".join(a["violations"])
+    return (f"| {r['mode']} | {'chaos' if r['chaos'] else 'none'} | {r['exit']} | "
+            f"{s.get('final_loss', float('nan')):.4f} | {s.get('goodput', 0):.1%} | "
+            f"{s.get('wall_seconds', 0):.0f} | {kills} | {faults} | "
+            f"{forged if r['chaos'] else '-'} | {audit} (lost {a['outcomes']['lost']}, "
+            f"rejected {a['outcomes']['rejected']}) | "
+            f"{rejoin.get('median', float('nan')):.1f} / {rejoin.get('p90', float('nan')):.1f} |")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=2_000_000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kill-every", type=float, default=15.0)
+    parser.add_argument("--syncer-kill-every", type=float, default=60.0)
+    parser.add_argument("--pause-every", type=float, default=30.0)
+    parser.add_argument("--forge-every", type=float, default=20.0)
+    parser.add_argument("--only", action="append", choices=["decoupled", "diloco"])
+    parser.add_argument("--out", default=str(ROOT / "bench" / "chaos"))
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
+        for mode in args.only or ["decoupled", "diloco"]:
+            for chaos in (False, True):
+                r = train("chaos" if chaos else "calm", mode, args, chaos, Path(tmp))
+                print(row(r), flush=True)
+                results.append(r)
+    out = Path(args.out)
+    (out / "results.json").write_text(json.dumps(
+        {"args": vars(args), "machine": machine(), "results": results}, indent=1, default=str))  # fmt: skip
+    header = ("| mode | chaos | exit | final loss | goodput | wall s | chaos actions | "
+              "storage faults | forged | audit | kill to next send, median / p90 s |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    command = "python bench/chaos/run.py " + " ".join(sys.argv[1:])
+    (out / "results.md").write_text(
+        f"# Chaos benchmark\n\n`{command}` on {machine()}\n\n{header}\n"
+        + "\n".join(row(r) for r in results)
+        + "\n"
+    )
+
+
+if __name__ == "__main__":
+    main()
