@@ -455,9 +455,18 @@ class SyncerLoop:
             c = r.contribution
             self.log.warning("%s", r)
             self.emit(records.rejected(c.learner, p, c.seq, r.reason, now))
-        gv = outcome.version
-        if gv is None:
+        if outcome.version is None:
             return None
+        return self._publish(p, outcome.version)
+
+    def seal(self, p: int) -> records.Record | None:
+        """At the run's end: publish the outcomes no merge will carry (see
+        ``FragmentSyncer.seal``), so the versions account for every contribution."""
+        gv = self.syncers[p].seal()
+        return None if gv is None else self._publish(p, gv)
+
+    def _publish(self, p: int, gv: GlobalVersion) -> records.Record | None:
+        syncer, now = self.syncers[p], self.clock.now()
         record = records.version(gv, now, self.last[p])
         try:
             won = self.transport.publish(gv, syncer.opt_leaves, record)
@@ -490,5 +499,7 @@ class SyncerLoop:
                     self.log.warning("publishing fragment %d failed, will retry: %s", p, exc)
             self.transport.tend()
             if finishing and not self.due(finishing=True):
+                for p in self.syncers:
+                    self.seal(p)
                 return
             yield Wait(self.next_deadline())

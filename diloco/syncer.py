@@ -290,6 +290,23 @@ class FragmentSyncer:
             rejected,
         )
 
+    def seal(self) -> GlobalVersion | None:
+        """A version that merges nothing and records the outcomes decided since the last
+        one (rejections, replacements, the cursor past them), for the run's end, when no
+        merge will carry them; the parameters and the outer state stay. None when there
+        is nothing to record."""
+        if not (self.rejections or self.superseded):
+            return None
+        self.version += 1
+        self.history[self.version] = self.params
+        return GlobalVersion(
+            fragment=self.fragment, version=self.version, params=self.params,
+            opt_state=self.opt_state, consumed=(), cursor=dict(self.cursor), weights={},
+            staleness={}, tokens=0, seconds=0.0, merged=self.merged,
+            rejected=tuple(self._take(self.rejections)),
+            superseded=tuple(self._take(self.superseded)),
+        )  # fmt: skip
+
     @staticmethod
     def _take(items: list) -> list:
         out = list(items)

@@ -6,7 +6,8 @@ per-learner cursor), and the retention ledger (what was deleted, with the same f
 The audit reads them and checks, naming the objects that break each invariant:
 
 - ``objects-verify``: every committed object matches the size and sha256 its marker
-  records (all of them are read again, in every region audited);
+  records (all of them are read again, in every region audited), except those of a
+  contribution a syncer rejected for it (the damage was found and the work refused);
 - ``versions-contiguous``: the versions of each fragment, held or in the ledger, are
   0, 1, ..., newest (none missing);
 - ``not-overwritten``: each version and contribution was written once: every copy, in
@@ -68,6 +69,7 @@ class Sent:
     new_tokens: int = 0  # tokens less those of its predecessor from the same anchor
     outcome: str = ""
     where: str = ""  # the version that merged it, the reason it was rejected, ...
+    damage: str = ""  # why its objects do not verify, if they do not
 
     @property
     def anchor(self) -> tuple[str, int, int]:
@@ -85,6 +87,7 @@ class AuditReport:
     tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("committed", "versions", *OUTCOMES), 0))  # fmt: skip
     versions: int = 0  # versions accounted for (held or in the ledger), all fragments
+    rejections: int = 0  # contributions the versions record as rejected (with a reason)
     objects: int = 0  # committed markers whose objects were read and verified
 
     @property
@@ -100,6 +103,7 @@ class AuditReport:
             "ok": self.ok, "violations": {k: v for k, v in self.violations.items() if v},
             "lagging": self.lagging, "outcomes": self.outcomes, "tokens": self.tokens,
             "versions": self.versions, "objects_verified": self.objects,
+            "rejections": self.rejections,
         }  # fmt: skip
 
 
@@ -217,9 +221,18 @@ def _contributions(
     for learner, region in learners.items():
         bucket = store.bucket(region)
         for seq in store.contribution_seqs(learner, p, region):
-            marker = _verified(bucket, store.layout.contribution_marker(learner, p, seq), report)
-            if marker is not None:
-                sent[(learner, seq)] = _sent(learner, seq, marker.meta, marker.write_id)
+            key = store.layout.contribution_marker(learner, p, seq)
+            try:
+                marker = read_marker(bucket, key)
+            except (CorruptVersion, FileNotFoundError) as exc:
+                report.fail("objects-verify", f"{region}: {exc}")
+                continue
+            c = sent[(learner, seq)] = _sent(learner, seq, marker.meta, marker.write_id)
+            try:
+                fetch_objects(bucket, marker, key, use_inline=False)
+                report.objects += 1
+            except (CorruptVersion, FileNotFoundError) as exc:
+                c.damage = f"{region}: {exc}"  # a violation unless a syncer rejected it
     for row in ledger:
         key = (str(row["learner"]), int(row["seq"]))
         deleted = _sent(key[0], key[1], row, str(row.get("write_id")))
@@ -263,6 +276,10 @@ def _outcomes(
         if key not in sent:
             report.fail("merged-committed", f"fragment {p}: version {versions[0]} merged "
                         f"{key[0]}/{key[1]}, which its learner never committed")  # fmt: skip
+    report.rejections += len(rejected)
+    for key, c in sorted(sent.items()):
+        if c.damage and key not in rejected:  # corrupt, and no syncer said so
+            report.fail("objects-verify", c.damage)
     cursor = (records.get(max(records, default=0)) or {}).get("cursor") or {}
     merged_anchors: dict[tuple[str, int, int], list[int]] = defaultdict(list)
     for key, c in sent.items():
@@ -270,7 +287,7 @@ def _outcomes(
             merged_anchors[c.anchor].append(c.seq)
     for key, c in sorted(sent.items()):
         later = [s for s in merged_anchors.get(c.anchor, []) if s > c.seq]
-        by = superseded.get(key)
+        by = _last_of_chain(key, superseded)
         if key in merged_in:
             c.outcome, c.where = "merged", f"v{merged_in[key][0]}"
         elif later:
@@ -288,6 +305,19 @@ def _outcomes(
                         f"({cursor.get(c.learner)}) but was neither merged, superseded nor "
                         "rejected")  # fmt: skip
         report.outcomes[c.outcome] += 1
+
+
+def _last_of_chain(
+    key: tuple[str, int], superseded: Mapping[tuple[str, int], tuple[str, int]]
+) -> tuple[str, int] | None:
+    """What ``key`` was finally superseded by: a chain of replacements (a pending send
+    replaced by a newer one, itself replaced before the merge) ends at the one that was
+    merged or rejected. None if ``key`` was never superseded."""
+    by, seen = superseded.get(key), {key}
+    while by is not None and by in superseded and by not in seen:
+        seen.add(by)
+        by = superseded[by]
+    return by
 
 
 def _balance(

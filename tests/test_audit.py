@@ -148,3 +148,42 @@ def test_inspect_audit_cli(run, capsys):
     assert cli_main(["inspect", f"us={us}", "--run", "r", "--audit"]) == 1
     text = capsys.readouterr().out
     assert "objects-verify" in text and "FAILED" in text
+
+
+def test_damage_a_syncer_found_and_rejected_is_accounted_for(run):
+    """A contribution whose data was damaged after its commit is a violation, unless a
+    syncer rejected it for that (then it is a rejection, and its work is refused)."""
+    store = RunStore("r", run, "us", writer="syncer")
+    spec = store.read_spec()
+    learner = next(lid for lid, region in spec["learners"].items() if region == "us")
+    taken = store.contribution_seqs(learner, 0, "us")
+    tensors, meta = store.get_contribution(learner, 0, taken[-1], "us")
+    seq = spec["config"]["budget"]["tokens"]  # above every cursor; plausible enough here
+    meta = {**meta, "anchor_seq": 10**6}
+    marker = RunStore("r", run, "us", writer=learner).put_contribution(learner, 0, seq, tensors,
+                                                                       meta)  # fmt: skip
+    rel = next(r for r in marker.objects if "/c/" in r)
+    store.home.put(f"{marker.data_prefix}/{rel}", b"\0" * marker.objects[rel]["size"])
+    report = audit_run("r", run)
+    assert any(f"s{seq:012d}" in p for p in report.violations["objects-verify"])
+    newest = store.latest_global(0)
+    state = store.get_global(0, newest)
+    reason = "unreadable: object does not match its sha256"
+    cursor = {**state.meta["cursor"], learner: seq}
+    record = {**state.meta, "version": newest + 1, "consumed": [], "tokens": 0,
+              "superseded": [], "rejected": [[learner, seq, reason]], "cursor": cursor}  # fmt: skip
+    store.publish_global(0, newest + 1, state.params, state.opt_leaves, record)
+    report = audit_run("r", run)
+    assert report.ok, dict(report.violations)
+    assert report.outcomes["rejected"] == 1 and report.rejections == 1
+
+
+def test_a_chain_of_replacements_ends_where_the_last_one_went():
+    """248 replaced by 250, 250 by 252, 252 rejected: 248's outcome is 252's (it used to
+    look lost when only one step of the chain was followed)."""
+    from storage_layout.audit import _last_of_chain
+
+    chain = {("a", 248): ("a", 250), ("a", 250): ("a", 252)}
+    assert _last_of_chain(("a", 248), chain) == ("a", 252)
+    assert _last_of_chain(("a", 252), chain) is None
+    assert _last_of_chain(("a", 1), {("a", 1): ("a", 2), ("a", 2): ("a", 1)}) == ("a", 1)

@@ -166,6 +166,23 @@ def test_a_norm_far_above_the_recent_ones_is_rejected():
     assert out.version.rejected == (("b", 1, bad.reason),)
 
 
+def test_outcomes_no_merge_carries_are_sealed_into_a_last_version():
+    """The run's end: what was rejected or replaced since the last version is published
+    in a version that merges nothing (the parameters stay), so none goes unrecorded."""
+    shapes = {"w": (2,)}
+    syncer = FragmentSyncer(0, {"w": np.ones(2, np.float32)}, OuterConfig(), ["a"], is_embedding)
+    assert syncer.seal() is None  # nothing to record
+    syncer.offer(contribution("a", 1, 0, 1.0, shapes))
+    syncer.offer(contribution("a", 2, 0, np.nan, shapes))  # replaces seq 1, then rejected
+    assert syncer.merge().version is None
+    sealed = syncer.seal()
+    assert sealed.version == 1 and sealed.consumed == () and sealed.tokens == 0
+    assert sealed.superseded == (("a", 1, 2),)
+    assert [r[:2] for r in sealed.rejected] == [("a", 2)] and sealed.cursor == {"a": 2}
+    np.testing.assert_array_equal(sealed.params["w"], np.ones(2))
+    assert syncer.seal() is None
+
+
 def test_quorum_and_grace_window():
     assert not quorum_met(["a", "a"], 2) and quorum_met(["a", "b"], 2)
     # slack = 2 * 1.0 - (0.3 + 0.2) = 1.5; gamma 0.5 -> 0.75

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -86,7 +87,9 @@ class Forger(threading.Thread):
         lid = self.rng.choice(sorted(spec["learners"]))
         region = spec["learners"][lid]
         seqs = {p: store.contribution_seqs(lid, p, region) for p in range(len(spec["fragments"]))}
-        newest = max((s[-1], p) for p, s in seqs.items() if s)
+        newest = max(((s[-1], p) for p, s in seqs.items() if s), default=None)
+        if newest is None:
+            return  # nothing sent yet
         p = (newest[1] + 1) % len(seqs)
         if not seqs[p] or newest[0] in seqs[p]:
             return
@@ -125,27 +128,46 @@ def train(name: str, mode: str, args: argparse.Namespace, chaos: bool, root: Pat
         forger.start()
     started = time.time()
     with open(folder / "train.log", "w") as out:
-        code = subprocess.run(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT).returncode
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            code = proc.wait(timeout=args.max_seconds)
+        except subprocess.TimeoutExpired:  # stopped as a user would: Ctrl-C, workers save
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait()
     forger.stop.set()
+    seconds = time.time() - started
     summary = json.loads((folder / "summary.json").read_text()) if code == 0 else {}
     audit = audit_run(run, regions).as_dict()
-    return {"run": run, "mode": mode, "chaos": chaos, "exit": code, "seconds": time.time() - started,
-            "summary": summary, "audit": audit, "forged": forger.done}  # fmt: skip
+    return {"run": run, "mode": mode, "chaos": chaos, "exit": code, "seconds": seconds,
+            "summary": summary, "audit": audit, "forged": forger.done,
+            "merged_tokens": merged_tokens(run, regions)}  # fmt: skip
+
+
+def merged_tokens(run: str, regions: dict[str, str]) -> int:
+    """Tokens the newest versions have merged, over the fragments (how far a run got)."""
+    store = RunStore(run, regions, next(iter(regions)))
+    total = 0
+    for p in range(len(store.read_spec()["fragments"])):
+        newest = store.latest_global(p)
+        total += int(store.global_marker(p, newest).meta.get("tokens_total", 0))
+    return total
 
 
 def row(r: dict) -> str:
-    s, a = r["summary"], r["audit"]
+    s, a = r["summary"] or {"wall_seconds": r["seconds"]}, r["audit"]
     chaos = s.get("chaos") or {}
     rejoin = chaos.get("kill_to_rejoin") or {}
     forged = ", ".join(f"{k} {sum(f['kind'] == k for f in r['forged'])}" for k in FORGERIES)
     kills = " · ".join(f"{k} {v}" for k, v in chaos.get("actions", {}).items()) or "-"
     faults = " · ".join(f"{k} {v}" for k, v in chaos.get("faults", {}).items()) or "-"
     audit = "clean" if a["ok"] else "FAILED: " + "; ".join(a["violations"])
-    return (f"| {r['mode']} | {'chaos' if r['chaos'] else 'none'} | {r['exit']} | "
+    done = "done" if r["exit"] == 0 else f"stopped at {r['seconds']:.0f} s"
+    return (f"| {r['mode']} | {'chaos' if r['chaos'] else 'none'} | {done} | "
+            f"{r['merged_tokens']:,} | "
             f"{s.get('final_loss', float('nan')):.4f} | {s.get('goodput', 0):.1%} | "
             f"{s.get('wall_seconds', 0):.0f} | {kills} | {faults} | "
             f"{forged if r['chaos'] else '-'} | {audit} (lost {a['outcomes']['lost']}, "
-            f"rejected {a['outcomes']['rejected']}) | "
+            f"rejections recorded {a['rejections']}) | "
             f"{rejoin.get('median', float('nan')):.1f} / {rejoin.get('p90', float('nan')):.1f} |")  # fmt: skip
 
 
@@ -158,21 +180,26 @@ def main() -> None:
     parser.add_argument("--pause-every", type=float, default=30.0)
     parser.add_argument("--forge-every", type=float, default=20.0)
     parser.add_argument("--only", action="append", choices=["decoupled", "diloco"])
+    parser.add_argument("--max-seconds", type=float, default=900.0, help="per run")
     parser.add_argument("--out", default=str(ROOT / "bench" / "chaos"))
     args = parser.parse_args()
-    results = []
+    results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
         for mode in args.only or ["decoupled", "diloco"]:
             for chaos in (False, True):
                 r = train("chaos" if chaos else "calm", mode, args, chaos, Path(tmp))
                 print(row(r), flush=True)
                 results.append(r)
-    out = Path(args.out)
+                write(Path(args.out), args, results)  # after each run: nothing is lost
+
+
+def write(out: Path, args: argparse.Namespace, results: list[dict]) -> None:
     (out / "results.json").write_text(json.dumps(
         {"args": vars(args), "machine": machine(), "results": results}, indent=1, default=str))  # fmt: skip
-    header = ("| mode | chaos | exit | final loss | goodput | wall s | chaos actions | "
-              "storage faults | forged | audit | kill to next send, median / p90 s |\n"
-              "|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    header = ("| mode | chaos | run | tokens merged | final loss | goodput | wall s | "
+              "chaos actions | storage faults | forged | audit | "
+              "kill to next send, median / p90 s |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     command = "python bench/chaos/run.py " + " ".join(sys.argv[1:])
     (out / "results.md").write_text(
         f"# Chaos benchmark\n\n`{command}` on {machine()}\n\n{header}\n"
