@@ -367,6 +367,8 @@ class SyncerLoop:
         )  # fmt: skip
         syncer.history.update(stored.history)
         self.syncers[p] = syncer
+        # What was refused since that version is refused (and recorded) again when read.
+        self.implausible = {k for k in self.implausible if k[1] != p}
         for learner in self.learners:
             self.seen[(learner, p)] = syncer.cursor.get(learner, 0)
         self.clocks[p] = _MergeClock()

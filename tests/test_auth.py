@@ -270,6 +270,14 @@ def test_the_syncer_rejects_what_a_learner_did_not_sign_and_merges_what_it_did(
     for seq in (3, 4):
         real.put_contribution(_contribution(model, 0, "learner-0", seq, seq))
     assert syncer.poll() == 2  # (before, the forged seq 5 moved the syncer past them)
+    # A reload (a failed publish does one) forgets the unpublished outcomes: the forged
+    # seq 5 is refused and recorded again, so the next version still accounts for it.
+    syncer.loop.load(0)
+    syncer.poll()
+    assert syncer.merge_and_publish(0) is None  # seqs 3 and 4 carry nothing new
+    assert syncer.loop.seal(0)["version"] == 2  # the run's end: outcomes published
+    meta = RunStore("r", regions, "us").global_marker(0, 2).meta
+    assert ["learner-0", 5] in [r[:2] for r in meta["rejected"]]
 
 
 def test_without_the_run_secret_the_syncer_accepts_unsigned_contributions(auth_run):

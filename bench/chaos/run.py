@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.machine import machine  # noqa: E402
 from diloco.quantize import quantize  # noqa: E402
+from flows.run import config_from_spec  # noqa: E402
 from storage_layout.audit import audit_run  # noqa: E402
 from storage_layout.auth import learner_key  # noqa: E402
 from storage_layout.store import RunStore  # noqa: E402
@@ -58,6 +59,23 @@ def chaos_settings(args: argparse.Namespace) -> list[str]:
     out = [f"pipeline.chaos.{k}={json.dumps(v)}" for k, v in chaos.items()]
     out += [f"pipeline.faults.{k}={json.dumps(v)}" for k, v in faults.items()]
     return [*out, "pipeline.max_failed_starts=20"]
+
+
+class _Damaging:
+    """A bucket that flips a byte of the first chunk it writes; the marker written after
+    it lists the true hash, so the marker does not match its data."""
+
+    def __init__(self, bucket: object):
+        self.bucket = bucket
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.bucket, name)
+
+    def put_many(self, objects: dict[str, bytes]) -> None:
+        objects = dict(objects)
+        chunk = next(k for k in objects if "/c/" in k)
+        objects[chunk] = bytes([objects[chunk][0] ^ 0xFF]) + objects[chunk][1:]
+        self.bucket.put_many(objects)
 
 
 class Forger(threading.Thread):
@@ -84,8 +102,11 @@ class Forger(threading.Thread):
         regions = json.loads((self.folder / "regions.json").read_text())
         store = RunStore(self.run_name, regions, next(iter(regions)), writer="forger")
         spec = store.read_spec()
+        total = config_from_spec(spec).steps_per_learner
         lid = self.rng.choice(sorted(spec["learners"]))
         region = spec["learners"][lid]
+        if (store.checkpoint_steps(lid, region) or [0])[-1] >= total:
+            return  # done: the syncers may have looked for the last time
         seqs = {p: store.contribution_seqs(lid, p, region) for p in range(len(spec["fragments"]))}
         newest = max(((s[-1], p) for p, s in seqs.items() if s), default=None)
         if newest is None:
@@ -101,13 +122,9 @@ class Forger(threading.Thread):
             tensors = {n: quantize(np.full(q.shape, fill, np.float32), "fp32")
                        for n, q in tensors.items()}  # fmt: skip
         writer = RunStore(self.run_name, {region: regions[region]}, region, writer=lid)
-        marker = writer.put_contribution(lid, p, newest[0], tensors, meta, key)
-        if kind == "corrupt":  # damaged after the commit: its bytes no longer match
-            rel = next(r for r in marker.objects if "/c/" in r)
-            path = marker.data_prefix + "/" + rel
-            data = bytearray(writer.home.get(path))
-            data[0] ^= 0xFF
-            writer.home.put(path, bytes(data))
+        if kind == "corrupt":  # signed, but its marker does not match its data
+            writer._buckets[region] = _Damaging(writer.home)
+        writer.put_contribution(lid, p, newest[0], tensors, meta, key)
         self.done.append({"kind": kind, "learner": lid, "fragment": p, "seq": newest[0]})
 
 
