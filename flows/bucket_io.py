@@ -32,7 +32,7 @@ from diloco.records import Record
 from diloco.syncer import GlobalVersion
 from storage_layout.auth import Keys, Unauthenticated
 from storage_layout.bucket import Traffic
-from storage_layout.commit import CommitConflict, CorruptVersion
+from storage_layout.commit import CommitConflict, CorruptVersion, patiently
 from storage_layout.retention import prune_checkpoints
 from storage_layout.store import PublishReport, RunStore
 
@@ -258,15 +258,11 @@ class BucketStore:
         """One contribution, read again when it does not check out: a read can come back
         damaged (a truncated response) while the object is whole, and a rejection is for
         good. What fails ``attempts`` reads in a row is corrupt (or forged)."""
-        for attempt in range(attempts):
-            try:
-                return self.main.get_contribution(learner, fragment, seq, region, key)
-            except (CorruptVersion, KeyError, ValueError) as exc:
-                if attempt == attempts - 1:
-                    raise
-                log.warning("%s fragment %d seq %d did not check out, reading it again: %s",
-                            learner, fragment, seq, exc)  # fmt: skip
-        raise AssertionError("unreachable")
+        return patiently(
+            lambda: self.main.get_contribution(learner, fragment, seq, region, key),
+            f"{learner} fragment {fragment} seq {seq}",
+            attempts,
+        )
 
     def publish(self, gv: GlobalVersion, opt_leaves: list[Any], record: Record) -> bool:
         try:

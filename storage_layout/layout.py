@@ -97,15 +97,9 @@ class RunLayout:
     def ledger_commits(self, fragment: int) -> str:
         return f"{self.run}/ledger/f{fragment:04d}"
 
-    def ledger_entry(self, fragment: int, n: int) -> str:
-        return f"{self.ledger_commits(fragment)}/s{number(n)}.json"
-
     # checkpoints -------------------------------------------------------------------
     def lease_commits(self, learner: str) -> str:
         return f"{self.run}/learners/{check_name('learner', learner)}/leases"
-
-    def lease_marker(self, learner: str, generation: int) -> str:
-        return f"{self.lease_commits(learner)}/s{number(generation)}.json"
 
     def checkpoint_commits(self, learner: str) -> str:
         return f"{self.run}/learners/{check_name('learner', learner)}/checkpoints/commits"

@@ -207,18 +207,9 @@ def write_ledger(store: RunStore, fragment: int, entry: Mapping[str, Any]) -> in
     still account for every contribution and version (an exclusive create of the next
     entry: two collectors never overwrite each other's; the audit drops duplicates).
     Returns the entry's number."""
-    prefix = store.layout.ledger_commits(fragment)
     body = json.dumps({**entry, "fragment": fragment, "writer": store.writer,
                        "time": time.time()}, sort_keys=True).encode()  # fmt: skip
-    while True:
-        taken = [n for n in map(lambda x: parse_marker_name(x, "s"), store.home.list(prefix))
-                 if n is not None]  # fmt: skip
-        n = max(taken, default=0) + 1
-        try:
-            store.home.put_exclusive(store.layout.ledger_entry(fragment, n), body)
-            return n
-        except FileExistsError:
-            continue
+    return store.put_next(store.layout.ledger_commits(fragment), body)
 
 
 def read_ledger(bucket: Bucket, layout: RunLayout, fragment: int) -> list[dict[str, Any]]:

@@ -46,7 +46,13 @@ from storage_layout.commit import (
     writer_identity,
 )
 from storage_layout.faults import open_bucket
-from storage_layout.layout import FORMAT_VERSION, RunLayout, check_name, parse_marker_name
+from storage_layout.layout import (
+    FORMAT_VERSION,
+    RunLayout,
+    check_name,
+    number,
+    parse_marker_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -219,18 +225,23 @@ class RunStore:
         """Claim the next generation of ``learner`` in its home region (an exclusive
         create, so two starters never share one). A process holding an older generation
         is fenced off: it must stop once it sees a newer one."""
-        prefix = self.layout.lease_commits(learner)
+        claim = {"writer": self.writer, "host": socket.gethostname(), "pid": os.getpid(),
+                 "time": time.time()}  # fmt: skip
+        return self.put_next(self.layout.lease_commits(learner), json.dumps(claim).encode())
+
+    def put_next(self, prefix: str, body: bytes) -> int:
+        """Write ``body`` as the next numbered object ``prefix/sN.json`` at home, with an
+        exclusive create, so two writers never share a number; returns N. (A lost answer
+        that landed shows up as taken: the writer then takes the next number.)"""
         while True:
             taken = self._numbers(self.home, prefix, "s")
-            generation = (taken[-1] if taken else 0) + 1
-            claim = {"writer": self.writer, "host": socket.gethostname(), "pid": os.getpid(),
-                     "time": time.time()}  # fmt: skip
-            key, body = self.layout.lease_marker(learner, generation), json.dumps(claim).encode()
-            try:  # (a lost answer that landed shows up as taken: we claim the next one)
+            n = (taken[-1] if taken else 0) + 1
+            key = f"{prefix}/s{number(n)}.json"
+            try:
                 patiently(lambda: self.home.put_exclusive(key, body), key)  # noqa: B023
-                return generation
+                return n
             except FileExistsError:
-                continue  # another starter took it first: try the next one
+                continue  # another writer took it first: try the next one
 
     def newest_generation(self, learner: str) -> int:
         taken = self._numbers(self.home, self.layout.lease_commits(learner), "s")
