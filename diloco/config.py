@@ -152,6 +152,9 @@ class PipelineConfig(_Strict):
     # A crashed worker is started again for as long as the run lasts; one that fails this
     # many starts in a row without progress (a crash loop) is given up, by name.
     max_failed_starts: PositiveInt = 5
+    # Worker processes kept started ahead of need, their slow imports (JAX, Prefect) done:
+    # a restarted worker takes one and skips seconds of start-up. 0: start each cold.
+    spares: Annotated[int, Field(ge=0)] = 1
     eval_seconds: PositiveFloat = 10.0  # the launcher evaluates the newest globals this often
     upload_retries: Annotated[int, Field(ge=0)] = 5  # per contribution, with backoff
     stall_seconds: PositiveFloat = 120.0  # a learner says so when no awaited version came

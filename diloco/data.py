@@ -18,6 +18,7 @@ import numpy as np
 
 DOC_SEPARATOR = b"\n\x00\n"  # between files, so no window silently joins two files
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".toml", ".c", ".h")
+SKIPPED_FOLDERS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 
 class DataError(ValueError):
@@ -44,15 +45,17 @@ def list_files(source: str | None) -> tuple[fsspec.AbstractFileSystem, list[tupl
     if fs.isfile(path):
         return fs, [(path, Path(path).name)]
     found = []
-    for file in sorted(fs.find(path)):
-        rel = file[len(path) :].lstrip("/")
-        if "site-packages" in rel or "__pycache__" in rel:
-            continue  # the stdlib folder holds installed packages: not part of the corpus
-        if source is None and not rel.endswith(".py"):
-            continue
-        if source is not None and not rel.endswith(TEXT_SUFFIXES):
-            continue
-        found.append((file, rel))
+    suffixes = (".py",) if source is None else TEXT_SUFFIXES
+    base = fs._strip_protocol(path).rstrip("/")
+    for folder, dirs, files in fs.walk(path, topdown=True):
+        # Pruned, not filtered: the stdlib folder holds the installed packages (thousands
+        # of folders; walking them took seconds of every learner's start).
+        dirs[:] = [d for d in dirs if d not in SKIPPED_FOLDERS]
+        for name in files:
+            file = f"{folder.rstrip('/')}/{name}"
+            if name.endswith(suffixes):
+                found.append((file, file[len(base) :].lstrip("/")))
+    found.sort()
     if not found:
         raise DataError(f"data source {root!r} holds no text files ({', '.join(TEXT_SUFFIXES)})")
     return fs, found

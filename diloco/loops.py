@@ -102,6 +102,10 @@ class StoredFragment:
     opt_leaves: list[Any]
     meta: Mapping[str, Any]
     history: dict[int, FlatParams] = field(default_factory=dict)
+    # Newer versions that are committed but cannot be read at home (a damaged object):
+    # the syncer goes on from ``version``, numbers its next one above them, and that one
+    # records them as lost (their merges are void: what they merged is merged again).
+    lost: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -353,6 +357,7 @@ class SyncerLoop:
         self.clocks: dict[int, _MergeClock] = {}
         self.step_seconds: dict[int, float] = {}  # the last step-time estimate per fragment
         self.last: dict[int, Mapping[str, Any]] = {}  # the newest version's record
+        self.lost: dict[int, list[int]] = {}  # unreadable versions the next one records
         for p in fragments:
             self.load(p)
 
@@ -366,6 +371,11 @@ class SyncerLoop:
             merged=stored.meta.get("merged"),
         )  # fmt: skip
         syncer.history.update(stored.history)
+        if stored.lost:
+            syncer.version = max(stored.lost)  # numbering goes on above them
+            self.lost[p] = sorted(stored.lost)
+            self.log.error("fragment %d: versions %s cannot be read; going on from version %d "
+                           "(their merges are redone)", p, self.lost[p], stored.version)  # fmt: skip
         self.syncers[p] = syncer
         # What was refused since that version is refused (and recorded) again when read.
         self.implausible = {k for k in self.implausible if k[1] != p}
@@ -470,6 +480,8 @@ class SyncerLoop:
     def _publish(self, p: int, gv: GlobalVersion) -> records.Record | None:
         syncer, now = self.syncers[p], self.clock.now()
         record = records.version(gv, now, self.last[p])
+        if self.lost.get(p):
+            record["lost_versions"] = self.lost[p]
         try:
             won = self.transport.publish(gv, syncer.opt_leaves, record)
         except Exception:
@@ -480,6 +492,7 @@ class SyncerLoop:
             self.load(p)
             return None
         self.last[p] = record
+        self.lost.pop(p, None)
         self.emit(record)
         return record
 

@@ -12,7 +12,8 @@ function each.
     applied   learner, fragment, version, staleness, weight, bytes
     version   fragment, version, consumed [[learner, seq]], cursor, weights, staleness,
               tokens, seconds, merged, tokens_total, seconds_total,
-              rejected [[learner, seq, reason]], superseded [[learner, seq, by seq]]
+              rejected [[learner, seq, reason]], superseded [[learner, seq, by seq]],
+              and lost_versions [v] when it replaces versions that cannot be read
     rejected  learner, fragment, seq, reason
     failure   learner, step
     rejoin    learner, step, lost_steps, resumed_from

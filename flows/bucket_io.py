@@ -275,10 +275,19 @@ class BucketStore:
 
     def load_fragment(self, fragment: int, window: int) -> StoredFragment:
         store = self.main
-        version = store.latest_global(fragment)
-        if version is None:
+        versions = store.global_versions(fragment)
+        if not versions:
             raise FileNotFoundError(f"run {self.run!r} has no version of fragment {fragment}")
-        state = store.get_global(fragment, version)
+        lost = []
+        for version in reversed(versions):  # the newest that reads (only home holds it all)
+            try:
+                state = store.get_global(fragment, version)
+                break
+            except CorruptVersion as exc:
+                log.error("fragment %d version %d is corrupt at home: %s", fragment, version, exc)
+                lost.append(version)
+        else:
+            raise CorruptVersion(f"no version of fragment {fragment} reads at home")
         history = {}
         for v in store.global_versions(fragment):
             if version - window <= v < version:
@@ -287,7 +296,7 @@ class BucketStore:
                 except CorruptVersion as exc:
                     # Contributions based on it are rejected ("no longer held"); the rest merge.
                     log.error("fragment %d version %d is corrupt; left out: %s", fragment, v, exc)
-        return StoredFragment(version, state.params, state.opt_leaves, state.meta, history)
+        return StoredFragment(version, state.params, state.opt_leaves, state.meta, history, lost)
 
     def close(self, summary: dict[str, Any]) -> None:
         """Record the simulation's summary and the traffic of every writer it drove."""

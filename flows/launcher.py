@@ -20,6 +20,7 @@ markdown artifact with the loss curve.
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import io
 import json
 import logging
@@ -41,7 +42,6 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.cache_policies import NO_CACHE
-from prefect.futures import wait
 from prefect.settings import PREFECT_API_URL
 from prefect.task_runners import ThreadPoolTaskRunner
 
@@ -104,6 +104,83 @@ def child_env(
     return env
 
 
+WORKER_COMMAND = [sys.executable, "-m", "flows.worker"]  # + the role and its options
+
+
+class Spares:
+    """Worker processes started ahead of need (``python -m flows.worker standby``): each
+    has done the slow imports (JAX, Flax, Prefect: about 3 s of CPU, several times that
+    on cores busy with training) and waits on its stdin for the command, environment and
+    log of the worker it is to become. A restarted worker takes a spare and skips that
+    start-up; the pool is refilled at once, off the restart's path. With ``count`` 0 (or
+    none left) a worker starts cold, through the same standby entry point.
+
+    Why by hand: a fork server (``multiprocessing.forkserver``) would also do, but forking
+    after JAX and Prefect have started threads is unsafe, and a spare must run the very
+    command a cold start runs, with its own environment and log."""
+
+    def __init__(self, count: int, log_path: Path | str, env: dict[str, str]):
+        self.count, self.log_path, self.env = count, Path(log_path), env
+        self.idle: list[subprocess.Popen] = []
+        self.lock = threading.Lock()
+        self.closed = False
+        self._fill()
+
+    def _spawn(self, log_path: Path | str, env: dict[str, str]) -> subprocess.Popen:
+        with open(log_path, "ab") as out:
+            return subprocess.Popen([*WORKER_COMMAND, "standby"],
+                                    stdin=subprocess.PIPE, stdout=out,
+                                    stderr=subprocess.STDOUT, env=env)  # fmt: skip
+
+    def _fill(self) -> None:
+        with self.lock:
+            self.idle = [p for p in self.idle if p.poll() is None]
+            while not self.closed and len(self.idle) < self.count:
+                self.idle.append(self._spawn(self.log_path, self.env))
+
+    def take(self, argv: list[str], log_path: str, env: dict[str, str]) -> tuple[Any, bool]:
+        """A process running ``argv`` with ``env`` and its output appended to
+        ``log_path``, and whether it was a spare (warm). Only ``flows.worker`` command
+        lines can take a spare; any other starts as it is."""
+        if argv[:3] != WORKER_COMMAND:
+            with open(log_path, "ab") as out:
+                return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env), False
+        with self.lock:
+            live = [p for p in self.idle if p.poll() is None]
+            proc = live.pop(0) if live else None
+            self.idle = live
+        warm = proc is not None
+        if proc is None:
+            proc = self._spawn(log_path, env)
+        job = {"argv": argv[3:], "env": env, "log": str(Path(log_path).resolve())}
+        try:
+            proc.stdin.write((json.dumps(job) + "\n").encode())
+            proc.stdin.close()
+        except OSError:  # it died between the check and the write: start one cold
+            proc.kill()
+            proc = self._spawn(log_path, env)
+            warm = False
+            proc.stdin.write((json.dumps(job) + "\n").encode())
+            proc.stdin.close()
+        self._fill()
+        return proc, warm
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End the idle spares (a closed stdin tells a spare it is not needed)."""
+        with self.lock:
+            self.closed, idle, self.idle = True, self.idle, []
+        for proc in idle:
+            try:
+                proc.stdin.close()
+                proc.wait(timeout=timeout)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()
+                proc.wait()
+
+
+_SPARES: Spares | None = None  # this launcher's spare workers (processes mode)
+
+
 @task(name="process", task_run_name="start {name}", cache_policy=NO_CACHE,
       persist_result=False)  # fmt: skip
 def run_process(name: str, argv: list[str], log_path: str, run: str = "", worker: str = "") -> int:
@@ -115,9 +192,9 @@ def run_process(name: str, argv: list[str], log_path: str, run: str = "", worker
         _starts[worker or name] += 1
         start = _starts[worker or name]
     env = child_env(run, worker, _RUN_SECRETS.get(run), start)
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
-    get_run_logger().info("%s started (pid %d); its output goes to %s", name, proc.pid, log_path)
+    proc, warm = (_SPARES or Spares(0, log_path, env)).take(argv, log_path, env)
+    get_run_logger().info("%s started (pid %d%s); its output goes to %s", name, proc.pid,
+                          ", a spare" if warm else "", log_path)  # fmt: skip
     with _lock:
         _children.add(proc)
         _workers[worker or name] = proc
@@ -351,7 +428,7 @@ def worker_commands(
 ) -> list[tuple[str, list[str], Status]]:
     """(name, argv, status) per worker process."""
     pipeline = json.dumps(cfg.pipeline.model_dump())
-    base = [sys.executable, "-m", "flows.worker"]
+    base = WORKER_COMMAND
     out = []
     home = home_region(regions)
     shards = shard_count(cfg.pipeline.syncer_shards, cfg.topology.fragments)
@@ -378,6 +455,8 @@ class Monitor:
         self.val = validation(cfg)
         self.total_steps = cfg.steps_per_learner
         self.curve: list[dict[str, Any]] = []
+        self.furthest: dict[str, int] = {}  # learner -> the furthest step it reached
+        self.initial_loss: float | None = None  # the run's, not this launch's (remember_start)
         self.started = time.time()
         # Learners' time counters and the work merged before this launch (a resumed run
         # has some already).
@@ -422,28 +501,49 @@ class Monitor:
         return {p: self.store.latest_global(p) or 0 for p in range(len(self.model.plan))}
 
     def evaluate(self, statuses: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        versions, params = {}, {}
+        """The validation loss of the newest readable global model, at its position: the
+        tokens merged into it (its fragments' ``tokens_total``, weighted by their share
+        of the parameters), which never go backwards, unlike the learners' steps after
+        a restart."""
+        versions, params, merged = {}, {}, 0.0
         for p in range(len(self.model.plan)):
-            found = self.readable(p, lambda v, p=p: self.store.get_global(p, v).params)
+            found = self.readable(p, lambda v, p=p: self.store.get_global(p, v))
             if found is None:
                 raise CorruptVersion(f"no readable version of fragment {p}")
             versions[p] = found[0]
-            params.update(found[1])
+            params.update(found[1].params)
+            merged += self.model.shares[p] * int(found[1].meta.get("tokens_total", 0))
         trainer = self.model.trainer
         loss = trainer.evaluate(trainer.place_params(params), self.val)
         point = {
             "seconds": round(time.time() - self.started, 1),
-            "tokens": self.tokens(statuses),
+            "tokens": round(merged),
             "loss": loss,
             "versions": versions,
         }
         self.curve.append(point)
         return point
 
+    def remember_start(self, point: dict[str, Any]) -> None:
+        """The run's loss before any training, kept in the launcher's status object by the
+        launch that evaluated version 0, so a resumed run's summary starts where the run
+        began rather than where this launch did (None if no launch saw version 0)."""
+        status = self.store.read_metrics("launcher") or {}
+        if "initial_loss" in status:
+            self.initial_loss = status["initial_loss"]
+        elif all(v == 0 for v in point["versions"].values()):
+            self.initial_loss = float(point["loss"])
+            self.store.write_metrics("launcher", {**status, "initial_loss": self.initial_loss})
+
     def progress(self, statuses: dict[str, dict[str, Any]]) -> float:
+        """The share of all learners' inner steps done. A learner restarted from an older
+        checkpoint redoes steps: its progress holds at the furthest step it reached
+        until it passes it again, so the bar stalls but never goes back."""
+        for learner, s in statuses.items():
+            step = min(int(s.get("step", 0)), self.total_steps)
+            self.furthest[learner] = max(self.furthest.get(learner, 0), step)
         m = len(self.spec["learners"])
-        steps = sum(min(int(s.get("step", 0)), self.total_steps) for s in statuses.values())
-        return 100.0 * steps / (m * self.total_steps)
+        return 100.0 * sum(self.furthest.values()) / (m * self.total_steps)
 
     def traffic(self) -> tuple[dict[str, dict[str, int]], int, int]:
         """Bytes and requests per region pair summed over every writer's metrics, the
@@ -495,7 +595,8 @@ class Monitor:
             "learners": m,
             "quorum": self.cfg.quorum,
             "tokens": tokens,
-            "initial_loss": first.get("loss"),
+            "initial_loss": self.initial_loss,
+            "launch_loss": first.get("loss"),
             "final_loss": last.get("loss"),
             "wall_seconds": round(wall, 1),
             "goodput": records.goodput(since, self.model.shares, allocated),
@@ -583,10 +684,17 @@ def _watch(
     ended; returns when each ended (its machine was freed: the end of its allocation)."""
     last_eval = time.monotonic()
     ended: dict[str, float] = {}
-    while wait(futures, timeout=0.5).not_done:
-        for name, future in zip(names, futures, strict=True):
-            if future.state.is_final() and name not in ended:
+    # The thread pool's own futures, waited on plainly: ``prefect.futures.wait`` with a
+    # timeout arms an asynchronous exception (an alarm signal in the main thread), which
+    # can land inside a lock and end a run with "release unlocked lock".
+    pool = [f.wrapped_future for f in futures]
+    while True:
+        running = concurrent.futures.wait(pool, timeout=0.5).not_done
+        for name, future in zip(names, pool, strict=True):
+            if future.done() and name not in ended:
                 ended[name] = time.time()
+        if not running:
+            return ended
         if time.monotonic() - last_eval < every:
             continue
         last_eval = time.monotonic()
@@ -605,7 +713,6 @@ def _watch(
             point["loss"],
             " ".join(f"f{p}:v{v}" for p, v in point["versions"].items()),
         )
-    return ended
 
 
 def authenticate(run: str, folder: Path, via: str, log: Any) -> None:
@@ -700,6 +807,7 @@ def train_flow(
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     monitor = Monitor(store, cfg, spec, log)
     first = monitor.evaluate(monitor.statuses())
+    monitor.remember_start(first)
     log.info(
         "run %s: %d learners in %s, validation loss %.4f at versions %s",
         run,
@@ -714,6 +822,9 @@ def train_flow(
         description=f"run {run}: share of all learners' inner steps done",
     )
     started = time.time()
+    global _SPARES
+    if via == "processes":
+        _SPARES = Spares(cfg.pipeline.spares, Path(logs) / "spares.log", child_env())
     names, futures = _start_workers(run, regions, cfg, spec, logs, via)
     chaos = start_chaos(chaos_plan, folder, via, log)
     try:
@@ -721,6 +832,9 @@ def train_flow(
     finally:
         if chaos is not None:
             chaos.stop()
+        if _SPARES is not None:
+            _SPARES.close()
+            _SPARES = None
     failed = []
     for name, future in zip(names, futures, strict=True):
         try:

@@ -55,11 +55,12 @@ def human_bytes(n: float) -> str:
 
 def train_summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     """(metric, value) rows of a `diloco train` summary."""
-    loss = (
-        f"{summary['initial_loss']:.4f} -> {summary['final_loss']:.4f}"
-        if summary.get("final_loss") is not None
-        else "-"
-    )
+    loss = "-"
+    if summary.get("final_loss") is not None:
+        start = summary.get("initial_loss")
+        loss = f"{'?' if start is None else format(start, '.4f')} -> {summary['final_loss']:.4f}"
+        if summary.get("launch_loss") not in (None, start):  # a resumed run
+            loss += f" (this launch began at {summary['launch_loss']:.4f})"
     ratio = summary.get("bandwidth_ratio_vs_dp")
     return [*_base_rows(summary, loss, ratio), *_chaos_rows(summary.get("chaos"))]
 

@@ -4,6 +4,8 @@
     python -m flows.worker syncer --run R --regions '{"us-east": "file:///..."}' \\
         --home us-east --shard 0 --shards 2
 
+    python -m flows.worker standby    # a spare: imports, then reads its job from stdin
+
 Every flow run resumes from the buckets (checkpoint or newest versions), so this process
 can be killed at any point and started again. Exit status: 0 when the role is done,
 130 when interrupted (after a checkpoint), 1 on an error (the launcher restarts it).
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -71,5 +74,35 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def standby() -> int:
+    """A spare worker (``flows.launcher.Spares``): do the slow imports now, then wait for
+    one line on stdin, ``{"argv": [...], "env": {...}, "log": PATH}``, and become that
+    worker: its environment, its log on stdout and stderr, its command line. End quietly
+    when stdin closes first (the launcher needs no more workers, or is gone).
+
+    Only what is read when used may differ from the spare's own environment (the keys,
+    the fault plan's salt); Prefect's and JAX's settings are the launcher's for both."""
+    try:
+        # The slow part, done ahead of need.
+        import flows.learner
+        import flows.syncer  # noqa: F401
+
+        line = sys.stdin.readline()
+    except KeyboardInterrupt:
+        return 130
+    if not line.strip():
+        return 0
+    job = json.loads(line)
+    fd = os.open(job["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(job["env"])
+    return main(job["argv"])
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(standby() if sys.argv[1:] == ["standby"] else main())

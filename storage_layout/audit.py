@@ -7,7 +7,9 @@ The audit reads them and checks, naming the objects that break each invariant:
 
 - ``objects-verify``: every committed object matches the size and sha256 its marker
   records (all of them are read again, in every region audited), except those of a
-  contribution a syncer rejected for it (the damage was found and the work refused);
+  contribution a syncer rejected for it (the damage was found and the work refused) and
+  of a version a later one declares lost (a syncer could not read it at home, went on
+  from an older one and merged again what it had merged: its merges are void);
 - ``versions-contiguous``: the versions of each fragment, held or in the ledger, are
   0, 1, ..., newest (none missing);
 - ``not-overwritten``: each version and contribution was written once: every copy, in
@@ -38,8 +40,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage_layout.bucket import Bucket, BucketError
-from storage_layout.commit import CommitMarker, CorruptVersion, fetch_objects, read_marker
+from storage_layout.bucket import BucketError
+from storage_layout.commit import CorruptVersion, fetch_objects, read_marker
 from storage_layout.retention import read_ledger
 from storage_layout.store import RunStore
 
@@ -147,40 +149,40 @@ def _strangers(store: RunStore, learners: Mapping[str, str], report: AuditReport
                             f"contributions ({', '.join(held)}) but is {owner}")  # fmt: skip
 
 
-def _verified(bucket: Bucket, key: str, report: AuditReport) -> CommitMarker | None:
-    """The marker at ``key`` with every object it lists read and checked; None (and an
-    ``objects-verify`` violation) if any does not match."""
-    try:
-        marker = read_marker(bucket, key)
-        fetch_objects(bucket, marker, key, use_inline=False)
-    except (CorruptVersion, FileNotFoundError) as exc:
-        report.fail("objects-verify", f"{bucket.region}: {exc}")
-        return None
-    report.objects += 1
-    return marker
-
-
 def _audit_fragment(
     store: RunStore, p: int, learners: Mapping[str, str], report: AuditReport
 ) -> None:
-    records, write_ids, ledger_sent = _versions(store, p, report)
+    records, write_ids, ledger_sent, damaged = _versions(store, p, report)
     sent = _contributions(store, p, learners, ledger_sent, report)
     _check_writes(p, write_ids, report)
     newest = max(records, default=0)
-    missing = sorted(set(range(newest + 1)) - set(records))
+    missing = sorted(set(range(newest + 1)) - set(records) - set(damaged))
     if missing:
         report.fail("versions-contiguous", f"fragment {p}: versions {missing} are missing")
-    report.versions += len(records)
-    _outcomes(p, records, sent, report)
-    _balance(p, records, sent, report)
+    report.versions += len(set(records) | set(damaged))
+    # Versions a later one declares lost (unreadable at home: a syncer went on from an
+    # older one and merged their contributions again): their damage was found and dealt
+    # with, and their merges are void.
+    lost = {int(v) for r in records.values() for v in r.get("lost_versions") or []}
+    for v, problems in sorted(damaged.items()):
+        if v not in lost:
+            for problem in problems:
+                report.fail("objects-verify", problem)
+    live = {v: r for v, r in records.items() if v not in lost}
+    _outcomes(p, live, sent, report)
+    _balance(p, live, sent, report)
 
 
 def _versions(
     store: RunStore, p: int, report: AuditReport
-) -> tuple[dict[int, dict], dict[tuple[str, int], dict[str, str]], list[dict]]:
+) -> tuple[
+    dict[int, dict], dict[tuple[str, int], dict[str, str]], list[dict], dict[int, list[str]]
+]:
     """Version records of fragment ``p`` (home's first, then other regions', then the
-    ledger's), each copy's write id, and the ledger's deleted contributions."""
+    ledger's), each copy's write id, the ledger's deleted contributions, and the copies
+    that do not verify (version -> what is wrong with each)."""
     records: dict[int, dict] = {}
+    damaged: dict[int, list[str]] = defaultdict(list)
     write_ids: dict[tuple[str, int], dict[str, str]] = defaultdict(dict)  # (kind, n) -> where
     home_newest = None
     for region in store.urls:
@@ -191,10 +193,16 @@ def _versions(
         elif versions and home_newest is not None and versions[-1] < home_newest:
             report.lagging.setdefault(region, {})[p] = versions[-1]
         for v in versions:
-            marker = _verified(bucket, store.layout.global_marker(p, v), report)
-            if marker is not None:
-                records.setdefault(v, marker.meta)
+            key = store.layout.global_marker(p, v)
+            try:
+                marker = read_marker(bucket, key)
                 write_ids[("version", v)][region] = marker.write_id
+                fetch_objects(bucket, marker, key, use_inline=False)
+            except (CorruptVersion, FileNotFoundError) as exc:
+                damaged[v].append(f"{region}: {exc}")
+                continue
+            report.objects += 1
+            records.setdefault(v, marker.meta)
     ledger_sent: list[dict] = []
     for region in store.urls:
         try:
@@ -209,7 +217,7 @@ def _versions(
                 records.setdefault(v, row)
                 for where, wid in row.get("write_ids", {}).items():
                     write_ids[("version", v)].setdefault(f"{where} (ledger)", wid)
-    return records, write_ids, ledger_sent
+    return records, write_ids, ledger_sent, damaged
 
 
 def _contributions(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,9 +32,18 @@ from diloco.outer import Contribution
 from diloco.quantize import quantize
 from flows.bucket_io import contribution_meta
 from flows.cli import main as cli_main
-from flows.launcher import Monitor, give_up, supervise
+from flows.launcher import (
+    WORKER_COMMAND,
+    Monitor,
+    Spares,
+    _watch,
+    child_env,
+    give_up,
+    supervise,
+)
 from flows.run import build_model, config_from_spec, initialize_run
 from flows.syncer import SyncerRuntime
+from storage_layout.audit import audit_run
 from storage_layout.commit import read_marker
 from storage_layout.inspect import inspect_bucket
 from storage_layout.store import RunStore
@@ -194,22 +204,22 @@ def test_chaos_over_s3_and_gcs_ends_with_a_clean_audit(prefect_api, s3_server, g
     assert summary["final_loss"] < summary["initial_loss"] - 0.5, summary["curve"]
 
 
-def _workers(run: str) -> dict[str, int]:
-    """PID of each live worker process of ``run``, by role ("learner 1", "syncer 0")."""
+def _workers(log: Path) -> dict[str, int]:
+    """PID of each live worker process, by role ("learner 1", "syncer 0"), as the
+    launcher's log names them ("learner eu-west/1 started (pid 1234, a spare)"): a worker
+    that took a spare runs as ``flows.worker standby``, so its command line does not say."""
     out = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        argv = [a.decode() for a in argv if a]
-        if "flows.worker" in argv and run in argv:
-            role = argv[argv.index("flows.worker") + 1]
-            key = "--index" if role == "learner" else "--shard"
-            out[f"{role} {argv[argv.index(key) + 1]}"] = int(proc.name)
-    return out
+    text = log.read_text(errors="replace") if log.exists() else ""
+    for role, index, pid in re.findall(r"(learner|syncer) [\w-]+/(\d+) started \(pid (\d+)", text):
+        out[f"{role} {index}"] = int(pid)  # the newest start of each wins
+    return {k: pid for k, pid in out.items() if _alive(pid)}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] not in "ZX"
+    except (OSError, IndexError):
+        return False
 
 
 def _wait(predicate, timeout: float, what: str):
@@ -243,7 +253,7 @@ def faulty_run(prefect_api, tmp_path_factory):
         total = 600_000 // (4 * 512)
 
         def learner_mid_run():
-            w = _workers(run)
+            w = _workers(root / "train.log")
             if "learner 1" not in w:
                 return None  # (the buckets may not even exist yet)
             steps = store.checkpoint_steps("learner-1", "eu-west")
@@ -261,7 +271,7 @@ def faulty_run(prefect_api, tmp_path_factory):
         os.kill(pid, signal.SIGKILL)
         # Syncer shard 0 after a few more versions of fragment 0.
         v0 = store.latest_global(0) or 0
-        pid = _wait(lambda: (store.latest_global(0) or 0) >= v0 + 3 and _workers(run).get("syncer 0"),
+        pid = _wait(lambda: (store.latest_global(0) or 0) >= v0 + 3 and _workers(root / "train.log").get("syncer 0"),
                     120, "three more versions of fragment 0")  # fmt: skip
         events["syncer_killed_at_version"] = store.latest_global(0)
         os.kill(pid, signal.SIGKILL)
@@ -385,6 +395,61 @@ def test_launcher_evaluation_outlives_a_corrupt_newest_version(tmp_path, caplog)
     assert sum("fragment 0 version 1 is unreadable" in r.message for r in caplog.records) == 1
 
 
+def test_a_corrupt_newest_version_at_home_does_not_stop_its_syncer(tmp_path, caplog):
+    """Defect: a damaged object in the newest version at home (only home holds the master
+    copy) stopped that fragment's syncer from loading, so the fragment froze. It goes on
+    from the newest version that reads, numbers the next one above the damaged one, merges
+    again what that one had merged, and records it as lost, so the audit stays clean."""
+    cfg, regions, _, sent = _local_run(tmp_path, "lost")
+    pipeline = cfg.pipeline.model_dump()
+    syncer = SyncerRuntime("lost", regions, "us-east", 0, 2, pipeline)
+    syncer.poll()
+    assert syncer.merge_and_publish(0)["version"] == 1
+    store = RunStore("lost", regions, "us-east")
+    marker = store.global_marker(0, 1)
+    path = tmp_path / "us" / marker.data_prefix / max(marker.objects, key=lambda k: marker.objects[k]["size"])  # fmt: skip
+    path.write_bytes(b"\0" + path.read_bytes()[1:])  # a bad sector
+    with caplog.at_level("ERROR"):
+        restarted = SyncerRuntime("lost", regions, "us-east", 0, 2, pipeline)
+    assert any("versions [1] cannot be read" in r.message for r in caplog.records)
+    assert restarted.poll() == len(sent)  # v1's merges, read again
+    assert restarted.merge_and_publish(0)["version"] == 2
+    meta = store.global_marker(0, 2).meta
+    assert meta["lost_versions"] == [1] and sorted(map(tuple, meta["consumed"])) == sorted(
+        (lid, 1) for lid in sent
+    )
+    report = audit_run("lost", regions)
+    assert report.ok, dict(report.violations)
+    assert report.outcomes["merged"] == len(sent) and report.versions == 2 + 2  # f0 v0-2, f1 v0
+
+
+def test_progress_and_the_curve_never_go_back_and_a_resume_keeps_the_first_loss(tmp_path):
+    """Defect: after restarts the progress bar and the loss curve's token axis went
+    backwards (both followed the learners' steps, which a restart sets back), and a
+    resumed run's summary began at the loss of the resume point."""
+    cfg, regions, _, _ = _local_run(tmp_path, "mono")
+    store = RunStore("mono", regions, "us-east")
+    spec = store.read_spec()
+    monitor = Monitor(store, cfg, spec)
+    start = monitor.evaluate(monitor.statuses())
+    monitor.remember_start(start)
+    assert start["tokens"] == 0 and monitor.initial_loss == start["loss"]
+    syncer = SyncerRuntime("mono", regions, "us-east", 0, 2, cfg.pipeline.model_dump())
+    syncer.poll()
+    assert syncer.merge_and_publish(0)["version"] == 1
+    set_back = {lid: {"step": 0} for lid in spec["learners"]}  # every learner restarted
+    point = monitor.evaluate(set_back)
+    assert point["versions"][0] == 1 and point["tokens"] > start["tokens"]
+    lid, total = next(iter(spec["learners"])), monitor.total_steps
+    before = monitor.progress({lid: {"step": total // 2}})
+    assert before > 0 and monitor.progress({lid: {"step": total // 5}}) == before  # it holds
+    assert monitor.progress({lid: {"step": total}}) > before
+    resumed = Monitor(store, cfg, spec)
+    again = resumed.evaluate(resumed.statuses())
+    resumed.remember_start(again)
+    assert resumed.initial_loss == start["loss"] != again["loss"]
+
+
 def test_a_crash_looping_worker_is_given_up_by_name_and_not_waited_for(tmp_path, prefect_api):
     """A worker is restarted after every crash; one that fails its starts in a row without
     progress is given up with its last error, and syncers stop waiting for it."""
@@ -410,6 +475,56 @@ def test_a_crash_looping_worker_is_given_up_by_name_and_not_waited_for(tmp_path,
         give_up(store, lid, "test")
     syncer.transport._given_up_read = -math.inf  # (it reads the launcher's status every 5 s)
     assert syncer.transport.learners_finished()
+
+
+def test_watching_the_workers_arms_no_asynchronous_timeout(prefect_api, monkeypatch):
+    """Defect: every run ended with "RuntimeError: release unlocked lock". The watch loop
+    polled ``prefect.futures.wait(timeout=...)``, which arms an alarm (or a watcher
+    thread) that raises into the launcher wherever it is, inside a lock included. The
+    loop must wait on the workers without one, and still see when each ended."""
+    import prefect.utilities.timeout
+    from prefect import flow, task
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    def armed(*args: object, **kwargs: object) -> None:
+        raise AssertionError("an asynchronous timeout was armed")
+
+    monkeypatch.setattr(prefect.utilities.timeout, "cancel_sync_after", armed)
+
+    @task
+    def work(seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+    @flow(task_runner=ThreadPoolTaskRunner(max_workers=2))
+    def launch() -> dict[str, float]:
+        futures = [work.submit(0.2), work.submit(1.5)]
+        return _watch(["quick", "slow"], futures, None, None, 1e9, None)
+
+    start = time.time()
+    ended = launch()
+    assert set(ended) == {"quick", "slow"}
+    assert start < ended["quick"] < ended["slow"] - 0.5
+
+
+def test_a_spare_worker_becomes_the_worker_it_is_given_and_idle_ones_end(tmp_path):
+    """A restart takes a spare that did its imports ahead of need: it runs the command it
+    is handed, into that worker's log; the pool refills, and closing it ends the idle
+    spares. A command that is not a worker's starts as it is."""
+    pool = Spares(1, tmp_path / "spares.log", child_env())
+    spare = pool.idle[0]
+    proc, warm = pool.take([*WORKER_COMMAND, "bogus"], str(tmp_path / "w.log"), child_env())
+    assert warm and proc is spare and proc.wait(timeout=60) == 2
+    assert "invalid choice: 'bogus'" in (tmp_path / "w.log").read_text()
+    assert len(pool.idle) == 1 and pool.idle[0] is not spare
+    other, warm = pool.take([sys.executable, "-c", "print('as is')"], str(tmp_path / "o.log"),
+                            child_env())  # fmt: skip
+    assert not warm and other.wait(timeout=60) == 0
+    assert (tmp_path / "o.log").read_text() == "as is\n"
+    idle = pool.idle[0]
+    pool.close()
+    assert idle.wait(timeout=1) == 0 and pool.idle == []
+    assert (tmp_path / "spares.log").read_text() == ""  # quiet: no traceback, no warning
 
 
 def test_duplicate_syncer_is_fenced_off(tmp_path):

@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 from bench.machine import machine  # noqa: E402
 from diloco.quantize import quantize  # noqa: E402
 from flows.run import config_from_spec  # noqa: E402
+from infra.chaos import read_actions  # noqa: E402
 from storage_layout.audit import audit_run  # noqa: E402
 from storage_layout.auth import learner_key  # noqa: E402
 from storage_layout.store import RunStore  # noqa: E402
@@ -133,7 +135,9 @@ def train(name: str, mode: str, args: argparse.Namespace, chaos: bool, root: Pat
     run = f"{name}-{mode}"
     folder = root / run
     regions = {"us-east": f"file://{root}/{run}-us", "eu-west": f"file://{root}/{run}-eu"}
-    sets = [f"budget.tokens={args.tokens}", f"seed={args.seed}", "pipeline.eval_seconds=20"]
+    tokens = args.diloco_tokens if mode == "diloco" and args.diloco_tokens else args.tokens
+    limit = args.diloco_max_seconds if mode == "diloco" and args.diloco_max_seconds else None
+    sets = [f"budget.tokens={tokens}", f"seed={args.seed}", "pipeline.eval_seconds=20"]
     sets += chaos_settings(args) if chaos else []
     argv = [sys.executable, "-m", "flows.cli", "train", "--run", run, "--dir", str(root),
             "--mode", mode] + [x for s in sets for x in ("--set", s)]  # fmt: skip
@@ -147,16 +151,21 @@ def train(name: str, mode: str, args: argparse.Namespace, chaos: bool, root: Pat
     with open(folder / "train.log", "w") as out:
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
         try:
-            code = proc.wait(timeout=args.max_seconds)
+            code = proc.wait(timeout=limit or args.max_seconds)
         except subprocess.TimeoutExpired:  # stopped as a user would: Ctrl-C, workers save
             proc.send_signal(signal.SIGINT)
             code = proc.wait()
     forger.stop.set()
     seconds = time.time() - started
     summary = json.loads((folder / "summary.json").read_text()) if code == 0 else {}
+    if chaos and "chaos" not in summary:  # a stopped run: its counts from the logs
+        summary["chaos"] = {
+            "actions": dict(Counter(a["action"] for a in read_actions(folder / "chaos.jsonl"))),
+            "faults": dict(Counter(f["kind"] for f in read_actions(folder / "faults.jsonl"))),
+        }
     audit = audit_run(run, regions).as_dict()
     return {"run": run, "mode": mode, "chaos": chaos, "exit": code, "seconds": seconds,
-            "summary": summary, "audit": audit, "forged": forger.done,
+            "tokens": tokens, "summary": summary, "audit": audit, "forged": forger.done,
             "merged_tokens": merged_tokens(run, regions)}  # fmt: skip
 
 
@@ -198,16 +207,22 @@ def main() -> None:
     parser.add_argument("--forge-every", type=float, default=20.0)
     parser.add_argument("--only", action="append", choices=["decoupled", "diloco"])
     parser.add_argument("--max-seconds", type=float, default=900.0, help="per run")
+    parser.add_argument("--diloco-tokens", type=int, help="budget of the diloco runs")
+    parser.add_argument("--diloco-max-seconds", type=float, help="limit of the diloco runs")
     parser.add_argument("--out", default=str(ROOT / "bench" / "chaos"))
+    parser.add_argument("--root", help="where the runs' buckets and logs go (kept)")
+    parser.add_argument("--chaos", action="append", type=lambda s: s == "on",
+                        choices=[True, False], help="on or off (default: both)")  # fmt: skip
     args = parser.parse_args()
     results: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
-        for mode in args.only or ["decoupled", "diloco"]:
-            for chaos in (False, True):
-                r = train("chaos" if chaos else "calm", mode, args, chaos, Path(tmp))
-                print(row(r), flush=True)
-                results.append(r)
-                write(Path(args.out), args, results)  # after each run: nothing is lost
+    root = Path(args.root or tempfile.mkdtemp(prefix="chaos-"))
+    print(f"runs, buckets and logs in {root}", flush=True)
+    for mode in args.only or ["decoupled", "diloco"]:
+        for chaos in args.chaos or (False, True):
+            r = train("chaos" if chaos else "calm", mode, args, chaos, root)
+            print(row(r), flush=True)
+            results.append(r)
+            write(Path(args.out), args, results)  # after each run: nothing is lost
 
 
 def write(out: Path, args: argparse.Namespace, results: list[dict]) -> None:
@@ -221,8 +236,26 @@ def write(out: Path, args: argparse.Namespace, results: list[dict]) -> None:
     (out / "results.md").write_text(
         f"# Chaos benchmark\n\n`{command}` on {machine()}\n\n{header}\n"
         + "\n".join(row(r) for r in results)
+        + "\n\n"
+        + "\n".join(targets(results))
         + "\n"
     )
+
+
+def targets(results: list[dict]) -> list[str]:
+    """Chaos against calm, per mode: final loss (same budget) and goodput ratios."""
+    lines = ["| mode | loss chaos / calm | goodput chaos / calm | tokens merged chaos / calm |",
+             "|---|---|---|---|"]  # fmt: skip
+    for mode in ("decoupled", "diloco"):
+        pair = {r["chaos"]: r for r in results if r["mode"] == mode}
+        if len(pair) < 2:
+            continue
+        calm, chaos = pair[False], pair[True]
+        loss = chaos["summary"].get("final_loss", float("nan")) / calm["summary"]["final_loss"]
+        good = chaos["summary"].get("goodput", 0.0) / calm["summary"]["goodput"]
+        merged = chaos["merged_tokens"] / calm["merged_tokens"]
+        lines.append(f"| {mode} | {loss:.3f} | {good:.2f} | {merged:.2f} |")
+    return lines
 
 
 if __name__ == "__main__":
