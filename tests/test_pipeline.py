@@ -527,6 +527,15 @@ def test_a_spare_worker_becomes_the_worker_it_is_given_and_idle_ones_end(tmp_pat
     assert (tmp_path / "spares.log").read_text() == ""  # quiet: no traceback, no warning
 
 
+def test_a_spare_holds_no_accelerator():
+    """A spare imports what a worker needs and nothing starts a JAX backend: on a GPU node
+    an idle spare must not take the memory the learner it replaces needs."""
+    code = ("import flows.learner, flows.syncer, jax._src.xla_bridge as xb; "
+            "print(xb.backends_are_initialized())")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
+
+
 def test_duplicate_syncer_is_fenced_off(tmp_path):
     cfg, regions, model, sent = _local_run(tmp_path, "fence")
     a = SyncerRuntime("fence", regions, "us-east", 0, 2, cfg.pipeline.model_dump())
