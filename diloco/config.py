@@ -128,7 +128,7 @@ class SimConfig(_Strict):
     """The simulated clock and network of `diloco simulate`."""
 
     step_seconds: PositiveFloat = 1.0  # simulated time of one inner step at speed 1
-    speeds: tuple[PositiveFloat, ...] = ()  # per-learner slowdown factors (2.0 = twice as slow)
+    # (``sim.speeds`` is the old name of ``pipeline.speeds``: still read, moved there.)
     failures: tuple[Failure, ...] = ()
     bandwidth_gbps: PositiveFloat = 1.0  # per learner, between its region and the syncer
     latency_seconds: Annotated[float, Field(ge=0)] = 0.05
@@ -137,9 +137,14 @@ class SimConfig(_Strict):
 
 class PipelineConfig(_Strict):
     """How learners and syncers run (not part of the run spec: these may change between
-    two launches of one run). The simulator reads ``checkpoint_every`` and
-    ``syncer_shards`` too; the rest is for `diloco train`'s Prefect flows."""
+    two launches of one run). The simulator reads ``checkpoint_every``,
+    ``syncer_shards`` and ``speeds`` too; the rest is for `diloco train`'s Prefect flows."""
 
+    # Per-learner slowdown factors, one per learner (2.0 = a chip twice as slow); empty:
+    # all alike. The simulator's learner m takes speeds[m] * sim.step_seconds per step; a
+    # learner of `diloco train` sleeps to emulate the slower chip (``RunConfig.slowdown``).
+    # The hardware of a launch, not of the run: it may change between two launches.
+    speeds: tuple[PositiveFloat, ...] = ()
     checkpoint_every: PositiveInt = 50  # inner steps between learner checkpoints
     round_steps: PositiveInt = 50  # inner steps per round (one Prefect task run)
     rounds_per_flow_run: PositiveInt = 20  # a learner flow run ends after this many rounds
@@ -179,17 +184,55 @@ class RunConfig(_Strict):
     sim: SimConfig = SimConfig()
     pipeline: PipelineConfig = PipelineConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _speeds_moved(cls, data: Any) -> Any:
+        """``sim.speeds`` is the old name of ``pipeline.speeds``: configs, overrides and
+        dumps that use it still load, with the value moved to where both clocks read it."""
+        sim = data.get("sim") if isinstance(data, dict) else None
+        if not isinstance(sim, dict) or "speeds" not in sim:
+            return data
+        sim = dict(sim)
+        old = sim.pop("speeds")
+        pipeline = data.get("pipeline") or {}
+        if isinstance(pipeline, BaseModel):
+            pipeline = pipeline.model_dump()
+        pipeline = dict(pipeline)
+        new = pipeline.get("speeds")
+        if old and new and list(old) != list(new):
+            raise ValueError(
+                f"sim.speeds {list(old)} and pipeline.speeds {list(new)} disagree: sim.speeds "
+                "is the old name of pipeline.speeds; set that one only"
+            )
+        if old or new is None:
+            pipeline["speeds"] = old
+        return {**data, "sim": sim, "pipeline": pipeline}
+
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
         m = self.topology.learners
-        if self.sim.speeds and len(self.sim.speeds) != m:
-            raise ValueError(f"sim.speeds has {len(self.sim.speeds)} entries for {m} learners")
+        speeds = self.pipeline.speeds
+        if speeds and len(speeds) != m:
+            raise ValueError(
+                f"pipeline.speeds has {len(speeds)} entries for {m} learners (one factor each)"
+            )
         for f in self.sim.failures:
             if f.learner >= m:
                 raise ValueError(f"sim.failures names learner {f.learner}, run has {m}")
         if self.topology.quorum is not None and self.topology.quorum > m:
             raise ValueError(f"topology.quorum {self.topology.quorum} exceeds learners {m}")
         return self
+
+    @property
+    def speeds(self) -> tuple[float, ...]:
+        """Each learner's step-time factor (``pipeline.speeds``; 1.0 each when unset)."""
+        return self.pipeline.speeds or (1.0,) * self.topology.learners
+
+    def slowdown(self, learner: int) -> float:
+        """How many times its own measured compute a step of ``learner`` takes on the wall
+        clock: its factor relative to the fastest learner's (real hardware can be slowed,
+        not sped up, so the fastest runs as it is and ``[0.5, 1]`` means ``[1, 2]``)."""
+        return self.speeds[learner] / min(self.speeds)
 
     @property
     def quorum(self) -> int:

@@ -4,8 +4,9 @@ and the Prefect pipeline run. Only the clock and the transport differ.
 Each loop is a generator that yields what it waits for:
 
 - ``STEP``: an inner step is about to be computed. The simulator's scheduler advances
-  this learner's virtual clock by its step time first; the wall-clock driver does
-  nothing (the computation itself takes the time).
+  this learner's virtual clock by its step time first (``pipeline.speeds`` times
+  ``sim.step_seconds``); the wall-clock driver does nothing (the computation itself
+  takes the time, and a learner's ``WallClock`` stretches it by the same factor).
 - ``Wait(seconds)``: nothing to do for at most ``seconds`` (``math.inf``: until news).
   The simulator wakes the loop when something arrives for it or the time is up; the
   wall-clock driver sleeps ``min(seconds, poll)`` and lets the loop look again.
@@ -59,12 +60,35 @@ Emit = Callable[[records.Record], None]
 class Clock(Protocol):
     def now(self) -> float: ...
 
+    def stepped(self, started: float, result: Any) -> None:
+        """An inner step that began at ``started`` (this clock's time) was dispatched;
+        ``result`` is what it returns. A clock that emulates slower hardware stretches
+        the step here; the simulator's does nothing (its scheduler charged the learner's
+        step time, speed included, on ``STEP``)."""
+
 
 class WallClock:
-    """Unix time: records carry comparable times across processes and machines."""
+    """Unix time: records carry comparable times across processes and machines.
+
+    ``slowdown`` > 1 emulates a chip that many times slower (``RunConfig.slowdown``, from
+    ``pipeline.speeds``): each inner step is waited for and followed by a sleep of
+    ``slowdown - 1`` times what it took. The sleep is inside the step time the loop
+    measures, so the learner's step-time estimates, tokens/s and training time (and with
+    it goodput) all show the slowed rate, as they would on the slower chip."""
+
+    def __init__(self, slowdown: float = 1.0):
+        self.slowdown = slowdown
 
     def now(self) -> float:
         return time.time()
+
+    def stepped(self, started: float, result: Any) -> None:
+        if self.slowdown <= 1.0:
+            return  # nothing waits: dispatch runs ahead of the device as usual
+        ready = getattr(result, "block_until_ready", None)
+        if ready is not None:
+            ready()  # the step's compute, not only its dispatch
+        time.sleep((self.slowdown - 1.0) * max(0.0, time.time() - started))
 
 
 def drive(
@@ -255,6 +279,7 @@ class LearnerLoop:
             # contribution keep the sum honest.
             seconds, self._mark = now - self._mark, now
             loss = lrn.train_step(seconds)
+            self.clock.stepped(now, loss)  # where a slowed learner's wall clock sleeps
             self.losses.append(loss)
             self.deliver()
             p = lrn.due()

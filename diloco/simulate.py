@@ -4,7 +4,8 @@ The simulator is a scheduler: it drives the same ``LearnerLoop`` and ``SyncerLoo
 (``diloco.loops``) that the Prefect pipeline runs, over a ``SimulatedNetwork`` on a
 virtual clock instead of the wall clock. Learners do real inner steps on real data (the
 compute is real, the clock is not): learner ``m`` takes ``speeds[m] * step_seconds``
-simulated seconds per inner step, a transfer of ``n`` bytes takes
+simulated seconds per inner step (``pipeline.speeds``, which a learner of the pipeline
+emulates by sleeping: ``WallClock``), a transfer of ``n`` bytes takes
 ``latency + 8 n / bandwidth``. A failure stops a learner's loop where it stands (like
 SIGKILL) and its rejoin starts a new one from the store, as a restarted process does.
 Ties break by insertion order, so a seed fixes every number bit for bit.
@@ -170,7 +171,7 @@ def _simulate_dp(run: _Run, codec: ParamCodec, init: dict, readers: list[ShardRe
     """
     cfg, sim = run.cfg, run.cfg.sim
     m = cfg.topology.learners
-    speeds = sim.speeds or (1.0,) * m
+    speeds = cfg.speeds
     step_time = max(speeds) * sim.step_seconds + transfer_seconds(2 * codec.num_params * 4, sim)
     steps = cfg.steps_per_learner
     failures = _failure_windows(cfg, steps * sim.step_seconds)
@@ -206,6 +207,9 @@ class VirtualClock:
 
     def now(self) -> float:
         return self.t
+
+    def stepped(self, started: float, result: Any) -> None:
+        """Nothing: the scheduler advanced the clock by the learner's step time on STEP."""
 
 
 @dataclass
@@ -362,7 +366,7 @@ def _simulate_loops(
 ) -> float:
     """Decoupled or synchronous DiLoCo: the pipeline's loops under the scheduler."""
     cfg, sim, topo = run.cfg, run.cfg.sim, run.cfg.topology
-    speeds = sim.speeds or (1.0,) * topo.learners
+    speeds = cfg.speeds
     plan = plan_fragments(codec.sizes, topo.fragments, topo.fragment_strategy)
     sizes = fragment_sizes(plan, codec.sizes)
     global_bytes = [s * (4 if topo.global_dtype == "fp32" else 2) for s in sizes]

@@ -190,7 +190,9 @@ class LearnerRuntime:
     """One learner process: the core loop, its background I/O and its accounting.
 
     ``clock`` and ``io`` (the transport over the learner's bucket view) default to the wall
-    clock and ``BackgroundIO``; the equivalence test passes the simulator's instead."""
+    clock and ``BackgroundIO``; the equivalence test passes the simulator's instead. The
+    wall clock slows this learner down by its factor in ``pipeline.speeds`` (emulated
+    slower hardware: the sleep counts as its training time)."""
 
     def __init__(
         self,
@@ -226,7 +228,8 @@ class LearnerRuntime:
         self.records: list[records.Record] = []
         self.loop, self.resumed_from = LearnerLoop.start(
             learner, self.model.trainer, self.model.plan, reader(self.cfg, self.index),
-            self.cfg, self.io, clock or WallClock(), self.records.append, self.log,
+            self.cfg, self.io, clock or WallClock(self.cfg.slowdown(self.index)),
+            self.records.append, self.log,
         )  # fmt: skip
         # Where this process's time went (the launcher's goodput breakdown; the status
         # sums them over processes): start-up is opening the run, compiling and resuming,
@@ -364,6 +367,9 @@ def learner_flow(
         log.info("learner %s resumes from %s (step %d of %d, generation %d)",
                  rt.label, rt.resumed_from, rt.step, rt.loop.total_steps,
                  rt.generation)  # fmt: skip
+        if rt.cfg.slowdown(rt.index) > 1:
+            log.info("learner %s emulates a chip %.3g times slower (pipeline.speeds): it "
+                     "sleeps after each step", rt.label, rt.cfg.slowdown(rt.index))  # fmt: skip
         if rt.store.keys.signing_key(lid) is None:
             log.warning("contributions are unsigned (no %s or %s): a syncer holding the run "
                         "secret rejects them", LEARNER_KEY_ENV, RUN_SECRET_ENV)  # fmt: skip

@@ -108,7 +108,9 @@ def train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: st
     console.print(
         f"[bold]train[/] run {run!r}: mode={cfg.mode} learners={cfg.topology.learners} "
         f"quorum={cfg.quorum} fragments={cfg.topology.fragments} "
-        f"H={cfg.topology.inner_steps} tokens={cfg.budget.tokens:,}\n"
+        f"H={cfg.topology.inner_steps} tokens={cfg.budget.tokens:,}"
+        + (f" speeds={list(cfg.pipeline.speeds)}" if cfg.pipeline.speeds else "")
+        + "\n"
         + "".join(f"  region {r}: {u}\n" for r, u in regions.items())
     )
     external = os.environ.get("PREFECT_API_URL")

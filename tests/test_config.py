@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from diloco.config import PRESETS, ConfigError, load_config, parse_override
+from diloco.config import PRESETS, ConfigError, RunConfig, load_config, parse_override
 
 
 def test_presets_load_and_tiny_is_default():
@@ -18,7 +18,7 @@ def test_file_then_overrides_then_keywords(tmp_path):
         "tiny", file=path, overrides=["outer.lr=0.5", "sim.speeds=[1, 2, 1, 1]"], seed=7
     )
     assert (cfg.mode, cfg.outer.lr, cfg.outer.merge, cfg.seed) == ("diloco", 0.5, "rda", 7)
-    assert cfg.sim.speeds == (1.0, 2.0, 1.0, 1.0)
+    assert cfg.pipeline.speeds == (1.0, 2.0, 1.0, 1.0)  # sim.speeds is its old name
     assert cfg.quorum == cfg.topology.learners  # synchronous DiLoCo waits for all
 
 
@@ -37,7 +37,10 @@ def test_json_file(tmp_path):
         ("outer.lrr=1", "config field 'outer.lrr': Extra inputs are not permitted"),
         ("model.heads=5", "width 64 is not divisible by heads 5"),
         ("topology.quorum=9", "topology.quorum 9 exceeds learners 4"),
-        ("sim.speeds=[1,2]", "sim.speeds has 2 entries for 4 learners"),
+        ("sim.speeds=[1,2]", "pipeline.speeds has 2 entries for 4 learners"),
+        ("pipeline.speeds=[1,2,3]", "pipeline.speeds has 3 entries for 4 learners"),
+        ("pipeline.speeds=[1,0,1,1]", "config field 'pipeline.speeds.1': Input should be greater"),
+        ("pipeline.speeds=[1,1,-2,1]", "config field 'pipeline.speeds.2': Input should be greater"),
         ('sim.failures=[{"learner": 7, "at": 0.1, "duration": 0.1}]', "names learner 7"),
         ("mode=fast", "config field 'mode'"),
     ],
@@ -59,3 +62,26 @@ def test_malformed_file_and_bad_override(tmp_path):
         parse_override("outer.lr")
     with pytest.raises(ConfigError, match="unknown preset"):
         load_config("huge")
+
+
+def test_speeds_drive_both_clocks_and_sim_speeds_is_their_old_name():
+    """One field: the simulator's step times and the pipeline's emulated slow chips."""
+    cfg = load_config("tiny", overrides=["pipeline.speeds=[1, 1, 3, 3]"])
+    assert cfg.speeds == (1.0, 1.0, 3.0, 3.0)
+    assert [cfg.slowdown(i) for i in range(4)] == [1.0, 1.0, 3.0, 3.0]
+    assert load_config("tiny").speeds == (1.0,) * 4
+    old = load_config("tiny", overrides=["sim.speeds=[1, 1, 3, 3]"])
+    assert old == cfg
+    # A dump with the old field still loads; both names with one value are fine.
+    raw = cfg.model_dump(mode="json")
+    raw["sim"]["speeds"] = [1, 1, 3, 3]
+    assert RunConfig.model_validate(raw) == cfg
+    with pytest.raises(ConfigError, match=r"sim\.speeds .* and pipeline\.speeds .* disagree"):
+        load_config("tiny", overrides=["sim.speeds=[1,1,2,2]", "pipeline.speeds=[1,1,3,3]"])
+
+
+def test_train_set_reaches_pipeline_speeds():
+    from flows.cli import build_parser, config_from_args
+
+    args = build_parser().parse_args(["train", "--set", "pipeline.speeds=[1,1,3,3]"])
+    assert config_from_args(args).speeds == (1.0, 1.0, 3.0, 3.0)

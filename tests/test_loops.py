@@ -15,7 +15,7 @@ import pytest
 
 from diloco.config import load_config
 from diloco.fragments import fragment_sizes
-from diloco.loops import STEP, LearnerLoop
+from diloco.loops import STEP, LearnerLoop, WallClock
 from diloco.simulate import Scheduler, VirtualClock, simulate
 from diloco.topology import home_region, learner_ids, shard_count, shard_of
 from diloco.transport import SimulatedNetwork, StoreLearnerView
@@ -45,7 +45,7 @@ def run_pipeline_runtimes(run: str, regions: dict[str, str], cfg) -> None:
     model = build_model(cfg)
     ids, m = learner_ids(cfg.topology.learners), cfg.topology.learners
     shards = shard_count(cfg.pipeline.syncer_shards, len(model.plan))
-    speeds = cfg.sim.speeds
+    speeds = cfg.speeds
     clock, ended = VirtualClock(), set()
     sched = Scheduler(clock, lambda name: speeds[ids.index(name)] * cfg.sim.step_seconds)
     sizes = fragment_sizes(model.plan, model.codec.sizes)
@@ -262,3 +262,102 @@ def test_versions_are_published_after_what_they_merge_has_arrived():
     arrival = {(r["learner"], r["seq"]): r["time"] for r in sent}
     for v in versions:
         assert all(v["time"] > arrival[tuple(k)] for k in v["consumed"])
+
+
+class _FakeTime:
+    """``time.time`` and ``time.sleep`` of a test: sleeping advances the time, instantly."""
+
+    def __init__(self) -> None:
+        self.t, self.slept = 1000.0, []
+
+    def time(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(round(seconds, 9))
+        self.t += seconds
+
+
+class _Loss:
+    """A dispatched step's loss: waiting for it takes the step's compute, 0.5 s."""
+
+    def __init__(self, clock: _FakeTime) -> None:
+        self.clock, self.waited = clock, False
+
+    def block_until_ready(self) -> _Loss:
+        if not self.waited:
+            self.clock.t += 0.5
+            self.waited = True
+        return self
+
+    def __float__(self) -> float:
+        return 1.0
+
+
+class _StubLearner:
+    """What ``LearnerLoop.run`` uses of a learner, without a model: reading the batch and
+    dispatching take 0.1 s, the compute is in the loss (``_Loss``)."""
+
+    id, fragments, tokens_per_step = "learner-0", [], 1
+
+    def __init__(self, clock: _FakeTime) -> None:
+        self.clock, self.step, self.seconds, self.losses = clock, 0, [], []
+
+    def train_step(self, seconds: float) -> _Loss:
+        self.clock.t += 0.1
+        self.step += 1
+        self.seconds.append(round(seconds, 9))
+        self.losses.append(_Loss(self.clock))
+        return self.losses[-1]
+
+    def due(self) -> None:
+        return None
+
+    def waiting_on(self) -> list[int]:
+        return []
+
+    def checkpoint(self) -> None:
+        return None
+
+
+class _NoTransport:
+    def save_checkpoint(self, ckpt) -> None:
+        pass
+
+
+def _slowed_run(monkeypatch, speeds: str, index: int, steps: int = 4):
+    fake = _FakeTime()
+    monkeypatch.setattr(time, "time", fake.time)
+    monkeypatch.setattr(time, "sleep", fake.sleep)
+    cfg = load_config("tiny", overrides=[f"pipeline.speeds={speeds}"])
+    lrn = _StubLearner(fake)
+    clock = WallClock(cfg.slowdown(index))
+    loop = LearnerLoop(lrn, cfg, _NoTransport(), clock)
+    assert all(r is STEP for r in loop.run(steps))
+    return fake, lrn
+
+
+def test_a_slowed_learner_sleeps_twice_its_step_time_at_factor_3(monkeypatch):
+    """pipeline.speeds on the wall clock: a learner 3x slower waits for each step's compute
+    and sleeps twice what the step took; the sleep is step time (records, goodput)."""
+    fake, lrn = _slowed_run(monkeypatch, "[1, 1, 3, 3]", index=2)
+    assert fake.slept == [1.2] * 4  # 2 x (0.1 dispatch + 0.5 compute), once per step
+    assert all(loss.waited for loss in lrn.losses)
+    # The time the loop measures for a step (what contributions carry, what the syncer's
+    # grace window and the goodput count) is the slowed one: 3 x 0.6 s.
+    assert lrn.seconds[1:] == [1.8] * 3
+
+
+def test_a_learner_at_factor_1_never_sleeps_nor_waits_for_its_steps(monkeypatch):
+    fake, lrn = _slowed_run(monkeypatch, "[1, 1, 3, 3]", index=0)
+    assert fake.slept == []
+    assert not any(loss.waited for loss in lrn.losses)  # dispatch runs ahead as before
+    assert lrn.seconds[1:] == [0.1] * 3
+
+
+def test_slowdowns_are_relative_to_the_fastest_learner(monkeypatch):
+    """Hardware can be slowed, not sped up: [0.5, 0.5, 1, 1] runs as [1, 1, 2, 2]."""
+    fake, _ = _slowed_run(monkeypatch, "[0.5, 0.5, 1, 1]", index=3, steps=2)
+    assert fake.slept == [0.6, 0.6]
+    fake, _ = _slowed_run(monkeypatch, "[0.5, 0.5, 1, 1]", index=1, steps=2)
+    assert fake.slept == []
