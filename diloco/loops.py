@@ -383,6 +383,9 @@ class SyncerLoop:
         self.step_seconds: dict[int, float] = {}  # the last step-time estimate per fragment
         self.last: dict[int, Mapping[str, Any]] = {}  # the newest version's record
         self.lost: dict[int, list[int]] = {}  # unreadable versions the next one records
+        # Fragments whose in-memory state holds an unpublished merge that a reload has
+        # yet to replace: they merge nothing until it does (``_reload``).
+        self.unloaded: set[int] = set()
         for p in fragments:
             self.load(p)
 
@@ -409,6 +412,15 @@ class SyncerLoop:
         self.clocks[p] = _MergeClock()
         self.step_seconds.setdefault(p, 0.0)
         self.last[p] = stored.meta
+        self.unloaded.discard(p)
+
+    def _reload(self, p: int) -> None:
+        """Forget fragment ``p``'s unpublished merge and read it back from its newest
+        version. If the read fails too, ``p`` stays unloaded: it merges nothing, and the
+        next ``collect`` tries again. (Publishing on top of the failed merge would skip a
+        version number and merge its contributions into a version that records none.)"""
+        self.unloaded.add(p)
+        self.load(p)
 
     @property
     def versions(self) -> dict[int, int]:
@@ -416,9 +428,16 @@ class SyncerLoop:
 
     def collect(self) -> int:
         """Offer every new contribution; returns how many were read."""
+        for p in sorted(self.unloaded):
+            try:
+                self.load(p)
+            except Exception as exc:  # a region down, a damaged read: the next look tries
+                self.log.warning("fragment %d cannot be read back yet: %r", p, exc)
         found = 0
         for learner in self.learners:
             for p, syncer in self.syncers.items():
+                if p in self.unloaded:
+                    continue
                 try:
                     items = self.transport.contributions(learner, p, self.seen[(learner, p)])
                 except OSError as exc:
@@ -462,6 +481,8 @@ class SyncerLoop:
         learner is done): whatever is pending, at once: nothing more will come."""
         now, out = self.clock.now(), []
         for p, syncer in self.syncers.items():
+            if p in self.unloaded:
+                continue
             if finishing and syncer.pending:
                 out.append(p)
                 continue
@@ -484,6 +505,8 @@ class SyncerLoop:
     def merge(self, p: int) -> records.Record | None:
         """Merge fragment ``p``'s pending contributions and publish the version; returns
         its record, or None if nothing was merged or another syncer won the version."""
+        if p in self.unloaded:
+            self.load(p)
         syncer = self.syncers[p]
         self.clocks[p] = _MergeClock()
         outcome = syncer.merge()
@@ -499,6 +522,8 @@ class SyncerLoop:
     def seal(self, p: int) -> records.Record | None:
         """At the run's end: publish the outcomes no merge will carry (see
         ``FragmentSyncer.seal``), so the versions account for every contribution."""
+        if p in self.unloaded:
+            self.load(p)
         gv = self.syncers[p].seal()
         return None if gv is None else self._publish(p, gv)
 
@@ -510,11 +535,11 @@ class SyncerLoop:
         try:
             won = self.transport.publish(gv, syncer.opt_leaves, record)
         except Exception:
-            self.load(p)  # nothing committed: forget the merge, read the contributions again
+            self._reload(p)  # nothing committed: forget the merge, read them again
             raise
         if not won:
             self.log.warning("fenced off at fragment %d v%d; reloading the winner's", p, gv.version)
-            self.load(p)
+            self._reload(p)
             return None
         self.last[p] = record
         self.lost.pop(p, None)

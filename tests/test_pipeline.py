@@ -423,6 +423,29 @@ def test_a_corrupt_newest_version_at_home_does_not_stop_its_syncer(tmp_path, cap
     assert report.outcomes["merged"] == len(sent) and report.versions == 2 + 2  # f0 v0-2, f1 v0
 
 
+def test_a_failed_publish_whose_reload_fails_too_leaves_no_gap(tmp_path):
+    """Defect (bench/chaos): a publish failed, and so did the reload after it (a read of
+    an older version); the syncer kept its half-merged state and published the next
+    version on top of it: a version number skipped, and its merges recorded nowhere. The
+    fragment now merges nothing until it has been read back."""
+    cfg, regions, _, sent = _local_run(tmp_path, "gap")
+    syncer = SyncerRuntime("gap", regions, "us-east", 0, 2, cfg.pipeline.model_dump())
+    syncer.poll()
+    transport = syncer.loop.transport
+    publish, load = transport.publish, transport.load_fragment
+    transport.publish = lambda *a: (_ for _ in ()).throw(OSError("the answer was lost"))
+    transport.load_fragment = lambda *a: (_ for _ in ()).throw(OSError("region blinked"))
+    with pytest.raises(OSError, match="region blinked"):
+        syncer.merge_and_publish(0)
+    assert 0 not in syncer.due(finishing=True)  # nothing to publish on top of
+    transport.publish, transport.load_fragment = publish, load
+    assert syncer.poll() == len(sent)  # read back, and the contributions again
+    assert syncer.merge_and_publish(0)["version"] == 1
+    meta = RunStore("gap", regions, "us-east").global_marker(0, 1).meta
+    assert sorted(map(tuple, meta["consumed"])) == sorted((lid, 1) for lid in sent)
+    assert audit_run("gap", regions).ok
+
+
 def test_progress_and_the_curve_never_go_back_and_a_resume_keeps_the_first_loss(tmp_path):
     """Defect: after restarts the progress bar and the loss curve's token axis went
     backwards (both followed the learners' steps, which a restart sets back), and a
