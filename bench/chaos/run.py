@@ -60,7 +60,9 @@ def chaos_settings(args: argparse.Namespace) -> list[str]:
               "latency_seconds": 1.0, "crash_rate": 0.005}  # fmt: skip
     out = [f"pipeline.chaos.{k}={json.dumps(v)}" for k, v in chaos.items()]
     out += [f"pipeline.faults.{k}={json.dumps(v)}" for k, v in faults.items()]
-    return [*out, "pipeline.max_failed_starts=20"]
+    # Spares sized for the kill rate: a spare's imports take ~12 s on two busy cores, so
+    # one spare is emptied by a kill every ~10 s (bench/chaos/results.md).
+    return [*out, "pipeline.max_failed_starts=20", f"pipeline.spares={args.spares}"]
 
 
 class _Damaging:
@@ -208,17 +210,18 @@ def main() -> None:
     parser.add_argument("--only", action="append", choices=["decoupled", "diloco"])
     parser.add_argument("--max-seconds", type=float, default=900.0, help="per run")
     parser.add_argument("--diloco-tokens", type=int, help="budget of the diloco runs")
+    parser.add_argument("--spares", type=int, default=3, help="pipeline.spares under chaos")
     parser.add_argument("--diloco-max-seconds", type=float, help="limit of the diloco runs")
     parser.add_argument("--out", default=str(ROOT / "bench" / "chaos"))
     parser.add_argument("--root", help="where the runs' buckets and logs go (kept)")
-    parser.add_argument("--chaos", action="append", type=lambda s: s == "on",
-                        choices=[True, False], help="on or off (default: both)")  # fmt: skip
+    parser.add_argument("--chaos", action="append", choices=["off", "on"],
+                        help="only the runs without or with chaos (default: both)")  # fmt: skip
     args = parser.parse_args()
     results: list[dict] = []
     root = Path(args.root or tempfile.mkdtemp(prefix="chaos-"))
     print(f"runs, buckets and logs in {root}", flush=True)
     for mode in args.only or ["decoupled", "diloco"]:
-        for chaos in args.chaos or (False, True):
+        for chaos in [c == "on" for c in args.chaos or ("off", "on")]:
             r = train("chaos" if chaos else "calm", mode, args, chaos, root)
             print(row(r), flush=True)
             results.append(r)
