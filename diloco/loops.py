@@ -422,6 +422,12 @@ class SyncerLoop:
         self.unloaded.add(p)
         self.load(p)
 
+    def _loaded(self, p: int) -> FragmentSyncer:
+        """Fragment ``p``'s syncer, read back first if a failed publish left it unloaded."""
+        if p in self.unloaded:
+            self.load(p)
+        return self.syncers[p]
+
     @property
     def versions(self) -> dict[int, int]:
         return {p: s.version for p, s in self.syncers.items()}
@@ -505,9 +511,7 @@ class SyncerLoop:
     def merge(self, p: int) -> records.Record | None:
         """Merge fragment ``p``'s pending contributions and publish the version; returns
         its record, or None if nothing was merged or another syncer won the version."""
-        if p in self.unloaded:
-            self.load(p)
-        syncer = self.syncers[p]
+        syncer = self._loaded(p)
         self.clocks[p] = _MergeClock()
         outcome = syncer.merge()
         now = self.clock.now()
@@ -522,9 +526,7 @@ class SyncerLoop:
     def seal(self, p: int) -> records.Record | None:
         """At the run's end: publish the outcomes no merge will carry (see
         ``FragmentSyncer.seal``), so the versions account for every contribution."""
-        if p in self.unloaded:
-            self.load(p)
-        gv = self.syncers[p].seal()
+        gv = self._loaded(p).seal()
         return None if gv is None else self._publish(p, gv)
 
     def _publish(self, p: int, gv: GlobalVersion) -> records.Record | None:

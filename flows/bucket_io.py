@@ -289,7 +289,7 @@ class BucketStore:
         else:
             raise CorruptVersion(f"no version of fragment {fragment} reads at home")
         history = {}
-        for v in store.global_versions(fragment):
+        for v in versions:
             if version - window <= v < version:
                 try:
                     history[v] = store.get_global(fragment, v).params

@@ -25,6 +25,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -224,6 +225,14 @@ def _count(text: str) -> int:
     return int(float(text))
 
 
+def _model_flag(parser: argparse.ArgumentParser, model: Any, name: str, kind: type,
+                text: str) -> None:  # fmt: skip
+    """``--NAME`` for field ``name`` of a planner model, defaulting to the model's value."""
+    default = getattr(model, name)
+    parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=default,
+                        help=f"{text} (default {default:g})")  # fmt: skip
+
+
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     """``diloco plan goodput`` and ``diloco plan bandwidth``: every constant of
     ``diloco.plan`` a flag, defaulting to the model's own default (numpy only: no JAX)."""
@@ -249,8 +258,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         ("fragments", int, "P"),
         ("duration_hours", float, "simulated time per cell"),
     ):
-        gp.add_argument("--" + name.replace("_", "-"), dest=name, type=kind,
-                        default=getattr(fm, name), help=f"{text} (default {getattr(fm, name):g})")  # fmt: skip
+        _model_flag(gp, fm, name, kind, text)
     gp.add_argument("--seed", type=int, default=0)
     gp.add_argument("--json", action="store_true", help="a list of cells")
     gp.add_argument("--plot", metavar="FILE.png", help="goodput against chips")
@@ -268,8 +276,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         ("down_bits", float, "bits per value of merged fragments (down)"),
         ("dp_bits", float, "bits per value of dp's gradients"),
     ):
-        bw.add_argument("--" + name.replace("_", "-"), dest=name, type=kind,
-                        default=getattr(bm, name), help=f"{text} (default {getattr(bm, name):g})")  # fmt: skip
+        _model_flag(bw, bm, name, kind, text)
     bw.add_argument("--link", choices=["shared", "duplex"], default=bm.link,
                     help="shared: in + out on one link (default); duplex: each direction at "
                     "the full rate")  # fmt: skip

@@ -149,18 +149,19 @@ class Spares:
             live = [p for p in self.idle if p.poll() is None]
             proc = live.pop(0) if live else None
             self.idle = live
+        job = (json.dumps({"argv": argv[3:], "env": env, "log": str(Path(log_path).resolve())})
+               + "\n").encode()  # fmt: skip
         warm = proc is not None
+        if proc is not None:
+            try:
+                proc.stdin.write(job)
+                proc.stdin.close()
+            except OSError:  # it died between the check and the write: start one cold
+                proc.kill()
+                proc, warm = None, False
         if proc is None:
             proc = self._spawn(log_path, env)
-        job = {"argv": argv[3:], "env": env, "log": str(Path(log_path).resolve())}
-        try:
-            proc.stdin.write((json.dumps(job) + "\n").encode())
-            proc.stdin.close()
-        except OSError:  # it died between the check and the write: start one cold
-            proc.kill()
-            proc = self._spawn(log_path, env)
-            warm = False
-            proc.stdin.write((json.dumps(job) + "\n").encode())
+            proc.stdin.write(job)
             proc.stdin.close()
         self._fill()
         return proc, warm
