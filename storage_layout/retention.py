@@ -66,18 +66,29 @@ def _drop_version(bucket: Bucket, marker_key: str, report: RetentionReport) -> b
     except (CorruptVersion, FileNotFoundError) as exc:
         report.problems.append(f"kept {marker_key}: {exc}")
         return False
-    _drop(bucket, marker_key, marker, report)
+    try:
+        _drop(bucket, marker_key, marker, report)
+    except OSError as exc:  # the next pass tries again; data left alone is an orphan
+        report.problems.append(f"could not delete {marker_key} or its data: {exc!r}")
+        return False
     return True
 
 
 def prune_checkpoints(store: RunStore, learner: str, keep: int = 2) -> int:
     """Delete all but ``learner``'s newest ``keep`` checkpoints in its home region (a
     rejoin reads only the newest readable one; the one before is the fallback should
-    the newest be corrupt). Returns how many were deleted."""
+    the newest be corrupt). Returns how many were deleted.
+
+    Best effort: a failed request is logged and left for the next call (which sees every
+    older checkpoint again). It never fails the checkpoint just written."""
     if keep < 1:
         raise ValueError(f"keep must be at least 1, not {keep}")
     report = RetentionReport()
-    steps = store.checkpoint_steps(learner)
+    try:
+        steps = store.checkpoint_steps(learner)
+    except OSError as exc:
+        log.warning("checkpoint retention: cannot list %s's checkpoints: %r", learner, exc)
+        return 0
     for step in steps[:-keep]:
         report.checkpoints_deleted += _drop_version(
             store.home, store.layout.checkpoint_marker(learner, step), report
