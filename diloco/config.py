@@ -8,11 +8,12 @@ wrong value fails at load time with the dotted name of the field
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -28,41 +29,78 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    """Decoder-only transformer over bytes."""
+    """Decoder-only transformer over bytes, or a Flax NNX module of your own (``factory``)."""
 
-    vocab_size: PositiveInt = 256
-    width: PositiveInt = 64
-    depth: PositiveInt = 2
-    heads: PositiveInt = 4
-    context: PositiveInt = 64
-    mlp_ratio: PositiveInt = 4
+    vocab_size: PositiveInt = Field(256, description="tokens in the vocabulary (256: bytes)")
+    width: PositiveInt = Field(64, description="model width (embedding size)")
+    depth: PositiveInt = Field(2, description="transformer blocks")
+    heads: PositiveInt = Field(4, description="attention heads (must divide width)")
+    context: PositiveInt = Field(64, description="sequence length in tokens")
+    mlp_ratio: PositiveInt = Field(4, description="MLP hidden size as a multiple of width")
+    # Bring your own model (diloco/model.py: create_model). Part of the run spec: every
+    # learner, syncer and launcher imports it, so it must be importable on every node.
+    factory: str | None = Field(
+        None,
+        description="'package.module:function' called as function(model_config, nnx.Rngs, "
+        "**factory_args), returning a flax.nnx Module that maps int32 bytes [batch, length] "
+        "to logits [batch, length, vocab_size]; null: the built-in byte transformer",
+    )
+    factory_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="keyword arguments (JSON values) for model.factory",
+    )
+
+    @field_validator("factory")
+    @classmethod
+    def _import_path(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", value):
+            raise ValueError(f"{value!r} is not an import path 'package.module:function'")
+        return value
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfig:
         if self.width % self.heads:
             raise ValueError(f"width {self.width} is not divisible by heads {self.heads}")
+        if self.factory_args and self.factory is None:
+            raise ValueError("model.factory_args is set but model.factory is not")
         return self
 
 
 class DataConfig(_Strict):
     """Where tokens come from. ``source=None`` is the Python standard library's .py files."""
 
-    source: str | None = None
-    batch_size: PositiveInt = 8  # sequences per learner per inner step
-    val_percent: Annotated[int, Field(ge=1, le=50)] = 5  # share of files held out
-    eval_batches: PositiveInt = 8  # validation batches per evaluation
+    source: str | None = Field(
+        None,
+        description="text file, JSON lines or Parquet file, folder of them, or fsspec URL "
+        "to train on; null: the Python standard library's .py files",
+    )
+    batch_size: PositiveInt = Field(8, description="sequences per learner per inner step")
+    val_percent: Annotated[int, Field(ge=1, le=50)] = Field(
+        5, description="percent of the files held out for validation"
+    )
+    eval_batches: PositiveInt = Field(8, description="validation batches per evaluation")
+    text_field: str = Field(
+        "text",
+        min_length=1,
+        description="the field of each JSON lines record (.jsonl, .jsonl.gz), or the column "
+        "of a Parquet file (.parquet), that holds a document's text",
+    )
 
 
 class InnerConfig(_Strict):
     """AdamW with linear warm-up, cosine decay and global-norm clipping."""
 
-    lr: PositiveFloat = 3e-3
-    min_lr_ratio: Fraction = 0.1
-    warmup_steps: Annotated[int, Field(ge=0)] = 50
-    weight_decay: Annotated[float, Field(ge=0)] = 0.1
-    b1: Fraction = 0.9
-    b2: Fraction = 0.95
-    clip_norm: PositiveFloat = 1.0
+    lr: PositiveFloat = Field(3e-3, description="peak learning rate (after the warm-up)")
+    min_lr_ratio: Fraction = Field(
+        0.1, description="learning rate at the end of the cosine decay, as a share of lr"
+    )
+    warmup_steps: Annotated[int, Field(ge=0)] = Field(50, description="linear warm-up steps")
+    weight_decay: Annotated[float, Field(ge=0)] = Field(
+        0.1, description="AdamW weight decay (matrices only, not norms or biases)"
+    )
+    b1: Fraction = Field(0.9, description="AdamW beta1 (first-moment decay)")
+    b2: Fraction = Field(0.95, description="AdamW beta2 (second-moment decay)")
+    clip_norm: PositiveFloat = Field(1.0, description="clip gradients to this global L2 norm")
 
 
 StalenessName = Literal["constant", "polynomial", "exponential", "hinge"]
@@ -74,65 +112,122 @@ class OuterConfig(_Strict):
 
     # docs/algorithm.md: with tens of outer steps per fragment plain averaging beat every
     # momentum tried; the GPU presets (hundreds of outer steps) use Nesterov 0.9 / 0.5.
-    lr: PositiveFloat = 1.0
-    momentum: Annotated[float, Field(ge=0, lt=1)] = 0.0
-    nesterov: bool = True
-    merge: Literal["mean", "rda"] = "mean"
-    reference: Literal["delta", "anchored"] = "anchored"  # docs/algorithm.md: best with stale work
-    staleness: StalenessName = "polynomial"
-    staleness_a: PositiveFloat = 0.5  # polynomial exponent, or hinge slope
-    staleness_b: Annotated[float, Field(ge=0)] = 1.0  # hinge knee
-    staleness_lambda: PositiveFloat = 0.5  # exponential rate
-    max_staleness: Annotated[int, Field(ge=0)] = 8
-    max_norm: PositiveFloat = 1e3  # reject outer gradients with a larger global L2 norm
-    # Reject one whose norm per inner step is this many times the median of the fragment's
-    # recent accepted ones (a learner gone wrong, or a forged update); 0 turns it off.
-    max_norm_ratio: Annotated[float, Field(ge=0)] = 10.0
+    lr: PositiveFloat = Field(1.0, description="outer learning rate (1 with momentum 0: averaging)")
+    momentum: Annotated[float, Field(ge=0, lt=1)] = Field(
+        0.0, description="outer SGD momentum; 0: none"
+    )
+    nesterov: bool = Field(True, description="Nesterov momentum (when momentum > 0)")
+    merge: Literal["mean", "rda"] = Field(
+        "mean",
+        description="how outer gradients combine: weighted mean, or rda (radial-directional "
+        "average per tensor, mean for embeddings)",
+    )
+    # docs/algorithm.md: "anchored" is best with stale work.
+    reference: Literal["delta", "anchored"] = Field(
+        "anchored",
+        description="delta: merge outer gradients as sent; anchored: as the current global "
+        "minus the learner's parameters (rebased from the version it started on)",
+    )
+    staleness: StalenessName = Field(
+        "polynomial", description="staleness weight g(s) of a contribution s versions behind"
+    )
+    staleness_a: PositiveFloat = Field(0.5, description="polynomial exponent, or hinge slope")
+    staleness_b: Annotated[float, Field(ge=0)] = Field(1.0, description="hinge knee")
+    staleness_lambda: PositiveFloat = Field(0.5, description="exponential rate")
+    max_staleness: Annotated[int, Field(ge=0)] = Field(
+        8, description="reject contributions more than this many versions behind"
+    )
+    max_norm: PositiveFloat = Field(
+        1e3, description="reject outer gradients with a larger global L2 norm"
+    )
+    max_norm_ratio: Annotated[float, Field(ge=0)] = Field(
+        10.0,
+        description="reject one whose norm per inner step is this many times the median of "
+        "the fragment's recent accepted ones (a learner gone wrong, or a forged update); "
+        "0 turns it off",
+    )
 
 
 class TopologyConfig(_Strict):
     """Learners, fragments and the sync schedule (the knobs of ALGORITHM.md)."""
 
-    learners: PositiveInt = 4  # M
-    fragments: PositiveInt = 2  # P
-    fragment_strategy: Literal["balanced", "strided", "sequential"] = "balanced"
-    inner_steps: PositiveInt = 20  # H: inner steps between two syncs of one fragment
-    tau: Annotated[int, Field(ge=0)] = 2  # apply a global no earlier than tau steps after sending
-    alpha: Annotated[float, Field(ge=0, lt=1)] = 0.0  # blend: theta <- a*theta + (1-a)*global
-    # Instead of the blend, re-apply on top of the new global the local steps taken since
-    # the send it answers; they travel in the next contribution instead of being overwritten.
-    keep_unsent: bool = True
-    quorum: PositiveInt | None = None  # K; None = M for diloco, max(1, M // 2) for decoupled
-    grace: Annotated[float, Field(ge=0, lt=1)] = 0.5  # gamma of the adaptive grace window
-    quantization: QuantName = "int4"
-    block_size: PositiveInt = 128
-    error_feedback: bool = False
-    global_dtype: Literal["fp32", "bf16"] = "bf16"  # how globals travel to learners
+    learners: PositiveInt = Field(4, description="M: learners, each training its own copy")
+    fragments: PositiveInt = Field(2, description="P: parameter fragments, each synced apart")
+    fragment_strategy: Literal["balanced", "strided", "sequential"] = Field(
+        "balanced", description="how tensors are dealt to fragments"
+    )
+    inner_steps: PositiveInt = Field(
+        20, description="H: inner steps between two syncs of one fragment"
+    )
+    tau: Annotated[int, Field(ge=0)] = Field(
+        2, description="apply a global no earlier than tau steps after sending"
+    )
+    alpha: Annotated[float, Field(ge=0, lt=1)] = Field(
+        0.0, description="blend on receipt: theta <- alpha*theta + (1-alpha)*global"
+    )
+    keep_unsent: bool = Field(
+        True,
+        description="instead of the blend, re-apply on top of the new global the local steps "
+        "taken since the send it answers; they travel in the next contribution instead of "
+        "being overwritten",
+    )
+    quorum: PositiveInt | None = Field(
+        None, description="K: contributions a merge waits for; null: M for diloco, "
+        "max(1, M // 2) for decoupled"
+    )  # fmt: skip
+    grace: Annotated[float, Field(ge=0, lt=1)] = Field(
+        0.5, description="gamma: share of the slack left after the quorum that a merge waits"
+    )
+    quantization: QuantName = Field("int4", description="dtype of outer gradients learners send")
+    block_size: PositiveInt = Field(128, description="values per scale of int8 and int4")
+    error_feedback: bool = Field(
+        False, description="add each send's rounding error to the learner's next one"
+    )
+    global_dtype: Literal["fp32", "bf16"] = Field(
+        "bf16", description="dtype of the global versions learners download"
+    )
+    downlink: Literal["full", "int8", "int4"] = Field(
+        "full",
+        description="what a learner that holds the previous version downloads: full, the "
+        "whole version in global_dtype; int4/int8, the quantized difference to the previous "
+        "version (the syncer carries the rounding residual; a learner that missed versions "
+        "fetches the full copy, which equals what the differences rebuild, bit for bit)",
+    )
 
 
 class Failure(_Strict):
     """Learner ``learner`` is down from ``at`` to ``at + duration`` (fractions of the run's tokens)."""
 
-    learner: Annotated[int, Field(ge=0)]
-    at: Fraction
-    duration: Fraction
+    learner: Annotated[int, Field(ge=0)] = Field(description="the learner's index (0-based)")
+    at: Fraction = Field(description="when it fails, as a share of the run's tokens")
+    duration: Fraction = Field(description="how long it stays down, as a share of the tokens")
 
 
 class BudgetConfig(_Strict):
     """How long a run trains: the simulator and the pipeline read the same budget."""
 
-    tokens: PositiveInt = 400_000  # over all learners; each does tokens / M of it
+    tokens: PositiveInt = Field(
+        400_000, description="tokens of the run, over all learners; each does tokens / M"
+    )
 
 
 class SimConfig(_Strict):
     """The simulated clock and network of `diloco simulate`."""
 
-    step_seconds: PositiveFloat = 1.0  # simulated time of one inner step at speed 1
+    step_seconds: PositiveFloat = Field(
+        1.0, description="simulated time of one inner step at speed 1"
+    )
     # (``sim.speeds`` is the old name of ``pipeline.speeds``: still read, moved there.)
-    failures: tuple[Failure, ...] = ()
-    bandwidth_gbps: PositiveFloat = 1.0  # per learner, between its region and the syncer
-    latency_seconds: Annotated[float, Field(ge=0)] = 0.05
-    eval_points: PositiveInt = 10  # evaluations of the global model over the run
+    failures: tuple[Failure, ...] = Field(
+        (), description='learner outages: [{"learner": 3, "at": 0.3, "duration": 0.25}]'
+    )
+    bandwidth_gbps: PositiveFloat = Field(
+        1.0, description="per learner, between its region and the syncer"
+    )
+    latency_seconds: Annotated[float, Field(ge=0)] = Field(
+        0.05, description="simulated latency of each transfer"
+    )
+    eval_points: PositiveInt = Field(10, description="evaluations of the global model over the run")
 
 
 class PipelineConfig(_Strict):
@@ -140,41 +235,76 @@ class PipelineConfig(_Strict):
     two launches of one run). The simulator reads ``checkpoint_every``,
     ``syncer_shards`` and ``speeds`` too; the rest is for `diloco train`'s Prefect flows."""
 
-    # Per-learner slowdown factors, one per learner (2.0 = a chip twice as slow); empty:
-    # all alike. The simulator's learner m takes speeds[m] * sim.step_seconds per step; a
-    # learner of `diloco train` sleeps to emulate the slower chip (``RunConfig.slowdown``).
     # The hardware of a launch, not of the run: it may change between two launches.
-    speeds: tuple[PositiveFloat, ...] = ()
-    checkpoint_every: PositiveInt = 50  # inner steps between learner checkpoints
-    round_steps: PositiveInt = 50  # inner steps per round (one Prefect task run)
-    rounds_per_flow_run: PositiveInt = 20  # a learner flow run ends after this many rounds
-    versions_per_flow_run: PositiveInt = 200  # a syncer flow run ends after this many publishes
-    # Global versions kept per fragment (at least max_staleness + 2); older ones and the
-    # contributions merged into them are deleted as the run goes.
-    keep_versions: PositiveInt = 100
-    syncer_shards: PositiveInt = 2  # syncer processes; shard s owns fragments p with p % S == s
-    poll_seconds: PositiveFloat = 0.2  # how often learners and syncers list the buckets
-    # A crashed worker is started again for as long as the run lasts; one that fails this
-    # many starts in a row without progress (a crash loop) is given up, by name.
-    max_failed_starts: PositiveInt = 5
-    # Worker processes kept started ahead of need, their slow imports (JAX, Prefect) done:
-    # a restarted worker takes one and skips seconds of start-up. 0: start each cold.
-    spares: Annotated[int, Field(ge=0)] = 1
-    eval_seconds: PositiveFloat = 10.0  # the launcher evaluates the newest globals this often
-    upload_retries: Annotated[int, Field(ge=0)] = 5  # per contribution, with backoff
-    stall_seconds: PositiveFloat = 120.0  # a learner says so when no awaited version came
-    # Before a run starts, check that every bucket refuses a second exclusive create.
-    probe_exclusive: bool = True
-    # Failure on purpose (docs/chaos.md), for `diloco train`'s local workers: a storage
-    # fault plan (the fields of storage_layout.faults.FaultPlan) and a process chaos plan
-    # (infra.chaos.ChaosPlan). Empty: none. Checked before the run starts.
-    faults: dict[str, Any] = {}
-    chaos: dict[str, Any] = {}
+    speeds: tuple[PositiveFloat, ...] = Field(
+        (),
+        description="slowdown factor per learner (2.0: a chip twice as slow); empty: all "
+        "alike. The simulator's learner m takes speeds[m] * sim.step_seconds per step; a "
+        "learner of diloco train sleeps to emulate the slower chip",
+    )
+    checkpoint_every: PositiveInt = Field(50, description="inner steps between learner checkpoints")
+    round_steps: PositiveInt = Field(50, description="inner steps per round (one Prefect task run)")
+    rounds_per_flow_run: PositiveInt = Field(
+        20, description="a learner flow run ends after this many rounds"
+    )
+    versions_per_flow_run: PositiveInt = Field(
+        200, description="a syncer flow run ends after this many publishes"
+    )
+    keep_versions: PositiveInt = Field(
+        100,
+        description="global versions kept per fragment (at least max_staleness + 2); older "
+        "ones and the contributions merged into them are deleted as the run goes",
+    )
+    syncer_shards: PositiveInt = Field(
+        2, description="syncer processes; shard s owns the fragments p with p % S == s"
+    )
+    poll_seconds: PositiveFloat = Field(
+        0.2, description="how often learners and syncers list the buckets"
+    )
+    max_failed_starts: PositiveInt = Field(
+        5,
+        description="a crashed worker is started again for as long as the run lasts; one "
+        "that fails this many starts in a row without progress is given up, by name",
+    )
+    spares: Annotated[int, Field(ge=0)] = Field(
+        1,
+        description="worker processes started ahead of need, imports done, for a restarted "
+        "worker to take over; 0: start each cold",
+    )
+    eval_seconds: PositiveFloat = Field(
+        10.0, description="the launcher evaluates the newest globals this often"
+    )
+    upload_retries: Annotated[int, Field(ge=0)] = Field(
+        5, description="retries per contribution upload, with backoff"
+    )
+    stall_seconds: PositiveFloat = Field(
+        120.0, description="a learner says so when no awaited version came for this long"
+    )
+    probe_exclusive: bool = Field(
+        True,
+        description="before a run starts, check that every bucket refuses a second "
+        "exclusive create",
+    )
+    # Checked before the run starts.
+    faults: dict[str, Any] = Field(
+        default_factory=dict,
+        description="storage fault plan (fields of storage_layout.faults.FaultPlan, "
+        "docs/chaos.md) for diloco train's local workers; empty: none",
+    )
+    chaos: dict[str, Any] = Field(
+        default_factory=dict,
+        description="process chaos plan (fields of infra.chaos.ChaosPlan, docs/chaos.md) for "
+        "diloco train's local workers; empty: none",
+    )
 
 
 class RunConfig(_Strict):
-    seed: int = 0
-    mode: Literal["dp", "diloco", "decoupled"] = "decoupled"
+    seed: int = Field(0, description="random seed (initial model, data order, chaos)")
+    mode: Literal["dp", "diloco", "decoupled"] = Field(
+        "decoupled",
+        description="dp: data-parallel baseline (simulator only); diloco: synchronous, "
+        "quorum = M; decoupled: quorum K, grace window, staleness weights",
+    )
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     inner: InnerConfig = InnerConfig()

@@ -3,13 +3,19 @@ train files dealt to learners as disjoint shards, and a deterministic, resumable
 
 The default corpus is the Python standard library's ``.py`` files (tens of MB of real
 text on every machine, nothing to download). A local file, a local folder or any fsspec
-URL (file or folder) can be given instead. This is the only I/O in ``diloco/``.
+URL (file or folder) can be given instead. Text files are read as they are; JSON lines
+(``.jsonl``, ``.jsonl.gz``) and Parquet (``.parquet``, needs ``pyarrow``) files hold one
+document per record, its text in a named field or column (``data.text_field``). This is
+the only I/O in ``diloco/``.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import json
 import sysconfig
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +24,7 @@ import numpy as np
 
 DOC_SEPARATOR = b"\n\x00\n"  # between files, so no window silently joins two files
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".toml", ".c", ".h")
+RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")  # one document per record
 SKIPPED_FOLDERS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 
@@ -45,7 +52,7 @@ def list_files(source: str | None) -> tuple[fsspec.AbstractFileSystem, list[tupl
     if fs.isfile(path):
         return fs, [(path, Path(path).name)]
     found = []
-    suffixes = (".py",) if source is None else TEXT_SUFFIXES
+    suffixes = (".py",) if source is None else TEXT_SUFFIXES + RECORD_SUFFIXES
     base = fs._strip_protocol(path).rstrip("/")
     for folder, dirs, files in fs.walk(path, topdown=True):
         # Pruned, not filtered: the stdlib folder holds the installed packages (thousands
@@ -57,7 +64,10 @@ def list_files(source: str | None) -> tuple[fsspec.AbstractFileSystem, list[tupl
                 found.append((file, file[len(base) :].lstrip("/")))
     found.sort()
     if not found:
-        raise DataError(f"data source {root!r} holds no text files ({', '.join(TEXT_SUFFIXES)})")
+        raise DataError(
+            f"data source {root!r} holds no text files "
+            f"({', '.join(TEXT_SUFFIXES + RECORD_SUFFIXES)})"
+        )
     return fs, found
 
 
@@ -73,14 +83,17 @@ class Corpus:
         return sum(len(s) for s in self.train_shards)
 
 
-def load_corpus(source: str | None, num_shards: int, val_percent: int = 5) -> Corpus:
+def load_corpus(
+    source: str | None, num_shards: int, val_percent: int = 5, text_field: str = "text"
+) -> Corpus:
     """Read every file once; split by file; deal training files round-robin to shards.
 
-    A single-file source is split by bytes instead (the last ``val_percent`` %).
+    A single-file source is split by bytes instead (the last ``val_percent`` %). A
+    JSON lines or Parquet file counts as one file (``read_file``).
     """
     fs, files = list_files(source)
     if len(files) == 1:
-        data = np.frombuffer(_text(fs.cat_file(files[0][0]), files[0][0]), dtype=np.uint8)
+        data = np.frombuffer(read_file(fs, files[0][0], text_field), dtype=np.uint8)
         cut = len(data) * (100 - val_percent) // 100
         train, val = data[:cut], data[cut:]
         shards = tuple(np.array_split(train, num_shards))
@@ -89,7 +102,7 @@ def load_corpus(source: str | None, num_shards: int, val_percent: int = 5) -> Co
     val_parts: list[bytes] = []
     i = 0
     for path, rel in files:
-        text = _text(fs.cat_file(path), path) + DOC_SEPARATOR
+        text = read_file(fs, path, text_field) + DOC_SEPARATOR
         if _is_held_out(rel, val_percent):
             val_parts.append(text)
         else:
@@ -99,6 +112,96 @@ def load_corpus(source: str | None, num_shards: int, val_percent: int = 5) -> Co
         val_parts.append(train_parts[(i - 1) % num_shards].pop())
     shards = tuple(np.frombuffer(b"".join(p), dtype=np.uint8) for p in train_parts)
     return _checked(Corpus(shards, np.frombuffer(b"".join(val_parts), dtype=np.uint8)), source)
+
+
+def read_file(fs: fsspec.AbstractFileSystem, path: str, text_field: str = "text") -> bytes:
+    """One listed file as corpus bytes. A text file: its bytes (``_text``). A JSON lines
+    or Parquet file: the UTF-8 text of each record's ``text_field``, in file order,
+    joined by ``DOC_SEPARATOR`` (as files of a folder are). A record whose field is
+    missing, is not a string or holds a NUL character is an error naming the file and
+    the line (JSON lines, from 1) or row (Parquet, from 0); so is a file with no records.
+    """
+    name = path.lower()
+    if name.endswith((".jsonl", ".jsonl.gz")):
+        docs = _jsonl_texts(fs.cat_file(path), path, text_field)
+    elif name.endswith(".parquet"):
+        docs = _parquet_texts(fs, path, text_field)
+    else:
+        return _text(fs.cat_file(path), path)
+    if not docs:
+        raise DataError(f"{path} holds no records")
+    return DOC_SEPARATOR.join(docs)
+
+
+def _record_text(value: object, path: str, where: str, field: str) -> bytes:
+    """A record's text as UTF-8; ``where`` is its line or row, ``field`` "field 'text'"."""
+    if not isinstance(value, str):
+        kind = "null" if value is None else type(value).__name__
+        raise DataError(f"{path} {where}: {field} is {kind}, not a string")
+    if "\0" in value:
+        raise DataError(
+            f"{path} {where}: {field} holds a NUL character, which marks document "
+            "boundaries in the corpus"
+        )
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate, such as "\ud800" in JSON
+        raise DataError(f"{path} {where}: {field} is not valid Unicode: {exc}") from None
+
+
+def _jsonl_texts(data: bytes, path: str, field: str) -> list[bytes]:
+    if path.lower().endswith(".gz"):
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise DataError(f"{path} is not a readable gzip file: {exc}") from None
+    docs = []
+    for number, line in enumerate(data.split(b"\n"), start=1):
+        if not line.strip():  # blank lines (the last newline's, say) hold no record
+            continue
+        where = f"line {number}"
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise DataError(f"{path} {where} is not valid JSON: {exc}") from None
+        if not isinstance(record, dict):
+            raise DataError(
+                f"{path} {where} is a JSON {type(record).__name__}, not an object with a "
+                f"{field!r} field"
+            )
+        if field not in record:
+            raise DataError(
+                f"{path} {where}: no field {field!r} (it has "
+                f"{', '.join(map(repr, record)) or 'no fields'}); set data.text_field to the "
+                "field that holds the text"
+            )
+        docs.append(_record_text(record[field], path, where, f"field {field!r}"))
+    return docs
+
+
+def _parquet_texts(fs: fsspec.AbstractFileSystem, path: str, column: str) -> list[bytes]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(
+            f"{path} is a Parquet file; reading Parquet needs pyarrow "
+            "(pip install pyarrow, or pip install 'decoupled-diloco[parquet]')"
+        ) from None
+    try:
+        with fs.open(path, "rb") as f:
+            table = pq.ParquetFile(f)
+            names = table.schema_arrow.names
+            if column not in names:
+                raise DataError(
+                    f"{path}: no column {column!r} (it has {', '.join(map(repr, names))}); "
+                    "set data.text_field to the column that holds the text"
+                )
+            values = table.read(columns=[column]).column(column).to_pylist()
+    except DataError:
+        raise
+    except Exception as exc:  # pyarrow's errors: not Parquet, truncated, ...
+        raise DataError(f"{path} is not a readable Parquet file: {exc}") from None
+    return [_record_text(v, path, f"row {i}", f"column {column!r}") for i, v in enumerate(values)]
 
 
 def _text(data: bytes, path: str) -> bytes:

@@ -113,6 +113,7 @@ class GlobalView:
     version: int
     params: FlatParams
     meta: Mapping[str, Any] = field(default_factory=dict)
+    nbytes: int | None = None  # what reading it moved; None: the whole version, wire dtype
 
 
 @dataclass(frozen=True)
@@ -309,7 +310,9 @@ class LearnerLoop:
             mine = [
                 w for k, w in view.meta.get("weights", {}).items() if k.startswith(f"{lrn.id}/")
             ]
-            nbytes = sum(self._wire_bytes(v) for v in view.params.values())
+            nbytes = view.nbytes
+            if nbytes is None:
+                nbytes = sum(self._wire_bytes(v) for v in view.params.values())
             record = records.applied(
                 lrn.id, p, view.version, view.version - frag.base_version, sum(mine), nbytes,
                 self.clock.now(),

@@ -3,19 +3,26 @@
 Everything outside the model (fragments, outer gradients, the syncer, storage) works on
 ``FlatParams``: an ordered ``{name: array}`` dict such as ``"blocks.0.attn.qkv.kernel"``.
 ``ParamCodec`` converts between that and the NNX state the jitted step uses.
+
+``model.factory`` swaps the transformer for a module of your own (``create_model``):
+any Flax NNX module whose only variables are ``nnx.Param`` and that maps int32 bytes
+``[batch, length]`` to logits ``[batch, length, vocab_size]`` goes through the same
+codec, fragments, trainer and checkpoints.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from diloco.config import ModelConfig
+from diloco.config import ConfigError, ModelConfig
 
 FlatParams = dict[str, np.ndarray]
 
@@ -71,6 +78,87 @@ class Transformer(nnx.Module):
         return self.embed.attend(self.norm(x))
 
 
+class ModelFactoryError(ConfigError):
+    """``model.factory`` cannot be imported or does not build a usable model; the message
+    names the factory."""
+
+
+def load_factory(factory: str) -> Any:
+    """The callable ``"package.module:function"`` names (``function`` may be dotted:
+    ``module:Class.create``)."""
+    module_name, _, attr = factory.partition(":")
+    where = f"model.factory {factory!r}"
+    if not module_name or not attr:
+        raise ModelFactoryError(f"{where} is not of the form 'package.module:function'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, or an error raised while importing it
+        raise ModelFactoryError(
+            f"{where}: cannot import module {module_name!r} ({type(exc).__name__}: {exc}); "
+            "it must be importable on every node that runs the model (learners, syncers, "
+            "the launcher)"
+        ) from exc
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ModelFactoryError(f"{where}: {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ModelFactoryError(f"{where} is a {type(obj).__name__}, not callable")
+    return obj
+
+
+def create_model(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    """The model ``cfg`` describes: the byte ``Transformer``, or, with ``cfg.factory``,
+    ``factory(cfg, rngs, **cfg.factory_args)``, checked once on a dummy batch (shapes
+    only, ``jax.eval_shape``): it must be an ``nnx.Module`` holding ``nnx.Param``
+    variables only, mapping int32 ``[2, context]`` to logits ``[2, context, vocab_size]``."""
+    if cfg.factory is None:
+        return Transformer(cfg, rngs)
+    where = f"model.factory {cfg.factory!r}"
+    factory = load_factory(cfg.factory)
+    try:
+        model = factory(cfg, rngs, **cfg.factory_args)
+    except Exception as exc:
+        raise ModelFactoryError(
+            f"{where} failed when called as factory(model_config, rngs"
+            + "".join(f", {k}=..." for k in cfg.factory_args)
+            + f"): {type(exc).__name__}: {exc}"
+        ) from exc
+    if not isinstance(model, nnx.Module):
+        raise ModelFactoryError(f"{where} returned a {type(model).__name__}, not a flax.nnx.Module")
+    others = jax.tree_util.tree_leaves_with_path(
+        nnx.state(model, nnx.Not(nnx.Param)), is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    if others:
+        found = ", ".join(f"{_path_name(p)} ({type(v).__name__})" for p, v in others[:5])
+        raise ModelFactoryError(
+            f"{where}: the module holds variables other than nnx.Param ({found}); only "
+            "parameters travel between learners and syncers (no RNG streams such as "
+            "dropout's rngs, no batch statistics)"
+        )
+    graphdef, params = nnx.split(model, nnx.Param)
+    if not jax.tree_util.tree_leaves(params):
+        raise ModelFactoryError(f"{where}: the module has no nnx.Param parameters")
+    tokens = jax.ShapeDtypeStruct((2, cfg.context), jnp.int32)
+    try:
+        logits = jax.eval_shape(lambda p, t: nnx.merge(graphdef, p)(t), params, tokens)
+    except Exception as exc:
+        raise ModelFactoryError(
+            f"{where}: calling the module on int32 tokens [2, {cfg.context}] failed: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    expected = (2, cfg.context, cfg.vocab_size)
+    shape = getattr(logits, "shape", None)
+    dtype = getattr(logits, "dtype", None)
+    if shape != expected or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        got = f"{list(shape)} {dtype}" if shape is not None else type(logits).__name__
+        raise ModelFactoryError(
+            f"{where}: the module maps int32 tokens [2, {cfg.context}] to {got}; expected "
+            f"float logits {list(expected)} ([batch, length, model.vocab_size])"
+        )
+    return model
+
+
 def _path_name(path: tuple) -> str:
     parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
     parts = [p for p in parts if p]
@@ -90,7 +178,7 @@ class ParamCodec:
 
     @classmethod
     def create(cls, cfg: ModelConfig, seed: int) -> tuple[ParamCodec, nnx.State]:
-        model = Transformer(cfg, nnx.Rngs(seed))
+        model = create_model(cfg, nnx.Rngs(seed))
         graphdef, state = nnx.split(model, nnx.Param)
         leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
         names = tuple(_path_name(p) for p, _ in leaves)
@@ -105,7 +193,7 @@ class ParamCodec:
         leaves = [jnp.asarray(flat[n]) for n in self.names]
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
-    def model(self, state: nnx.State) -> Transformer:
+    def model(self, state: nnx.State) -> nnx.Module:
         return nnx.merge(self.graphdef, state)
 
     @property

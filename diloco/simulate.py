@@ -39,6 +39,7 @@ from diloco.inner import InnerTrainer
 from diloco.loops import STEP, LearnerLoop, Request, SyncerLoop, Wait
 from diloco.model import ParamCodec
 from diloco.outer import FlatParams
+from diloco.quantize import payload_bytes
 from diloco.topology import learner_ids, shard_count, shard_fragments, shard_of
 from diloco.transport import MemoryStore, SimulatedNetwork, Store, transfer_seconds
 
@@ -50,8 +51,10 @@ StoreFactory = Callable[[RunConfig, FragmentPlan, FlatParams, Sequence[str]], St
 
 
 @lru_cache(maxsize=4)
-def cached_corpus(source: str | None, shards: int, val_percent: int) -> Corpus:
-    return load_corpus(source, shards, val_percent)
+def cached_corpus(
+    source: str | None, shards: int, val_percent: int, text_field: str = "text"
+) -> Corpus:
+    return load_corpus(source, shards, val_percent, text_field)
 
 
 def dp_bytes_per_step(num_params: int, learners: int) -> int:
@@ -114,7 +117,7 @@ def simulate(
     store: StoreFactory | None = None,
 ) -> SimResult:
     m = cfg.topology.learners
-    corpus = cached_corpus(cfg.data.source, m, cfg.data.val_percent)
+    corpus = cached_corpus(cfg.data.source, m, cfg.data.val_percent, cfg.data.text_field)
     codec, state = ParamCodec.create(cfg.model, cfg.seed)
     init = codec.to_flat(state)
     trainer = InnerTrainer(codec, cfg.inner, cfg.steps_per_learner)
@@ -369,14 +372,22 @@ def _simulate_loops(
     speeds = cfg.speeds
     plan = plan_fragments(codec.sizes, topo.fragments, topo.fragment_strategy)
     sizes = fragment_sizes(plan, codec.sizes)
-    global_bytes = [s * (4 if topo.global_dtype == "fp32" else 2) for s in sizes]
+    # How long a new version takes to reach learners: its compact update where there is
+    # one (a learner that holds the version before; one that does not reads the full copy,
+    # which the network model does not delay longer).
+    global_bytes = [
+        payload_bytes(s, topo.downlink, topo.block_size) if topo.downlink != "full"
+        else s * (4 if topo.global_dtype == "fp32" else 2)
+        for s in sizes
+    ]  # fmt: skip
     ids = learner_ids(topo.learners)
     shards = shard_count(cfg.pipeline.syncer_shards, len(plan))
     if make_store is not None:
         store = make_store(cfg, plan, init, ids)
     else:
         initial = [{n: init[n] for n in names} for names in plan]
-        store = MemoryStore(initial, topo.global_dtype, cfg.outer.max_staleness)
+        store = MemoryStore(initial, topo.global_dtype, cfg.outer.max_staleness, topo.downlink,
+                            topo.block_size)  # fmt: skip
     clock = VirtualClock()
     sched = Scheduler(clock, lambda name: speeds[ids.index(name)] * sim.step_seconds)
     fleet = _Fleet(run, plan, readers, sched, clock)

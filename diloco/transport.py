@@ -16,14 +16,15 @@ they take to travel.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from diloco.config import SimConfig
 from diloco.learner import LearnerCheckpoint
 from diloco.loops import Clock, GlobalView, StoredFragment, Unreadable
 from diloco.outer import Contribution, FlatParams
-from diloco.quantize import dequantize, quantize
+from diloco.quantize import QuantizedTensor, dequantize, payload_bytes, quantize
 from diloco.records import Record
 from diloco.syncer import GlobalVersion
 
@@ -48,6 +49,10 @@ class Store(Protocol):
 
     def read_global(self, learner: str, fragment: int, version: int) -> GlobalView: ...
 
+    def read_delta(self, learner: str, fragment: int, version: int) -> GlobalDelta | None:
+        """The compact update that makes ``version`` from the version before it, as
+        ``learner`` reads it (None: this version was published whole only)."""
+
     def load_fragment(self, fragment: int, window: int) -> StoredFragment: ...
 
     def close(self, summary: dict[str, Any]) -> None:
@@ -59,19 +64,70 @@ def wire_view(params: FlatParams, wire_dtype: str) -> FlatParams:
     return {n: dequantize(quantize(v, wire_dtype)) for n, v in params.items()}
 
 
+Delta = dict[str, QuantizedTensor]
+
+
+@dataclass(frozen=True)
+class GlobalDelta:
+    """A version's compact update: ``delta`` turns the learners' copy of ``base`` into
+    theirs of ``version`` (``apply_delta``)."""
+
+    version: int
+    base: int
+    delta: Delta
+    meta: Mapping[str, Any]
+
+
+def apply_delta(wire: FlatParams, delta: Delta, wire_dtype: str) -> FlatParams:
+    """The learners' copy of a version from their copy of its base and the compact update:
+    ``round(wire + dequantize(delta))`` in float32, on the wire dtype's grid. The syncer
+    builds the full copy with this same function, so both ways give the same bits."""
+    return {n: dequantize(quantize(wire[n] + dequantize(delta[n]), wire_dtype)) for n in wire}
+
+
+def downlink_update(
+    params: FlatParams, base: FlatParams | None, wire_dtype: str, downlink: str, block_size: int
+) -> tuple[FlatParams, Delta | None]:
+    """What learners get of a new version: the full copy, and (``downlink`` int4 or
+    int8, with the previous version's copy ``base`` at hand) the quantized difference that
+    turns ``base`` into it.
+
+    With a difference, the full copy is not ``params`` rounded but ``base`` plus the
+    difference: the learners' copy, which both ways reach bit for bit. What the
+    difference leaves out (``params`` minus that copy) is in the next difference, which is
+    taken against the copy and not against the previous ``params``: the syncer carries
+    the residual, and learners' copies track the master copy instead of drifting away."""
+    if downlink == "full" or base is None or base.keys() != params.keys():
+        return wire_view(params, wire_dtype), None
+    delta = {n: quantize(v - base[n], downlink, block_size) for n, v in params.items()}
+    return apply_delta(base, delta, wire_dtype), delta
+
+
+def delta_bytes(delta: Delta) -> int:
+    return sum(q.nbytes for q in delta.values())
+
+
+def full_bytes(params: FlatParams, wire_dtype: str) -> int:
+    return sum(int(v.size) for v in params.values()) * (4 if wire_dtype == "fp32" else 2)
+
+
 class MemoryStore:
     """A run's state in this process. Keeps the versions a syncer or learner can still
     ask for (the staleness window and a little more), not the whole history."""
 
-    def __init__(self, init: Sequence[FlatParams], wire_dtype: str, window: int):
-        self.wire_dtype = wire_dtype
+    def __init__(
+        self, init: Sequence[FlatParams], wire_dtype: str, window: int, downlink: str = "full",
+        block_size: int = 128,
+    ):  # fmt: skip
+        self.wire_dtype, self.downlink, self.block_size = wire_dtype, downlink, block_size
         self.keep = window + 2
         self.sent: dict[tuple[str, int], list[Contribution]] = defaultdict(list)
         self.last_sent: dict[str, tuple[int, int]] = {}
         self.checkpoints: dict[str, LearnerCheckpoint] = {}
-        # fragment -> version -> (master params, optimizer leaves or None, record, wire view)
-        self.versions: dict[int, dict[int, tuple[FlatParams, list | None, Record, FlatParams]]] = {
-            p: {0: (dict(params), None, {"weights": {}}, wire_view(params, wire_dtype))}
+        # fragment -> version -> (master params, optimizer leaves or None, record, wire view,
+        # the delta from the version before or None)
+        self.versions: dict[int, dict[int, tuple]] = {
+            p: {0: (dict(params), None, {"weights": {}}, wire_view(params, wire_dtype), None)}
             for p, params in enumerate(init)
         }
 
@@ -102,7 +158,11 @@ class MemoryStore:
         held = self.versions[gv.fragment]
         if gv.version in held:
             return False
-        held[gv.version] = (gv.params, opt_leaves, record, wire_view(gv.params, self.wire_dtype))
+        base = held.get(gv.version - 1)
+        wire, delta = downlink_update(
+            gv.params, base[3] if base else None, self.wire_dtype, self.downlink, self.block_size
+        )
+        held[gv.version] = (gv.params, opt_leaves, record, wire, delta)
         for v in [v for v in held if v < gv.version - self.keep]:
             del held[v]
         for learner, cursor in gv.cursor.items():
@@ -113,13 +173,19 @@ class MemoryStore:
         return max(self.versions[fragment])
 
     def read_global(self, learner: str, fragment: int, version: int) -> GlobalView:
-        _, _, record, wire = self.versions[fragment][version]
+        _, _, record, wire, _ = self.versions[fragment][version]
         return GlobalView(fragment, version, wire, record)
+
+    def read_delta(self, learner: str, fragment: int, version: int) -> GlobalDelta | None:
+        held = self.versions[fragment].get(version)
+        if held is None or held[4] is None:
+            return None
+        return GlobalDelta(version, version - 1, held[4], held[2])
 
     def load_fragment(self, fragment: int, window: int) -> StoredFragment:
         held = self.versions[fragment]
         newest = max(held)
-        params, opt, record, _ = held[newest]
+        params, opt, record = held[newest][:3]
         history = {v: held[v][0] for v in held if newest - window <= v < newest}
         return StoredFragment(newest, params, opt, record, history)
 
@@ -129,7 +195,11 @@ class MemoryStore:
 
 class StoreLearnerView:
     """One learner's transport over a store, with no delay. A version already read is
-    not read again."""
+    not read again.
+
+    A newer version is reached from the one held through the versions' compact updates
+    (``topology.downlink``) while that moves fewer bytes than the full copy; otherwise,
+    or when an update is missing or unreadable, the full copy is read."""
 
     def __init__(self, store: Store, learner: str):
         self.store = store
@@ -149,8 +219,36 @@ class StoreLearnerView:
     def read(self, fragment: int, version: int) -> GlobalView:
         held = self.cache.get(fragment)
         if held is None or held.version != version:
-            held = self.cache[fragment] = self.store.read_global(self.learner, fragment, version)
+            newer = self._through_deltas(held, version) if held is not None else None
+            if newer is None:
+                newer = self.store.read_global(self.learner, fragment, version)
+            held = self.cache[fragment] = newer
         return held
+
+    def _through_deltas(self, held: GlobalView, version: int) -> GlobalView | None:
+        """``version`` rebuilt from ``held`` by the updates in between, or None when that
+        is not possible (an update missing, unreadable or from another base) or would
+        move as many bytes as the full copy."""
+        store = self.store
+        if getattr(store, "downlink", "full") == "full":
+            return None
+        full = full_bytes(held.params, store.wire_dtype)
+        each = sum(payload_bytes(v.size, store.downlink, store.block_size)
+                   for v in held.params.values())  # fmt: skip
+        if (version - held.version) * each >= full:
+            return None
+        moved, view = 0, held
+        for v in range(held.version + 1, version + 1):
+            try:
+                d = store.read_delta(self.learner, held.fragment, v)
+            except (ValueError, LookupError, FileNotFoundError):  # corrupt or gone: whole
+                return None
+            if d is None or d.base != view.version:
+                return None
+            moved += delta_bytes(d.delta)
+            params = apply_delta(view.params, d.delta, store.wire_dtype)
+            view = GlobalView(held.fragment, v, params, d.meta, moved)
+        return view
 
     def save_checkpoint(self, ckpt: LearnerCheckpoint) -> None:
         self.store.save_checkpoint(self.learner, ckpt)

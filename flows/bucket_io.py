@@ -18,18 +18,22 @@ secret turns one its learner did not sign into ``Unreadable`` as well.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Mapping, Sequence
+from functools import lru_cache
 from typing import Any
 
 import jax
 import numpy as np
 import optax
 
+from diloco.config import OuterConfig
 from diloco.learner import LearnerCheckpoint
 from diloco.loops import GlobalView, StoredFragment, Unreadable
-from diloco.outer import Contribution
+from diloco.outer import Contribution, outer_optimizer
 from diloco.records import Record
 from diloco.syncer import GlobalVersion
+from diloco.transport import GlobalDelta, downlink_update
 from storage_layout.auth import Keys, Unauthenticated
 from storage_layout.bucket import Traffic
 from storage_layout.commit import CommitConflict, CorruptVersion, patiently
@@ -58,17 +62,83 @@ def contribution_from(
     )  # fmt: skip
 
 
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+_POSITIONAL = re.compile(r"^\d{4,}$")  # how leaves were named before they had names
+
+
+def leaf_names(tree: Any) -> list[str]:
+    """Each leaf's path in ``tree``, in leaf order, as a storable name: the keys joined by
+    ``/`` (``1/0/mu/blocks.0.up.kernel``: element 1 of the chain, its element 0, field
+    ``mu``, dict key ``blocks.0.up.kernel``), any other character than ``[A-Za-z0-9._-]``
+    in a key replaced by ``_``."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    names = [
+        "/".join(
+            _UNSAFE.sub("_", str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))))
+            for k in path
+        )
+        for path, _ in flat
+    ]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two leaves of an optimizer state share a stored name: {names}")
+    return names
+
+
 def optimizer_leaves(state: optax.OptState) -> dict[str, np.ndarray]:
     """An optimizer state's leaves as float32 arrays named by their path in the tree
-    (``1/0/mu/blocks.0.up.kernel``), so a checkpoint reads without our code."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(state)
-    out = {}
-    for path, leaf in flat:
-        name = "/".join(
-            str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path
+    (``leaf_names``), so a checkpoint reads without our code."""
+    leaves = jax.tree_util.tree_leaves(state)
+    return {
+        name: np.asarray(jax.device_get(leaf), dtype=np.float32)
+        for name, leaf in zip(leaf_names(state), leaves, strict=True)
+    }
+
+
+def _positional(names: Sequence[str]) -> bool:
+    return bool(names) and all(_POSITIONAL.match(n) for n in names)
+
+
+@lru_cache(maxsize=64)
+def _outer_names(cfg: OuterConfig, shapes: tuple[tuple[str, tuple[int, ...]], ...]) -> list[str]:
+    structs = {n: jax.ShapeDtypeStruct(s, np.float32) for n, s in shapes}
+    return leaf_names(jax.eval_shape(outer_optimizer(cfg).init, structs))
+
+
+def outer_leaf_names(cfg: OuterConfig, params: Mapping[str, Any]) -> list[str]:
+    """The names of a fragment's outer optimizer leaves (``0/trace/blocks.0.up.kernel``),
+    in the order ``FragmentSyncer.opt_leaves`` lists them."""
+    return list(
+        _outer_names(cfg, tuple(sorted((n, tuple(np.shape(v))) for n, v in params.items())))
+    )
+
+
+def named_outer_leaves(
+    cfg: OuterConfig, params: Mapping[str, Any], leaves: Sequence[np.ndarray]
+) -> dict[str, np.ndarray]:
+    """``FragmentSyncer.opt_leaves`` (a list) -> the same leaves by name, as stored."""
+    names = outer_leaf_names(cfg, params)
+    if len(names) != len(leaves):
+        raise ValueError(f"{len(leaves)} outer optimizer leaves, this optimizer has {len(names)}")
+    return dict(zip(names, leaves, strict=True))
+
+
+def ordered_outer_leaves(
+    cfg: OuterConfig, params: Mapping[str, Any], names: Sequence[str], leaves: Sequence
+) -> list[np.ndarray]:
+    """Inverse of ``named_outer_leaves``: a stored version's leaves in the order
+    ``FragmentSyncer`` restores them. Versions written before leaves had names (``0000``,
+    ``0001``...) are in that order already."""
+    if not names or _positional(names):
+        return list(leaves)
+    stored = dict(zip(names, leaves, strict=True))
+    wanted = outer_leaf_names(cfg, params)
+    missing = [n for n in wanted if n not in stored]
+    if missing or len(stored) != len(wanted):
+        raise CorruptVersion(
+            f"outer optimizer state has leaves {sorted(stored)[:3]}..., this optimizer "
+            f"{len(wanted)} (missing {missing[:3]})"
         )
-        out[name] = np.asarray(jax.device_get(leaf), dtype=np.float32)
-    return out
+    return [stored[n] for n in wanted]
 
 
 def optimizer_state(
@@ -77,7 +147,9 @@ def optimizer_state(
     """Inverse of ``optimizer_leaves`` into the structure of ``template`` (a freshly
     initialized state: the optimizer's code defines the layout)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(template)
-    names = list(optimizer_leaves(template))
+    names = leaf_names(template)
+    if _positional(list(leaves)) and len(leaves) == len(names):  # written before names
+        leaves = {n: leaves[k] for n, k in zip(names, sorted(leaves), strict=True)}
     missing = [n for n in names if n not in leaves]
     if missing or len(leaves) != len(names):
         raise CorruptVersion(
@@ -115,8 +187,14 @@ class BucketStore:
         opt_template: Callable[[], optax.OptState] | None = None,
         traffic: Traffic | None = None,
         keys: Keys | None = None,
+        downlink: str = "full",
+        block_size: int = 128,
     ):
         self.run, self.regions, self.home = run, dict(regions), home
+        self.downlink, self.block_size = downlink, block_size
+        # fragment -> (version, learners' copy) this process published last: the base of
+        # the next version's compact update (read back from home when it is not this one)
+        self._published: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
         self.learners = dict(learners)
         if keys is None:
             keys = Keys.from_env(run, writer if writer in self.learners else None)
@@ -180,6 +258,23 @@ class BucketStore:
             self._fragment_count = len(self.main.read_spec()["fragments"])
         return self._fragment_count
 
+    def _outer(self) -> OuterConfig:
+        """The run's outer optimizer config (its state's structure names the stored leaves)."""
+        if not hasattr(self, "_outer_cfg"):
+            self._outer_cfg = OuterConfig.model_validate(self.main.read_spec()["config"]["outer"])
+        return self._outer_cfg
+
+    def _named_opt(
+        self, fragment: int, params: Mapping[str, Any], leaves: list[Any]
+    ) -> dict[str, np.ndarray] | list[Any]:
+        """The outer optimizer leaves by their path in the state tree, as a version stores
+        them; by position (as before names) if the run's spec cannot be read just now."""
+        try:
+            return named_outer_leaves(self._outer(), params, leaves)
+        except (CorruptVersion, OSError, KeyError, ValueError) as exc:
+            log.warning("fragment %d: outer optimizer leaves stored by position: %s", fragment, exc)
+            return leaves
+
     def save_checkpoint(self, learner: str, ckpt: LearnerCheckpoint) -> None:
         store = self.writer_for(learner, checkpoints=True)
         if ckpt.step in store.checkpoint_steps(learner):
@@ -224,6 +319,10 @@ class BucketStore:
         state = self.writer_for(learner).get_global(fragment, version, learner_view=True)
         return GlobalView(fragment, version, state.params, state.meta)
 
+    def read_delta(self, learner: str, fragment: int, version: int) -> GlobalDelta | None:
+        got = self.writer_for(learner).get_global_delta(fragment, version)
+        return None if got is None else GlobalDelta(version, *got)
+
     # syncer side ----------------------------------------------------------------------
     def contributions(
         self, learner: str, fragment: int, after: int
@@ -265,13 +364,37 @@ class BucketStore:
         )
 
     def publish(self, gv: GlobalVersion, opt_leaves: list[Any], record: Record) -> bool:
+        base = self._learners_copy(gv.fragment, gv.version - 1)
+        wire, delta = downlink_update(
+            gv.params, base, self.wire_dtype, self.downlink, self.block_size
+        )
+        self._published.pop(gv.fragment, None)
+        opt = self._named_opt(gv.fragment, gv.params, opt_leaves)
         try:
             self.last_report = self.main.publish_global(
-                gv.fragment, gv.version, gv.params, opt_leaves, record, self.wire_dtype
-            )
+                gv.fragment, gv.version, gv.params, opt, record, self.wire_dtype,
+                wire=wire, delta=delta, delta_base=gv.version - 1,
+            )  # fmt: skip
         except CommitConflict:
             return False
+        self._published[gv.fragment] = (gv.version, wire)
         return True
+
+    def _learners_copy(self, fragment: int, version: int) -> dict[str, np.ndarray] | None:
+        """The learners' copy of ``version`` (the base of the next compact update), or None
+        (no update: the next version goes out whole) when the downlink is ``full`` or the
+        version cannot be read."""
+        if self.downlink == "full" or version < 0:
+            return None
+        held = self._published.get(fragment)
+        if held is not None and held[0] == version:
+            return held[1]
+        try:
+            return self.main.get_global(fragment, version, learner_view=True).params
+        except (CorruptVersion, OSError) as exc:
+            log.warning("fragment %d: the learners' copy of version %d is unreadable (%s); "
+                        "version %d goes out whole", fragment, version, exc, version + 1)  # fmt: skip
+            return None
 
     def load_fragment(self, fragment: int, window: int) -> StoredFragment:
         store = self.main
@@ -296,7 +419,8 @@ class BucketStore:
                 except CorruptVersion as exc:
                     # Contributions based on it are rejected ("no longer held"); the rest merge.
                     log.error("fragment %d version %d is corrupt; left out: %s", fragment, v, exc)
-        return StoredFragment(version, state.params, state.opt_leaves, state.meta, history, lost)
+        opt = ordered_outer_leaves(self._outer(), state.params, state.opt_names, state.opt_leaves)
+        return StoredFragment(version, state.params, opt, state.meta, history, lost)
 
     def close(self, summary: dict[str, Any]) -> None:
         """Record the simulation's summary and the traffic of every writer it drove."""

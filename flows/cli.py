@@ -8,6 +8,12 @@
     diloco inspect URL [--run NAME] [--verify] [--json]
     diloco inspect [REGION=]URL ... --run NAME --audit [--json]
     diloco gc URL --run NAME [--keep 100] [--orphan-age 3600]
+    diloco config show [--preset tiny] [--config run.toml] [--set KEY=VALUE ...]
+    diloco --version
+    diloco export URL --run NAME --out FILE [--version V | V0,V1,...]
+    diloco eval (URL --run NAME [--version V] | --model FILE) [--data PATH] [--max-bytes N]
+    diloco generate (URL --run NAME [--version V] | --model FILE) --prompt TEXT
+                    [--max-bytes 256] [--temperature 1] [--top-k 0] [--seed 0]
 
 ``train`` runs the real pipeline: a learner process per learner and syncer shards as
 Prefect flows, linked only by the regions' buckets (by default two ``file://`` regions
@@ -16,6 +22,7 @@ set. Run it again with the same ``--run`` to resume. ``simulate`` writes ``confi
 folder and prints a summary table; with ``--store`` every contribution and global
 version goes through those buckets. ``inspect`` shows what a bucket holds; with
 ``--audit`` it checks a run's invariants in the buckets given (``storage_layout.audit``).
+``export``, ``eval`` and ``generate`` use a run's global model (``flows.model_io``).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Any
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from diloco.config import PRESETS, ConfigError, RunConfig, load_config
 from diloco.data import DataError
@@ -155,14 +163,97 @@ def cmd_train(args: argparse.Namespace) -> int:
     return train(args.run, regions, cfg, root, args.via)
 
 
+SET_HELP = (
+    "override a config field, e.g. outer.lr=0.5 (values are JSON when they parse); "
+    "`diloco config show` lists every KEY with its value and meaning"
+)
+INSPECT_LEGEND = """\
+columns:
+  fragments  newest: newest global version in the bucket given; per region: each
+             region's newest; kept: versions held there; size: bytes of the newest
+             version; consumed, tokens: contributions and tokens it merged
+  learners   newest seq: the learner's newest committed contribution to the fragment;
+             stored: its contributions still held; base: the global version that one
+             started from; staleness: newest version - base; size: its payload bytes;
+             checkpoint: inner step of its newest checkpoint
+  traffic    bytes and requests per source -> destination region, over every writer"""
+
+
+def package_version() -> str:
+    """This package's version: from its installed metadata, else from pyproject.toml."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("decoupled-diloco")
+    except PackageNotFoundError:
+        import tomllib
+
+        try:
+            with (Path(__file__).resolve().parents[1] / "pyproject.toml").open("rb") as f:
+                return f"{tomllib.load(f)['project']['version']} (not installed)"
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return "unknown (not installed)"
+
+
+def add_config_parser(sub: argparse._SubParsersAction) -> None:
+    """``diloco config show``: every config field, its value and its meaning."""
+    cfg = sub.add_parser("config", help="show the config fields, their values and meanings")
+    actions = cfg.add_subparsers(dest="config_command", required=True)
+    show = actions.add_parser("show", help="every field of a config with its value and meaning")
+    show.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    show.add_argument("--config", help="a TOML or JSON file of config fields")
+    show.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field")
+    show.set_defaults(func=cmd_config_show)
+
+
+def config_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
+    """(dotted key, value as ``--set`` takes it, meaning) of every field; a section's row
+    has an empty value and its model's description."""
+    from pydantic import BaseModel
+
+    rows: list[tuple[str, str, str]] = []
+
+    def walk(model: BaseModel, dumped: dict[str, Any], prefix: str) -> None:
+        for name, field in type(model).model_fields.items():
+            value, key = getattr(model, name), prefix + name
+            if isinstance(value, BaseModel):
+                doc = " ".join((type(value).__doc__ or "").replace("``", "").split())
+                rows.append((key, "", doc))
+                walk(value, dumped[name], key + ".")
+            else:
+                shown = dumped[name]
+                text = shown if isinstance(shown, str) else json.dumps(shown)
+                rows.append((key, text, field.description or ""))
+
+    walk(cfg, cfg.model_dump(mode="json"), "")
+    return rows
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    cfg = load_config(preset=args.preset, file=args.config, overrides=list(args.set or []))
+    table = Table(title=f"config: preset {args.preset}"
+                  + (f" + {args.config}" if args.config else "")
+                  + "".join(f" + {s}" for s in args.set or []))  # fmt: skip
+    table.add_column("key", style="bold", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    table.add_column("meaning")
+    for key, value, meaning in config_rows(cfg):
+        style = "" if value else "cyan"  # a section: its model's description
+        table.add_row(Text(key, style), Text(value), Text(meaning, style))
+    stdout_console().print(table)
+    console.print("set any of them with --set KEY=VALUE (diloco simulate / diloco train)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diloco", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"diloco {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     sim = sub.add_parser("simulate", help="run M learners and the syncer on a simulated clock")
     sim.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     sim.add_argument("--mode", choices=["dp", "diloco", "decoupled"])
     sim.add_argument("--config", help="a TOML or JSON file of config fields")
-    sim.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field")
+    sim.add_argument("--set", action="append", metavar="KEY=VALUE", help=SET_HELP)
     sim.add_argument("--seed", type=int)
     sim.add_argument("--out", help="output folder (default runs/simulate-MODE-PRESET-seedN)")
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -180,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     tr.add_argument("--mode", choices=["diloco", "decoupled"])
     tr.add_argument("--config", help="a TOML or JSON file of config fields")
-    tr.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field")
+    tr.add_argument("--set", action="append", metavar="KEY=VALUE", help=SET_HELP)
     tr.add_argument("--seed", type=int)
     tr.add_argument("--tokens", type=int, help=f"token budget (default {TRAIN_TOKENS:,})")
     tr.add_argument(
@@ -198,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
         "learner/REGION and syncer/REGION deployments (needs PREFECT_API_URL and workers)",
     )
     tr.set_defaults(func=cmd_train)
-    ins = sub.add_parser("inspect", help="show what a bucket holds")
+    ins = sub.add_parser("inspect", help="show what a bucket holds", epilog=INSPECT_LEGEND,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ins.add_argument("url", nargs="+", metavar="[REGION=]URL",
                      help="a region's bucket URL (file://, s3://, gs://, or a folder)")  # fmt: skip
     ins.add_argument("--run", help="only this run")
@@ -217,7 +309,103 @@ def build_parser() -> argparse.ArgumentParser:
                     help="delete uncommitted data older than this many seconds")  # fmt: skip
     gc.set_defaults(func=cmd_gc)
     add_plan_parser(sub)
+    add_config_parser(sub)
+    add_model_parsers(sub)
     return parser
+
+
+def _model_source(parser: argparse.ArgumentParser, file_too: bool) -> None:
+    """The global model's arguments: a bucket URL, ``--run`` and ``--version`` (and, for
+    ``eval`` and ``generate``, ``--model FILE``, an export, instead)."""
+    parser.add_argument("url", nargs=None if not file_too else "?", metavar="URL",
+                        help="a bucket of the run (any region; the syncers' home holds the "
+                        "fp32 master copy, the others the wire copy)")  # fmt: skip
+    parser.add_argument("--run", required=not file_too, help="the run")
+    parser.add_argument("--version", metavar="V|V0,V1,...",
+                        help="global version of every fragment, or one per fragment "
+                        "(default: the newest of each)")  # fmt: skip
+    if file_too:
+        parser.add_argument("--model", metavar="FILE",
+                            help="a file `diloco export` wrote, instead of URL and --run")  # fmt: skip
+
+
+def add_model_parsers(sub: argparse._SubParsersAction) -> None:
+    """``diloco export``, ``diloco eval`` and ``diloco generate``: use a run's model."""
+    ex = sub.add_parser("export", help="write a run's global model to a safetensors file")
+    _model_source(ex, file_too=False)
+    ex.add_argument("--out", required=True, metavar="FILE", help="the file to write")
+    ex.set_defaults(func=cmd_export)
+    ev = sub.add_parser("eval", help="validation loss and bits per byte of a run's model")
+    _model_source(ev, file_too=True)
+    ev.add_argument("--data", metavar="PATH",
+                    help="a text file, a folder of text files or an fsspec URL (default: the "
+                    "run's validation batches, as the launcher evaluates)")  # fmt: skip
+    ev.add_argument("--max-bytes", type=_count, default=1_000_000,
+                    help="evaluate on at most this many bytes of --data (default 1e6)")  # fmt: skip
+    ev.add_argument("--batch-size", type=int, help="windows per batch (default the run's)")
+    ev.add_argument("--json", action="store_true", help="machine-readable output")
+    ev.set_defaults(func=cmd_eval)
+    gen = sub.add_parser("generate", help="sample bytes from a run's model")
+    _model_source(gen, file_too=True)
+    gen.add_argument("--prompt", default="", help="text the sample continues (default: none)")
+    gen.add_argument("--max-bytes", type=_count, default=256, help="bytes to sample (default 256)")
+    gen.add_argument("--temperature", type=float, default=1.0,
+                     help="softmax temperature; 0 is greedy (default 1)")  # fmt: skip
+    gen.add_argument("--top-k", type=int, default=0,
+                     help="sample among the k likeliest bytes (default 0: all)")  # fmt: skip
+    gen.add_argument("--seed", type=int, default=0, help="same seed, same sample (default 0)")
+    gen.set_defaults(func=cmd_generate)
+
+
+def _open_model(args: argparse.Namespace) -> Any:
+    from flows.model_io import open_model
+
+    url = None if args.url is None else _bucket_url(args.url)
+    return open_model(url, args.run, getattr(args, "model", None), args.version)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from flows.model_io import export_model
+
+    model = _open_model(args)
+    size = export_model(model, args.out)
+    stdout_console().print(
+        f"exported {model.label}: {model.codec.num_params:,} parameters, "
+        f"{human_bytes(size)} -> {args.out}"
+    )
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from flows.model_io import evaluate
+
+    model = _open_model(args)
+    score, what = evaluate(model, args.data, args.max_bytes, args.batch_size)
+    if args.json:
+        print(json.dumps({"model": model.source, "versions": model.versions,
+                          "params_dtype": model.dtype, "data": what, "bytes": score.bytes,
+                          "loss": score.loss, "bits_per_byte": score.bits_per_byte}))  # fmt: skip
+        return 0
+    out = stdout_console()
+    out.print(f"model: {model.label}")
+    out.print(f"data:  {what} ({score.bytes:,} bytes predicted)")
+    out.print(f"validation loss {score.loss:.4f} nats/byte, {score.bits_per_byte:.4f} bits/byte")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from diloco.sample import Sampler
+
+    model = _open_model(args)
+    console.print(f"model: {model.label}")
+    sampler = Sampler(model.codec, model.config.context)
+    text = sampler.generate(model.params, args.prompt.encode(), args.max_bytes,
+                            args.temperature, args.top_k, args.seed)  # fmt: skip
+    sys.stdout.buffer.write(text)
+    if sys.stdout.isatty() and not text.endswith(b"\n"):
+        sys.stdout.buffer.write(b"\n")
+    sys.stdout.buffer.flush()
+    return 0
 
 
 def _count(text: str) -> int:
@@ -541,6 +729,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 for pair, t in run["traffic"].items():
                     tr.add_row(pair, human_bytes(t["bytes"]), str(t["requests"]))
                 out.print(tr)
+            out.print(INSPECT_LEGEND, style="dim", markup=False, highlight=False)
             if "verified_versions" in run:
                 out.print(f"verified {run['verified_versions']} committed versions")
             for problem in run["problems"]:

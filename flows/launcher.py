@@ -685,6 +685,7 @@ def _watch(
     ended; returns when each ended (its machine was freed: the end of its allocation)."""
     last_eval = time.monotonic()
     ended: dict[str, float] = {}
+    started = False  # every learner has started up: progress lines from then on
     # The thread pool's own futures, waited on plainly: ``prefect.futures.wait`` with a
     # timeout arms an asynchronous exception (an alarm signal in the main thread), which
     # can land inside a lock and end a run with "release unlocked lock".
@@ -707,13 +708,40 @@ def _watch(
             continue
         pct = monitor.progress(statuses)
         update_progress_artifact(bar, pct)
+        starting = None if started else startup_line(statuses, point["versions"])
+        if starting:
+            log.info("%s | validation loss %.4f", starting, point["loss"])
+            continue
+        started = True
+        restarting = Counter(s.get("state") for s in statuses.values() if s.get("state") in STARTUP)
         log.info(
-            "%5.1f%% | tokens %s | validation loss %.4f | versions %s",
+            "%5.1f%% | tokens %s | validation loss %.4f | versions %s%s",
             pct,
             f"{point['tokens']:,}",
             point["loss"],
             " ".join(f"f{p}:v{v}" for p, v in point["versions"].items()),
+            "".join(f" | {n} restarting ({phase})" for phase, n in restarting.items()),
         )
+
+
+# A learner's start-up phases, in order, as its status object names them (``starting``:
+# no word from it yet: its process starts, imports, opens its flow run).
+STARTUP = ("starting", "compiling", "resuming")
+
+
+def startup_line(statuses: dict[str, dict[str, Any]], versions: dict[int, int]) -> str | None:
+    """What the run is doing while it starts, instead of a progress line at 0 %: how many
+    learners are in each phase, and whether a contribution has been merged yet. None once
+    every learner trains and a version beyond 0 exists (from then on the watch loop logs
+    progress, and names the learners that are restarting)."""
+    counts = Counter(s.get("state") or "starting" for s in statuses.values())
+    merged = any(v > 0 for v in versions.values())
+    if merged and not any(counts.get(phase) for phase in STARTUP):
+        return None
+    order = [*STARTUP, "training", *sorted(set(counts) - {*STARTUP, "training"})]
+    learners = ", ".join(f"{counts[phase]} {phase}" for phase in order if counts.get(phase))
+    first = "first versions published" if merged else "waiting for the first contribution"
+    return f"starting up | learners: {learners} | {first}"
 
 
 def authenticate(run: str, folder: Path, via: str, log: Any) -> None:

@@ -220,7 +220,9 @@ class LearnerRuntime:
         self.store = bucket_store(run, {region: bucket}, spec, self.cfg, learner, home=region)
         # Fence off any older process of this learner before reading what it left.
         self.generation = self.store.writer_for(learner).claim_generation(learner)
+        self.announce("compiling")
         self._compile()
+        self.announce("resuming")
         opts, view = self.cfg.pipeline, StoreLearnerView(self.store, learner)
         self.io = io(view) if io else BackgroundIO(view, len(self.model.plan), opts.poll_seconds,
                                                    opts.upload_retries, self.log,
@@ -304,6 +306,18 @@ class LearnerRuntime:
         self.loop.checkpoint()
         if wait:
             self.io.flush()
+
+    def announce(self, state: str) -> None:
+        """Say in the status object which start-up phase this process is in (the launcher
+        shows it), keeping the progress an earlier process of this learner reported."""
+        writer = self.store.writer_for(self.id)
+        try:
+            old = writer.read_metrics(self.id) or {}
+            kept = {k: old[k] for k in ("step", "total_steps", "tokens") if k in old}
+            writer.write_metrics(self.id, {**kept, "state": state, "region": self.region,
+                                           "time": time.time()})  # fmt: skip
+        except (OSError, ValueError) as exc:  # a status is news, not state: never fatal
+            self.log.warning("cannot write status %r: %s", state, exc)
 
     def write_status(self, state: str, row: dict[str, Any] | None = None) -> None:
         record = {

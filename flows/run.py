@@ -26,7 +26,7 @@ from diloco.model import ParamCodec
 from diloco.simulate import StoreFactory, cached_corpus
 from diloco.syncer import FragmentSyncer
 from diloco.topology import deal_learners, home_region
-from flows.bucket_io import BucketStore
+from flows.bucket_io import BucketStore, named_outer_leaves
 from storage_layout.commit import CommitConflict
 from storage_layout.store import RunStore
 
@@ -45,6 +45,12 @@ def run_spec(cfg: RunConfig, plan: FragmentPlan, regions: Mapping[str, str]) -> 
         "regions": dict(regions),
         "learners": deal_learners(cfg.topology.learners, regions),
     }
+
+
+def spec_defaults() -> dict[str, Any]:
+    """What a spec means by a config key it does not name (one written before the key
+    existed): the key's default, so such a run resumes under newer code."""
+    return {"config": RunConfig().model_dump(mode="json", exclude=NOT_IN_SPEC)}
 
 
 def config_from_spec(
@@ -84,7 +90,8 @@ def build_model(cfg: RunConfig) -> Model:
 
 
 def corpus(cfg: RunConfig) -> Corpus:
-    return cached_corpus(cfg.data.source, cfg.topology.learners, cfg.data.val_percent)
+    data = cfg.data
+    return cached_corpus(data.source, cfg.topology.learners, data.val_percent, data.text_field)
 
 
 def reader(cfg: RunConfig, index: int) -> ShardReader:
@@ -110,13 +117,15 @@ def initialize_run(store: RunStore, cfg: RunConfig) -> dict[str, Any]:
         for region in store.urls:
             store.bucket(region).probe_exclusive()
     model = build_model(cfg)
-    spec = store.ensure_spec(run_spec(cfg, model.plan, store.urls))
+    spec = store.ensure_spec(run_spec(cfg, model.plan, store.urls), spec_defaults())
     for p, names in enumerate(model.plan):
         if store.latest_global(p) is not None:
             store.sync_regions(p)
             continue
         params = {n: model.init[n] for n in names}
-        opt = FragmentSyncer(p, params, cfg.outer, [], lambda _: False).opt_leaves
+        opt = named_outer_leaves(
+            cfg.outer, params, FragmentSyncer(p, params, cfg.outer, [], lambda _: False).opt_leaves
+        )
         # Another launcher may have initialized it first: same spec, same seed, same values.
         with contextlib.suppress(CommitConflict):
             store.publish_global(
@@ -140,6 +149,7 @@ def bucket_store(
         run, regions, home or home_region(regions), spec["learners"], cfg.topology.global_dtype,
         writer, place=trainer.place_params,
         opt_template=lambda: trainer.init_opt_state(trainer.place_params(model.init)),
+        downlink=cfg.topology.downlink, block_size=cfg.topology.block_size,
     )  # fmt: skip
 
 
@@ -150,7 +160,7 @@ def simulation_store(run: str, regions: Mapping[str, str]) -> StoreFactory:
 
     def make(cfg: RunConfig, plan: FragmentPlan, init: Any, ids: Sequence[str]) -> BucketStore:
         store = RunStore(run, regions, home_region(regions), writer="syncer")
-        spec = store.ensure_spec(run_spec(cfg, plan, regions))
+        spec = store.ensure_spec(run_spec(cfg, plan, regions), spec_defaults())
         if any(store.latest_global(p) is not None for p in range(len(plan))):
             raise FileExistsError(
                 f"run {run!r} in {regions[home_region(regions)]} already holds global versions "

@@ -49,6 +49,17 @@ def _bin(name: str) -> str:
         return str(path)
 
 
+def _inspect_hint(url: str, run: str) -> str:
+    """The command that inspects the run's home bucket from the user's shell. A wrapper
+    that gave this process an environment of its own (``python -m infra.local_stack run``:
+    the stack's endpoints and credentials) names its own command in DILOCO_INSPECT_HINT,
+    a template of ``{url}`` and ``{run}``."""
+    template = os.environ.get("DILOCO_INSPECT_HINT")
+    if template:
+        return template.format(url=url, run=run)
+    return f"{_bin('diloco')} inspect {url} --run {run}"
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -92,7 +103,8 @@ def _prefect_api(prefect_home: Path, via: str) -> AbstractContextManager[str]:
     if via == "deployments":
         raise ConfigError(
             "--via deployments needs a Prefect server with a worker per region: set "
-            "PREFECT_API_URL (python -m infra.local_stack up starts one; see docs/deploy.md)"
+            f"PREFECT_API_URL ({_bin('python')} -m infra.local_stack up starts one; see "
+            "docs/deploy.md)"
         )
     return prefect_server(prefect_home)
 
@@ -140,7 +152,7 @@ def train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: st
     stdout_console().print(train_summary_table(summary, f"diloco train {run} ({wall:.0f} s)"))
     console.print(
         f"summary: {root / 'summary.json'}  worker logs: {root / 'logs'}\n"
-        f"inspect the buckets:  {_bin('diloco')} inspect {regions[home_region(regions)]} --run {run}\n"
+        f"inspect the buckets:  {_inspect_hint(regions[home_region(regions)], run)}\n"
         + (f"browse the run in the Prefect UI:  PREFECT_HOME={prefect_home} {_bin('prefect')} server start"
            if not external else f"Prefect UI: {external.removesuffix('/api')}")
     )  # fmt: skip

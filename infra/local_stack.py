@@ -3,6 +3,7 @@
     python -m infra.local_stack up      # start everything, create pools, deploy
     python -m infra.local_stack run     # a short two-region training through the deployments
     python -m infra.local_stack status
+    python -m infra.local_stack inspect  # diloco inspect of the stack's buckets, with its env
     python -m infra.local_stack down
 
 ``up`` starts, each as a background process whose log and PID live in ``.stack/``:
@@ -14,7 +15,9 @@
   endpoints and credentials in its environment;
 
 then runs ``prefect deploy --all`` (``prefect.yaml``). ``.stack/env`` holds the
-variables to talk to the stack from a shell (``source .stack/env``).
+variables to talk to the stack from a shell (``source .stack/env``); ``run`` and
+``inspect`` pass them to what they start themselves, so every command this module
+prints runs as printed in a plain shell.
 """
 
 from __future__ import annotations
@@ -35,6 +38,15 @@ from infra.prefect_server import free_port, server_env, wait_healthy
 REPO = Path(__file__).resolve().parents[1]
 STATE = REPO / ".stack"
 REGIONS = {"us-east": "s3://diloco-us-east", "eu-west": "gs://diloco-eu-west"}
+DEMO_RUN = "stack-demo"
+
+
+def _me(command: str = "") -> str:
+    """How to call this module from the current folder with this interpreter."""
+    python = Path(sys.executable)
+    if python.is_relative_to(Path.cwd()):
+        python = python.relative_to(Path.cwd())
+    return f"{python} -m infra.local_stack {command}".rstrip()
 
 
 def _spawn(name: str, argv: list[str], env: dict[str, str]) -> int:
@@ -64,7 +76,7 @@ def _prefect(*args: str, env: dict[str, str], check: bool = True) -> subprocess.
 
 def up() -> dict:
     if (STATE / "state.json").exists():
-        raise SystemExit("a stack is already up (python -m infra.local_stack down first)")
+        raise SystemExit(f"a stack is already up ({_me('down')} first)")
     STATE.mkdir(exist_ok=True)
     pids: dict[str, int] = {}
     env = server_env(STATE / "prefect")
@@ -165,7 +177,7 @@ def _load() -> dict:
     try:
         return json.loads((STATE / "state.json").read_text())
     except FileNotFoundError:
-        raise SystemExit("no stack is up (python -m infra.local_stack up)") from None
+        raise SystemExit(f"no stack is up ({_me('up')})") from None
 
 
 def down() -> None:
@@ -197,35 +209,51 @@ def status() -> int:
         code |= not alive
         print(f"{name:20s} pid {pid:<8d} {'up' if alive else 'DOWN'}  log {STATE / name}.log")
     print(f"Prefect UI: {state['env']['PREFECT_API_URL'].removesuffix('/api')}")
-    print(f"shell: source {STATE / 'env'}")
+    print(f"inspect the buckets: {_me('inspect')}   (a shell: source {STATE / 'env'})")
     return code
 
 
 def run(args: list[str]) -> int:
     state = _load()
-    env = {**os.environ, **state["env"]}
+    # diloco train's closing hint: this module's inspect, which brings the stack's env
+    env = {**os.environ, **state["env"], "DILOCO_INSPECT_HINT": _me("inspect {url} --run {run}")}
     argv = [sys.executable, "-m", "flows.cli", "train", "--via", "deployments",
-            "--run", "stack-demo", "--tokens", "600000", "--dir", str(STATE / "runs"),
+            "--run", DEMO_RUN, "--tokens", "600000", "--dir", str(STATE / "runs"),
             *[f"--region={r}={u}" for r, u in REGIONS.items()], *args]  # fmt: skip
     return subprocess.call(argv, env=env, cwd=REPO)
 
 
+def inspect(args: list[str]) -> int:
+    """``diloco inspect ARGS`` with the stack's endpoints and credentials (default: the
+    demo run in the us-east bucket); relative paths are taken from the current folder."""
+    state = _load()
+    env = {**os.environ, **state["env"]}
+    argv = [sys.executable, "-m", "flows.cli", "inspect",
+            *(args or [REGIONS["us-east"], "--run", DEMO_RUN])]  # fmt: skip
+    return subprocess.call(argv, env=env)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infra.local_stack", description=__doc__)
-    parser.add_argument("command", choices=["up", "down", "status", "run"])
-    parser.add_argument("rest", nargs=argparse.REMAINDER, help="for run: more `diloco train` flags")
+    parser = argparse.ArgumentParser(prog="python -m infra.local_stack", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("command", choices=["up", "down", "status", "run", "inspect"])
+    parser.add_argument("rest", nargs=argparse.REMAINDER,
+                        help="for run: more `diloco train` flags; for inspect: `diloco "
+                        "inspect` arguments (default: the demo run in us-east)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.command == "up":
         state = up()
         print(f"stack up: Prefect UI {state['env']['PREFECT_API_URL'].removesuffix('/api')}")
         print(f"regions: {REGIONS}")
-        print(f"next: python -m infra.local_stack run   (or: source {STATE / 'env'})")
+        print(f"next: {_me('run')}   then: {_me('inspect')}   (a shell: source {STATE / 'env'})")
         return 0
     if args.command == "down":
         down()
         return 0
     if args.command == "status":
         return status()
+    if args.command == "inspect":
+        return inspect(args.rest)
     return run(args.rest)
 
 

@@ -5,9 +5,20 @@ A version is one Zarr group. Each named subgroup (``delta`` for a contribution;
 concatenation of its tensors' payloads in storage dtype (float32, bf16 bits as uint16,
 int8, or int4 packed two per byte as uint8), and for int8 / int4 one flat float32
 ``scales`` array. Each array is one Zarr shard (1 Mi-element inner chunks, so a reader
-may fetch parts), uncompressed. The tensors' names, logical kinds, shapes, block sizes
-and offsets are in the subgroup's attributes. So a fragment of any size is a handful of
-objects, and the round trip is bit-exact.
+may fetch parts), uncompressed. So a fragment of any size is a handful of objects, and
+the round trip is bit-exact.
+
+The subgroup's attributes describe it without this code: ``kind``, ``logical_dtype``,
+``encoding`` (how to turn the stored values into numbers, in words: ``ENCODING``) and
+``tensors``, one record per tensor with named fields::
+
+    {"name": "blocks.0.up.kernel", "shape": [64, 256], "kind": "int4", "dtype": "int4",
+     "block_size": 128, "data": [0, 8192], "scales": [0, 128]}
+
+(``data`` and ``scales``: the tensor's [start, stop) in the group's ``data`` and
+``scales`` arrays). Groups written before these records had names hold a list per tensor,
+``[name, shape, block_size, data start, data stop, scales start, scales stop]``; they
+still decode.
 
 Encoding happens in memory (``zarr.storage.MemoryStore``); the commit protocol then
 uploads and hashes each object. Anyone can open a committed version with plain zarr.
@@ -28,6 +39,20 @@ from storage_layout.layout import FORMAT_VERSION
 
 CHUNK = 1 << 20
 LOGICAL_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8", "int4": "int4"}
+# How a subgroup's stored values become numbers, per kind (its ``encoding`` attribute).
+_BLOCKS = (
+    "one float32 scale per block of block_size consecutive values of a tensor (flattened "
+    "in C order; the last block may be short); value = code * scales[block]"
+)
+ENCODING = {
+    "fp32": "data is float32, the tensors' values flattened in C order",
+    "bf16": "data is uint16 holding bfloat16 bit patterns (the high 16 bits of a float32): "
+    "float32 = (uint32(data) << 16) viewed as float32",
+    "int8": f"data is int8 codes in [-127, 127]; {_BLOCKS}",
+    "int4": "data is uint8, two 4-bit codes per byte, low nibble first (value 2i in bits "
+    "0-3, value 2i+1 in bits 4-7; an odd-sized tensor pads its last byte), each code "
+    f"stored as q + 8 with q in [-7, 7]; {_BLOCKS.replace('code *', 'q *')}",
+}
 
 TensorGroups = Mapping[str, Mapping[str, QuantizedTensor]]
 
@@ -67,18 +92,32 @@ def encode(groups: TensorGroups, attrs: Mapping[str, Any]) -> dict[str, bytes]:
         for name in sorted(tensors):
             q = tensors[name]
             ns = 0 if q.scales is None else q.scales.size
-            index.append([name, list(q.shape), q.block_size, d0, d0 + q.data.size, s0, s0 + ns])
+            index.append(
+                {"name": name, "shape": list(q.shape), "kind": kind,
+                 "dtype": LOGICAL_DTYPE[kind], "block_size": q.block_size,
+                 "data": [d0, d0 + q.data.size], "scales": [s0, s0 + ns]}
+            )  # fmt: skip
             data.append(q.data.reshape(-1))
             if ns:
                 scales.append(q.scales)
             d0, s0 = d0 + q.data.size, s0 + ns
         sub = root.create_group(gname)
-        sub.attrs.update({"kind": kind, "logical_dtype": LOGICAL_DTYPE[kind], "tensors": index})
+        sub.attrs.update({"kind": kind, "logical_dtype": LOGICAL_DTYPE[kind],
+                          "encoding": ENCODING[kind], "tensors": index})  # fmt: skip
         dtype = STORAGE_DTYPE[kind]
         _array(sub, "data", np.concatenate(data) if data else np.zeros(0, dtype))
         if kind in ("int8", "int4"):
             _array(sub, "scales", np.concatenate(scales) if scales else np.zeros(0, np.float32))
     return {key: buf.to_bytes() for key, buf in objects.items()}
+
+
+def _tensor_entry(entry: Any) -> tuple[str, list[int], int, int, int, int, int]:
+    """One tensor's record: named fields, or the unlabelled list of older groups."""
+    if isinstance(entry, Mapping):
+        (d0, d1), (s0, s1) = entry["data"], entry["scales"]
+        return entry["name"], entry["shape"], entry["block_size"], d0, d1, s0, s1
+    name, shape, block, d0, d1, s0, s1 = entry
+    return name, shape, block, d0, d1, s0, s1
 
 
 def decode(objects: Mapping[str, bytes]) -> tuple[dict[str, dict[str, QuantizedTensor]], dict]:
@@ -100,7 +139,8 @@ def decode(objects: Mapping[str, bytes]) -> tuple[dict[str, dict[str, QuantizedT
             data = sub["data"][:]
             scales = sub["scales"][:] if kind in ("int8", "int4") else None
             tensors = {}
-            for name, shape, block, d0, d1, s0, s1 in sub.attrs["tensors"]:
+            for entry in sub.attrs["tensors"]:
+                name, shape, block, d0, d1, s0, s1 = _tensor_entry(entry)
                 if d1 > data.size or (scales is not None and s1 > scales.size):
                     raise FormatError(f"tensor {name} of group {gname} runs past its array")
                 tensors[name] = QuantizedTensor(

@@ -7,6 +7,7 @@
     {root}/{run}/learners/{learner}/checkpoints/data/s{STEP}-{WRITE_ID}/
     {root}/{run}/globals/f{P}/commits/v{VERSION}.json
     {root}/{run}/globals/f{P}/data/v{VERSION}-{WRITE_ID}/
+    {root}/{run}/globals/f{P}/latest.json             advisory pointer to the newest version
     {root}/{run}/ledger/f{P}/s{N}.json                 what retention deleted (for audits)
     {root}/{run}/metrics/{writer}.json
 
@@ -92,6 +93,10 @@ class RunLayout:
 
     def global_data(self, fragment: int, version: int, write_id: str) -> str:
         return f"{self.run}/globals/f{fragment:04d}/data/v{number(version)}-{write_id}"
+
+    def global_latest(self, fragment: int) -> str:
+        """Advisory pointer to the newest version (overwritten; the markers are the truth)."""
+        return f"{self.run}/globals/f{fragment:04d}/latest.json"
 
     # retention ledger --------------------------------------------------------------
     def ledger_commits(self, fragment: int) -> str:

@@ -22,7 +22,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -65,18 +65,26 @@ class RegionDown(BucketError):
     """A region's bucket could not be reached; only work touching it waits."""
 
 
-def spec_differences(stored: Any, given: Any, path: str = "") -> list[str]:
-    """Human-readable differences between two JSON-like values."""
+def spec_differences(stored: Any, given: Any, path: str = "", defaults: Any = None) -> list[str]:
+    """Human-readable differences between two JSON-like values.
+
+    ``defaults`` (the same shape as ``given``) holds the value a key has when a spec
+    does not name it: a key that newer code added is no difference in a spec stored by
+    older code, as long as the given value is that default (the run keeps behaving as
+    it did)."""
     if isinstance(stored, dict) and isinstance(given, dict):
         out = []
+        defaults = defaults if isinstance(defaults, dict) else {}
         for key in sorted(set(stored) | set(given), key=str):
             where = f"{path}.{key}" if path else str(key)
             if key not in stored:
+                if key in defaults and given[key] == defaults[key]:
+                    continue
                 out.append(f"{where}: not in the stored spec, given {given[key]!r}")
             elif key not in given:
                 out.append(f"{where}: stored {stored[key]!r}, missing from the given spec")
             else:
-                out.extend(spec_differences(stored[key], given[key], where))
+                out.extend(spec_differences(stored[key], given[key], where, defaults.get(key)))
         return out
     if isinstance(stored, list) and isinstance(given, list) and len(stored) == len(given):
         return [
@@ -94,6 +102,10 @@ class GlobalState:
     params: dict[str, np.ndarray]
     opt_leaves: list[np.ndarray]
     meta: dict[str, Any]
+    # The stored name of each of ``opt_leaves`` (same order): its path in the optax state
+    # tree (``0/trace/blocks.0.up.kernel``), or ``0000``, ``0001``... in versions written
+    # before leaves had names. ``flows.bucket_io`` puts them back in the tree's order.
+    opt_names: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -103,16 +115,28 @@ class PublishReport:
     lagging: dict[str, str] = field(default_factory=dict)  # region -> why it was skipped
 
 
-WIRE = ("wire",)
+WIRE = ("wire",)  # what a learner reads of a version: its full copy
+LEARNER_GROUPS = ("wire", "delta")  # what regions other than home hold: also the update
 
 
 def learner_view(objects: Mapping[str, bytes]) -> dict[str, bytes]:
     """A global version's objects without the master copy and optimizer state."""
-    return {k: v for k, v in objects.items() if "/" not in k or k.split("/", 1)[0] in WIRE}
+    return {
+        k: v for k, v in objects.items() if "/" not in k or k.split("/", 1)[0] in LEARNER_GROUPS
+    }
 
 
 def _fp32(values: Mapping[str, np.ndarray]) -> dict[str, QuantizedTensor]:
     return {n: quantize(v, "fp32") for n, v in values.items()}
+
+
+def _opt_group(leaves: Sequence[np.ndarray] | Mapping[str, np.ndarray]) -> dict:
+    """A version's ``opt`` group: the outer optimizer state's leaves under the names given
+    (their paths in the optax state tree, ``flows.bucket_io``); a plain list is named by
+    position, ``0000``, ``0001``... (as every version was before leaves had names)."""
+    if isinstance(leaves, Mapping):
+        return _fp32(leaves)
+    return _fp32({f"{i:04d}": leaf for i, leaf in enumerate(leaves)})
 
 
 class RunStore:
@@ -159,8 +183,11 @@ class RunStore:
         return self.bucket(self.client_region)
 
     # run spec -------------------------------------------------------------------------
-    def ensure_spec(self, spec: Mapping[str, Any]) -> dict[str, Any]:
-        """Write ``spec`` to every region once; if one is stored, it must match exactly."""
+    def ensure_spec(
+        self, spec: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Write ``spec`` to every region once; if one is stored, it must match exactly,
+        but for keys it lacks whose given value is their default (``spec_differences``)."""
         body = {"format_version": FORMAT_VERSION, **spec}
         data = json.dumps(body, sort_keys=True, indent=1).encode()
         for region in self.urls:
@@ -169,7 +196,7 @@ class RunStore:
                 bucket.put_exclusive(self.layout.spec, data)
             except FileExistsError:
                 stored = self.read_spec(region)
-                diffs = spec_differences(stored, json.loads(data))
+                diffs = spec_differences(stored, json.loads(data), defaults=defaults)
                 if diffs:
                     raise SpecMismatch(
                         f"run {self.run!r} in region {region} was started with another spec; "
@@ -311,15 +338,22 @@ class RunStore:
         opt_leaves: list[np.ndarray],
         meta: Mapping[str, Any],
         wire_dtype: str = "fp32",
+        wire: Mapping[str, np.ndarray] | None = None,
+        delta: Mapping[str, QuantizedTensor] | None = None,
     ) -> dict[str, bytes]:
         """A global version: fp32 ``params`` and ``opt`` (what a restarted syncer needs) and
-        ``wire``, the parameters in the dtype learners download (they fetch only that)."""
-        opt = {f"{i:04d}": quantize(leaf, "fp32") for i, leaf in enumerate(opt_leaves)}
-        wire = {n: quantize(v, wire_dtype) for n, v in params.items()}
-        return encode(
-            {"params": _fp32(params), "opt": opt, "wire": wire},
-            {"kind": "global", "wire_dtype": wire_dtype, **meta},
-        )
+        ``wire``, the learners' full copy in the dtype they download (default: ``params``
+        rounded to it), and optionally ``delta``, the compact update that turns the
+        learners' copy of version ``meta["delta_base"]`` into this one."""
+        opt = _opt_group(opt_leaves)
+        groups = {
+            "params": _fp32(params),
+            "opt": opt,
+            "wire": {n: quantize(v, wire_dtype) for n, v in (wire or params).items()},
+        }
+        if delta is not None:
+            groups["delta"] = dict(delta)
+        return encode(groups, {"kind": "global", "wire_dtype": wire_dtype, **meta})
 
     def publish_global(
         self,
@@ -329,13 +363,20 @@ class RunStore:
         opt_leaves: list[np.ndarray],
         meta: Mapping[str, Any],
         wire_dtype: str = "fp32",
+        wire: Mapping[str, np.ndarray] | None = None,
+        delta: Mapping[str, QuantizedTensor] | None = None,
+        delta_base: int | None = None,
     ) -> PublishReport:
-        """Commit version ``version`` of ``fragment`` at home (the arbiter), then everywhere.
+        """Commit version ``version`` of ``fragment`` at home (the arbiter), then everywhere
+        (``global_objects`` says what a version holds; ``delta`` turns the learners' copy
+        of version ``delta_base`` into this one's).
 
         Raises ``CommitConflict`` if another syncer already holds this version at home.
         """
         meta = {"fragment": fragment, "version": version, **meta}
-        objects = self.global_objects(params, opt_leaves, meta, wire_dtype)
+        if delta is not None:
+            meta["delta_base"] = delta_base if delta_base is not None else version - 1
+        objects = self.global_objects(params, opt_leaves, meta, wire_dtype, wire, delta)
         write_id = new_write_id()
         report = PublishReport(version)
 
@@ -350,6 +391,7 @@ class RunStore:
                 self.writer,
                 write_id,
             )
+            self.point_latest(region, fragment, version, write_id)
 
         commit_in(self.client_region)  # the arbiter: a conflict here means we lost the race
         report.committed.append(self.client_region)
@@ -393,9 +435,44 @@ class RunStore:
                 if learner_view
                 else [dequantize(groups["opt"][k]) for k in sorted(groups["opt"])]
             )
+            opt_names = [] if learner_view else sorted(groups["opt"])
         except (FormatError, KeyError) as exc:
             raise CorruptVersion(f"{key}: {exc}") from exc
-        return GlobalState(fragment, version, params, opt, dict(marker.meta))
+        return GlobalState(fragment, version, params, opt, dict(marker.meta), opt_names)
+
+    def get_global_delta(
+        self, fragment: int, version: int, region: str | None = None
+    ) -> tuple[int, dict[str, QuantizedTensor], dict] | None:
+        """A version's compact update as learners read it: (the version it applies to, the
+        quantized tensors, the marker's meta), verified; None if it was published whole
+        only."""
+        bucket = self.bucket(region or self.client_region)
+        key = self.layout.global_marker(fragment, version)
+        marker = read_marker(bucket, key)
+        if "delta/zarr.json" not in marker.objects or "delta_base" not in marker.meta:
+            return None
+        objects = fetch_objects(bucket, marker, key, groups=("delta",))
+        try:
+            groups, _ = decode(objects)
+            return int(marker.meta["delta_base"]), dict(groups["delta"]), dict(marker.meta)
+        except (FormatError, KeyError) as exc:
+            raise CorruptVersion(f"{key}: {exc}") from exc
+
+    def point_latest(self, region: str, fragment: int, version: int, write_id: str) -> None:
+        """Overwrite the advisory ``globals/f{P}/latest.json`` in ``region`` after ``version``
+        committed there: a hint for tools that would rather not list ``commits/``. The
+        markers stay the truth (the pointer may lag, or name a version retention has since
+        deleted), so nothing of ours reads it, and a failed write is logged, never raised."""
+        key = self.layout.global_latest(fragment)
+        body = {"fragment": fragment, "version": version,
+                "marker": self.layout.global_marker(fragment, version),
+                "data_prefix": self.layout.global_data(fragment, version, write_id),
+                "writer": self.writer, "written_at": time.time(),
+                "note": "advisory: the newest marker under commits/ is the truth"}  # fmt: skip
+        try:
+            self.bucket(region).put(key, json.dumps(body, sort_keys=True).encode())
+        except Exception as exc:  # an advisory object never fails the commit behind it
+            log.warning("could not update %s in region %s: %s", key, region, exc)
 
     def global_marker(self, fragment: int, version: int, region: str | None = None) -> CommitMarker:
         return read_marker(
@@ -424,12 +501,13 @@ class RunStore:
                     continue
                 if source is None:
                     marker = read_marker(self.home, key)
-                    source = marker, fetch_objects(self.home, marker, key, groups=WIRE)
+                    source = marker, fetch_objects(self.home, marker, key, groups=LEARNER_GROUPS)
                 marker, objects = source
                 commit_version(
                     self.bucket(region), key, marker.data_prefix, objects, "global",
                     marker.meta, self.writer, marker.write_id,
                 )  # fmt: skip
+                self.point_latest(region, fragment, newest, marker.write_id)
                 copied[region] = newest
             except (OSError, CommitConflict) as exc:
                 log.warning("region %s still behind on fragment %d: %s", region, fragment, exc)

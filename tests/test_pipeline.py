@@ -39,6 +39,7 @@ from flows.launcher import (
     _watch,
     child_env,
     give_up,
+    startup_line,
     supervise,
 )
 from flows.run import build_model, config_from_spec, initialize_run
@@ -471,6 +472,47 @@ def test_progress_and_the_curve_never_go_back_and_a_resume_keeps_the_first_loss(
     again = resumed.evaluate(resumed.statuses())
     resumed.remember_start(again)
     assert resumed.initial_loss == start["loss"] != again["loss"]
+
+
+def test_start_up_says_what_each_learner_is_doing(tmp_path):
+    """Defect: `diloco train` logged "0.0% | tokens 0" for minutes while learners started
+    and compiled. A learner now reports its start-up phases in its status object
+    (keeping the progress an earlier process reported), and the launcher shows them."""
+    from flows.learner import LearnerRuntime
+
+    cfg, regions, _, _ = _local_run(tmp_path, "phases")
+    store = RunStore("phases", regions, "us-east")
+    lid, region = next(iter(store.read_spec()["learners"].items()))
+    writer = RunStore("phases", {region: regions[region]}, region, writer=lid)
+    writer.write_metrics(lid, {"state": "training", "step": 40, "tokens": 1234})  # a predecessor
+    seen = []
+    announce = LearnerRuntime.announce
+
+    def spy(self, state):
+        announce(self, state)
+        seen.append(dict(writer.read_metrics(lid)))
+
+    LearnerRuntime.announce = spy
+    try:
+        rt = LearnerRuntime("phases", regions[region], region, lid, cfg.pipeline.model_dump())
+    finally:
+        LearnerRuntime.announce = announce
+    rt.close()
+    assert [s["state"] for s in seen] == ["compiling", "resuming"]
+    assert all(s["step"] == 40 and s["tokens"] == 1234 for s in seen)
+    states = {
+        "a": {},
+        "b": {"state": "compiling"},
+        "c": {"state": "resuming"},
+        "d": {"state": "training"},
+    }
+    line = startup_line(states, {0: 0, 1: 0})
+    assert line == ("starting up | learners: 1 starting, 1 compiling, 1 resuming, 1 training | "
+                    "waiting for the first contribution")  # fmt: skip
+    assert startup_line(states, {0: 1, 1: 0}).endswith("| first versions published")
+    training = {k: {"state": "training"} for k in states}
+    assert startup_line(training, {0: 0, 1: 0}).startswith("starting up | learners: 4 training")
+    assert startup_line(training, {0: 1, 1: 0}) is None  # from here on: progress lines
 
 
 def test_a_crash_looping_worker_is_given_up_by_name_and_not_waited_for(tmp_path, prefect_api):

@@ -311,6 +311,15 @@ def test_spec_written_once_and_differences_listed(bucket_url):
     assert "config.model.width: stored 64, given 128" in str(info.value)
     assert "fragments: stored" in str(info.value)
     assert store.read_spec()["config"]["model"]["width"] == 64
+    # A key newer code added: no difference while it has its default (an older run
+    # resumes under newer code), a difference once it does not.
+    newer = {**spec, "config": {"model": {"width": 64, "factory": None}}}
+    defaults = {"config": {"model": {"width": 32, "factory": None}}}
+    store.ensure_spec(newer, defaults)
+    with pytest.raises(SpecMismatch, match=r"config\.model\.factory: not in the stored spec"):
+        store.ensure_spec({**spec, "config": {"model": {"width": 64, "factory": "m:f"}}}, defaults)
+    with pytest.raises(SpecMismatch, match="factory"):
+        store.ensure_spec(newer)  # without defaults every key counts
 
 
 @pytest.mark.parametrize("backend", ["file", "s3", "gcs"])

@@ -57,7 +57,7 @@ def chaos_settings(args: argparse.Namespace) -> list[str]:
              "pause_seconds": 8.0, "start_after": 10.0}  # fmt: skip
     faults = {"seed": args.seed, "error_rate": 0.05, "timeout_after_rate": 0.02,
               "truncate_rate": 0.01, "stale_list_rate": 0.05, "latency_rate": 0.01,
-              "latency_seconds": 1.0, "crash_rate": 0.005}  # fmt: skip
+              "latency_seconds": 1.0, "crash_rate": args.crash_rate}  # fmt: skip
     out = [f"pipeline.chaos.{k}={json.dumps(v)}" for k, v in chaos.items()]
     out += [f"pipeline.faults.{k}={json.dumps(v)}" for k, v in faults.items()]
     # Spares sized for the kill rate: a spare's imports take ~12 s on two busy cores, so
@@ -206,6 +206,8 @@ def main() -> None:
     parser.add_argument("--kill-every", type=float, default=15.0)
     parser.add_argument("--syncer-kill-every", type=float, default=60.0)
     parser.add_argument("--pause-every", type=float, default=30.0)
+    parser.add_argument("--crash-rate", type=float, default=0.005,
+                        help="share of commit markers whose writer dies before writing them")  # fmt: skip
     parser.add_argument("--forge-every", type=float, default=20.0)
     parser.add_argument("--only", action="append", choices=["decoupled", "diloco"])
     parser.add_argument("--max-seconds", type=float, default=900.0, help="per run")

@@ -4,7 +4,8 @@
 
 Scenarios (M = 4 learners, P = 4 fragments, int4 outer gradients by default):
 dp; diloco; decoupled; diloco and decoupled with two learners 2x and 3x slower;
-decoupled with one learner down for a quarter of the run. Writes ``results.md`` and
+decoupled with one learner down for a quarter of the run; diloco and decoupled with the
+int4 downlink (`topology.downlink`). Writes ``results.md`` and
 ``results.json`` beside this file (or to ``--out``), with the command and the machine.
 
 Targets (issue 2): decoupled loss <= 1.03 x dp; bytes >= 100x fewer than dp; with slow
@@ -27,6 +28,7 @@ from diloco.config import load_config
 from diloco.simulate import simulate, time_to_loss
 
 SLOW = "sim.speeds=[1, 1, 2, 3]"
+DOWN = "topology.downlink=int4"  # learners read int4 differences of the globals
 FAIL = 'sim.failures=[{"learner": 3, "at": 0.375, "duration": 0.25}]'
 SCENARIOS = [
     ("dp", "dp", []),
@@ -36,6 +38,8 @@ SCENARIOS = [
     ("decoupled, slow learners", "decoupled", [SLOW]),
     ("decoupled, 1 learner down 25%", "decoupled", [FAIL]),
     ("dp, 1 learner down 25%", "dp", [FAIL]),
+    ("diloco, int4 downlink", "diloco", [DOWN]),
+    ("decoupled, int4 downlink", "decoupled", [DOWN]),
 ]
 
 
@@ -84,8 +88,9 @@ def main() -> int:
         f"Config of the decoupled run: `{load_config(args.preset, overrides=common, mode='decoupled').model_dump_json()}`",
         "",
         "| scenario | final val loss | vs dp | sim time (s) | time to dp's final loss (s) | "
-        "time to 1.03 x dp (s) | goodput | bytes moved | dp would move | saving |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "time to 1.03 x dp (s) | goodput | bytes up | bytes down | bytes moved | dp would move "
+        "| saving |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         s = r["summary"]
@@ -95,7 +100,8 @@ def main() -> int:
         t103 = time_to_loss(r["evals"], 1.03 * target)
         lines.append(
             f"| {r['name']} | {s['final_loss']:.4f} | {vs:.3f} | {s['sim_seconds']:.0f} | "
-            f"{t1:.0f} | {t103:.0f} | {s['goodput']:.1%} | {s['bytes_total'] / 1e6:.1f} MB | "
+            f"{t1:.0f} | {t103:.0f} | {s['goodput']:.1%} | {s['bytes_up'] / 1e6:.1f} MB | "
+            f"{s['bytes_down'] / 1e6:.1f} MB | {s['bytes_total'] / 1e6:.1f} MB | "
             f"{s['dp_bytes'] / 1e6:.0f} MB | {s['bandwidth_ratio_vs_dp']:.0f}x |"
         )
     if dp and "decoupled" in by_name:

@@ -1,0 +1,378 @@
+"""Using a run's model: read the global model from the buckets, export it to a
+safetensors file and load it back, read text to evaluate it on.
+
+The global model is assembled the way the launcher evaluates it: every fragment's
+version read through ``RunStore.get_global`` and the tensors put together under the
+run's ``ParamCodec`` names (``flows.run``: ``config_from_spec``, ``build_model``). In
+the syncers' home region that is the fp32 master copy; any other region holds only the
+``wire`` copy learners download (``topology.global_dtype``, bf16 by default), which is
+read instead and said so.
+
+An export is a safetensors file of float32 tensors named as in ``FlatParams``
+(``blocks.0.attn.qkv.kernel``), with string metadata: ``format`` (``diloco-model``),
+``format_version``, ``model_config`` (the run's ``ModelConfig`` as JSON), ``versions``
+(JSON, fragment -> version), ``run``, ``source`` (the bucket) and ``params_dtype``
+(``fp32`` for the master copy, else the wire dtype the values were rounded to).
+``load_exported`` returns ``(ModelConfig, params)``; the model is then
+``ParamCodec.create(config, 0)`` and ``codec.model(codec.from_flat(params))``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import numpy as np
+import safetensors
+import safetensors.numpy
+from pydantic import ValidationError
+
+from diloco.config import ConfigError, ModelConfig, RunConfig
+from diloco.data import DOC_SEPARATOR, DataError, list_files, read_file
+from diloco.model import FlatParams, ParamCodec
+from diloco.sample import Scorer, TextScore
+from flows.run import build_model, config_from_spec, validation
+from storage_layout.commit import CorruptVersion
+from storage_layout.store import GlobalState, RegionDown, RunStore
+
+log = logging.getLogger(__name__)
+
+EXPORT_FORMAT = "diloco-model"
+EXPORT_FORMAT_VERSION = "1"
+
+
+class ModelFileError(ValueError):
+    """An exported model file is missing, corrupt, not an export or of another shape."""
+
+
+@dataclass(frozen=True)
+class UsableModel:
+    """A model ready to evaluate or sample: its shape, its codec and its parameters."""
+
+    config: ModelConfig
+    codec: ParamCodec
+    params: FlatParams
+    versions: dict[int, int]  # fragment -> global version
+    source: str  # where it was read: "run NAME in URL" or the file
+    dtype: str  # "fp32" (master copy) or the wire dtype the values were rounded to
+    run: str = ""
+    run_config: RunConfig | None = None  # the run's whole config (from a bucket only)
+
+    @property
+    def label(self) -> str:
+        versions = " ".join(f"f{p}:v{v}" for p, v in sorted(self.versions.items()))
+        return f"{self.source} ({versions}, {self.dtype})"
+
+
+# --- from the buckets ----------------------------------------------------------------------
+
+
+def open_run(url: str, run: str) -> tuple[RunStore, dict[str, Any]]:
+    """A read-only store on the bucket at ``url`` and the run's spec. The bucket may be
+    any of the run's regions (found by its URL in the spec) or a copy of one."""
+    probe = RunStore(run, {"reader": url}, "reader", writer="reader")
+    try:
+        spec = probe.read_spec()  # names a missing run (FileNotFoundError)
+    except RegionDown as exc:  # a missing bucket: said without the made-up region name
+        raise RegionDown(str(exc).removeprefix("region reader: ")) from None
+    regions = spec.get("regions", {})
+    region = next((r for r, u in regions.items() if u.rstrip("/") == url.rstrip("/")), None)
+    if region is None:
+        return probe, spec
+    return RunStore(run, {region: url}, region, writer="reader"), spec
+
+
+def parse_versions(text: str | None, fragments: int) -> list[int | None]:
+    """``--version``: none (the newest of each fragment), ``V`` (version V of every
+    fragment) or ``V0,V1,...`` (one per fragment, in fragment order)."""
+    if text is None or not text.strip():
+        return [None] * fragments
+    parts = [t.strip() for t in text.split(",")]
+    try:
+        values = [int(t) for t in parts]
+    except ValueError:
+        raise ConfigError(
+            f"--version {text!r}: give a version number, or one per fragment separated by "
+            "commas (e.g. 12,11)"
+        ) from None
+    if any(v < 0 for v in values):
+        raise ConfigError(f"--version {text!r}: versions are numbers >= 0")
+    if len(values) == 1:
+        return [values[0]] * fragments
+    if len(values) != fragments:
+        raise ConfigError(
+            f"--version {text!r} names {len(values)} versions; the run has {fragments} "
+            "fragments (give one version for all, or one per fragment)"
+        )
+    return list(values)
+
+
+def _held(versions: Sequence[int]) -> str:
+    if len(versions) == versions[-1] - versions[0] + 1:
+        return f"versions {versions[0]} to {versions[-1]}"
+    shown = ", ".join(map(str, versions[-5:]))
+    return f"{len(versions)} versions, the newest {shown}"
+
+
+def read_fragment(
+    store: RunStore, fragment: int, version: int | None = None
+) -> tuple[GlobalState, bool]:
+    """Version ``version`` of ``fragment`` (default: the newest that reads; an unreadable
+    newer one is reported and skipped, as the launcher does), and whether it is the fp32
+    master copy (the syncers' home region) rather than the wire copy."""
+    run, where = store.run, store.home.url
+    held = store.global_versions(fragment)
+    if not held:
+        raise FileNotFoundError(
+            f"run {run!r} has no global version of fragment {fragment} yet in {where} "
+            "(version 0 is published when the run is started)"
+        )
+    if version is not None and version not in held:
+        raise FileNotFoundError(
+            f"run {run!r} has no version {version} of fragment {fragment} in {where}; "
+            f"it holds {_held(held)}"
+        )
+    for v in [version] if version is not None else reversed(held):
+        try:
+            master = "params/zarr.json" in store.global_marker(fragment, v).objects
+            return store.get_global(fragment, v, learner_view=not master), master
+        except (CorruptVersion, OSError) as exc:
+            if version is not None:
+                raise CorruptVersion(
+                    f"run {run!r} fragment {fragment} version {v} in {where} is unreadable: {exc}"
+                ) from exc
+            log.warning("fragment %d version %d is unreadable, reading an older one: %s",
+                        fragment, v, exc)  # fmt: skip
+    raise CorruptVersion(f"no version of fragment {fragment} of run {run!r} reads in {where}")
+
+
+def read_global_model(url: str, run: str, versions: str | None = None) -> UsableModel:
+    """The global model of ``run`` in the bucket at ``url``: the newest version of every
+    fragment, or those ``versions`` names (``parse_versions``)."""
+    store, spec = open_run(url, run)
+    cfg = config_from_spec(spec)
+    codec = build_model(cfg).codec
+    wanted = parse_versions(versions, len(spec["fragments"]))
+    params: FlatParams = {}
+    held: dict[int, int] = {}
+    masters = []
+    for p, version in enumerate(wanted):
+        state, master = read_fragment(store, p, version)
+        params.update(state.params)
+        held[p] = state.version
+        masters.append(master)
+    problems = shape_problems(codec, params)
+    if problems:
+        raise CorruptVersion(
+            f"the global fragments of run {run!r} in {url} do not make up its model: "
+            + "; ".join(problems)
+        )
+    dtype = "fp32" if all(masters) else cfg.topology.global_dtype
+    return UsableModel(cfg.model, codec, params, held, f"run {run} in {url}", dtype, run, cfg)
+
+
+def shape_problems(codec: ParamCodec, params: FlatParams, limit: int = 5) -> list[str]:
+    """How ``params`` differ from the tensors ``codec``'s model has (empty: they match)."""
+    expected = dict(zip(codec.names, codec.shapes, strict=True))
+    out = [f"missing tensor {n}" for n in expected if n not in params]
+    out += [f"unexpected tensor {n}" for n in params if n not in expected]
+    out += [
+        f"{n} has shape {tuple(params[n].shape)}, the model needs {shape}"
+        for n, shape in expected.items()
+        if n in params and tuple(params[n].shape) != shape
+    ]
+    return out[:limit] + ([f"and {len(out) - limit} more"] if len(out) > limit else [])
+
+
+# --- the exported file ---------------------------------------------------------------------
+
+
+def export_model(model: UsableModel, out: str) -> int:
+    """Write ``model`` to ``out`` (a path or an fsspec URL) as safetensors with its config
+    and versions in the metadata; returns the bytes written. A local file is written
+    under a temporary name and renamed, so a failed export leaves no partial file."""
+    metadata = {
+        "format": EXPORT_FORMAT,
+        "format_version": EXPORT_FORMAT_VERSION,
+        "model_config": model.config.model_dump_json(),
+        "versions": json.dumps({str(p): v for p, v in sorted(model.versions.items())}),
+        "run": model.run,
+        "source": model.source,
+        "params_dtype": model.dtype,
+    }
+    tensors = {
+        n: np.ascontiguousarray(model.params[n], dtype=np.float32) for n in model.codec.names
+    }
+    data = safetensors.numpy.save(tensors, metadata=metadata)
+    if "://" in out and not out.startswith("file://"):
+        with fsspec.open(out, "wb") as f:
+            f.write(data)
+        return len(data)
+    path = Path(out.removeprefix("file://"))
+    if path.is_dir():
+        raise IsADirectoryError(
+            f"--out {out} is a folder; give a file name (e.g. model.safetensors)"
+        )
+    if not path.parent.exists():
+        raise FileNotFoundError(f"--out {out}: folder {path.parent} does not exist")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return len(data)
+
+
+def _read_bytes(path: str) -> bytes:
+    try:
+        with fsspec.open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise ModelFileError(f"no exported model at {path} (file not found)") from None
+    except IsADirectoryError:
+        raise ModelFileError(f"{path} is a folder, not an exported model file") from None
+
+
+def _metadata(data: bytes, path: str) -> dict[str, str]:
+    """The ``__metadata__`` of safetensors bytes, checked to be one of our exports."""
+    size = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+    if size < 0 or size > len(data) - 8:
+        raise ModelFileError(
+            f"{path} is not a safetensors file or is truncated ({len(data)} bytes; its "
+            f"header claims {max(size, 0)})"
+        )
+    try:
+        header = json.loads(data[8 : 8 + size])
+        meta = header.get("__metadata__") or {}
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+        raise ModelFileError(f"{path} is not a safetensors file (header: {exc})") from None
+    if meta.get("format") != EXPORT_FORMAT:
+        raise ModelFileError(
+            f"{path} is a safetensors file but not a model exported by `diloco export` "
+            f"(its metadata has no format {EXPORT_FORMAT!r})"
+        )
+    if meta.get("format_version") != EXPORT_FORMAT_VERSION:
+        raise ModelFileError(
+            f"{path} has export format version {meta.get('format_version')!r}; this code "
+            f"reads {EXPORT_FORMAT_VERSION!r}"
+        )
+    return meta
+
+
+def read_export_metadata(path: str) -> dict[str, Any]:
+    """An export's metadata, decoded: ``model_config`` (a ``ModelConfig``), ``versions``
+    (fragment -> version), ``run``, ``source``, ``params_dtype``."""
+    return _decoded(_metadata(_read_bytes(path), path), path)
+
+
+def _decoded(meta: dict[str, str], path: str) -> dict[str, Any]:
+    try:
+        config = ModelConfig.model_validate_json(meta["model_config"])
+        versions = {int(p): int(v) for p, v in json.loads(meta.get("versions", "{}")).items()}
+    except (KeyError, ValueError, ValidationError) as exc:
+        raise ModelFileError(f"{path} has a damaged model config or versions: {exc}") from None
+    return {**meta, "model_config": config, "versions": versions}
+
+
+def load_exported(path: str) -> tuple[ModelConfig, FlatParams]:
+    """The model config and float32 parameters of a file ``diloco export`` wrote; the
+    tensors are checked against the model the config describes."""
+    config, params, _ = _load(path)
+    return config, params
+
+
+def _load(path: str) -> tuple[ModelConfig, FlatParams, dict[str, Any]]:
+    data = _read_bytes(path)
+    meta = _decoded(_metadata(data, path), path)
+    try:
+        params = safetensors.numpy.load(data)
+    except (safetensors.SafetensorError, ValueError) as exc:
+        raise ModelFileError(f"{path} is corrupt: {exc}") from None
+    config: ModelConfig = meta["model_config"]
+    codec, _ = ParamCodec.create(config, 0)
+    problems = shape_problems(codec, params)
+    if problems:
+        raise ModelFileError(
+            f"{path} holds a model of another shape than its config says ({_shape(config)}): "
+            + "; ".join(problems)
+        )
+    # The model's own tensor order (safetensors orders by name).
+    return config, {n: np.asarray(params[n], dtype=np.float32) for n in codec.names}, meta
+
+
+def _shape(config: ModelConfig) -> str:
+    return ", ".join(f"{k} {v}" for k, v in config.model_dump().items())
+
+
+def open_exported(path: str) -> UsableModel:
+    """An exported file as a ``UsableModel``."""
+    config, params, meta = _load(path)
+    codec, _ = ParamCodec.create(config, 0)
+    return UsableModel(config, codec, params, meta["versions"], path,
+                       meta.get("params_dtype", "?"), meta.get("run", ""))  # fmt: skip
+
+
+def open_model(
+    url: str | None, run: str | None, model_file: str | None, versions: str | None = None
+) -> UsableModel:
+    """The model the CLI's ``eval`` and ``generate`` use: a run's global model in a bucket
+    (``url`` and ``run``), or an exported file (``model_file``)."""
+    if model_file is not None:
+        if url is not None or versions is not None:
+            raise ConfigError("give either a bucket URL with --run (and --version) or --model FILE")
+        return open_exported(model_file)
+    if url is None:
+        raise ConfigError("give a bucket URL with --run NAME, or --model FILE (an export)")
+    if not run:
+        raise ConfigError(f"--run NAME is needed to read a model from {url}")
+    return read_global_model(url, run, versions)
+
+
+# --- text to evaluate on -------------------------------------------------------------------
+
+
+def read_text(source: str, max_bytes: int, text_field: str = "text") -> np.ndarray:
+    """The first ``max_bytes`` bytes of a text file, or of a folder's text files (sorted by
+    path, joined with the separator training puts between documents), as uint8 tokens.
+    JSON lines and Parquet files are read as in training (``diloco.data.read_file``)."""
+    if max_bytes < 2:
+        raise ConfigError(f"--max-bytes must be at least 2, got {max_bytes}")
+    fs, files = list_files(source)
+    parts, size = [], 0
+    for i, (path, _) in enumerate(files):
+        text = read_file(fs, path, text_field)
+        parts.append(text if i == len(files) - 1 else text + DOC_SEPARATOR)
+        size += len(parts[-1])
+        if size >= max_bytes:
+            break
+    tokens = np.frombuffer(b"".join(parts)[:max_bytes], dtype=np.uint8)
+    if len(tokens) < 2:
+        raise DataError(f"data source {source!r} holds {len(tokens)} bytes; need at least 2")
+    return tokens
+
+
+def evaluate(
+    model: UsableModel, data: str | None, max_bytes: int, batch_size: int | None = None
+) -> tuple[TextScore, str]:
+    """Validation loss of ``model`` and what it was measured on: on ``data`` (a file, a
+    folder or an fsspec URL of text), every byte of its first ``max_bytes``; without
+    ``data``, the run's own validation batches (the number the launcher reports)."""
+    if data is None:
+        if model.run_config is None:
+            raise ConfigError("an exported model has no validation set of its own; give --data")
+        cfg = model.run_config
+        trainer = build_model(cfg).trainer
+        batches = validation(cfg)
+        loss = trainer.evaluate(trainer.place_params(model.params), batches)
+        count = sum(b.shape[0] * (b.shape[1] - 1) for b in batches)
+        where = cfg.data.source or "the Python standard library"
+        return TextScore(loss, count), f"the run's validation batches of {where}"
+    field = model.run_config.data.text_field if model.run_config else "text"
+    tokens = read_text(data, max_bytes, field)
+    default = model.run_config.data.batch_size if model.run_config else 8
+    scorer = Scorer(model.codec, model.config.context, batch_size or default)
+    return scorer.score(model.params, tokens), data

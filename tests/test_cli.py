@@ -1,0 +1,125 @@
+"""The `diloco` command's own surface: --version, `config show`, the --set help, the
+inspect legend, and the hints that the CLI and the local stack print."""
+
+import importlib.metadata
+import os
+import sys
+
+import numpy as np
+import pytest
+from pydantic import BaseModel
+
+from diloco.config import RunConfig
+from flows.cli import INSPECT_LEGEND, build_parser, config_rows, main, package_version
+from storage_layout.store import RunStore
+
+
+def leaf_fields(model: BaseModel, prefix: str = "") -> dict[str, str | None]:
+    out = {}
+    for name, field in type(model).model_fields.items():
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            out.update(leaf_fields(value, f"{prefix}{name}."))
+        else:
+            out[prefix + name] = field.description
+    return out
+
+
+def test_version_comes_from_the_package_metadata(capsys, monkeypatch):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert (
+        capsys.readouterr().out.strip()
+        == f"diloco {importlib.metadata.version('decoupled-diloco')}"
+    )
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert package_version().endswith("(not installed)")  # pyproject.toml's version
+
+
+def test_every_config_field_has_a_meaning():
+    fields = leaf_fields(RunConfig())
+    assert not [k for k, d in fields.items() if not d], "fields without description="
+    rows = {key: (value, meaning) for key, value, meaning in config_rows(RunConfig())}
+    assert set(fields) <= set(rows)
+    assert rows["outer.lr"] == ("1.0", fields["outer.lr"]) and rows["data.source"][0] == "null"
+    assert rows["outer"][0] == ""  # a section: its model's description
+    assert rows["outer"][1].startswith("Syncer side")
+
+
+def test_config_show_prints_values_and_meanings(capsys):
+    code = main(["config", "show", "--preset", "small", "--set", "outer.lr=0.25",
+                 "--set", 'sim.failures=[{"learner": 1, "at": 0.1, "duration": 0.2}]'])  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    lines = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") >= 3}
+    assert set(leaf_fields(RunConfig())) <= set(lines)
+    assert "0.25" in lines["outer.lr"] and "outer learning rate" in lines["outer.lr"]
+    assert "192" in lines["model.width"]  # the preset's
+    assert '"learner": 1' in lines["sim.failures"]
+
+
+def test_config_show_names_a_bad_field(capsys):
+    assert main(["config", "show", "--set", "outer.lr=-1"]) == 2
+    assert "outer.lr" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["train", "simulate"])
+def test_set_help_says_where_the_keys_are(command, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    assert "diloco config show" in " ".join(capsys.readouterr().out.split())
+
+
+def test_inspect_explains_its_columns(tmp_path, capsys):
+    url = f"file://{tmp_path}"
+    store = RunStore("r", {"us": url}, "us", writer="syncer")
+    store.ensure_spec({"regions": {"us": url}, "learners": {"l0": "us"}, "fragments": [["w"]]})
+    store.publish_global(0, 0, {"w": np.zeros(3, np.float32)}, [], {"consumed": []}, "bf16")
+    assert main(["inspect", url]) == 0
+    out = capsys.readouterr().out
+    for column in ("newest", "per region", "kept", "consumed", "newest seq", "staleness",
+                   "checkpoint", "bytes and requests"):  # fmt: skip
+        assert column in out and column in INSPECT_LEGEND
+    assert INSPECT_LEGEND.splitlines()[1].strip() in out
+    with pytest.raises(SystemExit):
+        main(["inspect", "--help"])
+    assert "staleness: newest version - base" in capsys.readouterr().out
+
+
+def test_train_hint_runs_as_printed(monkeypatch):
+    """`diloco train`'s closing inspect hint is this environment's command, or the one a
+    wrapper that set up the environment names (the local stack's, which brings its env)."""
+    from flows.train import _inspect_hint
+
+    monkeypatch.delenv("DILOCO_INSPECT_HINT", raising=False)
+    hint = _inspect_hint("s3://b", "r1")
+    assert hint.endswith("diloco inspect s3://b --run r1")
+    assert os.path.exists(hint.split()[0])  # relative to the current folder, or absolute
+    monkeypatch.setenv("DILOCO_INSPECT_HINT", "py -m infra.local_stack inspect {url} --run {run}")
+    assert _inspect_hint("s3://b", "r1") == "py -m infra.local_stack inspect s3://b --run r1"
+
+
+def test_local_stack_hints_name_this_interpreter_and_its_inspect(tmp_path, monkeypatch, capsys):
+    from infra import local_stack
+
+    assert local_stack._me("run").split()[0] in (sys.executable, os.path.relpath(sys.executable))
+    monkeypatch.setattr(local_stack, "STATE", tmp_path)
+    with pytest.raises(SystemExit, match=r"no stack is up \(.*python.* -m infra.local_stack up\)"):
+        local_stack.main(["inspect"])
+    # `inspect` runs diloco inspect with the stack's env (what `source .stack/env` gives).
+    (tmp_path / "state.json").write_text('{"pids": {}, "env": {"AWS_ENDPOINT_URL": "http://x"}}')
+    calls = []
+    monkeypatch.setattr(local_stack.subprocess, "call",
+                        lambda argv, env, **kw: calls.append((argv, env)) or 0)  # fmt: skip
+    assert local_stack.main(["inspect"]) == 0
+    argv, env = calls[0]
+    assert argv[1:4] == ["-m", "flows.cli", "inspect"] and env["AWS_ENDPOINT_URL"] == "http://x"
+    assert argv[4:] == [local_stack.REGIONS["us-east"], "--run", local_stack.DEMO_RUN]
+    # `run` tells diloco train to print that command as its inspect hint.
+    local_stack.main(["run"])
+    assert "-m infra.local_stack inspect {url} --run {run}" in calls[1][1]["DILOCO_INSPECT_HINT"]

@@ -1,0 +1,134 @@
+"""The compressed downlink (``topology.downlink``): learners that hold the previous version
+read a quantized difference instead of the whole version, and get the same bits."""
+
+import itertools
+import json
+
+import numpy as np
+
+from diloco.config import load_config
+from diloco.loops import GlobalView
+from diloco.quantize import dequantize, quantize
+from diloco.simulate import simulate
+from diloco.syncer import GlobalVersion
+from diloco.transport import (
+    MemoryStore,
+    StoreLearnerView,
+    delta_bytes,
+    downlink_update,
+    full_bytes,
+    wire_view,
+)
+from flows.bucket_io import BucketStore
+from flows.run import simulation_store
+from storage_layout.store import RunStore
+
+SHAPES = {"w": (64, 48), "b": (48,)}
+
+
+def walk(steps, seed=0):
+    """Master copies of a fragment along a random walk (outer steps of a few 1e-3)."""
+    rng = np.random.default_rng(seed)
+    params = {n: rng.normal(0, 0.05, s).astype(np.float32) for n, s in SHAPES.items()}
+    out = [params]
+    for _ in range(steps):
+        params = {n: v + rng.normal(0, 2e-3, v.shape).astype(np.float32) for n, v in params.items()}
+        out.append(params)
+    return out
+
+
+def version_of(version, params):
+    return GlobalVersion(0, version, params, None, (), {}, {}, {}, 0, 0.0)
+
+
+def test_the_learners_copy_tracks_the_master_copy_without_drifting():
+    versions = walk(60)
+    copy = wire_view(versions[0], "bf16")
+    naive = dict(copy)  # the sum of quantized steps of the master copy: errors add up
+    for before, params in itertools.pairwise(versions):
+        copy, delta = downlink_update(params, copy, "bf16", "int4", 128)
+        assert delta_bytes(delta) * 3 < full_bytes(params, "bf16")
+        naive = {n: naive[n] + dequantize(quantize(params[n] - before[n], "int4")) for n in naive}
+    err = max(float(np.abs(copy[n] - versions[-1][n]).max()) for n in copy)
+    drift = max(float(np.abs(naive[n] - versions[-1][n]).max()) for n in naive)
+    # The syncer carries the residual: the copy stays within about one int4 step of the
+    # master copy, where the sum of quantized steps drifts away from it.
+    assert err < 2e-3 < drift, (err, drift)
+
+
+def test_a_learner_reaches_a_version_through_updates_or_reads_it_whole():
+    versions = walk(8)
+    store = MemoryStore([versions[0]], "bf16", window=8, downlink="int4", block_size=128)
+    for v, params in enumerate(versions[1:], start=1):
+        gv = version_of(v, params)
+        assert store.publish(gv, [], {"weights": {}})
+    view = StoreLearnerView(store, "learner-0")
+    held = view.read(0, 0)
+    first = view.read(0, 2)  # two updates: cheaper than the whole version
+    whole = store.read_global("learner-0", 0, 2)
+    assert first.nbytes == 2 * delta_bytes(store.read_delta("learner-0", 0, 1).delta)
+    assert all(np.array_equal(first.params[n], whole.params[n]) for n in SHAPES)
+    far = view.read(0, 8)  # six updates would move more than the whole version
+    assert far.nbytes is None and far.version == 8
+    assert held.version == 0 and view.read(0, 8) is far
+    # An update from another base (a version the learner does not hold) is not applied.
+    other = StoreLearnerView(store, "learner-1")
+    other.cache[0] = GlobalView(0, 5, store.read_global("learner-1", 0, 4).params)
+    got = other.read(0, 6)
+    assert got.nbytes is not None  # one update; its base is 5 and the cache says 5
+    store.versions[0][7] = (*store.versions[0][7][:4], None)  # published whole only
+    assert other.read(0, 8).nbytes is None
+
+
+def test_the_bucket_store_publishes_the_same_bits_and_falls_back_to_whole(tmp_path):
+    regions = {"us": f"file://{tmp_path}/us", "eu": f"file://{tmp_path}/eu"}
+    for region in regions:
+        (tmp_path / region).mkdir()
+    versions = walk(3)
+    main = RunStore("run", regions, "us", writer="syncer")
+    main.ensure_spec({"learners": {"learner-0": "eu"}, "fragments": [list(SHAPES)]})
+    main.publish_global(0, 0, versions[0], [], {"weights": {}}, "bf16")
+    syncer = BucketStore("run", regions, "us", {"learner-0": "eu"}, "bf16", "syncer",
+                         downlink="int4", block_size=128)  # fmt: skip
+    memory = MemoryStore([versions[0]], "bf16", window=8, downlink="int4", block_size=128)
+    for v in (1, 2):
+        gv = version_of(v, versions[v])
+        assert syncer.publish(gv, [], {"weights": {}}) and memory.publish(gv, [], {"weights": {}})
+    learner = BucketStore("run", regions, "us", {"learner-0": "eu"}, "bf16", "learner-0",
+                          downlink="int4", block_size=128)  # fmt: skip
+    view = StoreLearnerView(learner, "learner-0")
+    view.read(0, 0)
+    got = view.read(0, 2)  # through the two updates, read in the learner's region
+    assert got.nbytes is not None
+    for n in SHAPES:
+        assert np.array_equal(got.params[n], learner.read_global("learner-0", 0, 2).params[n])
+        assert np.array_equal(got.params[n], memory.read_global("learner-0", 0, 2).params[n])
+    assert learner.read_delta("learner-0", 0, 0) is None  # version 0 is whole only
+    assert learner.read_delta("learner-0", 0, 2).base == 1
+    # A syncer that cannot read the version before (corrupt) publishes the next one whole.
+    fresh = BucketStore("run", regions, "us", {"learner-0": "eu"}, "bf16", "syncer",
+                        downlink="int4", block_size=128)  # fmt: skip
+    marker = main.global_marker(0, 2)
+    wire = next(k for k in marker.objects if k.startswith("wire/") and "/c/" in k)
+    path = tmp_path / "us" / marker.data_prefix / wire
+    path.write_bytes(b"\0" + path.read_bytes()[1:])
+    gv = version_of(3, versions[3])
+    assert fresh.publish(gv, [], {"weights": {}})
+    assert learner.read_delta("learner-0", 0, 3) is None
+    assert view.read(0, 3).nbytes is None
+
+
+def test_a_simulated_run_trains_the_same_with_a_quarter_of_the_downlink(tmp_path):
+    mode, over = "decoupled", ["budget.tokens=32000", "sim.eval_points=2"]
+    full = simulate(load_config("tiny", mode=mode, overrides=over)).summary
+    cfg = load_config("tiny", mode=mode, overrides=[*over, "topology.downlink=int4"])
+    small = simulate(cfg)
+    s = small.summary
+    assert s["bytes_down"] * 3 < full["bytes_down"] and s["bytes_up"] == full["bytes_up"]
+    assert abs(s["final_loss"] - full["final_loss"]) < 0.01 * full["final_loss"]
+    # The same numbers through buckets as in memory (the pipeline's store).
+    regions = {"us": f"file://{tmp_path}/us", "eu": f"file://{tmp_path}/eu"}
+    for region in regions:
+        (tmp_path / region).mkdir()
+    stored = simulate(cfg, store=simulation_store("run", regions))
+    assert json.dumps(stored.metrics, sort_keys=True) == json.dumps(small.metrics, sort_keys=True)
