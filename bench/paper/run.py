@@ -142,10 +142,12 @@ def measured() -> list[str]:
         runs = {(r["mode"], r["chaos"]): r for r in json.loads(chaos.read_text())["results"]}
         calm, storm = runs.get(("decoupled", False)), runs.get(("decoupled", True))
         if calm and storm and storm["summary"].get("goodput"):
-            kills = storm["summary"].get("chaos", {}).get("actions", {}).get("kill_learner", 0)
+            done = storm["summary"].get("chaos", {})
+            driver = done.get("actions", {}).get("kill_learner", 0)
+            crashed = done.get("faults", {}).get("crash", 0)  # killed mid-upload or checkpoint
             rows.append(
                 f"| learners that fail keep others going and rejoin by themselves | yes | "
-                f"{kills} learner kills: goodput {storm['summary']['goodput']:.1%} vs "
+                f"{driver + crashed} learner kills ({driver} SIGKILLs, {crashed} mid-write): goodput {storm['summary']['goodput']:.1%} vs "
                 f"{calm['summary']['goodput']:.1%} calm, loss "
                 f"{storm['summary']['final_loss']:.3f} vs {calm['summary']['final_loss']:.3f},"
                 f" audit {'clean' if storm['audit']['ok'] else 'FAILED'} | measured (the "
