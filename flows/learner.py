@@ -314,8 +314,11 @@ class LearnerRuntime:
         try:
             old = writer.read_metrics(self.id) or {}
             kept = {k: old[k] for k in ("step", "total_steps", "tokens") if k in old}
+            # Totals of 0: this process has none yet, and the ones its predecessors left
+            # (their training and start-up time) must stay, should it die before it has.
             writer.write_metrics(self.id, {**kept, "state": state, "region": self.region,
-                                           "time": time.time()})  # fmt: skip
+                                           "time": time.time()},
+                                 totals={"startup_seconds": 0.0, "train_seconds": 0.0})  # fmt: skip
         except (OSError, ValueError) as exc:  # a status is news, not state: never fatal
             self.log.warning("cannot write status %r: %s", state, exc)
 

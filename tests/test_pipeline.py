@@ -484,7 +484,11 @@ def test_start_up_says_what_each_learner_is_doing(tmp_path):
     store = RunStore("phases", regions, "us-east")
     lid, region = next(iter(store.read_spec()["learners"].items()))
     writer = RunStore("phases", {region: regions[region]}, region, writer=lid)
-    writer.write_metrics(lid, {"state": "training", "step": 40, "tokens": 1234})  # a predecessor
+    writer.write_metrics(
+        lid,
+        {"state": "training", "step": 40, "tokens": 1234},
+        totals={"train_seconds": 12.5, "startup_seconds": 3.0},
+    )  # a predecessor
     seen = []
     announce = LearnerRuntime.announce
 
@@ -500,6 +504,9 @@ def test_start_up_says_what_each_learner_is_doing(tmp_path):
     rt.close()
     assert [s["state"] for s in seen] == ["compiling", "resuming"]
     assert all(s["step"] == 40 and s["tokens"] == 1234 for s in seen)
+    # The predecessors' time counters stay, should this process die while it starts
+    # (a learner killed before its first round used to wipe them from the goodput).
+    assert all(s["train_seconds"] == 12.5 and s["startup_seconds"] == 3.0 for s in seen)
     states = {
         "a": {},
         "b": {"state": "compiling"},
