@@ -34,6 +34,7 @@ from diloco.inner import InnerTrainer
 from diloco.learner import Learner, LearnerCheckpoint
 from diloco.model import is_embedding
 from diloco.outer import Contribution, FlatParams
+from diloco.quantize import payload_bytes
 from diloco.syncer import FragmentSyncer, GlobalVersion, estimate_step_seconds, grace_window
 from diloco.syncer import quorum_met as _quorum_met
 
@@ -323,7 +324,7 @@ class LearnerLoop:
         return count
 
     def _wire_bytes(self, value: Any) -> int:
-        return int(value.size) * (4 if self.cfg.topology.global_dtype == "fp32" else 2)
+        return payload_bytes(int(value.size), self.cfg.topology.global_dtype)
 
     def _wait_for_answers(self) -> Iterator[Request]:
         """Synchronous DiLoCo: block until every overdue fragment's answer is applied."""

@@ -375,11 +375,8 @@ def _simulate_loops(
     # How long a new version takes to reach learners: its compact update where there is
     # one (a learner that holds the version before; one that does not reads the full copy,
     # which the network model does not delay longer).
-    global_bytes = [
-        payload_bytes(s, topo.downlink, topo.block_size) if topo.downlink != "full"
-        else s * (4 if topo.global_dtype == "fp32" else 2)
-        for s in sizes
-    ]  # fmt: skip
+    wire = topo.global_dtype if topo.downlink == "full" else topo.downlink
+    global_bytes = [payload_bytes(s, wire, topo.block_size) for s in sizes]
     ids = learner_ids(topo.learners)
     shards = shard_count(cfg.pipeline.syncer_shards, len(plan))
     if make_store is not None:

@@ -108,7 +108,7 @@ def delta_bytes(delta: Delta) -> int:
 
 
 def full_bytes(params: FlatParams, wire_dtype: str) -> int:
-    return sum(int(v.size) for v in params.values()) * (4 if wire_dtype == "fp32" else 2)
+    return sum(payload_bytes(int(v.size), wire_dtype) for v in params.values())
 
 
 class MemoryStore:

@@ -220,6 +220,7 @@ class LearnerRuntime:
         self.store = bucket_store(run, {region: bucket}, spec, self.cfg, learner, home=region)
         # Fence off any older process of this learner before reading what it left.
         self.generation = self.store.writer_for(learner).claim_generation(learner)
+        self._progress: dict[str, Any] | None = None  # what a predecessor reported
         self.announce("compiling")
         self._compile()
         self.announce("resuming")
@@ -312,12 +313,13 @@ class LearnerRuntime:
         shows it), keeping the progress an earlier process of this learner reported."""
         writer = self.store.writer_for(self.id)
         try:
-            old = writer.read_metrics(self.id) or {}
-            kept = {k: old[k] for k in ("step", "total_steps", "tokens") if k in old}
+            if self._progress is None:  # read once: the phases after it keep the same
+                old = writer.read_metrics(self.id) or {}
+                self._progress = {k: old[k] for k in ("step", "total_steps", "tokens") if k in old}
             # Totals of 0: this process has none yet, and the ones its predecessors left
             # (their training and start-up time) must stay, should it die before it has.
-            writer.write_metrics(self.id, {**kept, "state": state, "region": self.region,
-                                           "time": time.time()},
+            writer.write_metrics(self.id, {**self._progress, "state": state,
+                                           "region": self.region, "time": time.time()},
                                  totals={"startup_seconds": 0.0, "train_seconds": 0.0})  # fmt: skip
         except (OSError, ValueError) as exc:  # a status is news, not state: never fatal
             self.log.warning("cannot write status %r: %s", state, exc)
