@@ -147,6 +147,17 @@ class Unreadable:
     forged: bool = False
 
 
+@dataclass(frozen=True)
+class Superseded:
+    """A committed contribution whose data is never read: a newer one from the same
+    anchor, listed with it, carries all its steps (sends from one anchor are cumulative)."""
+
+    learner: str
+    fragment: int
+    seq: int
+    by: int
+
+
 class LearnerTransport(Protocol):
     """How one learner's contributions leave and global versions arrive."""
 
@@ -172,7 +183,12 @@ class SyncerTransport(Protocol):
     def contributions(
         self, learner: str, fragment: int, after: int
     ) -> list[Contribution | Unreadable]:
-        """Committed (and arrived) contributions with seq > ``after``, in seq order."""
+        """Committed (and arrived) contributions with seq > ``after``, in seq order; they
+        may be headers (``payload`` None) that ``read`` completes."""
+
+    def read(self, c: Contribution) -> Contribution | Unreadable:
+        """``c`` with its payload (itself if it has one), or ``Unreadable``; an
+        ``OSError`` when it cannot be read yet."""
 
     def publish(self, gv: GlobalVersion, opt_leaves: list[Any], record: records.Record) -> bool:
         """Commit ``gv``; False if another syncer already holds that version."""
@@ -453,7 +469,7 @@ class SyncerLoop:
                 except OSError as exc:
                     self.log.warning("cannot list %s's contributions: %s", learner, exc)
                     break  # its region is down: the other learners go on
-                for item in items:
+                for item in self._newest_per_anchor(items):
                     if item.seq > self.cfg.steps_per_learner:
                         self._refuse(learner, p, item.seq, _implausible(item.seq, self.cfg))
                         continue  # and ``seen`` stays: the real ones below it still count
@@ -461,6 +477,9 @@ class SyncerLoop:
                         self._refuse(learner, p, item.seq, item.reason)
                         continue  # the same: a forger must not hide the learner's real ones
                     self.seen[(learner, p)] = item.seq
+                    if isinstance(item, Superseded):
+                        syncer.supersede(learner, item.seq, item.by)
+                        continue
                     if isinstance(item, Unreadable):
                         self.log.error("skipping an unreadable contribution: %s", item.reason)
                         syncer.reject(learner, item.seq, item.reason)
@@ -475,6 +494,45 @@ class SyncerLoop:
             if syncer.pending and self.clocks[p].first_arrival is None:
                 self.clocks[p].first_arrival = now
         return found
+
+    def _newest_per_anchor(
+        self, items: list[Contribution | Unreadable]
+    ) -> list[Contribution | Unreadable | Superseded]:
+        """``items`` (one learner's and fragment's, in seq order) with only the newest
+        readable contribution of each anchor read in full: the older ones from that anchor
+        are ``Superseded`` by it unread (under a slow or faulty store most sends are, and
+        reading each cost the syncer its pace). Forged and implausible ones take no part.
+        The list ends before the first one that is not settled yet (its data, or that of
+        the newer one that would supersede it, cannot be read now): the next look
+        takes it up from there."""
+        settled: dict[int, Contribution | Unreadable | Superseded] = {}
+        anchors: dict[tuple[str, int, int], list[Contribution]] = {}
+        for item in items:
+            if isinstance(item, Unreadable) or item.seq > self.cfg.steps_per_learner:
+                settled[item.seq] = item
+            else:
+                anchors.setdefault(item.anchor, []).append(item)
+        for sends in anchors.values():
+            newest = None
+            for c in sorted(sends, key=lambda c: c.seq, reverse=True):
+                if newest is not None:
+                    settled[c.seq] = Superseded(c.learner, c.fragment, c.seq, newest)
+                    continue
+                try:
+                    full = self.transport.read(c)
+                except OSError as exc:
+                    self.log.warning("cannot read %s/%d of fragment %d yet: %s",
+                                     c.learner, c.seq, c.fragment, exc)  # fmt: skip
+                    break  # it and the older ones wait for the next look
+                settled[c.seq] = full
+                if isinstance(full, Contribution):
+                    newest = c.seq
+        out = []
+        for item in items:
+            if item.seq not in settled:
+                break
+            out.append(settled[item.seq])
+        return out
 
     def _refuse(self, learner: str, p: int, seq: int, reason: str) -> None:
         """Reject, once, a contribution that must not move this syncer's listing position

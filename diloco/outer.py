@@ -37,7 +37,9 @@ class Contribution:
     tokens: int  # c_tokens since that version was applied
     steps: int  # c_steps since then
     seconds: float  # learner time those steps took (for step-time estimates and goodput)
-    payload: Mapping[str, QuantizedTensor] = field(repr=False)
+    # None in a header: listed from its marker, its data not read yet (``SyncerLoop``
+    # reads only the newest of each anchor).
+    payload: Mapping[str, QuantizedTensor] | None = field(repr=False)
     step: int = 0  # the learner's inner step when it sent this (a rejoin resumes after it)
     # The learner's seq counter when it took the anchor. Every send from one anchor has a
     # higher seq and carries all the anchor's steps so far (a cumulative outer gradient),

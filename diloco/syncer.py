@@ -170,6 +170,12 @@ class FragmentSyncer:
         elif c.seq < old.seq:
             self.superseded.append((c.learner, c.seq, old.seq))
 
+    def supersede(self, learner: str, seq: int, by: int) -> None:
+        """Note a contribution passed over unread: ``by``, newer and from the same anchor,
+        carries its steps (``SyncerLoop`` offers ``by`` next)."""
+        if self.is_new(learner, seq):
+            self.superseded.append((learner, seq, by))
+
     def reject(self, learner: str, seq: int, reason: str) -> None:
         """Note a contribution rejected before it was offered (unreadable, forged)."""
         self.rejections.append((learner, seq, reason))

@@ -36,6 +36,9 @@ class Store(Protocol):
         self, learner: str, fragment: int, after: int
     ) -> list[Contribution | Unreadable]: ...
 
+    def read(self, c: Contribution) -> Contribution | Unreadable:
+        """``c`` with its payload, when ``contributions`` listed it as a header."""
+
     def sent_so_far(self, learner: str) -> tuple[int, int]: ...
 
     def save_checkpoint(self, learner: str, ckpt: LearnerCheckpoint) -> None: ...
@@ -139,6 +142,9 @@ class MemoryStore:
 
     def contributions(self, learner: str, fragment: int, after: int) -> list[Contribution]:
         return [c for c in self.sent[(learner, fragment)] if c.seq > after]
+
+    def read(self, c: Contribution) -> Contribution:
+        return c  # held whole
 
     def settle(self, learner: str, fragment: int, cursor: int) -> None:
         """Forget contributions a committed version has processed (memory stays flat)."""
@@ -308,6 +314,9 @@ class SimulatedNetwork:
                 break  # in flight; later seqs of one learner and fragment arrive later
             out.append(c)
         return out
+
+    def read(self, c: Contribution) -> Contribution | Unreadable:
+        return self.store.read(c)
 
     def publish(self, gv: GlobalVersion, opt_leaves: list[Any], record: Record) -> bool:
         if not self.store.publish(gv, opt_leaves, record):

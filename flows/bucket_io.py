@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from functools import lru_cache
 from typing import Any
 
@@ -52,12 +53,17 @@ def contribution_meta(c: Contribution) -> dict[str, Any]:
 
 
 def contribution_from(
-    learner: str, fragment: int, seq: int, tensors: Mapping[str, Any], meta: Mapping[str, Any]
+    learner: str,
+    fragment: int,
+    seq: int,
+    tensors: Mapping[str, Any] | None,
+    meta: Mapping[str, Any],
 ) -> Contribution:
+    """A contribution from its marker's meta; ``tensors`` None: a header (no payload)."""
     return Contribution(
         learner=learner, fragment=fragment, seq=seq, base_version=int(meta["base_version"]),
         tokens=int(meta["tokens"]), steps=int(meta["steps"]), seconds=float(meta["seconds"]),
-        payload=dict(tensors), step=int(meta.get("step", 0)),
+        payload=None if tensors is None else dict(tensors), step=int(meta.get("step", 0)),
         anchor_seq=int(meta.get("anchor_seq", 0)),
     )  # fmt: skip
 
@@ -195,6 +201,8 @@ class BucketStore:
         # fragment -> (version, learners' copy) this process published last: the base of
         # the next version's compact update (read back from home when it is not this one)
         self._published: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
+        # (learner, fragment) -> seq -> the marker of a listed contribution not read yet
+        self._heads: dict[tuple[str, int], dict[int, Any]] = {}
         self.learners = dict(learners)
         if keys is None:
             keys = Keys.from_env(run, writer if writer in self.learners else None)
@@ -327,21 +335,31 @@ class BucketStore:
     def contributions(
         self, learner: str, fragment: int, after: int
     ) -> list[Contribution | Unreadable]:
-        """New committed contributions in seq order; one that cannot be read yet (an
-        ``OSError``) ends the list, to be read on the next look. With the run secret, one
-        not signed with its learner's key is ``Unreadable``, named as such."""
+        """New committed contributions in seq order, as headers: each marker is read and
+        checked, the data is not (``read`` fetches it; a newer contribution from the same
+        anchor makes an older one's data unneeded). One whose marker cannot be read yet
+        (an ``OSError``) ends the list, to be read on the next look. With the run secret,
+        one not signed with its learner's key is ``Unreadable``, named as such."""
         region = self.region_of(learner)
         key = self.keys.verifying_key(learner)
+        heads = self._heads.setdefault((learner, fragment), {})
+        for seq in [s for s in heads if s <= after]:
+            del heads[seq]  # settled: listed, read or passed over
         out: list[Contribution | Unreadable] = []
         for seq in self.main.contribution_seqs(learner, fragment, region):
             if seq <= after:
                 continue
             try:
-                tensors, meta = self._read_contribution(learner, fragment, seq, region, key)
-                out.append(contribution_from(learner, fragment, seq, tensors, meta))
+                marker = heads.get(seq) or patiently(
+                    lambda: self.main.contribution_head(learner, fragment, seq, region, key),  # noqa: B023
+                    f"{learner} fragment {fragment} seq {seq}",
+                    READ_ATTEMPTS,
+                )
+                heads[seq] = marker
+                out.append(contribution_from(learner, fragment, seq, None, marker.meta))
             except Unauthenticated as exc:
                 out.append(Unreadable(learner, fragment, seq, f"not authentic: {exc}", True))
-            except (CorruptVersion, KeyError, ValueError) as exc:
+            except (CorruptVersion, KeyError, ValueError, TypeError) as exc:
                 out.append(Unreadable(learner, fragment, seq, f"unreadable: {exc}"))
             except OSError as exc:
                 log.warning(
@@ -350,18 +368,25 @@ class BucketStore:
                 break
         return out
 
-    def _read_contribution(
-        self, learner: str, fragment: int, seq: int, region: str, key: bytes | None,
-        attempts: int = READ_ATTEMPTS,
-    ) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
-        """One contribution, read again when it does not check out: a read can come back
-        damaged (a truncated response) while the object is whole, and a rejection is for
-        good. What fails ``attempts`` reads in a row is corrupt (or forged)."""
-        return patiently(
-            lambda: self.main.get_contribution(learner, fragment, seq, region, key),
-            f"{learner} fragment {fragment} seq {seq}",
-            attempts,
-        )
+    def read(self, c: Contribution) -> Contribution | Unreadable:
+        """``c`` (a header from ``contributions``) with its tensors, or ``Unreadable`` when
+        its data does not match its marker after ``READ_ATTEMPTS`` reads (a read can come
+        back damaged while the object is whole; a rejection is for good). An ``OSError``
+        means: not readable yet."""
+        if c.payload is not None:
+            return c
+        learner, fragment, seq = c.learner, c.fragment, c.seq
+        marker = self._heads[(learner, fragment)][seq]
+        region = self.region_of(learner)
+        try:
+            tensors = patiently(
+                lambda: self.main.contribution_tensors(marker, learner, fragment, seq, region),
+                f"{learner} fragment {fragment} seq {seq}",
+                READ_ATTEMPTS,
+            )
+        except (CorruptVersion, KeyError, ValueError) as exc:
+            return Unreadable(learner, fragment, seq, f"unreadable: {exc}")
+        return replace(c, payload=dict(tensors))
 
     def publish(self, gv: GlobalVersion, opt_leaves: list[Any], record: Record) -> bool:
         base = self._learners_copy(gv.fragment, gv.version - 1)

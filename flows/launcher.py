@@ -119,8 +119,17 @@ class Spares:
     after JAX and Prefect have started threads is unsafe, and a spare must run the very
     command a cold start runs, with its own environment and log."""
 
-    def __init__(self, count: int, log_path: Path | str, env: dict[str, str]):
+    def __init__(
+        self,
+        count: int,
+        log_path: Path | str,
+        env: dict[str, str],
+        warm: dict[str, str] | None = None,
+    ):
         self.count, self.log_path, self.env = count, Path(log_path), env
+        # {"run", "bucket", "region"}: a spare also builds the run's model and compiles its
+        # train step while it waits (``flows.learner.warm_up``).
+        self.warm = warm
         self.idle: list[subprocess.Popen] = []
         self.lock = threading.Lock()
         self.closed = False
@@ -128,7 +137,8 @@ class Spares:
 
     def _spawn(self, log_path: Path | str, env: dict[str, str]) -> subprocess.Popen:
         with open(log_path, "ab") as out:
-            return subprocess.Popen([*WORKER_COMMAND, "standby"],
+            extra = ["--warm", json.dumps(self.warm)] if self.warm else []
+            return subprocess.Popen([*WORKER_COMMAND, "standby", *extra],
                                     stdin=subprocess.PIPE, stdout=out,
                                     stderr=subprocess.STDOUT, env=env)  # fmt: skip
 
@@ -853,7 +863,9 @@ def train_flow(
     started = time.time()
     global _SPARES
     if via == "processes":
-        _SPARES = Spares(cfg.pipeline.spares, Path(logs) / "spares.log", child_env())
+        home = next(iter(regions))
+        warm = {"run": run, "bucket": regions[home], "region": home}
+        _SPARES = Spares(cfg.pipeline.spares, Path(logs) / "spares.log", child_env(), warm)
     names, futures = _start_workers(run, regions, cfg, spec, logs, via)
     chaos = start_chaos(chaos_plan, folder, via, log)
     try:

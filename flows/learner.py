@@ -52,7 +52,8 @@ class BackgroundIO:
 
     - ``jobs``: uploads and checkpoints, in order. An upload is retried with backoff
       while its region is unreachable; one that still fails is logged and dropped (its
-      work is lost, nothing else waits on it).
+      work is lost, nothing else waits on it). An upload whose turn comes while a newer
+      send from the same anchor is queued is skipped: that one carries its steps.
     - ``poller``: every ``poll_seconds``, the newest version of each fragment the learner
       waits on, fetched into ``inbox``. A version that cannot be read is logged once and
       skipped; a newer one is taken when it comes.
@@ -66,20 +67,44 @@ class BackgroundIO:
         self.stalled: dict[int, float] = {}  # fragment -> since when, once reported
         self.jobs = ThreadPoolExecutor(1, thread_name_prefix="uploads")
         self.failures = 0
+        self.skipped = 0  # queued uploads a newer one from the same anchor made needless
+        self.queued: dict[tuple[int, Any], int] = {}  # (fragment, anchor) -> newest seq
         self.lock = threading.Lock()
         self.wanted: dict[int, int] = {}
         self.reported: dict[tuple[int, int], float] = {}  # (fragment, version) -> failed at
         self.inbox: dict[int, GlobalView] = {}
         for p in range(fragments):  # the start reads the newest of every fragment
-            view_ = view.latest_global(p)
-            if view_ is not None:
-                self.inbox[p] = view_
+            first = self._first_version(p)
+            if first is not None:
+                self.inbox[p] = first
         self.stop = threading.Event()
         self.poller = threading.Thread(target=self._poll, name="globals", daemon=True)
         self.poller.start()
 
+    def _first_version(self, p: int, patience: float = 60.0) -> GlobalView | None:
+        """The newest readable version of fragment ``p`` to start from, asked again while
+        none comes (a listing that left the newest out, a read that failed in passing)
+        for up to ``patience`` seconds; None then (the start says so)."""
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                found = self.view.latest_global(p)
+                if found is not None:
+                    return found
+                problem = "none listed"
+            except (OSError, ValueError) as exc:  # ValueError: CorruptVersion
+                problem = repr(exc)
+            if time.monotonic() >= deadline:
+                self.log.error("no readable version of fragment %d to start from: %s", p, problem)
+                return None
+            self.log.warning("fragment %d: no version to start from yet (%s); asking again",
+                             p, problem)  # fmt: skip
+            time.sleep(max(self.poll_seconds, 0.5))
+
     # the learner's transport -----------------------------------------------------------
     def send(self, c: Contribution) -> None:
+        with self.lock:
+            self.queued[(c.fragment, c.anchor)] = c.seq
         self._submit(f"upload of fragment {c.fragment} seq {c.seq}", lambda: self._upload(c))
 
     def save_checkpoint(self, ckpt: LearnerCheckpoint) -> None:
@@ -112,6 +137,17 @@ class BackgroundIO:
         return self.jobs.submit(guarded)
 
     def _upload(self, c: Contribution) -> None:
+        with self.lock:
+            newer = self.queued.get((c.fragment, c.anchor), c.seq)
+            if newer == c.seq:
+                del self.queued[(c.fragment, c.anchor)]
+        if newer > c.seq:
+            # A newer send from the same anchor waits in the queue behind this one and
+            # carries all its steps (sends from one anchor are cumulative): writing this
+            # one would only delay that one. When uploads fall behind (a slow or faulty
+            # store), the queue drains instead of growing.
+            self.skipped += 1
+            return
         delay = 0.5
         for attempt in range(self.retries + 1):
             try:
@@ -186,6 +222,30 @@ class BackgroundIO:
         self.poller.join(timeout=5)
 
 
+_COMPILING = threading.Lock()  # a spare's warm-up and the learner it becomes compile once
+
+
+def compile_step(model: Any, cfg: Any) -> None:
+    """Run ``model``'s train step once on zeros: it is compiled (or loaded from the JAX
+    cache) for this process; later steps of the same shapes reuse it. One at a time: a
+    second call waits for the first and then finds it compiled."""
+    trainer = model.trainer
+    with _COMPILING:
+        params = trainer.place_params(model.init)
+        batch = np.zeros((cfg.data.batch_size, cfg.model.context + 1), dtype=np.int32)
+        trainer.step(params, trainer.init_opt_state(params), batch)[2].block_until_ready()
+
+
+def warm_up(run: str, bucket: str, region: str) -> None:
+    """What starting a learner of ``run`` costs whichever learner it is: the model
+    (``build_model`` keeps one per process and config), its compiled train step and the
+    corpus. A spare does it while it waits, so a learner that takes over from a killed one
+    starts training seconds sooner."""
+    cfg = config_from_spec(RunStore(run, {region: bucket}, region).read_spec())
+    compile_step(build_model(cfg), cfg)
+    reader(cfg, 0)  # the corpus, read and split once per process
+
+
 class LearnerRuntime:
     """One learner process: the core loop, its background I/O and its accounting.
 
@@ -243,11 +303,8 @@ class LearnerRuntime:
     def _compile(self) -> None:
         """Compile the train step before reading the newest globals: compiling takes
         seconds, and a learner that starts from versions that old has its first
-        contributions rejected as too stale."""
-        trainer, cfg = self.model.trainer, self.cfg
-        params = trainer.place_params(self.model.init)
-        batch = np.zeros((cfg.data.batch_size, cfg.model.context + 1), dtype=np.int32)
-        trainer.step(params, trainer.init_opt_state(params), batch)[2].block_until_ready()
+        contributions rejected as too stale (a warmed-up spare has done it already)."""
+        compile_step(self.model, self.cfg)
 
     @property
     def step(self) -> int:
@@ -332,6 +389,7 @@ class LearnerRuntime:
             "checkpoint_bytes": self.store.checkpoint_traffic.uploaded
             + self.store.checkpoint_traffic.downloaded,
             "failed_writes": self.io.failures,
+            "skipped_uploads": getattr(self.io, "skipped", 0),
             **({"last_round": row} if row else {}),
         }  # fmt: skip
         totals = {"startup_seconds": self.startup_seconds, "train_seconds": self.train_seconds}

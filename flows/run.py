@@ -10,6 +10,7 @@ between two launches of one run.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -85,8 +86,14 @@ def _model(cfg_json: str) -> Model:
     return Model(codec, codec.to_flat(state), plan, trainer)
 
 
+_BUILDING = threading.Lock()
+
+
 def build_model(cfg: RunConfig) -> Model:
-    return _model(cfg.model_copy(update={"pipeline": type(cfg.pipeline)()}).model_dump_json())
+    """The model of ``cfg``, built once per process (a spare's warm-up thread and the
+    worker it becomes share it: the second caller waits for the first)."""
+    with _BUILDING:
+        return _model(cfg.model_copy(update={"pipeline": type(cfg.pipeline)()}).model_dump_json())
 
 
 def corpus(cfg: RunConfig) -> Corpus:

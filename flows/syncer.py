@@ -66,6 +66,9 @@ class PipelineSyncerTransport:
     ) -> list[Contribution | Unreadable]:
         return self.store.contributions(learner, fragment, after)
 
+    def read(self, c: Contribution) -> Contribution | Unreadable:
+        return self.store.read(c)
+
     def load_fragment(self, fragment: int, window: int) -> StoredFragment:
         return self.store.load_fragment(fragment, window)
 

@@ -4,7 +4,8 @@
     python -m flows.worker syncer --run R --regions '{"us-east": "file:///..."}' \\
         --home us-east --shard 0 --shards 2
 
-    python -m flows.worker standby    # a spare: imports, then reads its job from stdin
+    python -m flows.worker standby [--warm JSON]  # a spare: imports, then reads its job
+                                                  # from stdin
 
 Every flow run resumes from the buckets (checkpoint or newest versions), so this process
 can be killed at any point and started again. Exit status: 0 when the role is done,
@@ -18,6 +19,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 
@@ -74,11 +76,21 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def standby() -> int:
-    """A spare worker (``flows.launcher.Spares``): do the slow imports now, then wait for
-    one line on stdin, ``{"argv": [...], "env": {...}, "log": PATH}``, and become that
-    worker: its environment, its log on stdout and stderr, its command line. End quietly
-    when stdin closes first (the launcher needs no more workers, or is gone).
+def _warm_up(warm: dict[str, str]) -> None:
+    import flows.learner
+
+    try:
+        flows.learner.warm_up(**warm)
+    except Exception as exc:  # a spare that could not warm up still serves, cold
+        print(f"warm-up failed, the worker will start cold: {exc!r}", file=sys.stderr)
+
+
+def standby(warm: dict[str, str] | None = None) -> int:
+    """A spare worker (``flows.launcher.Spares``): do the slow imports now (and, given the
+    run in ``warm``, build its model and compile its train step: ``--warm JSON``), then
+    wait for one line on stdin, ``{"argv": [...], "env": {...}, "log": PATH}``, and become
+    that worker: its environment, its log on stdout and stderr, its command line. End
+    quietly when stdin closes first (the launcher needs no more workers, or is gone).
 
     Only what is read when used may differ from the spare's own environment (the keys,
     the fault plan's salt); Prefect's and JAX's settings are the launcher's for both."""
@@ -87,6 +99,8 @@ def standby() -> int:
         import flows.learner
         import flows.syncer  # noqa: F401
 
+        if warm:  # in the background: a job that comes first must not wait for it
+            threading.Thread(target=_warm_up, args=(warm,), daemon=True).start()
         line = sys.stdin.readline()
     except KeyboardInterrupt:
         return 130
@@ -105,4 +119,7 @@ def standby() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(standby() if sys.argv[1:] == ["standby"] else main())
+    if sys.argv[1:2] == ["standby"]:
+        warm = json.loads(sys.argv[3]) if sys.argv[2:3] == ["--warm"] else None
+        sys.exit(standby(warm))
+    sys.exit(main())

@@ -39,6 +39,21 @@ class BucketError(OSError):
     """A bucket that is missing, unreachable, or unsafe to write to; the message says which."""
 
 
+class PartialFailure(OSError):
+    """A batched request (``put_many``, ``get_many``) of which some keys failed and the
+    others went through: ``failed`` maps each failed key to its error, ``done`` holds what
+    the others read (empty for writes). Asking again for the failed keys alone is enough
+    (``storage_layout.commit.put_patiently`` / ``get_patiently`` do)."""
+
+    def __init__(
+        self, failed: Mapping[str, BaseException], done: Mapping[str, bytes] | None = None
+    ):
+        self.failed, self.done = dict(failed), dict(done or {})
+        key, first = next(iter(self.failed.items()))
+        more = f" (and {len(self.failed) - 1} more)" if len(self.failed) > 1 else ""
+        super().__init__(f"{key}: {first!r}{more}")
+
+
 @dataclass
 class Traffic:
     """Bytes and requests per (source region, destination region); thread-safe."""
@@ -99,6 +114,20 @@ def _check_gcs_credentials(
             "application-default login`), or pass storage option token='anon' for a public "
             "bucket"
         )
+
+
+def raise_partial(
+    failed: Mapping[str, BaseException], done: Mapping[str, bytes], total: int
+) -> None:
+    """Nothing when nothing failed; the first error itself when every key failed (a region
+    down, a permission refused: the batch failed as a whole); else ``PartialFailure``."""
+    if not failed:
+        return
+    if len(failed) == total:
+        error = next(iter(failed.values()))
+        if isinstance(error, Exception):
+            raise error
+    raise PartialFailure(failed, done)
 
 
 def protocol_of(fs: fsspec.AbstractFileSystem) -> str:
@@ -186,18 +215,26 @@ class Bucket:
         return fsspec.asyn.sync(self.fs.loop, gather)
 
     def put_many(self, objects: Mapping[str, bytes]) -> None:
-        """Write several objects; concurrently on async backends (S3, GCS)."""
+        """Write several objects; concurrently on async backends (S3, GCS). Each is its
+        own request: when some fail, the others are written all the same and
+        ``PartialFailure`` names the failed ones."""
         if self.fs.async_impl:
             calls = [self.fs._pipe_file(self.path(k), v) for k, v in objects.items()]
-            for result in self._gather(calls):
-                if isinstance(result, BaseException):
-                    raise result
-            for key, data in objects.items():
-                self.fs.invalidate_cache(self.path(key))
-                self._up(len(data))
+            results = dict(zip(objects, self._gather(calls), strict=True))
         else:
+            results = {}
             for key, data in objects.items():
-                self.put(key, data)
+                try:
+                    self.put(key, data)
+                    results[key] = None
+                except OSError as exc:
+                    results[key] = exc
+        failed = {k: r for k, r in results.items() if isinstance(r, BaseException)}
+        if self.fs.async_impl:
+            for key in results.keys() - failed.keys():
+                self.fs.invalidate_cache(self.path(key))
+                self._up(len(objects[key]))
+        raise_partial(failed, {}, len(objects))
 
     def put_exclusive(self, key: str, data: bytes) -> None:
         """Write ``key`` only if it does not exist; ``FileExistsError`` otherwise."""
@@ -233,7 +270,8 @@ class Bucket:
 
     def get_many(self, keys: list[str]) -> dict[str, bytes]:
         """Read several objects; concurrently on async backends. A missing one raises
-        ``FileNotFoundError`` naming its key."""
+        ``FileNotFoundError`` naming its key (an answer: asking again changes nothing);
+        when others fail, ``PartialFailure`` carries what was read."""
         if self.fs.async_impl:
             results = self._gather([self.fs._cat_file(self.path(k)) for k in keys])
         else:
@@ -241,16 +279,18 @@ class Bucket:
             for k in keys:
                 try:
                     results.append(self.fs.cat_file(self.path(k)))
-                except FileNotFoundError as exc:
+                except OSError as exc:
                     results.append(exc)
-        out = {}
+        out, failed = {}, {}
         for key, value in zip(keys, results, strict=True):
             if isinstance(value, FileNotFoundError):
                 raise FileNotFoundError(key)
             if isinstance(value, BaseException):
-                raise value
+                failed[key] = value
+                continue
             self._down(len(value))
             out[key] = value
+        raise_partial(failed, out, len(keys))
         return out
 
     def exists(self, key: str) -> bool:

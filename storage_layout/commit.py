@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from storage_layout.bucket import Bucket
+from storage_layout.bucket import Bucket, PartialFailure
 from storage_layout.layout import FORMAT_VERSION
 
 log = logging.getLogger(__name__)
@@ -86,12 +86,56 @@ def patiently(call: Callable[[], T], what: str, attempts: int = ATTEMPTS) -> T:
     raise AssertionError("unreachable")
 
 
+def put_patiently(bucket: Bucket, objects: Mapping[str, bytes], what: str) -> None:
+    """``bucket.put_many(objects)``, ``patiently``: when some objects fail
+    (``PartialFailure``), only those are written again (every write here is idempotent:
+    data objects live under a write-id-unique prefix)."""
+    left = dict(objects)
+
+    def attempt() -> None:
+        try:
+            bucket.put_many(left)
+        except PartialFailure as exc:
+            for key in set(left) - set(exc.failed):
+                del left[key]
+            raise
+
+    patiently(attempt, what)
+
+
+def get_patiently(bucket: Bucket, keys: list[str], what: str) -> dict[str, bytes]:
+    """``bucket.get_many(keys)``, ``patiently``: when some reads fail (``PartialFailure``),
+    only those are asked again."""
+    got: dict[str, bytes] = {}
+
+    def attempt() -> dict[str, bytes]:
+        try:
+            got.update(bucket.get_many([k for k in keys if k not in got]))
+        except PartialFailure as exc:
+            got.update(exc.done)
+            raise
+        return got
+
+    return patiently(attempt, what)
+
+
 def writer_identity(role: str) -> str:
     return f"{role}@{socket.gethostname()}:{os.getpid()}"
 
 
 def new_write_id() -> str:
     return uuid.uuid4().hex[:16]
+
+
+def content_write_id(marker_key: str, objects: Mapping[str, bytes]) -> str:
+    """A write id that names the content: the same objects for the same marker give the
+    same id. A writer that retries a write whose marker landed but whose answer was lost
+    (a learner's upload, asked again from the top) then finds its own write, not a
+    conflict, and a retry rewrites the same data prefix instead of leaving another."""
+    digest = hashlib.sha256(marker_key.encode())
+    for rel in sorted(objects):
+        digest.update(f"\0{rel}\0{sha256(objects[rel])}".encode())
+    return digest.hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -209,7 +253,7 @@ def commit_version(
     if sign is not None:
         marker = sign(marker)
     data = {f"{data_prefix}/{rel}": blob for rel, blob in objects.items()}
-    patiently(lambda: bucket.put_many(data), f"writing {data_prefix}")  # idempotent
+    put_patiently(bucket, data, f"writing {data_prefix}")
     body = marker.to_json()
     delay = 0.1
     for attempt in range(attempts):
@@ -264,42 +308,60 @@ def fetch_objects(
     each checked against the size and sha256 the marker records (a mismatch is read
     again, ``patiently``, before it is ``CorruptVersion``). Inlined copies are used
     unless ``use_inline`` is False (a full verification reads every stored object)."""
-    return patiently(
-        lambda: _fetch_objects(bucket, marker, marker_key, groups, use_inline), marker_key
-    )
-
-
-def _fetch_objects(
-    bucket: Bucket,
-    marker: CommitMarker,
-    marker_key: str,
-    groups: tuple[str, ...] | None,
-    use_inline: bool,
-) -> dict[str, bytes]:
     wanted = {
         rel: expect
         for rel, expect in marker.objects.items()
         if groups is None or "/" not in rel or rel.split("/", 1)[0] in groups
     }
-    inline = {rel for rel, e in wanted.items() if use_inline and "inline" in e}
-    keys = {f"{marker.data_prefix}/{rel}": rel for rel in wanted if rel not in inline}
+    out: dict[str, bytes] = {}
+    for rel, expect in wanted.items():
+        if use_inline and "inline" in expect:
+            key = f"{marker.data_prefix}/{rel}"
+            out[rel] = _checked(expect["inline"].encode("utf-8"), expect, key, marker_key)
+    # What checks out is kept across attempts: only a failed or damaged read is asked again.
+    return patiently(lambda: _fetch_rest(bucket, marker, marker_key, wanted, out), marker_key)
+
+
+def _checked(data: bytes, expect: Mapping[str, Any], key: str, marker_key: str) -> bytes:
+    if len(data) != expect["size"]:
+        raise CorruptVersion(
+            f"{marker_key}: object {key} has {len(data)} bytes, the marker says {expect['size']}"
+        )
+    if sha256(data) != expect["sha256"]:
+        raise CorruptVersion(f"{marker_key}: object {key} does not match its sha256")
+    return data
+
+
+def _fetch_rest(
+    bucket: Bucket,
+    marker: CommitMarker,
+    marker_key: str,
+    wanted: Mapping[str, Mapping[str, Any]],
+    out: dict[str, bytes],
+) -> dict[str, bytes]:
+    """Read the ``wanted`` objects not in ``out`` yet into it; each that arrives whole is
+    kept, a damaged one raises ``CorruptVersion`` (after the others are kept)."""
+    keys = {f"{marker.data_prefix}/{rel}": rel for rel in wanted if rel not in out}
+    fetched: dict[str, bytes] = {}
     try:
         fetched = bucket.get_many(list(keys))
     except FileNotFoundError as exc:
         raise CorruptVersion(
             f"{marker_key}: object {exc.args[0]} listed in the marker is missing"
         ) from exc
-    for rel in inline:
-        fetched[f"{marker.data_prefix}/{rel}"] = wanted[rel]["inline"].encode("utf-8")
-        keys[f"{marker.data_prefix}/{rel}"] = rel
-    out = {}
-    for key, rel in keys.items():
-        data, expect = fetched[key], wanted[rel]
-        if len(data) != expect["size"]:
-            raise CorruptVersion(
-                f"{marker_key}: object {key} has {len(data)} bytes, the marker says {expect['size']}"
-            )
-        if sha256(data) != expect["sha256"]:
-            raise CorruptVersion(f"{marker_key}: object {key} does not match its sha256")
-        out[rel] = data
-    return out
+    except PartialFailure as exc:
+        fetched, failure = exc.done, exc
+    else:
+        failure = None
+    damaged = None
+    for key, data in fetched.items():
+        rel = keys[key]
+        try:
+            out[rel] = _checked(data, wanted[rel], key, marker_key)
+        except CorruptVersion as exc:
+            damaged = exc
+    if failure is not None:
+        raise failure
+    if damaged is not None:
+        raise damaged
+    return dict(out)

@@ -33,7 +33,9 @@ for this (region, op, key) before. A uniform number is hashed from these values,
 taken from a shared random stream, so thread interleaving does not change the faults:
 the same seed and the same requests per key give the same faults; another seed gives
 others. ``put_many``, ``get_many`` and ``delete`` draw once per key (as ``put``, ``get``
-and ``delete``), so a batched request meets the same faults as one request per key.
+and ``delete``), so a batched request meets the same faults as one request per key; in
+``put_many`` and ``get_many`` each key fails or goes through on its own, as concurrent
+requests do, and the failed keys come back in a ``PartialFailure``.
 Only the outage depends on the clock.
 
 Requests that the bucket makes on its own behalf (``put_many`` calling ``put`` on a
@@ -59,7 +61,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
-from storage_layout.bucket import Bucket, BucketError, Traffic
+from storage_layout.bucket import Bucket, BucketError, PartialFailure, Traffic, raise_partial
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -469,6 +471,13 @@ class FaultyBucket(Bucket):
         return finish(result, requests) if finish else result
 
     def _before(self, requests: list[Request]) -> None:
+        self._outage_and_latency(requests)
+        for r in requests:
+            self._fail_before(r)
+
+    def _outage_and_latency(self, requests: list[Request]) -> None:
+        """The region's outage fails them all; one latency spike delays them all (they go
+        out together)."""
         injector = self.injector
         down = injector.outage(self.region)
         if down:
@@ -478,11 +487,54 @@ class FaultyBucket(Bucket):
             seconds = injector.plan.latency_seconds
             injector.record("latency", slow, f"+{seconds:g} s")
             time.sleep(seconds)
-        for r in requests:
-            if r.hits("error"):
-                raise self._fault(InjectedFault, "error", r)
-            if r.hits("timeout_before"):
-                raise self._fault(InjectedTimeout, "timeout_before", r, "nothing done")
+
+    def _fail_before(self, r: Request) -> None:
+        if r.hits("error"):
+            raise self._fault(InjectedFault, "error", r)
+        if r.hits("timeout_before"):
+            raise self._fault(InjectedTimeout, "timeout_before", r, "nothing done")
+
+    def _call_each(
+        self,
+        op: str,
+        keys: list[str],
+        effect: Callable[[list[str]], dict[str, Any]],
+        finish: Callable[[dict[str, Any], list[Request]], dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """A batch of one request per key, each meeting its own faults, as a real batch of
+        concurrent requests would: the keys that fail before their effect are left out of
+        it, those whose response is lost fail after it, the others go through; then
+        ``PartialFailure`` (or the error itself when every key failed) names the failed
+        keys and carries what the others read."""
+        if getattr(_local, "depth", 0) or not keys:
+            return effect(keys)
+        requests = {key: self.injector.request(self.region, op, key) for key in keys}
+        self._outage_and_latency(list(requests.values()))
+        failed: dict[str, BaseException] = {}
+        for key, r in requests.items():
+            try:
+                self._fail_before(r)
+            except InjectedFault as exc:
+                failed[key] = exc
+        sent = [k for k in keys if k not in failed]
+        done: dict[str, Any] = {}
+        if sent:
+            with _inside():
+                try:
+                    done = effect(sent)
+                except PartialFailure as exc:  # a real failure beneath the injected ones
+                    failed.update(exc.failed)
+                    done = exc.done
+        for key in sent:
+            if key not in failed and requests[key].hits("timeout_after"):
+                failed[key] = self._fault(
+                    InjectedTimeout, "timeout_after", requests[key], "it took effect"
+                )
+        done = {k: v for k, v in done.items() if k not in failed}
+        if finish is not None:
+            done = finish(done, [requests[k] for k in done])
+        raise_partial(failed, done, len(keys))
+        return done
 
     def _fault(
         self, cls: type[InjectedFault], kind: str, request: Request, detail: str = ""
@@ -522,7 +574,11 @@ class FaultyBucket(Bucket):
         self._call("put", [key], partial(super().put, key, data))
 
     def put_many(self, objects: Mapping[str, bytes]) -> None:
-        self._call("put", list(objects), partial(super().put_many, objects))
+        def effect(keys: list[str]) -> dict[str, Any]:
+            Bucket.put_many(self, {k: objects[k] for k in keys})
+            return {}
+
+        self._call_each("put", list(objects), effect)
 
     def put_exclusive(self, key: str, data: bytes) -> None:
         self._call("put_exclusive", [key], partial(self._marker, key, data))
@@ -547,7 +603,7 @@ class FaultyBucket(Bucket):
         def damage(found: dict[str, bytes], requests: list[Request]) -> dict[str, bytes]:
             return {r.key: self._damage(r, found[r.key]) for r in requests}
 
-        return self._call("get", list(keys), partial(super().get_many, keys), damage)
+        return self._call_each("get", list(keys), partial(Bucket.get_many, self), damage)
 
     def exists(self, key: str) -> bool:
         return self._call("exists", [key], partial(super().exists, key))

@@ -39,6 +39,7 @@ from storage_layout.commit import (
     CommitMarker,
     CorruptVersion,
     commit_version,
+    content_write_id,
     fetch_objects,
     new_write_id,
     patiently,
@@ -292,7 +293,7 @@ class RunStore:
         payload = sum(q.nbytes for q in tensors.values())
         body = {**meta, "learner": learner, "fragment": fragment, "seq": seq,
                 "payload_bytes": payload, "written_at": time.time()}  # fmt: skip
-        write_id = new_write_id()
+        write_id = content_write_id(layout.contribution_marker(learner, fragment, seq), objects)
         return commit_version(
             self.home,
             layout.contribution_marker(learner, fragment, seq),
@@ -311,18 +312,35 @@ class RunStore:
         """One committed contribution's tensors and meta, verified against its marker
         (``CorruptVersion`` if anything does not match). With ``learner``'s ``key``, the
         marker must be signed with it (``Unauthenticated``, before any data is fetched)."""
-        bucket = self.bucket(region)
+        marker = self.contribution_head(learner, fragment, seq, region, key)
+        return self.contribution_tensors(marker, learner, fragment, seq, region), dict(marker.meta)
+
+    def contribution_head(
+        self, learner: str, fragment: int, seq: int, region: str, key: bytes | None = None
+    ) -> CommitMarker:
+        """A committed contribution's marker, without its data: signed with ``key`` if one
+        is given (``Unauthenticated``) and describing this very contribution
+        (``CorruptVersion``). A reader that finds a newer one from the same anchor need
+        not read this one's data at all."""
         where = self.layout.contribution_marker(learner, fragment, seq)
-        marker = read_marker(bucket, where)
+        marker = read_marker(self.bucket(region), where)
         if key is not None:
             verify(marker, key, learner, where)
-        objects = fetch_objects(bucket, marker, where)
         m = marker.meta
         if (m.get("learner"), m.get("fragment"), m.get("seq")) != (learner, fragment, seq):
             raise CorruptVersion(f"{where}: marker describes another contribution ({m})")
+        return marker
+
+    def contribution_tensors(
+        self, marker: CommitMarker, learner: str, fragment: int, seq: int, region: str
+    ) -> dict[str, QuantizedTensor]:
+        """The tensors a contribution's ``marker`` (from ``contribution_head``) lists,
+        each object checked against it."""
+        where = self.layout.contribution_marker(learner, fragment, seq)
+        objects = fetch_objects(self.bucket(region), marker, where)
         try:
             groups, _ = decode(objects)
-            return groups["delta"], dict(m)
+            return groups["delta"]
         except (FormatError, KeyError) as exc:
             raise CorruptVersion(f"{where}: {exc}") from exc
 
@@ -523,7 +541,7 @@ class RunStore:
     ) -> CommitMarker:
         """Commit a learner checkpoint: named groups of float32 arrays plus JSON ``meta``."""
         objects = encode({g: _fp32(t) for g, t in tensors.items()}, {"kind": "checkpoint"})
-        write_id = new_write_id()
+        write_id = content_write_id(self.layout.checkpoint_marker(learner, step), objects)
         return commit_version(
             self.home,
             self.layout.checkpoint_marker(learner, step),

@@ -269,7 +269,10 @@ def test_the_syncer_rejects_what_a_learner_did_not_sign_and_merges_what_it_did(
     assert syncer.poll() == 0
     for seq in (3, 4):
         real.put_contribution(_contribution(model, 0, "learner-0", seq, seq))
-    assert syncer.poll() == 2  # (before, the forged seq 5 moved the syncer past them)
+    # seq 4 is read (before, the forged seq 5 moved the syncer past them); seq 3, from the
+    # same anchor, is superseded by it unread.
+    assert syncer.poll() == 1
+    assert syncer.loop.syncers[0].superseded == [("learner-0", 3, 4)]
     # A reload (a failed publish does one) forgets the unpublished outcomes: the forged
     # seq 5 is refused and recorded again, so the next version still accounts for it.
     syncer.loop.load(0)

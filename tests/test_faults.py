@@ -12,8 +12,14 @@ import pytest
 
 from diloco.quantize import quantize
 from storage_layout import faults
-from storage_layout.bucket import Bucket
-from storage_layout.commit import CorruptVersion, fetch_objects, read_marker
+from storage_layout.bucket import Bucket, PartialFailure
+from storage_layout.commit import (
+    CorruptVersion,
+    fetch_objects,
+    get_patiently,
+    put_patiently,
+    read_marker,
+)
 from storage_layout.faults import (
     FaultPlan,
     FaultPlanError,
@@ -144,7 +150,64 @@ def test_timeouts_before_and_after_the_effect(bucket_url):
     assert plain.get("b/many2") == DATA[:7]
     with pytest.raises(FileExistsError):
         plain.put_exclusive("b/excl", b"again")  # the lost-response write is there
-    assert injector.counts() == {"timeout_after": 3}
+    assert injector.counts() == {"timeout_after": 4}  # one per key of the batch
+
+
+def test_a_batch_fails_key_by_key_and_only_the_failed_keys_are_asked_again(bucket_url):
+    """A batch is one request per key: each meets its own faults, the others go through,
+    ``PartialFailure`` names the failed ones, and the patient writers and readers ask
+    again for those alone (a whole-batch retry of 9 objects at 7 % faults each fails
+    half the time)."""
+    plain = Bucket(bucket_url, region="us")
+    objects = {f"p/k{n:02d}": bytes([n]) * 32 for n in range(40)}
+    bucket, injector = faulty(bucket_url, error_rate=0.3, timeout_after_rate=0.2)
+    with pytest.raises(PartialFailure) as caught:
+        bucket.put_many(objects)
+    failed = set(caught.value.failed)
+    landed = {f"p/{n}" for n in plain.list("p")}
+    assert 0 < len(failed) < len(objects)
+    lost_responses = {k for k, e in caught.value.failed.items() if isinstance(e, TimeoutError)}
+    assert landed == set(objects) - failed | lost_responses  # the rest went through
+    with pytest.raises(PartialFailure) as caught:
+        bucket.get_many(sorted(landed))
+    assert set(caught.value.done) | set(caught.value.failed) == landed
+    assert all(caught.value.done[k] == objects[k] for k in caught.value.done)
+
+    patient, injector = faulty(bucket_url, error_rate=0.1, timeout_after_rate=0.05)
+    put_patiently(patient, objects, "the batch")
+    assert {f"p/{n}" for n in plain.list("p")} == set(objects)
+    assert get_patiently(patient, sorted(objects), "the batch") == objects
+    # A whole-batch retry would meet a fault in nearly every round (1 - 0.85**40).
+    assert 0 < sum(injector.counts().values()) < 0.4 * 2 * len(objects)
+
+    with pytest.raises(InjectedFault) as caught:  # every key failed: the error itself
+        faulty(bucket_url, error_rate=1.0, ops=["put"])[0].put_many({"p/a": b"1", "p/b": b"2"})
+    assert not isinstance(caught.value, PartialFailure)
+
+
+def test_a_damaged_read_is_asked_again_alone(bucket_url, monkeypatch):
+    """``fetch_objects`` keeps the objects that checked out and reads again only the one
+    that came back truncated."""
+    store = RunStore("run", {"us": bucket_url}, "us")
+    publish(store)
+    marker_key = store.layout.global_marker(0, 1)
+    marker = read_marker(store.bucket("us"), marker_key)
+    stored = [k for k, e in marker.objects.items() if "inline" not in e]
+    assert len(stored) > 1
+    reads, real = [], Bucket.get_many
+
+    def truncating_once(self, keys):  # the first read of the first object comes back short
+        reads.append(list(keys))
+        out = real(self, keys)
+        if len(reads) == 1:
+            out[keys[0]] = out[keys[0]][:1]
+        return out
+
+    monkeypatch.setattr(Bucket, "get_many", truncating_once)
+    got = fetch_objects(store.bucket("us"), marker, marker_key)
+    assert got == fetch_objects(Bucket(bucket_url, region="us"), marker, marker_key)
+    assert set(got) == set(marker.objects)
+    assert reads[1] == reads[0][:1]  # the damaged one alone, asked again
 
 
 def test_truncated_and_corrupted_reads(bucket_url):
@@ -252,7 +315,7 @@ def test_nested_requests_draw_once_and_traffic_stays_true(make_bucket):
     with pytest.raises(TimeoutError):
         bucket.put_many(objects)
     assert Bucket(url).list("n") == ["0", "1", "2"]  # an inner put did not cut it short
-    assert injector.counts() == {"timeout_after": 1}
+    assert injector.counts() == {"timeout_after": 3}  # one per key; the inner puts draw none
     assert bucket.traffic.uploaded == sum(len(v) for v in objects.values())
     deleting, _ = faulty(url, error_rate=1.0, ops=["delete"])
     deleting.delete_prefix("n")  # its inner deletes are part of one delete_prefix request

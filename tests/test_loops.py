@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +17,8 @@ import pytest
 from diloco.config import load_config
 from diloco.fragments import fragment_sizes
 from diloco.loops import STEP, LearnerLoop, WallClock
+from diloco.outer import Contribution
+from diloco.quantize import quantize
 from diloco.simulate import Scheduler, VirtualClock, simulate
 from diloco.topology import home_region, learner_ids, shard_count, shard_of
 from diloco.transport import SimulatedNetwork, StoreLearnerView
@@ -199,6 +202,36 @@ def test_background_io_survives_a_corrupt_global_version(tiny_run, caplog):
         assert caplog.text.count("cannot read version 1") == 1  # reported once
     finally:
         io.close()
+
+
+def test_a_queued_upload_a_newer_send_supersedes_is_skipped(tiny_run):
+    """When uploads fall behind (a slow store), a queued send from an anchor that a newer
+    queued send from the same anchor carries is never written: the queue drains instead of
+    growing. Another anchor's send, or another fragment's, is written."""
+    cfg, regions, spec, model = tiny_run
+    store = bucket_store("r", regions, spec, cfg, "learner-0", home="us")
+    io = BackgroundIO(StoreLearnerView(store, "learner-0"), len(model.plan), 0.02, 0,
+                      logging.getLogger("test"))  # fmt: skip
+    gate = threading.Event()
+    try:
+        io.jobs.submit(gate.wait)  # the store is slow: the queue fills behind this
+
+        def send(seq: int, fragment: int, anchor_seq: int) -> None:
+            payload = {n: quantize(np.full_like(model.init[n], 1e-3), "fp32")
+                       for n in model.plan[fragment]}  # fmt: skip
+            io.send(Contribution("learner-0", fragment, seq, 0, 64 * seq, seq, 0.1 * seq,
+                                 payload, step=seq, anchor_seq=anchor_seq))  # fmt: skip
+
+        for seq, fragment, anchor in ((1, 0, 0), (2, 1, 0), (3, 0, 0), (4, 0, 3), (5, 0, 3)):
+            send(seq, fragment, anchor)
+        gate.set()
+        io.flush()
+    finally:
+        io.close()
+    written = RunStore("r", regions, "us")
+    assert written.contribution_seqs("learner-0", 0, "us") == [3, 5]  # 1 in 3, 4 in 5
+    assert written.contribution_seqs("learner-0", 1, "us") == [2]
+    assert io.skipped == 2 and io.failures == 0
 
 
 def test_background_io_says_when_global_versions_stop_coming(tiny_run, caplog):

@@ -377,6 +377,37 @@ def _local_run(tmp_path: Path, run: str, only_region: str | None = None):
     return cfg, regions, model, sent
 
 
+def test_a_syncer_reads_only_the_newest_send_of_each_anchor(tmp_path, monkeypatch):
+    """Sends from one anchor are cumulative: the syncer reads the newest one's data and
+    passes over the older ones unread (superseded: under a faulty store, reading each
+    cost it its pace); when the newest is damaged, it is rejected and the one before it
+    is read and merged instead."""
+    cfg, regions, model, sent = _local_run(tmp_path, "newest", only_region="us-east")
+    lid, rng = sent[0], np.random.default_rng(2)
+    writer = RunStore("newest", regions, "us-east", writer=lid)
+    for seq in (2, 3, 4):
+        c = _contribution(model, 0, lid, seq, rng)
+        writer.put_contribution(lid, 0, seq, c.payload, contribution_meta(c))
+    marker = read_marker(writer.home, writer.layout.contribution_marker(lid, 0, 4))
+    obj = max(marker.objects, key=lambda k: marker.objects[k]["size"])
+    path = tmp_path / "us" / marker.data_prefix / obj
+    path.write_bytes(path.read_bytes()[:-3])  # seq 4 is damaged
+    read, real = [], RunStore.contribution_tensors
+
+    def counting(self, marker, learner, fragment, seq, region):
+        read.append((learner, seq))
+        return real(self, marker, learner, fragment, seq, region)
+
+    monkeypatch.setattr(RunStore, "contribution_tensors", counting)
+    syncer = SyncerRuntime("newest", regions, "us-east", 0, 2, cfg.pipeline.model_dump())
+    assert syncer.poll() == len(sent)  # one per learner
+    assert {seq for who, seq in read if who == lid} == {4, 3}  # never 1 or 2
+    assert syncer.merge_and_publish(0)["merged"] == len(sent)
+    meta = RunStore("newest", regions, "us-east").global_marker(0, 1).meta
+    assert [lid, 3] in meta["consumed"] and [lid, 4] in [r[:2] for r in meta["rejected"]]
+    assert sorted(x for x in meta["superseded"] if x[0] == lid) == [[lid, 1, 3], [lid, 2, 3]]
+
+
 def test_launcher_evaluation_outlives_a_corrupt_newest_version(tmp_path, caplog):
     """The launcher evaluates the newest version that reads; a corrupt one is named once."""
     cfg, regions, _, _ = _local_run(tmp_path, "bad")
@@ -731,8 +762,9 @@ def test_syncers_collect_what_no_learner_needs_and_gc_does_it_by_hand(tmp_path, 
             )
     pipeline = {**cfg.pipeline.model_dump(), "keep_versions": 4}
     syncer = SyncerRuntime("gc", regions, "us-east", 0, 2, pipeline)
-    assert syncer.poll() == 12
-    assert syncer.merge_and_publish(0)["merged"] == 4  # the newest of each learner
+    assert syncer.poll() == 4  # the newest of each learner is read, seqs 1 and 2 are not
+    assert len(syncer.loop.syncers[0].superseded) == 8
+    assert syncer.merge_and_publish(0)["merged"] == 4
     syncer.loop.transport.tend()  # what the loop does after every look
     for lid, reg in store.read_spec()["learners"].items():
         assert store.contribution_seqs(lid, 0, reg) == [3], lid
