@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import io
 import json
 import logging
@@ -33,7 +34,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import (
@@ -46,7 +47,13 @@ from prefect.settings import PREFECT_API_URL
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from diloco import records
-from diloco.config import RunConfig, validate_config
+from diloco.config import (
+    RunConfig,
+    deep_merge,
+    load_config,
+    parse_override,
+    validate_config,
+)
 from diloco.simulate import dp_bytes_per_step
 from diloco.topology import (
     LEARNER_PREFIX,
@@ -55,7 +62,17 @@ from diloco.topology import (
     shard_count,
     shard_fragments,
 )
-from flows.observe import artifact_key, train_summary_rows
+from flows.display import Display
+from flows.display import current as current_display
+from flows.metrics import LiveMetrics
+from flows.observe import (
+    PARENT_FLOW_RUN_ENV,
+    PARENT_TASK_RUN_ENV,
+    artifact_key,
+    parent_env,
+    tag_flow_run,
+    train_summary_rows,
+)
 from flows.run import build_model, initialize_run, validation
 from infra.chaos import Chaos, ChaosPlan, kill_to_rejoin, percentiles, read_actions
 from storage_layout import faults
@@ -87,7 +104,8 @@ def child_env(
     Prefect API, and what ``worker`` may hold of the run ``secret``: a syncer shard
     (``syncer-N``) the secret itself, to verify every learner; a learner only its own key
     (``storage_layout.auth``), so it can sign for no other learner."""
-    hidden = (RUN_SECRET_ENV, LEARNER_KEY_ENV, faults.ENV_VAR)
+    hidden = (RUN_SECRET_ENV, LEARNER_KEY_ENV, faults.ENV_VAR, PARENT_FLOW_RUN_ENV,
+              PARENT_TASK_RUN_ENV)  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in hidden}
     if run in _FAULT_ENV:  # salted per start: a restart must not replay its faults
         plan = json.loads(_FAULT_ENV[run][faults.ENV_VAR])
@@ -202,7 +220,8 @@ def run_process(name: str, argv: list[str], log_path: str, run: str = "", worker
     with _lock:
         _starts[worker or name] += 1
         start = _starts[worker or name]
-    env = child_env(run, worker, _RUN_SECRETS.get(run), start)
+    # parent_env(): the process's flow runs are linked as subflows of this task run
+    env = {**child_env(run, worker, _RUN_SECRETS.get(run), start), **parent_env()}
     proc, warm = (_SPARES or Spares(0, log_path, env)).take(argv, log_path, env)
     get_run_logger().info("%s started (pid %d%s); its output goes to %s", name, proc.pid,
                           ", a spare" if warm else "", log_path)  # fmt: skip
@@ -325,7 +344,9 @@ def supervise_deployment(
     log = get_run_logger()
     while not STOPPING.is_set():
         before = worker_progress(home, status)
-        flow_run = run_deployment(deployment, parameters=parameters, tags=tags, timeout=0)
+        # as_subflow: linked under this task run, in the launcher's flow run
+        flow_run = run_deployment(deployment, parameters=parameters, tags=tags, timeout=0,
+                                  as_subflow=True)  # fmt: skip
         _flow_runs.add(flow_run.id)
         try:
             state = _wait_flow_run(flow_run.id)
@@ -515,8 +536,12 @@ class Monitor:
         """The validation loss of the newest readable global model, at its position: the
         tokens merged into it (its fragments' ``tokens_total``, weighted by their share
         of the parameters), which never go backwards, unlike the learners' steps after
-        a restart."""
-        versions, params, merged = {}, {}, 0.0
+        a restart. The same versions as the last point give that point again (the curve
+        holds each model once: no stack of points at version 0 while the run starts)."""
+        last = self.curve[-1] if self.curve else None
+        if last is not None and last["versions"] == self.versions():
+            return last
+        versions, params, merged, seconds = {}, {}, 0.0, 0.0
         for p in range(len(self.model.plan)):
             found = self.readable(p, lambda v, p=p: self.store.get_global(p, v))
             if found is None:
@@ -524,6 +549,7 @@ class Monitor:
             versions[p] = found[0]
             params.update(found[1].params)
             merged += self.model.shares[p] * int(found[1].meta.get("tokens_total", 0))
+            seconds += self.model.shares[p] * float(found[1].meta.get("seconds_total", 0.0))
         trainer = self.model.trainer
         loss = trainer.evaluate(trainer.place_params(params), self.val)
         point = {
@@ -531,9 +557,19 @@ class Monitor:
             "tokens": round(merged),
             "loss": loss,
             "versions": versions,
+            "learner_seconds_merged": round(seconds, 3),  # share-weighted (goodput)
         }
         self.curve.append(point)
         return point
+
+    def goodput_so_far(self, point: dict[str, Any]) -> float | None:
+        """This launch's goodput up to ``point``: the learner seconds merged since the
+        launch over the learners' time since (each allocated from the launch on)."""
+        elapsed = time.time() - self.started
+        before = sum(self.model.shares[p] * s for p, s in self.merged_before.items())
+        useful = float(point.get("learner_seconds_merged", before)) - before
+        m = len(self.spec["learners"])
+        return max(0.0, useful) / (m * elapsed) if elapsed > 0 else None
 
     def remember_start(self, point: dict[str, Any]) -> None:
         """The run's loss before any training, kept in the launcher's status object by the
@@ -595,7 +631,7 @@ class Monitor:
             startup += now[0] - then[0]
             train += now[1] - then[1]
         tokens = self.tokens(statuses)
-        cross = sum(t["bytes"] for pair, t in traffic.items() if len(set(pair.split("->"))) > 1)
+        cross = cross_region_bytes(traffic)
         num_params = self.model.codec.num_params
         dp_bytes = dp_bytes_per_step(num_params, m) * (tokens // (m * self.cfg.tokens_per_step))
         first, last = (self.curve[0], self.curve[-1]) if self.curve else ({}, {})
@@ -639,16 +675,27 @@ def _learner_seconds(status: dict[str, Any]) -> tuple[float, float]:
     return float(status.get("startup_seconds", 0.0)), float(status.get("train_seconds", 0.0))
 
 
-def loss_plot_png(curve: list[dict[str, Any]], title: str) -> bytes:
+def loss_plot_png(
+    curve: list[dict[str, Any]], title: str, training: list[tuple[float, float]] | None = None
+) -> bytes:
+    """The validation loss of each global model evaluated, at the tokens merged into it,
+    and (``training``: (tokens, loss) pairs from the learners' history) the learners'
+    training loss per round, at the tokens all learners had processed by then."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([c["tokens"] for c in curve], [c["loss"] for c in curve], marker="o")
+    if training:
+        ax.plot([t for t, _ in training], [loss for _, loss in training], ".", ms=3,
+                alpha=0.35, color="tab:gray", label="learners' training loss (tokens processed)")  # fmt: skip
+    ax.plot([c["tokens"] for c in curve], [c["loss"] for c in curve], marker="o",
+            label="validation loss of the global model (tokens merged)")  # fmt: skip
+    if training:
+        ax.legend(fontsize=7)
     ax.set_xlabel("tokens (all learners)")
-    ax.set_ylabel("validation loss (nats/byte)")
+    ax.set_ylabel("loss (nats/byte)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     buf = io.BytesIO()
@@ -689,11 +736,21 @@ def _start_workers(
 
 
 def _watch(
-    names: list[str], futures: list[Any], monitor: Monitor, bar: Any, every: float, log: Any
+    names: list[str],
+    futures: list[Any],
+    monitor: Monitor,
+    bar: Any,
+    every: float,
+    log: Any,
+    display: Display | None = None,
+    metrics: LiveMetrics | None = None,
 ) -> dict[str, float]:
     """Evaluate and log progress every ``every`` seconds until every worker's task has
-    ended; returns when each ended (its machine was freed: the end of its allocation)."""
-    last_eval = time.monotonic()
+    ended; returns when each ended (its machine was freed: the end of its allocation).
+    Each evaluation also updates the progress artifact, the live ``metrics`` and the
+    ``display``; a live display also shows the learners' phases every few seconds."""
+    display = display or Display()
+    last_eval, last_look = time.monotonic(), time.monotonic()
     ended: dict[str, float] = {}
     started = False  # every learner has started up: progress lines from then on
     # The thread pool's own futures, waited on plainly: ``prefect.futures.wait`` with a
@@ -708,8 +765,12 @@ def _watch(
         if not running:
             return ended
         if time.monotonic() - last_eval < every:
+            if display.live and time.monotonic() - last_look >= LOOK_SECONDS:
+                last_look = time.monotonic()
+                with contextlib.suppress(OSError):  # the next look or evaluation will do
+                    show_phases(display, monitor.statuses(), monitor.versions())
             continue
-        last_eval = time.monotonic()
+        last_eval = last_look = time.monotonic()
         statuses = monitor.statuses()
         try:
             point = monitor.evaluate(statuses)
@@ -718,9 +779,12 @@ def _watch(
             continue
         pct = monitor.progress(statuses)
         update_progress_artifact(bar, pct)
+        show_phases(display, statuses, point["versions"], point, pct)
+        if metrics is not None:
+            report_metrics(metrics, monitor, point, statuses, log)
         starting = None if started else startup_line(statuses, point["versions"])
         if starting:
-            log.info("%s | validation loss %.4f", starting, point["loss"])
+            log.info("%s | validation loss %.4f", starting, point["loss"], extra=SHOWN)
             continue
         started = True
         restarting = Counter(s.get("state") for s in statuses.values() if s.get("state") in STARTUP)
@@ -731,7 +795,66 @@ def _watch(
             point["loss"],
             " ".join(f"f{p}:v{v}" for p, v in point["versions"].items()),
             "".join(f" | {n} restarting ({phase})" for phase, n in restarting.items()),
+            extra=SHOWN,
         )
+
+
+LOOK_SECONDS = 2.0  # how often a live display shows the learners' phases between evaluations
+SHOWN = {"display": True}  # log lines a live display shows instead (flows/display.py)
+
+
+def show_phases(
+    display: Display,
+    statuses: dict[str, dict[str, Any]],
+    versions: dict[int, int],
+    point: dict[str, Any] | None = None,
+    pct: float | None = None,
+) -> None:
+    """Set the display's learner, first-contribution and training phases from the
+    learners' status objects and the newest versions (and ``point``, an evaluation)."""
+    if not display.live:
+        return
+    counts = Counter(s.get("state") or "starting" for s in statuses.values())
+    order = [*STARTUP, "training", *sorted(set(counts) - {*STARTUP, "training"})]
+    detail = ", ".join(f"{counts[phase]} {phase}" for phase in order if counts.get(phase))
+    display.phase("learners", "running" if any(counts.get(p) for p in STARTUP) else "done", detail)
+    shown = " ".join(f"f{p}:v{v}" for p, v in versions.items())
+    if any(v > 0 for v in versions.values()):
+        if display.state("first") != "done":  # the first versions merged, and when
+            display.phase("first", "done", f"versions {shown}")
+    else:
+        display.phase("first", "running", "waiting for the first contribution to be merged")
+    if counts.get("training") or counts.get("done") or any(v > 0 for v in versions.values()):
+        display.phase("training", "running", "")
+    if point is not None and pct is not None:
+        display.progress(pct, f"tokens {point['tokens']:,} · validation loss "
+                              f"{point['loss']:.4f} · versions {shown}")  # fmt: skip
+
+
+def report_metrics(
+    metrics: LiveMetrics,
+    monitor: Monitor,
+    point: dict[str, Any],
+    statuses: dict[str, dict[str, Any]],
+    log: Any,
+) -> None:
+    """Add what is new to the live metrics (TensorBoard, Prefect tables); a failure is
+    logged and the run goes on."""
+    try:
+        traffic, learner_bytes, _ = monitor.traffic()
+        extra = {
+            "goodput/so_far": monitor.goodput_so_far(point),
+            "bytes/learners_up_down": learner_bytes,
+            "bytes/cross_region": cross_region_bytes(traffic),
+        }
+        metrics.tick(point, extra, statuses)
+    except Exception as exc:
+        log.warning("live metrics not updated this time: %r", exc)
+
+
+def cross_region_bytes(traffic: dict[str, dict[str, int]]) -> int:
+    """Bytes between different regions, from traffic per ``src->dst`` pair."""
+    return sum(t["bytes"] for pair, t in traffic.items() if len(set(pair.split("->"))) > 1)
 
 
 # A learner's start-up phases, in order, as its status object names them (``starting``:
@@ -815,6 +938,25 @@ def failure_report(store: RunStore, spec: dict, folder: Path) -> dict[str, Any]:
     }
 
 
+def default_run_dir(run: str) -> Path:
+    """Where a run started without ``logs`` keeps its local files (a deployment's flow run
+    starts in a temporary folder): ``$DILOCO_DIR/RUN``, by default ``~/diloco-runs/RUN``."""
+    return Path(os.environ.get("DILOCO_DIR") or "~/diloco-runs").expanduser() / run
+
+
+def launch_config(
+    config: dict | None, preset: str = "tiny", overrides: list[str] | None = None
+) -> RunConfig:
+    """The run's config: ``config`` (a whole ``RunConfig`` as a dict) or else ``preset``,
+    then ``overrides`` (``KEY=VALUE``, as ``--set``); a wrong field fails naming it."""
+    if config is None:
+        return load_config(preset, overrides=overrides or [])
+    raw = dict(config)
+    for text in overrides or []:
+        raw = deep_merge(raw, parse_override(text))
+    return validate_config(raw)
+
+
 @flow(
     name="train",
     flow_run_name="train {run}",
@@ -822,21 +964,45 @@ def failure_report(store: RunStore, spec: dict, folder: Path) -> dict[str, Any]:
     task_runner=ThreadPoolTaskRunner(max_workers=64),
 )
 def train_flow(
-    run: str, regions: dict[str, str], config: dict, logs: str, via: str = "processes"
+    run: str,
+    regions: dict[str, str],
+    config: dict | None = None,
+    logs: str | None = None,
+    via: Literal["processes", "deployments"] = "processes",
+    preset: str = "tiny",
+    overrides: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Run ``run`` to its end across ``regions`` (region -> bucket URL; the first is the
-    syncers' home). ``config`` is a ``RunConfig`` as a dict; ``logs`` a local folder for
-    the worker processes' output. ``via="deployments"`` starts the learners and syncers
-    as flow runs of the ``learner/REGION`` and ``syncer/REGION`` deployments (picked up
-    by each region's work pool) instead of local processes."""
+    """Run ``run`` to its end across ``regions``; the same name resumes it.
+
+    Its flow run is tagged ``run:RUN``, ``launcher`` and ``via:VIA``, and every learner
+    and syncer flow run it starts is linked under it as a subflow, in both modes.
+
+    Args:
+        run: the run's name (letters, digits, dashes)
+        regions: region -> bucket URL (s3://, gs://, file://); the first is the syncers' home
+        config: a whole RunConfig as a dict (what `diloco train` passes); if not given,
+            the preset with the overrides
+        logs: a folder for the worker processes' output (default
+            $DILOCO_DIR/RUN/logs, DILOCO_DIR defaulting to ~/diloco-runs)
+        via: "processes" starts the learners and syncers as processes beside this flow
+            run; "deployments" as flow runs of the learner/REGION and syncer/REGION
+            deployments, picked up by each region's work pool
+        preset: tiny, small, base or large
+        overrides: config fields as KEY=VALUE, as `diloco train --set` takes them, e.g.
+            budget.tokens=1000000 or topology.quorum=3
+    """
     log = get_run_logger()
-    cfg = validate_config(config)
+    tag_flow_run([f"run:{run}", "launcher", f"via:{via}"])
+    cfg = launch_config(config, preset, overrides)
+    logs = logs or str(default_run_dir(run) / "logs")
     STOPPING.clear()
     folder = Path(logs).parent
     folder.mkdir(parents=True, exist_ok=True)
     worker_faults(run, cfg, folder, log)  # both checked before anything is committed
     chaos_plan = ChaosPlan(**cfg.pipeline.chaos)
     store = RunStore(run, regions, home_region(regions), writer="launcher")
+    display = current_display()
+    display.phase("spec", "running", "writing the run spec and version 0, evaluating it")
     spec = initialize_run(store, cfg)
     Path(logs).mkdir(parents=True, exist_ok=True)
     authenticate(run, folder, via, log)
@@ -855,6 +1021,11 @@ def train_flow(
         first["loss"],
         first["versions"],
     )
+    display.phase("spec", "done", f"{cfg.topology.learners} learners in {', '.join(regions)}; "
+                  f"validation loss {first['loss']:.4f}")  # fmt: skip
+    metrics = LiveMetrics(store, spec, folder, log=log)  # runs/NAME/tensorboard
+    log.info("live metrics: tensorboard --logdir %s", metrics.dir)
+    report_metrics(metrics, monitor, first, monitor.statuses(), log)
     bar = create_progress_artifact(
         monitor.progress(monitor.statuses()),
         key=artifact_key(run, "progress"),
@@ -867,9 +1038,19 @@ def train_flow(
         warm = {"run": run, "bucket": regions[home], "region": home}
         _SPARES = Spares(cfg.pipeline.spares, Path(logs) / "spares.log", child_env(), warm)
     names, futures = _start_workers(run, regions, cfg, spec, logs, via)
+    show_phases(display, monitor.statuses(), first["versions"])
     chaos = start_chaos(chaos_plan, folder, via, log)
     try:
-        ended = _watch(names, futures, monitor, bar, cfg.pipeline.eval_seconds, log)
+        ended = _watch(names, futures, monitor, bar, cfg.pipeline.eval_seconds, log, display,
+                       metrics)  # fmt: skip
+    except BaseException:
+        # Cancelled from the UI (the worker's SIGTERM) or interrupted: the workers stop with
+        # this flow run (each checkpoints) rather than run on unsupervised.
+        if not STOPPING.is_set():
+            _interrupt_children()
+        if via == "deployments":
+            cancel_flow_runs()
+        raise
     finally:
         if chaos is not None:
             chaos.stop()
@@ -883,6 +1064,8 @@ def train_flow(
         except Exception as exc:
             log.error("%s failed for good: %s", name, exc)
             failed.append(name)
+    display.phase("training", "failed" if failed else "done")
+    display.phase("finishing", "running", "final evaluation, summary, loss curve")
     now = time.time()
     wall = now - started
     # Allocated learner time: each learner from the launch until its worker ended.
@@ -891,18 +1074,23 @@ def train_flow(
         monitor.evaluate(monitor.statuses())
     except Exception as exc:  # the summary still reports the curve so far
         log.error("final evaluation failed: %r", exc)
-    update_progress_artifact(bar, monitor.progress(monitor.statuses()))
+    statuses = monitor.statuses()
+    update_progress_artifact(bar, monitor.progress(statuses))
+    if monitor.curve:
+        report_metrics(metrics, monitor, monitor.curve[-1], statuses, log)
+    metrics.close()
     summary = monitor.summary(wall, allocated)
     summary["failed"] = failed
     if cfg.pipeline.faults or chaos_plan.active:
         summary["chaos"] = failure_report(store, spec, folder)
-    png = loss_plot_png(monitor.curve, f"run {run}")
+    png = loss_plot_png(monitor.curve, f"run {run}", metrics.training_curve())
     store.home.put(f"{run}/metrics/loss.png", png)
     create_markdown_artifact(
         summary_markdown(summary, png),
         key=artifact_key(run, "summary"),
         description=f"run {run}: summary and loss curve",
     )
+    display.phase("finishing", "done", f"summary: Prefect artifact {artifact_key(run, 'summary')}")
     if failed:
         log.error("gave up on %s (each failed %d starts in a row without progress)",
                   failed, cfg.pipeline.max_failed_starts)  # fmt: skip

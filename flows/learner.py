@@ -356,6 +356,15 @@ class LearnerRuntime:
             "seconds": round(seconds, 3),
         }  # fmt: skip
         del self.records[:first]  # rows keep what the UI shows; memory stays flat
+        try:  # the history (storage_layout.history) is news, not state: never fatal
+            entry = {**row, "time": time.time(), "generation": self.generation,
+                     "region": self.region}  # fmt: skip
+            history = self.store.writer_for(self.id, checkpoints=True)  # not sync traffic
+            if not history.put_round(self.id, number, entry):
+                self.log.info("round %d is in the history already (an earlier process ran it "
+                              "before this one resumed); the first row stays", number)  # fmt: skip
+        except Exception as exc:
+            self.log.warning("cannot add round %d to the history: %r", number, exc)
         self.write_status("training", row)
         return row
 

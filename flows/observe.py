@@ -45,6 +45,76 @@ def tag_flow_run(tags: list[str]) -> None:
         run_logger("diloco").warning("could not tag the flow run: %s", exc)
 
 
+# A process the launcher starts learns from these which task run started it, so that its
+# flow runs show up as subflows of the launcher's flow run (``flows.worker``).
+PARENT_FLOW_RUN_ENV = "DILOCO_PARENT_FLOW_RUN"
+PARENT_TASK_RUN_ENV = "DILOCO_PARENT_TASK_RUN"
+
+
+def parent_env() -> dict[str, str]:
+    """The current task run and its flow run as environment variables for a process it
+    starts (empty outside a task run): the process links its own flow runs under it."""
+    from prefect.context import TaskRunContext
+
+    ctx = TaskRunContext.get()
+    if ctx is None:
+        return {}
+    return {PARENT_FLOW_RUN_ENV: str(ctx.task_run.flow_run_id),
+            PARENT_TASK_RUN_ENV: str(ctx.task_run.id)}  # fmt: skip
+
+
+def linked_flow_run(flow: Any, parameters: dict[str, Any], env: Any) -> Any:
+    """A new flow run of ``flow``, a subflow of the task run that ``env`` names
+    (``parent_env``), or None when it names none.
+
+    Prefect links a flow run to its parent through a task run in the parent's flow run
+    that stands for it (``parent_task_run_id``), as ``run_deployment`` and in-process
+    subflows do; that task run is created here, with the launcher's task run as its
+    upstream, and the server keeps its state in step with the flow run's."""
+    from uuid import UUID, uuid4
+
+    from prefect import Task
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import TaskRunResult
+    from prefect.states import Pending
+
+    parent_flow_run, parent_task_run = env.get(PARENT_FLOW_RUN_ENV), env.get(PARENT_TASK_RUN_ENV)
+    if not (parent_flow_run and parent_task_run):
+        return None
+    stand_in = Task(name=flow.name, fn=lambda: None)
+    stand_in.task_key = f"{__name__}.linked_flow_run.{flow.name}"
+    with get_client(sync_client=True) as client:
+        task_run = client.create_task_run(
+            task=stand_in,
+            flow_run_id=UUID(parent_flow_run),
+            dynamic_key=uuid4().hex,
+            task_inputs={"__parents__": [TaskRunResult(id=UUID(parent_task_run))]},
+            state=Pending(),
+        )
+        return client.create_flow_run(
+            flow=flow,
+            parameters=flow.serialize_parameters(parameters),
+            state=Pending(),
+            parent_task_run_id=task_run.id,
+        )
+
+
+def run_linked(flow: Any, parameters: dict[str, Any], env: Any) -> Any:
+    """Call ``flow`` with ``parameters`` as a subflow of the task run ``env`` names (see
+    ``linked_flow_run``), or as a flow run of its own when it names none or the link
+    cannot be made (links are for people: training never waits on them)."""
+    from prefect.flow_engine import run_flow
+
+    try:
+        flow_run = linked_flow_run(flow, parameters, env)
+    except Exception as exc:
+        run_logger("diloco").warning("could not link the flow run to its launcher: %s", exc)
+        flow_run = None
+    if flow_run is None:
+        return flow(**parameters)
+    return run_flow(flow, flow_run=flow_run, parameters=parameters)
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "kB", "MB", "GB", "TB"):
         if abs(n) < 1000:

@@ -21,6 +21,7 @@ from rich.table import Table
 
 from diloco.config import ConfigError, RunConfig
 from diloco.topology import home_region
+from flows.display import open_display
 from flows.observe import train_summary_rows
 
 console = Console(stderr=True, soft_wrap=True)
@@ -127,25 +128,33 @@ def train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: st
     )
     external = os.environ.get("PREFECT_API_URL")
     started = time.perf_counter()
-    with _prefect_api(prefect_home, via) as api_url:
-        os.environ["PREFECT_API_URL"] = api_url
-        console.print(f"Prefect API {api_url}" + ("" if external else f" (home {prefect_home})"))
-        from flows import launcher
+    # On a terminal, a live display of the run's phases (flows/display.py); else log lines.
+    with open_display(console, f"diloco train {run}") as display:
+        display.phase("server", "running", external or f"starting one (home {prefect_home})")
+        with _prefect_api(prefect_home, via) as api_url:
+            os.environ["PREFECT_API_URL"] = api_url
+            display.phase("server", "done", api_url)
+            console.print(
+                f"Prefect API {api_url}" + ("" if external else f" (home {prefect_home})")
+            )
+            from flows import launcher
 
-        signal.signal(signal.SIGINT, launcher.on_interrupt)
-        signal.signal(signal.SIGTERM, launcher.on_interrupt)
-        try:
-            summary = launcher.train_flow(run, regions, cfg.model_dump(mode="json"),
-                                          str(root / "logs"), via=via)  # fmt: skip
-        except KeyboardInterrupt:
-            console.print("[yellow]interrupted[/]: stopping learners and syncers (they checkpoint)")
-            launcher.stop_children()
-            if via == "deployments":
-                launcher.cancel_flow_runs()
-            console.print(f"resume with the same command (run {run!r})")
-            return 130
-        finally:
-            launcher.flush_prefect()
+            display.adopt_prefect_logging()
+            signal.signal(signal.SIGINT, launcher.on_interrupt)
+            signal.signal(signal.SIGTERM, launcher.on_interrupt)
+            try:
+                summary = launcher.train_flow(run, regions, cfg.model_dump(mode="json"),
+                                              str(root / "logs"), via=via)  # fmt: skip
+            except KeyboardInterrupt:
+                console.print("[yellow]interrupted[/]: stopping learners and syncers (they "
+                              "checkpoint)")  # fmt: skip
+                launcher.stop_children()
+                if via == "deployments":
+                    launcher.cancel_flow_runs()
+                console.print(f"resume with the same command (run {run!r})")
+                return 130
+            finally:
+                launcher.flush_prefect()
     wall = time.perf_counter() - started
     root.mkdir(parents=True, exist_ok=True)
     (root / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
@@ -153,6 +162,7 @@ def train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: st
     console.print(
         f"summary: {root / 'summary.json'}  worker logs: {root / 'logs'}\n"
         f"inspect the buckets:  {_inspect_hint(regions[home_region(regions)], run)}\n"
+        f"the curves in TensorBoard:  {_bin('tensorboard')} --logdir {root / 'tensorboard'}\n"
         + (f"browse the run in the Prefect UI:  PREFECT_HOME={prefect_home} {_bin('prefect')} server start"
            if not external else f"Prefect UI: {external.removesuffix('/api')}")
     )  # fmt: skip

@@ -10,6 +10,10 @@
 Every flow run resumes from the buckets (checkpoint or newest versions), so this process
 can be killed at any point and started again. Exit status: 0 when the role is done,
 130 when interrupted (after a checkpoint), 1 on an error (the launcher restarts it).
+
+Started by the launcher, each flow run is a subflow of the launcher's task run that
+started this process (``flows.observe.run_linked``): the launcher's flow run lists every
+learner and syncer flow run of the run.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     pipeline = json.loads(args.pipeline)
 
+    from flows.observe import run_linked
     from storage_layout.bucket import BucketError  # slow imports: after argument errors
 
     def interrupted(signum: int, frame: object) -> None:
@@ -53,18 +58,16 @@ def main(argv: list[str] | None = None) -> int:
             if args.role == "learner":
                 from flows.learner import learner_flow
 
-                result = learner_flow(args.run, args.bucket, args.region, args.index, pipeline)
+                params = {"run": args.run, "bucket": args.bucket, "region": args.region,
+                          "index": args.index, "pipeline": pipeline}  # fmt: skip
+                result = run_linked(learner_flow, params, os.environ)
             else:
                 from flows.syncer import syncer_flow
 
-                result = syncer_flow(
-                    args.run,
-                    json.loads(args.regions),
-                    args.home,
-                    args.shard,
-                    args.shards,
-                    pipeline,
-                )
+                params = {"run": args.run, "regions": json.loads(args.regions),
+                          "home": args.home, "shard": args.shard, "shards": args.shards,
+                          "pipeline": pipeline}  # fmt: skip
+                result = run_linked(syncer_flow, params, os.environ)
             if result["done"]:
                 return 0
     except KeyboardInterrupt:

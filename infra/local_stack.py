@@ -11,7 +11,7 @@
 - a Prefect server (SQLite under ``.stack/prefect``) on port 4200 (or a free one);
 - region ``us-east``: a bucket on a local S3 server (moto);
 - region ``eu-west``: a bucket on a local GCS server (fake-gcs-server);
-- a process work pool and a worker per region, each worker with that region's
+- a process work pool and a worker per region, each worker with the buckets'
   endpoints and credentials in its environment;
 
 then runs ``prefect deploy --all`` (``prefect.yaml``). ``.stack/env`` holds the
@@ -96,14 +96,12 @@ def up() -> dict:
                          "127.0.0.1", "-port", str(gcs_port), "-external-url", gcs_url], env)  # fmt: skip
     stack_env = {
         "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
-        "DILOCO_HOME": str(REPO),
+        # the default bucket parameters of prefect.yaml's deployments
         "DILOCO_BUCKET_US_EAST": REGIONS["us-east"],
         "DILOCO_BUCKET_EU_WEST": REGIONS["eu-west"],
-        "DILOCO_US_EAST_ENDPOINT": f"http://127.0.0.1:{s3_port}",
-        "DILOCO_US_EAST_KEY_ID": "local",
-        "DILOCO_US_EAST_SECRET": "local",
-        "DILOCO_EU_WEST_ENDPOINT": gcs_url,
-        # what this shell's clients (diloco train / inspect) need to reach both buckets
+        # what the workers' flow runs and this shell's clients (diloco train / inspect)
+        # need to reach both buckets: credentials live in the environment, not in
+        # prefect.yaml's job variables
         "AWS_ENDPOINT_URL": f"http://127.0.0.1:{s3_port}",
         "AWS_ACCESS_KEY_ID": "local",
         "AWS_SECRET_ACCESS_KEY": "local",

@@ -5,6 +5,7 @@
     {root}/{run}/learners/{learner}/contributions/f{P}/data/s{SEQ}-{WRITE_ID}/  Zarr group
     {root}/{run}/learners/{learner}/checkpoints/commits/s{STEP}.json
     {root}/{run}/learners/{learner}/checkpoints/data/s{STEP}-{WRITE_ID}/
+    {root}/{run}/learners/{learner}/history/s{ROUND}.json     one round's row, written once
     {root}/{run}/globals/f{P}/commits/v{VERSION}.json
     {root}/{run}/globals/f{P}/data/v{VERSION}-{WRITE_ID}/
     {root}/{run}/globals/f{P}/latest.json             advisory pointer to the newest version
@@ -114,3 +115,11 @@ class RunLayout:
 
     def checkpoint_data(self, learner: str, step: int, write_id: str) -> str:
         return f"{self.run}/learners/{check_name('learner', learner)}/checkpoints/data/s{number(step)}-{write_id}"
+
+    # learners' round history -------------------------------------------------------
+    def history(self, learner: str) -> str:
+        """A learner's per-round rows (``s{ROUND}.json``, each written once)."""
+        return f"{self.run}/learners/{check_name('learner', learner)}/history"
+
+    def history_entry(self, learner: str, round_number: int) -> str:
+        return f"{self.history(learner)}/s{number(round_number)}.json"

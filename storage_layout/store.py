@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -596,6 +597,76 @@ class RunStore:
         except CorruptVersion as exc:
             log.warning("metrics object of %s ignored: %s", name, exc)
             return None
+
+    # learners' round history ------------------------------------------------------------
+    def put_round(self, learner: str, round_number: int, row: Mapping[str, Any]) -> bool:
+        """Add round ``round_number`` of ``learner`` (its table row: loss, tokens, tokens/s,
+        staleness, merge weight, bytes...) to its history in this store's region, the
+        learner's own: an exclusive create, never overwritten. True if the stored row is
+        this one (also when an earlier attempt landed and only its answer was lost);
+        False if the round was already recorded by another write (an earlier process of
+        the learner ran it before a restart set the learner back: the first row stays)."""
+        key = self.layout.history_entry(learner, round_number)
+        fields = {**row, "format": HISTORY_FORMAT, "learner": learner, "round": round_number,
+                  "writer": self.writer}  # fmt: skip
+        fields.pop("sha256", None)
+        digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+        body = json.dumps({**fields, "sha256": digest}, sort_keys=True).encode()
+        try:
+            patiently(lambda: self.home.put_exclusive(key, body), key)
+            return True
+        except FileExistsError:
+            return patiently(lambda: self.home.get(key), key) == body
+
+    def history_rounds(self, learner: str, region: str | None = None) -> list[int]:
+        """The round numbers in ``learner``'s history, in order."""
+        region = region or self.client_region
+        return self._numbers(self.bucket(region), self.layout.history(learner), "s")
+
+    def get_rounds(
+        self, learner: str, rounds: Sequence[int], region: str | None = None
+    ) -> tuple[list[dict[str, Any]], list[str]]:
+        """Rows ``rounds`` of ``learner``'s history (concurrently where the bucket can) and
+        the problems met: a row that is missing, does not parse, or describes another
+        round is skipped and named (``key: why``), never raised."""
+        bucket = self.bucket(region or self.client_region)
+        keys = [self.layout.history_entry(learner, r) for r in rounds]
+        try:
+            raw: dict[str, Any] = bucket.get_many(keys) if keys else {}
+        except OSError:  # a part failed, or vanished: each on its own, patiently
+            raw = {}
+        rows, problems = [], []
+        for r, key in zip(rounds, keys, strict=True):
+            try:
+                rows.append(_history_row(raw.get(key), key, learner, r))
+            except CorruptVersion:  # a damaged read, or missing from a failed batch
+                try:
+                    data = patiently(lambda k=key: bucket.get(k), key)
+                    rows.append(_history_row(data, key, learner, r))
+                except (OSError, CorruptVersion) as exc:
+                    problems.append(f"{key}: {exc}")
+        return rows, problems
+
+
+HISTORY_FORMAT = "diloco-round"  # a learner's round row (``put_round``)
+
+
+def _history_row(data: bytes | None, key: str, learner: str, round_number: int) -> dict:
+    """A history object's row, checked: JSON, of the format, of this learner and round."""
+    if data is None:
+        raise CorruptVersion(f"{key} was not read")
+    try:
+        row = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CorruptVersion(f"not JSON: {exc}") from exc
+    if not isinstance(row, dict) or row.get("format") != HISTORY_FORMAT:
+        raise CorruptVersion("not a round row")
+    digest = row.pop("sha256", None)
+    if hashlib.sha256(json.dumps(row, sort_keys=True).encode()).hexdigest() != digest:
+        raise CorruptVersion("damaged: its sha256 does not match")
+    if (row.get("learner"), row.get("round")) != (learner, round_number):
+        raise CorruptVersion(f"describes another round ({row.get('learner')}, {row.get('round')})")
+    return row
 
 
 def _read_json(bucket: Bucket, key: str) -> Any:

@@ -5,6 +5,7 @@
 - Real object-storage servers on loopback, started once per session on first use:
   moto's S3 server and fake-gcs-server. ``bucket_url`` gives each test a fresh, empty
   bucket on the backend it is parametrized with.
+- ``prefect_api``: one Prefect server per session (Prefect's test harness).
 """
 
 import os
@@ -54,6 +55,20 @@ def new_bucket(backend: str, request, tmp_path) -> str:
     request.getfixturevalue("gcs_server")
     fsspec.filesystem("gs").mkdir(name)
     return f"gs://{name}"
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """One Prefect server for the session (the harness runs it as a subprocess, so the
+    learner and syncer processes, and Prefect workers, reach it too)."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        url = PREFECT_API_URL.value()
+        os.environ["PREFECT_API_URL"] = url
+        yield url
+        os.environ.pop("PREFECT_API_URL", None)
 
 
 @pytest.fixture(params=BACKENDS)

@@ -64,20 +64,6 @@ def tiny(tokens: int, **top):
     return load_config("tiny", overrides=overrides, **top)
 
 
-@pytest.fixture(scope="session")
-def prefect_api():
-    """One Prefect server for the session (the harness runs it as a subprocess, so the
-    learner and syncer processes reach it too)."""
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        url = PREFECT_API_URL.value()
-        os.environ["PREFECT_API_URL"] = url
-        yield url
-        os.environ.pop("PREFECT_API_URL", None)
-
-
 def _new(fs_name: str) -> str:
     name = f"e2e-{uuid.uuid4().hex[:10]}"
     fsspec.filesystem(fs_name).mkdir(name)
@@ -140,7 +126,9 @@ def test_two_region_run_on_s3_and_gcs(prefect_api, s3_server, gcs_server, tmp_pa
             assert found and found[0].state.is_completed(), name
     # The client's artifact query sends None for fields this server requires: ask the REST
     # API directly.
-    kinds = ("learner-0-rounds", "syncer-1-versions", "summary", "progress")
+    # learners, versions, curve: the live tables, updated during the run
+    kinds = ("learner-0-rounds", "syncer-1-versions", "summary", "progress", "learners")
+    kinds += ("versions", "curve")
     expected = {f"{run}-{k}" for k in kinds}
     body = {"artifacts": {"key": {"any_": sorted(expected)}}, "limit": 50, "offset": 0}
     body["sort"] = "KEY_ASC"
@@ -309,6 +297,33 @@ def test_killed_learner_is_retried_and_rejoins_from_its_checkpoint(faulty_run):
     # Killed (not failed on its own): restarted at once, no crash loop counted.
     assert "learner eu-west/1 was killed (learner eu-west/1 was killed by signal 9" in train_log
     assert "learner eu-west/1 crashed" not in train_log
+
+
+@pytest.mark.slow
+def test_the_killed_learners_history_and_its_curves_hold_every_round_once(faulty_run):
+    """The history learner 1 kept in its bucket has every round from the first to the
+    last, each once, across its kill (a newer generation after it); the launcher's
+    TensorBoard folder has each of those rounds once, and the run's validation curve."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from storage_layout.history import learner_rounds
+
+    run, regions, root, _, _ = faulty_run
+    store = RunStore(run, regions, "us-east")
+    history = learner_rounds(store)
+    assert history.damaged == []
+    for lid, rows in history.rounds.items():
+        assert [r["round"] for r in rows] == list(range(1, len(rows) + 1)), lid
+        assert rows[-1]["step"] == config_from_spec(store.read_spec()).steps_per_learner
+    killed = history.rounds["learner-1"]
+    assert len({r["generation"] for r in killed}) >= 2  # the kill is in the middle
+    curves = EventAccumulator(str(root / run / "tensorboard" / "learner-1"))
+    curves.Reload()
+    assert [e.step for e in curves.Scalars("loss/train")] == [r["step"] for r in killed]
+    validation = EventAccumulator(str(root / run / "tensorboard" / "global"))
+    validation.Reload()
+    steps = [e.step for e in validation.Scalars("loss/validation")]
+    assert steps == sorted(set(steps)) and len(steps) >= 3, steps
 
 
 @pytest.mark.slow

@@ -1,0 +1,275 @@
+"""Prefect-native launch: prefect.yaml's deployments, its pull steps, and a run started
+from the `train` deployment on real process workers (the session's Prefect server).
+
+- `prefect deploy --all` makes a `train` deployment whose parameters match the launcher's
+  signature, and `prefect deployment run 'train/us-east' --param ...` starts a run;
+  job variables hold no credentials;
+- the pull steps: credentials from a Secret block into the flow run's environment; a
+  git clone of the project imported from the clone;
+- a run started from the `train` deployment, in both launch modes: the launcher's flow
+  run is tagged with the run, and every learner and syncer flow run it started is its
+  subflow. The S3 bucket's credentials reach the flow runs only through a Secret block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import fsspec
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+POOLS = ("us-east", "eu-west")
+SECRET_BLOCK = "diloco-test-s3"
+S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")
+
+
+def _prefect(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "prefect", *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def _client():
+    from prefect.client.orchestration import get_client
+
+    return get_client(sync_client=True)
+
+
+@pytest.fixture(scope="module")
+def deployed(prefect_api, tmp_path_factory):
+    """prefect.yaml deployed as `python -m infra.local_stack up` does: a process work pool
+    per region, then `prefect deploy --all`. Returns the environment it used."""
+    home = tmp_path_factory.mktemp("deployed")
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "DILOCO_DIR": str(home),
+           "DILOCO_BUCKET_US_EAST": f"file://{home}/us", "DILOCO_BUCKET_EU_WEST": f"file://{home}/eu"}  # fmt: skip
+    for pool in POOLS:
+        _prefect("work-pool", "create", pool, "--type", "process", "--overwrite", env=env)
+    out = _prefect("--no-prompt", "deploy", "--all", env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return env
+
+
+def test_prefect_yaml_deploys_a_train_deployment_that_starts_a_run(deployed):
+    """Every deployment names a flow by module path (no checkout path assumed), with
+    parameters its flow takes; `train/us-east` starts a run from the command line, with a
+    wrong launch mode refused before anything runs; no job variable holds a credential."""
+    from prefect.flows import load_flow_from_entrypoint
+
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    with _client() as client:
+        found = {
+            f"{client.read_flow(d.flow_id).name}/{d.name}": d for d in client.read_deployments()
+        }
+    expected = {f"{role}/{pool}" for role in ("learner", "syncer") for pool in POOLS}
+    assert expected | {"train/us-east"} <= set(found)
+    for entry in spec["deployments"]:
+        flow = load_flow_from_entrypoint(entry["entrypoint"])
+        assert ":" not in entry["entrypoint"], entry  # a module path, imported as installed
+        deployment = found[f"{flow.name}/{entry['name']}"]
+        assert deployment.entrypoint == entry["entrypoint"]
+        signature = inspect.signature(flow.fn).parameters
+        assert set(deployment.parameters) <= set(signature), (entry, deployment.parameters)
+        assert deployment.pull_steps == spec["pull"]
+        variables = json.dumps(deployment.job_variables or {})
+        assert not any(word in variables for word in ("AWS_", "GOOGLE_", "SECRET", "KEY")), (
+            variables
+        )
+    train = found["train/us-east"]
+    required = [n for n, p in inspect.signature(load_flow_from_entrypoint(train.entrypoint).fn)
+                .parameters.items() if p.default is inspect.Parameter.empty]  # fmt: skip
+    assert set(required) <= set(train.parameters), required  # runnable from the UI as is
+    assert train.parameter_openapi_schema["properties"]["via"]["enum"] == [
+        "processes",
+        "deployments",
+    ]
+    assert "launcher" in train.tags
+
+    run = f"cli-{uuid.uuid4().hex[:6]}"
+    out = _prefect("deployment", "run", "train/us-east", "--param", f"run={run}",
+                   "--param", "via=processes", "--param", 'overrides=["budget.tokens=1000"]',
+                   env=deployed)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    flow_run_id = out.stdout.split("UUID: ")[1].split()[0]
+    with _client() as client:
+        flow_run = client.read_flow_run(uuid.UUID(flow_run_id))
+        assert flow_run.deployment_id == train.id
+        assert flow_run.parameters["run"] == run and flow_run.parameters["via"] == "processes"
+        assert flow_run.parameters["overrides"] == ["budget.tokens=1000"]
+        assert flow_run.parameters["regions"] == train.parameters["regions"]
+        client.delete_flow_run(flow_run.id)  # no worker in this test: never started
+    out = _prefect("deployment", "run", "train/us-east", "--param", "via=boats", env=deployed)
+    assert out.returncode != 0 and "'boats' is not one of" in out.stdout + out.stderr
+
+
+def test_credentials_come_from_a_secret_block(deployed, monkeypatch, tmp_path):
+    """The deployments' pull step puts the variables of the Secret block that
+    DILOCO_CREDENTIALS_BLOCK names into the flow run's environment (a service account key
+    into a private file); its output names them, never their values. None named: nothing."""
+    from prefect.blocks.system import Secret
+    from prefect.deployments.steps.core import StepExecutionError, run_steps
+
+    with _client() as client:
+        steps = client.read_deployment_by_name("learner/us-east").pull_steps
+    monkeypatch.delenv("DILOCO_CREDENTIALS_BLOCK", raising=False)
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY", raising=False)
+    assert asyncio.run(run_steps(steps)) == {"credentials": ""}
+    assert "AWS_SECRET_ACCESS_KEY" not in os.environ
+    key = {"type": "service_account", "private_key": "-----BEGIN PRIVATE KEY-----"}
+    Secret(value={"AWS_SECRET_ACCESS_KEY": "s3cr3t-value", "GOOGLE_APPLICATION_CREDENTIALS": key}
+           ).save("diloco-test-creds", overwrite=True)  # fmt: skip
+    monkeypatch.setenv("DILOCO_CREDENTIALS_BLOCK", "diloco-test-creds")
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", "/nowhere")  # the block wins
+    output = asyncio.run(run_steps(steps))
+    try:
+        assert output == {"credentials": "AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS"}
+        assert os.environ["AWS_SECRET_ACCESS_KEY"] == "s3cr3t-value"
+        path = Path(os.environ["GOOGLE_APPLICATION_CREDENTIALS"])
+        assert json.loads(path.read_text()) == key
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    finally:
+        if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS", "/nowhere") != "/nowhere":
+            Path(os.environ["GOOGLE_APPLICATION_CREDENTIALS"]).unlink(missing_ok=True)
+    Secret(value="not an object").save("diloco-test-bad", overwrite=True)
+    monkeypatch.setenv("DILOCO_CREDENTIALS_BLOCK", "diloco-test-bad")
+    with pytest.raises(StepExecutionError) as err:
+        asyncio.run(run_steps(steps))
+    assert "'diloco-test-bad' must hold a JSON object" in str(err.value.__cause__)
+
+
+def test_the_git_pull_steps_import_the_project_from_its_clone(tmp_path):
+    """`pull: *git` (prefect.yaml): a flow run clones DILOCO_GIT_URL at DILOCO_GIT_REF,
+    checks the locked dependencies and imports the project from the clone for the rest of
+    its life, its child processes included, whatever else is installed."""
+    source = tmp_path / "source"
+    for part in ("flows", "diloco", "storage_layout", "infra"):
+        shutil.copytree(REPO / part, source / part, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "requirements.lock", "prefect.yaml"):
+        shutil.copy(REPO / name, source / name)
+    (source / "flows" / "marker.py").write_text("WHERE = 'the clone'\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "init.defaultBranch=main"]
+    subprocess.run([*git, "init", "-q", str(source)], check=True)
+    subprocess.run([*git, "-C", str(source), "add", "-A"], check=True)
+    subprocess.run([*git, "-C", str(source), "commit", "-qm", "x"], check=True)
+    subprocess.run([*git, "-C", str(source), "branch", "-q", "release"], check=True)
+    script = (
+        "import asyncio, os, subprocess, sys, yaml\n"
+        "from prefect.deployments.steps.core import run_steps\n"
+        "steps = yaml.safe_load(open(sys.argv[1]))['definitions']['pull']['git']\n"
+        "out = asyncio.run(run_steps(steps))\n"
+        "import flows.marker, flows.deploy\n"
+        "child = subprocess.run([sys.executable, '-c', 'import flows.marker as m; print(m.__file__)'],\n"
+        "                       capture_output=True, text=True, cwd='/')\n"
+        "print(out['directory'], os.getcwd(), flows.deploy.__file__, child.stdout.strip(),\n"
+        "      sep='\\n')\n"
+    )
+    work = tmp_path / "flow-run"  # a process worker's flow run starts in an empty folder
+    work.mkdir()
+    env = {**os.environ, "DILOCO_GIT_URL": f"file://{source}", "DILOCO_GIT_REF": "release"}
+    env.pop("DILOCO_CREDENTIALS_BLOCK", None)
+    out = subprocess.run([sys.executable, "-c", script, str(REPO / "prefect.yaml")], cwd=work,
+                         env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    directory, cwd, deploy_file, child = out.stdout.strip().splitlines()[-4:]
+    clone = work / "source-release"
+    assert Path(directory) == clone.resolve() and Path(cwd) == clone.resolve()
+    assert Path(deploy_file).is_relative_to(clone.resolve()), deploy_file
+    assert Path(child).is_relative_to(clone.resolve()), child
+
+
+@pytest.fixture(scope="module")
+def workers(deployed, s3_server, tmp_path_factory):
+    """A process worker per region's pool. They hold no S3 credentials: the flow runs take
+    them from a Secret block, named in the workers' environment."""
+    from prefect.blocks.system import Secret
+
+    logs = tmp_path_factory.mktemp("workers")
+    Secret(value={k: os.environ[k] for k in S3_ENV}).save(SECRET_BLOCK, overwrite=True)
+    env = {k: v for k, v in deployed.items() if k not in S3_ENV}
+    env.update(DILOCO_CREDENTIALS_BLOCK=SECRET_BLOCK, PREFECT_WORKER_QUERY_SECONDS="1",
+               PREFECT_HOME=str(logs / "prefect-home"))  # fmt: skip
+    procs = {}
+    for pool in POOLS:
+        with open(logs / f"{pool}.log", "wb") as out:
+            procs[pool] = subprocess.Popen(
+                [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool,
+                 "--type", "process"], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=logs,
+            )  # fmt: skip
+    yield logs
+    for proc in procs.values():
+        proc.send_signal(signal.SIGINT)
+    for proc in procs.values():
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+TINY = ["topology.learners=2", "budget.tokens=40960", "pipeline.syncer_shards=1",
+        "pipeline.round_steps=20", "pipeline.rounds_per_flow_run=1", "pipeline.checkpoint_every=20",
+        "pipeline.versions_per_flow_run=4", "pipeline.poll_seconds=0.1",
+        "pipeline.eval_seconds=5", "pipeline.spares=0"]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("via", ["processes", "deployments"])
+def test_a_run_from_the_train_deployment_is_tagged_and_links_its_flow_runs(workers, via, tmp_path):
+    """`train/us-east` run on a worker, in both launch modes, over an S3 region (whose
+    credentials only a Secret block holds) and a file:// one: the launcher's flow run is
+    tagged run:NAME, launcher and via:MODE, and every learner and syncer flow run of the
+    run is a subflow of it, under the task run that started it."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+    from prefect.deployments import run_deployment
+
+    bucket = f"deploy-{uuid.uuid4().hex[:8]}"
+    fsspec.filesystem("s3").mkdir(bucket)
+    (tmp_path / "eu").mkdir()
+    regions = {"us-east": f"s3://{bucket}", "eu-west": f"file://{tmp_path / 'eu'}"}
+    run = f"dep-{via[:4]}-{uuid.uuid4().hex[:6]}"
+    params = {"run": run, "regions": regions, "via": via, "logs": str(tmp_path / "logs"),
+              "overrides": TINY}  # fmt: skip
+    launcher = run_deployment("train/us-east", parameters=params, timeout=0)
+    deadline = time.monotonic() + 600
+    with _client() as client:
+        while time.monotonic() < deadline:
+            launcher = client.read_flow_run(launcher.id)
+            if launcher.state.is_final():
+                break
+            time.sleep(2)
+        logs = "".join(p.read_text(errors="replace") for p in workers.glob("*.log"))
+        assert launcher.state.is_completed(), f"{launcher.state}\n{logs[-6000:]}"
+        assert {f"run:{run}", "launcher", f"via:{via}"} <= set(launcher.tags), launcher.tags
+        flow_runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"run:{run}"])), limit=200
+        )
+        children = [f for f in flow_runs if f.id != launcher.id]
+        names = {f.name for f in children}
+        assert {"learner us-east/0", "learner eu-west/1", "syncer us-east/0"} <= names, names
+        starters = "start" if via == "processes" else "run"
+        for child in children:
+            assert child.state.is_completed(), (child.name, child.state)
+            assert child.parent_task_run_id is not None, child.name
+            stand_in = client.read_task_run(child.parent_task_run_id)
+            assert stand_in.flow_run_id == launcher.id, child.name  # a subflow of the launcher
+            assert stand_in.state.is_completed(), (child.name, stand_in.state)
+            (parent,) = stand_in.task_inputs["__parents__"]
+            starter = client.read_task_run(parent.id)
+            assert starter.name == f"{starters} {child.name}", (child.name, starter.name)
+        learner0 = [f for f in children if f.name == "learner us-east/0"]
+        if via == "processes":
+            assert len(learner0) >= 2  # bounded flow runs of one process: each is linked
+        # (the workers print what their flow runs' pull steps print)
+        assert f"credentials from Secret block '{SECRET_BLOCK}'" in logs
+    assert fsspec.filesystem("s3").ls(f"{bucket}/{run}"), "nothing reached the S3 bucket"
