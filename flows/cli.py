@@ -675,6 +675,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
     out.print("contributions: " + ", ".join(f"{k} {v}" for k, v in report.outcomes.items()))
     out.print("tokens: " + ", ".join(f"{k} {v:,}" for k, v in report.tokens.items()))
     out.print(f"{report.versions} versions accounted for, {report.objects} markers verified")
+    for damage in report.unread_damage:
+        out.print(f"[yellow]damaged, never read:[/] {damage}")
     for region, frags in report.lagging.items():
         out.print(f"[yellow]lagging:[/] {region} holds newest versions {frags}")
     return 0 if report.ok else 1

@@ -7,9 +7,12 @@ The audit reads them and checks, naming the objects that break each invariant:
 
 - ``objects-verify``: every committed object matches the size and sha256 its marker
   records (all of them are read again, in every region audited), except those of a
-  contribution a syncer rejected for it (the damage was found and the work refused) and
-  of a version a later one declares lost (a syncer could not read it at home, went on
-  from an older one and merged again what it had merged: its merges are void);
+  contribution a syncer rejected for it (the damage was found and the work refused), of
+  a contribution superseded unread (a newer send from its anchor carried its steps: the
+  syncer never fetched its data, so it reached no model; listed as ``unread_damage``,
+  not a violation) and of a version a later one declares lost (a syncer could not read
+  it at home, went on from an older one and merged again what it had merged: its merges
+  are void);
 - ``versions-contiguous``: the versions of each fragment, held or in the ledger, are
   0, 1, ..., newest (none missing);
 - ``not-overwritten``: each version and contribution was written once: every copy, in
@@ -91,6 +94,8 @@ class AuditReport:
     versions: int = 0  # versions accounted for (held or in the ledger), all fragments
     rejections: int = 0  # contributions the versions record as rejected (with a reason)
     objects: int = 0  # committed markers whose objects were read and verified
+    # Damaged contributions no syncer read: superseded by a newer one from their anchor.
+    unread_damage: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -105,7 +110,7 @@ class AuditReport:
             "ok": self.ok, "violations": {k: v for k, v in self.violations.items() if v},
             "lagging": self.lagging, "outcomes": self.outcomes, "tokens": self.tokens,
             "versions": self.versions, "objects_verified": self.objects,
-            "rejections": self.rejections,
+            "rejections": self.rejections, "unread_damage": self.unread_damage,
         }  # fmt: skip
 
 
@@ -286,7 +291,11 @@ def _outcomes(
                         f"{key[0]}/{key[1]}, which its learner never committed")  # fmt: skip
     report.rejections += len(rejected)
     for key, c in sorted(sent.items()):
-        if c.damage and key not in rejected:  # corrupt, and no syncer said so
+        if not c.damage or key in rejected:  # sound, or a syncer found it and said so
+            continue
+        if key in superseded and key not in merged_in:
+            report.unread_damage.append(f"{c.damage} (superseded unread)")
+        else:  # corrupt, and no syncer said so
             report.fail("objects-verify", c.damage)
     cursor = (records.get(max(records, default=0)) or {}).get("cursor") or {}
     merged_anchors: dict[tuple[str, int, int], list[int]] = defaultdict(list)

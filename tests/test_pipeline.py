@@ -403,10 +403,11 @@ def test_a_syncer_reads_only_the_newest_send_of_each_anchor(tmp_path, monkeypatc
     for seq in (2, 3, 4):
         c = _contribution(model, 0, lid, seq, rng)
         writer.put_contribution(lid, 0, seq, c.payload, contribution_meta(c))
-    marker = read_marker(writer.home, writer.layout.contribution_marker(lid, 0, 4))
-    obj = max(marker.objects, key=lambda k: marker.objects[k]["size"])
-    path = tmp_path / "us" / marker.data_prefix / obj
-    path.write_bytes(path.read_bytes()[:-3])  # seq 4 is damaged
+    for seq in (2, 4):  # both damaged: 4 is read (and rejected), 2 never is
+        marker = read_marker(writer.home, writer.layout.contribution_marker(lid, 0, seq))
+        obj = max(marker.objects, key=lambda k: marker.objects[k]["size"])
+        path = tmp_path / "us" / marker.data_prefix / obj
+        path.write_bytes(path.read_bytes()[:-3])
     read, real = [], RunStore.contribution_tensors
 
     def counting(self, marker, learner, fragment, seq, region):
@@ -421,6 +422,11 @@ def test_a_syncer_reads_only_the_newest_send_of_each_anchor(tmp_path, monkeypatc
     meta = RunStore("newest", regions, "us-east").global_marker(0, 1).meta
     assert [lid, 3] in meta["consumed"] and [lid, 4] in [r[:2] for r in meta["rejected"]]
     assert sorted(x for x in meta["superseded"] if x[0] == lid) == [[lid, 1, 3], [lid, 2, 3]]
+    # The audit: seq 4's damage was found and refused; seq 2's reached no model (it was
+    # never read), so it is named but breaks nothing.
+    report = audit_run("newest", regions)
+    assert report.ok, dict(report.violations)
+    assert len(report.unread_damage) == 1 and "s000000000002" in report.unread_damage[0]
 
 
 def test_launcher_evaluation_outlives_a_corrupt_newest_version(tmp_path, caplog):
