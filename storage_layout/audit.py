@@ -174,7 +174,7 @@ def _audit_fragment(
             for problem in problems:
                 report.fail("objects-verify", problem)
     live = {v: r for v, r in records.items() if v not in lost}
-    _outcomes(p, live, sent, report)
+    decide_outcomes(p, live, sent, report)
     _balance(p, live, sent, report)
 
 
@@ -240,7 +240,7 @@ def _contributions(
             except (CorruptVersion, FileNotFoundError) as exc:
                 report.fail("objects-verify", f"{region}: {exc}")
                 continue
-            c = sent[(learner, seq)] = _sent(learner, seq, marker.meta, marker.write_id)
+            c = sent[(learner, seq)] = sent_from_meta(learner, seq, marker.meta, marker.write_id)
             try:
                 fetch_objects(bucket, marker, key, use_inline=False)
                 report.objects += 1
@@ -248,7 +248,7 @@ def _contributions(
                 c.damage = f"{region}: {exc}"  # a violation unless a syncer rejected it
     for row in ledger:
         key = (str(row["learner"]), int(row["seq"]))
-        deleted = _sent(key[0], key[1], row, str(row.get("write_id")))
+        deleted = sent_from_meta(key[0], key[1], row, str(row.get("write_id")))
         held = sent.setdefault(key, deleted)
         if held.write_id != deleted.write_id:
             report.fail("not-overwritten", f"contribution {key[0]}/{key[1]} of fragment {p} "
@@ -256,7 +256,10 @@ def _contributions(
     return sent
 
 
-def _sent(learner: str, seq: int, meta: Mapping[str, Any], write_id: str) -> Sent:
+def sent_from_meta(learner: str, seq: int, meta: Mapping[str, Any], write_id: str) -> Sent:
+    """A committed contribution as its marker's meta (or a ledger row) describes it; with
+    ``decide_outcomes``, what ``storage_layout.report`` shares with the audit, so both
+    decide outcomes one way."""
     return Sent(learner, seq, int(meta.get("base_version", 0)), int(meta.get("anchor_seq", 0)),
                 int(meta.get("tokens") or 0), write_id)  # fmt: skip
 
@@ -269,7 +272,7 @@ def _check_writes(p: int, write_ids: Mapping[tuple[str, int], dict[str, str]],
             report.fail("not-overwritten", f"fragment {p} {kind} {n} was written twice ({copies})")
 
 
-def _outcomes(
+def decide_outcomes(
     p: int, records: Mapping[int, dict], sent: dict[tuple[str, int], Sent], report: AuditReport
 ) -> None:
     """Give every contribution its one outcome (see the module docstring)."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from storage_layout.audit import OUTCOMES, AuditReport, _outcomes, _sent
+from storage_layout.audit import OUTCOMES, AuditReport, decide_outcomes, sent_from_meta
 from storage_layout.bucket import Bucket, BucketError
 from storage_layout.commit import CorruptVersion, read_marker
 from storage_layout.inspect import find_runs
@@ -304,8 +304,10 @@ def _with_outcomes(
     for key in recorded:  # known only from the versions (collected before the ledger)
         if key not in held:
             held[key] = {**counters.get(key, {}), "source": "version"}
-    sent = {key: _sent(key[0], key[1], m, str(m.get("write_id"))) for key, m in held.items()}
-    _outcomes(p, {v: dict(r) for v, r in live.items()}, sent,
+    sent = {
+        key: sent_from_meta(key[0], key[1], m, str(m.get("write_id"))) for key, m in held.items()
+    }
+    decide_outcomes(p, {v: dict(r) for v, r in live.items()}, sent,
               AuditReport(run.name, run.regions, []))  # fmt: skip
     published = [(float(r["time"]), v) for v, r in live.items() if (r.get("time") or 0) > UNIX]
     new_tokens, last = {}, {}  # a send from an anchor carries all its tokens so far
