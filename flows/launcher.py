@@ -814,9 +814,7 @@ def show_phases(
     learners' status objects and the newest versions (and ``point``, an evaluation)."""
     if not display.live:
         return
-    counts = Counter(s.get("state") or "starting" for s in statuses.values())
-    order = [*STARTUP, "training", *sorted(set(counts) - {*STARTUP, "training"})]
-    detail = ", ".join(f"{counts[phase]} {phase}" for phase in order if counts.get(phase))
+    counts, detail = learner_phases(statuses)
     display.phase("learners", "running" if any(counts.get(p) for p in STARTUP) else "done", detail)
     shown = " ".join(f"f{p}:v{v}" for p, v in versions.items())
     if any(v > 0 for v in versions.values()):
@@ -862,17 +860,23 @@ def cross_region_bytes(traffic: dict[str, dict[str, int]]) -> int:
 STARTUP = ("starting", "compiling", "resuming")
 
 
+def learner_phases(statuses: dict[str, dict[str, Any]]) -> tuple[Counter, str]:
+    """How many learners are in each state (start-up phases first, then training), and
+    that as text: ``1 compiling, 3 training``."""
+    counts = Counter(s.get("state") or "starting" for s in statuses.values())
+    order = [*STARTUP, "training", *sorted(set(counts) - {*STARTUP, "training"})]
+    return counts, ", ".join(f"{counts[phase]} {phase}" for phase in order if counts.get(phase))
+
+
 def startup_line(statuses: dict[str, dict[str, Any]], versions: dict[int, int]) -> str | None:
     """What the run is doing while it starts, instead of a progress line at 0 %: how many
     learners are in each phase, and whether a contribution has been merged yet. None once
     every learner trains and a version beyond 0 exists (from then on the watch loop logs
     progress, and names the learners that are restarting)."""
-    counts = Counter(s.get("state") or "starting" for s in statuses.values())
+    counts, learners = learner_phases(statuses)
     merged = any(v > 0 for v in versions.values())
     if merged and not any(counts.get(phase) for phase in STARTUP):
         return None
-    order = [*STARTUP, "training", *sorted(set(counts) - {*STARTUP, "training"})]
-    learners = ", ".join(f"{counts[phase]} {phase}" for phase in order if counts.get(phase))
     first = "first versions published" if merged else "waiting for the first contribution"
     return f"starting up | learners: {learners} | {first}"
 

@@ -140,7 +140,7 @@ class BackgroundIO:
         with self.lock:
             newer = self.queued.get((c.fragment, c.anchor), c.seq)
             if newer == c.seq:
-                del self.queued[(c.fragment, c.anchor)]
+                self.queued.pop((c.fragment, c.anchor), None)
         if newer > c.seq:
             # A newer send from the same anchor waits in the queue behind this one and
             # carries all its steps (sends from one anchor are cumulative): writing this

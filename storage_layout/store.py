@@ -42,6 +42,7 @@ from storage_layout.commit import (
     commit_version,
     content_write_id,
     fetch_objects,
+    get_patiently,
     new_write_id,
     patiently,
     read_marker,
@@ -631,9 +632,11 @@ class RunStore:
         round is skipped and named (``key: why``), never raised."""
         bucket = self.bucket(region or self.client_region)
         keys = [self.layout.history_entry(learner, r) for r in rounds]
-        try:
-            raw: dict[str, Any] = bucket.get_many(keys) if keys else {}
-        except OSError:  # a part failed, or vanished: each on its own, patiently
+        try:  # a part that fails is asked again alone
+            raw: dict[str, Any] = (
+                get_patiently(bucket, keys, f"history of {learner}") if keys else {}
+            )
+        except OSError:  # still failing, or one vanished: each on its own below
             raw = {}
         rows, problems = [], []
         for r, key in zip(rounds, keys, strict=True):
