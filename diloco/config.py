@@ -207,7 +207,16 @@ class BudgetConfig(_Strict):
     """How long a run trains: the simulator and the pipeline read the same budget."""
 
     tokens: PositiveInt = Field(
-        400_000, description="tokens of the run, over all learners; each does tokens / M"
+        400_000,
+        description="tokens of the run, over all learners (M learners: tokens / M each on average)",
+    )
+    shared: bool = Field(
+        True,
+        description="decoupled mode: the learners share the budget. Each trains until the "
+        "learners together have trained it (as the newest global versions report), so a faster "
+        "learner, or one killed less often, trains more than tokens / M and none sits idle at "
+        "the end; false: each trains exactly tokens / M. Synchronous DiLoCo always splits it "
+        "evenly (its learners move in lock-step)",
     )
 
 
@@ -379,8 +388,27 @@ class RunConfig(_Strict):
 
     @property
     def steps_per_learner(self) -> int:
-        """Inner steps of each learner: the token budget dealt evenly (rounded up)."""
+        """Inner steps of each learner's even share of the budget (rounded up): what each
+        trains when the budget is not shared, and the horizon of the inner learning-rate
+        schedule either way."""
         return max(1, -(-self.budget.tokens // (self.tokens_per_step * self.topology.learners)))
+
+    @property
+    def shared_budget(self) -> bool:
+        """Whether learners train until the run's budget is spent (``budget.shared``, in
+        decoupled mode) rather than each its even share."""
+        return self.budget.shared and self.mode == "decoupled"
+
+    @property
+    def budget_steps(self) -> int:
+        """The run's inner steps over all learners."""
+        return self.steps_per_learner * self.topology.learners
+
+    @property
+    def learner_step_cap(self) -> int:
+        """The most inner steps one learner takes: its share, or, sharing the budget, the
+        whole of it (one learner left alone trains it all)."""
+        return self.budget_steps if self.shared_budget else self.steps_per_learner
 
 
 # Presets: model size and a token budget that suits it. Everything else keeps its default.

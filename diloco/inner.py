@@ -77,7 +77,11 @@ class InnerTrainer:
         return {n: jax.device_put(jnp.asarray(v), self.replicated) for n, v in flat.items()}
 
     def init_opt_state(self, params: JaxParams) -> optax.OptState:
-        return self.tx.init(params)
+        """A fresh state, replicated like the parameters: so placed, it is what a train
+        step returns and what a restored checkpoint is, and the step compiles once per
+        process (left uncommitted, the first step and every later one would each compile
+        their own version: seconds of a restarted learner's first round)."""
+        return jax.device_put(self.tx.init(params), self.replicated)
 
     def place_batch(self, batch: np.ndarray) -> jax.Array:
         if batch.shape[0] % len(self.devices):

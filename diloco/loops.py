@@ -229,7 +229,8 @@ class LearnerLoop:
         self.clock = clock
         self.emit = emit
         self.log = logger
-        self.total_steps = cfg.steps_per_learner
+        self.total_steps = cfg.steps_per_learner  # its even share of the budget
+        self.cap = cfg.learner_step_cap  # the most it trains (sharing the budget: all of it)
         self.sync = cfg.mode == "diloco"
         self.losses: list[Any] = []  # device scalars of the current ``run`` call
         self._mark = 0.0
@@ -281,12 +282,28 @@ class LearnerLoop:
 
     @property
     def finished(self) -> bool:
-        return self.learner.step >= self.total_steps
+        """Its share trained, or, sharing the budget, the run's budget trained by all."""
+        if self.learner.step >= self.cap:
+            return True
+        return self.cfg.shared_budget and self.run_steps() >= self.cfg.budget_steps
+
+    def run_steps(self) -> int:
+        """The inner steps the learners have taken together, as far as this one knows: its
+        own, and each other's newest merged step that the global versions it holds report
+        (``FragmentSyncer.progress``). Behind the truth by a round trip at most, never
+        ahead of it, so a shared budget is never cut short."""
+        steps: dict[str, int] = {}
+        for p in range(len(self.learner.fragments)):
+            view = self.transport.latest_global(p)
+            for learner, step in (view.meta.get("progress", {}) if view else {}).items():
+                steps[learner] = max(steps.get(learner, 0), min(int(step), self.cap))
+        steps[self.learner.id] = self.learner.step
+        return sum(steps.values())
 
     def run(self, steps: int | None = None) -> Iterator[Request]:
-        """At most ``steps`` more inner steps (all that are left by default)."""
+        """At most ``steps`` more inner steps (until it is finished by default)."""
         lrn = self.learner
-        left = self.total_steps - lrn.step
+        left = 0 if self.finished else self.cap - lrn.step
         self.losses = []
         self._mark = self.clock.now()
         for _ in range(min(left, steps if steps is not None else left)):
@@ -303,8 +320,11 @@ class LearnerLoop:
             p = lrn.due()
             if p is not None:
                 self.send(p, loss)
-            if lrn.step % self.cfg.pipeline.checkpoint_every == 0 or self.finished:
+            done = self.finished  # once: a shared budget's end may arrive at any moment
+            if lrn.step % self.cfg.pipeline.checkpoint_every == 0 or done:
                 self.transport.save_checkpoint(lrn.checkpoint())
+            if done:
+                return
             if self.sync:
                 yield from self._wait_for_answers()
 
@@ -370,7 +390,7 @@ class _MergeClock:
 
 def _implausible(seq: int, cfg: RunConfig) -> str:
     """A sequence number no learner can reach: it sends at most once per inner step."""
-    return (f"seq {seq} is beyond the {cfg.steps_per_learner} inner steps a learner has "
+    return (f"seq {seq} is beyond the {cfg.learner_step_cap} inner steps a learner can take "
             "(at most one send per step): a forged or corrupt marker")  # fmt: skip
 
 
@@ -416,7 +436,7 @@ class SyncerLoop:
         syncer = FragmentSyncer(
             p, stored.params, outer, self.learners, is_embedding, version=stored.version,
             opt_leaves=stored.opt_leaves, cursor=stored.meta.get("cursor"),
-            merged=stored.meta.get("merged"),
+            merged=stored.meta.get("merged"), progress=stored.meta.get("progress"),
         )  # fmt: skip
         syncer.history.update(stored.history)
         if stored.lost:
@@ -470,7 +490,7 @@ class SyncerLoop:
                     self.log.warning("cannot list %s's contributions: %s", learner, exc)
                     break  # its region is down: the other learners go on
                 for item in self._newest_per_anchor(items):
-                    if item.seq > self.cfg.steps_per_learner:
+                    if item.seq > self.cfg.learner_step_cap:
                         self._refuse(learner, p, item.seq, _implausible(item.seq, self.cfg))
                         continue  # and ``seen`` stays: the real ones below it still count
                     if isinstance(item, Unreadable) and item.forged:
@@ -508,7 +528,7 @@ class SyncerLoop:
         settled: dict[int, Contribution | Unreadable | Superseded] = {}
         anchors: dict[tuple[str, int, int], list[Contribution]] = {}
         for item in items:
-            if isinstance(item, Unreadable) or item.seq > self.cfg.steps_per_learner:
+            if isinstance(item, Unreadable) or item.seq > self.cfg.learner_step_cap:
                 settled[item.seq] = item
             else:
                 anchors.setdefault(item.anchor, []).append(item)

@@ -74,6 +74,7 @@ def version(gv: Any, time: float, before: Mapping[str, Any] | None = None) -> Re
         "tokens": gv.tokens,
         "seconds": gv.seconds,
         "merged": dict(gv.merged),
+        "progress": dict(gv.progress),
         "tokens_total": int(before.get("tokens_total", 0)) + gv.tokens,
         "seconds_total": float(before.get("seconds_total", 0.0)) + gv.seconds,
         "rejected": [list(r) for r in gv.rejected],
@@ -86,7 +87,7 @@ def initial_version(fragment: int, time: float) -> Record:
     return {
         "event": "version", "time": time, "fragment": fragment, "version": 0, "consumed": [],
         "cursor": {}, "weights": {}, "staleness": {}, "tokens": 0, "seconds": 0.0, "merged": {},
-        "tokens_total": 0, "seconds_total": 0.0, "rejected": [], "superseded": [],
+        "progress": {}, "tokens_total": 0, "seconds_total": 0.0, "rejected": [], "superseded": [],
     }  # fmt: skip
 
 

@@ -80,6 +80,7 @@ class GlobalVersion:
     tokens: int  # tokens behind the merged contributions (new work only)
     seconds: float  # learner time behind them (new work only), for goodput
     merged: dict[str, list[float]] = field(default_factory=dict)  # see FragmentSyncer.merged
+    progress: dict[str, int] = field(default_factory=dict)  # see FragmentSyncer.progress
     # The other outcomes decided since the previous version, so that the versions alone
     # account for every contribution (``storage_layout.audit``):
     rejected: tuple[tuple[str, int, str], ...] = ()  # (learner, seq, reason)
@@ -106,6 +107,7 @@ class FragmentSyncer:
         opt_leaves: list[np.ndarray] | None = None,
         cursor: dict[str, int] | None = None,
         merged: dict[str, list[float]] | None = None,
+        progress: dict[str, int] | None = None,
     ):
         self.fragment = fragment
         self.cfg = cfg
@@ -122,6 +124,9 @@ class FragmentSyncer:
             )
         self.version = version
         self.cursor: dict[str, int] = dict(cursor or {})
+        # Per learner, the inner step of its newest merged contribution: the learners read
+        # the run's progress from it (a shared budget ends when their sum reaches it).
+        self.progress: dict[str, int] = {k: int(v) for k, v in (progress or {}).items()}
         self.g = staleness_fn(cfg)
         self.pending: dict[tuple[str, int, int], Contribution] = {}  # by Contribution.anchor
         # Outcomes other than a merge, carried into the next version's record.
@@ -275,6 +280,8 @@ class FragmentSyncer:
         for key in [k for k in self.merged_from if k[1] < oldest]:
             del self.merged_from[key]
 
+        for c, _ in accepted:
+            self.progress[c.learner] = max(self.progress.get(c.learner, 0), c.step)
         total = sum(weights)
         label = lambda c: f"{c.learner}/{c.seq}"  # noqa: E731
         return MergeOutcome(
@@ -290,6 +297,7 @@ class FragmentSyncer:
                 tokens=sum(c.tokens for c, _ in accepted),
                 seconds=sum(c.seconds for c, _ in accepted),
                 merged=self.merged,
+                progress=dict(self.progress),
                 rejected=tuple(self._take(self.rejections)),
                 superseded=tuple(self._take(self.superseded)),
             ),
@@ -308,7 +316,7 @@ class FragmentSyncer:
         return GlobalVersion(
             fragment=self.fragment, version=self.version, params=self.params,
             opt_state=self.opt_state, consumed=(), cursor=dict(self.cursor), weights={},
-            staleness={}, tokens=0, seconds=0.0, merged=self.merged,
+            staleness={}, tokens=0, seconds=0.0, merged=self.merged, progress=dict(self.progress),
             rejected=tuple(self._take(self.rejections)),
             superseded=tuple(self._take(self.superseded)),
         )  # fmt: skip

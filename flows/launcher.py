@@ -223,6 +223,7 @@ def run_process(name: str, argv: list[str], log_path: str, run: str = "", worker
     # parent_env(): the process's flow runs are linked as subflows of this task run
     env = {**child_env(run, worker, _RUN_SECRETS.get(run), start), **parent_env()}
     proc, warm = (_SPARES or Spares(0, log_path, env)).take(argv, log_path, env)
+    started = time.monotonic()
     get_run_logger().info("%s started (pid %d%s); its output goes to %s", name, proc.pid,
                           ", a spare" if warm else "", log_path)  # fmt: skip
     with _lock:
@@ -239,13 +240,22 @@ def run_process(name: str, argv: list[str], log_path: str, run: str = "", worker
         return code
     tail = Path(log_path).read_text(errors="replace")[-800:]
     if code < 0:
-        raise Killed(f"{name} was killed by signal {-code}; log {log_path}:\n{tail}")
+        raise Killed(f"{name} was killed by signal {-code}; log {log_path}:\n{tail}",
+                     lived=time.monotonic() - started)  # fmt: skip
     raise RuntimeError(f"{name} exited with status {code}; log {log_path}:\n{tail}")
 
 
 class Killed(RuntimeError):
     """A worker process ended by a signal (a machine lost, a kill from outside), not by
-    failing on its own: restarted at once, and never counted as a crash loop."""
+    failing on its own: restarted at once, and never counted as a crash loop. ``lived``:
+    seconds it ran."""
+
+    def __init__(self, message: str, lived: float = 0.0):
+        super().__init__(message)
+        self.lived = lived
+
+
+KILLED_YOUNG = 5.0  # seconds: a process killed sooner is restarted after a pause
 
 
 def worker_progress(store: RunStore, status: Status) -> Any:
@@ -285,7 +295,9 @@ def supervise(
     """Keep one worker process running until it ends its work: restart it after every
     crash (backoff 2 s doubling to 60 s, reset by progress); give it up after
     ``max_failed_starts`` crashes in a row without progress. A process killed by a
-    signal is restarted after 1 s and counts as no crash: it did not fail, it was lost."""
+    signal counts as no crash (it did not fail, it was lost): it is restarted at once,
+    or after 1 s when it had lived less than ``KILLED_YOUNG`` seconds (no restart
+    faster than once a second, whatever kills it)."""
     log = get_run_logger()
     store = RunStore(run, regions, home_region(regions), writer="launcher")
     failed, delay = 0, 2.0
@@ -297,7 +309,8 @@ def supervise(
             if STOPPING.is_set():
                 return 130
             log.warning("%s was killed (%s); restarting it", name, str(exc).splitlines()[0])
-            STOPPING.wait(1.0)
+            if getattr(exc, "lived", 0.0) < KILLED_YOUNG:
+                STOPPING.wait(1.0)
             continue
         except Exception as exc:
             if STOPPING.is_set():
@@ -583,14 +596,13 @@ class Monitor:
             self.store.write_metrics("launcher", {**status, "initial_loss": self.initial_loss})
 
     def progress(self, statuses: dict[str, dict[str, Any]]) -> float:
-        """The share of all learners' inner steps done. A learner restarted from an older
-        checkpoint redoes steps: its progress holds at the furthest step it reached
-        until it passes it again, so the bar stalls but never goes back."""
+        """The share of the run's inner steps done (all learners together). A learner
+        restarted from an older checkpoint redoes steps: its progress holds at the furthest
+        step it reached until it passes it again, so the bar stalls but never goes back."""
         for learner, s in statuses.items():
-            step = min(int(s.get("step", 0)), self.total_steps)
+            step = min(int(s.get("step", 0)), self.cfg.learner_step_cap)
             self.furthest[learner] = max(self.furthest.get(learner, 0), step)
-        m = len(self.spec["learners"])
-        return 100.0 * sum(self.furthest.values()) / (m * self.total_steps)
+        return min(100.0, 100.0 * sum(self.furthest.values()) / self.cfg.budget_steps)
 
     def traffic(self) -> tuple[dict[str, dict[str, int]], int, int]:
         """Bytes and requests per region pair summed over every writer's metrics, the

@@ -35,7 +35,7 @@ from diloco.loops import Clock, GlobalView, LearnerLoop, WallClock, drive
 from diloco.outer import Contribution
 from diloco.topology import learner_id, learner_index
 from diloco.transport import StoreLearnerView
-from flows.observe import artifact_key, run_logger, tag_flow_run
+from flows.observe import artifact_key, run_logger, tag_flow_run, worker_tags
 from flows.run import bucket_store, build_model, config_from_spec, reader
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV
 from storage_layout.commit import CommitConflict
@@ -390,7 +390,10 @@ class LearnerRuntime:
         except (OSError, ValueError) as exc:  # a status is news, not state: never fatal
             self.log.warning("cannot write status %r: %s", state, exc)
 
-    def write_status(self, state: str, row: dict[str, Any] | None = None) -> None:
+    def write_status(self, state: str, row: dict[str, Any] | None = None,
+                     final: bool = False) -> None:  # fmt: skip
+        """The status object; ``final``: the "done" the syncers end on, which is state,
+        not news: a write that fails for good raises (the process is started again)."""
         record = {
             "state": state, "region": self.region, "step": self.step,
             "total_steps": self.loop.total_steps,
@@ -405,6 +408,8 @@ class LearnerRuntime:
         try:
             self.store.writer_for(self.id).write_metrics(self.id, record, totals=totals)
         except OSError as exc:
+            if final:
+                raise
             self.log.warning("cannot write status: %s", exc)
 
     def close(self) -> None:
@@ -429,10 +434,11 @@ def runtime(
       persist_result=False)  # fmt: skip
 def train_round(rt: LearnerRuntime, label: str) -> dict[str, Any]:
     row = rt.train_round()
+    where = (f"step {row['step']} (run {100 * rt.loop.run_steps() / rt.cfg.budget_steps:.0f} %)"
+             if rt.cfg.shared_budget else f"step {row['step']}/{rt.loop.total_steps}")  # fmt: skip
     get_run_logger().info(
-        "step %d/%d loss %s, %.0f tokens/s, sent %d, applied %d (staleness <= %d)",
-        row["step"], rt.loop.total_steps, row["loss"], row["tokens_per_s"], row["sent"],
-        row["applied"], row["staleness"],
+        "%s loss %s, %.0f tokens/s, sent %d, applied %d (staleness <= %d)", where, row["loss"],
+        row["tokens_per_s"], row["sent"], row["applied"], row["staleness"],
     )  # fmt: skip
     return row
 
@@ -444,7 +450,7 @@ def learner_flow(
     """Train learner ``index`` of ``run`` in ``region`` (whose bucket is ``bucket``) for a
     bounded number of rounds; returns ``{"done": bool, "step": int, ...}``."""
     log = get_run_logger()
-    tag_flow_run([f"run:{run}", f"region:{region}", f"learner:{index}"])
+    tag_flow_run(worker_tags(run, region, f"learner:{index}"))
     lid = learner_id(index)
     fresh = (run, region, lid) not in _RUNTIMES
     rt = runtime(run, bucket, region, lid, pipeline)
@@ -465,13 +471,23 @@ def learner_flow(
             if rt.finished:
                 break
             rows.append(train_round(rt, f"learner {rt.label} round {rt.round}"))
-        rt.checkpoint(wait=rt.finished)  # the loop wrote the final one; this waits for it
+        # Once: a shared budget may end between two looks, and "done" must follow the
+        # final checkpoint and every upload before it (the syncers end on it).
+        finished = rt.finished
+        rt.checkpoint(wait=finished)  # the loop wrote the final one; this waits for it
     except KeyboardInterrupt:
         log.warning("interrupted: checkpointing at step %d", rt.step)
         rt.checkpoint(wait=True)
         rt.close()
         raise
-    rt.write_status("done" if rt.finished else "paused")
+    if finished:
+        rt.write_status("done", final=True)
+        if rt.cfg.shared_budget:
+            log.info("learner %s is done at step %d: the learners have trained the run's "
+                     "budget (%d of %d steps; its even share is %d)", rt.label, rt.step,
+                     rt.loop.run_steps(), rt.cfg.budget_steps, rt.loop.total_steps)  # fmt: skip
+    else:
+        rt.write_status("paused")
     if rows:
         create_table_artifact(
             rows,

@@ -28,6 +28,11 @@ def artifact_key(*parts: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
 
 
+def worker_tags(run: str, region: str, role: str) -> list[str]:
+    """The tags of a learner's (``role`` "learner:N") or a syncer's flow runs."""
+    return [f"run:{run}", f"region:{region}", role]
+
+
 def tag_flow_run(tags: list[str]) -> None:
     """Tag the current flow run (run, region, role) so the UI can filter on them.
 
@@ -35,12 +40,17 @@ def tag_flow_run(tags: list[str]) -> None:
     inherit context tags, and a tagged task run makes two concurrency-limit calls to the
     API on every start and end, which stalls rounds whenever the API is busy."""
     from prefect.client.orchestration import get_client
-    from prefect.runtime import flow_run
+    from prefect.context import FlowRunContext
 
     try:
+        ctx = FlowRunContext.get()
+        if ctx is None or ctx.flow_run is None:
+            return
+        current = set(ctx.flow_run.tags or [])
+        if current >= set(tags):  # created with them (``run_linked``): no API call
+            return
         with get_client(sync_client=True) as client:
-            current = client.read_flow_run(flow_run.id).tags or []
-            client.update_flow_run(flow_run.id, tags=sorted(set(current) | set(tags)))
+            client.update_flow_run(ctx.flow_run.id, tags=sorted(current | set(tags)))
     except Exception as exc:  # tags are for people; never stop training for them
         run_logger("diloco").warning("could not tag the flow run: %s", exc)
 
@@ -63,7 +73,7 @@ def parent_env() -> dict[str, str]:
             PARENT_TASK_RUN_ENV: str(ctx.task_run.id)}  # fmt: skip
 
 
-def linked_flow_run(flow: Any, parameters: dict[str, Any], env: Any) -> Any:
+def linked_flow_run(flow: Any, parameters: dict[str, Any], env: Any, tags: list[str] = ()) -> Any:
     """A new flow run of ``flow``, a subflow of the task run that ``env`` names
     (``parent_env``), or None when it names none.
 
@@ -96,17 +106,18 @@ def linked_flow_run(flow: Any, parameters: dict[str, Any], env: Any) -> Any:
             parameters=flow.serialize_parameters(parameters),
             state=Pending(),
             parent_task_run_id=task_run.id,
+            tags=list(tags),
         )
 
 
-def run_linked(flow: Any, parameters: dict[str, Any], env: Any) -> Any:
+def run_linked(flow: Any, parameters: dict[str, Any], env: Any, tags: list[str] = ()) -> Any:
     """Call ``flow`` with ``parameters`` as a subflow of the task run ``env`` names (see
     ``linked_flow_run``), or as a flow run of its own when it names none or the link
     cannot be made (links are for people: training never waits on them)."""
     from prefect.flow_engine import run_flow
 
     try:
-        flow_run = linked_flow_run(flow, parameters, env)
+        flow_run = linked_flow_run(flow, parameters, env, tags)
     except Exception as exc:
         run_logger("diloco").warning("could not link the flow run to its launcher: %s", exc)
         flow_run = None

@@ -36,7 +36,7 @@ from diloco.outer import Contribution
 from diloco.syncer import GlobalVersion
 from diloco.topology import shard_fragments
 from flows.bucket_io import BucketStore
-from flows.observe import artifact_key, run_logger, tag_flow_run
+from flows.observe import artifact_key, run_logger, tag_flow_run, worker_tags
 from flows.run import bucket_store, config_from_spec
 from storage_layout.auth import UNAUTHENTICATED
 from storage_layout.retention import collect_garbage
@@ -46,15 +46,15 @@ from storage_layout.store import RunStore
 class PipelineSyncerTransport:
     """The syncer's transport in the pipeline: the bucket store, plus what only the real
     world has: measured publish times (the grace window's delivery estimate), the end of
-    the run read from the learners' final checkpoints, regions to catch up, retention."""
+    the run read from the learners' status objects, regions to catch up, retention."""
 
-    def __init__(self, store: BucketStore, fragments: list[int], total_steps: int,
-                 keep_versions: int, window: int, log: Any):  # fmt: skip
-        self.store, self.fragments, self.total_steps = store, fragments, total_steps
+    def __init__(self, store: BucketStore, fragments: list[int], keep_versions: int,
+                 window: int, log: Any):  # fmt: skip
+        self.store, self.fragments = store, fragments
         self.keep_versions, self.window, self.log = keep_versions, window, log
         self.sync_seconds = 0.05  # publish time, exponential moving average
         self.lagging: set[int] = set()
-        self.done: set[str] = set()  # learners that committed their final checkpoint
+        self.done: set[str] = set()  # learners whose status says they are done
         self.given_up: set[str] = set()  # learners the launcher gave up
         self._given_up_read = -math.inf
         self.published = 0
@@ -90,17 +90,18 @@ class PipelineSyncerTransport:
         return self.sync_seconds
 
     def learners_finished(self) -> bool:
-        """Every learner has committed its final checkpoint (so all its contributions),
-        or was given up by the launcher (its status object says so)."""
+        """Every learner is done: its status object says so (written once its final
+        checkpoint, and every contribution before it, is committed; sharing the budget, a
+        learner may end before its even share), or the launcher gave it up."""
         main = self.store.main
         for learner, region in self.store.learners.items():
             if learner in self.done:
                 continue
             try:
-                steps = main.checkpoint_steps(learner, region)
+                state = (main.read_metrics(learner, region) or {}).get("state")
             except OSError:
                 return False
-            if (not steps or steps[-1] < self.total_steps) and not self._given_up(learner):
+            if state != "done" and not self._given_up(learner):
                 return False
             self.done.add(learner)
         return True
@@ -169,7 +170,7 @@ class SyncerRuntime:
         self.fragments = shard_fragments(shard, shards, len(spec["fragments"]))
         store = bucket_store(run, regions, spec, self.cfg, f"syncer-{shard}", home=home)
         self.transport = PipelineSyncerTransport(
-            store, self.fragments, self.cfg.steps_per_learner, self.cfg.pipeline.keep_versions,
+            store, self.fragments, self.cfg.pipeline.keep_versions,
             self.cfg.outer.max_staleness, self.log,
         )  # fmt: skip
         self.records: list[records.Record] = []
@@ -238,7 +239,7 @@ def syncer_flow(
     """Merge and publish shard ``shard`` of ``shards`` from region ``home``; returns
     ``{"done": bool, "versions": {fragment: newest}, ...}``."""
     log = get_run_logger()
-    tag_flow_run([f"run:{run}", f"region:{home}", "syncer"])
+    tag_flow_run(worker_tags(run, home, "syncer"))
     key = (run, home, shard)
     if key not in _RUNTIMES:
         _RUNTIMES[key] = SyncerRuntime(run, regions, home, shard, shards, pipeline)

@@ -73,11 +73,10 @@ def _is_complete(run: str, regions: dict[str, str], cfg: RunConfig, root: Path) 
 
     store = RunStore(run, regions, home_region(regions), writer="launcher")
     spec = initialize_run(store, cfg)
-    total = cfg.steps_per_learner
-    if not all(max(store.checkpoint_steps(lid, region), default=0) >= total
+    if not all((store.read_metrics(lid, region) or {}).get("state") == "done"
                for lid, region in spec["learners"].items()):  # fmt: skip
         return False
-    console.print(f"run {run!r} is complete (every learner is at step {total}); "
+    console.print(f"run {run!r} is complete (every learner is done); "
                   "pass another --run to start a new one")  # fmt: skip
     saved = root / "summary.json"
     if saved.exists():

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     pipeline = json.loads(args.pipeline)
 
-    from flows.observe import run_linked
+    from flows.observe import run_linked, worker_tags
     from storage_layout.bucket import BucketError  # slow imports: after argument errors
 
     def interrupted(signum: int, frame: object) -> None:
@@ -60,14 +60,16 @@ def main(argv: list[str] | None = None) -> int:
 
                 params = {"run": args.run, "bucket": args.bucket, "region": args.region,
                           "index": args.index, "pipeline": pipeline}  # fmt: skip
-                result = run_linked(learner_flow, params, os.environ)
+                tags = worker_tags(args.run, args.region, f"learner:{args.index}")
+                result = run_linked(learner_flow, params, os.environ, tags)
             else:
                 from flows.syncer import syncer_flow
 
                 params = {"run": args.run, "regions": json.loads(args.regions),
                           "home": args.home, "shard": args.shard, "shards": args.shards,
                           "pipeline": pipeline}  # fmt: skip
-                result = run_linked(syncer_flow, params, os.environ)
+                tags = worker_tags(args.run, args.home, "syncer")
+                result = run_linked(syncer_flow, params, os.environ, tags)
             if result["done"]:
                 return 0
     except KeyboardInterrupt:

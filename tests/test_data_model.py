@@ -6,6 +6,7 @@ from diloco.config import load_config
 from diloco.data import DataError, ShardReader, list_files, load_corpus, validation_batches
 from diloco.inner import InnerTrainer
 from diloco.model import ParamCodec
+from flows.bucket_io import optimizer_leaves, optimizer_state
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +89,12 @@ def test_train_step_sharded_over_two_devices_and_loss_falls(corpus):
     before = trainer.evaluate(params, val)
     for _ in range(40):
         params, opt, _loss = trainer.step(params, opt, reader.next_batch())
+    # One compiled step for a fresh optimizer state, the state a step returns and one
+    # restored from a checkpoint: a restarted learner's first round compiles nothing.
+    restored = optimizer_state(optimizer_leaves(opt), trainer.init_opt_state(params),
+                               trainer.place_params)  # fmt: skip
+    trainer.step(params, restored, reader.next_batch())
+    assert trainer._train_step._cache_size() == 1
     batch = trainer.place_batch(reader.next_batch())
     assert len(batch.sharding.device_set) == 2
     assert batch.addressable_shards[0].data.shape[0] == 4  # each device holds half the batch

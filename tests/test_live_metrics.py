@@ -166,7 +166,9 @@ def test_the_round_history_survives_a_killed_learner(tmp_path):
     from flows.run import initialize_run
 
     pipeline = {"round_steps": 4, "checkpoint_every": 4, "poll_seconds": 0.05}
-    cfg = load_config("tiny", overrides=["budget.tokens=81920"]
+    # One learner and no syncer: no version reports the others' progress, so it trains
+    # its even share (a shared budget would have it train the others' too).
+    cfg = load_config("tiny", overrides=["budget.tokens=81920", "budget.shared=false"]
                       + [f"pipeline.{k}={v}" for k, v in pipeline.items()])  # fmt: skip
     regions = _regions(tmp_path)
     home = RunStore("killed", regions, "us", writer="launcher")

@@ -42,7 +42,6 @@ sys.path.insert(0, str(ROOT))
 
 from bench.machine import machine  # noqa: E402
 from diloco.quantize import quantize  # noqa: E402
-from flows.run import config_from_spec  # noqa: E402
 from infra.chaos import read_actions  # noqa: E402
 from storage_layout.audit import audit_run  # noqa: E402
 from storage_layout.auth import learner_key  # noqa: E402
@@ -106,11 +105,10 @@ class Forger(threading.Thread):
         regions = json.loads((self.folder / "regions.json").read_text())
         store = RunStore(self.run_name, regions, next(iter(regions)), writer="forger")
         spec = store.read_spec()
-        total = config_from_spec(spec).steps_per_learner
         lid = self.rng.choice(sorted(spec["learners"]))
         region = spec["learners"][lid]
-        if (store.checkpoint_steps(lid, region) or [0])[-1] >= total:
-            return  # done: the syncers may have looked for the last time
+        if (store.read_metrics(lid, region) or {}).get("state") == "done":
+            return  # the syncers may have looked for the last time
         seqs = {p: store.contribution_seqs(lid, p, region) for p in range(len(spec["fragments"]))}
         newest = max(((s[-1], p) for p, s in seqs.items() if s), default=None)
         if newest is None:
