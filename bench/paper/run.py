@@ -165,10 +165,12 @@ def measured() -> list[str]:
     chaos = ROOT / "bench" / "chaos" / "results.json"
     if chaos.exists():
         runs = [r for r in json.loads(chaos.read_text())["results"] if r["mode"] == "decoupled"]
-        calm = next((r for r in runs if not r["chaos"]), None)
         for storm in (r for r in runs if r["chaos"] and r["summary"].get("goodput")):
+            # against the calm run of the same budget
+            calm = next((r for r in runs if not r["chaos"] and r["tokens"] == storm["tokens"]),
+                        None)  # fmt: skip
             if calm is None:
-                break
+                continue
             done = storm["summary"].get("chaos", {})
             driver = done.get("actions", {}).get("kill_learner", 0)
             crashed = done.get("faults", {}).get("crash", 0)  # killed mid-upload or checkpoint
