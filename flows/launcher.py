@@ -73,7 +73,7 @@ from flows.observe import (
     tag_flow_run,
     train_summary_rows,
 )
-from flows.run import build_model, initialize_run, validation
+from flows.run import build_model, initialize_run, validation, worker_done
 from infra.chaos import Chaos, ChaosPlan, kill_to_rejoin, percentiles, read_actions
 from storage_layout import faults
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV, learner_key, run_secret
@@ -365,7 +365,7 @@ def supervise_deployment(
             state = _wait_flow_run(flow_run.id)
         finally:
             _flow_runs.discard(flow_run.id)
-        if ((store.read_metrics(writer) or {}).get("state")) == "done":
+        if worker_done(store, writer):
             return 0
         if STOPPING.is_set():
             return 130

@@ -494,7 +494,7 @@ def learner_flow(
             key=artifact_key(run, rt.id, "rounds"),
             description=f"learner {rt.label} of run {run}: one row per round",
         )
-    if rt.finished:
+    if finished:  # the look "done" was written on: the worker ends on this one
         rt.close()
         _RUNTIMES.pop((run, region, lid), None)
-    return {"done": rt.finished, "step": rt.step, "rounds": len(rows)}
+    return {"done": finished, "step": rt.step, "rounds": len(rows)}

@@ -54,6 +54,13 @@ def spec_defaults() -> dict[str, Any]:
     return {"config": RunConfig().model_dump(mode="json", exclude=NOT_IN_SPEC)}
 
 
+def worker_done(store: RunStore, writer: str, region: str | None = None) -> bool:
+    """Whether ``writer``'s status object says it is done: a learner writes that only
+    once its final checkpoint and every contribution before it are committed, and the
+    syncers, the launcher and a resumed `diloco train` end on it."""
+    return (store.read_metrics(writer, region) or {}).get("state") == "done"
+
+
 def config_from_spec(
     spec: Mapping[str, Any], pipeline: Mapping[str, Any] | None = None
 ) -> RunConfig:

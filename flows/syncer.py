@@ -37,7 +37,7 @@ from diloco.syncer import GlobalVersion
 from diloco.topology import shard_fragments
 from flows.bucket_io import BucketStore
 from flows.observe import artifact_key, run_logger, tag_flow_run, worker_tags
-from flows.run import bucket_store, config_from_spec
+from flows.run import bucket_store, config_from_spec, worker_done
 from storage_layout.auth import UNAUTHENTICATED
 from storage_layout.retention import collect_garbage
 from storage_layout.store import RunStore
@@ -98,10 +98,10 @@ class PipelineSyncerTransport:
             if learner in self.done:
                 continue
             try:
-                state = (main.read_metrics(learner, region) or {}).get("state")
+                done = worker_done(main, learner, region)
             except OSError:
                 return False
-            if state != "done" and not self._given_up(learner):
+            if not done and not self._given_up(learner):
                 return False
             self.done.add(learner)
         return True

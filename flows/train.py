@@ -68,12 +68,12 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 def _is_complete(run: str, regions: dict[str, str], cfg: RunConfig, root: Path) -> bool:
     """Check the spec and reach every bucket (a mismatch or a missing bucket is reported
     before anything starts); True, with the stored summary printed, if the run is done."""
-    from flows.run import initialize_run
+    from flows.run import initialize_run, worker_done
     from storage_layout.store import RunStore
 
     store = RunStore(run, regions, home_region(regions), writer="launcher")
     spec = initialize_run(store, cfg)
-    if not all((store.read_metrics(lid, region) or {}).get("state") == "done"
+    if not all(worker_done(store, lid, region)
                for lid, region in spec["learners"].items()):  # fmt: skip
         return False
     console.print(f"run {run!r} is complete (every learner is done); "

@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.machine import machine  # noqa: E402
 from diloco.quantize import quantize  # noqa: E402
+from flows.run import worker_done  # noqa: E402
 from infra.chaos import read_actions  # noqa: E402
 from storage_layout.audit import audit_run  # noqa: E402
 from storage_layout.auth import learner_key  # noqa: E402
@@ -107,7 +108,7 @@ class Forger(threading.Thread):
         spec = store.read_spec()
         lid = self.rng.choice(sorted(spec["learners"]))
         region = spec["learners"][lid]
-        if (store.read_metrics(lid, region) or {}).get("state") == "done":
+        if worker_done(store, lid, region):
             return  # the syncers may have looked for the last time
         seqs = {p: store.contribution_seqs(lid, p, region) for p in range(len(spec["fragments"]))}
         newest = max(((s[-1], p) for p, s in seqs.items() if s), default=None)
