@@ -1,5 +1,11 @@
 """Inner optimization of one learner: AdamW with warm-up, cosine decay and clipping.
 
+The learning rate is an argument of the step, not a count inside the optimizer state: its
+warm-up follows the state's own age (Adam's moments need it whoever the learner is), its
+decay a *position* the caller gives, the run's progress when learners share the budget
+(``LearnerLoop.position``), so fast and slow learners stand at the same point of the
+schedule at the same time.
+
 Parameters travel as a flat ``{name: jax.Array}`` dict (see ``model.ParamCodec``), so
 the step, the optimizer state and every fragment operation share one naming. The batch
 is sharded over all local JAX devices along a ``data`` mesh axis (data parallel inside
@@ -22,23 +28,30 @@ from diloco.model import ParamCodec
 JaxParams = dict[str, jax.Array]
 
 
-def inner_optimizer(cfg: InnerConfig, total_steps: int) -> optax.GradientTransformation:
-    """Clip by global norm, then AdamW on a warm-up + cosine schedule.
+def inner_optimizer(cfg: InnerConfig) -> optax.GradientTransformation:
+    """Clip by global norm, then AdamW at rate 1: the step scales the update by
+    ``inner_lr`` (a schedule inside the state could follow only the state's own count).
 
     Weight decay applies to matrices only (not to norms' scales or biases).
     """
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=cfg.lr,
-        warmup_steps=cfg.warmup_steps,
-        decay_steps=max(total_steps, cfg.warmup_steps + 1),
-        end_value=cfg.lr * cfg.min_lr_ratio,
-    )
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
     return optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm),
-        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask),
+        optax.adamw(1.0, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask),
     )
+
+
+def inner_lr(cfg: InnerConfig, total_steps: int, age: jax.Array, position: jax.Array) -> jax.Array:
+    """The rate of an update: a linear warm-up from 0 over the optimizer state's first
+    ``warmup_steps`` updates (``age``), times a cosine decay from ``lr`` to
+    ``lr * min_lr_ratio`` over ``total_steps`` that follows ``position``. Where age and
+    position agree (one learner alone, or each on its own share), it is optax's
+    ``warmup_cosine_decay_schedule`` exactly."""
+    warmup = cfg.warmup_steps
+    decay = optax.cosine_decay_schedule(
+        cfg.lr, decay_steps=max(total_steps, warmup + 1) - warmup, alpha=cfg.min_lr_ratio
+    )(jnp.maximum(position - warmup, 0.0))
+    return decay * jnp.minimum(age / warmup, 1.0) if warmup else decay
 
 
 class InnerTrainer:
@@ -52,7 +65,7 @@ class InnerTrainer:
         devices: Sequence[jax.Device] | None = None,
     ):
         self.codec = codec
-        self.tx = inner_optimizer(cfg, total_steps)
+        self.tx = inner_optimizer(cfg)
         self.devices = list(devices or jax.devices())
         mesh = Mesh(np.array(self.devices), ("data",))
         self.batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
@@ -64,12 +77,17 @@ class InnerTrainer:
             labels = batch[:, 1:]
             return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
-        def train_step(params, opt_state, batch):
+        def train_step(params, opt_state, batch, position):
             loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+            lr = self._lr(opt_state, position)  # Adam's count: the state's age
             updates, opt_state = self.tx.update(grads, opt_state, params)
+            updates = jax.tree.map(lambda u: lr * u, updates)
             return optax.apply_updates(params, updates), opt_state, loss
 
         self._train_step = jax.jit(train_step)
+        self._lr = lambda opt_state, position: inner_lr(
+            cfg, total_steps, optax.tree_utils.tree_get(opt_state, "count"), position
+        )
         self._loss = jax.jit(loss_fn)
 
     def place_params(self, flat: Mapping[str, np.ndarray]) -> JaxParams:
@@ -92,11 +110,19 @@ class InnerTrainer:
         return jax.device_put(batch, self.batch_sharding)
 
     def step(
-        self, params: JaxParams, opt_state: optax.OptState, batch: np.ndarray
+        self, params: JaxParams, opt_state: optax.OptState, batch: np.ndarray, position: float
     ) -> tuple[JaxParams, optax.OptState, float]:
-        """One inner step. Returns new params, new optimizer state and the batch loss."""
-        params, opt_state, loss = self._train_step(params, opt_state, self.place_batch(batch))
+        """One inner step at ``position`` on the decay schedule (in inner steps: the
+        learner's own step, or the run's steps per learner). Returns new params, new
+        optimizer state and the batch loss."""
+        params, opt_state, loss = self._train_step(
+            params, opt_state, self.place_batch(batch), np.float32(position)
+        )
         return params, opt_state, loss
+
+    def lr(self, opt_state: optax.OptState, position: float) -> float:
+        """The rate of the next step from ``opt_state`` at ``position`` (for logs)."""
+        return float(self._lr(opt_state, np.float32(position)))
 
     def evaluate(self, params: JaxParams, batches: Sequence[np.ndarray]) -> float:
         """Mean next-byte cross-entropy (nats per byte) over ``batches``."""

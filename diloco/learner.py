@@ -84,10 +84,13 @@ class Learner:
     def tokens_per_step(self) -> int:
         return self.reader.batch_size * self.reader.context
 
-    def train_step(self, seconds: float = 0.0) -> jax.Array:
-        """One inner step; ``seconds`` is the (measured or simulated) time it took."""
+    def train_step(self, seconds: float = 0.0, position: float | None = None) -> jax.Array:
+        """One inner step; ``seconds`` is the (measured or simulated) time it took,
+        ``position`` where it stands on the decay schedule (its own step by default)."""
         batch = self.reader.next_batch()
-        self.params, self.opt_state, loss = self.trainer.step(self.params, self.opt_state, batch)
+        self.params, self.opt_state, loss = self.trainer.step(
+            self.params, self.opt_state, batch, self.step if position is None else position
+        )
         self.step += 1
         for frag in self.fragments:
             frag.tokens += self.tokens_per_step

@@ -300,6 +300,19 @@ class LearnerLoop:
         steps[self.learner.id] = self.learner.step
         return sum(steps.values())
 
+    def position(self) -> float:
+        """Where this learner stands on the inner decay schedule: its own step, or, sharing
+        the budget, the run's steps per learner, so that learners of different speeds
+        (or restarted, or killed more often) decay together and reach the end of the
+        schedule as the budget ends, not each at the end of an even share."""
+        if not self.cfg.shared_budget:
+            return self.learner.step
+        return self.run_steps() / self.cfg.topology.learners
+
+    def lr(self) -> float:
+        """The inner learning rate of its next step."""
+        return self.learner.trainer.lr(self.learner.opt_state, self.position())
+
     def run(self, steps: int | None = None) -> Iterator[Request]:
         """At most ``steps`` more inner steps (until it is finished by default)."""
         lrn = self.learner
@@ -313,7 +326,7 @@ class LearnerLoop:
             # time exactly; on the wall clock, the dispatch and the device_get of each
             # contribution keep the sum honest.
             seconds, self._mark = now - self._mark, now
-            loss = lrn.train_step(seconds)
+            loss = lrn.train_step(seconds, self.position())
             self.clock.stepped(now, loss)  # where a slowed learner's wall clock sleeps
             self.losses.append(loss)
             self.deliver()
@@ -332,7 +345,7 @@ class LearnerLoop:
         c = self.learner.contribute(p)
         self.transport.send(c)
         self.transport.want(p, c.base_version)
-        self.emit(records.sent(c, self.clock.now(), float(loss)))
+        self.emit(records.sent(c, self.clock.now(), float(loss), self.lr()))
 
     def deliver(self) -> int:
         """Apply every newer global that answers one of this learner's sends (tau steps

@@ -30,13 +30,14 @@ Record = dict[str, Any]
 EVENTS = ("sent", "applied", "version", "rejected", "failure", "rejoin", "eval")
 
 
-def sent(c: Any, time: float, loss: float | None = None) -> Record:
-    """A contribution left the learner (``c`` is a ``diloco.outer.Contribution``)."""
+def sent(c: Any, time: float, loss: float | None = None, lr: float | None = None) -> Record:
+    """A contribution left the learner (``c`` is a ``diloco.outer.Contribution``; ``lr``
+    the inner rate it trains at now)."""
     return {
         "event": "sent", "time": time, "learner": c.learner, "fragment": c.fragment,
         "seq": c.seq, "base_version": c.base_version, "anchor_seq": c.anchor_seq,
         "step": c.step, "tokens": c.tokens,
-        "steps": c.steps, "seconds": c.seconds, "bytes": c.nbytes, "loss": loss,
+        "steps": c.steps, "seconds": c.seconds, "bytes": c.nbytes, "loss": loss, "lr": lr,
     }  # fmt: skip
 
 

@@ -184,7 +184,7 @@ def _simulate_dp(run: _Run, codec: ParamCodec, init: dict, readers: list[ShardRe
     run.maybe_evaluate(now, lambda: params)
     for step in range(1, steps + 1):
         batch = np.concatenate([r.next_batch() for r in readers])
-        params, opt_state, _ = run.trainer.step(params, opt_state, batch)
+        params, opt_state, _ = run.trainer.step(params, opt_state, batch, step - 1)
         now += step_time
         while failures and failures[0][0] <= now:
             start, end, learner = failures.pop(0)

@@ -28,7 +28,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -74,6 +73,7 @@ from flows.observe import (
     train_summary_rows,
 )
 from flows.run import build_model, initialize_run, validation, worker_done
+from flows.spares import WORKER_COMMAND, Spares
 from infra.chaos import Chaos, ChaosPlan, kill_to_rejoin, percentiles, read_actions
 from storage_layout import faults
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV, learner_key, run_secret
@@ -120,91 +120,6 @@ def child_env(
         elif worker.startswith(LEARNER_PREFIX):
             env[LEARNER_KEY_ENV] = learner_key(secret, run, worker).hex()
     return env
-
-
-WORKER_COMMAND = [sys.executable, "-m", "flows.worker"]  # + the role and its options
-
-
-class Spares:
-    """Worker processes started ahead of need (``python -m flows.worker standby``): each
-    has done the slow imports (JAX, Flax, Prefect: about 3 s of CPU, several times that
-    on cores busy with training) and waits on its stdin for the command, environment and
-    log of the worker it is to become. A restarted worker takes a spare and skips that
-    start-up; the pool is refilled at once, off the restart's path. With ``count`` 0 (or
-    none left) a worker starts cold, through the same standby entry point.
-
-    Why by hand: a fork server (``multiprocessing.forkserver``) would also do, but forking
-    after JAX and Prefect have started threads is unsafe, and a spare must run the very
-    command a cold start runs, with its own environment and log."""
-
-    def __init__(
-        self,
-        count: int,
-        log_path: Path | str,
-        env: dict[str, str],
-        warm: dict[str, str] | None = None,
-    ):
-        self.count, self.log_path, self.env = count, Path(log_path), env
-        # {"run", "bucket", "region"}: a spare also builds the run's model and compiles its
-        # train step while it waits (``flows.learner.warm_up``).
-        self.warm = warm
-        self.idle: list[subprocess.Popen] = []
-        self.lock = threading.Lock()
-        self.closed = False
-        self._fill()
-
-    def _spawn(self, log_path: Path | str, env: dict[str, str]) -> subprocess.Popen:
-        with open(log_path, "ab") as out:
-            extra = ["--warm", json.dumps(self.warm)] if self.warm else []
-            return subprocess.Popen([*WORKER_COMMAND, "standby", *extra],
-                                    stdin=subprocess.PIPE, stdout=out,
-                                    stderr=subprocess.STDOUT, env=env)  # fmt: skip
-
-    def _fill(self) -> None:
-        with self.lock:
-            self.idle = [p for p in self.idle if p.poll() is None]
-            while not self.closed and len(self.idle) < self.count:
-                self.idle.append(self._spawn(self.log_path, self.env))
-
-    def take(self, argv: list[str], log_path: str, env: dict[str, str]) -> tuple[Any, bool]:
-        """A process running ``argv`` with ``env`` and its output appended to
-        ``log_path``, and whether it was a spare (warm). Only ``flows.worker`` command
-        lines can take a spare; any other starts as it is."""
-        if argv[:3] != WORKER_COMMAND:
-            with open(log_path, "ab") as out:
-                return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env), False
-        with self.lock:
-            live = [p for p in self.idle if p.poll() is None]
-            proc = live.pop(0) if live else None
-            self.idle = live
-        job = (json.dumps({"argv": argv[3:], "env": env, "log": str(Path(log_path).resolve())})
-               + "\n").encode()  # fmt: skip
-        warm = proc is not None
-        if proc is not None:
-            try:
-                proc.stdin.write(job)
-                proc.stdin.close()
-            except OSError:  # it died between the check and the write: start one cold
-                proc.kill()
-                proc, warm = None, False
-        if proc is None:
-            proc = self._spawn(log_path, env)
-            proc.stdin.write(job)
-            proc.stdin.close()
-        self._fill()
-        return proc, warm
-
-    def close(self, timeout: float = 5.0) -> None:
-        """End the idle spares (a closed stdin tells a spare it is not needed)."""
-        with self.lock:
-            self.closed, idle, self.idle = True, self.idle, []
-        for proc in idle:
-            try:
-                proc.stdin.close()
-                proc.wait(timeout=timeout)
-            except (OSError, subprocess.TimeoutExpired):
-                proc.kill()
-                proc.wait()
 
 
 _SPARES: Spares | None = None  # this launcher's spare workers (processes mode)

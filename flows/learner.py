@@ -233,7 +233,7 @@ def compile_step(model: Any, cfg: Any) -> None:
     with _COMPILING:
         params = trainer.place_params(model.init)
         batch = np.zeros((cfg.data.batch_size, cfg.model.context + 1), dtype=np.int32)
-        trainer.step(params, trainer.init_opt_state(params), batch)[2].block_until_ready()
+        trainer.step(params, trainer.init_opt_state(params), batch, 0)[2].block_until_ready()
 
 
 def warm_up(run: str, bucket: str, region: str) -> None:
@@ -349,6 +349,7 @@ class LearnerRuntime:
             "round": number, "steps": steps, "step": self.step, "tokens": self.step * tokens,
             "loss": round(float(np.mean(losses)), 4) if losses else None,
             "tokens_per_s": round(steps * tokens / seconds, 1) if seconds > 0 else 0.0,
+            "lr": float(f"{self.loop.lr():.4g}"),
             "sent": len(records.of(new, "sent")), "applied": len(applied),
             "staleness": max((a["staleness"] for a in applied), default=0),
             "merge_weight": round(sum(a["weight"] for a in applied), 4),
@@ -437,8 +438,8 @@ def train_round(rt: LearnerRuntime, label: str) -> dict[str, Any]:
     where = (f"step {row['step']} (run {100 * rt.loop.run_steps() / rt.cfg.budget_steps:.0f} %)"
              if rt.cfg.shared_budget else f"step {row['step']}/{rt.loop.total_steps}")  # fmt: skip
     get_run_logger().info(
-        "%s loss %s, %.0f tokens/s, sent %d, applied %d (staleness <= %d)", where, row["loss"],
-        row["tokens_per_s"], row["sent"], row["applied"], row["staleness"],
+        "%s loss %s, lr %.3g, %.0f tokens/s, sent %d, applied %d (staleness <= %d)", where,
+        row["loss"], row["lr"], row["tokens_per_s"], row["sent"], row["applied"], row["staleness"],
     )  # fmt: skip
     return row
 

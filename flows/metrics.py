@@ -169,6 +169,7 @@ class LiveMetrics:
             step, at = int(row.get("step", row["round"])), float(row.get("time", time.time()))
             scalars = {
                 "loss/train": row.get("loss"),
+                "lr/inner": row.get("lr"),
                 "throughput/tokens_per_s": row.get("tokens_per_s"),
                 "staleness/applied_max": row.get("staleness"),
                 "merge/weight_applied": row.get("merge_weight"),

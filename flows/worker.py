@@ -6,6 +6,7 @@
 
     python -m flows.worker standby [--warm JSON]  # a spare: imports, then reads its job
                                                   # from stdin
+    python -m flows.worker zygote                 # imports once, forks spares on demand
 
 Every flow run resumes from the buckets (checkpoint or newest versions), so this process
 can be killed at any point and started again. Exit status: 0 when the role is done,
@@ -19,6 +20,7 @@ learner and syncer flow run of the run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -91,7 +93,7 @@ def _warm_up(warm: dict[str, str]) -> None:
 
 
 def standby(warm: dict[str, str] | None = None) -> int:
-    """A spare worker (``flows.launcher.Spares``): do the slow imports now (and, given the
+    """A spare worker (``flows.spares``): do the slow imports now (and, given the
     run in ``warm``, build its model and compile its train step: ``--warm JSON``), then
     wait for one line on stdin, ``{"argv": [...], "env": {...}, "log": PATH}``, and become
     that worker: its environment, its log on stdout and stderr, its command line. End
@@ -123,8 +125,97 @@ def standby(warm: dict[str, str] | None = None) -> int:
     return main(job["argv"])
 
 
+def zygote() -> int:
+    """A fork server for spares (``flows.spares.Zygote`` drives it): import what a
+    worker needs once, then fork a spare for each request, so a spare costs its warm-up
+    (model, compiled step, corpus), not the seconds of imports again. Nothing here starts
+    a thread before forking (the imports start none, and a JAX backend is started only
+    in the children), so a fork is safe.
+
+    One JSON object a line on stdin: ``{"spawn": N, "log": PATH, "warm": {...} | null}``
+    forks spare N (its output to PATH) and answers ``{"spawned": N, "pid": P}`` on
+    stdout; ``{"job": N, "line": TEXT}`` hands spare N its job (its stdin line); every
+    spare that ends is answered ``{"exit": N, "code": C}`` (C as ``Popen.returncode``).
+    When stdin closes, the idle spares are told to end (their stdin closes) and the
+    zygote ends once every child has.
+
+    Why by hand: ``multiprocessing``'s fork server imports in the launcher's environment,
+    not the worker's (Prefect reads its settings at import), gives its children no
+    stdin, and ends them with ``os._exit``, which skips Prefect's flush of their logs."""
+    import selectors
+
+    import flows.learner
+    import flows.syncer  # noqa: F401
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the workers: report them
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # stray prints go to the zygote's log, not into the answers
+    jobs: dict[int, int] = {}  # spare -> the write end of its stdin, until its job is given
+    children: dict[int, int] = {}  # pid -> spare
+    sel = selectors.DefaultSelector()
+    sel.register(0, selectors.EVENT_READ)
+    pending, reading = b"", True
+
+    def answer(**msg: object) -> None:
+        with contextlib.suppress(OSError):  # the launcher is gone: nobody to tell
+            answers.write(json.dumps(msg) + "\n")
+
+    def give(spare: int, line: bytes) -> None:
+        fd = jobs.pop(spare, None)
+        if fd is None:
+            return
+        with contextlib.suppress(OSError):  # it ended before its job: reported as it exits
+            os.write(fd, line)
+        os.close(fd)
+
+    while reading or children:
+        if reading and sel.select(timeout=0.05):
+            chunk = os.read(0, 1 << 16)
+            if not chunk:
+                reading = False
+                for spare in list(jobs):
+                    give(spare, b"")  # idle spares end quietly
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                msg = json.loads(line)
+                if "job" in msg:
+                    give(msg["job"], (msg["line"].rstrip("\n") + "\n").encode())
+                    continue
+                read_end, write_end = os.pipe()
+                pid = os.fork()
+                if pid == 0:  # the spare: its own stdin and log, the default Ctrl-C
+                    os.dup2(read_end, 0)
+                    for fd in (read_end, write_end, *jobs.values()):
+                        os.close(fd)
+                    answers.close()
+                    sel.close()
+                    fd = os.open(msg["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                    os.dup2(fd, 1)
+                    os.dup2(fd, 2)
+                    os.close(fd)
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
+                    return standby(msg.get("warm"))
+                os.close(read_end)
+                jobs[msg["spawn"]], children[pid] = write_end, msg["spawn"]
+                answer(spawned=msg["spawn"], pid=pid)
+        elif not reading:
+            time.sleep(0.05)
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            spare = children.pop(pid, None)
+            if spare is not None:
+                give(spare, b"")
+                answer(exit=spare, code=os.waitstatus_to_exitcode(status))
+    return 0
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["standby"]:
         warm = json.loads(sys.argv[3]) if sys.argv[2:3] == ["--warm"] else None
         sys.exit(standby(warm))
+    if sys.argv[1:2] == ["zygote"]:
+        sys.exit(zygote())
     sys.exit(main())

@@ -120,8 +120,8 @@ def test_factory_model_builds_and_trains(tmp_path):
     opt = trainer.init_opt_state(params)
     shard = reader(cfg, 0)
     losses = []
-    for _ in range(2):
-        params, opt, loss = trainer.step(params, opt, shard.next_batch())
+    for i in range(2):
+        params, opt, loss = trainer.step(params, opt, shard.next_batch(), i)
         losses.append(float(loss))
     assert all(np.isfinite(losses)) and 4.0 < losses[0] < 7.0  # about ln 256 at the start
 

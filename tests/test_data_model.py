@@ -1,10 +1,11 @@
 import jax
 import numpy as np
+import optax
 import pytest
 
-from diloco.config import load_config
+from diloco.config import InnerConfig, load_config
 from diloco.data import DataError, ShardReader, list_files, load_corpus, validation_batches
-from diloco.inner import InnerTrainer
+from diloco.inner import InnerTrainer, inner_lr
 from diloco.model import ParamCodec
 from flows.bucket_io import optimizer_leaves, optimizer_state
 
@@ -77,6 +78,31 @@ def test_tiny_model_size_and_names():
     assert all(np.array_equal(flat[n], back[n]) for n in flat)
 
 
+def test_inner_rate_warms_up_on_the_state_and_decays_on_the_position(corpus):
+    cfg = InnerConfig(warmup_steps=10)
+    optax_schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, 10, 100, cfg.lr * cfg.min_lr_ratio
+    )
+    for k in (0, 3, 9, 10, 11, 40, 99, 100, 130):  # in step: optax's schedule exactly
+        assert float(inner_lr(cfg, 100, k, k)) == pytest.approx(float(optax_schedule(k)))
+    assert float(inner_lr(cfg, 100, 3, 99)) == pytest.approx(0.3 * float(optax_schedule(99)))
+    assert float(inner_lr(cfg, 100, 50, 0)) == pytest.approx(cfg.lr)
+    # The step's update scales with the rate at the position it is given.
+    tiny = load_config("tiny", overrides=["inner.warmup_steps=0"])
+    codec, state = ParamCodec.create(tiny.model, 0)
+    trainer = InnerTrainer(codec, tiny.inner, total_steps=100)
+    params = trainer.place_params(codec.to_flat(state))
+    batch = ShardReader(corpus.train_shards[0], 8, tiny.model.context, 0, 0).next_batch()
+    moved = {}
+    for position in (0.0, 100.0):
+        new, opt, _ = trainer.step(params, trainer.init_opt_state(params), batch, position)
+        moved[position] = sum(float(np.abs(new[n] - params[n]).sum()) for n in params)
+        assert trainer.lr(opt, position) == pytest.approx(
+            float(inner_lr(tiny.inner, 100, 1, position))
+        )
+    assert moved[100.0] / moved[0.0] == pytest.approx(tiny.inner.min_lr_ratio, rel=1e-3)
+
+
 def test_train_step_sharded_over_two_devices_and_loss_falls(corpus):
     assert len(jax.devices()) == 2  # tests/conftest.py forces two host devices
     cfg = load_config("tiny")
@@ -87,13 +113,13 @@ def test_train_step_sharded_over_two_devices_and_loss_falls(corpus):
     reader = ShardReader(corpus.train_shards[0], 8, cfg.model.context, 0, 0)
     val = validation_batches(corpus, 8, cfg.model.context, 2, 0)
     before = trainer.evaluate(params, val)
-    for _ in range(40):
-        params, opt, _loss = trainer.step(params, opt, reader.next_batch())
+    for i in range(40):
+        params, opt, _loss = trainer.step(params, opt, reader.next_batch(), i)
     # One compiled step for a fresh optimizer state, the state a step returns and one
     # restored from a checkpoint: a restarted learner's first round compiles nothing.
     restored = optimizer_state(optimizer_leaves(opt), trainer.init_opt_state(params),
                                trainer.place_params)  # fmt: skip
-    trainer.step(params, restored, reader.next_batch())
+    trainer.step(params, restored, reader.next_batch(), 40.5)
     assert trainer._train_step._cache_size() == 1
     batch = trainer.place_batch(reader.next_batch())
     assert len(batch.sharding.device_set) == 2

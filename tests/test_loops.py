@@ -336,7 +336,7 @@ class _StubLearner:
     def __init__(self, clock: _FakeTime) -> None:
         self.clock, self.step, self.seconds, self.losses = clock, 0, [], []
 
-    def train_step(self, seconds: float) -> _Loss:
+    def train_step(self, seconds: float, position: float | None = None) -> _Loss:
         self.clock.t += 0.1
         self.step += 1
         self.seconds.append(round(seconds, 9))

@@ -649,23 +649,49 @@ def test_a_spare_worker_becomes_the_worker_it_is_given_and_idle_ones_end(tmp_pat
     assert warm and proc is spare and proc.wait(timeout=60) == 2
     assert "invalid choice: 'bogus'" in (tmp_path / "w.log").read_text()
     assert len(pool.idle) == 1 and pool.idle[0] is not spare
+    # Spares are forked from the zygote (which did the imports once); their ends, a kill
+    # included, are told by it.
+    idle = pool.idle[0]
+    assert Path(f"/proc/{idle.pid}/stat").read_text().split(") ")[1].split()[1] == str(
+        pool.zygote.proc.pid
+    )
+    idle.kill()
+    assert idle.wait(timeout=60) == -signal.SIGKILL
+    cold, warm = pool.take([*WORKER_COMMAND, "bogus"], str(tmp_path / "c.log"), child_env())
+    assert not warm and cold is not idle and cold.wait(timeout=60) == 2  # a dead one is skipped
     other, warm = pool.take([sys.executable, "-c", "print('as is')"], str(tmp_path / "o.log"),
                             child_env())  # fmt: skip
     assert not warm and other.wait(timeout=60) == 0
     assert (tmp_path / "o.log").read_text() == "as is\n"
     idle = pool.idle[0]
     pool.close()
-    assert idle.wait(timeout=1) == 0 and pool.idle == []
+    assert idle.wait(timeout=5) == 0 and pool.idle == []
+    assert pool.zygote.proc.wait(timeout=5) == 0
     assert (tmp_path / "spares.log").read_text() == ""  # quiet: no traceback, no warning
 
 
-def test_a_spare_holds_no_accelerator():
+def test_spares_outlive_their_zygote(tmp_path):
+    """A zygote that dies leaves no worker unwatched and no restart stuck: its forked
+    spares' ends are still seen, and new spares start as processes of their own."""
+    pool = Spares(1, tmp_path / "spares.log", child_env())
+    orphan = pool.idle[0]
+    assert orphan.pid > 0
+    pool.zygote.proc.kill()
+    assert orphan.wait(timeout=60) == 1  # its stdin closed with the zygote: it ended
+    proc, _ = pool.take([*WORKER_COMMAND, "bogus"], str(tmp_path / "w.log"), child_env())
+    assert proc.wait(timeout=60) == 2 and isinstance(proc, subprocess.Popen)
+    pool.close()
+
+
+def test_a_spare_holds_no_accelerator_and_its_zygote_no_thread():
     """A spare imports what a worker needs and nothing starts a JAX backend: on a GPU node
-    an idle spare must not take the memory the learner it replaces needs."""
-    code = ("import flows.learner, flows.syncer, jax._src.xla_bridge as xb; "
-            "print(xb.backends_are_initialized())")  # fmt: skip
+    an idle spare must not take the memory the learner it replaces needs. Nor does any
+    import start a thread: the zygote forks spares after these imports, and a fork copies
+    only the thread that calls it."""
+    code = ("import threading, flows.learner, flows.syncer, jax._src.xla_bridge as xb; "
+            "print(xb.backends_are_initialized(), threading.active_count())")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
+    assert out.returncode == 0 and out.stdout.split() == ["False", "1"], out.stderr[-2000:]
 
 
 def test_duplicate_syncer_is_fenced_off(tmp_path):

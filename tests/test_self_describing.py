@@ -251,7 +251,7 @@ def test_a_syncer_publishes_named_leaves_and_resumes_from_them(tmp_path):
 
 
 def test_checkpoint_leaves_are_named_and_positional_ones_still_restore():
-    tx = inner_optimizer(InnerConfig(), 100)
+    tx = inner_optimizer(InnerConfig())
     template = tx.init({"blocks.0.up.kernel": np.zeros((2, 3), np.float32),
                         "norm scale": np.zeros(3, np.float32)})  # fmt: skip
     leaves = optimizer_leaves(template)

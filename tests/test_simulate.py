@@ -65,9 +65,16 @@ def test_slow_learners_stall_diloco_but_not_decoupled():
     # learners never wait, and they share the budget: the fast ones train more of it than
     # the slow ones, none sits idle at the end, and the run ends far sooner.
     last: dict[str, int] = {}
+    lr: dict[str, float] = {}
     for r in records.of(result.metrics, "sent"):
         last[r["learner"]] = max(last.get(r["learner"], 0), r["step"])
+        lr[r["learner"]] = r["lr"]
     assert min(last["learner-0"], last["learner-1"]) > 2 * last["learner-3"]
+    # Their inner rates follow the run's progress, not each one's own step: the slowest
+    # ends the run as far down the decay as the fastest (on its own step it would still
+    # be near the peak, and its last contributions would undo the others' annealing).
+    peak = load_config("tiny").inner.lr
+    assert lr["learner-3"] < 1.5 * lr["learner-0"] < 0.5 * peak
     cfg = load_config("tiny", mode="decoupled", overrides=over)
     assert 0.9 * cfg.budget_steps <= sum(last.values()) <= 1.1 * cfg.budget_steps
     assert max(dec["learner_seconds"].values()) * 1.5 < max(sync["learner_seconds"].values())

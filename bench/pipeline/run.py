@@ -38,13 +38,13 @@ model = build_model(cfg)
 trainer, r = model.trainer, reader(cfg, 0)
 params = trainer.place_params(model.init)
 opt = trainer.init_opt_state(params)
-for _ in range(5):
-    params, opt, loss = trainer.step(params, opt, r.next_batch())
+for i in range(5):
+    params, opt, loss = trainer.step(params, opt, r.next_batch(), i)
 loss.block_until_ready()
 steps = int(sys.argv[3])
 start = time.perf_counter()
-for _ in range(steps):
-    params, opt, loss = trainer.step(params, opt, r.next_batch())
+for i in range(steps):
+    params, opt, loss = trainer.step(params, opt, r.next_batch(), 5 + i)
 loss.block_until_ready()
 seconds = time.perf_counter() - start
 print(json.dumps({"tokens_per_s": steps * cfg.tokens_per_step / seconds, "steps": steps}))
