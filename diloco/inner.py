@@ -77,17 +77,18 @@ class InnerTrainer:
             labels = batch[:, 1:]
             return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
+        self._lr = lambda opt_state, position: inner_lr(  # Adam's count: the state's age
+            cfg, total_steps, optax.tree_utils.tree_get(opt_state, "count"), position
+        )
+
         def train_step(params, opt_state, batch, position):
             loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-            lr = self._lr(opt_state, position)  # Adam's count: the state's age
+            lr = self._lr(opt_state, position)
             updates, opt_state = self.tx.update(grads, opt_state, params)
             updates = jax.tree.map(lambda u: lr * u, updates)
             return optax.apply_updates(params, updates), opt_state, loss
 
         self._train_step = jax.jit(train_step)
-        self._lr = lambda opt_state, position: inner_lr(
-            cfg, total_steps, optax.tree_utils.tree_get(opt_state, "count"), position
-        )
         self._loss = jax.jit(loss_fn)
 
     def place_params(self, flat: Mapping[str, np.ndarray]) -> JaxParams:

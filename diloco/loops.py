@@ -283,9 +283,13 @@ class LearnerLoop:
     @property
     def finished(self) -> bool:
         """Its share trained, or, sharing the budget, the run's budget trained by all."""
+        return self._finished(self.run_steps() if self.cfg.shared_budget else 0)
+
+    def _finished(self, run_steps: int) -> bool:
+        """``finished``, given ``run_steps()`` as just read."""
         if self.learner.step >= self.cap:
             return True
-        return self.cfg.shared_budget and self.run_steps() >= self.cfg.budget_steps
+        return self.cfg.shared_budget and run_steps >= self.cfg.budget_steps
 
     def run_steps(self) -> int:
         """The inner steps the learners have taken together, as far as this one knows: its
@@ -300,14 +304,16 @@ class LearnerLoop:
         steps[self.learner.id] = self.learner.step
         return sum(steps.values())
 
-    def position(self) -> float:
+    def position(self, run_steps: int | None = None) -> float:
         """Where this learner stands on the inner decay schedule: its own step, or, sharing
-        the budget, the run's steps per learner, so that learners of different speeds
-        (or restarted, or killed more often) decay together and reach the end of the
-        schedule as the budget ends, not each at the end of an even share."""
+        the budget, the run's steps per learner (``run_steps()``, or the value given), so
+        that learners of different speeds (or restarted, or killed more often) decay
+        together and reach the end of the schedule as the budget ends, not each at the end
+        of an even share."""
         if not self.cfg.shared_budget:
             return self.learner.step
-        return self.run_steps() / self.cfg.topology.learners
+        known = self.run_steps() if run_steps is None else run_steps
+        return known / self.cfg.topology.learners
 
     def lr(self) -> float:
         """The inner learning rate of its next step."""
@@ -316,7 +322,11 @@ class LearnerLoop:
     def run(self, steps: int | None = None) -> Iterator[Request]:
         """At most ``steps`` more inner steps (until it is finished by default)."""
         lrn = self.learner
-        left = 0 if self.finished else self.cap - lrn.step
+        # The run's steps, read once a step (every fragment's newest version, a listing
+        # each over a bucket store): the end of a step's look serves the next step's rate.
+        look = self.run_steps if self.cfg.shared_budget else lambda: 0
+        known = look()
+        left = 0 if self._finished(known) else self.cap - lrn.step
         self.losses = []
         self._mark = self.clock.now()
         for _ in range(min(left, steps if steps is not None else left)):
@@ -326,14 +336,15 @@ class LearnerLoop:
             # time exactly; on the wall clock, the dispatch and the device_get of each
             # contribution keep the sum honest.
             seconds, self._mark = now - self._mark, now
-            loss = lrn.train_step(seconds, self.position())
+            loss = lrn.train_step(seconds, self.position(known))
             self.clock.stepped(now, loss)  # where a slowed learner's wall clock sleeps
             self.losses.append(loss)
             self.deliver()
             p = lrn.due()
             if p is not None:
                 self.send(p, loss)
-            done = self.finished  # once: a shared budget's end may arrive at any moment
+            known = look()
+            done = self._finished(known)  # once: a shared budget's end may come at any moment
             if lrn.step % self.cfg.pipeline.checkpoint_every == 0 or done:
                 self.transport.save_checkpoint(lrn.checkpoint())
             if done:
