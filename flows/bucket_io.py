@@ -39,11 +39,14 @@ from storage_layout.auth import Keys, Unauthenticated
 from storage_layout.bucket import Traffic
 from storage_layout.commit import CommitConflict, CorruptVersion, patiently
 from storage_layout.retention import prune_checkpoints
-from storage_layout.store import PublishReport, RunStore
+from storage_layout.store import PublishReport, RunStore, SeqNotReserved
 
 log = logging.getLogger(__name__)
 
 READ_ATTEMPTS = 3  # reads of a contribution before it is rejected as corrupt
+# Seqs a learner process reserves at a time (``RunStore.reserve_seqs``): one small write
+# per this many sends; a restart skips at most this many numbers.
+SEQ_BLOCK = 8
 # Contribution fields kept in the marker's meta (the tensors are the payload).
 _COUNTERS = ("base_version", "anchor_seq", "step", "tokens", "steps", "seconds")
 
@@ -203,6 +206,8 @@ class BucketStore:
         self._published: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
         # (learner, fragment) -> seq -> the marker of a listed contribution not read yet
         self._heads: dict[tuple[str, int], dict[int, Any]] = {}
+        # learner -> (claim, first, end) of the block of seqs this process holds
+        self._seqs: dict[str, tuple[int | None, int, int]] = {}
         self.learners = dict(learners)
         if keys is None:
             keys = Keys.from_env(run, writer if writer in self.learners else None)
@@ -235,31 +240,76 @@ class BucketStore:
     # learner side ---------------------------------------------------------------------
     def put_contribution(self, c: Contribution) -> None:
         """Commit ``c`` in its learner's region, signed with the learner's key if this
-        process holds it (a syncer holding the run secret rejects unsigned ones)."""
+        process holds it (a syncer holding the run secret rejects unsigned ones). Its seq
+        must lie in a block this process reserved (``SeqNotReserved`` if another process of
+        the learner holds the numbers above it)."""
+        self._reserved(c.learner, c.seq)
         key = self.keys.signing_key(c.learner)
         self.writer_for(c.learner).put_contribution(
             c.learner, c.fragment, c.seq, c.payload, contribution_meta(c), key=key
         )
 
+    def _reserved(self, learner: str, seq: int) -> None:
+        """Make sure this process holds ``seq`` of ``learner`` (``RunStore.reserve_seqs``)."""
+        claim, first, end = self._seqs.get(learner, (None, 0, 0))
+        if first <= seq < end:
+            return
+        if seq >= end:
+            claim, first, end = self.writer_for(learner).reserve_seqs(
+                learner, seq, SEQ_BLOCK, after=claim
+            )
+            self._seqs[learner] = (claim, first, end)
+        if first != seq:
+            raise SeqNotReserved(
+                f"{learner}: seq {seq} is not this process's to commit: another process of "
+                f"{learner} has reserved the numbers from {first} on since (it runs as this "
+                "learner now); this one must stop"
+            )
+
     def sent_so_far(self, learner: str) -> tuple[int, int]:
-        """(newest seq, its step) among ``learner``'s committed contributions."""
+        """(newest seq, its step) among ``learner``'s committed contributions, for a process
+        that starts as ``learner``: it also reserves the first block of seqs this process
+        commits, so the seq returned is the one below that block, never below a seq an
+        earlier process may have committed (``RunStore.reserve_seqs``), even when the
+        listings leave the newest contributions out. The step is that of the newest
+        committed contribution, listed or found among the numbers the earlier processes
+        reserved, so work already sent is not trained again."""
         store, region = self.writer_for(learner), self.region_of(learner)
-        newest = (0, -1)
+        listed: dict[int, int] = {}  # fragment -> newest seq listed
         for p in range(self._fragments()):
             seqs = store.contribution_seqs(learner, p, region)
-            if seqs and seqs[-1] > newest[0]:
-                newest = (seqs[-1], p)
-        if newest[1] < 0:
-            return 0, 0
-        seq, p = newest
+            if seqs:
+                listed[p] = seqs[-1]
+        seq = max(listed.values(), default=0)
+        self._seqs[learner] = store.reserve_seqs(learner, seq + 1, SEQ_BLOCK)
+        first = self._seqs[learner][1]
+        newest = self._newest_unlisted(learner, seq, first) or (
+            (seq, max(listed, key=listed.__getitem__)) if listed else None
+        )
+        if newest is None:
+            return first - 1, 0
         try:
-            meta = store.contribution_meta(learner, p, seq, region)
+            meta = store.contribution_meta(learner, newest[1], newest[0], region)
         except (CorruptVersion, FileNotFoundError) as exc:
             log.warning(
                 "newest contribution of %s unreadable (%s); its step is unknown", learner, exc
             )
-            return seq, 0
-        return seq, int(meta.get("step", 0))
+            return first - 1, 0
+        return first - 1, int(meta.get("step", 0))
+
+    def _newest_unlisted(self, learner: str, listed: int, first: int) -> tuple[int, int] | None:
+        """(seq, fragment) of the newest contribution of ``learner`` above ``listed`` (the
+        newest a listing showed) and below ``first`` (this process's first seq), looked up
+        by key, newest first, over the last ``2 * SEQ_BLOCK`` numbers: the earlier process
+        committed its newest within its last blocks."""
+        store, region = self.writer_for(learner), self.region_of(learner)
+        bucket = store.bucket(region)
+        for seq in range(first - 1, max(listed, first - 1 - 2 * SEQ_BLOCK), -1):
+            for p in range(self._fragments()):
+                key = store.layout.contribution_marker(learner, p, seq)
+                if patiently(lambda: bucket.exists(key), key):  # noqa: B023
+                    return seq, p
+        return None
 
     def _fragments(self) -> int:
         if not hasattr(self, "_fragment_count"):

@@ -85,6 +85,11 @@ class RunLayout:
     def contribution_data(self, learner: str, fragment: int, seq: int, write_id: str) -> str:
         return f"{self._contrib(learner, fragment)}/data/s{number(seq)}-{write_id}"
 
+    def seq_claims(self, learner: str) -> str:
+        """A learner's reserved blocks of sequence numbers (``s{CLAIM}.json``, each written
+        once, each block above the one before it)."""
+        return f"{self.run}/learners/{check_name('learner', learner)}/seqs"
+
     # globals -----------------------------------------------------------------------
     def global_commits(self, fragment: int) -> str:
         return f"{self.run}/globals/f{fragment:04d}/commits"

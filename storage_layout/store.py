@@ -68,6 +68,11 @@ class RegionDown(BucketError):
     """A region's bucket could not be reached; only work touching it waits."""
 
 
+class SeqNotReserved(RuntimeError):
+    """A learner process asked to commit a sequence number outside the blocks it holds:
+    another process of that learner has reserved numbers above it since (``reserve_seqs``)."""
+
+
 def spec_differences(stored: Any, given: Any, path: str = "", defaults: Any = None) -> list[str]:
     """Human-readable differences between two JSON-like values.
 
@@ -259,19 +264,56 @@ class RunStore:
                  "time": time.time()}  # fmt: skip
         return self.put_next(self.layout.lease_commits(learner), json.dumps(claim).encode())
 
-    def put_next(self, prefix: str, body: bytes) -> int:
-        """Write ``body`` as the next numbered object ``prefix/sN.json`` at home, with an
-        exclusive create, so two writers never share a number; returns N. (A lost answer
-        that landed shows up as taken: the writer then takes the next number.)"""
-        while True:
+    def put_next(
+        self, prefix: str, body: bytes | Callable[[int], bytes], after: int | None = None
+    ) -> int:
+        """Write ``body`` (or ``body(N)``) as the next numbered object ``prefix/sN.json`` at
+        home, with an exclusive create, so two writers never share a number; returns N.
+        The first number tried is the one after ``after`` or after the newest listed; a
+        taken one is a conflict, and the next is tried, so a listing that leaves the newest
+        out (or a lost answer that landed) costs tries, never a shared number."""
+        if after is None:
             taken = self._numbers(self.home, prefix, "s")
-            n = (taken[-1] if taken else 0) + 1
+            after = taken[-1] if taken else 0
+        n = after + 1
+        while True:
             key = f"{prefix}/s{number(n)}.json"
+            data = body(n) if callable(body) else body
             try:
-                patiently(lambda: self.home.put_exclusive(key, body), key)  # noqa: B023
+                patiently(lambda: self.home.put_exclusive(key, data), key)  # noqa: B023
                 return n
             except FileExistsError:
-                continue  # another writer took it first: try the next one
+                taken = self._numbers(self.home, prefix, "s")
+                n = max(n + 1, (taken[-1] if taken else 0) + 1)
+
+    # learner sequence numbers ----------------------------------------------------------
+    def reserve_seqs(
+        self, learner: str, at_least: int, count: int, after: int | None = None
+    ) -> tuple[int, int, int]:
+        """Reserve a block of ``count`` sequence numbers for ``learner``'s contributions,
+        none below ``at_least`` and all above every block reserved before (by any process
+        of it); returns (claim number, first, end). ``after``: the caller's own newest
+        claim, to try the next number without a listing.
+
+        A learner process commits only seqs inside blocks it holds. So a restarted one
+        never takes a seq below one an earlier process may have committed, even when a
+        listing leaves the newest contributions out: the claims are numbered and written
+        with an exclusive create (``put_next``), and each block starts at the end of the
+        claim before it, read by its key (a read of a known key is never stale)."""
+        prefix = self.layout.seq_claims(learner)
+        block: dict[str, int] = {}
+
+        def claim(n: int) -> bytes:
+            first = at_least
+            if n > 1:
+                before = _read_json(self.home, f"{prefix}/s{number(n - 1)}.json")
+                first = max(first, int(before["end"]))
+            block.update(first=first, end=first + count)
+            return json.dumps({**block, "writer": self.writer, "pid": os.getpid(),
+                               "time": time.time()}).encode()  # fmt: skip
+
+        n = self.put_next(prefix, claim, after)
+        return n, block["first"], block["end"]
 
     def newest_generation(self, learner: str) -> int:
         taken = self._numbers(self.home, self.layout.lease_commits(learner), "s")

@@ -42,12 +42,13 @@ from flows.launcher import (
     startup_line,
     supervise,
 )
-from flows.run import build_model, config_from_spec, initialize_run
+from flows.run import bucket_store, build_model, config_from_spec, initialize_run
 from flows.syncer import SyncerRuntime
 from storage_layout.audit import audit_run
 from storage_layout.commit import read_marker
+from storage_layout.faults import inject
 from storage_layout.inspect import inspect_bucket
-from storage_layout.store import RunStore
+from storage_layout.store import RunStore, SeqNotReserved
 
 PIPELINE = {
     "round_steps": 20,
@@ -778,6 +779,35 @@ def test_a_far_future_sequence_number_is_rejected_and_disables_nothing(tmp_path)
     assert row["version"] == 1
     cursor = RunStore("future", regions, "us-east").global_marker(0, 1).meta["cursor"]
     assert cursor[lid] == 2
+
+
+def test_a_learner_resumed_on_a_stale_listing_never_reuses_a_sequence_number(tmp_path):
+    """A restarted learner takes its seqs above every one an earlier process of it may
+    have committed, even when every listing leaves the newest objects out (an eventually
+    consistent store). A seq below one the syncers have listed already would never be
+    read: bench/chaos lost a contribution so. Its data position is the newest send's, not
+    the newest listed one's. A stale duplicate cannot take a number the new process
+    holds."""
+    cfg, regions, model, _ = _local_run(tmp_path, "stale", only_region="nowhere")
+    spec = RunStore("stale", regions, "us-east").read_spec()
+    lid = "learner-0"
+    region, rng = spec["learners"][lid], np.random.default_rng(3)
+    old = bucket_store("stale", regions, spec, cfg, lid, home=region)
+    assert old.sent_so_far(lid) == (0, 0)
+    for seq in range(1, 20):  # to fragments 1 and 0 in turn; step = seq
+        old.put_contribution(_contribution(model, seq % 2, lid, seq, rng))
+    stale = {"stale_list_rate": 1.0, "stale_list_drop": 3, "ops": ["list"], "seed": 1}
+    with inject(stale) as injector:
+        new = bucket_store("stale", regions, spec, cfg, lid, home=region)
+        seq, step = new.sent_so_far(lid)
+        new.put_contribution(_contribution(model, 1, lid, seq + 1, rng))
+    assert injector.counts()["stale_list"] >= 2  # both fragments' listings were stale
+    assert seq >= 19 and step == 19, (seq, step)
+    committed = RunStore("stale", regions, region).contribution_seqs(lid, 1, region)
+    assert committed[-1] == seq + 1 and committed[-2] == 19
+    # The old process, still running, holds no number above the new one's first.
+    with pytest.raises(SeqNotReserved, match=f"{lid}.*another process"):
+        old.put_contribution(_contribution(model, 0, lid, seq + 2, rng))
 
 
 def test_syncer_runtime_survives_a_region_that_is_down(tmp_path):
