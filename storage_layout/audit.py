@@ -10,7 +10,9 @@ The audit reads them and checks, naming the objects that break each invariant:
   contribution a syncer rejected for it (the damage was found and the work refused), of
   a contribution superseded unread (a newer send from its anchor carried its steps: the
   syncer never fetched its data, so it reached no model; listed as ``unread_damage``,
-  not a violation) and of a version a later one declares lost (a syncer could not read
+  not a violation), of a contribution still pending (above the newest cursor: no syncer
+  has read it yet, one that does rejects it; a run stopped while a forger's damaged
+  contribution waits leaves one; also ``unread_damage``) and of a version a later one declares lost (a syncer could not read
   it at home, went on from an older one and merged again what it had merged: its merges
   are void);
 - ``versions-contiguous``: the versions of each fragment, held or in the ledger, are
@@ -293,14 +295,16 @@ def decide_outcomes(
             report.fail("merged-committed", f"fragment {p}: version {versions[0]} merged "
                         f"{key[0]}/{key[1]}, which its learner never committed")  # fmt: skip
     report.rejections += len(rejected)
+    cursor = (records.get(max(records, default=0)) or {}).get("cursor") or {}
     for key, c in sorted(sent.items()):
         if not c.damage or key in rejected:  # sound, or a syncer found it and said so
             continue
         if key in superseded and key not in merged_in:
             report.unread_damage.append(f"{c.damage} (superseded unread)")
+        elif key not in merged_in and c.seq > int(cursor.get(c.learner, 0)):
+            report.unread_damage.append(f"{c.damage} (pending: no syncer has read it yet)")
         else:  # corrupt, and no syncer said so
             report.fail("objects-verify", c.damage)
-    cursor = (records.get(max(records, default=0)) or {}).get("cursor") or {}
     merged_anchors: dict[tuple[str, int, int], list[int]] = defaultdict(list)
     for key, c in sent.items():
         if key in merged_in:

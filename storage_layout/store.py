@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -270,8 +271,11 @@ class RunStore:
         """Write ``body`` (or ``body(N)``) as the next numbered object ``prefix/sN.json`` at
         home, with an exclusive create, so two writers never share a number; returns N.
         The first number tried is the one after ``after`` or after the newest listed; a
-        taken one is a conflict, and the next is tried, so a listing that leaves the newest
-        out (or a lost answer that landed) costs tries, never a shared number."""
+        number another writer holds is a conflict, and the next is tried, so a listing
+        that leaves the newest out costs tries, never a shared number. A number taken by
+        this very write (its answer was lost, and the retry found it there) is ours.
+        ``body(N)`` should hold something unique to the write (a time, a pid), so that
+        two writers never write the same bytes."""
         if after is None:
             taken = self._numbers(self.home, prefix, "s")
             after = taken[-1] if taken else 0
@@ -283,8 +287,19 @@ class RunStore:
                 patiently(lambda: self.home.put_exclusive(key, data), key)  # noqa: B023
                 return n
             except FileExistsError:
+                if self._holds(key, data):
+                    return n
                 taken = self._numbers(self.home, prefix, "s")
                 n = max(n + 1, (taken[-1] if taken else 0) + 1)
+
+    def _holds(self, key: str, data: bytes, reads: int = 3) -> bool:
+        """Whether ``key`` at home holds exactly ``data``: read up to ``reads`` times, as a
+        read can come back damaged (one that matches cannot be a damaged one)."""
+        for _ in range(reads):
+            with contextlib.suppress(OSError):
+                if patiently(lambda: self.home.get(key), key) == data:
+                    return True
+        return False
 
     # learner sequence numbers ----------------------------------------------------------
     def reserve_seqs(
@@ -309,8 +324,8 @@ class RunStore:
                 before = _read_json(self.home, f"{prefix}/s{number(n - 1)}.json")
                 first = max(first, int(before["end"]))
             block.update(first=first, end=first + count)
-            return json.dumps({**block, "writer": self.writer, "pid": os.getpid(),
-                               "time": time.time()}).encode()  # fmt: skip
+            return json.dumps({**block, "writer": self.writer, "host": socket.gethostname(),
+                               "pid": os.getpid(), "time": time.time()}).encode()  # fmt: skip
 
         n = self.put_next(prefix, claim, after)
         return n, block["first"], block["end"]

@@ -150,9 +150,9 @@ def test_inspect_audit_cli(run, capsys):
     assert "objects-verify" in text and "FAILED" in text
 
 
-def test_damage_a_syncer_found_and_rejected_is_accounted_for(run):
-    """A contribution whose data was damaged after its commit is a violation, unless a
-    syncer rejected it for that (then it is a rejection, and its work is refused)."""
+def _damage_a_pending_contribution(run):
+    """Commit a contribution above every cursor and damage its data; returns (store,
+    learner, seq, the newest version of fragment 0)."""
     store = RunStore("r", run, "us", writer="syncer")
     spec = store.read_spec()
     learner = next(lid for lid, region in spec["learners"].items() if region == "us")
@@ -164,18 +164,42 @@ def test_damage_a_syncer_found_and_rejected_is_accounted_for(run):
                                                                        meta)  # fmt: skip
     rel = next(r for r in marker.objects if "/c/" in r)
     store.home.put(f"{marker.data_prefix}/{rel}", b"\0" * marker.objects[rel]["size"])
-    report = audit_run("r", run)
-    assert any(f"s{seq:012d}" in p for p in report.violations["objects-verify"])
-    newest = store.latest_global(0)
-    state = store.get_global(0, newest)
-    reason = "unreadable: object does not match its sha256"
+    return store, learner, seq, store.get_global(0, store.latest_global(0))
+
+
+def _pass_over(store, state, learner: str, seq: int, rejected: list) -> None:
+    """Publish the version after ``state`` with ``learner``'s cursor at ``seq``."""
+    v = state.meta["version"] + 1
     cursor = {**state.meta["cursor"], learner: seq}
-    record = {**state.meta, "version": newest + 1, "consumed": [], "tokens": 0,
-              "superseded": [], "rejected": [[learner, seq, reason]], "cursor": cursor}  # fmt: skip
-    store.publish_global(0, newest + 1, state.params, state.opt_leaves, record)
+    record = {**state.meta, "version": v, "consumed": [], "tokens": 0, "superseded": [],
+              "rejected": rejected, "cursor": cursor}  # fmt: skip
+    store.publish_global(0, v, state.params, state.opt_leaves, record)
+
+
+def test_damage_a_syncer_found_and_rejected_is_accounted_for(run):
+    """A contribution whose data was damaged after its commit is named as damage no
+    model has read while it is pending (no syncer has read it yet: a run stopped while a
+    forger's damaged contribution waits), and as a rejection once a syncer has rejected
+    it for that (its work is refused)."""
+    store, learner, seq, state = _damage_a_pending_contribution(run)
+    report = audit_run("r", run)
+    assert report.ok, dict(report.violations)
+    (damage,) = report.unread_damage
+    assert f"s{seq:012d}" in damage and "pending" in damage
+    reason = "unreadable: object does not match its sha256"
+    _pass_over(store, state, learner, seq, [[learner, seq, reason]])
     report = audit_run("r", run)
     assert report.ok, dict(report.violations)
     assert report.outcomes["rejected"] == 1 and report.rejections == 1
+    assert report.unread_damage == []
+
+
+def test_damage_passed_below_the_cursor_with_no_word_is_a_violation(run):
+    store, learner, seq, state = _damage_a_pending_contribution(run)
+    _pass_over(store, state, learner, seq, [])
+    report = audit_run("r", run)
+    assert any(f"s{seq:012d}" in p for p in report.violations["objects-verify"])
+    assert any(f"{learner}/{seq}" in p for p in report.violations["one-outcome"])
 
 
 def test_a_chain_of_replacements_ends_where_the_last_one_went():

@@ -340,6 +340,21 @@ def test_lost_marker_response_commits_exactly_once(bucket_url):
     assert plain.global_versions(0) == [1] and plain.get_global(0, 1).params["w"][0, 0] == 1.5
 
 
+def test_a_lost_answer_to_a_numbered_claim_is_still_ours(bucket_url):
+    """A claim whose write landed but whose answer was lost is found there by the retry:
+    it is this writer's, not another's, so blocks of seqs stay contiguous and no learner
+    refuses its own numbers (bench/chaos: each lost answer cost a learner up to 8
+    sends)."""
+    with faults.inject({"timeout_after_rate": 1.0, "ops": ["put_exclusive"]}) as injector:
+        store = RunStore("run", {"us": bucket_url}, "us", writer="l0")
+        assert store.reserve_seqs("l0", 1, 8) == (1, 1, 9)
+        assert store.reserve_seqs("l0", 9, 8, after=1) == (2, 9, 17)
+        assert store.claim_generation("l0") == 1
+    assert injector.counts() == {"timeout_after": 3}
+    other = RunStore("run", {"us": bucket_url}, "us", writer="l0")  # a new process
+    assert other.reserve_seqs("l0", 3, 8) == (3, 17, 25)  # above both blocks
+
+
 def test_marker_write_that_timed_out_before_is_retried(bucket_url):
     key = "run/learners/l0/contributions/f0000/commits/s000000000001.json"
 

@@ -60,8 +60,10 @@ def chaos_settings(args: argparse.Namespace) -> list[str]:
               "latency_seconds": 1.0, "crash_rate": args.crash_rate}  # fmt: skip
     out = [f"pipeline.chaos.{k}={json.dumps(v)}" for k, v in chaos.items()]
     out += [f"pipeline.faults.{k}={json.dumps(v)}" for k, v in faults.items()]
-    # Spares sized for the kill rate: a spare's imports take ~12 s on two busy cores, so
-    # one spare is emptied by a kill every ~10 s (bench/chaos/results.md).
+    # Spares sized for the kill rate: a spare forked from the zygote is warm in a few
+    # seconds on two busy cores (it was ~12 s when each spare did its own imports), and
+    # at a kill every ~8 s (SIGKILLs and mid-write crashes) five never ran dry at 2425a4a
+    # (bench/chaos/results.md); fewer may do.
     return [*out, "pipeline.max_failed_starts=20", f"pipeline.spares={args.spares}"]
 
 
