@@ -272,44 +272,49 @@ class BucketStore:
         commits, so the seq returned is the one below that block, never below a seq an
         earlier process may have committed (``RunStore.reserve_seqs``), even when the
         listings leave the newest contributions out. The step is that of the newest
-        committed contribution, listed or found among the numbers the earlier processes
-        reserved, so work already sent is not trained again."""
+        contribution of its own (signed with its key, when it has one: a forged marker
+        with a far-future seq must not carry it there), listed or found by key among the
+        numbers the earlier processes reserved, so work already sent is not trained
+        again."""
         store, region = self.writer_for(learner), self.region_of(learner)
-        listed: dict[int, int] = {}  # fragment -> newest seq listed
+        seq, step = 0, 0  # of the newest own contribution listed
         for p in range(self._fragments()):
-            seqs = store.contribution_seqs(learner, p, region)
-            if seqs:
-                listed[p] = seqs[-1]
-        seq = max(listed.values(), default=0)
+            for listed in reversed(store.contribution_seqs(learner, p, region)):
+                if listed <= seq:
+                    break
+                meta = self._own(learner, p, listed)
+                if meta is not None:
+                    seq, step = listed, int(meta.get("step", 0))
+                    break
         self._seqs[learner] = store.reserve_seqs(learner, seq + 1, SEQ_BLOCK)
         first = self._seqs[learner][1]
-        newest = self._newest_unlisted(learner, seq, first) or (
-            (seq, max(listed, key=listed.__getitem__)) if listed else None
-        )
-        if newest is None:
-            return first - 1, 0
-        try:
-            meta = store.contribution_meta(learner, newest[1], newest[0], region)
-        except (CorruptVersion, FileNotFoundError) as exc:
-            log.warning(
-                "newest contribution of %s unreadable (%s); its step is unknown", learner, exc
-            )
-            return first - 1, 0
-        return first - 1, int(meta.get("step", 0))
-
-    def _newest_unlisted(self, learner: str, listed: int, first: int) -> tuple[int, int] | None:
-        """(seq, fragment) of the newest contribution of ``learner`` above ``listed`` (the
-        newest a listing showed) and below ``first`` (this process's first seq), looked up
-        by key, newest first, over the last ``2 * SEQ_BLOCK`` numbers: the earlier process
-        committed its newest within its last blocks."""
-        store, region = self.writer_for(learner), self.region_of(learner)
+        # What a stale listing left out: the predecessor's newest is in its last blocks.
         bucket = store.bucket(region)
-        for seq in range(first - 1, max(listed, first - 1 - 2 * SEQ_BLOCK), -1):
+        for unlisted in range(first - 1, max(seq, first - 1 - 2 * SEQ_BLOCK), -1):
             for p in range(self._fragments()):
-                key = store.layout.contribution_marker(learner, p, seq)
+                key = store.layout.contribution_marker(learner, p, unlisted)
                 if patiently(lambda: bucket.exists(key), key):  # noqa: B023
-                    return seq, p
-        return None
+                    meta = self._own(learner, p, unlisted)
+                    if meta is not None:
+                        return first - 1, int(meta.get("step", 0))
+        return first - 1, step
+
+    def _own(self, learner: str, fragment: int, seq: int) -> dict[str, Any] | None:
+        """The meta of ``learner``'s contribution ``seq`` if its marker reads and is signed
+        with the learner's key (when this process holds it); None (and a warning) if not."""
+        store, region = self.writer_for(learner), self.region_of(learner)
+        key = self.keys.signing_key(learner)
+        try:
+            marker = patiently(
+                lambda: store.contribution_head(learner, fragment, seq, region, key),
+                f"{learner} fragment {fragment} seq {seq}",
+                READ_ATTEMPTS,
+            )
+        except (Unauthenticated, CorruptVersion, FileNotFoundError, KeyError, ValueError) as exc:
+            log.warning("%s: not counting contribution %d of fragment %d as its own: %s",
+                        learner, seq, fragment, exc)  # fmt: skip
+            return None
+        return dict(marker.meta)
 
     def _fragments(self) -> int:
         if not hasattr(self, "_fragment_count"):

@@ -30,7 +30,7 @@ import pytest
 from diloco.config import load_config
 from diloco.outer import Contribution
 from diloco.quantize import quantize
-from flows.bucket_io import contribution_meta
+from flows.bucket_io import SEQ_BLOCK, contribution_meta
 from flows.cli import main as cli_main
 from flows.launcher import (
     WORKER_COMMAND,
@@ -45,6 +45,7 @@ from flows.launcher import (
 from flows.run import bucket_store, build_model, config_from_spec, initialize_run
 from flows.syncer import SyncerRuntime
 from storage_layout.audit import audit_run
+from storage_layout.auth import RUN_SECRET_ENV
 from storage_layout.commit import read_marker
 from storage_layout.faults import inject
 from storage_layout.inspect import inspect_bucket
@@ -781,13 +782,14 @@ def test_a_far_future_sequence_number_is_rejected_and_disables_nothing(tmp_path)
     assert cursor[lid] == 2
 
 
-def test_a_learner_resumed_on_a_stale_listing_never_reuses_a_sequence_number(tmp_path):
+def test_a_learner_resumed_on_a_stale_listing_never_reuses_a_sequence_number(tmp_path, monkeypatch):
     """A restarted learner takes its seqs above every one an earlier process of it may
     have committed, even when every listing leaves the newest objects out (an eventually
     consistent store). A seq below one the syncers have listed already would never be
     read: bench/chaos lost a contribution so. Its data position is the newest send's, not
-    the newest listed one's. A stale duplicate cannot take a number the new process
-    holds."""
+    the newest listed one's, and a forged marker far ahead moves neither. A stale
+    duplicate cannot take a number the new process holds."""
+    monkeypatch.setenv(RUN_SECRET_ENV, "s" * 64)  # contributions are signed
     cfg, regions, model, _ = _local_run(tmp_path, "stale", only_region="nowhere")
     spec = RunStore("stale", regions, "us-east").read_spec()
     lid = "learner-0"
@@ -808,6 +810,13 @@ def test_a_learner_resumed_on_a_stale_listing_never_reuses_a_sequence_number(tmp
     # The old process, still running, holds no number above the new one's first.
     with pytest.raises(SeqNotReserved, match=f"{lid}.*another process"):
         old.put_contribution(_contribution(model, 0, lid, seq + 2, rng))
+    # A forged (unsigned) marker far ahead is listed, but is not the learner's own.
+    forged = _contribution(model, 0, lid, 10**6, rng)
+    RunStore("stale", regions, region, writer="forger").put_contribution(
+        lid, 0, 10**6, forged.payload, contribution_meta(forged)
+    )
+    third = bucket_store("stale", regions, spec, cfg, lid, home=region)
+    assert third.sent_so_far(lid) == (seq + 2 * SEQ_BLOCK, seq + 1)
 
 
 def test_syncer_runtime_survives_a_region_that_is_down(tmp_path):
