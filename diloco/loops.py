@@ -174,7 +174,9 @@ class LearnerTransport(Protocol):
     def load_checkpoint(self) -> LearnerCheckpoint | None: ...
 
     def sent_so_far(self) -> tuple[int, int]:
-        """(newest committed seq, the learner step it was sent at) of this learner."""
+        """(the seq this learner continues after, the step of its newest committed send).
+        The seq is at least its newest committed one; a store whose listings can lag
+        reserves the numbers above it here, for this process only."""
 
 
 class SyncerTransport(Protocol):

@@ -12,9 +12,9 @@ The audit reads them and checks, naming the objects that break each invariant:
   syncer never fetched its data, so it reached no model; listed as ``unread_damage``,
   not a violation), of a contribution still pending (above the newest cursor: no syncer
   has read it yet, one that does rejects it; a run stopped while a forger's damaged
-  contribution waits leaves one; also ``unread_damage``) and of a version a later one declares lost (a syncer could not read
-  it at home, went on from an older one and merged again what it had merged: its merges
-  are void);
+  contribution waits leaves one; also ``unread_damage``) and of a version a later one
+  declares lost (a syncer could not read it at home, went on from an older one and
+  merged again what it had merged: its merges are void);
 - ``versions-contiguous``: the versions of each fragment, held or in the ledger, are
   0, 1, ..., newest (none missing);
 - ``not-overwritten``: each version and contribution was written once: every copy, in
