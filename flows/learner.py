@@ -39,7 +39,7 @@ from flows.observe import artifact_key, run_logger, tag_flow_run, worker_tags
 from flows.run import bucket_store, build_model, config_from_spec, reader
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV
 from storage_layout.commit import CommitConflict
-from storage_layout.store import RunStore
+from storage_layout.store import RunStore, SeqNotReserved
 
 
 class Fenced(RuntimeError):
@@ -57,6 +57,10 @@ class BackgroundIO:
     - ``poller``: every ``poll_seconds``, the newest version of each fragment the learner
       waits on, fetched into ``inbox``. A version that cannot be read is logged once and
       skipped; a newer one is taken when it comes.
+
+    An upload that finds another process running as this learner (its seq taken, or reserved
+    by a newer process) sets ``fenced``: no later upload or checkpoint of this process is
+    written, and the runtime stops at its next look (``LearnerRuntime.check_fenced``).
     """
 
     def __init__(self, view: StoreLearnerView, fragments: int, poll_seconds: float,
@@ -67,6 +71,7 @@ class BackgroundIO:
         self.stalled: dict[int, float] = {}  # fragment -> since when, once reported
         self.jobs = ThreadPoolExecutor(1, thread_name_prefix="uploads")
         self.failures = 0
+        self.fenced: Exception | None = None  # another process runs as this learner
         self.skipped = 0  # queued uploads a newer one from the same anchor made needless
         self.queued: dict[tuple[int, Any], int] = {}  # (fragment, anchor) -> newest seq
         self.lock = threading.Lock()
@@ -128,6 +133,10 @@ class BackgroundIO:
     # threads --------------------------------------------------------------------------
     def _submit(self, what: str, job: Callable[[], None]) -> Future:
         def guarded() -> None:
+            if self.fenced is not None:
+                self.failures += 1
+                self.log.warning("%s not written: %s", what, self.fenced)
+                return
             try:
                 job()
             except Exception as exc:  # logged, counted, never silent
@@ -153,8 +162,11 @@ class BackgroundIO:
             try:
                 self.view.send(c)
                 return
-            except CommitConflict:
-                raise  # this seq is taken: another process runs with this learner id
+            except (CommitConflict, SeqNotReserved) as exc:
+                # This seq is taken, or reserved by a newer process: another process runs
+                # as this learner. This one writes nothing more and stops.
+                self.fenced = exc
+                raise
             except OSError as exc:
                 if attempt == self.retries:
                     raise
@@ -322,7 +334,11 @@ class LearnerRuntime:
     def check_fenced(self) -> None:
         """Stop if another process has started as this learner since (a duplicate, or this
         one was given up for dead while it was only cut off): two processes of one id
-        would race for its sequence numbers and mix its checkpoints."""
+        would race for its sequence numbers and mix its checkpoints. Its uploads may have
+        found out first (``BackgroundIO.fenced``)."""
+        refused = getattr(self.io, "fenced", None)
+        if refused is not None:
+            raise Fenced(f"learner {self.id}: another process runs as this learner: {refused}")
         newest = self.store.writer_for(self.id).newest_generation(self.id)
         if newest > self.generation:
             raise Fenced(

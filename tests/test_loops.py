@@ -282,6 +282,34 @@ def test_a_second_process_of_one_learner_fences_the_first_off(tiny_run):
         new.close()
 
 
+def test_a_learner_whose_upload_is_refused_stops_writing_at_once(tiny_run):
+    """An upload refused because a newer process of the learner holds the next seqs tells
+    the old process it is fenced off before its next generation check: nothing more of
+    it is written (not its next upload, not a checkpoint), and its runtime stops."""
+    cfg, regions, _, model = tiny_run
+    pipeline = {**cfg.pipeline.model_dump(), "round_steps": 5}
+    old = LearnerRuntime("r", regions["us"], "us", "learner-0", pipeline)
+    new = bucket_store("r", regions, old.store.main.read_spec(), cfg, "learner-0", home="us")
+    try:
+        first = old.loop.learner.seq + 1
+        new.sent_so_far("learner-0")  # a newer process reserves the block above old's
+        payload = {n: quantize(np.full_like(model.init[n], 1e-3), "fp32") for n in model.plan[0]}
+        for seq in (first + SEQ_BLOCK, first + SEQ_BLOCK + 1):  # each needs a new block
+            old.io.send(Contribution("learner-0", 0, seq, 0, 64, 1, 0.1, payload, step=seq))
+        old.io.save_checkpoint(old.loop.learner.checkpoint())
+        old.io.flush()
+        assert "reserved the numbers" in str(old.io.fenced)
+        assert old.io.failures == 3  # refused, then neither the next send nor the checkpoint
+        written = RunStore("r", regions, "us")
+        assert written.contribution_seqs("learner-0", 0, "us") == []
+        assert written.checkpoint_steps("learner-0") == []
+        with pytest.raises(Fenced, match="another process runs as this learner"):
+            old.train_round()
+        assert old.step == 0
+    finally:
+        old.close()
+
+
 def test_a_round_is_not_retried_inside_the_process():
     """A round that fails half-way has changed the learner's state in memory; a retry
     would continue from there. The process ends instead and its restart rejoins from the
