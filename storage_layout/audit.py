@@ -98,6 +98,10 @@ class AuditReport:
     objects: int = 0  # committed markers whose objects were read and verified
     # Damaged contributions no syncer read: superseded by a newer one from their anchor.
     unread_damage: list[str] = field(default_factory=list)
+    # Each contribution's outcome and where (fragment, learner, seq) -> "merged v12",
+    # "rejected <reason>", ...: for whoever asks about one (bench/chaos, of its forgeries).
+    # Not in ``as_dict``: a run holds thousands.
+    outcome_of: dict[tuple[int, str, int], str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -329,6 +333,7 @@ def decide_outcomes(
                         f"({cursor.get(c.learner)}) but was neither merged, superseded nor "
                         "rejected")  # fmt: skip
         report.outcomes[c.outcome] += 1
+        report.outcome_of[(p, c.learner, c.seq)] = f"{c.outcome} {c.where}".strip()
 
 
 def _last_of_chain(

@@ -45,6 +45,9 @@ def test_a_clean_run_passes_and_every_contribution_has_its_outcome(run):
     assert t["committed"] == t["merged"] + t["superseded"] + t["rejected"] + t["pending"] > 0
     assert t["versions"] == t["merged"] + t["superseded"]
     assert report.objects > report.versions > 0
+    named = list(report.outcome_of.values())  # each one's outcome, where asked
+    assert len(named) == sum(report.outcomes.values())
+    assert sum(n.startswith("merged v") for n in named) == report.outcomes["merged"]
 
 
 def test_the_audit_still_accounts_for_what_retention_deleted(run):

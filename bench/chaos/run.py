@@ -12,9 +12,12 @@ synchronous DiLoCo, each without and with chaos. Chaos is the same plan for both
   one signed but full of NaN, one signed with a norm 1000x too large, and one whose data
   is damaged after it was committed, into the learners' buckets.
 
-Every bucket is then audited (`storage_layout.audit`). The table: kills and faults by
-kind, the audit, final validation loss and goodput with and without chaos at equal
-tokens, and the time from a learner kill to its next contribution.
+Every bucket is then audited (`storage_layout.audit`), which also names what became of
+each forgery: rejected (with its reason), superseded unread (the learner's next send from
+the same anchor came first) or, had a check let it through, merged. The table: kills and
+faults by kind, the forgeries and their outcomes, the audit, final validation loss and
+goodput with and without chaos at equal tokens, and the time from a learner kill to its
+next contribution.
 
     python bench/chaos/run.py [--tokens 2000000] [--kill-every 15] [--only decoupled]
 
@@ -166,9 +169,12 @@ def train(name: str, mode: str, args: argparse.Namespace, chaos: bool, root: Pat
             "actions": dict(Counter(a["action"] for a in read_actions(folder / "chaos.jsonl"))),
             "faults": dict(Counter(f["kind"] for f in read_actions(folder / "faults.jsonl"))),
         }
-    audit = audit_run(run, regions).as_dict()
+    report = audit_run(run, regions)
+    for f in forger.done:  # rejected, superseded unread, or merged (a check failed)
+        f["outcome"] = report.outcome_of.get((f["fragment"], f["learner"], f["seq"]), "not found")
     return {"run": run, "mode": mode, "chaos": chaos, "exit": code, "seconds": seconds,
-            "tokens": tokens, "summary": summary, "audit": audit, "forged": forger.done,
+            "tokens": tokens, "summary": summary, "audit": report.as_dict(),
+            "forged": forger.done,
             "merged_tokens": merged_tokens(run, regions)}  # fmt: skip
 
 
@@ -187,6 +193,8 @@ def row(r: dict) -> str:
     chaos = s.get("chaos") or {}
     rejoin = chaos.get("kill_to_rejoin") or {}
     forged = ", ".join(f"{k} {sum(f['kind'] == k for f in r['forged'])}" for k in FORGERIES)
+    fates = Counter(f.get("outcome", "?").split()[0] for f in r["forged"])
+    forged += " (" + ", ".join(f"{k} {v}" for k, v in sorted(fates.items())) + ")" if fates else ""
     kills = " · ".join(f"{k} {v}" for k, v in chaos.get("actions", {}).items()) or "-"
     faults = " · ".join(f"{k} {v}" for k, v in chaos.get("faults", {}).items()) or "-"
     audit = "clean" if a["ok"] else "FAILED: " + "; ".join(a["violations"])
