@@ -338,11 +338,11 @@ class LearnerRuntime:
         found out first (``BackgroundIO.fenced``)."""
         refused = getattr(self.io, "fenced", None)
         if refused is not None:
-            raise Fenced(f"learner {self.id}: another process runs as this learner: {refused}")
+            raise Fenced(f"{self.id}: another process runs as this learner: {refused}")
         newest = self.store.writer_for(self.id).newest_generation(self.id)
         if newest > self.generation:
             raise Fenced(
-                f"learner {self.id}: another process took over as generation {newest} (this "
+                f"{self.id}: another process took over as generation {newest} (this "
                 f"one is generation {self.generation}); this one stops"
             )
 
