@@ -599,6 +599,7 @@ def cmd_plan_bandwidth(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     """Retention by hand (the syncers run it as they go): processed contributions, old
     versions, abandoned writes. Reads the spec only: no training code is loaded."""
+    from storage_layout.auth import Keys
     from storage_layout.retention import collect_garbage
     from storage_layout.store import RunStore
 
@@ -613,7 +614,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     window = max(args.keep, int(spec["config"]["outer"]["max_staleness"]) + 2)
     store = RunStore(args.run, regions, home, writer="gc")
     report = collect_garbage(store, len(spec["fragments"]), spec["learners"], window,
-                             orphan_age=args.orphan_age)  # fmt: skip
+                             orphan_age=args.orphan_age, keys=Keys.from_env(args.run))  # fmt: skip
     stdout_console().print(
         f"run {args.run}: deleted {report.contributions_deleted} contributions, "
         f"{report.globals_deleted} global versions, {report.orphans_deleted} abandoned writes "

@@ -39,19 +39,25 @@ NOT_IN_SPEC = {"sim", "pipeline"}
 def run_spec(cfg: RunConfig, plan: FragmentPlan, regions: Mapping[str, str]) -> dict[str, Any]:
     """What is fixed for a run's lifetime: the whole config but ``sim`` and ``pipeline``
     (model, data, optimizers, topology, budget, seed), the fragment plan, the regions and
-    which learner lives where."""
+    which learner lives where, and the home region (the syncers', holding the master
+    copies: the stored ``regions`` are a JSON object, whose order readers cannot trust)."""
     return {
         "config": cfg.model_dump(mode="json", exclude=NOT_IN_SPEC),
         "fragments": [list(f) for f in plan],
         "regions": dict(regions),
+        "home": home_region(regions),
         "learners": deal_learners(cfg.topology.learners, regions),
     }
 
 
-def spec_defaults() -> dict[str, Any]:
-    """What a spec means by a config key it does not name (one written before the key
-    existed): the key's default, so such a run resumes under newer code."""
-    return {"config": RunConfig().model_dump(mode="json", exclude=NOT_IN_SPEC)}
+def spec_defaults(regions: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """What a spec means by a key it does not name (one written before the key existed):
+    the config key's default, and as home the first region given (as the syncers always
+    took it), so such a run resumes under newer code."""
+    out: dict[str, Any] = {"config": RunConfig().model_dump(mode="json", exclude=NOT_IN_SPEC)}
+    if regions:
+        out["home"] = home_region(regions)
+    return out
 
 
 def worker_done(store: RunStore, writer: str, region: str | None = None) -> bool:
@@ -131,9 +137,9 @@ def initialize_run(store: RunStore, cfg: RunConfig) -> dict[str, Any]:
         for region in store.urls:
             store.bucket(region).probe_exclusive()
     model = build_model(cfg)
-    spec = store.ensure_spec(run_spec(cfg, model.plan, store.urls), spec_defaults())
+    spec = store.ensure_spec(run_spec(cfg, model.plan, store.urls), spec_defaults(store.urls))
     for p, names in enumerate(model.plan):
-        if store.latest_global(p) is not None:
+        if store.check_home(p) is not None:
             store.sync_regions(p)
             continue
         params = {n: model.init[n] for n in names}
@@ -174,7 +180,7 @@ def simulation_store(run: str, regions: Mapping[str, str]) -> StoreFactory:
 
     def make(cfg: RunConfig, plan: FragmentPlan, init: Any, ids: Sequence[str]) -> BucketStore:
         store = RunStore(run, regions, home_region(regions), writer="syncer")
-        spec = store.ensure_spec(run_spec(cfg, plan, regions), spec_defaults())
+        spec = store.ensure_spec(run_spec(cfg, plan, regions), spec_defaults(regions))
         if any(store.latest_global(p) is not None for p in range(len(plan))):
             raise FileExistsError(
                 f"run {run!r} in {regions[home_region(regions)]} already holds global versions "

@@ -143,11 +143,13 @@ class PipelineSyncerTransport:
         try:
             report = collect_garbage(
                 self.store.main, self.fragments, self.store.learners,
-                window=max(self.keep_versions, self.window + 2),
+                window=max(self.keep_versions, self.window + 2), keys=self.store.keys,
             )  # fmt: skip
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # a failed request, or a stored object refused
             self.log.warning("retention skipped: %s", exc)
             return
+        for problem in report.problems:
+            self.log.warning("retention %s", problem)
         if report.contributions_deleted or report.globals_deleted:
             self.log.info("retention: deleted %d contributions, %d versions (%d bytes)",
                           report.contributions_deleted, report.globals_deleted,

@@ -25,6 +25,11 @@ The audit reads them and checks, naming the objects that break each invariant:
 - ``one-outcome``: every committed contribution was merged into a named version,
   superseded by a newer one from the same anchor that was merged, rejected with a
   reason, or is pending (after the newest version's cursor); none is lost;
+- ``home-complete``: the home region (the syncers', the first of the spec) holds the
+  newest version of every fragment that any region or the ledger knows, with its master
+  copy (the fp32 parameters and the outer optimizer state a syncer resumes from), and
+  it verifies: a run whose master copies are gone cannot go on, however sound every
+  other copy is;
 - ``no-strangers``: contributions lie only under the learners dealt to each region (the
   syncer never reads others: one under an unknown learner, or a learner of another
   region, was written by someone else, and is named here);
@@ -48,7 +53,7 @@ from typing import Any
 from storage_layout.bucket import BucketError
 from storage_layout.commit import CorruptVersion, fetch_objects, read_marker
 from storage_layout.retention import read_ledger
-from storage_layout.store import RunStore
+from storage_layout.store import RunStore, spec_home
 
 INVARIANTS = (
     "objects-verify",
@@ -57,6 +62,7 @@ INVARIANTS = (
     "merged-once",
     "merged-committed",
     "one-outcome",
+    "home-complete",
     "no-strangers",
     "tokens-balance",
 )
@@ -130,7 +136,7 @@ def audit_run(run: str, buckets: Mapping[str, str]) -> AuditReport:
     if unknown:
         raise ValueError(f"run {run!r} has no region {unknown}; its regions are {sorted(regions)}")
     urls = {r: buckets.get(r, u) for r, u in regions.items()}
-    home = next(iter(regions))
+    home = spec_home(spec)
     store = RunStore(run, urls, home, writer="audit")
     report = AuditReport(run, urls, sorted(set(regions) - set(buckets)))
     for region in urls:
@@ -179,9 +185,35 @@ def _audit_fragment(
         if v not in lost:
             for problem in problems:
                 report.fail("objects-verify", problem)
+    _home_complete(store, p, newest, damaged, report)
     live = {v: r for v, r in records.items() if v not in lost}
     decide_outcomes(p, live, sent, report)
     _balance(p, live, sent, report)
+
+
+def _home_complete(
+    store: RunStore, p: int, newest: int, damaged: Mapping[int, list[str]], report: AuditReport
+) -> None:
+    """The home region holds version ``newest`` of fragment ``p``, whole, master copy
+    included (``_versions`` has verified each copy it could read)."""
+    home = store.client_region
+    key = store.layout.global_marker(p, newest)
+    if newest not in store.global_versions(p, home):
+        report.fail("home-complete", f"fragment {p}: the home region {home} does not hold "
+                    f"v{newest} (its master copy is gone)")  # fmt: skip
+        return
+    if any(d.startswith(f"{home}: ") for d in damaged.get(newest, [])):
+        report.fail("home-complete", f"fragment {p}: the home copy of v{newest} does not verify")
+        return
+    try:
+        marker = read_marker(store.bucket(home), key)
+    except (CorruptVersion, FileNotFoundError) as exc:
+        report.fail("home-complete", f"fragment {p}: {home}: {exc}")
+        return
+    groups = {rel.split("/", 1)[0] for rel in marker.objects if "/" in rel}
+    if not {"params", "opt"} <= groups:
+        report.fail("home-complete", f"fragment {p}: the home copy of v{newest} ({key}) lacks "
+                    "the master copy (params and opt)")  # fmt: skip
 
 
 def _versions(

@@ -32,11 +32,17 @@ from typing import Any
 import fsspec
 import fsspec.asyn
 
+from storage_layout.layout import check_key
+
 EXCLUSIVE_PROTOCOLS = {"file", "local", "memory", "s3", "s3a", "gs", "gcs"}
 
 
 class BucketError(OSError):
     """A bucket that is missing, unreachable, or unsafe to write to; the message says which."""
+
+
+class ObjectTooLarge(ValueError):
+    """An object larger than any of its kind may be (read no further)."""
 
 
 class PartialFailure(OSError):
@@ -176,7 +182,9 @@ class Bucket:
         return f"Bucket({self.url!r}, region={self.region!r})"
 
     def path(self, key: str) -> str:
-        return f"{self.root}/{key}" if key else self.root
+        """The full path of ``key``; a key that is not a plain relative one (``..``, an
+        empty segment, a leading ``/``) is refused (``LayoutError``), whoever built it."""
+        return f"{self.root}/{check_key(key)}" if key else self.root
 
     def check_reachable(self) -> None:
         try:
@@ -244,14 +252,15 @@ class Bucket:
             folder = path.rsplit("/", 1)[0]
             os.makedirs(folder, exist_ok=True)
             tmp = f"{folder}/.tmp-{uuid.uuid4().hex}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            try:
+            try:  # a full disk fails the write: the temporary goes either way
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
                 os.link(tmp, path)  # atomic; fails if the name exists
             finally:
-                os.unlink(tmp)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
         elif self.protocol == "memory":
             with self.fs.open(path, "xb") as f:
                 f.write(data)
@@ -263,9 +272,17 @@ class Bucket:
             self.fs.pipe_file(path, data)
 
     # reads --------------------------------------------------------------------------
-    def get(self, key: str) -> bytes:
-        data = self.fs.cat_file(self.path(key))
+    def get(self, key: str, limit: int | None = None) -> bytes:
+        """``key``'s bytes; with ``limit``, at most ``limit + 1`` of them are read (a ranged
+        read), so an object larger than its kind may be is refused without holding it:
+        ``ObjectTooLarge``."""
+        if limit is None:
+            data = self.fs.cat_file(self.path(key))
+        else:
+            data = self.fs.cat_file(self.path(key), start=0, end=limit + 1)
         self._down(len(data))
+        if limit is not None and len(data) > limit:
+            raise ObjectTooLarge(f"{self.url}/{key} is larger than {limit} bytes")
         return data
 
     def get_many(self, keys: list[str]) -> dict[str, bytes]:
@@ -349,7 +366,7 @@ class Bucket:
 
         Object by object: gcsfs's batched recursive delete can hang on some servers.
         """
-        path = self.path(prefix)
+        path = self.path(check_key(prefix, "prefix to delete"))  # never the whole bucket
         self.fs.invalidate_cache(path)
         try:
             found = self.fs.find(path)

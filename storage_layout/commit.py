@@ -32,8 +32,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from storage_layout.bucket import Bucket, PartialFailure
-from storage_layout.layout import FORMAT_VERSION
+from storage_layout.bucket import Bucket, ObjectTooLarge, PartialFailure
+from storage_layout.layout import FORMAT_VERSION, LayoutError, check_key, data_prefix_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,6 +43,10 @@ MARKER_FORMAT = "diloco-commit"
 # Objects up to this size (the Zarr metadata documents) are also inlined in the marker, so
 # a reader needs one request for the marker and one per chunk, not one per object.
 INLINE_BYTES = 4096
+# The largest marker read: a marker lists one entry (about 150 bytes) per object, and a
+# version's arrays are a handful of Zarr shards, so real ones are kilobytes. A larger one
+# is refused before it is parsed, let alone authenticated.
+MAX_MARKER_BYTES = 4 << 20
 
 
 class CommitConflict(RuntimeError):
@@ -266,7 +270,7 @@ def commit_version(
             if attempt == attempts - 1:
                 raise
         try:
-            held = CommitMarker.from_json(bucket.get(marker_key), marker_key)
+            held = CommitMarker.from_json(bucket.get(marker_key, MAX_MARKER_BYTES), marker_key)
         except FileNotFoundError:
             time.sleep(delay)  # the write did not land: try again
             delay *= 2
@@ -288,7 +292,37 @@ def discard_data(bucket: Bucket, data_prefix: str) -> None:
 
 
 def read_marker(bucket: Bucket, marker_key: str) -> CommitMarker:
-    return patiently(lambda: CommitMarker.from_json(bucket.get(marker_key), marker_key), marker_key)
+    """The marker at ``marker_key``, checked before anything trusts it: at most
+    ``MAX_MARKER_BYTES``, well-formed, naming exactly the data prefix its key and write id
+    give (``layout.data_prefix_of``) and only plain relative object keys. A marker that
+    names any other prefix (``../..``, another version's data, another run) is
+    ``CorruptVersion``: nothing is read or deleted on a stored object's word alone."""
+
+    def read() -> CommitMarker:
+        try:
+            data = bucket.get(marker_key, limit=MAX_MARKER_BYTES)
+        except ObjectTooLarge as exc:
+            raise CorruptVersion(f"marker {marker_key}: {exc}; refused unread") from exc
+        return checked_marker(CommitMarker.from_json(data, marker_key), marker_key)
+
+    return patiently(read, marker_key)
+
+
+def checked_marker(marker: CommitMarker, marker_key: str) -> CommitMarker:
+    """``marker`` if its data prefix and object keys are the ones ``marker_key`` allows;
+    else ``CorruptVersion`` naming what is wrong."""
+    try:
+        expected = data_prefix_of(marker_key, marker.write_id)
+        for rel in marker.objects:
+            check_key(rel, "object key")
+    except LayoutError as exc:
+        raise CorruptVersion(f"marker {marker_key}: {exc}") from exc
+    if marker.data_prefix != expected:
+        raise CorruptVersion(
+            f"marker {marker_key} names data prefix {marker.data_prefix[:200]!r}, not its own "
+            f"{expected!r}: forged or foreign; nothing it names is read or deleted"
+        )
+    return marker
 
 
 def read_version(bucket: Bucket, marker_key: str) -> tuple[CommitMarker, dict[str, bytes]]:

@@ -594,10 +594,11 @@ class FaultyBucket(Bucket):
                 os.kill(os.getpid(), signal.SIGKILL)
         super().put_exclusive(key, data)
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, limit: int | None = None) -> bytes:
         return self._call(
-            "get", [key], partial(super().get, key), lambda data, rs: self._damage(rs[0], data)
-        )
+            "get", [key], partial(super().get, key, limit),
+            lambda data, rs: self._damage(rs[0], data),
+        )  # fmt: skip
 
     def get_many(self, keys: list[str]) -> dict[str, bytes]:
         def damage(found: dict[str, bytes], requests: list[Request]) -> dict[str, bytes]:

@@ -27,6 +27,11 @@ from dataclasses import dataclass
 FORMAT_VERSION = 2  # 2: the spec holds the whole config; contributions record their step
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _NUMBERED = re.compile(r"^([sv])(\d{12})\.json$")
+# A commit marker's key, and the one data prefix it may name: the same folder's ``data/``
+# with the marker's number and the write id (16 hex digits, ``storage_layout.commit``).
+_MARKER_KEY = re.compile(r"^((?:.+/)?)commits/([sv]\d{12})\.json$")
+WRITE_ID_RE = re.compile(r"^[0-9a-f]{16}$")
+_SEGMENT = re.compile(r"^[A-Za-z0-9_.=-]+$")
 
 
 class LayoutError(ValueError):
@@ -46,6 +51,30 @@ def number(n: int) -> str:
     if n < 0 or n >= 10**12:
         raise LayoutError(f"counter {n} is outside 0..10^12")
     return f"{n:012d}"
+
+
+def check_key(key: str, what: str = "key") -> str:
+    """``key`` if it is a plain relative key (segments of letters, digits, ``._=-``; no
+    ``.`` or ``..`` segment, no empty one, no leading ``/``), else ``LayoutError``. Every
+    key a bucket is asked for passes here, so no key, wherever it came from, reaches
+    outside the bucket's root."""
+    segments = key.split("/")
+    if not key or any(s in ("", ".", "..") or not _SEGMENT.match(s) for s in segments):
+        raise LayoutError(f"{what} {key[:200]!r} is not a plain relative key of a bucket")
+    return key
+
+
+def data_prefix_of(marker_key: str, write_id: str) -> str:
+    """The data prefix that the commit marker at ``marker_key`` with ``write_id`` owns:
+    ``X/commits/s0...7.json`` -> ``X/data/s0...7-{write_id}``. A marker is read only if
+    the prefix it names is this one, so nothing is ever fetched or deleted on the word of
+    a stored object alone."""
+    match = _MARKER_KEY.match(marker_key)
+    if not match:
+        raise LayoutError(f"{marker_key!r} is not a commit marker's key")
+    if not WRITE_ID_RE.match(write_id):
+        raise LayoutError(f"write id {write_id[:80]!r} of {marker_key} is not 16 hex digits")
+    return f"{match.group(1)}data/{match.group(2)}-{write_id}"
 
 
 def parse_marker_name(name: str, prefix: str) -> int | None:

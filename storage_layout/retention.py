@@ -15,6 +15,13 @@ deleted versions' outcome lists are written to the run's **ledger** in the home 
 (``ledger/fP/sN.json``, never deleted), so ``diloco inspect --audit`` can still account
 for every contribution after retention.
 
+Nothing is deleted on a stored object's word: a marker names only the data prefix its own
+key gives (``commit.read_marker`` refuses any other), and with the run's ``keys`` (the
+syncers hold the secret) a contribution is deleted only if its signature verifies; one
+that does not (a forgery, whether or not a syncer already rejected it) is kept and named
+in the report's problems. The newest version of each fragment and of each learner's
+contributions is never deleted.
+
 A learner's checkpoints are pruned by the learner itself (``prune_checkpoints``, its
 newest ``keep``). Never deleted: anything a marker still needs, uncommitted data younger
 than ``orphan_age`` (it may be a write in flight), the spec. A marker is deleted
@@ -32,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from storage_layout.auth import Keys, verify
 from storage_layout.bucket import Bucket
 from storage_layout.commit import CommitMarker, CorruptVersion, read_marker
 from storage_layout.layout import RunLayout, parse_marker_name
@@ -156,21 +164,30 @@ _VERSION_FIELDS = ("consumed", "cursor", "rejected", "superseded", "tokens", "to
 
 def _plan_contributions(
     store: RunStore, p: int, learners: Mapping[str, str], cursor: Mapping[str, int],
-    plan: _Plan, report: RetentionReport, orphan_age: float | None,
+    plan: _Plan, report: RetentionReport, orphan_age: float | None, keys: Keys | None,
+    decided: set[tuple[str, int]] | None,
 ) -> None:  # fmt: skip
     layout = store.layout
     for learner, region in learners.items():
         bucket = store.bucket(region)
         seqs = store.contribution_seqs(learner, p, region)
+        signing = keys.verifying_key(learner) if keys is not None else None
+        sound: list[tuple[int, str, CommitMarker, int]] = []
         for seq in seqs:
             key = layout.contribution_marker(learner, p, seq)
             try:
                 marker = read_marker(bucket, key)
-                base = int(marker.meta["base_version"])
-            except (CorruptVersion, KeyError, ValueError, FileNotFoundError) as exc:
+                if signing is not None:
+                    verify(marker, signing, learner, key)
+                sound.append((seq, key, marker, int(marker.meta["base_version"])))
+            except (CorruptVersion, KeyError, ValueError, TypeError, FileNotFoundError) as exc:
                 report.problems.append(f"kept {key}: {exc}")
-                continue
-            if seq <= int(cursor.get(learner, 0)) and seq != seqs[-1]:
+        # The newest sound one stays (a forgery listed above it is no learner's newest).
+        newest = sound[-1][0] if sound else None
+        for seq, key, marker, base in sound:
+            # (without a key to authenticate it, only what a syncer decided goes)
+            known = decided is None or (learner, seq) in decided
+            if seq <= int(cursor.get(learner, 0)) and seq != newest and known:
                 plan.doomed.append((bucket, key, marker))
                 m = marker.meta
                 plan.contributions.append(
@@ -213,6 +230,20 @@ def _plan_versions(
             _orphans(bucket, f"{base}/data", f"{base}/commits", orphan_age, report)
 
 
+def _decided(store: RunStore, p: int, versions: Sequence[int]) -> set[tuple[str, int]]:
+    """The contributions of fragment ``p`` that the home region's versions record as
+    merged, rejected or superseded."""
+    out: set[tuple[str, int]] = set()
+    for v in versions:
+        try:
+            meta = store.global_marker(p, v).meta
+            for field_name in ("consumed", "rejected", "superseded"):
+                out.update((str(row[0]), int(row[1])) for row in meta.get(field_name) or [])
+        except (CorruptVersion, FileNotFoundError, TypeError, ValueError, IndexError):
+            continue  # an unreadable record decides nothing
+    return out
+
+
 def write_ledger(store: RunStore, fragment: int, entry: Mapping[str, Any]) -> int:
     """Record what is about to be deleted in the home region's ledger, so an audit can
     still account for every contribution and version (an exclusive create of the next
@@ -243,10 +274,13 @@ def collect_garbage(
     learners: Mapping[str, str],
     window: int,
     orphan_age: float | None = None,
+    keys: Keys | None = None,
 ) -> RetentionReport:
     """Apply the retention rules above to ``fragments`` (a count, or the fragments one
-    syncer shard owns). ``learners`` maps learner id -> its region. What is deleted is
-    first written to the ledger; if that fails, nothing of the fragment is deleted."""
+    syncer shard owns). ``learners`` maps learner id -> its region. With ``keys`` that
+    verify (the run secret), only contributions whose signature verifies are deleted.
+    What is deleted is first written to the ledger; if that fails, nothing of the
+    fragment is deleted."""
     report = RetentionReport()
     for p in range(fragments) if isinstance(fragments, int) else fragments:
         versions = store.global_versions(p)
@@ -255,7 +289,10 @@ def collect_garbage(
         newest = versions[-1]
         cursor = store.global_marker(p, newest).meta.get("cursor", {})
         plan = _Plan()
-        _plan_contributions(store, p, learners, cursor, plan, report, orphan_age)
+        # Without the run secret nothing can be authenticated: only what a syncer decided
+        # (merged, rejected or superseded, as a committed version records) is deleted.
+        decided = None if keys is not None and keys.verifies else _decided(store, p, versions)
+        _plan_contributions(store, p, learners, cursor, plan, report, orphan_age, keys, decided)
         report.pinned[p] = sorted(v for v in plan.pins if v < newest - window)
         keep = {v for v in versions if v >= newest - window} | plan.pins
         _plan_versions(store, p, keep, plan, report, orphan_age)

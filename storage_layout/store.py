@@ -69,9 +69,24 @@ class RegionDown(BucketError):
     """A region's bucket could not be reached; only work touching it waits."""
 
 
+class HomeCopiesLost(ValueError):
+    """The home region lacks global versions of a fragment that other regions or the
+    retention ledger show were committed: its master copies (fp32 parameters, outer
+    optimizer state) are gone, and no syncer may go on or start over from version 0."""
+
+
 class SeqNotReserved(RuntimeError):
     """A learner process asked to commit a sequence number outside the blocks it holds:
     another process of that learner has reserved numbers above it since (``reserve_seqs``)."""
+
+
+def spec_home(spec: Mapping[str, Any]) -> str:
+    """A stored spec's home region: its ``home``, or (a spec written before it was
+    recorded) the first of its regions."""
+    home = spec.get("home") or next(iter(spec.get("regions") or {}), None)
+    if not isinstance(home, str) or home not in (spec.get("regions") or {}):
+        raise CorruptVersion(f"the run spec names no home region among its regions ({home!r})")
+    return home
 
 
 def spec_differences(stored: Any, given: Any, path: str = "", defaults: Any = None) -> list[str]:
@@ -250,6 +265,30 @@ class RunStore:
     def latest_global(self, fragment: int, region: str | None = None) -> int | None:
         versions = self.global_versions(fragment, region)
         return versions[-1] if versions else None
+
+    def check_home(self, fragment: int) -> int | None:
+        """The newest version of ``fragment`` at home (None for a run not started), after
+        checking that no other region holds a newer one and that, if home holds none, no
+        region and no ledger entry shows one was ever committed: else ``HomeCopiesLost``,
+        naming what is missing (a relaunch must never republish version 0 over a run)."""
+        home = self.latest_global(fragment)
+        newer = {}
+        for region in self.urls:
+            if region != self.client_region:
+                theirs = self.latest_global(fragment, region)
+                if theirs is not None and (home is None or theirs > home):
+                    newer[region] = theirs
+        ledger = self._numbers(self.home, self.layout.ledger_commits(fragment), "s")
+        if newer or (home is None and ledger):
+            where = ", ".join(f"{r} holds v{v}" for r, v in sorted(newer.items()))
+            where = where or f"the ledger records {len(ledger)} retention passes"
+            raise HomeCopiesLost(
+                f"run {self.run!r}: the home region {self.client_region} holds "
+                f"{'no version' if home is None else f'v{home} at newest'} of fragment "
+                f"{fragment}, but {where}: the master copies are gone from "
+                f"{self.home.url}; restore them from a backup (or start another run)"
+            )
+        return home
 
     def checkpoint_steps(self, learner: str, region: str | None = None) -> list[int]:
         return self._numbers(

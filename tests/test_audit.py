@@ -214,3 +214,40 @@ def test_a_chain_of_replacements_ends_where_the_last_one_went():
     assert _last_of_chain(("a", 248), chain) == ("a", 252)
     assert _last_of_chain(("a", 252), chain) is None
     assert _last_of_chain(("a", 1), {("a", 1): ("a", 2), ("a", 2): ("a", 1)}) == ("a", 1)
+
+
+def test_home_master_copies_gone_fail_the_audit_and_a_relaunch(run):
+    """Every home version of fragment 0 deleted (as a forged marker once made retention
+    do): the audit names it, however sound the other region's copies are, and
+    initializing the run again refuses to publish version 0 over it."""
+    from flows.run import config_from_spec, initialize_run
+    from storage_layout.store import HomeCopiesLost
+
+    home = Path(run["us"].removeprefix("file://")) / "r" / "globals" / "f0000"
+    shutil.rmtree(home)
+    report = audit_run("r", run)
+    assert not report.ok
+    (problem,) = report.violations["home-complete"]
+    assert "fragment 0" in problem and "us does not hold" in problem
+    for url in run.values():  # the copy's spec names the copy's buckets
+        path = Path(url.removeprefix("file://")) / "r" / "spec.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "regions": run}))
+    store = RunStore("r", run, "us", writer="launcher")
+    cfg = config_from_spec(store.read_spec())
+    with pytest.raises(HomeCopiesLost, match=r"fragment 0.*eu holds v"):
+        initialize_run(store, cfg)
+    assert store.global_versions(0) == []  # nothing republished
+
+
+def test_a_home_copy_without_its_master_copy_fails_the_audit(run):
+    store = RunStore("r", run, "us", writer="rogue")
+    newest = store.latest_global(0)
+    marker = store.global_marker(0, newest)
+    key = store.layout.global_marker(0, newest)
+    path = Path(run["us"].removeprefix("file://")) / key
+    body = json.loads(path.read_text())
+    body["objects"] = {k: v for k, v in body["objects"].items() if not k.startswith("params/")}
+    path.write_text(json.dumps(body))
+    assert marker.write_id == body["write_id"]
+    problems = audit_run("r", run).violations["home-complete"]
+    assert any("lacks the master copy" in p for p in problems), problems

@@ -1,0 +1,124 @@
+"""Nothing outside a run's own objects is ever touched, whatever a stored object says.
+
+Someone who may write only under ``RUN/learners/learner-0/`` (a learner's scope) forges
+commit markers that name other data: a folder outside the bucket, the run's global
+versions. No reader fetches it and retention deletes none of it; keys that leave the
+bucket are refused by the bucket itself; oversized markers are refused unread.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from diloco.quantize import quantize
+from storage_layout.auth import Keys, learner_key
+from storage_layout.bucket import Bucket
+from storage_layout.commit import MAX_MARKER_BYTES, CommitMarker, CorruptVersion, read_marker
+from storage_layout.layout import LayoutError
+from storage_layout.retention import collect_garbage
+from storage_layout.store import RunStore
+
+SECRET = "s" * 32
+RUN = "run"
+
+
+def _payload(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"w": quantize(rng.normal(size=(8, 4)).astype(np.float32), "int4")}
+
+
+def _publish(store: RunStore, v: int, meta: dict) -> None:
+    params = {"w": np.full((8, 4), float(v), np.float32)}
+    store.publish_global(0, v, params, [np.zeros((8, 4), np.float32)], meta)
+
+
+def _forge(bucket: Bucket, seq: int, data_prefix: str) -> str:
+    """An unsigned marker in learner-0's scope, below the cursor, naming ``data_prefix``."""
+    key = f"{RUN}/learners/learner-0/contributions/f0000/commits/s{seq:012d}.json"
+    marker = CommitMarker(
+        "contribution", data_prefix, {"zarr.json": {"size": 2, "sha256": "0" * 64}},
+        "learner-0", "0123456789abcdef",
+        {"learner": "learner-0", "fragment": 0, "seq": seq, "base_version": 0, "tokens": 1},
+    )  # fmt: skip
+    bucket.put_exclusive(key, marker.to_json())
+    return key
+
+
+@pytest.mark.parametrize("with_secret", [True, False])
+def test_retention_never_deletes_what_a_forged_marker_names(tmp_path, with_secret):
+    root = tmp_path / "bucket"
+    victim = tmp_path / "victim"
+    root.mkdir()
+    victim.mkdir()
+    (victim / "precious").write_text("keep me")
+    url = f"file://{root}"
+    store = RunStore(RUN, {"us": url}, "us", writer="syncer")
+    key = learner_key(SECRET, RUN, "learner-0")
+    for seq in (1, 2, 3):
+        store.put_contribution("learner-0", 0, seq, _payload(seq), {"base_version": 0},
+                               key=key)  # fmt: skip
+    decided = [["learner-0", s] for s in (1, 2, 3, 4, 5)]
+    for v in range(4):
+        _publish(store, v, {"cursor": {"learner-0": 9}, "consumed": decided})
+    globals_before = sorted(p.relative_to(root) for p in (root / RUN / "globals").rglob("*"))
+    outside = _forge(store.home, 4, "../victim")  # tmp_path/victim
+    inside = _forge(store.home, 5, f"{RUN}/globals/f0000")
+    for forged in (outside, inside):
+        with pytest.raises(CorruptVersion, match="forged or foreign"):
+            read_marker(store.home, forged)
+    keys = Keys(RUN, SECRET) if with_secret else None
+    report = collect_garbage(store, 1, {"learner-0": "us"}, window=1, keys=keys)
+
+    assert (victim / "precious").read_text() == "keep me"
+    after = sorted(p.relative_to(root) for p in (root / RUN / "globals").rglob("*"))
+    assert set(after) >= {p for p in globals_before if "/v000000000003" in str(p)}
+    assert store.global_versions(0)[-1] == 3 and store.get_global(0, 3).version == 3
+    # The forgeries stay (named), and the genuine processed contributions went.
+    assert store.contribution_seqs("learner-0", 0, "us") == [3, 4, 5]
+    assert report.contributions_deleted == 2
+    named = " ".join(report.problems)
+    assert "s000000000004" in named and "s000000000005" in named
+
+
+def test_an_unsigned_marker_with_its_own_prefix_is_kept_when_the_run_is_signed(tmp_path):
+    """A forgery that names only its own data: with the run secret, retention keeps it
+    (it cannot be authenticated) and says so."""
+    url = f"file://{tmp_path}"
+    store = RunStore(RUN, {"us": url}, "us", writer="syncer")
+    key = learner_key(SECRET, RUN, "learner-0")
+    for seq in (1, 3):
+        store.put_contribution("learner-0", 0, seq, _payload(seq), {"base_version": 0},
+                               key=key)  # fmt: skip
+    store.put_contribution("learner-0", 0, 2, _payload(2), {"base_version": 0})  # unsigned
+    _publish(store, 0, {"cursor": {"learner-0": 3}})
+    report = collect_garbage(store, 1, {"learner-0": "us"}, window=1, keys=Keys(RUN, SECRET))
+    assert store.contribution_seqs("learner-0", 0, "us") == [2, 3]
+    assert any("s000000000002" in p and "unsigned" in p for p in report.problems)
+
+
+@pytest.mark.parametrize("key", ["../escape", "run/../../escape", "/abs", "run//x", "run/./x"])
+def test_a_bucket_refuses_keys_that_leave_it(bucket_url, key):
+    bucket = Bucket(bucket_url)
+    with pytest.raises(LayoutError, match="not a plain relative key"):
+        bucket.delete_prefix(key)
+    with pytest.raises(LayoutError, match="not a plain relative key"):
+        bucket.put(key, b"x")
+    with pytest.raises(LayoutError, match="not a plain relative key"):
+        bucket.get(key)
+    with pytest.raises(LayoutError):
+        bucket.delete_prefix("")  # never the whole bucket
+
+
+def test_an_oversized_marker_is_refused_before_it_is_parsed(bucket_url):
+    bucket = Bucket(bucket_url)
+    key = f"{RUN}/learners/learner-0/contributions/f0000/commits/s000000000001.json"
+    body = json.dumps({"format": "diloco-commit", "pad": "x" * (MAX_MARKER_BYTES + 10)})
+    bucket.put_exclusive(key, body.encode())
+    before = bucket.traffic.as_dict().get("default->default", {}).get("bytes", 0)
+    with pytest.raises(CorruptVersion, match="larger than"):
+        read_marker(bucket, key)
+    read = bucket.traffic.as_dict()["default->default"]["bytes"] - before
+    assert read <= 3 * (MAX_MARKER_BYTES + 1)  # (asked patiently: at most 3 bounded reads)
