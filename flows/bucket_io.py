@@ -38,6 +38,7 @@ from diloco.transport import GlobalDelta, downlink_update
 from storage_layout.auth import Keys, Unauthenticated
 from storage_layout.bucket import Traffic
 from storage_layout.commit import CommitConflict, CorruptVersion, patiently
+from storage_layout.layout import number
 from storage_layout.retention import prune_checkpoints
 from storage_layout.store import PublishReport, RunStore, SeqNotReserved
 
@@ -208,6 +209,8 @@ class BucketStore:
         self._heads: dict[tuple[str, int], dict[int, Any]] = {}
         # learner -> (claim, first, end) of the block of seqs this process holds
         self._seqs: dict[str, tuple[int | None, int, int]] = {}
+        # learner -> the generation this process claimed as it (``claim_generation``)
+        self._generations: dict[str, int] = {}
         self.learners = dict(learners)
         if keys is None:
             keys = Keys.from_env(run, writer if writer in self.learners else None)
@@ -244,10 +247,40 @@ class BucketStore:
         must lie in a block this process reserved (``SeqNotReserved`` if another process of
         the learner holds the numbers above it)."""
         self._reserved(c.learner, c.seq)
+        self.check_newest(c.learner)
         key = self.keys.signing_key(c.learner)
         self.writer_for(c.learner).put_contribution(
             c.learner, c.fragment, c.seq, c.payload, contribution_meta(c), key=key
         )
+
+    def claim_generation(self, learner: str) -> int:
+        """Claim the next generation of ``learner`` for this process (``RunStore.
+        claim_generation``); every later commit checks that it is still the newest."""
+        self._generations[learner] = self.writer_for(learner).claim_generation(learner)
+        return self._generations[learner]
+
+    def check_newest(self, learner: str) -> None:
+        """``SeqNotReserved`` if another process has started as ``learner`` since this one
+        claimed its generation, or has reserved seqs above this one's block: the next
+        claim's key is read, not listed (a read by key is never stale), just before each
+        commit, so a process that is no longer the newest commits nothing, not even a
+        seq inside a block it reserved before the newer one started."""
+        store = self.writer_for(learner)
+        bucket, layout = store.home, store.layout
+        nexts = []
+        if learner in self._generations:
+            nexts.append(("generation", layout.lease_commits(learner),
+                          self._generations[learner]))  # fmt: skip
+        claim = self._seqs.get(learner, (None, 0, 0))[0]
+        if claim is not None:
+            nexts.append(("block of seqs", layout.seq_claims(learner), claim))
+        for what, prefix, held in nexts:
+            key = f"{prefix}/s{number(held + 1)}.json"
+            if patiently(lambda: bucket.exists(key), key):  # noqa: B023
+                raise SeqNotReserved(
+                    f"{learner}: another process runs as this learner now (it holds "
+                    f"{what} {held + 1}, this one {held}); this one commits nothing more"
+                )
 
     def _reserved(self, learner: str, seq: int) -> None:
         """Make sure this process holds ``seq`` of ``learner`` (``RunStore.reserve_seqs``)."""
@@ -343,6 +376,7 @@ class BucketStore:
         if ckpt.step in store.checkpoint_steps(learner):
             return  # this step is saved already (a flow run ended right after one)
         meta = {"seq": ckpt.seq, "data_position": ckpt.step}
+        self.check_newest(learner)  # a superseded process mixes no checkpoint in
         try:
             store.put_checkpoint(
                 learner, ckpt.step, {"opt": optimizer_leaves(ckpt.opt_state)}, meta

@@ -113,7 +113,14 @@ class BackgroundIO:
         self._submit(f"upload of fragment {c.fragment} seq {c.seq}", lambda: self._upload(c))
 
     def save_checkpoint(self, ckpt: LearnerCheckpoint) -> None:
-        self._submit(f"checkpoint at step {ckpt.step}", lambda: self.view.save_checkpoint(ckpt))
+        self._submit(f"checkpoint at step {ckpt.step}", lambda: self._checkpoint(ckpt))
+
+    def _checkpoint(self, ckpt: LearnerCheckpoint) -> None:
+        try:
+            self.view.save_checkpoint(ckpt)
+        except SeqNotReserved as exc:  # a newer process runs as this learner: fenced
+            self.fenced = exc
+            raise
 
     def load_checkpoint(self) -> LearnerCheckpoint | None:
         return self.view.load_checkpoint()
@@ -291,7 +298,7 @@ class LearnerRuntime:
         self.label = f"{region}/{self.index}"
         self.store = bucket_store(run, {region: bucket}, spec, self.cfg, learner, home=region)
         # Fence off any older process of this learner before reading what it left.
-        self.generation = self.store.writer_for(learner).claim_generation(learner)
+        self.generation = self.store.claim_generation(learner)
         self._progress: dict[str, Any] | None = None  # what a predecessor reported
         self.announce("compiling")
         self._compile()

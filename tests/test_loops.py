@@ -310,6 +310,32 @@ def test_a_learner_whose_upload_is_refused_stops_writing_at_once(tiny_run):
         old.close()
 
 
+def test_a_superseded_process_commits_nothing_even_inside_its_own_block(tiny_run):
+    """A second process started by hand as a learner: the first one, still holding a
+    block of seqs it reserved, commits nothing more from the moment the newer one has
+    claimed its generation (checked at each commit, not each round): neither a seq of
+    its own block nor a checkpoint."""
+    cfg, regions, _, model = tiny_run
+    pipeline = {**cfg.pipeline.model_dump(), "round_steps": 5}
+    old = LearnerRuntime("r", regions["us"], "us", "learner-2", pipeline)
+    try:
+        first = old.loop.learner.seq + 1  # inside the block old reserved as it started
+        new = bucket_store("r", regions, old.store.main.read_spec(), cfg, "learner-2", home="us")
+        new.claim_generation("learner-2")  # the newer process starts: nothing sent yet
+        payload = {n: quantize(np.full_like(model.init[n], 1e-3), "fp32") for n in model.plan[0]}
+        old.io.send(Contribution("learner-2", 0, first, 0, 64, 1, 0.1, payload, step=first))
+        old.io.save_checkpoint(old.loop.learner.checkpoint())
+        old.io.flush()
+        assert "holds generation 2, this one 1" in str(old.io.fenced)
+        written = RunStore("r", regions, "us")
+        assert written.contribution_seqs("learner-2", 0, "us") == []
+        assert written.checkpoint_steps("learner-2") == []
+        with pytest.raises(Fenced, match="another process runs as this learner"):
+            old.train_round()
+    finally:
+        old.close()
+
+
 def test_a_round_is_not_retried_inside_the_process():
     """A round that fails half-way has changed the learner's state in memory; a retry
     would continue from there. The process ends instead and its restart rejoins from the
