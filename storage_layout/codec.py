@@ -73,6 +73,9 @@ def _array(group: zarr.Group, name: str, values: np.ndarray) -> None:
         shards=(shard,),
         compressors=None,
         fill_value=0,
+        # Every chunk is stored, zeros too, so a reader can bound what an array may hold
+        # by the bytes of its objects before decoding it (``_check_sizes``).
+        config={"write_empty_chunks": True},
     )
     if n:
         arr[:] = values
@@ -120,8 +123,33 @@ def _tensor_entry(entry: Any) -> tuple[str, list[int], int, int, int, int, int]:
     return name, shape, block, d0, d1, s0, s1
 
 
+# The smallest inner chunk a reader accepts (elements), for an array that large: fewer,
+# larger requests, and a metadata document cannot make a reader loop over millions.
+MIN_CHUNK = 1024
+
+
+def _check_sizes(gname: str, name: str, arr: zarr.Array, objects: Mapping[str, bytes]) -> None:
+    """Before an array is read: it declares no more values than its stored chunks hold
+    (``encode`` stores every chunk) and no tiny chunks, so a forged or damaged
+    ``zarr.json`` claiming a huge array costs nothing to refuse (``FormatError``)."""
+    if len(arr.shape) != 1:
+        raise FormatError(f"{gname}/{name} has shape {arr.shape}; a flat array was expected")
+    declared = int(arr.shape[0]) * arr.dtype.itemsize
+    stored = sum(len(v) for k, v in objects.items() if k.startswith(f"{gname}/{name}/c"))
+    if declared > stored:
+        raise FormatError(
+            f"{gname}/{name} declares {arr.shape[0]} values ({declared} bytes) but its "
+            f"chunks hold {stored} bytes"
+        )
+    chunk = int(arr.chunks[0]) if arr.chunks else 0
+    if chunk < min(int(arr.shape[0]), MIN_CHUNK):
+        raise FormatError(f"{gname}/{name} has chunks of {chunk} values; at least "
+                          f"{MIN_CHUNK} are expected")  # fmt: skip
+
+
 def decode(objects: Mapping[str, bytes]) -> tuple[dict[str, dict[str, QuantizedTensor]], dict]:
-    """Inverse of ``encode``. Raises ``FormatError`` naming what does not fit."""
+    """Inverse of ``encode``. Raises ``FormatError`` naming what does not fit, and
+    before reading any array whose metadata claims more than its objects hold."""
     store = MemoryStore({k: cpu.Buffer.from_bytes(v) for k, v in objects.items()})
     try:
         root = zarr.open_group(store=store, mode="r", zarr_format=3)
@@ -136,8 +164,11 @@ def decode(objects: Mapping[str, bytes]) -> tuple[dict[str, dict[str, QuantizedT
         try:
             kind = sub.attrs["kind"]
             dtype = STORAGE_DTYPE[kind]
+            arrays = ["data", "scales"] if kind in ("int8", "int4") else ["data"]
+            for name in arrays:
+                _check_sizes(gname, name, sub[name], objects)
             data = sub["data"][:]
-            scales = sub["scales"][:] if kind in ("int8", "int4") else None
+            scales = sub["scales"][:] if "scales" in arrays else None
             tensors = {}
             for entry in sub.attrs["tensors"]:
                 name, shape, block, d0, d1, s0, s1 = _tensor_entry(entry)

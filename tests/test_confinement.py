@@ -122,3 +122,24 @@ def test_an_oversized_marker_is_refused_before_it_is_parsed(bucket_url):
         read_marker(bucket, key)
     read = bucket.traffic.as_dict()["default->default"]["bytes"] - before
     assert read <= 3 * (MAX_MARKER_BYTES + 1)  # (asked patiently: at most 3 bounded reads)
+
+
+@pytest.mark.parametrize(
+    ("shape", "chunk", "named"),
+    [([20_000 << 20], [1 << 20], "declares 20971520000 values"),
+     ([16], [1], "chunks of 1 values")],
+)  # fmt: skip
+def test_a_metadata_bomb_is_refused_before_anything_is_allocated(shape, chunk, named):
+    """A ``zarr.json`` that claims a huge array (or millions of tiny chunks) is refused
+    by the bytes its chunks hold, before zarr reads (and allocates) anything."""
+    from storage_layout.codec import FormatError, decode, encode
+
+    objects = encode({"delta": _payload(0)}, {"kind": "contribution"})
+    meta = json.loads(objects["delta/data/zarr.json"])
+    meta["shape"] = shape
+    sharding = meta["codecs"][0]["configuration"]
+    meta["chunk_grid"]["configuration"]["chunk_shape"] = shape
+    sharding["chunk_shape"] = chunk
+    objects["delta/data/zarr.json"] = json.dumps(meta).encode()
+    with pytest.raises(FormatError, match=named):
+        decode(objects)
