@@ -808,15 +808,17 @@ def startup_line(statuses: dict[str, dict[str, Any]], versions: dict[int, int]) 
     return f"starting up | learners: {learners} | {first}"
 
 
-def authenticate(run: str, folder: Path, via: str, log: Any) -> None:
+def authenticate(run: str, folder: Path, via: str, log: Any, store: RunStore) -> None:
     """Sign the run's contributions: the run secret is ``DILOCO_RUN_SECRET`` or, if that
     is not set, one kept in ``folder/run-secret`` (made on the first launch, mode 0600), so
-    a resumed run keeps its keys. Deployments' workers take theirs from their work pools."""
+    a resumed run keeps its keys; one that is not the run's (its fingerprint in the
+    bucket differs) is refused. Deployments' workers take theirs from their work pools."""
     if via != "processes":
         log.info("contributions are authenticated if the work pools set %s (syncers) and %s "
                  "(learners); see docs/deploy.md", RUN_SECRET_ENV, LEARNER_KEY_ENV)  # fmt: skip
         return
     secret, source = run_secret(folder / "run-secret")
+    store.check_secret(secret, source)
     _RUN_SECRETS[run] = secret
     log.info("contributions are signed: each learner gets its own key, the syncers the run "
              "secret (from %s)", source)  # fmt: skip
@@ -936,7 +938,7 @@ def train_flow(
     display.phase("spec", "running", "writing the run spec and version 0, evaluating it")
     spec = initialize_run(store, cfg)
     Path(logs).mkdir(parents=True, exist_ok=True)
-    authenticate(run, folder, via, log)
+    authenticate(run, folder, via, log, store)
     # Workers share a persistent JAX compilation cache: a restarted learner does not
     # compile its step again (the variables reach them through child_env()).
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(logs).parent / "jax-cache"))

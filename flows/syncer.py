@@ -38,7 +38,7 @@ from diloco.topology import shard_fragments
 from flows.bucket_io import BucketStore
 from flows.observe import artifact_key, run_logger, tag_flow_run, worker_tags
 from flows.run import bucket_store, config_from_spec, worker_done
-from storage_layout.auth import UNAUTHENTICATED
+from storage_layout.auth import RUN_SECRET_ENV, UNAUTHENTICATED
 from storage_layout.retention import collect_garbage
 from storage_layout.store import RunStore
 
@@ -244,11 +244,14 @@ def syncer_flow(
     tag_flow_run(worker_tags(run, home, "syncer"))
     key = (run, home, shard)
     if key not in _RUNTIMES:
-        _RUNTIMES[key] = SyncerRuntime(run, regions, home, shard, shards, pipeline)
-        rt = _RUNTIMES[key]
+        rt = SyncerRuntime(run, regions, home, shard, shards, pipeline)
+        keys = rt.transport.store.keys
+        if keys.verifies:  # a swapped secret is refused before anything is read with it
+            rt.transport.store.main.check_secret(keys.secret, RUN_SECRET_ENV)
+        _RUNTIMES[key] = rt
         log.info("syncer %s owns fragments %s, resumes at versions %s",
                  rt.label, rt.fragments, rt.loop.versions)  # fmt: skip
-        if rt.transport.store.keys.verifies:
+        if keys.verifies:
             log.info("contributions are authenticated: each must carry its learner's signature")
         else:
             log.warning(UNAUTHENTICATED)  # once per process: the runtime lives as long

@@ -66,6 +66,18 @@ def check_secret(secret: str, source: str = RUN_SECRET_ENV) -> str:
     return secret
 
 
+class SecretMismatch(ValueError):
+    """A run secret that is not the one the run started with (its fingerprint differs
+    from the one stored in the run): every genuine contribution would be rejected."""
+
+
+def secret_fingerprint(secret: str, run: str) -> str:
+    """What a run stores of its secret: HMAC-SHA256(secret, "diloco-fingerprint/{run}"),
+    hex. It tells a changed secret from the original without revealing it."""
+    message = f"diloco-fingerprint/{run}".encode()
+    return hmac.new(check_secret(secret).encode(), message, hashlib.sha256).hexdigest()
+
+
 def learner_key(secret: str, run: str, learner: str) -> bytes:
     """``learner``'s key in ``run``: HMAC-SHA256(secret, "{run}/{learner}")."""
     message = f"{run}/{learner}".encode()

@@ -1,6 +1,7 @@
 """Where everything of a run lives in a bucket (no I/O here).
 
     {root}/{run}/spec.json                                         run spec, written once
+    {root}/{run}/secret-fingerprint.json       the run secret's fingerprint, written once
     {root}/{run}/learners/{learner}/contributions/f{P}/commits/s{SEQ}.json      markers
     {root}/{run}/learners/{learner}/contributions/f{P}/data/s{SEQ}-{WRITE_ID}/  Zarr group
     {root}/{run}/learners/{learner}/checkpoints/commits/s{STEP}.json
@@ -97,6 +98,11 @@ class RunLayout:
     @property
     def spec(self) -> str:
         return f"{self.run}/spec.json"
+
+    @property
+    def secret_fingerprint(self) -> str:
+        """The run secret's fingerprint (``storage_layout.auth``), written once."""
+        return f"{self.run}/secret-fingerprint.json"
 
     def metrics(self, writer: str) -> str:
         return f"{self.run}/metrics/{check_name('writer', writer)}.json"

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from diloco.quantize import QuantizedTensor, dequantize, quantize
-from storage_layout.auth import signer, verify
+from storage_layout.auth import SecretMismatch, secret_fingerprint, signer, verify
 from storage_layout.bucket import Bucket, BucketError, Traffic
 from storage_layout.codec import FormatError, decode, encode
 from storage_layout.commit import (
@@ -240,6 +240,28 @@ class RunStore:
                 f"this code reads {FORMAT_VERSION}"
             )
         return spec
+
+    def check_secret(self, secret: str, source: str) -> None:
+        """Store the run secret's fingerprint at home on first use; later, refuse a secret
+        whose fingerprint differs (``SecretMismatch``, naming ``source``): a swapped
+        secret would have every genuine contribution rejected as forged."""
+        key = self.layout.secret_fingerprint
+        ours = secret_fingerprint(secret, self.run)
+        body = json.dumps({"alg": "hmac-sha256", "fingerprint": ours}).encode()
+        try:
+            patiently(lambda: self.home.put_exclusive(key, body), key)
+            return
+        except FileExistsError:
+            if self._holds(key, body):
+                return
+        stored = _read_json(self.home, key)
+        if not isinstance(stored, dict) or stored.get("fingerprint") != ours:
+            raise SecretMismatch(
+                f"the run secret from {source} is not the one run {self.run!r} started with "
+                f"(its fingerprint in {self.home.url}/{key} differs): the syncers would reject "
+                "every learner's contributions as forged. Use the original secret (the "
+                "run folder's run-secret file, or the DILOCO_RUN_SECRET it started with)"
+            )
 
     # discovery ----------------------------------------------------------------------
     def _numbers(self, bucket: Bucket, prefix: str, letter: str) -> list[int]:

@@ -25,6 +25,7 @@ from storage_layout.auth import (
     LEARNER_KEY_ENV,
     RUN_SECRET_ENV,
     Keys,
+    SecretMismatch,
     Unauthenticated,
     learner_key,
     new_run_secret,
@@ -173,12 +174,33 @@ def test_a_learner_gets_its_own_key_and_never_the_run_secret(monkeypatch):
     assert signer.signing_key("learner-2") is None
 
 
+def _bucket_store(tmp_path, run: str) -> RunStore:
+    (tmp_path / "bucket").mkdir(exist_ok=True)
+    return RunStore(run, {"us": f"file://{tmp_path / 'bucket'}"}, "us", writer="launcher")
+
+
 def test_the_launcher_keeps_the_run_secret_out_of_its_log(tmp_path, caplog):
+    store = _bucket_store(tmp_path, "auth-run")
     with caplog.at_level(logging.INFO):
-        authenticate("auth-run", tmp_path, "processes", logging.getLogger("t"))
+        authenticate("auth-run", tmp_path, "processes", logging.getLogger("t"), store)
     secret = _RUN_SECRETS.pop("auth-run")
     assert (tmp_path / "run-secret").read_text().strip() == secret
     assert "contributions are signed" in caplog.text and secret not in caplog.text
+    stored = (tmp_path / "bucket" / "auth-run" / "secret-fingerprint.json").read_text()
+    assert secret not in stored
+
+
+def test_a_swapped_run_secret_is_refused_at_launch(tmp_path, monkeypatch):
+    """The run keeps its secret's fingerprint: a relaunch with another secret (the
+    run-secret file lost, DILOCO_RUN_SECRET changed) is refused by name, instead of
+    every genuine contribution being rejected as forged later."""
+    store = _bucket_store(tmp_path, "swap")
+    authenticate("swap", tmp_path, "processes", logging.getLogger("t"), store)
+    authenticate("swap", tmp_path, "processes", logging.getLogger("t"), store)  # resumed
+    monkeypatch.setenv(RUN_SECRET_ENV, SECRET)
+    with pytest.raises(SecretMismatch, match=f"from {RUN_SECRET_ENV} is not the one run 'swap'"):
+        authenticate("swap", tmp_path, "processes", logging.getLogger("t"), store)
+    _RUN_SECRETS.pop("swap")
 
 
 # --- through the stores and the syncer ----------------------------------------------------
