@@ -688,10 +688,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     if args.audit:
         return cmd_audit(args)
-    if len(args.url) > 1:
-        raise ConfigError("inspect takes one bucket URL (several only with --audit)")
-    url = _bucket_url(args.url[0])
-    report = inspect_bucket(url, run=args.run, verify=args.verify)
+    named = any("=" in item.split("://", 1)[0] for item in args.url)
+    if (len(args.url) > 1 or named) and not args.run:
+        raise ConfigError("several buckets, or REGION=URL, need --run NAME")
+    # Verification reads the buckets given, each in its region, never the spec's URLs.
+    given = audited_regions(args.run, args.url) if named or (args.verify and args.run) else None
+    url = next(iter(given.values())) if given else _bucket_url(args.url[0])
+    report = inspect_bucket(url, run=args.run, verify=args.verify, given=given)
     problems = [p for r in report["runs"] for p in r["problems"]]
     if args.json:
         print(json.dumps(report, indent=1, sort_keys=True, default=str))
@@ -734,7 +737,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 out.print(tr)
             out.print(INSPECT_LEGEND, style="dim", markup=False, highlight=False)
             if "verified_versions" in run:
-                out.print(f"verified {run['verified_versions']} committed versions")
+                where = ", ".join(f"{r}={u}" for r, u in run["verified"].items())
+                out.print(f"verified {run['verified_versions']} committed versions in {where}")
             for problem in run["problems"]:
                 out.print(f"[red]problem:[/] {problem}")
     return 1 if problems else 0

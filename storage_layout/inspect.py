@@ -45,10 +45,26 @@ def _verify(bucket: Bucket, commits_dir: str, letter: str, problems: list[str]) 
 
 
 def inspect_run(
-    bucket: Bucket, run: str, verify: bool = False, spec: dict[str, Any] | None = None
-) -> dict[str, Any]:
+    bucket: Bucket, run: str, verify: bool = False, spec: dict[str, Any] | None = None,
+    given: dict[str, str] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """``run`` as ``bucket`` and the run's other regions hold it. ``given`` (region ->
+    URL) are the buckets read in place of the spec's URLs for those regions (a copy, a
+    backup), and the ones ``verify`` re-hashes; by default the bucket itself, if it is
+    one of the run's regions."""
     spec = spec or RunStore(run, {bucket.region: bucket.url}, bucket.region).read_spec()
-    regions: dict[str, str] = spec.get("regions") or {bucket.region: bucket.url}
+    regions: dict[str, str] = dict(spec.get("regions") or {bucket.region: bucket.url})
+    if given is None:
+        given = {bucket.region: bucket.url} if bucket.region in regions else {}
+    unknown = sorted(set(given) - set(regions))
+    if unknown:
+        raise ValueError(f"run {run!r} has no region {unknown}; its regions are {sorted(regions)}")
+    if verify and not given:
+        raise ValueError(
+            f"{bucket.url} is none of run {run!r}'s regions ({regions}); to verify a copy "
+            f"of one, name the region it holds: --run {run} REGION={bucket.url}"
+        )
+    regions.update(given)
     learners: dict[str, str] = spec.get("learners") or {}
     fragments = len(spec.get("fragments") or [])
     home = bucket.region if bucket.region in regions else next(iter(regions))
@@ -68,10 +84,11 @@ def inspect_run(
         for learner, region in sorted(learners.items())
     ]
     out["traffic"] = _traffic(store, reachable, out["problems"])
-    if verify:
+    if verify:  # the buckets given, never the spec's URLs in their place
+        out["verified"] = {r: regions[r] for r in given if r in reachable}
         out["verified_versions"] = sum(
             _verify_region(store, region, fragments, learners, out["problems"])
-            for region in reachable
+            for region in out["verified"]
         )
     return out
 
@@ -160,7 +177,12 @@ def _verify_region(
     return checked
 
 
-def inspect_bucket(url: str, run: str | None = None, verify: bool = False) -> dict[str, Any]:
+def inspect_bucket(
+    url: str, run: str | None = None, verify: bool = False, given: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Every run in the bucket at ``url`` (or ``run``). ``given`` (with ``run``: region ->
+    URL, ``url`` among them) names the buckets to read and verify in place of the spec's
+    URLs (``inspect_run``)."""
     bucket = Bucket(url, region="inspect")
     runs = [run] if run else find_runs(bucket)
     if run and not bucket.exists(RunLayout(run).spec):
@@ -170,8 +192,9 @@ def inspect_bucket(url: str, run: str | None = None, verify: bool = False) -> di
         # Name the inspected bucket after its region in the spec, so it is read directly.
         spec = RunStore(name, {"inspect": url}, "inspect").read_spec()
         region = next(
-            (r for r, u in (spec.get("regions") or {}).items() if u.rstrip("/") == url.rstrip("/")),
+            (r for r, u in (given or spec.get("regions") or {}).items()
+             if u.rstrip("/") == url.rstrip("/")),
             "inspect",
-        )
-        result["runs"].append(inspect_run(Bucket(url, region=region), name, verify, spec))
+        )  # fmt: skip
+        result["runs"].append(inspect_run(Bucket(url, region=region), name, verify, spec, given))
     return result

@@ -153,6 +153,21 @@ def test_inspect_audit_cli(run, capsys):
     assert "objects-verify" in text and "FAILED" in text
 
 
+def test_inspect_verify_checks_the_copy_it_is_given(run, capsys):
+    """A copy of a bucket, verified: its own objects are re-hashed (not those at the
+    spec's URL, the untouched original), with REGION=URL as for --audit; a bare copy's
+    URL is refused with how to name its region."""
+    us = run["us"].removeprefix("file://")
+    assert cli_main(["inspect", f"us={us}", "--run", "r", "--verify"]) == 0
+    assert f"committed versions in us=file://{us}" in capsys.readouterr().out
+    chunk = next(p for p in sorted(Path(us).rglob("c/*")) if "/globals/" in str(p))
+    chunk.write_bytes(chunk.read_bytes()[:-1])  # the copy is damaged; the original is not
+    assert cli_main(["inspect", f"us={us}", "--run", "r", "--verify"]) == 1
+    assert "problem:" in capsys.readouterr().out
+    assert cli_main(["inspect", us, "--run", "r", "--verify"]) == 2
+    assert f"name the region it holds: REGION=file://{us}" in capsys.readouterr().err
+
+
 def _damage_a_pending_contribution(run):
     """Commit a contribution above every cursor and damage its data; returns (store,
     learner, seq, the newest version of fragment 0)."""
