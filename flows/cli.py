@@ -485,6 +485,11 @@ def cmd_plan_goodput(args: argparse.Namespace) -> int:
     fm = FailureModel(**{f.name: getattr(args, f.name) for f in fields(FailureModel)})
     if args.quorum < 1 or any(m < 1 for m in args.learners) or any(n < 1 for n in args.chips):
         raise ConfigError("--quorum, --learners and --chips must be at least 1")
+    negative = [f.name for f in fields(FailureModel) if f.name.endswith("_seconds")
+                and getattr(fm, f.name) < 0]  # fmt: skip
+    if negative:
+        flags = ", ".join("--" + name.replace("_", "-") for name in negative)
+        raise ConfigError(f"{flags}: a time must not be negative")
     started = time.perf_counter()
     cells = goodput_table(tuple(args.chips), tuple(args.learners), args.quorum, fm, args.seed)
     wall = time.perf_counter() - started

@@ -238,6 +238,9 @@ def test_cli_caps_the_quorum_and_refuses_zero(capsys):
                  "--duration-hours", "1"]) == 0  # fmt: skip
     # K is capped at M per column (the table's M = 2 column runs with K = 2).
     assert main(["plan", "goodput", "--quorum", "0", "--duration-hours", "1"]) == 2
+    capsys.readouterr()
+    assert main(["plan", "goodput", "--restart-seconds", "-5", "--duration-hours", "1"]) == 2
+    assert "--restart-seconds: a time must not be negative" in capsys.readouterr().err
 
 
 @pytest.mark.slow
