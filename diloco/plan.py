@@ -13,13 +13,16 @@ that restart, so each slice alternates between exponential up times and fixed do
 times: for one slice this gives uptime ``1 / (1 + lambda * R)`` exactly.
 
 - ``dp`` (non-elastic data-parallel): the whole job is one slice. Every failure stops
-  everyone for R, and the job rolls back to its last checkpoint: the work since then
-  (checkpoints every ``checkpoint_seconds`` of progress) is lost.
+  everyone for R and then ``restart_seconds`` while the whole job restarts; failures
+  during the stop are absorbed by it. The job resumes from its last checkpoint
+  (``checkpoint_seconds`` of progress apart; 0, the default: from the surviving
+  replicas' state, nothing rolled back).
 - ``dp_elastic``: the job is cut into slices of ``elastic_slice_chips``. A failure
   stops everyone for ``downscale_seconds`` while the job re-forms without the slice
   (survivors hold the state: no rollback); the slice is back R after its failure and
-  is re-added with an ``upscale_seconds`` stop. Reconfigurations run one at a time, so
-  a burst of failures queues up. In between, the job trains at the share of slices up.
+  is re-added with an ``upscale_seconds`` stop. A failure or return during a stop joins
+  it (the job re-forms once with every change so far). In between, the job trains at
+  the share of slices up.
 - ``decoupled`` (Decoupled DiLoCo): M learners of N / M chips, each its own slice. A
   failure stops only its learner, which loses the work it had neither sent nor
   checkpointed: its fragments' progress since each one's last send (the repository's
@@ -33,19 +36,22 @@ ones included); uptime = the share of time the run makes progress (the job is no
 stopped; for decoupled: at least K learners up, so global versions advance). Useful
 work is work that ends in the model: work later rolled back or never sent is not.
 
-Calibration (``FailureModel`` defaults). The paper's setting fixes MTBI = 1 year per
-chip (one failure every 26 s at 1.2 M chips), H = P = 24 and K = 1. Fixed a priori:
-one inner step per second (``diloco simulate``'s clock), elastic downscale and upscale
-of 5 s each (a third of the recovery: no checkpoint to reload; the paper gives no
-number), elastic slices of 9216 chips (a pod), 7 simulated days. Fitted, one constant
-to one published point (``calibrate``): with K = 1 the decoupled goodput does not
-depend on checkpoints, so ``recovery_seconds`` = 15 s is fitted to 88 % for M = 8 at
-1.2 M chips; then ``checkpoint_seconds`` = 40 s is fitted to 27 % for non-elastic
-data-parallel at 1.2 M chips. Everything else the table prints is what the model
-predicts. The published pair needs a short recovery and frequent checkpoints: a
-5-minute recovery gives 3 % (dp) and 39 % (M = 8), and recovery alone cannot give both
-(71 s with no rollback gives dp its 27 % but M = 8 only 71 %). Not modelled: chip-speed
-variance, failures of the syncer, a learner's rejoin with stale optimizer state.
+Calibration (``FailureModel`` defaults; ``docs/algorithm.md``, "Goodput at datacenter
+scale", has the table against every published point). The paper's setting fixes
+MTBI = 1 year per chip (one failure every 26 s at 1.2 M chips), H = P = 24 and K = 1.
+Fixed a priori: one inner step per second (``diloco simulate``'s clock), elastic slices
+of 9216 chips (a pod), no dp rollback, 7 simulated days. Fitted, one constant to one
+published point (``calibrate``): ``recovery_seconds`` = 15 s to 88 % for M = 8 at 1.2 M
+chips (with K = 1 nothing else enters it); ``restart_seconds`` = 56 s to 27 % for dp at
+1.2 M chips; downscale = upscale = 10 s to 40 % for elastic dp at 2.4 M chips. Predicted,
+against the 2.4 M points secondary sources report: dp 15.6 % (18), M = 8 78 % (80),
+M = 16 88 % (86). With Poisson failures and a stop per failure that does not grow with
+the job, dp's odds of losing, (1 - goodput) / goodput = N lambda S, double with the chip
+count: 27 % at 1.2 M gives 15.6 % at 2.4 M. A rollback to periodic checkpoints (with the
+restart refitted) only lowers it: the old fit, a checkpoint every 40 s and no restart,
+gave 6.6 %. The reported 18 % would need a loss that does not grow with the chips.
+Not modelled: chip-speed variance, failures of the syncer, a learner's rejoin with
+stale optimizer state.
 
 Bandwidth (``bandwidth_plan``)
 ------------------------------
@@ -92,9 +98,10 @@ class FailureModel:
 
     mtbi_hours: float = HOURS_PER_YEAR  # per chip (paper); math.inf: no failures
     recovery_seconds: float = 15.0  # a failed slice is back after this (fitted: 88 %)
-    checkpoint_seconds: float = 40.0  # dp's progress between checkpoints (fitted: 27 %)
-    downscale_seconds: float = 5.0  # elastic dp: everyone stops while the job shrinks
-    upscale_seconds: float = 5.0  # elastic dp: everyone stops while a slice is re-added
+    restart_seconds: float = 56.0  # dp: then the whole job restarts (fitted: 27 %)
+    checkpoint_seconds: float = 0.0  # dp's rollback; 0: survivors hold the state
+    downscale_seconds: float = 10.0  # elastic dp: everyone stops while the job shrinks
+    upscale_seconds: float = 10.0  # (and while it grows back; both fitted: 40 % at 2.4 M)
     elastic_slice_chips: int = 9216  # elastic dp: the unit dropped on a failure
     step_seconds: float = 1.0  # one inner step (sets decoupled's sync period)
     inner_steps: int = 24  # H: inner steps between two sends of one fragment
@@ -216,38 +223,46 @@ def unsent_loss(up: np.ndarray, sync_seconds: float, fragments: int) -> np.ndarr
 
 
 def simulate_dp(chips: int, fm: FailureModel, rng: np.random.Generator) -> GoodputCell:
-    """Non-elastic data-parallel: one slice of all chips, rollback to the checkpoint."""
-    o = outages(rng, 1, chips * fm.chip_rate, fm.recovery_seconds, fm.duration)
+    """Non-elastic data-parallel: one slice of all chips, down for the failed slice's
+    recovery and the job's restart, then rolled back to its checkpoint."""
+    stop = fm.recovery_seconds + fm.restart_seconds
+    o = outages(rng, 1, chips * fm.chip_rate, stop, fm.duration)
     down = np.minimum(o.back, o.duration) - o.fail
     lost = checkpoint_loss(o.up, fm.checkpoint_seconds).sum()
     uptime = 1.0 - down.sum() / o.duration
     return GoodputCell("dp", 1, chips, uptime - lost / o.duration, uptime)
 
 
-def reconfigurations(arrive: np.ndarray, service: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """One reconfiguration at a time, first come first served: (starts, ends). Lindley's
-    recursion ``end_n = max(end_{n-1}, arrive_n) + service_n`` in closed form:
-    ``end_n = S_n + max_{k <= n} (arrive_k - S_{k-1})`` with ``S`` the running sum."""
-    total = np.cumsum(service)
-    end = total + np.maximum.accumulate(arrive - (total - service))
-    return end - service, end
+def absorbing_stops(arrive: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, ends) of the stops that sorted events cause when an event while the job
+    runs starts a stop of its own length and one while it is stopped joins that stop
+    (the job re-forms once with every change so far). A jump per stop, not per event."""
+    starts, ends, i = [], [], 0
+    while i < len(arrive):
+        start, end = arrive[i], arrive[i] + length[i]
+        starts.append(start)
+        ends.append(end)
+        i = max(i + 1, int(np.searchsorted(arrive, end, side="left")))
+    return np.array(starts, dtype=float), np.array(ends, dtype=float)
 
 
 def simulate_dp_elastic(chips: int, fm: FailureModel, rng: np.random.Generator) -> GoodputCell:
     """Elastic data-parallel: drop the failed slice, re-add it when it is back; the
-    whole job stops for every downscale and upscale."""
+    whole job stops for every downscale and upscale, but one stop takes in every failure
+    and return that happens during it."""
     n = max(1, round(chips / fm.elastic_slice_chips))
     o = outages(rng, n, chips / n * fm.chip_rate, fm.recovery_seconds, fm.duration)
     back = o.back[o.back < o.duration]
     arrive = np.concatenate([o.fail, back])
-    service = np.concatenate(
+    length = np.concatenate(
         [np.full(len(o.fail), fm.downscale_seconds), np.full(len(back), fm.upscale_seconds)]
     )
     order = np.argsort(arrive, kind="stable")
-    start, end = reconfigurations(arrive[order], service[order])
-    start, end = np.minimum(start, o.duration), np.minimum(end, o.duration)
+    start, end = absorbing_stops(arrive[order], length[order])
+    end = np.minimum(end, o.duration)
     # Work = integral of (slices up / n) outside the stops; the integral of the up count
     # is piecewise linear in time, so np.interp evaluates it at the stops' edges exactly.
+    # (Between stops no event happens, so the job holds exactly the slices that are up.)
     prof = up_profile(o)
     edges = np.concatenate([prof.start, [o.duration]])
     work = np.concatenate([[0.0], np.cumsum(prof.up * prof.length)])
@@ -306,17 +321,36 @@ def goodput_table(
 # --- closed forms and the calibration -------------------------------------------------
 
 
+def dp_stop_seconds(fm: FailureModel) -> float:
+    """How long one failure stops non-elastic data-parallel: the slice, then the job."""
+    return fm.recovery_seconds + fm.restart_seconds
+
+
 def dp_uptime_closed_form(chips: int, fm: FailureModel) -> float:
-    """Alternating renewal: exponential up (rate N lambda), fixed down R."""
-    return 1.0 / (1.0 + chips * fm.chip_rate * fm.recovery_seconds)
+    """Alternating renewal: exponential up (rate N lambda), fixed down S = R + restart."""
+    return 1.0 / (1.0 + chips * fm.chip_rate * dp_stop_seconds(fm))
+
+
+def dp_kept_seconds(chips: int, fm: FailureModel) -> float:
+    """Mean progress an up period keeps: ``C * floor(U / C)``, whose mean is
+    ``C q / (1 - q)`` with ``q = exp(-Lambda C)``; all of ``E[U]`` when C = 0."""
+    lam, c = chips * fm.chip_rate, fm.checkpoint_seconds
+    return 1.0 / lam if c <= 0 else c * math.exp(-lam * c) / -math.expm1(-lam * c)
 
 
 def dp_goodput_closed_form(chips: int, fm: FailureModel) -> float:
-    """Renewal reward: per cycle the progress kept is ``C * floor(U / C)``, whose mean is
-    ``C q / (1 - q)`` with ``q = exp(-Lambda C)``, over a mean cycle ``1 / Lambda + R``."""
-    lam, c = chips * fm.chip_rate, fm.checkpoint_seconds
-    kept = 1.0 / lam if c <= 0 else c * math.exp(-lam * c) / -math.expm1(-lam * c)
-    return kept / (1.0 / lam + fm.recovery_seconds)
+    """Renewal reward: progress kept per cycle over a mean cycle ``1 / Lambda + S``."""
+    lam = chips * fm.chip_rate
+    return dp_kept_seconds(chips, fm) / (1.0 / lam + dp_stop_seconds(fm))
+
+
+def elastic_uptime_closed_form(chips: int, fm: FailureModel) -> float:
+    """Approximate: failures and returns taken as one Poisson stream of rate 2 Lambda
+    whose stops absorb what arrives during them, of mean length (D + U) / 2. (Returns
+    trail failures by R, so the stream is not quite Poisson: within a point of the
+    simulation from 150 k to 2.4 M chips with the defaults.)"""
+    busy = chips * fm.chip_rate * (fm.downscale_seconds + fm.upscale_seconds)
+    return 1.0 / (1.0 + busy)
 
 
 def expected_unsent(rate: float, fm: FailureModel) -> float:
@@ -334,28 +368,27 @@ def learner_goodput_closed_form(chips_per_learner: float, fm: FailureModel) -> f
     return (1.0 / rate - expected_unsent(rate, fm)) / (1.0 / rate + fm.recovery_seconds)
 
 
-def _bisect(f, lo: float, hi: float, iters: int = 60) -> float:
-    """Root of a monotone f on [lo, hi] (f(lo) and f(hi) of opposite signs)."""
-    flo = f(lo)
-    for _ in range(iters):
-        mid = 0.5 * (lo + hi)
-        if (f(mid) > 0) == (flo > 0):
-            lo, flo = mid, f(mid)
-        else:
-            hi = mid
-    return 0.5 * (lo + hi)
+@dataclass(frozen=True)
+class Calibration:
+    """The three fitted constants of ``FailureModel``, each from one published point."""
+
+    recovery_seconds: float  # Decoupled DiLoCo M = 8 at 1.2 M chips: 88 %
+    restart_seconds: float  # non-elastic dp at 1.2 M chips: 27 %
+    reconfigure_seconds: float  # elastic dp's downscale = upscale, at 2.4 M chips: 40 %
 
 
 def calibrate(
     dp_goodput: float = 0.27,
     decoupled_goodput: float = 0.88,
+    elastic_goodput: float = 0.40,
     chips: int = 1_200_000,
+    elastic_chips: int = 2_400_000,
     learners: int = 8,
     fm: FailureModel = FailureModel(),
-) -> tuple[float, float]:
-    """(recovery_seconds, checkpoint_seconds) that put the closed forms on the two
-    published points: R from Decoupled DiLoCo (K = 1, where checkpoints play no part),
-    then C from non-elastic data-parallel with that R."""
+) -> Calibration:
+    """The constants that put the closed forms on the published points: R from Decoupled
+    DiLoCo (K = 1, where neither dp's restart nor checkpoints play a part), then dp's
+    restart with that R and ``fm``'s checkpoint interval, then elastic dp's stops."""
     rate = chips / learners * fm.chip_rate
     # (1 / rate - unsent) / (1 / rate + R) = target, solved for R.
     r = (1.0 / rate - expected_unsent(rate, fm)) / decoupled_goodput - 1.0 / rate
@@ -363,17 +396,17 @@ def calibrate(
         raise ValueError(
             f"no recovery time gives {decoupled_goodput:.0%}: lost work alone costs more"
         )
-    if dp_goodput >= dp_goodput_closed_form(
-        chips, replace(fm, recovery_seconds=r, checkpoint_seconds=0)
-    ):
-        raise ValueError(f"no checkpoint interval gives {dp_goodput:.0%} with recovery {r:.1f} s")
-    with_r = replace(fm, recovery_seconds=r)
-    c = _bisect(
-        lambda c: dp_goodput_closed_form(chips, replace(with_r, checkpoint_seconds=c)) - dp_goodput,
-        1e-6,
-        3600.0,
-    )
-    return r, c
+    # kept / (1 / Lambda + R + restart) = target, solved for the restart.
+    lam = chips * fm.chip_rate
+    restart = dp_kept_seconds(chips, fm) / dp_goodput - 1.0 / lam - r
+    if restart < 0:
+        raise ValueError(
+            f"no restart time gives {dp_goodput:.0%} with recovery {r:.1f} s and a "
+            f"checkpoint every {fm.checkpoint_seconds:g} s"
+        )
+    # 1 / (1 + Lambda (D + U)) = target with D = U.
+    stops = (1.0 / elastic_goodput - 1.0) / (elastic_chips * fm.chip_rate)
+    return Calibration(r, restart, stops / 2)
 
 
 # --- bandwidth -----------------------------------------------------------------------

@@ -437,9 +437,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     for name, kind, text in (
         ("mtbi_hours", float, "mean time between interruptions per chip"),
         ("recovery_seconds", float, "a failed slice is back after this (fitted to 88 %%)"),
-        ("checkpoint_seconds", float, "dp progress between checkpoints (fitted to 27 %%)"),
-        ("downscale_seconds", float, "elastic dp: everyone stops while the job shrinks"),
-        ("upscale_seconds", float, "elastic dp: everyone stops while a slice is re-added"),
+        ("restart_seconds", float, "dp: then the whole job restarts (fitted to 27 %%)"),
+        ("checkpoint_seconds", float, "dp progress between checkpoints; 0: no rollback"),
+        ("downscale_seconds", float, "elastic dp: all stop while the job shrinks (fitted: 40 %%)"),
+        ("upscale_seconds", float, "elastic dp: all stop while slices are re-added (fitted)"),
         ("elastic_slice_chips", int, "elastic dp: chips dropped per failure"),
         ("step_seconds", float, "one inner step (decoupled sync period = H steps)"),
         ("inner_steps", int, "H: inner steps between two sends of one fragment"),
@@ -484,6 +485,11 @@ def cmd_plan_goodput(args: argparse.Namespace) -> int:
     fm = FailureModel(**{f.name: getattr(args, f.name) for f in fields(FailureModel)})
     if args.quorum < 1 or any(m < 1 for m in args.learners) or any(n < 1 for n in args.chips):
         raise ConfigError("--quorum, --learners and --chips must be at least 1")
+    negative = [f.name for f in fields(FailureModel) if f.name.endswith("_seconds")
+                and getattr(fm, f.name) < 0]  # fmt: skip
+    if negative:
+        flags = ", ".join("--" + name.replace("_", "-") for name in negative)
+        raise ConfigError(f"{flags}: a time must not be negative")
     started = time.perf_counter()
     cells = goodput_table(tuple(args.chips), tuple(args.learners), args.quorum, fm, args.seed)
     wall = time.perf_counter() - started
@@ -506,9 +512,11 @@ def cmd_plan_goodput(args: argparse.Namespace) -> int:
         table.add_row(f"{n:,}", *(f"{c.goodput:.1%} ({c.uptime:.0%})" for c in row))
     out = stdout_console()
     out.print(table)
+    checkpoint = (f"a checkpoint every {fm.checkpoint_seconds:g} s" if fm.checkpoint_seconds > 0
+                  else "no rollback")  # fmt: skip
     out.print(
-        f"MTBI {fm.mtbi_hours:g} h per chip, recovery {fm.recovery_seconds:g} s, checkpoint "
-        f"every {fm.checkpoint_seconds:g} s (dp), downscale / upscale "
+        f"MTBI {fm.mtbi_hours:g} h per chip, recovery {fm.recovery_seconds:g} s, restart "
+        f"{fm.restart_seconds:g} s and {checkpoint} (dp), downscale / upscale "
         f"{fm.downscale_seconds:g} / {fm.upscale_seconds:g} s on {fm.elastic_slice_chips:,}-chip "
         f"slices (elastic dp), sync every {fm.inner_steps} x {fm.step_seconds:g} s over "
         f"{fm.fragments} fragments (decoupled)"

@@ -11,16 +11,17 @@ import pytest
 from diloco.plan import (
     BandwidthModel,
     FailureModel,
+    absorbing_stops,
     bandwidth_plan,
     breakeven_step_seconds,
     calibrate,
     decoupled_cell,
     dp_goodput_closed_form,
     dp_uptime_closed_form,
+    elastic_uptime_closed_form,
     goodput_table,
     learner_goodput_closed_form,
     outages,
-    reconfigurations,
     simulate_decoupled,
     simulate_dp,
     simulate_dp_elastic,
@@ -47,17 +48,19 @@ def test_no_failures_is_full_goodput():
 
 
 def test_dp_matches_renewal_closed_forms():
-    """Exponential failures at N lambda, fixed restart R: uptime 1 / (1 + N lambda R);
-    with checkpoints every C, goodput C q / (1 - q) / (1 / (N lambda) + R)."""
+    """Exponential failures at N lambda, a fixed stop S = R + restart: uptime
+    1 / (1 + N lambda S); with checkpoints every C, goodput C q / (1 - q) / (1 / (N
+    lambda) + S)."""
     fm = FailureModel(duration_hours=24 * 60)
-    for chips in (300_000, 1_200_000, 2_400_000):
-        cell = simulate_dp(chips, fm, rng(chips))
-        assert cell.uptime == pytest.approx(dp_uptime_closed_form(chips, fm), abs=0.005)
-        assert cell.goodput == pytest.approx(dp_goodput_closed_form(chips, fm), abs=0.005)
-    no_rollback = replace(fm, checkpoint_seconds=0.0)
-    cell = simulate_dp(1_200_000, no_rollback, rng())
-    assert cell.goodput == pytest.approx(cell.uptime)
-    assert cell.uptime == pytest.approx(1 / (1 + 1_200_000 / (8760 * 3600) * 15), abs=0.005)
+    for checkpoint in (0.0, 10.0):
+        rolled = replace(fm, checkpoint_seconds=checkpoint)
+        for chips in (300_000, 1_200_000, 2_400_000):
+            cell = simulate_dp(chips, rolled, rng(chips))
+            assert cell.uptime == pytest.approx(dp_uptime_closed_form(chips, rolled), abs=0.005)
+            assert cell.goodput == pytest.approx(dp_goodput_closed_form(chips, rolled), abs=0.005)
+    cell = simulate_dp(1_200_000, fm, rng())
+    assert cell.goodput == pytest.approx(cell.uptime)  # the default rolls nothing back
+    assert cell.uptime == pytest.approx(1 / (1 + 1_200_000 / (8760 * 3600) * 71), abs=0.005)
 
 
 def test_decoupled_with_quorum_one_beats_dp():
@@ -73,32 +76,91 @@ def test_decoupled_with_quorum_one_beats_dp():
 
 
 def test_elastic_and_decoupled_match_their_closed_forms():
-    """Elastic dp: reconfigurations form a single-server queue busy a share
-    Lambda (D + U) of the time. Decoupled with K = 1 and no stalls: every learner is
-    a renewal process, (E[U] - E[unsent]) / (E[U] + R)."""
+    """Elastic dp: stops that absorb what arrives during them, close to
+    1 / (1 + N lambda (D + U)). Decoupled with K = 1 and no stalls: every learner is a
+    renewal process, (E[U] - E[unsent]) / (E[U] + R)."""
     fm = FailureModel(duration_hours=24 * 30)
     for chips in (600_000, 2_400_000):
-        busy = chips * fm.chip_rate * (fm.downscale_seconds + fm.upscale_seconds)
-        assert simulate_dp_elastic(chips, fm, rng()).uptime == pytest.approx(1 - busy, abs=0.01)
+        cell = simulate_dp_elastic(chips, fm, rng())
+        assert cell.uptime == pytest.approx(elastic_uptime_closed_form(chips, fm), abs=0.01)
+        assert cell.goodput < cell.uptime  # the failed slices' chips idle until they are back
         cell = simulate_decoupled(chips, 8, 1, fm, rng())
         assert cell.goodput == pytest.approx(learner_goodput_closed_form(chips / 8, fm), abs=0.005)
 
 
-def test_published_points_with_the_defaults():
-    cells = goodput_table(chips=(1_200_000,), learners=(8,))
-    got = {c.mode: c.goodput for c in cells}
-    assert got["dp"] == pytest.approx(0.27, abs=0.02)
-    assert got["decoupled"] == pytest.approx(0.88, abs=0.02)
-    assert got["dp"] < got["dp_elastic"] < got["decoupled"]
+# The paper's goodput figures: 27 % and 88 % at 1.2 M chips are the paper's own (its
+# blog and figure); the 2.4 M points are what secondary sources of the paper report,
+# in whole percent. Three of the six are fitted (``calibrate``), the other three
+# predicted; docs/algorithm.md, "Goodput at datacenter scale", has the table.
+PUBLISHED = {
+    (1_200_000, "dp", 1): 0.27,
+    (1_200_000, "decoupled", 8): 0.88,
+    (2_400_000, "dp", 1): 0.18,
+    (2_400_000, "dp_elastic", 1): 0.40,
+    (2_400_000, "decoupled", 8): 0.80,
+    (2_400_000, "decoupled", 16): 0.86,
+}
+# One point at the paper's own figures (the simulation's noise over 7 days is under
+# a point); three points at the secondary sources' (whole percent, and dp's
+# 18 % lies 2.4 points above the most that constant stops allow: the next tests).
+TOLERANCE = {1_200_000: 0.01, 2_400_000: 0.03}
+
+
+def test_the_defaults_follow_the_published_shape():
+    """The planner's table, not the closed forms: every published point within its
+    tolerance, and at 2.4 M chips the order dp < elastic dp < M = 8 < M = 16."""
+    cells = goodput_table(chips=(1_200_000, 2_400_000), learners=(8, 16))
+    got = {(c.chips, c.mode, c.learners): c.goodput for c in cells}
+    for key, published in PUBLISHED.items():
+        assert got[key] == pytest.approx(published, abs=TOLERANCE[key[0]]), key
+    at = {(mode, m): g for (n, mode, m), g in got.items() if n == 2_400_000}
+    assert at[("dp", 1)] < at[("dp_elastic", 1)] < at[("decoupled", 8)] < at[("decoupled", 16)]
+    # From 1.2 M to 2.4 M the paper's dp falls 1.5x (27 -> 18), the planner's 1.75x (a
+    # constant stop: its odds of losing double) and the old rollback to a checkpoint
+    # every 40 s 4x.
+    fall = got[(1_200_000, "dp", 1)] / got[(2_400_000, "dp", 1)]
+    assert 1.4 < fall < 2.0
+
+
+def test_a_checkpoint_rollback_only_steepens_dp():
+    """With the restart refitted to 27 % at 1.2 M chips, every checkpoint interval
+    leaves dp at 2.4 M below the no-rollback 15.6 % (the stops alone double its odds of
+    losing), and the old fit (40 s, no restart) falls to 7 %: no rollback is what gives
+    the paper's shape, and 18 % is out of reach of constant stops."""
+
+    def refitted(fm: FailureModel) -> FailureModel:
+        k = calibrate(fm=fm)
+        return replace(fm, recovery_seconds=k.recovery_seconds, restart_seconds=k.restart_seconds)
+
+    fm = FailureModel()
+    no_rollback = dp_goodput_closed_form(2_400_000, refitted(fm))
+    assert no_rollback == pytest.approx(1 / (1 + 2 * (1 / 0.27 - 1)))  # 15.6 %
+    assert dp_goodput_closed_form(2_400_000, fm) == pytest.approx(no_rollback, abs=0.002)
+    previous = no_rollback
+    for checkpoint in (1.0, 5.0, 20.0, 39.0):
+        fitted = refitted(replace(fm, checkpoint_seconds=checkpoint))
+        assert dp_goodput_closed_form(1_200_000, fitted) == pytest.approx(0.27)
+        at_24 = dp_goodput_closed_form(2_400_000, fitted)
+        assert at_24 < previous
+        previous = at_24
+    old = replace(fm, restart_seconds=0.0, checkpoint_seconds=40.0)
+    assert dp_goodput_closed_form(1_200_000, old) == pytest.approx(0.27, abs=0.01)
+    assert dp_goodput_closed_form(2_400_000, old) < 0.08
 
 
 def test_calibration_gives_the_default_constants():
-    recovery, checkpoint = calibrate()
+    fitted = calibrate()
     fm = FailureModel()
-    assert recovery == pytest.approx(fm.recovery_seconds, abs=1.0)
-    assert checkpoint == pytest.approx(fm.checkpoint_seconds, abs=1.0)
-    fitted = replace(fm, recovery_seconds=recovery, checkpoint_seconds=checkpoint)
-    assert dp_goodput_closed_form(1_200_000, fitted) == pytest.approx(0.27, abs=1e-6)
+    assert fitted.recovery_seconds == pytest.approx(fm.recovery_seconds, abs=1.0)
+    assert fitted.restart_seconds == pytest.approx(fm.restart_seconds, abs=1.0)
+    assert fitted.reconfigure_seconds == pytest.approx(fm.downscale_seconds, abs=0.5)
+    assert fitted.reconfigure_seconds == pytest.approx(fm.upscale_seconds, abs=0.5)
+    exact = replace(fm, recovery_seconds=fitted.recovery_seconds,
+                    restart_seconds=fitted.restart_seconds)  # fmt: skip
+    assert dp_goodput_closed_form(1_200_000, exact) == pytest.approx(0.27, abs=1e-9)
+    assert learner_goodput_closed_form(150_000, exact) == pytest.approx(0.88, abs=1e-9)
+    with pytest.raises(ValueError, match="no restart time gives 27%"):
+        calibrate(fm=replace(fm, checkpoint_seconds=60.0))
 
 
 def test_unsent_loss_by_hand():
@@ -107,10 +169,14 @@ def test_unsent_loss_by_hand():
     np.testing.assert_allclose(got, [3.0, (2 + 7) / 2, (7 + 2) / 2])
 
 
-def test_reconfigurations_run_one_at_a_time():
-    start, end = reconfigurations(np.array([0.0, 1.0, 10.0]), np.array([5.0, 5.0, 2.0]))
-    np.testing.assert_allclose(start, [0.0, 5.0, 10.0])
-    np.testing.assert_allclose(end, [5.0, 10.0, 12.0])
+def test_stops_absorb_what_arrives_during_them():
+    # 1 joins the stop begun at 0; 11.5 joins the one begun at 10; 20 starts its own.
+    start, end = absorbing_stops(np.array([0.0, 1.0, 10.0, 11.5, 20.0]),
+                                 np.array([5.0, 5.0, 2.0, 1.0, 3.0]))  # fmt: skip
+    np.testing.assert_allclose(start, [0.0, 10.0, 20.0])
+    np.testing.assert_allclose(end, [5.0, 12.0, 23.0])
+    start, _ = absorbing_stops(np.array([0.0, 0.0, 1.0]), np.zeros(3))  # no stall on 0 s
+    np.testing.assert_allclose(start, [0.0, 0.0, 1.0])
 
 
 def test_bandwidth_closed_forms_by_hand():
@@ -172,6 +238,9 @@ def test_cli_caps_the_quorum_and_refuses_zero(capsys):
                  "--duration-hours", "1"]) == 0  # fmt: skip
     # K is capped at M per column (the table's M = 2 column runs with K = 2).
     assert main(["plan", "goodput", "--quorum", "0", "--duration-hours", "1"]) == 2
+    capsys.readouterr()
+    assert main(["plan", "goodput", "--restart-seconds", "-5", "--duration-hours", "1"]) == 2
+    assert "--restart-seconds: a time must not be negative" in capsys.readouterr().err
 
 
 @pytest.mark.slow
