@@ -32,7 +32,7 @@ from typing import Any
 import fsspec
 import fsspec.asyn
 
-from storage_layout.layout import check_key
+from storage_layout.layout import LayoutError, check_key
 
 EXCLUSIVE_PROTOCOLS = {"file", "local", "memory", "s3", "s3a", "gs", "gcs"}
 
@@ -153,9 +153,11 @@ class Bucket:
         storage_options: Mapping[str, Any] | None = None,
         traffic: Traffic | None = None,
         allow_unsafe_overwrite: bool = False,
+        scope: str | None = None,
     ):
         self.url = url
         self.region = region
+        self.scope = scope  # a run's prefix: no key outside it is asked for
         self.client_region = client_region or region
         self.traffic = traffic if traffic is not None else Traffic()
         protocol = fsspec.core.split_protocol(url)[0] or "file"
@@ -183,7 +185,10 @@ class Bucket:
 
     def path(self, key: str) -> str:
         """The full path of ``key``; a key that is not a plain relative one (``..``, an
-        empty segment, a leading ``/``) is refused (``LayoutError``), whoever built it."""
+        empty segment, a leading ``/``), or lies outside the bucket's ``scope`` (a run's
+        prefix), is refused (``LayoutError``), whoever built it."""
+        if self.scope is not None and not (key == self.scope or key.startswith(f"{self.scope}/")):
+            raise LayoutError(f"key {key[:200]!r} lies outside run {self.scope!r}'s prefix")
         return f"{self.root}/{check_key(key)}" if key else self.root
 
     def check_reachable(self) -> None:
@@ -335,7 +340,7 @@ class Bucket:
         """Ask the store for a real conflicting exclusive create (some S3-compatible
         servers ignore ``If-None-Match`` and let the second write through); a store that
         does not refuse it is refused here, naming the bucket."""
-        key = f".diloco-probe/{uuid.uuid4().hex}"
+        key = f"{self.scope + '/' if self.scope else ''}.diloco-probe/{uuid.uuid4().hex}"
         self.put_exclusive(key, b"first")
         try:
             try:

@@ -411,6 +411,7 @@ def open_bucket(
     storage_options: Mapping[str, Any] | None = None,
     traffic: Traffic | None = None,
     allow_unsafe_overwrite: bool = False,
+    scope: str | None = None,
 ) -> Bucket:
     """A ``Bucket`` (same arguments); a ``FaultyBucket`` while a fault plan is active."""
     kwargs: dict[str, Any] = dict(
@@ -419,6 +420,7 @@ def open_bucket(
         storage_options=storage_options,
         traffic=traffic,
         allow_unsafe_overwrite=allow_unsafe_overwrite,
+        scope=scope,
     )
     injector = active_injector()
     if injector is None or injector.plan.inert:

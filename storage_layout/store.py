@@ -195,7 +195,8 @@ class RunStore:
             opening = partial(open_bucket, self.urls[region], region=region,
                               client_region=self.client_region,
                               storage_options=self._options.get(region), traffic=self.traffic,
-                              allow_unsafe_overwrite=self._unsafe)  # fmt: skip
+                              allow_unsafe_overwrite=self._unsafe,
+                              scope=self.run)  # fmt: skip
             try:
                 self._buckets[region] = patiently(opening, f"opening region {region}")
             except BucketError as exc:

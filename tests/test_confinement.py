@@ -143,3 +143,16 @@ def test_a_metadata_bomb_is_refused_before_anything_is_allocated(shape, chunk, n
     objects["delta/data/zarr.json"] = json.dumps(meta).encode()
     with pytest.raises(FormatError, match=named):
         decode(objects)
+
+
+def test_a_runs_store_asks_for_no_key_outside_the_run(bucket_url):
+    """Every bucket a ``RunStore`` opens is scoped to the run's prefix: a key of another
+    run, or of the bucket's root, is refused before any request."""
+    store = RunStore(RUN, {"us": bucket_url}, "us", writer="syncer")
+    for key in ("other/spec.json", "spec.json", "runner/x", ""):
+        with pytest.raises(LayoutError, match="outside run 'run'"):
+            store.home.get(key)
+    with pytest.raises(LayoutError, match="outside run 'run'"):
+        store.home.delete_prefix("other/globals")
+    store.home.probe_exclusive()  # under the run's own prefix
+    assert store.home.list(f"{RUN}/.diloco-probe") == []  # (it cleaned up after itself)
