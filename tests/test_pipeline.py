@@ -335,7 +335,7 @@ def faulty_run(prefect_api, tmp_path_factory):
         pid = _wait(syncer_mid_run, 420, what, proc)
         events["syncer_killed_at_version"] = store.latest_global(0)
         os.kill(pid, signal.SIGKILL)
-        code = proc.wait(timeout=480)
+        code = proc.wait(timeout=900)  # a guard against a hang, not a measure
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
