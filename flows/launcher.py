@@ -838,8 +838,10 @@ def worker_faults(run: str, cfg: RunConfig, folder: Path, log: Any) -> faults.Fa
     return plan
 
 
-def start_chaos(plan: ChaosPlan, folder: Path, via: str, log: Any) -> Chaos | None:
-    """The process chaos driver over this launcher's live workers, if ``plan`` acts."""
+def start_chaos(plan: ChaosPlan, folder: Path, via: str, log: Any,
+                monitor: Monitor | None = None) -> Chaos | None:  # fmt: skip
+    """The process chaos driver over this launcher's live workers, if ``plan`` acts; its
+    actions at shares of the run follow the learners' status objects (``monitor``)."""
     if not plan.active:
         return None
     if via != "processes":
@@ -850,13 +852,22 @@ def start_chaos(plan: ChaosPlan, folder: Path, via: str, log: Any) -> Chaos | No
         with _lock:
             return {name: p.pid for name, p in _workers.items() if p.poll() is None}
 
+    def progress() -> tuple[float, set[str]]:
+        assert monitor is not None
+        statuses, cap = monitor.statuses(), monitor.cfg.learner_step_cap
+        steps = sum(min(int(s.get("step", 0)), cap) for s in statuses.values())
+        training = {lid for lid, s in statuses.items() if s.get("state") == "training"}
+        return steps / monitor.cfg.budget_steps, training
+
     log.warning("chaos on: %s; its actions go to %s", plan.model_dump(), folder / "chaos.jsonl")
-    return Chaos(plan, live, folder / "chaos.jsonl", log).start()
+    return Chaos(plan, live, folder / "chaos.jsonl", log, progress if monitor else None).start()
 
 
-def failure_report(store: RunStore, spec: dict, folder: Path) -> dict[str, Any]:
+def failure_report(store: RunStore, spec: dict, folder: Path,
+                   missed: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
     """What was done to the run on purpose (chaos actions and injected storage faults,
-    by kind) and what a learner kill cost: the seconds to its next contribution."""
+    by kind), the chaos actions at shares of the run that were ``missed`` (it ended
+    first), and what a learner kill cost: the seconds to its next contribution."""
     actions = read_actions(folder / "chaos.jsonl")
     injected = read_actions(folder / "faults.jsonl")
     kills = [a for a in actions if a["action"] == "kill_learner"]
@@ -866,6 +877,7 @@ def failure_report(store: RunStore, spec: dict, folder: Path) -> dict[str, Any]:
             kills.append({"time": fault["time"], "worker": parts[parts.index("learners") + 1]})
     return {
         "actions": dict(Counter(a["action"] for a in actions)),
+        "missed": list(missed or []),
         "faults": dict(Counter(f["kind"] for f in injected)),
         "kill_to_rejoin": percentiles(kill_to_rejoin(store, spec, kills)),
     }
@@ -972,7 +984,7 @@ def train_flow(
         _SPARES = Spares(cfg.pipeline.spares, Path(logs) / "spares.log", child_env(), warm)
     names, futures = _start_workers(run, regions, cfg, spec, logs, via)
     show_phases(display, monitor.statuses(), first["versions"])
-    chaos = start_chaos(chaos_plan, folder, via, log)
+    chaos = start_chaos(chaos_plan, folder, via, log, monitor)
     try:
         ended = _watch(names, futures, monitor, bar, cfg.pipeline.eval_seconds, log, display,
                        metrics)  # fmt: skip
@@ -1015,7 +1027,7 @@ def train_flow(
     summary = monitor.summary(wall, allocated)
     summary["failed"] = failed
     if cfg.pipeline.faults or chaos_plan.active:
-        summary["chaos"] = failure_report(store, spec, folder)
+        summary["chaos"] = failure_report(store, spec, folder, chaos.missed if chaos else [])
     png = loss_plot_png(monitor.curve, f"run {run}", metrics.training_curve())
     store.home.put(f"{run}/metrics/loss.png", png)
     create_markdown_artifact(

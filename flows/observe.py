@@ -151,8 +151,10 @@ def _chaos_rows(chaos: dict[str, Any] | None) -> list[tuple[str, str]]:
     if not chaos:
         return []
     rejoin = chaos.get("kill_to_rejoin") or {}
+    missed = chaos.get("missed") or []  # actions at shares of the run it ended before
     return [
         ("chaos", " · ".join(f"{k.replace('_', ' ')} {v}" for k, v in chaos["actions"].items()) or "-"),
+        *([("chaos missed (run ended first)", " · ".join(missed))] if missed else []),
         ("storage faults", " · ".join(f"{k} {v}" for k, v in chaos["faults"].items()) or "-"),
         ("kill to next contribution",
          f"median {rejoin['median']:.1f} s · p90 {rejoin['p90']:.1f} s ({rejoin['n']} kills)"

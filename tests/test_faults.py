@@ -248,16 +248,27 @@ def test_latency_spikes(make_bucket):
     assert injector.counts() == {"latency": 2}
 
 
-def test_outage_window(make_bucket):
+class _Clock:
+    """The fault injector's clock, set by a test: an outage window opens and closes when
+    the test says, however long each request (and its retries) takes on a busy machine."""
+
+    def __init__(self, now: float):
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+
+def test_outage_window(make_bucket, monkeypatch):
     regions = {"us": make_bucket("file"), "eu": make_bucket("memory")}
-    t0 = time.time()
-    # (long enough that the publish below, with its own retries, ends inside it on 2 busy cores)
-    plan = {"outage": {"region": "eu", "start": 0.2, "seconds": 1.5}, "t0": t0}
+    clock = _Clock(1_000.0)
+    monkeypatch.setattr(faults, "time", clock)
+    plan = {"outage": {"region": "eu", "start": 10.0, "seconds": 60.0}, "t0": clock.now}
     with faults.inject(plan) as injector:
         syncer = RunStore("run", regions, "us", writer="syncer")
         eu = syncer.bucket("eu")  # opened before the window
         eu.put("k", DATA)
-        time.sleep(max(0.0, t0 + 0.25 - time.time()))
+        clock.now += 10.0  # the window opens
         with pytest.raises(RegionOutage, match="injected outage fault: get k in region eu"):
             eu.get("k")
         with pytest.raises(RegionDown, match="outage"):
@@ -265,10 +276,13 @@ def test_outage_window(make_bucket):
         assert syncer.home.list("") == []  # other regions are up
         report = syncer.publish_global(0, 1, {"w": np.ones(3, np.float32)}, [], {}, "fp32")
         assert report.committed == ["us"] and "outage" in report.lagging["eu"]
-        time.sleep(max(0.0, t0 + 1.75 - time.time()))
-        assert eu.get("k") == DATA  # the window is over
+        clock.now += 59.9
+        with pytest.raises(RegionOutage):
+            eu.get("k")  # still inside
+        clock.now += 0.1  # the window is over
+        assert eu.get("k") == DATA
         assert syncer.sync_regions(0) == {"eu": 1}
-    assert injector.counts()["outage"] >= 3
+    assert injector.counts()["outage"] >= 4
 
 
 # --- replay ----------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -436,9 +436,21 @@ def test_poll_backs_off_exponentially():
         == "found"
     )
     assert delays == [0.1, 0.2, 0.3]
-    start = time.monotonic()
-    assert poll(lambda: None, timeout=0.2, first_delay=0.05) is None
-    assert time.monotonic() - start < 1.0
+
+
+def test_poll_gives_up_without_sleeping_past_its_timeout(monkeypatch):
+    """On a clock the test drives (sleeping advances it), so however busy the machine."""
+    import storage_layout.store as store_module
+
+    clock = SimpleNamespace(now=0.0, slept=[])
+
+    def sleep(seconds: float) -> None:
+        clock.slept.append(seconds)
+        clock.now += seconds
+
+    monkeypatch.setattr(store_module, "time", SimpleNamespace(monotonic=lambda: clock.now))
+    assert poll(lambda: None, timeout=0.2, first_delay=0.05, sleep=sleep) is None
+    assert clock.slept == [0.05, 0.1] and clock.now <= 0.2  # the next, 0.2, would pass it
 
 
 def test_checkpoints_round_trip_and_survive_retention(bucket_url):
