@@ -61,6 +61,19 @@ def _inspect_hint(url: str, run: str) -> str:
     return f"{_bin('diloco')} inspect {url} --run {run}"
 
 
+UI_PORT = 4200  # where the browse command serves a finished run's Prefect UI
+
+
+def browse_command(prefect_home: Path, port: int = UI_PORT) -> str:
+    """The shell command that serves the Prefect UI of a run's own (stopped) server, and
+    where to open it. The UI's API URL is set with the port: the UI asks
+    ``PREFECT_SERVER_UI_API_URL``, which a ``PREFECT_API_URL`` in the user's shell would
+    otherwise override (and ``--port`` alone does not change)."""
+    return (f"PREFECT_HOME={prefect_home} PREFECT_SERVER_UI_API_URL=http://127.0.0.1:{port}/api "
+            f"{_bin('prefect')} server start --host 127.0.0.1 --port {port}  "
+            f"(then open http://127.0.0.1:{port}/runs)")  # fmt: skip
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -162,7 +175,7 @@ def train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: st
         f"summary: {root / 'summary.json'}  worker logs: {root / 'logs'}\n"
         f"inspect the buckets:  {_inspect_hint(regions[home_region(regions)], run)}\n"
         f"the curves in TensorBoard:  {_bin('tensorboard')} --logdir {root / 'tensorboard'}\n"
-        + (f"browse the run in the Prefect UI:  PREFECT_HOME={prefect_home} {_bin('prefect')} server start"
+        + (f"browse the run in the Prefect UI:  {browse_command(prefect_home)}"
            if not external else f"Prefect UI: {external.removesuffix('/api')}")
     )  # fmt: skip
     if summary["failed"]:

@@ -123,3 +123,43 @@ def test_local_stack_hints_name_this_interpreter_and_its_inspect(tmp_path, monke
     # `run` tells diloco train to print that command as its inspect hint.
     local_stack.main(["run"])
     assert "-m infra.local_stack inspect {url} --run {run}" in calls[1][1]["DILOCO_INSPECT_HINT"]
+
+
+def _ui_api_url(api: str) -> str:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(api.removesuffix("/api") + "/ui-settings", timeout=10) as r:
+        return json.loads(r.read())["api_url"]
+
+
+@pytest.mark.slow
+def test_the_prefect_ui_asks_the_runs_own_server_for_its_api(tmp_path, monkeypatch):
+    """The UI a run's server serves (the "View at" links during the run) asks that server,
+    on its own port, not port 4200; so does the one the closing browse command starts,
+    run as printed, whatever PREFECT_API_URL the user's shell holds."""
+    import signal
+    import subprocess
+
+    from flows.train import browse_command
+    from infra.prefect_server import free_port, prefect_server, wait_healthy
+
+    home = tmp_path / "prefect"
+    with prefect_server(home) as api:
+        assert _ui_api_url(api) == api
+        assert not api.endswith(":4200/api")  # a free port: the case that broke
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # some other server
+    port = free_port()
+    command = browse_command(home, port)
+    assert f"http://127.0.0.1:{port}/runs" in command
+    log = (tmp_path / "browse.log").open("wb")
+    proc = subprocess.Popen(command.split("  (then")[0], shell=True, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        api = f"http://127.0.0.1:{port}/api"
+        wait_healthy(api, proc, tmp_path / "browse.log")
+        assert _ui_api_url(api) == api
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        log.close()
