@@ -82,16 +82,27 @@ def config_from_args(args: argparse.Namespace, default_tokens: int | None = None
                        mode=args.mode, seed=args.seed)  # fmt: skip
 
 
-def parse_stores(specs: list[str]) -> dict[str, str]:
-    """``["us=file:///a", "eu=s3://b"]`` -> regions; a bare URL is region ``default``."""
+def parse_stores(specs: list[str], create: bool = True, option: str = "--store") -> dict[str, str]:
+    """``["us=file:///a", "eu=s3://b"]`` -> regions; a bare URL is region ``default``. An
+    empty URL is refused (it would be the current folder); so is a local folder that does
+    not exist, unless ``create`` (a typo would otherwise start a run in a new bucket)."""
     regions: dict[str, str] = {}
     for spec in specs:
         name, url = spec.split("=", 1) if "=" in spec.split("://", 1)[0] else ("default", spec)
         if name in regions:
-            raise ConfigError(f"--store names region {name!r} twice")
+            raise ConfigError(f"{option} names region {name!r} twice")
+        if not url.strip() or url.strip() == "file://":
+            raise ConfigError(f"{option} {spec!r}: region {name!r} has an empty bucket URL")
         if url.startswith("file://") or "://" not in url:
-            Path(url.removeprefix("file://")).mkdir(parents=True, exist_ok=True)
-            url = "file://" + str(Path(url.removeprefix("file://")).resolve())
+            folder = Path(url.removeprefix("file://")).resolve()
+            if create:
+                folder.mkdir(parents=True, exist_ok=True)
+            elif not folder.is_dir():
+                raise ConfigError(
+                    f"{option} {spec!r}: the folder {folder} of region {name!r} does not exist; "
+                    "create it, or pass --create-buckets to have it created"
+                )
+            url = "file://" + str(folder)
         regions[name] = url
     return regions
 
@@ -155,8 +166,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, default_tokens=TRAIN_TOKENS)
     check_name("run", args.run)  # before the run's folder is made from it
     root = Path(args.dir) / args.run
-    regions = parse_stores(args.region) if args.region else parse_stores(
-        [f"{r}={root / 'buckets' / r}" for r in TRAIN_REGIONS]
+    # The default regions are the run's own folders, made as needed; given ones must exist.
+    regions = parse_stores(args.region, args.create_buckets, "--region") if args.region else (
+        parse_stores([f"{r}={root / 'buckets' / r}" for r in TRAIN_REGIONS])
     )  # fmt: skip
     if len(regions) == 1 and "default" in regions:
         raise ConfigError("--region needs NAME=URL")
@@ -281,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a region and its bucket (repeat; the first is the syncers' home); "
         f"default: {', '.join(TRAIN_REGIONS)} under DIR/RUN/buckets",
     )
+    tr.add_argument("--create-buckets", action="store_true",
+                    help="create the folders of file:// (or plain path) regions that do not "
+                    "exist yet (without it, such a region is refused as a likely typo)")  # fmt: skip
     tr.add_argument(
         "--via",
         choices=["processes", "deployments"],

@@ -163,3 +163,36 @@ def test_the_prefect_ui_asks_the_runs_own_server_for_its_api(tmp_path, monkeypat
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
         log.close()
+
+
+def test_train_refuses_an_empty_or_missing_region_folder(tmp_path, capsys, monkeypatch):
+    """`--region us-east=` trained with the current folder as the bucket, and a typo'd
+    folder silently became a new bucket. Both are refused by name before anything is
+    written; --create-buckets makes missing folders, and the default regions (the run's
+    own folders under DIR/RUN/buckets) are made as before."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "us").mkdir()
+    bad_data = ["--set", f"data.source={tmp_path / 'no-data'}"]  # stops it before training
+    code = main(["train", "--dir", "runs", "--run", "r", "--region", "us-east=",
+                 "--region", f"eu-west={tmp_path / 'us'}"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "region 'us-east' has an empty bucket URL" in err, err
+    code = main(["train", "--dir", "runs", "--run", "r", "--region", f"us-east={tmp_path / 'us'}",
+                 "--region", f"eu-west=file://{tmp_path / 'eu-wst'}"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert (
+        code == 2 and f"the folder {tmp_path / 'eu-wst'} of region 'eu-west' does not exist" in err
+    )
+    assert "--create-buckets" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["us"]  # nothing written anywhere
+    code = main(["train", "--dir", "runs", "--run", "r", "--region", f"us-east={tmp_path / 'us'}",
+                 "--region", f"eu-west={tmp_path / 'eu'}", "--create-buckets", *bad_data])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "no-data" in err and "does not exist" in err, err
+    assert (tmp_path / "eu").is_dir()  # asked for: made
+    code = main(["train", "--dir", "runs", "--run", "q", *bad_data])
+    err = capsys.readouterr().err
+    assert code == 2 and "no-data" in err, err
+    assert sorted(p.name for p in (tmp_path / "runs" / "q" / "buckets").iterdir()) == [
+        "eu-west", "us-east"
+    ]  # fmt: skip

@@ -231,7 +231,7 @@ def faulty_run(prefect_api, tmp_path_factory):
     run = "faulty"
     regions = {r: f"file://{root / 'buckets' / r}" for r in ("us-east", "eu-west")}
     argv = [sys.executable, "-m", "flows.cli", "train", "--dir", str(root), "--run", run,
-            "--tokens", "600000"]  # fmt: skip
+            "--tokens", "600000", "--create-buckets"]  # fmt: skip
     argv += [f"--region={r}={u}" for r, u in regions.items()]
     argv += [f"--set=pipeline.{k}={v}" for k, v in PIPELINE.items()]
     log = (root / "train.log").open("wb")
@@ -742,6 +742,7 @@ def test_train_checks_its_input_before_committing_anything(tmp_path, capsys):
     """A bad data source, run name or region URL fails naming what is wrong, and leaves no
     spec behind (so the corrected command is not refused as a spec change)."""
     us = tmp_path / "us"
+    us.mkdir()
     base = ["train", "--dir", str(tmp_path / "runs"), "--tokens", "20000"]
     binary = tmp_path / "blob.txt"
     binary.write_bytes(bytes(range(256)) * 100)
