@@ -38,6 +38,7 @@ from flows.launcher import (
     Spares,
     _watch,
     child_env,
+    cross_region_bytes,
     give_up,
     startup_line,
     supervise,
@@ -818,6 +819,22 @@ def test_a_learner_resumed_on_a_stale_listing_never_reuses_a_sequence_number(tmp
     )
     third = bucket_store("stale", regions, spec, cfg, lid, home=region)
     assert third.sent_so_far(lid) == (seq + 2 * SEQ_BLOCK, seq + 1)
+
+
+def test_a_syncers_cross_region_bytes_show_while_its_flow_run_goes_on(tmp_path):
+    """Defect: the live `bytes/cross_region` stayed 0 until a syncer flow run ended (200
+    publishes), since a shard wrote its status object, traffic included, only then. Each
+    publish now writes it: the launcher's live figures move with every version."""
+    cfg, regions, _, sent = _local_run(tmp_path, "live")
+    store = RunStore("live", regions, "us-east")
+    monitor = Monitor(store, cfg, store.read_spec())
+    assert cross_region_bytes(monitor.traffic()[0]) == 0
+    syncer = SyncerRuntime("live", regions, "us-east", 0, 2, cfg.pipeline.model_dump())
+    assert syncer.poll() == len(sent) == 4  # two of them from eu-west, read from us-east
+    assert syncer.merge_and_publish(0)["version"] == 1  # published to both regions
+    status = store.read_metrics("syncer-0")
+    assert status["state"] == "running" and status["versions"] == {"0": 1}
+    assert cross_region_bytes(monitor.traffic()[0]) > 0
 
 
 def test_syncer_runtime_survives_a_region_that_is_down(tmp_path):
