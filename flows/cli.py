@@ -70,16 +70,40 @@ def summary_table(summary: dict, title: str) -> Table:
     return table
 
 
-def config_from_args(args: argparse.Namespace, default_tokens: int | None = None) -> RunConfig:
+def config_from_args(args: argparse.Namespace, stored: dict | None = None) -> RunConfig:
     """Preset, file, ``--set`` and the command's own options, validated together: a bad
-    ``--tokens`` fails like a bad ``--set budget.tokens`` does, naming the field."""
+    ``--tokens`` fails like a bad ``--set budget.tokens`` does, naming the field.
+
+    ``train`` resuming a run (``stored``: its spec) starts from the stored config, and
+    keeps its budget unless ``--tokens`` (or ``--set budget.tokens``) gives another; what
+    else is given must match the stored spec. A new run takes the preset's budget; with
+    no preset and no file, the quick start's (``TRAIN_TOKENS`` on ``tiny``)."""
     overrides = list(args.set or [])
-    if default_tokens is not None and args.config is None:
-        overrides.insert(0, f"budget.tokens={default_tokens}")
+    preset = args.preset
+    base = None
+    if stored is not None:
+        base = stored["config"]
+        overrides.insert(0, f"budget.tokens={base['budget']['tokens']}")
+    elif args.command == "train" and preset is None and args.config is None:
+        overrides.insert(0, f"budget.tokens={TRAIN_TOKENS}")
+    if preset is None and base is None:
+        preset = "tiny"
     if getattr(args, "tokens", None) is not None:
         overrides.append(f"budget.tokens={args.tokens}")
-    return load_config(preset=args.preset, file=args.config, overrides=overrides,
+    return load_config(preset=preset, file=args.config, overrides=overrides, base=base,
                        mode=args.mode, seed=args.seed)  # fmt: skip
+
+
+def stored_spec(run: str, regions: dict[str, str]) -> dict | None:
+    """The spec of ``run`` in its home bucket (with any extended budget), or None if the
+    run does not exist yet."""
+    from diloco.topology import home_region
+    from storage_layout.store import RunStore
+
+    try:
+        return RunStore(run, regions, home_region(regions), writer="launcher").read_spec()
+    except FileNotFoundError:
+        return None
 
 
 def parse_stores(specs: list[str], create: bool = True, option: str = "--store") -> dict[str, str]:
@@ -163,7 +187,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     from flows.train import train
     from storage_layout.layout import check_name
 
-    cfg = config_from_args(args, default_tokens=TRAIN_TOKENS)
     check_name("run", args.run)  # before the run's folder is made from it
     root = Path(args.dir) / args.run
     # The default regions are the run's own folders, made as needed; given ones must exist.
@@ -172,6 +195,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     )  # fmt: skip
     if len(regions) == 1 and "default" in regions:
         raise ConfigError("--region needs NAME=URL")
+    cfg = config_from_args(args, stored_spec(args.run, regions))
     return train(args.run, regions, cfg, root, args.via)
 
 
@@ -280,12 +304,16 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="run learners and syncers as Prefect flows over buckets")
     tr.add_argument("--run", default="quickstart", help="run name (same name: resume)")
     tr.add_argument("--dir", default="runs", help="local folder for the run (default runs)")
-    tr.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    tr.add_argument("--preset", choices=sorted(PRESETS),
+                    help="model size and token budget (default: a new run is tiny at "
+                    f"{TRAIN_TOKENS:,} tokens, the quick start; a resumed run keeps its own)")  # fmt: skip
     tr.add_argument("--mode", choices=["diloco", "decoupled"])
     tr.add_argument("--config", help="a TOML or JSON file of config fields")
     tr.add_argument("--set", action="append", metavar="KEY=VALUE", help=SET_HELP)
     tr.add_argument("--seed", type=int)
-    tr.add_argument("--tokens", type=int, help=f"token budget (default {TRAIN_TOKENS:,})")
+    tr.add_argument("--tokens", type=int,
+                    help="token budget (default: the preset's; resuming, the run's own; a "
+                    "larger one extends a run's budget, a smaller one is refused)")  # fmt: skip
     tr.add_argument(
         "--region",
         action="append",

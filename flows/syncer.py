@@ -49,8 +49,9 @@ class PipelineSyncerTransport:
     the run read from the learners' status objects, regions to catch up, retention."""
 
     def __init__(self, store: BucketStore, fragments: list[int], keep_versions: int,
-                 window: int, log: Any):  # fmt: skip
+                 window: int, log: Any, tokens: int | None = None):  # fmt: skip
         self.store, self.fragments = store, fragments
+        self.tokens = tokens  # the run's budget: a learner done at a smaller one is not done
         self.keep_versions, self.window, self.log = keep_versions, window, log
         self.sync_seconds = 0.05  # publish time, exponential moving average
         self.lagging: set[int] = set()
@@ -102,7 +103,7 @@ class PipelineSyncerTransport:
             if learner in self.done:
                 continue
             try:
-                done = worker_done(main, learner, region)
+                done = worker_done(main, learner, region, self.tokens)
             except OSError:
                 return False
             if not done and not self._given_up(learner):
@@ -175,7 +176,7 @@ class SyncerRuntime:
         store = bucket_store(run, regions, spec, self.cfg, f"syncer-{shard}", home=home)
         self.transport = PipelineSyncerTransport(
             store, self.fragments, self.cfg.pipeline.keep_versions,
-            self.cfg.outer.max_staleness, self.log,
+            self.cfg.outer.max_staleness, self.log, self.cfg.budget.tokens,
         )  # fmt: skip
         self.transport.on_published = self.report
         self.records: list[records.Record] = []

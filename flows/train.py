@@ -86,11 +86,13 @@ def _is_complete(run: str, regions: dict[str, str], cfg: RunConfig, root: Path) 
 
     store = RunStore(run, regions, home_region(regions), writer="launcher")
     spec = initialize_run(store, cfg)
-    if not all(worker_done(store, lid, region)
+    tokens = cfg.budget.tokens
+    if not all(worker_done(store, lid, region, tokens)
                for lid, region in spec["learners"].items()):  # fmt: skip
         return False
-    console.print(f"run {run!r} is complete (every learner is done); "
-                  "pass another --run to start a new one")  # fmt: skip
+    console.print(f"run {run!r} is complete (every learner is done, {tokens:,} tokens); "
+                  "pass another --run to start a new one, or a larger --tokens to extend "
+                  "it")  # fmt: skip
     saved = root / "summary.json"
     if saved.exists():
         summary = json.loads(saved.read_text())

@@ -1,6 +1,7 @@
 """Where everything of a run lives in a bucket (no I/O here).
 
     {root}/{run}/spec.json                                         run spec, written once
+    {root}/{run}/budget.json                 a larger token budget than the spec's, if any
     {root}/{run}/learners/{learner}/contributions/f{P}/commits/s{SEQ}.json      markers
     {root}/{run}/learners/{learner}/contributions/f{P}/data/s{SEQ}-{WRITE_ID}/  Zarr group
     {root}/{run}/learners/{learner}/checkpoints/commits/s{STEP}.json
@@ -68,6 +69,10 @@ class RunLayout:
     @property
     def spec(self) -> str:
         return f"{self.run}/spec.json"
+
+    @property
+    def budget(self) -> str:
+        return f"{self.run}/budget.json"
 
     def metrics(self, writer: str) -> str:
         return f"{self.run}/metrics/{check_name('writer', writer)}.json"

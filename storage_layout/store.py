@@ -214,6 +214,8 @@ class RunStore:
         return body
 
     def read_spec(self, region: str | None = None) -> dict[str, Any]:
+        """The run spec, with its token budget raised to ``budget.json``'s if that is
+        larger (``extend_budget``): every process that reads the spec works to it."""
         bucket = self.bucket(region or self.client_region)
         try:
             spec = _read_json(bucket, self.layout.spec)
@@ -224,7 +226,32 @@ class RunStore:
                 f"run {self.run!r} has format version {spec.get('format_version')!r}; "
                 f"this code reads {FORMAT_VERSION}"
             )
+        extended = self._extended_budget(bucket)
+        budget = spec.get("config", {}).get("budget", {})
+        if extended is not None and extended > int(budget.get("tokens", 0)):
+            spec["config"]["budget"] = {**budget, "tokens": extended}
         return spec
+
+    def _extended_budget(self, bucket: Bucket) -> int | None:
+        try:
+            body = _read_json(bucket, self.layout.budget)
+        except FileNotFoundError:
+            return None
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if type(tokens) is not int or tokens < 1:
+            raise CorruptVersion(f"{bucket.url}/{self.layout.budget} holds no token budget: "
+                                 f"{body!r:.200}")  # fmt: skip
+        return tokens
+
+    def extend_budget(self, tokens: int, previous: int) -> None:
+        """Raise the run's token budget from ``previous`` to ``tokens`` in every region:
+        the spec stays as it was written, and ``budget.json`` beside it holds the new
+        budget, which ``read_spec`` reports from then on (a smaller one is never read)."""
+        body = json.dumps({"tokens": tokens, "previous": previous, "writer": self.writer,
+                           "time": time.time()}, sort_keys=True).encode()  # fmt: skip
+        for region in self.urls:
+            bucket = self.bucket(region)
+            patiently(lambda b=bucket: b.put(self.layout.budget, body), self.layout.budget)
 
     # discovery ----------------------------------------------------------------------
     def _numbers(self, bucket: Bucket, prefix: str, letter: str) -> list[int]:

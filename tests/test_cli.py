@@ -196,3 +196,23 @@ def test_train_refuses_an_empty_or_missing_region_folder(tmp_path, capsys, monke
     assert sorted(p.name for p in (tmp_path / "runs" / "q" / "buckets").iterdir()) == [
         "eu-west", "us-east"
     ]  # fmt: skip
+
+
+def test_train_takes_the_presets_budget_unless_tokens_are_given(tmp_path, monkeypatch):
+    """Defect: `--preset base` trained 1 M tokens (the quick start's default replaced the
+    preset's budget). A preset carries its budget; --tokens overrides it; with no preset
+    a new run is the quick start, tiny at TRAIN_TOKENS."""
+    from diloco.config import PRESETS
+    from flows.cli import TRAIN_TOKENS
+
+    seen = {}
+    monkeypatch.setattr("flows.train.train",
+                        lambda run, regions, cfg, root, via: seen.setdefault(run, cfg) and 0)  # fmt: skip
+    for run, flags in (("a", ["--preset", "base"]), ("b", []), ("c", ["--preset", "tiny"]),
+                       ("d", ["--preset", "small", "--tokens", "5000"])):  # fmt: skip
+        assert main(["train", "--dir", str(tmp_path), "--run", run, *flags]) == 0
+    assert seen["a"].budget.tokens == PRESETS["base"]["budget"]["tokens"] == 500_000_000
+    assert seen["a"].model.width == PRESETS["base"]["model"]["width"]
+    assert seen["b"].budget.tokens == TRAIN_TOKENS and seen["b"].model.width == 64
+    assert seen["c"].budget.tokens == PRESETS["tiny"]["budget"]["tokens"]
+    assert seen["d"].budget.tokens == 5000 and seen["d"].model.width == 192

@@ -727,12 +727,16 @@ def test_train_refuses_a_changed_spec_and_a_missing_bucket(tmp_path, capsys, s3_
     for path in ("us", "eu"):
         (tmp_path / path).mkdir()
     initialize_run(RunStore("r", store_regions, "us-east"), cfg)
-    code = cli_main(["train", "--dir", str(tmp_path), "--run", "r", "--tokens", "30000", *regions])
+    code = cli_main(["train", "--dir", str(tmp_path), "--run", "r", "--tokens", "30000",
+                     "--set", "topology.inner_steps=7", *regions])  # fmt: skip
     err = capsys.readouterr().err
     assert code == 2
     assert (
-        "refusing to mix them" in err and "config.budget.tokens: stored 20000, given 30000" in err
+        "refusing to mix them" in err and "config.topology.inner_steps: stored 10, given 7" in err
     )
+    # The larger budget asked for with it was not recorded: the rest did not match.
+    store = RunStore("r", store_regions, "us-east")
+    assert store.read_spec()["config"]["budget"]["tokens"] == 20_000
     code = cli_main(["train", "--dir", str(tmp_path), "--run", "r2", "--tokens", "20000",
                      "--region=us-east=s3://no-such-bucket-here"])  # fmt: skip
     err = capsys.readouterr().err
@@ -852,6 +856,46 @@ def test_syncer_runtime_survives_a_region_that_is_down(tmp_path):
     syncer.catch_up_regions()  # ... and caught up once it is back
     assert syncer.lagging == set()
     assert store.latest_global(0, "eu-west") == 1
+
+
+@pytest.mark.slow
+def test_a_resume_keeps_the_runs_budget_and_a_larger_one_extends_it(prefect_api, tmp_path,
+                                                                    capsys):  # fmt: skip
+    """Defect: resuming needed the exact original --tokens (the 1 M default was compared
+    with the stored spec) and a budget could not be extended. Without --tokens a resume
+    takes the stored spec, budget included; a larger --tokens extends the budget
+    (recorded beside the spec, read by every learner and syncer: the learners done at the
+    old budget train on to the new one); a smaller one is refused by name."""
+    sets = [x for k, v in PIPELINE.items() for x in ("--set", f"pipeline.{k}={v}")]
+    base = ["train", "--dir", str(tmp_path), "--run", "r", *sets]
+    assert cli_main([*base, "--tokens", "20000"]) == 0
+    capsys.readouterr()
+    assert cli_main(base) == 0  # the stored budget: nothing left to do
+    assert "run 'r' is complete (every learner is done, 20,000 tokens)" in capsys.readouterr().err
+    assert cli_main([*base, "--tokens", "10000"]) == 2
+    err = capsys.readouterr().err
+    assert "budget of 20,000 tokens; budget.tokens 10,000 would cut it" in err, err
+    regions = {r: f"file://{tmp_path / 'r' / 'buckets' / r}" for r in ("us-east", "eu-west")}
+    store = RunStore("r", regions, "us-east")
+    spec = store.read_spec()
+    steps = {lid: store.read_metrics(lid, reg)["step"] for lid, reg in spec["learners"].items()}
+    assert cli_main([*base, "--tokens", "40000"]) == 0
+    capsys.readouterr()
+    for region in regions:  # the spec stays as written; the budget beside it grew
+        assert store.read_spec(region)["config"]["budget"]["tokens"] == 40_000
+        raw = json.loads((tmp_path / "r" / "buckets" / region / "r" / "spec.json").read_text())
+        assert raw["config"]["budget"]["tokens"] == 20_000
+    cfg = config_from_spec(store.read_spec())
+    after = {}
+    for lid, reg in spec["learners"].items():
+        status = store.read_metrics(lid, reg)
+        assert status["state"] == "done" and status["budget_tokens"] == 40_000, status
+        after[lid] = status["step"]
+    assert sum(after.values()) >= cfg.budget_steps > sum(steps.values())
+    assert all(after[lid] >= steps[lid] for lid in steps)
+    assert audit_run("r", regions).ok
+    assert cli_main(base) == 0
+    assert "complete (every learner is done, 40,000 tokens)" in capsys.readouterr().err
 
 
 def test_train_names_an_unreachable_prefect_api(tmp_path, capsys, monkeypatch):
