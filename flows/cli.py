@@ -5,6 +5,7 @@
                     [--store [REGION=]URL ...] [--run NAME]
     diloco train [--run NAME] [--dir runs] [--preset tiny] [--config run.toml]
                  [--set KEY=VALUE ...] [--tokens N] [--region NAME=URL ...]
+                 [--create-buckets]
     diloco inspect URL [--run NAME] [--verify] [--json]
     diloco inspect [REGION=]URL ... --run NAME --audit [--json]
     diloco gc URL --run NAME [--keep 100] [--orphan-age 3600]
@@ -18,7 +19,8 @@
 ``train`` runs the real pipeline: a learner process per learner and syncer shards as
 Prefect flows, linked only by the regions' buckets (by default two ``file://`` regions
 under ``runs/NAME/buckets``), with a local Prefect server unless ``PREFECT_API_URL`` is
-set. Run it again with the same ``--run`` to resume. ``simulate`` writes ``config.json``, ``metrics.jsonl`` and ``summary.json`` to the output
+set. Run it again with the same ``--run`` to resume (from the stored spec; a larger
+``--tokens`` extends the run's budget). ``simulate`` writes ``config.json``, ``metrics.jsonl`` and ``summary.json`` to the output
 folder and prints a summary table; with ``--store`` every contribution and global
 version goes through those buckets. ``inspect`` shows what a bucket holds; with
 ``--audit`` it checks a run's invariants in the buckets given (``storage_layout.audit``).

@@ -39,6 +39,8 @@ def _cgroup_dirs() -> list[Path]:
     except OSError:
         return out
     for line in lines:
+        if line.count(":") < 2:
+            continue
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2: one unified hierarchy
             out.append(CGROUP_ROOT / path.lstrip("/"))
@@ -48,11 +50,15 @@ def _cgroup_dirs() -> list[Path]:
     return out
 
 
-def _read_number(path: Path) -> int | None:
+def _read(path: Path) -> str | None:
     try:
-        text = path.read_text().strip()
-    except OSError:
+        return path.read_text()
+    except OSError:  # not there, or not ours to read
         return None
+
+
+def _read_number(path: Path) -> int | None:
+    text = (_read(path) or "").strip()
     return int(text) if text.isdigit() else None
 
 
@@ -79,9 +85,7 @@ def oom_kill_count() -> int | None:
     below it), or None if no cgroup says."""
     for folder in _cgroup_dirs():
         for name in ("memory.events", "memory.oom_control"):
-            count = (
-                parse_oom_kill((folder / name).read_text()) if (folder / name).exists() else None
-            )
+            count = parse_oom_kill(_read(folder / name) or "")
             if count is not None:
                 return count
     return None
@@ -157,13 +161,10 @@ class Watch:
 
     def sample(self) -> None:
         """Read the process's peak resident set (VmHWM) and the memory available now."""
-        try:
-            status = Path(f"/proc/{self.pid}/status").read_text()
-            found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
-            if found:
-                self.peak = max(self.peak, int(found.group(1)) * 1024)
-        except OSError:
-            pass
+        status = _read(Path(f"/proc/{self.pid}/status")) or ""
+        found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
+        if found:
+            self.peak = max(self.peak, int(found.group(1)) * 1024)
         self.available, self.total = memory_limit()
 
     def death(self, code: int) -> tuple[str, bool]:
