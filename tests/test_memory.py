@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from diloco.config import load_config
 from diloco.memory import learner_memory
 from flows import launcher
@@ -107,6 +109,7 @@ def test_train_estimates_a_learners_memory_and_warns_when_the_machine_is_short()
     assert memory_lines(base, 25_600_000, "deployments", (1 * gb, 2 * gb))[1] is None
 
 
+@pytest.mark.slow
 def test_a_supervised_worker_killed_by_a_signal_is_restarted_and_its_death_recorded(
     tmp_path, prefect_api, monkeypatch
 ):
