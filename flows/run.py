@@ -161,23 +161,20 @@ def extend_budget(store: RunStore, spec: dict[str, Any]) -> None:
     """A stored run given a larger token budget than its own gets it (``extend_budget``),
     once the rest of ``spec`` is checked against the stored spec; a smaller one is
     refused: the learners may have trained more than it already."""
-    try:
-        stored = store.read_spec()
-    except FileNotFoundError:
-        return  # a new run: the spec is written as given
-    have = int(stored["config"]["budget"]["tokens"])
+    budgets = []
+    for region in store.urls:  # each region's: an extension may have reached only some
+        with contextlib.suppress(FileNotFoundError):  # (a new run: written as given)
+            budgets.append(int(store.read_spec(region)["config"]["budget"]["tokens"]))
     want = int(spec["config"]["budget"]["tokens"])
-    if want < have:
+    if budgets and want < max(budgets):
         raise ConfigError(
-            f"run {store.run!r} has a budget of {have:,} tokens; budget.tokens {want:,} "
-            f"would cut it (a budget can be extended, never cut: give --tokens {have} or "
-            "more, or leave --tokens out to resume with the run's own)"
+            f"run {store.run!r} has a budget of {max(budgets):,} tokens; budget.tokens "
+            f"{want:,} would cut it (a budget can be extended, never cut: give --tokens "
+            f"{max(budgets)} or more, or leave --tokens out to resume with the run's own)"
         )
-    if want > have:
-        unchanged = {**spec, "config": {**spec["config"], "budget": {
-            **spec["config"]["budget"], "tokens": have}}}  # fmt: skip
-        store.ensure_spec(unchanged, spec_defaults())  # the rest must match before it grows
-        store.extend_budget(want, have)
+    if budgets and want > min(budgets):
+        store.ensure_spec(spec, spec_defaults(), any_budget=True)  # the rest must match first
+        store.extend_budget(want, min(budgets))
 
 
 def bucket_store(

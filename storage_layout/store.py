@@ -193,10 +193,14 @@ class RunStore:
 
     # run spec -------------------------------------------------------------------------
     def ensure_spec(
-        self, spec: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
+        self,
+        spec: Mapping[str, Any],
+        defaults: Mapping[str, Any] | None = None,
+        any_budget: bool = False,
     ) -> dict[str, Any]:
         """Write ``spec`` to every region once; if one is stored, it must match exactly,
-        but for keys it lacks whose given value is their default (``spec_differences``)."""
+        but for keys it lacks whose given value is their default (``spec_differences``),
+        and, with ``any_budget``, for the token budget (about to be extended)."""
         body = {"format_version": FORMAT_VERSION, **spec}
         data = json.dumps(body, sort_keys=True, indent=1).encode()
         for region in self.urls:
@@ -205,7 +209,10 @@ class RunStore:
                 bucket.put_exclusive(self.layout.spec, data)
             except FileExistsError:
                 stored = self.read_spec(region)
-                diffs = spec_differences(stored, json.loads(data), defaults=defaults)
+                given = json.loads(data)
+                if any_budget:
+                    given["config"]["budget"]["tokens"] = stored["config"]["budget"]["tokens"]
+                diffs = spec_differences(stored, given, defaults=defaults)
                 if diffs:
                     raise SpecMismatch(
                         f"run {self.run!r} in region {region} was started with another spec; "

@@ -745,6 +745,30 @@ def test_train_refuses_a_changed_spec_and_a_missing_bucket(tmp_path, capsys, s3_
     assert code == 2 and "no-such-bucket-here" in err and "does not exist" in err
 
 
+def test_an_extension_that_reached_one_region_only_is_completed_by_the_next_launch(tmp_path):
+    """The budget is extended region by region (budget.json in each): a launch that
+    wrote it in one region and died is completed by the next with the same budget, and
+    never cut by a smaller one; the rest of the spec is checked before anything grows."""
+    cfg = tiny(20_000)
+    regions = {"us-east": f"file://{tmp_path / 'us'}", "eu-west": f"file://{tmp_path / 'eu'}"}
+    for path in ("us", "eu"):
+        (tmp_path / path).mkdir()
+    store = RunStore("ext", regions, "us-east")
+    initialize_run(store, cfg)
+    RunStore("ext", {"us-east": regions["us-east"]}, "us-east").extend_budget(40_000, 20_000)
+    with pytest.raises(
+        ValueError, match=r"budget of 40,000 tokens; budget\.tokens 30,000 would cut"
+    ):
+        initialize_run(store, tiny(30_000))
+    with pytest.raises(ValueError, match=r"topology\.inner_steps: stored 10, given 7"):
+        initialize_run(store, tiny(40_000).model_copy(update={
+            "topology": cfg.topology.model_copy(update={"inner_steps": 7})}))  # fmt: skip
+    assert store.read_spec("eu-west")["config"]["budget"]["tokens"] == 20_000
+    initialize_run(store, tiny(40_000))
+    for region in regions:
+        assert store.read_spec(region)["config"]["budget"]["tokens"] == 40_000
+
+
 def test_train_checks_its_input_before_committing_anything(tmp_path, capsys):
     """A bad data source, run name or region URL fails naming what is wrong, and leaves no
     spec behind (so the corrected command is not refused as a spec change)."""
