@@ -495,10 +495,12 @@ def load_config(
     preset: str | None = "tiny",
     file: str | Path | None = None,
     overrides: list[str] | tuple[str, ...] = (),
+    base: dict[str, Any] | None = None,
     **top: Any,
 ) -> RunConfig:
-    """Preset, then file, then ``key=value`` overrides, then keyword fields, later wins."""
-    raw: dict[str, Any] = {}
+    """``base`` (a stored run's config), then the preset, then the file, then ``key=value``
+    overrides, then keyword fields, later wins."""
+    raw: dict[str, Any] = dict(base or {})
     if preset is not None:
         if preset not in PRESETS:
             raise ConfigError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")

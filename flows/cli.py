@@ -5,6 +5,7 @@
                     [--store [REGION=]URL ...] [--run NAME]
     diloco train [--run NAME] [--dir runs] [--preset tiny] [--config run.toml]
                  [--set KEY=VALUE ...] [--tokens N] [--region NAME=URL ...]
+                 [--create-buckets]
     diloco inspect URL [--run NAME] [--verify] [--json]
     diloco inspect [REGION=]URL ... --run NAME --audit [--json]
     diloco gc URL --run NAME [--keep 100] [--orphan-age 3600]
@@ -18,7 +19,8 @@
 ``train`` runs the real pipeline: a learner process per learner and syncer shards as
 Prefect flows, linked only by the regions' buckets (by default two ``file://`` regions
 under ``runs/NAME/buckets``), with a local Prefect server unless ``PREFECT_API_URL`` is
-set. Run it again with the same ``--run`` to resume. ``simulate`` writes ``config.json``, ``metrics.jsonl`` and ``summary.json`` to the output
+set. Run it again with the same ``--run`` to resume (from the stored spec; a larger
+``--tokens`` extends the run's budget). ``simulate`` writes ``config.json``, ``metrics.jsonl`` and ``summary.json`` to the output
 folder and prints a summary table; with ``--store`` every contribution and global
 version goes through those buckets. ``inspect`` shows what a bucket holds; with
 ``--audit`` it checks a run's invariants in the buckets given (``storage_layout.audit``).
@@ -70,28 +72,63 @@ def summary_table(summary: dict, title: str) -> Table:
     return table
 
 
-def config_from_args(args: argparse.Namespace, default_tokens: int | None = None) -> RunConfig:
+def config_from_args(args: argparse.Namespace, stored: dict | None = None) -> RunConfig:
     """Preset, file, ``--set`` and the command's own options, validated together: a bad
-    ``--tokens`` fails like a bad ``--set budget.tokens`` does, naming the field."""
+    ``--tokens`` fails like a bad ``--set budget.tokens`` does, naming the field.
+
+    ``train`` resuming a run (``stored``: its spec) starts from the stored config, and
+    keeps its budget unless ``--tokens`` (or ``--set budget.tokens``) gives another; what
+    else is given must match the stored spec. A new run takes the preset's budget; with
+    no preset and no file, the quick start's (``TRAIN_TOKENS`` on ``tiny``)."""
     overrides = list(args.set or [])
-    if default_tokens is not None and args.config is None:
-        overrides.insert(0, f"budget.tokens={default_tokens}")
+    preset = args.preset
+    base = None
+    if stored is not None:
+        base = stored["config"]
+        overrides.insert(0, f"budget.tokens={base['budget']['tokens']}")
+    elif args.command == "train" and preset is None and args.config is None:
+        overrides.insert(0, f"budget.tokens={TRAIN_TOKENS}")
+    if preset is None and base is None:
+        preset = "tiny"
     if getattr(args, "tokens", None) is not None:
         overrides.append(f"budget.tokens={args.tokens}")
-    return load_config(preset=args.preset, file=args.config, overrides=overrides,
+    return load_config(preset=preset, file=args.config, overrides=overrides, base=base,
                        mode=args.mode, seed=args.seed)  # fmt: skip
 
 
-def parse_stores(specs: list[str]) -> dict[str, str]:
-    """``["us=file:///a", "eu=s3://b"]`` -> regions; a bare URL is region ``default``."""
+def stored_spec(run: str, regions: dict[str, str]) -> dict | None:
+    """The spec of ``run`` in its home bucket (with any extended budget), or None if the
+    run does not exist yet."""
+    from diloco.topology import home_region
+    from storage_layout.store import RunStore
+
+    try:
+        return RunStore(run, regions, home_region(regions), writer="launcher").read_spec()
+    except FileNotFoundError:
+        return None
+
+
+def parse_stores(specs: list[str], create: bool = True, option: str = "--store") -> dict[str, str]:
+    """``["us=file:///a", "eu=s3://b"]`` -> regions; a bare URL is region ``default``. An
+    empty URL is refused (it would be the current folder); so is a local folder that does
+    not exist, unless ``create`` (a typo would otherwise start a run in a new bucket)."""
     regions: dict[str, str] = {}
     for spec in specs:
         name, url = spec.split("=", 1) if "=" in spec.split("://", 1)[0] else ("default", spec)
         if name in regions:
-            raise ConfigError(f"--store names region {name!r} twice")
+            raise ConfigError(f"{option} names region {name!r} twice")
+        if not url.strip() or url.strip() == "file://":
+            raise ConfigError(f"{option} {spec!r}: region {name!r} has an empty bucket URL")
         if url.startswith("file://") or "://" not in url:
-            Path(url.removeprefix("file://")).mkdir(parents=True, exist_ok=True)
-            url = "file://" + str(Path(url.removeprefix("file://")).resolve())
+            folder = Path(url.removeprefix("file://")).resolve()
+            if create:
+                folder.mkdir(parents=True, exist_ok=True)
+            elif not folder.is_dir():
+                raise ConfigError(
+                    f"{option} {spec!r}: the folder {folder} of region {name!r} does not exist; "
+                    "create it, or pass --create-buckets to have it created"
+                )
+            url = "file://" + str(folder)
         regions[name] = url
     return regions
 
@@ -152,14 +189,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     from flows.train import train
     from storage_layout.layout import check_name
 
-    cfg = config_from_args(args, default_tokens=TRAIN_TOKENS)
     check_name("run", args.run)  # before the run's folder is made from it
     root = Path(args.dir) / args.run
-    regions = parse_stores(args.region) if args.region else parse_stores(
-        [f"{r}={root / 'buckets' / r}" for r in TRAIN_REGIONS]
+    # The default regions are the run's own folders, made as needed; given ones must exist.
+    regions = parse_stores(args.region, args.create_buckets, "--region") if args.region else (
+        parse_stores([f"{r}={root / 'buckets' / r}" for r in TRAIN_REGIONS])
     )  # fmt: skip
     if len(regions) == 1 and "default" in regions:
         raise ConfigError("--region needs NAME=URL")
+    cfg = config_from_args(args, stored_spec(args.run, regions))
     return train(args.run, regions, cfg, root, args.via)
 
 
@@ -268,12 +306,16 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="run learners and syncers as Prefect flows over buckets")
     tr.add_argument("--run", default="quickstart", help="run name (same name: resume)")
     tr.add_argument("--dir", default="runs", help="local folder for the run (default runs)")
-    tr.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    tr.add_argument("--preset", choices=sorted(PRESETS),
+                    help="model size and token budget (default: a new run is tiny at "
+                    f"{TRAIN_TOKENS:,} tokens, the quick start; a resumed run keeps its own)")  # fmt: skip
     tr.add_argument("--mode", choices=["diloco", "decoupled"])
     tr.add_argument("--config", help="a TOML or JSON file of config fields")
     tr.add_argument("--set", action="append", metavar="KEY=VALUE", help=SET_HELP)
     tr.add_argument("--seed", type=int)
-    tr.add_argument("--tokens", type=int, help=f"token budget (default {TRAIN_TOKENS:,})")
+    tr.add_argument("--tokens", type=int,
+                    help="token budget (default: the preset's; resuming, the run's own; a "
+                    "larger one extends a run's budget, a smaller one is refused)")  # fmt: skip
     tr.add_argument(
         "--region",
         action="append",
@@ -281,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a region and its bucket (repeat; the first is the syncers' home); "
         f"default: {', '.join(TRAIN_REGIONS)} under DIR/RUN/buckets",
     )
+    tr.add_argument("--create-buckets", action="store_true",
+                    help="create the folders of file:// (or plain path) regions that do not "
+                    "exist yet (without it, such a region is refused as a likely typo)")  # fmt: skip
     tr.add_argument(
         "--via",
         choices=["processes", "deployments"],

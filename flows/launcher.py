@@ -61,6 +61,7 @@ from diloco.topology import (
     shard_count,
     shard_fragments,
 )
+from flows import memory
 from flows.display import Display
 from flows.display import current as current_display
 from flows.metrics import LiveMetrics
@@ -87,6 +88,12 @@ Status = tuple[str, str, list[int]]  # (status writer, its region, fragments a s
 _children: set[subprocess.Popen] = set()
 _workers: dict[str, subprocess.Popen] = {}  # writer id -> its live process (for chaos)
 _starts: Counter[str] = Counter()  # writer id -> processes started
+# Writer id -> (when, state) of its newest process's death by a signal, shown as its
+# state until a new process of it reports (its status object still names the phase the
+# dead one was in), and how many times the OOM killer killed it.
+_deaths: dict[str, tuple[float, str]] = {}
+_oom_kills: Counter[str] = Counter()
+OOM_KILLED = "killed by the OOM killer"
 _lock = threading.Lock()
 # Run -> the fault plan its workers run under (DILOCO_FAULTS), if any.
 _FAULT_ENV: dict[str, dict[str, str]] = {}
@@ -139,13 +146,14 @@ def run_process(name: str, argv: list[str], log_path: str, run: str = "", worker
     env = {**child_env(run, worker, _RUN_SECRETS.get(run), start), **parent_env()}
     proc, warm = (_SPARES or Spares(0, log_path, env)).take(argv, log_path, env)
     started = time.monotonic()
+    watch = memory.Watch(proc.pid, started)  # why it died, should a signal end it
     get_run_logger().info("%s started (pid %d%s); its output goes to %s", name, proc.pid,
                           ", a spare" if warm else "", log_path)  # fmt: skip
     with _lock:
         _children.add(proc)
         _workers[worker or name] = proc
     try:
-        code = proc.wait()
+        code = memory.wait(proc, watch)
     finally:
         with _lock:
             _children.discard(proc)
@@ -155,7 +163,13 @@ def run_process(name: str, argv: list[str], log_path: str, run: str = "", worker
         return code
     tail = Path(log_path).read_text(errors="replace")[-800:]
     if code < 0:
-        raise Killed(f"{name} was killed by signal {-code}; log {log_path}:\n{tail}",
+        why, oom = watch.death(code)
+        with _lock:
+            _deaths[worker or name] = (time.time(), OOM_KILLED if oom else "killed")
+            _oom_kills[worker or name] += oom
+        if oom:  # it would be again: a crash, so that a loop of them is given up by name
+            raise RuntimeError(f"{name} was {why}; log {log_path}:\n{tail}")
+        raise Killed(f"{name} was {why}; log {log_path}:\n{tail}",
                      lived=time.monotonic() - started)  # fmt: skip
     raise RuntimeError(f"{name} exited with status {code}; log {log_path}:\n{tail}")
 
@@ -446,12 +460,18 @@ class Monitor:
         return None
 
     def statuses(self) -> dict[str, dict[str, Any]]:
+        """Each learner's status object; a learner whose process died by a signal since
+        it last wrote is in state ``killed`` (or ``killed by the OOM killer``) until its
+        next process reports, not in the phase the dead one had reached."""
         out = {}
         for learner, region in self.spec["learners"].items():
             try:
                 out[learner] = self.store.read_metrics(learner, region) or {}
             except OSError:
                 out[learner] = {"state": "unreachable"}
+            died = _deaths.get(learner)
+            if died is not None and float(out[learner].get("time", 0.0)) < died[0]:
+                out[learner] = {**out[learner], "state": died[1]}
         return out
 
     def tokens(self, statuses: dict[str, dict[str, Any]]) -> int:
@@ -792,7 +812,12 @@ def learner_phases(statuses: dict[str, dict[str, Any]]) -> tuple[Counter, str]:
     that as text: ``1 compiling, 3 training``."""
     counts = Counter(s.get("state") or "starting" for s in statuses.values())
     order = [*STARTUP, "training", *sorted(set(counts) - {*STARTUP, "training"})]
-    return counts, ", ".join(f"{counts[phase]} {phase}" for phase in order if counts.get(phase))
+    text = ", ".join(f"{counts[phase]} {phase}" for phase in order if counts.get(phase))
+    with _lock:
+        oom = {w: n for w, n in _oom_kills.items() if n and w in statuses}
+    if oom:  # restarted after each, it shows "compiling" most of the time: say so apart
+        text += " (" + ", ".join(f"{w} OOM-killed {n}x" for w, n in sorted(oom.items())) + ")"
+    return counts, text
 
 
 def startup_line(statuses: dict[str, dict[str, Any]], versions: dict[int, int]) -> str | None:

@@ -420,7 +420,7 @@ class LearnerRuntime:
         not news: a write that fails for good raises (the process is started again)."""
         record = {
             "state": state, "region": self.region, "step": self.step,
-            "total_steps": self.loop.total_steps,
+            "total_steps": self.loop.total_steps, "budget_tokens": self.cfg.budget.tokens,
             "tokens": self.step * self.loop.learner.tokens_per_step, "time": time.time(),
             "checkpoint_bytes": self.store.checkpoint_traffic.uploaded
             + self.store.checkpoint_traffic.downloaded,

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from diloco import records
-from diloco.config import RunConfig, validate_config
+from diloco.config import ConfigError, RunConfig, validate_config
 from diloco.data import Corpus, ShardReader, validation_batches
 from diloco.fragments import FragmentPlan, plan_fragments
 from diloco.inner import InnerTrainer
@@ -60,11 +60,18 @@ def spec_defaults(regions: Mapping[str, str] | None = None) -> dict[str, Any]:
     return out
 
 
-def worker_done(store: RunStore, writer: str, region: str | None = None) -> bool:
+def worker_done(
+    store: RunStore, writer: str, region: str | None = None, tokens: int | None = None
+) -> bool:
     """Whether ``writer``'s status object says it is done: a learner writes that only
     once its final checkpoint and every contribution before it are committed, and the
-    syncers, the launcher and a resumed `diloco train` end on it."""
-    return (store.read_metrics(writer, region) or {}).get("state") == "done"
+    syncers, the launcher and a resumed `diloco train` end on it. Given the run's budget
+    (``tokens``), done means done at that budget: a learner that finished before the
+    budget was extended trains on."""
+    status = store.read_metrics(writer, region) or {}
+    if status.get("state") != "done":
+        return False
+    return tokens is None or int(status.get("budget_tokens", 0)) >= tokens
 
 
 def config_from_spec(
@@ -137,7 +144,9 @@ def initialize_run(store: RunStore, cfg: RunConfig) -> dict[str, Any]:
         for region in store.urls:
             store.bucket(region).probe_exclusive()
     model = build_model(cfg)
-    spec = store.ensure_spec(run_spec(cfg, model.plan, store.urls), spec_defaults(store.urls))
+    spec = run_spec(cfg, model.plan, store.urls)
+    extend_budget(store, spec)
+    spec = store.ensure_spec(spec, spec_defaults(store.urls))
     for p, names in enumerate(model.plan):
         if store.check_home(p) is not None:
             store.sync_regions(p)
@@ -152,6 +161,26 @@ def initialize_run(store: RunStore, cfg: RunConfig) -> dict[str, Any]:
                 p, 0, params, opt, records.initial_version(p, 0.0), cfg.topology.global_dtype
             )
     return spec
+
+
+def extend_budget(store: RunStore, spec: dict[str, Any]) -> None:
+    """A stored run given a larger token budget than its own gets it (``extend_budget``),
+    once the rest of ``spec`` is checked against the stored spec; a smaller one is
+    refused: the learners may have trained more than it already."""
+    budgets = []
+    for region in store.urls:  # each region's: an extension may have reached only some
+        with contextlib.suppress(FileNotFoundError):  # (a new run: written as given)
+            budgets.append(int(store.read_spec(region)["config"]["budget"]["tokens"]))
+    want = int(spec["config"]["budget"]["tokens"])
+    if budgets and want < max(budgets):
+        raise ConfigError(
+            f"run {store.run!r} has a budget of {max(budgets):,} tokens; budget.tokens "
+            f"{want:,} would cut it (a budget can be extended, never cut: give --tokens "
+            f"{max(budgets)} or more, or leave --tokens out to resume with the run's own)"
+        )
+    if budgets and want > min(budgets):
+        store.ensure_spec(spec, spec_defaults(), any_budget=True)  # the rest must match first
+        store.extend_budget(want, min(budgets))
 
 
 def bucket_store(

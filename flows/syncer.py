@@ -49,8 +49,9 @@ class PipelineSyncerTransport:
     the run read from the learners' status objects, regions to catch up, retention."""
 
     def __init__(self, store: BucketStore, fragments: list[int], keep_versions: int,
-                 window: int, log: Any):  # fmt: skip
+                 window: int, log: Any, tokens: int | None = None):  # fmt: skip
         self.store, self.fragments = store, fragments
+        self.tokens = tokens  # the run's budget: a learner done at a smaller one is not done
         self.keep_versions, self.window, self.log = keep_versions, window, log
         self.sync_seconds = 0.05  # publish time, exponential moving average
         self.lagging: set[int] = set()
@@ -60,6 +61,8 @@ class PipelineSyncerTransport:
         self.published = 0
         # Set by the flow: runs each publish as a Prefect task run.
         self.wrap: Callable[[GlobalVersion, Callable[[], bool]], bool] | None = None
+        # Set by the runtime: called after each publish (the traffic it caused goes out).
+        self.on_published: Callable[[], None] | None = None
 
     def contributions(
         self, learner: str, fragment: int, after: int
@@ -84,6 +87,8 @@ class PipelineSyncerTransport:
                 "fragment %d v%d not in %s yet", gv.fragment, gv.version, report.lagging
             )
         self.published += won
+        if self.on_published is not None:
+            self.on_published()
         return won
 
     def delivery_seconds(self, fragment: int) -> float:
@@ -98,7 +103,7 @@ class PipelineSyncerTransport:
             if learner in self.done:
                 continue
             try:
-                done = worker_done(main, learner, region)
+                done = worker_done(main, learner, region, self.tokens)
             except OSError:
                 return False
             if not done and not self._given_up(learner):
@@ -173,8 +178,9 @@ class SyncerRuntime:
         store = bucket_store(run, regions, spec, self.cfg, f"syncer-{shard}", home=home)
         self.transport = PipelineSyncerTransport(
             store, self.fragments, self.cfg.pipeline.keep_versions,
-            self.cfg.outer.max_staleness, self.log,
+            self.cfg.outer.max_staleness, self.log, self.cfg.budget.tokens,
         )  # fmt: skip
+        self.transport.on_published = self.report
         self.records: list[records.Record] = []
         self.loop = SyncerLoop(self.cfg, self.fragments, list(spec["learners"]),
                                transport or self.transport, clock or WallClock(),
@@ -208,6 +214,19 @@ class SyncerRuntime:
 
     def catch_up_regions(self) -> None:
         self.transport.catch_up()
+
+    def status(self, state: str) -> dict[str, Any]:
+        return {"state": state, "versions": self.loop.versions, "rejected": self.rejected}
+
+    def report(self) -> None:
+        """Write the shard's status object, with its traffic so far, after each publish:
+        the launcher's live cross-region bytes (TensorBoard, the tables) come from it, and
+        would otherwise wait for the end of a flow run (``versions_per_flow_run``
+        publishes). News, not state: a failed write is logged and the shard goes on."""
+        try:
+            self.store.write_metrics(f"syncer-{self.shard}", self.status("running"))
+        except (OSError, ValueError) as exc:
+            self.log.warning("cannot write the status of syncer %s: %s", self.label, exc)
 
 
 def version_row(r: records.Record) -> dict[str, Any]:
@@ -268,11 +287,7 @@ def syncer_flow(
 
     done = drive(rt.loop.run(), opts.poll_seconds, stop=enough)
     new = rt.records[first:]
-    rt.store.write_metrics(
-        f"syncer-{shard}",
-        {"state": "done" if done else "paused", "versions": rt.loop.versions,
-         "rejected": rt.rejected},
-    )  # fmt: skip
+    rt.store.write_metrics(f"syncer-{shard}", rt.status("done" if done else "paused"))
     rows = [version_row(r) for r in records.of(new, "version")]
     if rows:
         create_table_artifact(

@@ -22,7 +22,7 @@ from rich.table import Table
 from diloco.config import ConfigError, RunConfig
 from diloco.topology import home_region
 from flows.display import open_display
-from flows.observe import train_summary_rows
+from flows.observe import human_bytes, train_summary_rows
 
 console = Console(stderr=True, soft_wrap=True)
 
@@ -61,6 +61,19 @@ def _inspect_hint(url: str, run: str) -> str:
     return f"{_bin('diloco')} inspect {url} --run {run}"
 
 
+UI_PORT = 4200  # where the browse command serves a finished run's Prefect UI
+
+
+def browse_command(prefect_home: Path, port: int = UI_PORT) -> str:
+    """The shell command that serves the Prefect UI of a run's own (stopped) server, and
+    where to open it. The UI's API URL is set with the port: the UI asks
+    ``PREFECT_SERVER_UI_API_URL``, which a ``PREFECT_API_URL`` in the user's shell would
+    otherwise override (and ``--port`` alone does not change)."""
+    return (f"PREFECT_HOME={prefect_home} PREFECT_SERVER_UI_API_URL=http://127.0.0.1:{port}/api "
+            f"{_bin('prefect')} server start --host 127.0.0.1 --port {port}  "
+            f"(then open http://127.0.0.1:{port}/runs)")  # fmt: skip
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -73,11 +86,13 @@ def _is_complete(run: str, regions: dict[str, str], cfg: RunConfig, root: Path) 
 
     store = RunStore(run, regions, home_region(regions), writer="launcher")
     spec = initialize_run(store, cfg)
-    if not all(worker_done(store, lid, region)
+    tokens = cfg.budget.tokens
+    if not all(worker_done(store, lid, region, tokens)
                for lid, region in spec["learners"].items()):  # fmt: skip
         return False
-    console.print(f"run {run!r} is complete (every learner is done); "
-                  "pass another --run to start a new one")  # fmt: skip
+    console.print(f"run {run!r} is complete (every learner is done, {tokens:,} tokens); "
+                  "pass another --run to start a new one, or a larger --tokens to extend "
+                  "it")  # fmt: skip
     saved = root / "summary.json"
     if saved.exists():
         summary = json.loads(saved.read_text())
@@ -109,6 +124,37 @@ def _prefect_api(prefect_home: Path, via: str) -> AbstractContextManager[str]:
     return prefect_server(prefect_home)
 
 
+def memory_lines(cfg: RunConfig, num_params: int, via: str,
+                 machine: tuple[int, int] | None = None) -> tuple[str, str | None]:  # fmt: skip
+    """What a learner process of ``cfg`` needs (``diloco.memory``), and a warning if the
+    run's processes on this machine (processes mode: every learner, the syncer shards and
+    the launcher) would need more than it has available (``machine``: available and
+    total bytes, by default this machine's or its memory cgroup's)."""
+    from diloco.memory import learner_memory, process_memory
+    from diloco.topology import shard_count
+    from flows.memory import memory_limit
+
+    each = learner_memory(cfg, num_params)
+    line = (f"memory per learner process: about {human_bytes(each.total)} ("
+            + ", ".join(f"{k} {human_bytes(v)}" for k, v in each.parts()) + ")")  # fmt: skip
+    if via != "processes":
+        return line, None
+    m = cfg.topology.learners
+    others = shard_count(cfg.pipeline.syncer_shards, cfg.topology.fragments) + 1
+    need = m * each.total + others * process_memory(num_params)
+    available, total = machine or memory_limit()
+    line += f"; the run's processes here: about {human_bytes(need)} of {human_bytes(available)} available"
+    if need <= available:
+        return line, None
+    return line, (
+        f"the {m} learners (and {others} syncer and launcher processes) would need about "
+        f"{human_bytes(need)}, more than the {human_bytes(available)} available (of "
+        f"{human_bytes(total)}): expect the OOM killer. Fewer learners "
+        "(--set topology.learners=N), smaller batches (--set data.batch_size=N) or a "
+        "smaller preset fit; so does another machine per region (--via deployments)"
+    )
+
+
 def train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: str) -> int:
     """Run (or resume) ``run`` to the end of its budget; the exit status."""
     signal.signal(signal.SIGTERM, _raise_interrupt)  # clean up the server on `kill` too
@@ -125,6 +171,12 @@ def train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: st
         + "\n"
         + "".join(f"  region {r}: {u}\n" for r, u in regions.items())
     )
+    from flows.run import build_model  # built already: the spec check needed it
+
+    estimate, warning = memory_lines(cfg, build_model(cfg).codec.num_params, via)
+    console.print(estimate)
+    if warning:
+        console.print(f"[bold yellow]warning:[/] {warning}")
     external = os.environ.get("PREFECT_API_URL")
     started = time.perf_counter()
     # On a terminal, a live display of the run's phases (flows/display.py); else log lines.
@@ -162,7 +214,7 @@ def train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: st
         f"summary: {root / 'summary.json'}  worker logs: {root / 'logs'}\n"
         f"inspect the buckets:  {_inspect_hint(regions[home_region(regions)], run)}\n"
         f"the curves in TensorBoard:  {_bin('tensorboard')} --logdir {root / 'tensorboard'}\n"
-        + (f"browse the run in the Prefect UI:  PREFECT_HOME={prefect_home} {_bin('prefect')} server start"
+        + (f"browse the run in the Prefect UI:  {browse_command(prefect_home)}"
            if not external else f"Prefect UI: {external.removesuffix('/api')}")
     )  # fmt: skip
     if summary["failed"]:

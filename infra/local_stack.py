@@ -79,8 +79,8 @@ def up() -> dict:
         raise SystemExit(f"a stack is already up ({_me('down')} first)")
     STATE.mkdir(exist_ok=True)
     pids: dict[str, int] = {}
-    env = server_env(STATE / "prefect")
     prefect_port = 4200 if _port_free(4200) else free_port()
+    env = server_env(STATE / "prefect", prefect_port)
     pids["prefect-server"] = _spawn("prefect-server", [sys.executable, "-m", "prefect", "server",
                                     "start", "--host", "127.0.0.1", "--port", str(prefect_port),
                                     "--analytics-off"], env)  # fmt: skip

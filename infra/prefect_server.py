@@ -27,12 +27,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_env(home: Path) -> dict[str, str]:
+def server_env(home: Path, port: int = 4200) -> dict[str, str]:
+    """The environment of a server on ``port``. Its UI asks the API at
+    ``PREFECT_SERVER_UI_API_URL``, which Prefect otherwise derives from
+    ``PREFECT_SERVER_API_PORT`` (4200), not from ``--port``: a server on any other port
+    would serve a UI that cannot reach it ("Can't connect to Server API")."""
     return {
         **os.environ,
         "PREFECT_HOME": str(home),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+        "PREFECT_SERVER_API_HOST": "127.0.0.1",
+        "PREFECT_SERVER_API_PORT": str(port),
+        "PREFECT_SERVER_UI_API_URL": f"http://127.0.0.1:{port}/api",
     }
 
 
@@ -68,7 +75,7 @@ def prefect_server(home: Path, port: int | None = None, services: bool = False) 
         # Its own session: a Ctrl-C in the terminal must not stop it before the launcher has
         # recorded the final states of its flow runs.
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                env=server_env(home), start_new_session=True)  # fmt: skip
+                                env=server_env(home, port), start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}/api"
     try:
         wait_healthy(url, proc, log)

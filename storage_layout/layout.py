@@ -2,6 +2,7 @@
 
     {root}/{run}/spec.json                                         run spec, written once
     {root}/{run}/secret-fingerprint.json       the run secret's fingerprint, written once
+    {root}/{run}/budget.json                 a larger token budget than the spec's, if any
     {root}/{run}/learners/{learner}/contributions/f{P}/commits/s{SEQ}.json      markers
     {root}/{run}/learners/{learner}/contributions/f{P}/data/s{SEQ}-{WRITE_ID}/  Zarr group
     {root}/{run}/learners/{learner}/checkpoints/commits/s{STEP}.json
@@ -103,6 +104,10 @@ class RunLayout:
     def secret_fingerprint(self) -> str:
         """The run secret's fingerprint (``storage_layout.auth``), written once."""
         return f"{self.run}/secret-fingerprint.json"
+
+    @property
+    def budget(self) -> str:
+        return f"{self.run}/budget.json"
 
     def metrics(self, writer: str) -> str:
         return f"{self.run}/metrics/{check_name('writer', writer)}.json"

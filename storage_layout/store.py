@@ -209,10 +209,14 @@ class RunStore:
 
     # run spec -------------------------------------------------------------------------
     def ensure_spec(
-        self, spec: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
+        self,
+        spec: Mapping[str, Any],
+        defaults: Mapping[str, Any] | None = None,
+        any_budget: bool = False,
     ) -> dict[str, Any]:
         """Write ``spec`` to every region once; if one is stored, it must match exactly,
-        but for keys it lacks whose given value is their default (``spec_differences``)."""
+        but for keys it lacks whose given value is their default (``spec_differences``),
+        and, with ``any_budget``, for the token budget (about to be extended)."""
         body = {"format_version": FORMAT_VERSION, **spec}
         data = json.dumps(body, sort_keys=True, indent=1).encode()
         for region in self.urls:
@@ -221,7 +225,10 @@ class RunStore:
                 bucket.put_exclusive(self.layout.spec, data)
             except FileExistsError:
                 stored = self.read_spec(region)
-                diffs = spec_differences(stored, json.loads(data), defaults=defaults)
+                given = json.loads(data)
+                if any_budget:
+                    given["config"]["budget"]["tokens"] = stored["config"]["budget"]["tokens"]
+                diffs = spec_differences(stored, given, defaults=defaults)
                 if diffs:
                     raise SpecMismatch(
                         f"run {self.run!r} in region {region} was started with another spec; "
@@ -230,6 +237,8 @@ class RunStore:
         return body
 
     def read_spec(self, region: str | None = None) -> dict[str, Any]:
+        """The run spec, with its token budget raised to ``budget.json``'s if that is
+        larger (``extend_budget``): every process that reads the spec works to it."""
         bucket = self.bucket(region or self.client_region)
         try:
             spec = _read_json(bucket, self.layout.spec)
@@ -240,6 +249,10 @@ class RunStore:
                 f"run {self.run!r} has format version {spec.get('format_version')!r}; "
                 f"this code reads {FORMAT_VERSION}"
             )
+        extended = self._extended_budget(bucket)
+        budget = spec.get("config", {}).get("budget", {})
+        if extended is not None and extended > int(budget.get("tokens", 0)):
+            spec["config"]["budget"] = {**budget, "tokens": extended}
         return spec
 
     def check_secret(self, secret: str, source: str) -> None:
@@ -263,6 +276,27 @@ class RunStore:
                 "every learner's contributions as forged. Use the original secret (the "
                 "run folder's run-secret file, or the DILOCO_RUN_SECRET it started with)"
             )
+
+    def _extended_budget(self, bucket: Bucket) -> int | None:
+        try:
+            body = _read_json(bucket, self.layout.budget)
+        except FileNotFoundError:
+            return None
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if type(tokens) is not int or tokens < 1:
+            raise CorruptVersion(f"{bucket.url}/{self.layout.budget} holds no token budget: "
+                                 f"{body!r:.200}")  # fmt: skip
+        return tokens
+
+    def extend_budget(self, tokens: int, previous: int) -> None:
+        """Raise the run's token budget from ``previous`` to ``tokens`` in every region:
+        the spec stays as it was written, and ``budget.json`` beside it holds the new
+        budget, which ``read_spec`` reports from then on (a smaller one is never read)."""
+        body = json.dumps({"tokens": tokens, "previous": previous, "writer": self.writer,
+                           "time": time.time()}, sort_keys=True).encode()  # fmt: skip
+        for region in self.urls:
+            bucket = self.bucket(region)
+            patiently(lambda b=bucket: b.put(self.layout.budget, body), self.layout.budget)
 
     # discovery ----------------------------------------------------------------------
     def _numbers(self, bucket: Bucket, prefix: str, letter: str) -> list[int]:

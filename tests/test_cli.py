@@ -123,3 +123,96 @@ def test_local_stack_hints_name_this_interpreter_and_its_inspect(tmp_path, monke
     # `run` tells diloco train to print that command as its inspect hint.
     local_stack.main(["run"])
     assert "-m infra.local_stack inspect {url} --run {run}" in calls[1][1]["DILOCO_INSPECT_HINT"]
+
+
+def _ui_api_url(api: str) -> str:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(api.removesuffix("/api") + "/ui-settings", timeout=10) as r:
+        return json.loads(r.read())["api_url"]
+
+
+@pytest.mark.slow
+def test_the_prefect_ui_asks_the_runs_own_server_for_its_api(tmp_path, monkeypatch):
+    """The UI a run's server serves (the "View at" links during the run) asks that server,
+    on its own port, not port 4200; so does the one the closing browse command starts,
+    run as printed, whatever PREFECT_API_URL the user's shell holds."""
+    import signal
+    import subprocess
+
+    from flows.train import browse_command
+    from infra.prefect_server import free_port, prefect_server, wait_healthy
+
+    home = tmp_path / "prefect"
+    with prefect_server(home) as api:
+        assert _ui_api_url(api) == api
+        assert not api.endswith(":4200/api")  # a free port: the case that broke
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # some other server
+    port = free_port()
+    command = browse_command(home, port)
+    assert f"http://127.0.0.1:{port}/runs" in command
+    log = (tmp_path / "browse.log").open("wb")
+    proc = subprocess.Popen(command.split("  (then")[0], shell=True, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        api = f"http://127.0.0.1:{port}/api"
+        wait_healthy(api, proc, tmp_path / "browse.log")
+        assert _ui_api_url(api) == api
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        log.close()
+
+
+def test_train_refuses_an_empty_or_missing_region_folder(tmp_path, capsys, monkeypatch):
+    """`--region us-east=` trained with the current folder as the bucket, and a typo'd
+    folder silently became a new bucket. Both are refused by name before anything is
+    written; --create-buckets makes missing folders, and the default regions (the run's
+    own folders under DIR/RUN/buckets) are made as before."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "us").mkdir()
+    bad_data = ["--set", f"data.source={tmp_path / 'no-data'}"]  # stops it before training
+    code = main(["train", "--dir", "runs", "--run", "r", "--region", "us-east=",
+                 "--region", f"eu-west={tmp_path / 'us'}"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "region 'us-east' has an empty bucket URL" in err, err
+    code = main(["train", "--dir", "runs", "--run", "r", "--region", f"us-east={tmp_path / 'us'}",
+                 "--region", f"eu-west=file://{tmp_path / 'eu-wst'}"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert (
+        code == 2 and f"the folder {tmp_path / 'eu-wst'} of region 'eu-west' does not exist" in err
+    )
+    assert "--create-buckets" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["us"]  # nothing written anywhere
+    code = main(["train", "--dir", "runs", "--run", "r", "--region", f"us-east={tmp_path / 'us'}",
+                 "--region", f"eu-west={tmp_path / 'eu'}", "--create-buckets", *bad_data])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "no-data" in err and "does not exist" in err, err
+    assert (tmp_path / "eu").is_dir()  # asked for: made
+    code = main(["train", "--dir", "runs", "--run", "q", *bad_data])
+    err = capsys.readouterr().err
+    assert code == 2 and "no-data" in err, err
+    assert sorted(p.name for p in (tmp_path / "runs" / "q" / "buckets").iterdir()) == [
+        "eu-west", "us-east"
+    ]  # fmt: skip
+
+
+def test_train_takes_the_presets_budget_unless_tokens_are_given(tmp_path, monkeypatch):
+    """Defect: `--preset base` trained 1 M tokens (the quick start's default replaced the
+    preset's budget). A preset carries its budget; --tokens overrides it; with no preset
+    a new run is the quick start, tiny at TRAIN_TOKENS."""
+    from diloco.config import PRESETS
+    from flows.cli import TRAIN_TOKENS
+
+    seen = {}
+    monkeypatch.setattr("flows.train.train",
+                        lambda run, regions, cfg, root, via: seen.setdefault(run, cfg) and 0)  # fmt: skip
+    for run, flags in (("a", ["--preset", "base"]), ("b", []), ("c", ["--preset", "tiny"]),
+                       ("d", ["--preset", "small", "--tokens", "5000"])):  # fmt: skip
+        assert main(["train", "--dir", str(tmp_path), "--run", run, *flags]) == 0
+    assert seen["a"].budget.tokens == PRESETS["base"]["budget"]["tokens"] == 500_000_000
+    assert seen["a"].model.width == PRESETS["base"]["model"]["width"]
+    assert seen["b"].budget.tokens == TRAIN_TOKENS and seen["b"].model.width == 64
+    assert seen["c"].budget.tokens == PRESETS["tiny"]["budget"]["tokens"]
+    assert seen["d"].budget.tokens == 5000 and seen["d"].model.width == 192

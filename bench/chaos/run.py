@@ -147,7 +147,7 @@ def train(name: str, mode: str, args: argparse.Namespace, chaos: bool, root: Pat
     sets += chaos_settings(args) if chaos else []
     argv = [sys.executable, "-m", "flows.cli", "train", "--run", run, "--dir", str(root),
             "--mode", mode] + [x for s in sets for x in ("--set", s)]  # fmt: skip
-    argv += [x for r, u in regions.items() for x in ("--region", f"{r}={u}")]
+    argv += [x for r, u in regions.items() for x in ("--region", f"{r}={u}")] + ["--create-buckets"]
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "regions.json").write_text(json.dumps(regions))
     forger = Forger(run, folder, args.forge_every, args.seed)

@@ -53,7 +53,7 @@ def train(name: str, sets: list[str], args: argparse.Namespace, root: Path) -> d
     sets = [f"budget.tokens={args.tokens}", f"seed={args.seed}", "pipeline.eval_seconds=20", *sets]
     argv = [sys.executable, "-m", "flows.cli", "train", "--run", name, "--dir", str(root),
             "--mode", "decoupled"] + [x for s in sets for x in ("--set", s)]  # fmt: skip
-    argv += [x for r, u in regions.items() for x in ("--region", f"{r}={u}")]
+    argv += [x for r, u in regions.items() for x in ("--region", f"{r}={u}")] + ["--create-buckets"]
     (root / name).mkdir(parents=True, exist_ok=True)
     started = time.time()
     with open(root / name / "train.log", "w") as out:
