@@ -267,20 +267,20 @@ def test_outage_window(make_bucket, monkeypatch):
     with faults.inject(plan) as injector:
         syncer = RunStore("run", regions, "us", writer="syncer")
         eu = syncer.bucket("eu")  # opened before the window
-        eu.put("k", DATA)
+        eu.put("run/k", DATA)
         clock.now += 10.0  # the window opens
-        with pytest.raises(RegionOutage, match="injected outage fault: get k in region eu"):
-            eu.get("k")
+        with pytest.raises(RegionOutage, match="injected outage fault: get run/k in region eu"):
+            eu.get("run/k")
         with pytest.raises(RegionDown, match="outage"):
             RunStore("run", regions, "eu").bucket("eu")  # a bucket cannot even be opened
-        assert syncer.home.list("") == []  # other regions are up
+        assert syncer.home.list("run/globals") == []  # other regions are up
         report = syncer.publish_global(0, 1, {"w": np.ones(3, np.float32)}, [], {}, "fp32")
         assert report.committed == ["us"] and "outage" in report.lagging["eu"]
         clock.now += 59.9
         with pytest.raises(RegionOutage):
-            eu.get("k")  # still inside
+            eu.get("run/k")  # still inside
         clock.now += 0.1  # the window is over
-        assert eu.get("k") == DATA
+        assert eu.get("run/k") == DATA
         assert syncer.sync_regions(0) == {"eu": 1}
     assert injector.counts()["outage"] >= 4
 
