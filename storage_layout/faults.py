@@ -20,7 +20,13 @@ all 0 by default):
   its data and its marker, e.g. a learner during an upload (``/contributions/``) or a
   checkpoint write (``/checkpoints/``);
 - ``outage``: for one region, from ``t0 + start`` for ``seconds``, every request fails
-  (``RegionOutage``), whatever the rates, ``regions`` and ``ops``.
+  (``RegionOutage``), whatever the rates, ``regions`` and ``ops``;
+- ``disk_full``: for one region, its disk is full: every write (``put``, each key of
+  ``put_many``, ``put_exclusive``, ``probe_exclusive``) fails with ``OSError(ENOSPC, "No
+  space left on device")`` (``InjectedDiskFull``) before it takes effect, while reads,
+  listings and deletes work; from ``t0 + start`` for ``seconds``, or, with neither given,
+  while ``Injector.fill_disk(region)`` holds it full (a test fills and frees it from the
+  run's own progress: CI cannot mount a small filesystem).
 
 Every fault is logged (logger ``storage_layout.faults``, WARNING) as ``injected <kind>
 fault: <op> <key> in region <r>`` and counted per kind (``counts()``); with ``log_path``
@@ -36,7 +42,7 @@ others. ``put_many``, ``get_many`` and ``delete`` draw once per key (as ``put``,
 and ``delete``), so a batched request meets the same faults as one request per key; in
 ``put_many`` and ``get_many`` each key fails or goes through on its own, as concurrent
 requests do, and the failed keys come back in a ``PartialFailure``.
-Only the outage depends on the clock.
+Only the outage and the disk-full window depend on the clock (or on the test).
 
 Requests that the bucket makes on its own behalf (``put_many`` calling ``put`` on a
 local filesystem, ``delete_prefix`` calling ``delete``, ``probe_exclusive``) are not
@@ -47,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -77,8 +84,9 @@ KINDS = (
     "latency",
     "crash",
     "outage",
+    "disk_full",
 )
-RANDOM_KINDS = KINDS[:-1]  # drawn per request; the outage follows the clock
+RANDOM_KINDS = KINDS[:-2]  # drawn per request; the outage and the full disk are windows
 OPS = (
     "open",
     "put",
@@ -109,6 +117,14 @@ class InjectedTimeout(InjectedFault, TimeoutError):
 
 class RegionOutage(InjectedFault):
     """A request to a region inside its outage window."""
+
+
+class InjectedDiskFull(InjectedFault):
+    """A write to a region whose disk is full: ``errno`` is ``ENOSPC``, as the operating
+    system says it."""
+
+
+WRITE_OPS = ("put", "put_exclusive", "probe_exclusive")  # what a full disk refuses
 
 
 # --- the plan --------------------------------------------------------------------------------
@@ -161,19 +177,74 @@ class Outage:
     start: float
     seconds: float
 
+    field_name = "outage"  # the plan's field, as errors name it
+
     def __post_init__(self) -> None:
+        name = self.field_name
         if not isinstance(self.region, str) or not self.region:
-            raise FaultPlanError(f"fault plan field 'outage.region': {self.region!r} is no name")
-        _check_number("outage.start", self.start, 0.0)
-        _check_number("outage.seconds", self.seconds, 0.0)
+            raise FaultPlanError(f"fault plan field '{name}.region': {self.region!r} is no name")
+        _check_number(f"{name}.start", self.start, 0.0)
+        _check_number(f"{name}.seconds", self.seconds, 0.0)
 
     @classmethod
     def from_dict(cls, data: Any) -> Outage:
-        _reject_unknown(cls, data, "outage")
+        _reject_unknown(cls, data, cls.field_name)
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in data]
         if missing:
-            raise FaultPlanError(f"fault plan field 'outage.{missing[0]}': missing")
+            raise FaultPlanError(f"fault plan field '{cls.field_name}.{missing[0]}': missing")
         return cls(**data)
+
+    def reason(self, t0: float, now: float) -> str | None:
+        """Why the window holds at ``now`` (Unix time), or None when it does not."""
+        start = t0 + self.start
+        if start <= now < start + self.seconds:
+            return f"region {self.region} is out for {self.seconds:g} s from t0 + {self.start:g} s"
+        return None
+
+
+@dataclass(frozen=True)
+class DiskFull:
+    """``region``'s disk is full from ``t0 + start`` for ``seconds``; with neither given,
+    while ``Injector.fill_disk(region)`` holds it full (tests open and close the window
+    from the run's progress)."""
+
+    region: str
+    start: float | None = None
+    seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.region, str) or not self.region:
+            raise FaultPlanError(f"fault plan field 'disk_full.region': {self.region!r} is no name")
+        if (self.start is None) != (self.seconds is None):
+            given = "start" if self.seconds is None else "seconds"
+            raise FaultPlanError(
+                f"fault plan field 'disk_full.{given}': give both start and seconds (a window "
+                "on the clock) or neither (filled and freed by Injector.fill_disk)"
+            )
+        if self.start is not None:
+            _check_number("disk_full.start", self.start, 0.0)
+            _check_number("disk_full.seconds", self.seconds, 0.0)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> DiskFull:
+        _reject_unknown(cls, data, "disk_full")
+        if "region" not in data:
+            raise FaultPlanError("fault plan field 'disk_full.region': missing")
+        return cls(**data)
+
+    @property
+    def by_hand(self) -> bool:
+        return self.start is None
+
+    def reason(self, t0: float, now: float) -> str | None:
+        """Why the disk is full at ``now`` by the clock, or None when it is not."""
+        if self.start is None or self.seconds is None:
+            return None
+        start = t0 + self.start
+        if start <= now < start + self.seconds:
+            return (f"disk of region {self.region} is full for {self.seconds:g} s from "
+                    f"t0 + {self.start:g} s")  # fmt: skip
+        return None
 
 
 @dataclass(frozen=True)
@@ -194,6 +265,7 @@ class FaultPlan:
     crash_rate: float = 0.0
     crash_keys: tuple[str, ...] = ("/contributions/", "/checkpoints/")
     outage: Outage | None = None
+    disk_full: DiskFull | None = None
     t0: float = field(default_factory=time.time)
     regions: tuple[str, ...] | None = None  # only these regions draw random faults
     ops: tuple[str, ...] | None = None  # only these operations draw random faults
@@ -215,6 +287,12 @@ class FaultPlan:
             raise FaultPlanError(
                 f"fault plan field 'outage': expected an object, got {self.outage!r}"
             )
+        if isinstance(self.disk_full, Mapping):
+            object.__setattr__(self, "disk_full", DiskFull.from_dict(self.disk_full))
+        elif self.disk_full is not None and not isinstance(self.disk_full, DiskFull):
+            raise FaultPlanError(
+                f"fault plan field 'disk_full': expected an object, got {self.disk_full!r}"
+            )
         if self.regions is not None:
             object.__setattr__(self, "regions", _check_names("regions", self.regions))
         if self.ops is not None:
@@ -231,7 +309,13 @@ class FaultPlan:
         ``source`` the plan came from, if given)."""
         try:
             _reject_unknown(cls, data, "")
-            return cls(**data)
+            plan = cls(**data)
+            if source is not None and plan.disk_full is not None and plan.disk_full.by_hand:
+                raise FaultPlanError(
+                    "fault plan field 'disk_full.start': a plan for a run needs a window on "
+                    "the clock (start and seconds); only a test fills a disk by hand"
+                )
+            return plan
         except FaultPlanError as exc:
             if source is None:
                 raise
@@ -249,7 +333,8 @@ class FaultPlan:
 
     @property
     def inert(self) -> bool:
-        return self.outage is None and not any(self.rate(k) for k in RANDOM_KINDS)
+        windows = (self.outage, self.disk_full)
+        return all(w is None for w in windows) and not any(self.rate(k) for k in RANDOM_KINDS)
 
     def targets(self, region: str, op: str) -> bool:
         """Whether requests of ``op`` to ``region`` draw random faults."""
@@ -321,6 +406,7 @@ class Injector:
         self._asked: Counter[tuple[str, str, str]] = Counter()
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()
+        self._filled: set[str] = set()  # regions whose disk ``fill_disk`` filled
 
     def request(self, region: str, op: str, key: str) -> Request:
         with self._lock:
@@ -333,11 +419,35 @@ class Injector:
         out = self.plan.outage
         if out is None or out.region != region:
             return None
-        start = self.plan.t0 + out.start
-        now = time.time() if now is None else now
-        if start <= now < start + out.seconds:
-            return f"region {region} is out for {out.seconds:g} s from t0 + {out.start:g} s"
-        return None
+        return out.reason(self.plan.t0, time.time() if now is None else now)
+
+    def disk_full(self, region: str, now: float | None = None) -> str | None:
+        """Why ``region``'s disk is full now, or None when it is not."""
+        full = self.plan.disk_full
+        if full is None or full.region != region:
+            return None
+        if full.by_hand:
+            with self._lock:
+                filled = region in self._filled
+            return f"disk of region {region} is full (filled by hand)" if filled else None
+        return full.reason(self.plan.t0, time.time() if now is None else now)
+
+    def fill_disk(self, region: str) -> None:
+        """From now on, ``region``'s writes fail with ENOSPC (until ``free_disk``): the
+        plan's ``disk_full`` names this region and gives no clock window."""
+        full = self.plan.disk_full
+        if full is None or full.region != region or not full.by_hand:
+            raise FaultPlanError(
+                f"fill_disk({region!r}): the plan's disk_full must name region {region!r} "
+                f"with no start and seconds (it is {full!r})"
+            )
+        with self._lock:
+            self._filled.add(region)
+
+    def free_disk(self, region: str) -> None:
+        """``region``'s disk has space again: its writes go through."""
+        with self._lock:
+            self._filled.discard(region)
 
     def record(self, kind: str, request: Request, detail: str = "") -> str:
         """Log and count one fault; returns its message."""
@@ -478,12 +588,18 @@ class FaultyBucket(Bucket):
             self._fail_before(r)
 
     def _outage_and_latency(self, requests: list[Request]) -> None:
-        """The region's outage fails them all; one latency spike delays them all (they go
-        out together)."""
+        """The region's outage fails them all, and so does its full disk when they are
+        writes; one latency spike delays them all (they go out together)."""
         injector = self.injector
         down = injector.outage(self.region)
         if down:
             raise self._fault(RegionOutage, "outage", requests[0], down)
+        full = requests[0].op in WRITE_OPS and injector.disk_full(self.region)
+        if full:
+            message = injector.record("disk_full", requests[0], full)
+            exc = InjectedDiskFull(errno.ENOSPC, f"No space left on device ({message})")
+            exc.kind = "disk_full"
+            raise exc
         slow = next((r for r in requests if r.hits("latency")), None)
         if slow is not None:
             seconds = injector.plan.latency_seconds

@@ -4,6 +4,9 @@ protocol under lost responses and damaged reads, the outage window, and the plan
 
 from __future__ import annotations
 
+import errno
+import json
+import os
 import threading
 import time
 
@@ -24,6 +27,7 @@ from storage_layout.faults import (
     FaultPlan,
     FaultPlanError,
     FaultyBucket,
+    InjectedDiskFull,
     InjectedFault,
     RegionOutage,
     open_bucket,
@@ -93,6 +97,9 @@ def test_plan_from_the_environment(monkeypatch, make_bucket):
         ('{"latency_seconds": "long"}', "'latency_seconds': expected a number"),
         ('{"eror_rate": 0.1}', "'eror_rate': unknown field"),
         ('{"outage": {"region": "eu", "start": 0}}', "'outage.seconds': missing"),
+        ('{"disk_full": {"region": "eu", "start": 0}}', "'disk_full.start': give both"),
+        ('{"disk_full": {"start": 0, "seconds": 1}}', "'disk_full.region': missing"),
+        ('{"disk_full": {"region": "eu"}}', "'disk_full.start': a plan for a run needs"),
         ('{"ops": ["put", "copy"]}', "'ops': unknown 'copy'"),
         ('{"seed": 1.5}', "'seed': expected an integer"),
         ("[1, 2]", "expected an object"),
@@ -283,6 +290,78 @@ def test_outage_window(make_bucket, monkeypatch):
         assert eu.get("run/k") == DATA
         assert syncer.sync_regions(0) == {"eu": 1}
     assert injector.counts()["outage"] >= 4
+
+
+def test_a_full_disk_refuses_writes_and_serves_reads(bucket_url, caplog):
+    """While a region's disk is full, every write fails as the operating system fails it
+    (ENOSPC) before it takes effect, and reads, listings and deletes work; once freed,
+    writes go through again. The test fills and frees it (no clock)."""
+    bucket, injector = faulty(bucket_url, disk_full={"region": "us"})
+    plain = Bucket(bucket_url, region="us")
+    plain.put("a/old", DATA)
+    plain.put("a/gone", DATA)
+    bucket.put("a/before", DATA)  # not full yet
+    injector.fill_disk("us")
+    writes = (lambda: bucket.put("a/k", DATA), lambda: bucket.put_many({"a/m": DATA, "a/n": DATA}),
+              lambda: bucket.put_exclusive("a/commits/x.json", DATA), bucket.probe_exclusive)  # fmt: skip
+    with caplog.at_level("WARNING", logger="storage_layout.faults"):
+        for write in writes:
+            with pytest.raises(OSError) as caught:
+                write()
+            assert isinstance(caught.value, InjectedDiskFull)
+            assert caught.value.errno == errno.ENOSPC
+            assert "No space left on device" in str(caught.value)
+        assert bucket.get("a/old") == DATA and bucket.get_many(["a/old"]) == {"a/old": DATA}
+        assert bucket.list("a") == ["before", "gone", "old"] and bucket.exists("a/old")
+        bucket.delete(["a/gone"])  # deleting frees space: it works
+    assert "injected disk_full fault: put a/k in region us" in caplog.text
+    assert plain.list("a") == ["before", "old"]  # nothing written, not even a temporary
+    if bucket_url.startswith("file://"):
+        assert not [n for n in os.listdir(bucket_url.removeprefix("file://") + "/a")
+                    if n.startswith(".tmp-")]  # fmt: skip
+    assert injector.counts() == {"disk_full": 4}
+    injector.free_disk("us")
+    bucket.put_many({"a/m": DATA})
+    bucket.put_exclusive("a/commits/x.json", DATA)
+    assert plain.get("a/m") == plain.get("a/commits/x.json") == DATA
+
+
+def test_a_full_disk_fails_a_commit_and_leaves_committed_versions_readable(make_bucket):
+    """A contribution committed under a full disk fails with ENOSPC and leaves no marker
+    (readers never see it); the version committed before stays readable; freed, the same
+    commit goes through."""
+    url = make_bucket("file")
+    with faults.inject({"disk_full": {"region": "us"}}) as injector:
+        store = RunStore("run", {"us": url}, "us", writer="l0")
+        put_contribution(store, seq=1)
+        injector.fill_disk("us")
+        with pytest.raises(OSError) as caught:
+            put_contribution(store, seq=2)
+        assert caught.value.errno == errno.ENOSPC
+        assert store.contribution_seqs("l0", 0, "us") == [1]
+        assert store.get_contribution("l0", 0, 1, "us") is not None
+        injector.free_disk("us")
+        put_contribution(store, seq=2)
+        assert store.contribution_seqs("l0", 0, "us") == [1, 2]
+
+
+def test_a_disk_full_window_on_the_clock(make_bucket):
+    """For a run (``pipeline.faults``), the window follows the clock like an outage: the
+    decision is a function of the time alone, so it is tested at given times."""
+    plan = FaultPlan(disk_full={"region": "eu", "start": 10, "seconds": 40}, t0=1000.0)
+    assert FaultPlan.from_dict(json.loads(plan.to_json()), source="pipeline.faults") == plan
+    injector = faults.Injector(plan)
+    assert injector.disk_full("eu", now=1009.9) is None
+    assert "full for 40 s from t0 + 10 s" in injector.disk_full("eu", now=1010.0)
+    assert injector.disk_full("eu", now=1049.9) and injector.disk_full("eu", now=1050) is None
+    assert injector.disk_full("us", now=1020.0) is None  # another region's disk is fine
+    with pytest.raises(FaultPlanError, match="with no start and seconds"):
+        injector.fill_disk("eu")  # this window follows the clock
+    t0 = time.time()
+    with faults.inject({"disk_full": {"region": "us", "start": 0, "seconds": 3600}, "t0": t0}):
+        bucket = open_bucket(make_bucket("memory"), region="us")
+    with pytest.raises(InjectedDiskFull):
+        bucket.put("k", DATA)
 
 
 # --- replay ----------------------------------------------------------------------------------
