@@ -166,6 +166,11 @@ class LearnerTransport(Protocol):
     def want(self, fragment: int, above: int) -> None:
         """A hint: a version of ``fragment`` newer than ``above`` answers a send."""
 
+    def backed_up(self) -> bool:
+        """Whether more sends wait unwritten than the transport's bound allows (its
+        region's disk is full, its uploads fail and back off): the learner takes no step
+        until they drain (``LearnerLoop.run``, backpressure)."""
+
     def latest_global(self, fragment: int) -> GlobalView | None:
         """The newest version of ``fragment`` this learner can read now."""
 
@@ -332,6 +337,12 @@ class LearnerLoop:
         self.losses = []
         self._mark = self.clock.now()
         for _ in range(min(left, steps if steps is not None else left)):
+            if self.transport.backed_up():
+                yield from self._wait_for_room()
+                known = look()
+                if self._finished(known):  # the others trained the budget meanwhile
+                    self.transport.save_checkpoint(lrn.checkpoint())
+                    return
             yield STEP
             now = self.clock.now()
             # Time since the previous step started, less any wait: the simulator's step
@@ -403,6 +414,21 @@ class LearnerLoop:
                     self.learner.id, self.learner.waiting_on(), noted - started,
                 )  # fmt: skip
         self._mark += self.clock.now() - started  # waiting is not step time
+
+    def _wait_for_room(self) -> Iterator[Request]:
+        """Backpressure: while the transport holds more unwritten sends than its bound
+        (a full disk), take no step. Work trained now would only wait behind them and
+        arrive too stale, and steps that no other learner can see (none of their sends
+        merged) overshoot a shared budget: the pause bounds both (``docs/algorithm.md``,
+        "Backpressure"). Versions that arrive meanwhile are applied; the wait ends early
+        when the others have trained the budget. Waiting is not step time."""
+        started = self.clock.now()
+        while self.transport.backed_up():
+            self.deliver()
+            if self.cfg.shared_budget and self._finished(self.run_steps()):
+                break
+            yield Wait(math.inf)
+        self._mark += self.clock.now() - started
 
     def checkpoint(self) -> None:
         self.transport.save_checkpoint(self.learner.checkpoint())

@@ -218,6 +218,9 @@ class StoreLearnerView:
     def want(self, fragment: int, above: int) -> None:
         pass
 
+    def backed_up(self) -> bool:
+        return False  # each send is written before ``send`` returns
+
     def latest_global(self, fragment: int) -> GlobalView | None:
         newest = self.store.newest_version(self.learner, fragment)
         return None if newest is None else self.read(fragment, newest)

@@ -17,6 +17,7 @@ training never waits on the network in ``decoupled`` mode.
 
 from __future__ import annotations
 
+import errno
 import math
 import threading
 import time
@@ -38,12 +39,32 @@ from diloco.transport import StoreLearnerView
 from flows.observe import artifact_key, run_logger, tag_flow_run, worker_tags
 from flows.run import bucket_store, build_model, config_from_spec, reader
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV
+from storage_layout.bucket import PartialFailure
 from storage_layout.commit import CommitConflict
 from storage_layout.store import RunStore, SeqNotReserved
 
 
 class Fenced(RuntimeError):
     """Another process runs as this learner now; this one must stop."""
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def out_of_space(exc: BaseException) -> bool:
+    """Whether ``exc`` is a full disk or an exhausted quota: its errno, a failed key's
+    of a ``PartialFailure``, or that of the error it was raised from."""
+    seen: list[BaseException] = []
+    todo = [exc]
+    while todo and len(seen) < 16:
+        e = todo.pop()
+        seen.append(e)
+        if isinstance(e, OSError) and e.errno in _NO_SPACE:
+            return True
+        if isinstance(e, PartialFailure):
+            todo.extend(e.failed.values())
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None and x not in seen)
+    return False
 
 
 class BackgroundIO:
@@ -54,6 +75,14 @@ class BackgroundIO:
       while its region is unreachable; one that still fails is logged and dropped (its
       work is lost, nothing else waits on it). An upload whose turn comes while a newer
       send from the same anchor is queued is skipped: that one carries its steps.
+      A full disk (ENOSPC, or a quota: ``out_of_space``) passes once space is freed, so
+      an upload that meets one is retried until it goes through, backing off up to
+      ``backoff[1]`` seconds apart, and never dropped; its region is named in one
+      warning when the disk fills and in one when it has space again. Meanwhile the
+      sends queue up: once more than ``max_unsent`` wait (default: one per fragment, an
+      outer period of work), ``backed_up()`` says so and the learner pauses before its
+      next step (``LearnerLoop.run``), so it neither trains work that would arrive too
+      stale nor runs past a shared budget with steps no one else can see.
     - ``poller``: every ``poll_seconds``, the newest version of each fragment the learner
       waits on, fetched into ``inbox``. A version that cannot be read is logged once and
       skipped; a newer one is taken when it comes.
@@ -64,9 +93,23 @@ class BackgroundIO:
     """
 
     def __init__(self, view: StoreLearnerView, fragments: int, poll_seconds: float,
-                 retries: int, log: Any, stall_seconds: float = 60.0):  # fmt: skip
+                 retries: int, log: Any, stall_seconds: float = 60.0,
+                 max_unsent: int | None = None,
+                 backoff: tuple[float, float] = (0.5, 10.0)):  # fmt: skip
         self.view, self.poll_seconds, self.retries, self.log = view, poll_seconds, retries, log
         self.stall_seconds = stall_seconds
+        self.max_unsent = fragments if max_unsent is None else max_unsent
+        if self.max_unsent < 1:
+            raise ValueError(f"max_unsent must be at least 1, not {self.max_unsent}")
+        self.backoff = backoff  # (first, longest) seconds between two tries of an upload
+        self.unsent = 0  # sends handed over whose upload has not ended yet
+        self.retried = 0  # upload attempts that failed and were tried again
+        self.full_since: float | None = None  # when the region's disk was found full
+        store = getattr(view, "store", None)
+        try:
+            self.region = store.region_of(view.learner) if store is not None else "its region"
+        except (AttributeError, ValueError):
+            self.region = "its region"
         self.waiting: dict[int, float] = {}  # fragment -> since when it waits for news
         self.stalled: dict[int, float] = {}  # fragment -> since when, once reported
         self.jobs = ThreadPoolExecutor(1, thread_name_prefix="uploads")
@@ -110,7 +153,18 @@ class BackgroundIO:
     def send(self, c: Contribution) -> None:
         with self.lock:
             self.queued[(c.fragment, c.anchor)] = c.seq
-        self._submit(f"upload of fragment {c.fragment} seq {c.seq}", lambda: self._upload(c))
+            self.unsent += 1
+
+        def sent() -> None:  # written, skipped, dropped or fenced: it waits no more
+            with self.lock:
+                self.unsent -= 1
+
+        self._submit(f"upload of fragment {c.fragment} seq {c.seq}", lambda: self._upload(c), sent)
+
+    def backed_up(self) -> bool:
+        """More sends wait unwritten than ``max_unsent``: the learner pauses (backpressure)."""
+        with self.lock:
+            return self.unsent > self.max_unsent
 
     def save_checkpoint(self, ckpt: LearnerCheckpoint) -> None:
         self._submit(f"checkpoint at step {ckpt.step}", lambda: self._checkpoint(ckpt))
@@ -138,17 +192,22 @@ class BackgroundIO:
             return self.inbox.get(fragment)
 
     # threads --------------------------------------------------------------------------
-    def _submit(self, what: str, job: Callable[[], None]) -> Future:
+    def _submit(
+        self, what: str, job: Callable[[], None], after: Callable[[], None] | None = None
+    ) -> Future:
         def guarded() -> None:
-            if self.fenced is not None:
-                self.failures += 1
-                self.log.warning("%s not written: %s", what, self.fenced)
-                return
             try:
+                if self.fenced is not None:
+                    self.failures += 1
+                    self.log.warning("%s not written: %s", what, self.fenced)
+                    return
                 job()
             except Exception as exc:  # logged, counted, never silent
                 self.failures += 1
                 self.log.error("%s failed for good: %r", what, exc)
+            finally:
+                if after is not None:
+                    after()
 
         return self.jobs.submit(guarded)
 
@@ -164,10 +223,12 @@ class BackgroundIO:
             # store), the queue drains instead of growing.
             self.skipped += 1
             return
-        delay = 0.5
-        for attempt in range(self.retries + 1):
+        delay, longest = self.backoff
+        failed = 0  # failures other than a full disk: those end after ``retries``
+        while True:
             try:
                 self.view.send(c)
+                self._space_again()
                 return
             except (CommitConflict, SeqNotReserved) as exc:
                 # This seq is taken, or reserved by a newer process: another process runs
@@ -175,12 +236,35 @@ class BackgroundIO:
                 self.fenced = exc
                 raise
             except OSError as exc:
-                if attempt == self.retries:
+                if out_of_space(exc):
+                    self._out_of_space(exc)  # said once; tried again until space comes
+                elif failed == self.retries:
                     raise
-                self.log.warning("upload of fragment %d seq %d failed (%s); retrying in %.1f s",
-                                 c.fragment, c.seq, exc, delay)  # fmt: skip
-                time.sleep(delay)
-                delay = min(30.0, delay * 2)
+                else:
+                    failed += 1
+                    self.log.warning("upload of fragment %d seq %d failed (%s); retrying in "
+                                     "%.1f s", c.fragment, c.seq, exc, delay)  # fmt: skip
+                if self.stop.wait(delay):  # closing: what is left is dropped, by name
+                    raise
+                self.retried += 1
+                delay = min(longest, delay * 2)
+
+    def _out_of_space(self, exc: OSError) -> None:
+        if self.full_since is not None:
+            return
+        self.full_since = time.monotonic()
+        self.log.warning(
+            "region %s is out of space (ENOSPC: %s): uploads are retried, backing off up to "
+            "%g s apart, and training pauses while more than %d sends wait", self.region,
+            exc.strerror or exc, self.backoff[1], self.max_unsent,
+        )  # fmt: skip
+
+    def _space_again(self) -> None:
+        if self.full_since is None:
+            return
+        since, self.full_since = self.full_since, None
+        self.log.warning("region %s has space again: uploads go on after %.0f s (%d waiting)",
+                         self.region, time.monotonic() - since, self.unsent)  # fmt: skip
 
     def _poll(self) -> None:
         while not self.stop.wait(self.poll_seconds):
@@ -426,6 +510,7 @@ class LearnerRuntime:
             + self.store.checkpoint_traffic.downloaded,
             "failed_writes": self.io.failures,
             "skipped_uploads": getattr(self.io, "skipped", 0),
+            "unsent_uploads": getattr(self.io, "unsent", 0),
             **({"last_round": row} if row else {}),
         }  # fmt: skip
         totals = {"startup_seconds": self.startup_seconds, "train_seconds": self.train_seconds}

@@ -16,7 +16,7 @@ import pytest
 
 from diloco.config import load_config
 from diloco.fragments import fragment_sizes
-from diloco.loops import STEP, LearnerLoop, WallClock
+from diloco.loops import STEP, LearnerLoop, Wait, WallClock, drive
 from diloco.outer import Contribution
 from diloco.quantize import quantize
 from diloco.simulate import Scheduler, VirtualClock, simulate
@@ -26,6 +26,7 @@ from flows.bucket_io import SEQ_BLOCK
 from flows.learner import BackgroundIO, Fenced, LearnerRuntime, train_round
 from flows.run import bucket_store, build_model, initialize_run, reader, simulation_store
 from flows.syncer import SyncerRuntime
+from storage_layout import faults
 from storage_layout.store import RunStore
 
 PIPELINE = {"round_steps": 7, "checkpoint_every": 9, "syncer_shards": 2}
@@ -339,6 +340,80 @@ def test_a_superseded_process_commits_nothing_even_inside_its_own_block(tiny_run
         old.close()
 
 
+def _least_sleep(retries: int, first: float, longest: float) -> float:
+    """The seconds an upload backing off from ``first`` (doubling, at most ``longest``)
+    has slept at least before its ``retries``-th retry."""
+    return sum(min(longest, first * 2**i) for i in range(retries))
+
+
+def test_a_learner_pauses_under_a_full_disk_and_drops_nothing_once_it_recovers(tiny_run, caplog):
+    """Its region's disk fills (ENOSPC on every write, reads fine): the upload in flight
+    backs off, said once by name and not per retry; the learner trains until more than
+    ``max_unsent`` sends wait, then takes no step (backpressure: no pile of work that
+    would arrive too stale, no steps past a shared budget that no one else sees). Freed,
+    every waiting send is written or carried by a newer one from its anchor, nothing is
+    dropped for good, and the learner trains on to the budget. Driven by the run's own
+    progress: the test fills and frees the disk."""
+    cfg, regions, _, model = tiny_run
+    pipeline = {**cfg.pipeline.model_dump(), "round_steps": 5}
+    log = logging.getLogger("test.disk")
+    first, longest = 0.05, 0.4
+    every = cfg.topology.inner_steps // len(model.plan)  # steps between two sends
+    with faults.inject({"disk_full": {"region": "us"}}) as injector:
+        rt = LearnerRuntime(
+            "r", regions["us"], "us", "learner-0", pipeline,
+            io=lambda view: BackgroundIO(view, len(model.plan), 0.02, 0, log,
+                                         backoff=(first, longest)),
+        )  # fmt: skip
+        io, store = rt.io, RunStore("r", regions, "us")
+
+        def written() -> set[tuple[int, int]]:
+            return {(p, s) for p in range(len(model.plan))
+                    for s in store.contribution_seqs("learner-0", p, "us")}  # fmt: skip
+
+        try:
+            drive(rt.loop.run(5), 0.02)  # a round with space: its sends are written
+            io.flush()
+            before = written()
+            assert before and io.max_unsent == len(model.plan)
+            with caplog.at_level(logging.INFO, logger="test.disk"):
+                injector.fill_disk("us")
+                filled = time.monotonic()
+                loop, steps = rt.loop.run(), 0  # on to the end of the budget
+                for request in loop:
+                    if isinstance(request, Wait):
+                        break
+                    steps += 1
+                # Paused: the bound is reached, and it took at most that many sends.
+                assert io.backed_up() and io.unsent == io.max_unsent + 1
+                assert 0 < steps <= (io.max_unsent + 1) * every
+                paused_at = rt.step
+                while io.retried < 8:  # the upload in flight tries again, and again...
+                    assert isinstance(next(loop), Wait)  # ...while the learner waits
+                    time.sleep(0.02)
+                # ...backing off: no tight loop (sleeping only ever takes longer).
+                assert _least_sleep(io.retried, first, longest) <= time.monotonic() - filled
+                assert rt.step == paused_at and written() == before and io.failures == 0
+                assert injector.counts()["disk_full"] >= 8
+                injector.free_disk("us")
+                for request in loop:  # to the end of the (shared) budget
+                    if isinstance(request, Wait):
+                        time.sleep(0.02)
+                io.flush()
+        finally:
+            rt.close()
+    # The budget is met: alone, this learner trains all of it, and no more.
+    assert rt.finished and rt.step == cfg.budget_steps
+    sent = {(r["fragment"], r["seq"]) for r in rt.records if r["event"] == "sent"}
+    assert io.failures == 0 and io.unsent == 0  # nothing dropped for good
+    assert written() <= sent and len(written()) + io.skipped == len(sent)
+    ours = [r.getMessage() for r in caplog.records if r.name == "test.disk"]
+    full = [m for m in ours if "out of space" in m]
+    assert len(full) == 1 and "region us" in full[0] and "ENOSPC" in full[0], ours
+    assert len([m for m in ours if "has space again" in m]) == 1, ours
+    assert not [m for m in ours if "retrying" in m or "failed" in m], ours
+
+
 def test_a_round_is_not_retried_inside_the_process():
     """A round that fails half-way has changed the learner's state in memory; a retry
     would continue from there. The process ends instead and its restart rejoins from the
@@ -418,6 +493,9 @@ class _StubLearner:
 class _NoTransport:
     def save_checkpoint(self, ckpt) -> None:
         pass
+
+    def backed_up(self) -> bool:
+        return False
 
 
 def _slowed_run(monkeypatch, speeds: str, index: int, steps: int = 4):
