@@ -170,11 +170,7 @@ class BackgroundIO:
         self._submit(f"checkpoint at step {ckpt.step}", lambda: self._checkpoint(ckpt))
 
     def _checkpoint(self, ckpt: LearnerCheckpoint) -> None:
-        try:
-            self.view.save_checkpoint(ckpt)
-        except SeqNotReserved as exc:  # a newer process runs as this learner: fenced
-            self.fenced = exc
-            raise
+        self._write(lambda: self.view.save_checkpoint(ckpt), f"checkpoint at step {ckpt.step}", 0)
 
     def load_checkpoint(self) -> LearnerCheckpoint | None:
         return self.view.load_checkpoint()
@@ -223,11 +219,18 @@ class BackgroundIO:
             # store), the queue drains instead of growing.
             self.skipped += 1
             return
+        self._write(lambda: self.view.send(c), f"upload of fragment {c.fragment} seq {c.seq}",
+                    self.retries)  # fmt: skip
+
+    def _write(self, write: Callable[[], None], what: str, retries: int) -> None:
+        """``write()``, asked again with backoff: after ``retries`` failures it fails for
+        good, except on a full disk, which is waited out (said once; the learner pauses
+        meanwhile) until the process closes."""
         delay, longest = self.backoff
-        failed = 0  # failures other than a full disk: those end after ``retries``
+        failed = 0  # failures other than a full disk
         while True:
             try:
-                self.view.send(c)
+                write()
                 self._space_again()
                 return
             except (CommitConflict, SeqNotReserved) as exc:
@@ -238,12 +241,11 @@ class BackgroundIO:
             except OSError as exc:
                 if out_of_space(exc):
                     self._out_of_space(exc)  # said once; tried again until space comes
-                elif failed == self.retries:
+                elif failed == retries:
                     raise
                 else:
                     failed += 1
-                    self.log.warning("upload of fragment %d seq %d failed (%s); retrying in "
-                                     "%.1f s", c.fragment, c.seq, exc, delay)  # fmt: skip
+                    self.log.warning("%s failed (%s); retrying in %.1f s", what, exc, delay)
                 if self.stop.wait(delay):  # closing: what is left is dropped, by name
                     raise
                 self.retried += 1
@@ -254,8 +256,9 @@ class BackgroundIO:
             return
         self.full_since = time.monotonic()
         self.log.warning(
-            "region %s is out of space (ENOSPC: %s): uploads are retried, backing off up to "
-            "%g s apart, and training pauses while more than %d sends wait", self.region,
+            "region %s is out of space (ENOSPC: %s): uploads and checkpoints are retried, "
+            "backing off up to %g s apart, and training pauses while more than %d sends wait",
+            self.region,
             exc.strerror or exc, self.backoff[1], self.max_unsent,
         )  # fmt: skip
 
