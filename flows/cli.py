@@ -351,7 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--keep", type=int, default=100,
                     help="global versions kept per fragment (at least max_staleness + 2)")  # fmt: skip
     gc.add_argument("--orphan-age", type=float, default=3600.0,
-                    help="delete uncommitted data older than this many seconds")  # fmt: skip
+                    help="delete uncommitted data and temporaries older than this many "
+                         "seconds")  # fmt: skip
     gc.set_defaults(func=cmd_gc)
     add_plan_parser(sub)
     add_config_parser(sub)
@@ -671,6 +672,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     stdout_console().print(
         f"run {args.run}: deleted {report.contributions_deleted} contributions, "
         f"{report.globals_deleted} global versions, {report.orphans_deleted} abandoned writes "
+        f"and {report.temporaries_deleted} temporaries "
         f"({human_bytes(report.bytes_freed)}); kept {window} versions per fragment"
     )
     for problem in report.problems:

@@ -39,7 +39,7 @@ from flows.bucket_io import BucketStore
 from flows.observe import artifact_key, run_logger, tag_flow_run, worker_tags
 from flows.run import bucket_store, config_from_spec, worker_done
 from storage_layout.auth import RUN_SECRET_ENV, UNAUTHENTICATED
-from storage_layout.retention import collect_garbage
+from storage_layout.retention import ORPHAN_AGE, collect_garbage
 from storage_layout.store import RunStore
 
 
@@ -144,11 +144,14 @@ class PipelineSyncerTransport:
                 self.lagging.discard(p)
 
     def collect_garbage(self) -> None:
-        """Delete processed contributions and versions no learner can still need."""
+        """Delete processed contributions and versions no learner can still need, and
+        what writers left unfinished over an hour ago (``ORPHAN_AGE``): data no marker
+        names, temporaries of a writer killed mid-write."""
         try:
             report = collect_garbage(
                 self.store.main, self.fragments, self.store.learners,
-                window=max(self.keep_versions, self.window + 2), keys=self.store.keys,
+                window=max(self.keep_versions, self.window + 2), orphan_age=ORPHAN_AGE,
+                keys=self.store.keys,
             )  # fmt: skip
         except (OSError, ValueError) as exc:  # a failed request, or a stored object refused
             self.log.warning("retention skipped: %s", exc)
@@ -159,6 +162,10 @@ class PipelineSyncerTransport:
             self.log.info("retention: deleted %d contributions, %d versions (%d bytes)",
                           report.contributions_deleted, report.globals_deleted,
                           report.bytes_freed)  # fmt: skip
+        if report.orphans_deleted or report.temporaries_deleted:
+            self.log.info("retention: deleted %d abandoned writes and %d temporaries older "
+                          "than %.0f s", report.orphans_deleted, report.temporaries_deleted,
+                          ORPHAN_AGE)  # fmt: skip
 
 
 class SyncerRuntime:

@@ -333,6 +333,18 @@ class Bucket:
         names = [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
         return sorted(n for n in names if n and not n.startswith(".tmp-"))
 
+    def temporaries(self, prefix: str) -> list[str]:
+        """Names of the temporaries directly under ``prefix`` (sorted) that ``list`` hides:
+        ``.tmp-*`` files of exclusive creates on a local disk, left by a writer killed
+        between writing one and linking it into place. Other stores write none."""
+        if self.protocol not in ("file", "local"):
+            return []
+        try:
+            names = os.listdir(self.path(prefix))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(n for n in names if n.startswith(".tmp-"))
+
     def info(self, key: str) -> dict[str, Any]:
         return self.fs.info(self.path(key))
 

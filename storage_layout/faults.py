@@ -730,6 +730,9 @@ class FaultyBucket(Bucket):
     def list(self, prefix: str) -> list[str]:
         return self._call("list", [prefix], partial(super().list, prefix), self._stale)
 
+    def temporaries(self, prefix: str) -> list[str]:
+        return self._call("list", [prefix], partial(super().temporaries, prefix))
+
     def info(self, key: str) -> dict[str, Any]:
         return self._call("info", [key], partial(super().info, key))
 

@@ -7,8 +7,13 @@ Deleted:
 - global versions older than ``window`` versions behind the newest, in every region,
   except the bases of contributions not yet processed (a syncer's anchored merge needs
   them). Learners need no old version: they rejoin from the newest ones;
-- with ``orphan_age`` set, data prefixes that no marker names (a writer died between data
-  and marker, or lost a race) and that are older than that many seconds.
+- with ``orphan_age`` set (the syncers use ``ORPHAN_AGE``), data prefixes that no marker
+  names (a writer died between data and marker, a full disk failed its marker, or it
+  lost a race), and the temporaries of exclusive creates on a local disk (``.tmp-*``,
+  left by a writer killed mid-write; listings hide them), that are older than that many
+  seconds: in the folders of the fragments collected, and, with fragment 0 among them,
+  the learners' own folders (checkpoints, sequence claims, leases, history) and the
+  run's top folder.
 
 Before anything of a fragment is deleted, the deleted contributions' counters and the
 deleted versions' outcome lists are written to the run's **ledger** in the home region
@@ -35,6 +40,7 @@ import json
 import logging
 import re
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +53,10 @@ from storage_layout.store import RunStore
 
 log = logging.getLogger(__name__)
 _DATA_NAME = re.compile(r"^([sv])(\d{12})-([0-9a-f]+)$")
+# Uncommitted data and temporaries older than this are abandoned: no write in flight takes
+# an hour (a contribution, a version or a checkpoint is written in seconds, and a retried
+# write rewrites its objects, which makes them young again).
+ORPHAN_AGE = 3600.0
 
 
 @dataclass
@@ -54,6 +64,7 @@ class RetentionReport:
     contributions_deleted: int = 0
     globals_deleted: int = 0
     orphans_deleted: int = 0
+    temporaries_deleted: int = 0
     checkpoints_deleted: int = 0
     bytes_freed: int = 0
     pinned: dict[int, list[int]] = field(
@@ -128,24 +139,55 @@ def _age_seconds(bucket: Bucket, key: str) -> float | None:
 def _orphans(
     bucket: Bucket, data_dir: str, commits_dir: str, age: float, report: RetentionReport
 ) -> None:
-    for name in bucket.list(data_dir):
-        match = _DATA_NAME.match(name)
-        if not match:
-            continue
-        letter, number, write_id = match.groups()
-        marker_key = f"{commits_dir}/{letter}{number}.json"
-        try:
-            if read_marker(bucket, marker_key).write_id == write_id:
+    names = [(n, m.groups()) for n in bucket.list(data_dir) if (m := _DATA_NAME.match(n))]
+    listed = set(bucket.list(commits_dir))
+    counts = Counter(f"{letter}{number}" for _, (letter, number, _) in names)
+    for name, (letter, number, write_id) in names:
+        marker_name = f"{letter}{number}.json"
+        if marker_name in listed and counts[f"{letter}{number}"] == 1:
+            continue  # its marker's only data (a marker goes before its data): committed
+        try:  # by key, not by listing: a listing may lag
+            if read_marker(bucket, f"{commits_dir}/{marker_name}").write_id == write_id:
                 continue  # committed: not an orphan
         except FileNotFoundError:
             pass
         except CorruptVersion as exc:
             report.problems.append(f"kept {data_dir}/{name}: marker unreadable ({exc})")
             continue
+        # A write that failed before its zarr.json leaves none: the folder's time, then.
         seconds = _age_seconds(bucket, f"{data_dir}/{name}/zarr.json")
+        if seconds is None:
+            seconds = _age_seconds(bucket, f"{data_dir}/{name}")
         if seconds is not None and seconds >= age:
             bucket.delete_prefix(f"{data_dir}/{name}")
             report.orphans_deleted += 1
+
+
+def _temporaries(bucket: Bucket, folder: str, age: float, report: RetentionReport) -> None:
+    """Delete the temporaries under ``folder`` older than ``age`` seconds (a writer
+    killed between writing one and linking it into place; listings hide them)."""
+    for name in bucket.temporaries(folder):
+        seconds = _age_seconds(bucket, f"{folder}/{name}")
+        if seconds is not None and seconds >= age:
+            bucket.delete([f"{folder}/{name}"])
+            report.temporaries_deleted += 1
+
+
+def _abandoned_by_learners(
+    store: RunStore, learners: Mapping[str, str], age: float, report: RetentionReport
+) -> None:
+    """What no fragment owns: temporaries in the learners' own folders and the run's top
+    folder, and checkpoint data no marker names (a learner killed mid-checkpoint)."""
+    layout = store.layout
+    for learner, region in learners.items():
+        bucket = store.bucket(region)
+        commits = layout.checkpoint_commits(learner)
+        _orphans(bucket, f"{commits.rsplit('/', 1)[0]}/data", commits, age, report)
+        for folder in (commits, layout.seq_claims(learner), layout.lease_commits(learner),
+                       layout.history(learner)):  # fmt: skip
+            _temporaries(bucket, folder, age, report)
+    for region in store.urls:
+        _temporaries(store.bucket(region), layout.run, age, report)
 
 
 @dataclass
@@ -201,6 +243,7 @@ def _plan_contributions(
         if orphan_age is not None:
             contrib = layout.contribution_commits(learner, p).rsplit("/", 1)[0]
             _orphans(bucket, f"{contrib}/data", f"{contrib}/commits", orphan_age, report)
+            _temporaries(bucket, f"{contrib}/commits", orphan_age, report)
 
 
 def _plan_versions(
@@ -228,6 +271,8 @@ def _plan_versions(
         if orphan_age is not None:
             base = layout.global_commits(p).rsplit("/", 1)[0]
             _orphans(bucket, f"{base}/data", f"{base}/commits", orphan_age, report)
+            _temporaries(bucket, f"{base}/commits", orphan_age, report)
+            _temporaries(bucket, layout.ledger_commits(p), orphan_age, report)
 
 
 def _decided(store: RunStore, p: int, versions: Sequence[int]) -> set[tuple[str, int]]:
@@ -282,7 +327,10 @@ def collect_garbage(
     What is deleted is first written to the ledger; if that fails, nothing of the
     fragment is deleted."""
     report = RetentionReport()
-    for p in range(fragments) if isinstance(fragments, int) else fragments:
+    fragments = range(fragments) if isinstance(fragments, int) else fragments
+    if orphan_age is not None and 0 in fragments:  # one collector for what no fragment owns
+        _abandoned_by_learners(store, learners, orphan_age, report)
+    for p in fragments:
         versions = store.global_versions(p)
         if not versions:
             continue

@@ -1034,6 +1034,20 @@ def test_syncers_collect_what_no_learner_needs_and_gc_does_it_by_hand(tmp_path, 
             RunStore("gc", regions, reg, writer=lid).put_contribution(
                 lid, 0, seq, c.payload, contribution_meta(c)
             )
+    # What writers killed mid-write (or failed by a full disk) left two hours ago, and a
+    # temporary of a write in flight now.
+    us = tmp_path / "us" / "gc" / "learners" / "learner-0"
+    commits, seqs = us / "contributions" / "f0000" / "commits", us / "seqs"
+    orphan = us / "contributions" / "f0000" / "data" / "s000000000009-00000000000000ab"
+    orphan.mkdir(parents=True)
+    seqs.mkdir(exist_ok=True)
+    stale = [commits / ".tmp-0a", seqs / ".tmp-0b", orphan / "zarr.json", orphan]
+    for path in stale[:3]:
+        path.write_text("{}")
+    for path in stale:
+        os.utime(path, (time.time() - 7200, time.time() - 7200))
+    young = commits / ".tmp-0c"
+    young.touch()
     pipeline = {**cfg.pipeline.model_dump(), "keep_versions": 4}
     syncer = SyncerRuntime("gc", regions, "us-east", 0, 2, pipeline)
     assert syncer.poll() == 4  # the newest of each learner is read, seqs 1 and 2 are not
@@ -1042,6 +1056,8 @@ def test_syncers_collect_what_no_learner_needs_and_gc_does_it_by_hand(tmp_path, 
     syncer.loop.transport.tend()  # what the loop does after every look
     for lid, reg in store.read_spec()["learners"].items():
         assert store.contribution_seqs(lid, 0, reg) == [3], lid
+    # Abandoned over an hour ago: collected as the syncer goes; in flight: kept.
+    assert not [p for p in stale if p.exists()] and young.exists()
     assert store.global_versions(0) == [0, 1]
     code = cli_main(["gc", regions["us-east"], "--run", "gc", "--keep", "1"])
     assert code == 0 and "deleted 0 contributions" in capsys.readouterr().out

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -20,7 +22,7 @@ from storage_layout.bucket import Bucket, BucketError
 from storage_layout.codec import FormatError, decode, encode
 from storage_layout.commit import CommitConflict, CorruptVersion, read_marker
 from storage_layout.layout import LayoutError, RunLayout
-from storage_layout.retention import collect_garbage, prune_checkpoints
+from storage_layout.retention import ORPHAN_AGE, collect_garbage, prune_checkpoints
 from storage_layout.store import RegionDown, RunStore, SpecMismatch, poll
 
 rng = np.random.default_rng(3)
@@ -427,6 +429,58 @@ def test_retention_keeps_what_learners_need(bucket_url):
     assert store.global_versions(0) == [1, 2, 5, 6, 7]
     assert report.pinned[0] == [1, 2] and report.bytes_freed > 0
     assert store.get_global(0, 5).version == 5
+
+
+def test_retention_collects_abandoned_temporaries_and_data_once_they_are_old(make_bucket):
+    """A writer killed mid-write leaves a ``.tmp-*`` file that no listing shows, or data
+    that no marker names (a full disk failed the marker); both go once older than the
+    orphan age, in every folder a run writes to (a fragment's, with fragment 0 also the
+    learners' own and the run's top folder), while younger ones (a write in flight) and
+    everything committed stay."""
+    url = make_bucket("file")
+    root = Path(url.removeprefix("file://"))
+    store = RunStore("run", {"us": url}, "us", writer="syncer")
+    c = contribution(learner="a", seq=1)
+    put(store, c)
+    publish(store, 0, 1)
+    store.put_checkpoint("a", 10, {"opt": {"mu.w": np.zeros((2, 2), np.float32)}}, {"seq": 1})
+    layout = store.layout
+    folders = [layout.contribution_commits("a", 0), layout.global_commits(0),
+               layout.ledger_commits(0), layout.checkpoint_commits("a"), layout.seq_claims("a"),
+               layout.lease_commits("a"), layout.history("a"), "run"]  # fmt: skip
+    old = time.time() - ORPHAN_AGE - 60
+    stale, young = [], []
+    for i, folder in enumerate(folders):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+        stale.append(root / folder / f".tmp-{i:02d}old")
+        young.append(root / folder / f".tmp-{i:02d}new")
+    datas = [layout.contribution_data("a", 0, 2, "ab" * 8), layout.global_data(0, 2, "cd" * 8),
+             layout.checkpoint_data("a", 20, "ef" * 8)]  # fmt: skip
+    orphans = [root / d for d in datas]
+    for path in orphans:
+        path.mkdir(parents=True)
+        (path / "zarr.json").write_text("x")
+    (orphans[0] / "zarr.json").rename(orphans[0] / "c0")  # its write failed before zarr.json
+    fresh = root / datas[0].replace("ab" * 8, "12" * 8)  # a write in flight
+    fresh.mkdir()
+    (fresh / "zarr.json").write_text("x")
+    for path in stale + young:
+        path.write_text("x")
+    for path in [*stale, *orphans, *(p / n for p in orphans for n in os.listdir(p))]:
+        os.utime(path, (old, old))
+    assert store.home.list(layout.contribution_commits("a", 0)) == ["s000000000001.json"]
+
+    # Another shard's fragments: only their own folders (fragment 0 owns none of these).
+    report = collect_garbage(store, [1], {"a": "us"}, window=4, orphan_age=ORPHAN_AGE)
+    assert report.temporaries_deleted == report.orphans_deleted == 0
+    assert collect_garbage(store, 1, {"a": "us"}, window=4).temporaries_deleted == 0  # no age
+    report = collect_garbage(store, 1, {"a": "us"}, window=4, orphan_age=ORPHAN_AGE)
+    assert report.temporaries_deleted == len(stale) and report.orphans_deleted == len(orphans)
+    assert not [p for p in stale + orphans if p.exists()], "abandoned ones stay"
+    assert all(p.exists() for p in young) and fresh.exists(), "a write in flight went"
+    same_payload(get(store, "a", 0, 1, "us"), c)  # what is committed stays whole
+    assert store.get_global(0, 1).version == 1 and store.get_checkpoint("a", 10)[1]["seq"] == 1
+    assert not report.problems
 
 
 def test_poll_backs_off_exponentially():
