@@ -79,8 +79,8 @@ class BackgroundIO:
       an upload that meets one is retried until it goes through, backing off up to
       ``backoff[1]`` seconds apart, and never dropped; its region is named in one
       warning when the disk fills and in one when it has space again. Meanwhile the
-      sends queue up: once more than ``max_unsent`` wait (default: one per fragment, an
-      outer period of work), ``backed_up()`` says so and the learner pauses before its
+      sends queue up: once more than ``max_unsent`` wait (default: two per fragment, two
+      outer periods of work, which a healthy store that is a little behind rarely reaches), ``backed_up()`` says so and the learner pauses before its
       next step (``LearnerLoop.run``), so it neither trains work that would arrive too
       stale nor runs past a shared budget with steps no one else can see.
     - ``poller``: every ``poll_seconds``, the newest version of each fragment the learner
@@ -98,7 +98,7 @@ class BackgroundIO:
                  backoff: tuple[float, float] = (0.5, 10.0)):  # fmt: skip
         self.view, self.poll_seconds, self.retries, self.log = view, poll_seconds, retries, log
         self.stall_seconds = stall_seconds
-        self.max_unsent = fragments if max_unsent is None else max_unsent
+        self.max_unsent = 2 * fragments if max_unsent is None else max_unsent
         if self.max_unsent < 1:
             raise ValueError(f"max_unsent must be at least 1, not {self.max_unsent}")
         self.backoff = backoff  # (first, longest) seconds between two tries of an upload
