@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from prefect import flow, get_run_logger, task
@@ -49,6 +49,8 @@ class Fenced(RuntimeError):
 
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+BACKOFF = (0.5, 10.0)  # seconds between two tries of a write: the first, the longest
+T = TypeVar("T")
 
 
 def out_of_space(exc: BaseException) -> bool:
@@ -65,6 +67,33 @@ def out_of_space(exc: BaseException) -> bool:
             todo.extend(e.failed.values())
         todo.extend(x for x in (e.__cause__, e.__context__) if x is not None and x not in seen)
     return False
+
+
+def wait_for_space(call: Callable[[], T], region: str, what: str, log: Any) -> T:
+    """``call()`` (a write a learner cannot start without: its generation, its block of
+    seqs), asked again with backoff while its region's disk is full, instead of failing
+    the process: a restart would meet the same disk, and each failed start counts towards
+    giving the learner up. Said once when the disk is full and once when it has space."""
+    delay, longest = BACKOFF
+    since = None
+    while True:
+        try:
+            result = call()
+        except OSError as exc:
+            if not out_of_space(exc):
+                raise
+            if since is None:
+                since = time.monotonic()
+                log.warning("region %s is out of space (ENOSPC: %s): %s waits for space, "
+                            "asking again up to %g s apart", region, exc.strerror or exc, what,
+                            longest)  # fmt: skip
+            time.sleep(delay)
+            delay = min(longest, delay * 2)
+            continue
+        if since is not None:
+            log.warning("region %s has space again: %s goes on after %.0f s", region, what,
+                        time.monotonic() - since)  # fmt: skip
+        return result
 
 
 class BackgroundIO:
@@ -95,13 +124,13 @@ class BackgroundIO:
     def __init__(self, view: StoreLearnerView, fragments: int, poll_seconds: float,
                  retries: int, log: Any, stall_seconds: float = 60.0,
                  max_unsent: int | None = None,
-                 backoff: tuple[float, float] = (0.5, 10.0)):  # fmt: skip
+                 backoff: tuple[float, float] | None = None):  # fmt: skip
         self.view, self.poll_seconds, self.retries, self.log = view, poll_seconds, retries, log
         self.stall_seconds = stall_seconds
         self.max_unsent = 2 * fragments if max_unsent is None else max_unsent
         if self.max_unsent < 1:
             raise ValueError(f"max_unsent must be at least 1, not {self.max_unsent}")
-        self.backoff = backoff  # (first, longest) seconds between two tries of an upload
+        self.backoff = backoff or BACKOFF  # (first, longest) seconds between two tries
         self.unsent = 0  # sends handed over whose upload has not ended yet
         self.retried = 0  # upload attempts that failed and were tried again
         self.full_since: float | None = None  # when the region's disk was found full
@@ -176,7 +205,7 @@ class BackgroundIO:
         return self.view.load_checkpoint()
 
     def sent_so_far(self) -> tuple[int, int]:
-        return self.view.sent_so_far()
+        return wait_for_space(self.view.sent_so_far, self.region, "the learner's start", self.log)
 
     def want(self, fragment: int, above: int) -> None:
         with self.lock:
@@ -385,7 +414,8 @@ class LearnerRuntime:
         self.label = f"{region}/{self.index}"
         self.store = bucket_store(run, {region: bucket}, spec, self.cfg, learner, home=region)
         # Fence off any older process of this learner before reading what it left.
-        self.generation = self.store.claim_generation(learner)
+        self.generation = wait_for_space(lambda: self.store.claim_generation(learner), region,
+                                         f"the start of {learner}", self.log)  # fmt: skip
         self._progress: dict[str, Any] | None = None  # what a predecessor reported
         self.announce("compiling")
         self._compile()

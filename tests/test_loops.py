@@ -414,6 +414,37 @@ def test_a_learner_pauses_under_a_full_disk_and_drops_nothing_once_it_recovers(t
     assert not [m for m in ours if "retrying" in m or "failed" in m], ours
 
 
+def test_a_learner_started_on_a_full_disk_waits_for_space_instead_of_crashing(
+    tiny_run, monkeypatch, caplog
+):
+    """Its start needs writes (its generation, a block of seqs): on a full disk it waits
+    for space, said once, instead of failing the process (a restart would meet the same
+    disk, and each failed start counts towards giving the learner up)."""
+    cfg, regions, _, _ = tiny_run
+    monkeypatch.setattr("flows.learner.BACKOFF", (0.05, 0.2))
+    pipeline = {**cfg.pipeline.model_dump(), "round_steps": 5}
+    started: dict[str, LearnerRuntime] = {}
+    with faults.inject({"disk_full": {"region": "us"}}) as injector:
+        injector.fill_disk("us")
+        with caplog.at_level(logging.WARNING):
+            start = threading.Thread(target=lambda: started.update(
+                rt=LearnerRuntime("r", regions["us"], "us", "learner-0", pipeline)))  # fmt: skip
+            start.start()
+            while injector.counts().get("disk_full", 0) < 9 and start.is_alive():
+                time.sleep(0.02)  # three tries of its claim (each asked three times)
+            assert start.is_alive() and not started  # waiting, not crashed
+            injector.free_disk("us")
+            start.join(timeout=300)
+        rt = started["rt"]
+        try:
+            assert rt.generation == 1 and rt.train_round()["step"] == 5
+        finally:
+            rt.close()
+    said = [r.getMessage() for r in caplog.records if "learner-0 waits for space" in r.getMessage()]
+    assert len(said) == 1 and "region us is out of space (ENOSPC" in said[0]
+    assert "the start of learner-0 goes on after" in caplog.text
+
+
 def test_a_round_is_not_retried_inside_the_process():
     """A round that fails half-way has changed the learner's state in memory; a retry
     would continue from there. The process ends instead and its restart rejoins from the
