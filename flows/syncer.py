@@ -42,6 +42,10 @@ from storage_layout.auth import RUN_SECRET_ENV, UNAUTHENTICATED
 from storage_layout.retention import ORPHAN_AGE, collect_garbage
 from storage_layout.store import RunStore
 
+# Seconds between two tries to catch a lagging region up (a region down, a full disk):
+# the first, doubling up to the longest; a try that catches every fragment up resets it.
+CATCH_UP_BACKOFF = (0.5, 10.0)
+
 
 class PipelineSyncerTransport:
     """The syncer's transport in the pipeline: the bucket store, plus what only the real
@@ -55,6 +59,8 @@ class PipelineSyncerTransport:
         self.keep_versions, self.window, self.log = keep_versions, window, log
         self.sync_seconds = 0.05  # publish time, exponential moving average
         self.lagging: set[int] = set()
+        self._lagging_since: dict[int, float] = {}
+        self._catch_up_at, self._catch_up_delay = -math.inf, CATCH_UP_BACKOFF[0]
         self.done: set[str] = set()  # learners whose status says they are done
         self.given_up: set[str] = set()  # learners the launcher gave up
         self._given_up_read = -math.inf
@@ -81,11 +87,13 @@ class PipelineSyncerTransport:
         won = self.wrap(gv, call) if self.wrap else call()
         self.sync_seconds = 0.8 * self.sync_seconds + 0.2 * (time.perf_counter() - start)
         report = self.store.last_report
-        if won and report is not None and report.lagging:
-            self.lagging.add(gv.fragment)
+        if won and report is not None and report.lagging and gv.fragment not in self.lagging:
+            self.lagging.add(gv.fragment)  # said once; the next versions go the same way
+            self._lagging_since[gv.fragment] = time.monotonic()
             self.log.warning(
-                "fragment %d v%d not in %s yet", gv.fragment, gv.version, report.lagging
-            )
+                "fragment %d v%d not in %s yet (caught up later, with backoff)", gv.fragment,
+                gv.version, report.lagging,
+            )  # fmt: skip
         self.published += won
         if self.on_published is not None:
             self.on_published()
@@ -129,19 +137,31 @@ class PipelineSyncerTransport:
         return learner in self.given_up
 
     def tend(self) -> None:
-        if self.lagging:
+        if self.lagging and time.monotonic() >= self._catch_up_at:
             self.catch_up()
         if self.published >= self.keep_versions // 4:
             self.published = 0
             self.collect_garbage()
 
     def catch_up(self) -> None:
+        """Copy the newest version of each lagging fragment to the regions behind; while
+        some stay behind (down, or their disk full), the next try waits, doubling
+        (``CATCH_UP_BACKOFF``): no write is asked of them at every look."""
         main = self.store.main
         for p in list(self.lagging):
             main.sync_regions(p)
             newest = main.latest_global(p)
             if all((main.latest_global(p, r) or -1) >= (newest or 0) for r in main.urls):
                 self.lagging.discard(p)
+                since = self._lagging_since.pop(p, time.monotonic())
+                self.log.warning("fragment %d: every region holds v%s again, after %.0f s", p,
+                                 newest, time.monotonic() - since)  # fmt: skip
+        first, longest = CATCH_UP_BACKOFF
+        if self.lagging:
+            self._catch_up_at = time.monotonic() + self._catch_up_delay
+            self._catch_up_delay = min(longest, self._catch_up_delay * 2)
+        else:
+            self._catch_up_at, self._catch_up_delay = -math.inf, first
 
     def collect_garbage(self) -> None:
         """Delete processed contributions and versions no learner can still need, and

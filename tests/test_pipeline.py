@@ -12,6 +12,7 @@ harness's server), real buckets (moto S3, fake-gcs-server, local disk).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -21,6 +22,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import fsspec
@@ -1012,6 +1014,43 @@ def test_a_resume_keeps_the_runs_budget_and_a_larger_one_extends_it(prefect_api,
     assert audit_run("r", regions).ok
     assert cli_main(base) == 0
     assert "complete (every learner is done, 40,000 tokens)" in capsys.readouterr().err
+
+
+def test_a_syncer_catches_a_full_region_up_with_backoff_and_says_so_once(
+    tmp_path, monkeypatch, caplog
+):
+    """A region whose disk is full takes no new version: the syncer says so once, not per
+    version; it asks the region again with backoff, not at every look (here an hour: no
+    second try however often it looks); and it says when every region holds the newest
+    version again."""
+    monkeypatch.setattr("flows.syncer.CATCH_UP_BACKOFF", (3600.0, 3600.0))
+    cfg, regions, model, sent = _local_run(tmp_path, "full", only_region="us-east")
+    rng = np.random.default_rng(2)
+    store = RunStore("full", regions, "us-east")
+    with inject({"disk_full": {"region": "eu-west"}}) as injector:
+        syncer = SyncerRuntime("full", regions, "us-east", 0, 1, cfg.pipeline.model_dump())
+        injector.fill_disk("eu-west")
+        with caplog.at_level(logging.WARNING):
+            assert syncer.poll() == len(sent) == 2
+            assert syncer.merge_and_publish(0)["version"] == 1
+            syncer.loop.transport.tend()  # a try to catch eu-west up: refused (ENOSPC)
+            for lid in sent:  # more work, another version, and the loop looks on and on
+                c = replace(_contribution(model, 0, lid, 2, rng), base_version=1, anchor_seq=2)
+                RunStore("full", regions, "us-east", writer=lid).put_contribution(
+                    lid, 0, 2, c.payload, contribution_meta(c)
+                )
+            assert syncer.poll() == 2 and syncer.merge_and_publish(0)["version"] == 2
+            tried = injector.counts()["disk_full"]  # v2's publish was refused there too
+            for _ in range(50):
+                syncer.loop.transport.tend()
+            assert syncer.lagging == {0} and store.latest_global(0, "eu-west") == 0
+            assert injector.counts()["disk_full"] == tried  # no write asked at every look
+            injector.free_disk("eu-west")
+            syncer.catch_up_regions()
+        assert syncer.lagging == set() and store.latest_global(0, "eu-west") == 2
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("diloco")]
+    assert len([m for m in said if "not in {'eu-west'" in m]) == 1, said
+    assert len([m for m in said if "every region holds v2 again" in m]) == 1, said
 
 
 def test_train_names_an_unreachable_prefect_api(tmp_path, capsys, monkeypatch):
