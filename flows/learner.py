@@ -109,9 +109,10 @@ class BackgroundIO:
       ``backoff[1]`` seconds apart, and never dropped; its region is named in one
       warning when the disk fills and in one when it has space again. Meanwhile the
       sends queue up: once more than ``max_unsent`` wait (default: two per fragment, two
-      outer periods of work, which a healthy store that is a little behind rarely reaches), ``backed_up()`` says so and the learner pauses before its
-      next step (``LearnerLoop.run``), so it neither trains work that would arrive too
-      stale nor runs past a shared budget with steps no one else can see.
+      outer periods of work, which a healthy store a little behind rarely reaches),
+      ``backed_up()`` says so and the learner pauses before its next step
+      (``LearnerLoop.run``), so it neither trains work that would arrive too stale nor
+      runs past a shared budget with steps no one else can see.
     - ``poller``: every ``poll_seconds``, the newest version of each fragment the learner
       waits on, fetched into ``inbox``. A version that cannot be read is logged once and
       skipped; a newer one is taken when it comes.
@@ -287,8 +288,7 @@ class BackgroundIO:
         self.log.warning(
             "region %s is out of space (ENOSPC: %s): uploads and checkpoints are retried, "
             "backing off up to %g s apart, and training pauses while more than %d sends wait",
-            self.region,
-            exc.strerror or exc, self.backoff[1], self.max_unsent,
+            self.region, exc.strerror or exc, self.backoff[1], self.max_unsent,
         )  # fmt: skip
 
     def _space_again(self) -> None:
