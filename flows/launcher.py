@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
-import contextlib
 import io
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -95,6 +95,8 @@ _FAULT_ENV: dict[str, dict[str, str]] = {}
 # Run -> its secret, for the worker processes' environments. Never a flow or task
 # parameter: Prefect records those.
 _RUN_SECRETS: dict[str, str] = {}
+QUIET_SECONDS = 60.0  # one kind of error while watching is logged at most this often
+STORAGE_PATIENCE = 600.0  # seconds the summary waits for the home bucket to answer
 
 
 def child_env(
@@ -160,6 +162,26 @@ def run_process(name: str, argv: list[str], log_path: str, run: str = "", worker
     raise RuntimeError(f"{name} exited with status {code}; log {log_path}:\n{tail}")
 
 
+_best_effort_reported: dict[str, float] = {}  # call -> when its failure was last logged
+
+
+def best_effort(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)`` for what only reports to the Prefect API (a progress or
+    summary artifact): a failure (the API gone for a while) is logged by name, at most
+    once every ``QUIET_SECONDS`` per call, and never raised: the run needs none of it.
+    None when it failed."""
+    try:
+        return call(*args, **kwargs)
+    except Exception as exc:
+        name = getattr(call, "__name__", str(call))
+        now = time.monotonic()
+        if now - _best_effort_reported.get(name, -math.inf) >= QUIET_SECONDS:
+            _best_effort_reported[name] = now
+            log.warning("%s failed (%s: %s); the run goes on without it", name,
+                        type(exc).__name__, str(exc)[:300])  # fmt: skip
+        return None
+
+
 class Killed(RuntimeError):
     """A worker process ended by a signal (a machine lost, a kill from outside), not by
     failing on its own: restarted at once, and never counted as a crash loop. ``lived``:
@@ -185,7 +207,7 @@ def worker_progress(store: RunStore, status: Status) -> Any:
         sent = [(store.contribution_seqs(writer, p, region) or [0])[-1]
                 for p in range(len(store.read_spec()["fragments"]))]  # fmt: skip
         return (store.read_metrics(writer, region) or {}).get("step"), sent
-    except (OSError, ValueError):
+    except Exception:  # any storage error (botocore's are no OSError): progress unknown
         return None
 
 
@@ -405,12 +427,27 @@ def worker_commands(
     return out
 
 
+class StorageUnreachable(RuntimeError):
+    """The run's home bucket did not answer in time for the summary."""
+
+
 class Monitor:
-    """Reads the run's state from the buckets and evaluates the newest global model."""
+    """Reads the run's state from the buckets and evaluates the newest global model.
+
+    While the run goes, a read that fails (any error of a storage client, not only an
+    ``OSError``: botocore's ``EndpointConnectionError`` is none) is logged by name, at
+    most once every ``QUIET_SECONDS`` per kind, and the last state read stands in: the
+    workers ride an outage out, so the launcher that supervises them must too."""
 
     def __init__(self, store: RunStore, cfg: RunConfig, spec: dict[str, Any], log: Any = log):
         self.store, self.cfg, self.spec, self.log = store, cfg, spec, log
         self.unreadable: set[tuple[int, int]] = set()  # reported once each
+        self.errors = 0  # storage errors while watching, in all
+        self.down_since: float | None = None  # monotonic time of the first error of an outage
+        self._reported: dict[str, float] = {}  # kind -> when it was last logged
+        self._unreported: Counter[str] = Counter()  # kind -> errors since then
+        self._last_statuses: dict[str, dict[str, Any]] = {}
+        self._last_versions: dict[int, int] = {}
         self.model = build_model(cfg)
         self.val = validation(cfg)
         self.total_steps = cfg.steps_per_learner
@@ -431,6 +468,52 @@ class Monitor:
             out[p] = float(newest[1].meta.get("seconds_total", 0.0)) if newest else 0.0
         return out
 
+    def storage_error(self, what: str, exc: BaseException) -> None:
+        """Log a failed read by the error's name (once per ``QUIET_SECONDS`` per kind, with
+        how many went unlogged since), and go on."""
+        kind = type(exc).__name__
+        now = time.monotonic()
+        self.errors += 1
+        if self.down_since is None:
+            self.down_since = now
+        if now - self._reported.get(kind, -math.inf) < QUIET_SECONDS:
+            self._unreported[kind] += 1
+            return
+        more = self._unreported.pop(kind, 0)
+        self._reported[kind] = now
+        self.log.warning("%s failed (%s: %s); the watch goes on (the workers ride it "
+                         "out)%s", what, kind, str(exc)[:300],
+                         f" ({more} more {kind} since the last report)" if more else "")  # fmt: skip
+
+    def storage_ok(self) -> None:
+        """A look that read everything: an outage, if there was one, is over."""
+        if self.down_since is not None:
+            self.log.warning("the run's storage answers again, after %.0f s of errors",
+                             time.monotonic() - self.down_since)  # fmt: skip
+            self.down_since = None
+            self._reported.clear()
+            self._unreported.clear()
+
+    def wait_for_storage(self, patience: float = STORAGE_PATIENCE, pause: float = 2.0) -> None:
+        """Before the summary, which is read from the buckets: wait until the home bucket
+        answers, for up to ``patience`` seconds, then fail naming it (never a summary of
+        half-read numbers, never a hang)."""
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                self.store.latest_global(0)
+                self.storage_ok()
+                return
+            except Exception as exc:
+                self.storage_error("reading the home bucket for the summary", exc)
+                if time.monotonic() >= deadline:
+                    raise StorageUnreachable(
+                        f"run {self.store.run}: the home bucket {self.store.urls[self.store.client_region]} "
+                        f"did not answer for {patience:.0f} s ({type(exc).__name__}: {exc}); the "
+                        "workers have ended, so no summary: the same command resumes the run"
+                    ) from exc
+            time.sleep(pause)
+
     def readable(self, p: int, read: Callable[[int], Any]) -> tuple[int, Any] | None:
         """``read`` of fragment ``p``'s newest version that reads: a corrupt or vanished
         one is reported once and the one before it is tried (never a crash: the launcher
@@ -446,19 +529,34 @@ class Monitor:
         return None
 
     def statuses(self) -> dict[str, dict[str, Any]]:
-        out = {}
+        """Every learner's status object; on a storage error, the last one read (or
+        ``unreachable``) for it and for the learners after it in this look."""
+        out, failed = {}, False
         for learner, region in self.spec["learners"].items():
-            try:
-                out[learner] = self.store.read_metrics(learner, region) or {}
-            except OSError:
-                out[learner] = {"state": "unreachable"}
+            if not failed:
+                try:
+                    out[learner] = self.store.read_metrics(learner, region) or {}
+                    continue
+                except Exception as exc:
+                    self.storage_error(f"reading {learner}'s status", exc)
+                    failed = True
+            out[learner] = self._last_statuses.get(learner, {"state": "unreachable"})
+        if not failed:
+            self._last_statuses = out
         return out
 
     def tokens(self, statuses: dict[str, dict[str, Any]]) -> int:
         return sum(int(s.get("tokens", 0)) for s in statuses.values())
 
     def versions(self) -> dict[int, int]:
-        return {p: self.store.latest_global(p) or 0 for p in range(len(self.model.plan))}
+        """The newest version of each fragment (on a storage error, the last read)."""
+        try:
+            found = {p: self.store.latest_global(p) or 0 for p in range(len(self.model.plan))}
+        except Exception as exc:
+            self.storage_error("listing the global versions", exc)
+            return self._last_versions or dict.fromkeys(range(len(self.model.plan)), 0)
+        self._last_versions = found
+        return found
 
     def evaluate(self, statuses: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """The validation loss of the newest readable global model, at its position: the
@@ -529,7 +627,11 @@ class Monitor:
         writers += [(f"syncer-{s}", store.client_region) for s in range(shards)]
         rejected, learner_bytes = 0, 0
         for name, region in writers:
-            record = store.read_metrics(name, region) or {}
+            try:
+                record = store.read_metrics(name, region) or {}
+            except Exception as exc:  # its traffic is counted at the next look
+                self.storage_error(f"reading {name}'s metrics", exc)
+                record = {}
             rejected += len(record.get("rejected", []))
             if name in spec["learners"]:
                 learner_bytes += record.get("bytes_up", 0) + record.get("bytes_down", 0)
@@ -693,19 +795,25 @@ def _watch(
             return ended
         if time.monotonic() - last_eval < every:
             if display.live and time.monotonic() - last_look >= LOOK_SECONDS:
-                last_look = time.monotonic()
-                with contextlib.suppress(OSError):  # the next look or evaluation will do
-                    show_phases(display, monitor.statuses(), monitor.versions())
+                last_look = time.monotonic()  # (a failed read shows the last state read)
+                show_phases(display, monitor.statuses(), monitor.versions())
             continue
         last_eval = last_look = time.monotonic()
+        errors = monitor.errors
         statuses = monitor.statuses()
         try:
             point = monitor.evaluate(statuses)
-        except Exception as exc:  # the workers go on; so does watching them
+        except CorruptVersion as exc:
             log.error("evaluation failed, trying again in %.0f s: %r", every, exc)
             continue
+        except Exception as exc:  # the workers go on; so does watching them
+            monitor.storage_error("evaluating the newest versions", exc)
+            continue
+        if monitor.errors == errors:
+            monitor.storage_ok()
         pct = monitor.progress(statuses)
-        update_progress_artifact(bar, pct)
+        if bar is not None:
+            best_effort(update_progress_artifact, bar, pct)
         show_phases(display, statuses, point["versions"], point, pct)
         if metrics is not None:
             report_metrics(metrics, monitor, point, statuses, log)
@@ -957,7 +1065,8 @@ def train_flow(
     metrics = LiveMetrics(store, spec, folder, log=log)  # runs/NAME/tensorboard
     log.info("live metrics: tensorboard --logdir %s", metrics.dir)
     report_metrics(metrics, monitor, first, monitor.statuses(), log)
-    bar = create_progress_artifact(
+    bar = best_effort(
+        create_progress_artifact,
         monitor.progress(monitor.statuses()),
         key=artifact_key(run, "progress"),
         description=f"run {run}: share of all learners' inner steps done",
@@ -999,6 +1108,7 @@ def train_flow(
     display.phase("finishing", "running", "final evaluation, summary, loss curve")
     now = time.time()
     wall = now - started
+    monitor.wait_for_storage()
     # Allocated learner time: each learner from the launch until its worker ended.
     allocated = sum(ended.get(n, now) - started for n in names if n.startswith("learner"))
     try:
@@ -1006,7 +1116,8 @@ def train_flow(
     except Exception as exc:  # the summary still reports the curve so far
         log.error("final evaluation failed: %r", exc)
     statuses = monitor.statuses()
-    update_progress_artifact(bar, monitor.progress(statuses))
+    if bar is not None:
+        best_effort(update_progress_artifact, bar, monitor.progress(statuses))
     if monitor.curve:
         report_metrics(metrics, monitor, monitor.curve[-1], statuses, log)
     metrics.close()
@@ -1016,7 +1127,8 @@ def train_flow(
         summary["chaos"] = failure_report(store, spec, folder)
     png = loss_plot_png(monitor.curve, f"run {run}", metrics.training_curve())
     store.home.put(f"{run}/metrics/loss.png", png)
-    create_markdown_artifact(
+    best_effort(
+        create_markdown_artifact,
         summary_markdown(summary, png),
         key=artifact_key(run, "summary"),
         description=f"run {run}: summary and loss curve",
