@@ -74,6 +74,7 @@ from flows.observe import (
 )
 from flows.run import build_model, initialize_run, validation, worker_done
 from flows.spares import WORKER_COMMAND, Spares
+from flows.worker import API_DOWN, prefect_api_reachable
 from infra.chaos import Chaos, ChaosPlan, kill_to_rejoin, percentiles, read_actions
 from storage_layout import faults
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV, learner_key, run_secret
@@ -156,6 +157,9 @@ def run_process(name: str, argv: list[str], log_path: str, run: str = "", worker
     if code == 0 or STOPPING.is_set():
         return code
     tail = Path(log_path).read_text(errors="replace")[-800:]
+    if code == API_DOWN:
+        raise ApiDown(f"{name} could not reach the Prefect API (exit status {code}); log "
+                      f"{log_path}:\n{tail}")  # fmt: skip
     if code < 0:
         raise Killed(f"{name} was killed by signal {-code}; log {log_path}:\n{tail}",
                      lived=time.monotonic() - started)  # fmt: skip
@@ -190,6 +194,29 @@ class Killed(RuntimeError):
     def __init__(self, message: str, lived: float = 0.0):
         super().__init__(message)
         self.lived = lived
+
+
+class ApiDown(RuntimeError):
+    """A worker process that failed because the Prefect API was unreachable (its flow
+    runs cannot start or end without it): the API is waited for, and no crash counted."""
+
+
+def wait_for_api(name: str, log: Any, pause: float = 2.0) -> bool:
+    """If the Prefect API is unreachable, say so for ``name`` and wait until it answers
+    (or the run stops); True if there was a wait. A restart that needs the API cannot
+    succeed before it is back, and must not count towards giving a worker up."""
+    url = PREFECT_API_URL.value()
+    if prefect_api_reachable(url):
+        return False
+    log.warning("%s: the Prefect API at %s is unreachable; waiting for it before starting "
+                "%s again (not counted as a crash)", name, url, name)  # fmt: skip
+    down = time.monotonic()
+    while not STOPPING.wait(pause):
+        if prefect_api_reachable(url):
+            log.warning("%s: the Prefect API answers again after %.0f s; restarting %s", name,
+                        time.monotonic() - down, name)  # fmt: skip
+            break
+    return True
 
 
 KILLED_YOUNG = 5.0  # seconds: a process killed sooner is restarted after a pause
@@ -252,6 +279,8 @@ def supervise(
         except Exception as exc:
             if STOPPING.is_set():
                 return 130
+            if wait_for_api(name, log) or isinstance(exc, ApiDown):
+                continue  # (it failed on the API, not on its own)
             if worker_progress(store, status) != before:
                 failed, delay = 0, 2.0  # it got somewhere: not a crash loop
             failed += 1

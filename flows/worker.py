@@ -10,7 +10,9 @@
 
 Every flow run resumes from the buckets (checkpoint or newest versions), so this process
 can be killed at any point and started again. Exit status: 0 when the role is done,
-130 when interrupted (after a checkpoint), 1 on an error (the launcher restarts it).
+130 when interrupted (after a checkpoint), ``API_DOWN`` (75) when it failed while the
+Prefect API was unreachable (the launcher waits for the API, and counts no crash), 1 on
+another error (the launcher restarts it).
 
 Started by the launcher, each flow run is a subflow of the launcher's task run that
 started this process (``flows.observe.run_linked``): the launcher's flow run lists every
@@ -27,6 +29,22 @@ import signal
 import sys
 import threading
 import time
+import urllib.request
+
+API_DOWN = 75  # exit status: failed while the Prefect API was unreachable (EX_TEMPFAIL)
+
+
+def prefect_api_reachable(url: str | None = None, timeout: float = 5.0) -> bool:
+    """Whether the Prefect API (``url``, by default ``PREFECT_API_URL``) answers its health
+    check; True when there is none to ask (an ephemeral API lives in this process)."""
+    url = url or os.environ.get("PREFECT_API_URL")
+    if not url:
+        return True
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout) as answer:
+            return answer.status == 200
+    except OSError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,6 +99,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         time.sleep(1)
         return 1
+    except Exception:
+        if prefect_api_reachable():
+            raise
+        import traceback
+
+        traceback.print_exc()
+        print(f"error: the Prefect API at {os.environ.get('PREFECT_API_URL')} is unreachable; "
+              f"exiting with status {API_DOWN} (the launcher waits for it)", file=sys.stderr)  # fmt: skip
+        return API_DOWN
 
 
 def _warm_up(warm: dict[str, str]) -> None:

@@ -6,10 +6,18 @@ connections, Prefect servers of the test's own where one is killed."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import fsspec
+import pytest
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_progress_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -18,6 +26,7 @@ from diloco.config import load_config
 from flows.launcher import Monitor, _watch
 from flows.run import initialize_run
 from infra.local_servers import Forwarder
+from infra.prefect_server import free_port, server_env, wait_healthy
 from storage_layout.store import RunStore
 
 
@@ -76,3 +85,83 @@ def test_the_launcher_watches_on_while_s3_refuses_connections(prefect_api, s3_se
     assert named and all("the watch goes on" in m for m in named), named
     assert len(named) <= 3, named  # rate-limited: once per kind and per what was read
     assert any("storage answers again" in r.getMessage() for r in caplog.records)
+
+
+class OwnPrefectServer:
+    """A Prefect server of this test's own (its own PREFECT_HOME and port), that it may
+    kill and start again on the same port and database: never the session's."""
+
+    def __init__(self, home: Path):
+        self.home, self.port, self.proc = home, free_port(), None
+        self.url = f"http://127.0.0.1:{self.port}/api"
+
+    def start(self) -> OwnPrefectServer:
+        self.home.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                "--port", str(self.port), "--no-scheduler", "--no-late-runs"]  # fmt: skip
+        with (self.home / "server.log").open("ab") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                         env=server_env(self.home), start_new_session=True)  # fmt: skip
+        wait_healthy(self.url, self.proc, self.home / "server.log", timeout=180)
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def _started(log: Path) -> dict[str, int]:
+    """The newest pid of each worker ("learner 1", "syncer 0") the launcher's log names."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    found = re.findall(r"(learner|syncer) [\w-]+/(\d+) started \(pid (\d+)", text)
+    return {f"{role} {index}": int(pid) for role, index, pid in found}
+
+
+PIPELINE = {"round_steps": 20, "rounds_per_flow_run": 2, "checkpoint_every": 20,
+            "poll_seconds": 0.1, "eval_seconds": 2.0, "syncer_shards": 1,
+            "max_failed_starts": 2, "spares": 0}  # fmt: skip
+
+
+def _train(root: Path, run: str, tokens: int, env: dict[str, str], *extra: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "flows.cli", "train", "--dir", str(root), "--run", run,
+            "--tokens", str(tokens), *extra]  # fmt: skip
+    argv += [f"--set=pipeline.{k}={v}" for k, v in PIPELINE.items()]
+    out = (root / f"{run}.log").open("ab")
+    return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+@pytest.mark.slow
+def test_a_run_outlives_its_prefect_server_killed_and_restarted(tmp_path):
+    """Defect: with the Prefect server killed mid-run, worker restarts failed to reach
+    the API and counted towards giving up, and the launcher's flow crashed and hung
+    without a summary. A restart now waits for the API, counts no crash, and the run
+    ends with its summary once the server is back."""
+    server = OwnPrefectServer(tmp_path / "prefect").start()
+    env = {**os.environ, "PREFECT_API_URL": server.url, "PREFECT_HOME": str(server.home)}
+    root, run = tmp_path / "runs", "api"
+    root.mkdir()
+    proc = _train(root, run, 200_000, env)
+    log = root / f"{run}.log"
+    regions = {r: f"file://{root / run / 'buckets' / r}" for r in ("us-east", "eu-west")}
+    try:
+        store = until(lambda: (root / run / "buckets" / "us-east" / run / "spec.json").exists()
+                      and RunStore(run, regions, "us-east"), "the run's spec")  # fmt: skip
+        until(lambda: (store.latest_global(0) or 0) >= 1, "the first merged version")
+        server.kill()  # the API goes away mid-run ...
+        os.kill(_started(log)["learner 1"], signal.SIGKILL)  # ... and a restart needs it
+        until(lambda: "the Prefect API at" in log.read_text() or proc.poll() is not None,
+              "the launcher to wait for the API")  # fmt: skip
+        server.start()  # the same port and database
+        code = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=120)
+        server.kill()
+    output = log.read_text()
+    assert code == 0, output[-4000:]
+    assert "is unreachable; waiting for it before starting learner eu-west/1 again" in output
+    assert "gave up" not in output and "failed without progress" not in output
+    summary = json.loads((root / run / "summary.json").read_text())
+    assert summary["failed"] == [] and set(summary["learner_states"].values()) == {"done"}
