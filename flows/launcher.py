@@ -73,9 +73,11 @@ from flows.observe import (
     train_summary_rows,
 )
 from flows.run import build_model, initialize_run, validation, worker_done
+from flows.run_lock import RunLock, RunTakenOver, held
 from flows.spares import WORKER_COMMAND, Spares
-from flows.worker import API_DOWN, prefect_api_reachable
+from flows.worker import API_DOWN, PARENT_ENV, prefect_api_reachable
 from infra.chaos import Chaos, ChaosPlan, kill_to_rejoin, percentiles, read_actions
+from infra.processes import read_pids, stop_leftovers, write_pids
 from storage_layout import faults
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV, learner_key, run_secret
 from storage_layout.commit import CorruptVersion
@@ -114,6 +116,7 @@ def child_env(
         plan = json.loads(_FAULT_ENV[run][faults.ENV_VAR])
         env[faults.ENV_VAR] = json.dumps({**plan, "salt": f"{worker}/{start}"})
     env["PYTHONUNBUFFERED"] = "1"
+    env[PARENT_ENV] = str(os.getpid())  # a worker dies with its launcher (flows.worker)
     url = PREFECT_API_URL.value()
     if url:
         env["PREFECT_API_URL"] = url
@@ -147,6 +150,7 @@ def run_process(name: str, argv: list[str], log_path: str, run: str = "", worker
     with _lock:
         _children.add(proc)
         _workers[worker or name] = proc
+        _record_pids()
     try:
         code = proc.wait()
     finally:
@@ -184,6 +188,34 @@ def best_effort(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             log.warning("%s failed (%s: %s); the run goes on without it", name,
                         type(exc).__name__, str(exc)[:300])  # fmt: skip
         return None
+
+
+_PIDS: Path | None = None  # where this launcher records its workers' pids (logs/pids.json)
+
+
+def _record_pids() -> None:
+    """Keep the pids of this launcher's workers (and its spares' zygote) in the run's
+    folder, so that a launcher of the run that starts after this one died can stop what
+    it left (``stop_predecessors``). Called with ``_lock`` held."""
+    if _PIDS is None:
+        return
+    pids = {name: p.pid for name, p in _workers.items() if p.poll() is None}
+    if _SPARES is not None and _SPARES.zygote is not None:
+        pids["zygote"] = _SPARES.zygote.proc.pid
+    try:
+        write_pids(_PIDS, pids)
+    except OSError as exc:
+        log.warning("could not record the workers' pids in %s: %s", _PIDS, exc)
+
+
+def stop_predecessors(pids: Path, log: Any) -> None:
+    """Stop the workers a launcher of this run left running on this host when it died
+    (its ``pids.json``; each still a ``flows.worker`` process): they would train beside
+    the new ones, unsupervised, until fenced. Only with the run's lock held."""
+    found = stop_leftovers(read_pids(pids), "flows.worker", grace=60.0)
+    if found:
+        log.warning("stopped %d worker processes a launcher of this run left running: %s",
+                    len(found), ", ".join(f"{n} (pid {p})" for n, p in sorted(found.items())))  # fmt: skip
 
 
 class Killed(RuntimeError):
@@ -1072,7 +1104,36 @@ def train_flow(
     display = current_display()
     display.phase("spec", "running", "writing the run spec and version 0, evaluating it")
     spec = initialize_run(store, cfg)
+    lock = held(run)  # `diloco train` took it before starting its Prefect server
+    if lock is None:  # a flow run of the train deployment: one launcher per run here too
+        lock = RunLock(store, log, on_lost=lambda who: _interrupt_children()).acquire()
+        try:
+            return _launch(run, regions, cfg, logs, via, store, spec, chaos_plan, lock, log)
+        finally:
+            lock.release()
+    return _launch(run, regions, cfg, logs, via, store, spec, chaos_plan, lock, log)
+
+
+def _launch(
+    run: str,
+    regions: dict[str, str],
+    cfg: RunConfig,
+    logs: str,
+    via: str,
+    store: RunStore,
+    spec: dict[str, Any],
+    chaos_plan: ChaosPlan,
+    lock: RunLock,
+    log: Any,
+) -> dict[str, Any]:
+    """The launch itself, with the run's lock held."""
+    global _SPARES, _PIDS
+    folder = Path(logs).parent
+    display = current_display()
     Path(logs).mkdir(parents=True, exist_ok=True)
+    _PIDS = Path(logs) / "pids.json"
+    if via == "processes":
+        stop_predecessors(_PIDS, log)
     authenticate(run, folder, via, log)
     # Workers share a persistent JAX compilation cache: a restarted learner does not
     # compile its step again (the variables reach them through child_env()).
@@ -1101,7 +1162,6 @@ def train_flow(
         description=f"run {run}: share of all learners' inner steps done",
     )
     started = time.time()
-    global _SPARES
     if via == "processes":
         home = next(iter(regions))
         warm = {"run": run, "bucket": regions[home], "region": home}
@@ -1126,6 +1186,9 @@ def train_flow(
         if _SPARES is not None:
             _SPARES.close()
             _SPARES = None
+    if lock.lost:
+        raise RunTakenOver(f"run {run} was taken over by {lock.lost}; this launcher stopped "
+                           "its workers")  # fmt: skip
     failed = []
     for name, future in zip(names, futures, strict=True):
         try:

@@ -31,6 +31,8 @@ import threading
 import time
 import urllib.request
 
+from infra.processes import die_with_parent
+
 API_DOWN = 75  # exit status: failed while the Prefect API was unreachable (EX_TEMPFAIL)
 
 
@@ -210,8 +212,10 @@ def zygote() -> int:
                     give(msg["job"], (msg["line"].rstrip("\n") + "\n").encode())
                     continue
                 read_end, write_end = os.pipe()
+                zygote_pid = os.getpid()
                 pid = os.fork()
                 if pid == 0:  # the spare: its own stdin and log, the default Ctrl-C
+                    die_with_parent(signal.SIGTERM, zygote_pid)  # (a fork clears it)
                     os.dup2(read_end, 0)
                     for fd in (read_end, write_end, *jobs.values()):
                         os.close(fd)
@@ -239,7 +243,14 @@ def zygote() -> int:
     return 0
 
 
+PARENT_ENV = "DILOCO_PARENT_PID"  # the launcher's pid, as it starts a worker
+
+
 if __name__ == "__main__":
+    # A worker dies with its launcher (SIGTERM: a learner checkpoints first), rather than
+    # train on unsupervised; one whose launcher is already gone stops at once.
+    parent = os.environ.get(PARENT_ENV)
+    die_with_parent(signal.SIGTERM, int(parent) if parent else None)
     if sys.argv[1:2] == ["standby"]:
         warm = json.loads(sys.argv[3]) if sys.argv[2:3] == ["--warm"] else None
         sys.exit(standby(warm))

@@ -7,26 +7,33 @@ connections, Prefect servers of the test's own where one is killed."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
 
 import fsspec
+import httpx
 import pytest
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_progress_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from diloco.config import load_config
-from flows.launcher import Monitor, _watch
+from flows import run_lock
+from flows.launcher import Monitor, _watch, stop_predecessors
 from flows.run import initialize_run
+from flows.run_lock import RunLock, RunLocked
 from infra.local_servers import Forwarder
-from infra.prefect_server import free_port, server_env, wait_healthy
+from infra.prefect_server import free_port, prefect_server, server_env, wait_healthy
+from infra.processes import command_line, write_pids
 from storage_layout.store import RunStore
 
 
@@ -123,12 +130,13 @@ PIPELINE = {"round_steps": 20, "rounds_per_flow_run": 2, "checkpoint_every": 20,
             "max_failed_starts": 2, "spares": 0}  # fmt: skip
 
 
-def _train(root: Path, run: str, tokens: int, env: dict[str, str], *extra: str) -> subprocess.Popen:
+def _train(root: Path, run: str, tokens: int, env: dict[str, str], log: Path) -> subprocess.Popen:
+    """`diloco train` of ``run`` under ``root``, its output to ``log``."""
     argv = [sys.executable, "-m", "flows.cli", "train", "--dir", str(root), "--run", run,
-            "--tokens", str(tokens), *extra]  # fmt: skip
+            "--tokens", str(tokens)]  # fmt: skip
     argv += [f"--set=pipeline.{k}={v}" for k, v in PIPELINE.items()]
-    out = (root / f"{run}.log").open("ab")
-    return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+    with log.open("ab") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 @pytest.mark.slow
@@ -141,8 +149,8 @@ def test_a_run_outlives_its_prefect_server_killed_and_restarted(tmp_path):
     env = {**os.environ, "PREFECT_API_URL": server.url, "PREFECT_HOME": str(server.home)}
     root, run = tmp_path / "runs", "api"
     root.mkdir()
-    proc = _train(root, run, 200_000, env)
     log = root / f"{run}.log"
+    proc = _train(root, run, 200_000, env, log)
     regions = {r: f"file://{root / run / 'buckets' / r}" for r in ("us-east", "eu-west")}
     try:
         store = until(lambda: (root / run / "buckets" / "us-east" / run / "spec.json").exists()
@@ -165,3 +173,179 @@ def test_a_run_outlives_its_prefect_server_killed_and_restarted(tmp_path):
     assert "gave up" not in output and "failed without progress" not in output
     summary = json.loads((root / run / "summary.json").read_text())
     assert summary["failed"] == [] and set(summary["learner_states"].values()) == {"done"}
+
+
+def _lock_run(tmp_path: Path, run: str = "locked") -> RunStore:
+    (tmp_path / "us").mkdir(parents=True, exist_ok=True)
+    regions = {"us-east": f"file://{tmp_path / 'us'}"}
+    store = RunStore(run, regions, "us-east", writer="launcher")
+    initialize_run(store, load_config("tiny", overrides=["budget.tokens=20000"]))
+    return store
+
+
+def _foreign_claim(store: RunStore, claim: int, age: float, host: str = "elsewhere",
+                   pid: int = 1) -> None:  # fmt: skip
+    """A launcher's claim as another process would have written it, renewed ``age`` s ago."""
+    body = {"claim": claim, "host": host, "pid": pid, "time": time.time() - age, "nonce": "x"}
+    key = f"{store.layout.launcher_claims()}/s{claim:012d}.json"
+    store.home.put_exclusive(key, json.dumps(body).encode())
+    store.home.put(store.layout.launcher_lease(claim), json.dumps(body).encode())
+
+
+def test_one_launcher_per_run_a_second_is_refused_by_name_and_a_stale_one_taken_over(
+    tmp_path, monkeypatch
+):
+    """Defect: two launchers of one run both ran (two Prefect servers on one database,
+    learners fencing each other all run long). The run's lock in its home bucket refuses
+    a second launcher, naming the first, and of two started at the same moment exactly
+    one gets the run; a launcher that died is taken over once its lease is stale (at
+    once on its own host), and the one taken over learns it and stops."""
+    monkeypatch.setattr(run_lock, "RENEW_SECONDS", 0.05)
+    store = _lock_run(tmp_path)
+    first = RunLock(store).acquire()
+    with pytest.raises(RunLocked, match=r"run 'locked' is already running: launcher pid "
+                       rf"{os.getpid()} on host .* \(claim 1\), lease renewed \d+ s ago"):  # fmt: skip
+        RunLock(RunStore("locked", store.urls, "us-east")).acquire()
+    first.release()
+    again = RunLock(store).acquire()  # released: the next one starts at once
+    assert again.claim == 2
+    again.release()
+
+    # Two at the same moment: one claim, one clear refusal.
+    racers = [RunLock(RunStore("locked", store.urls, "us-east")) for _ in range(2)]
+    results: list[object] = []
+    barrier = threading.Barrier(2)
+
+    def race(lock: RunLock) -> None:
+        barrier.wait()
+        try:
+            results.append(lock.acquire())
+        except RunLocked as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=race, args=(lock,)) for lock in racers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    won = [r for r in results if isinstance(r, RunLock)]
+    lost = [r for r in results if isinstance(r, RunLocked)]
+    assert len(won) == 1 and len(lost) == 1, results
+    assert "run 'locked'" in str(lost[0]) and "launcher pid" in str(lost[0])
+    won[0].release()
+
+    # Another host's launcher: live while its lease is fresh, taken over once stale.
+    _foreign_claim(store, 4, age=1.0)
+    with pytest.raises(RunLocked, match="on host elsewhere"):
+        RunLock(store).acquire()
+    other = _lock_run(tmp_path / "b", "stale")
+    _foreign_claim(other, 1, age=run_lock.LEASE_SECONDS + 1)
+    taken = RunLock(other).acquire()
+    assert taken.claim == 2
+    taken.release()
+    # A dead process of this host: at once.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    third = _lock_run(tmp_path / "c", "dead")
+    _foreign_claim(third, 1, age=0.0, host=socket.gethostname(), pid=dead.pid)
+    assert RunLock(third).acquire().claim == 2
+
+    # The launcher taken over (its lease went stale while it could not renew) is told.
+    lost_to: list[str] = []
+    old = RunLock(RunStore("fenced", store.urls, "us-east"), on_lost=lost_to.append)
+    _lock_run(tmp_path, "fenced")
+    old.acquire()
+    _foreign_claim(old.store, 2, age=0.0)  # another host took it over
+    until(lambda: lost_to, "the old launcher to be told")
+    assert "host elsewhere (claim 2)" in lost_to[0] and old.lost == lost_to[0]
+    old.release()
+
+
+def test_a_relaunch_stops_the_workers_its_dead_predecessor_left(tmp_path, caplog):
+    """Defect: a killed launcher's workers trained on unsupervised beside its successor's.
+    The launcher records its workers' pids in the run's folder; the next launcher stops
+    each that is still a worker (a pid reused by another program is left alone)."""
+    pids = tmp_path / "pids.json"
+    worker = subprocess.Popen([sys.executable, "-m", "flows.worker", "standby"],
+                              stdin=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        write_pids(pids, {"learner us-east/0": worker.pid, "syncer us-east/0": other.pid})
+        until(lambda: "flows.worker" in command_line(worker.pid), "the worker to start")
+        with caplog.at_level("WARNING"):
+            stop_predecessors(pids, logging.getLogger("test"))
+        assert worker.wait(timeout=60) != 0
+        assert other.poll() is None  # not a worker: not ours to stop
+        assert any(
+            f"learner us-east/0 (pid {worker.pid})" in r.getMessage() for r in caplog.records
+        )
+    finally:
+        for proc in (worker, other):
+            proc.kill()
+            proc.wait()
+
+
+def test_a_prefect_server_left_by_a_dead_launcher_is_stopped_before_another_starts(tmp_path):
+    """Defect: a killed launcher's Prefect server was never stopped, and the next one
+    shared its database. A server left in the run's Prefect home (its pid file) is stopped
+    before a new one starts there."""
+    home = tmp_path / "prefect"
+    left = OwnPrefectServer(home).start()
+    write_pids(home / "server.pid", {"server": left.proc.pid})
+    try:
+        with prefect_server(home) as url:
+            assert left.proc.poll() is not None  # stopped
+            assert url != left.url and httpx.get(f"{url}/health").status_code == 200
+        assert not (home / "server.pid").exists()
+    finally:
+        left.kill()
+
+
+@pytest.mark.slow
+def test_two_launchers_of_one_run_and_a_killed_launchers_workers(tmp_path):
+    """Defects: two `diloco train` of one run started together: the second died with a
+    raw SQLite traceback (or, later, both ran); a launcher killed with SIGKILL left its
+    Prefect server and workers running unsupervised. Now the second is refused by name;
+    the killed launcher's workers and server die with it; and a relaunch takes the run
+    over at once (its predecessor is gone) and finishes it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+    root, run = tmp_path / "runs", "twice"
+    root.mkdir()
+    procs = {name: _train(root, run, 200_000, env, root / f"{name}.log") for name in "ab"}
+    left: list[int] = []
+    try:
+        first = until(lambda: next((n for n, p in procs.items() if p.poll() is not None), None),
+                      "one of the two launchers to end")  # fmt: skip
+        loser, winner = procs[first], procs["b" if first == "a" else "a"]
+        output = (root / f"{first}.log").read_text()
+        assert loser.returncode == 2, output[-3000:]
+        assert f"run '{run}' is already running: launcher pid {winner.pid}" in output or (
+            f"run '{run}' was claimed by another launcher at the same moment" in output
+        ), output[-3000:]
+        assert "Traceback" not in output and "sqlite" not in output.lower()
+        log = root / f"{'b' if first == 'a' else 'a'}.log"
+        workers = until(lambda: len(found := _started(log)) == 5 and found,
+                        "the winner's 4 learners and its syncer")  # fmt: skip
+        server = json.loads((root / run / "prefect" / "server.pid").read_text())["server"]
+        left = [*workers.values(), server]
+        assert all(command_line(pid) for pid in left)
+        winner.send_signal(signal.SIGKILL)
+        winner.wait()
+        until(lambda: not any(command_line(pid) for pid in left),
+              "the killed launcher's workers and server to die with it", timeout=120)  # fmt: skip
+        relaunch = _train(root, run, 200_000, env, root / "c.log")
+        procs["c"] = relaunch
+        code = relaunch.wait(timeout=600)
+        output = (root / "c.log").read_text()
+        assert code == 0, output[-4000:]
+        assert "already running" not in output
+        summary = json.loads((root / run / "summary.json").read_text())
+        assert summary["failed"] == [] and set(summary["learner_states"].values()) == {"done"}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                proc.wait(timeout=120)
+        for pid in left:  # what a failed test left
+            if "flows.worker" in command_line(pid) or "prefect" in command_line(pid):
+                os.kill(pid, signal.SIGKILL)
