@@ -98,6 +98,7 @@ _FAULT_ENV: dict[str, dict[str, str]] = {}
 # Run -> its secret, for the worker processes' environments. Never a flow or task
 # parameter: Prefect records those.
 _RUN_SECRETS: dict[str, str] = {}
+STAND_BY = "stand-by"  # the name of a syncer started beside a stalled one ends so
 QUIET_SECONDS = 60.0  # one kind of error while watching is logged at most this often
 STORAGE_PATIENCE = 600.0  # seconds the summary waits for the home bucket to answer
 
@@ -138,9 +139,10 @@ def run_process(name: str, argv: list[str], log_path: str, run: str = "", worker
     its end; a non-zero exit fails the task run."""
     if STOPPING.is_set():
         return 130
+    key = name if name.endswith(STAND_BY) else worker or name  # (a stand-by: its own)
     with _lock:
-        _starts[worker or name] += 1
-        start = _starts[worker or name]
+        _starts[key] += 1
+        start = _starts[key]
     # parent_env(): the process's flow runs are linked as subflows of this task run
     env = {**child_env(run, worker, _RUN_SECRETS.get(run), start), **parent_env()}
     proc, warm = (_SPARES or Spares(0, log_path, env)).take(argv, log_path, env)
@@ -149,15 +151,15 @@ def run_process(name: str, argv: list[str], log_path: str, run: str = "", worker
                           ", a spare" if warm else "", log_path)  # fmt: skip
     with _lock:
         _children.add(proc)
-        _workers[worker or name] = proc
+        _workers[key] = proc
         _record_pids()
     try:
         code = proc.wait()
     finally:
         with _lock:
             _children.discard(proc)
-            if _workers.get(worker or name) is proc:
-                del _workers[worker or name]
+            if _workers.get(key) is proc:
+                del _workers[key]
     if code == 0 or STOPPING.is_set():
         return code
     tail = Path(log_path).read_text(errors="replace")[-800:]
@@ -509,6 +511,10 @@ class Monitor:
         self._unreported: Counter[str] = Counter()  # kind -> errors since then
         self._last_statuses: dict[str, dict[str, Any]] = {}
         self._last_versions: dict[int, int] = {}
+        # Syncer shard -> (its fragments' versions, when they last changed, the learners'
+        # steps then); and the shards reported stalled.
+        self._publishing: dict[str, tuple[tuple[int, ...], float, int]] = {}
+        self.stalled: set[str] = set()
         self.model = build_model(cfg)
         self.val = validation(cfg)
         self.total_steps = cfg.steps_per_learner
@@ -604,6 +610,51 @@ class Monitor:
             out[learner] = self._last_statuses.get(learner, {"state": "unreachable"})
         if not failed:
             self._last_statuses = out
+        return out
+
+    def syncers(self) -> dict[str, list[int]]:
+        """Each syncer shard (as the launcher names it, ``syncer us-east/0``) and the
+        fragments it owns."""
+        shards = shard_count(self.cfg.pipeline.syncer_shards, self.cfg.topology.fragments)
+        home = self.store.client_region
+        return {f"syncer {home}/{s}": shard_fragments(s, shards, self.cfg.topology.fragments)
+                for s in range(shards)}  # fmt: skip
+
+    def stalled_syncers(
+        self, statuses: dict[str, dict[str, Any]], versions: dict[int, int]
+    ) -> list[str]:
+        """The syncer shards newly seen stalled: none of their fragments has had a new
+        version for ``pipeline.stall_seconds`` (as this launcher saw them) while the
+        learners trained on (their steps went up, and not every learner is done): a syncer
+        paused, hung or cut off from home. Each is warned about by name, once per stall,
+        and once more when it publishes again."""
+        now = time.monotonic()
+        steps = sum(int(s.get("step", 0)) for s in statuses.values())
+        training = any(s.get("state") != "done" for s in statuses.values())
+        out = []
+        for name, fragments in self.syncers().items():
+            held = tuple(versions.get(p, 0) for p in fragments)
+            seen = self._publishing.get(name)
+            if seen is None or seen[0] != held:
+                self._publishing[name] = (held, now, steps)
+                if name in self.stalled:
+                    self.stalled.discard(name)
+                    self.log.warning("%s publishes again (versions %s)", name,
+                                     " ".join(f"f{p}:v{v}" for p, v in zip(fragments, held, strict=True)))  # fmt: skip
+                continue
+            _, since, steps_then = seen
+            stall = self.cfg.pipeline.stall_seconds
+            if name in self.stalled or now - since < stall or steps <= steps_then or not training:
+                continue
+            self.stalled.add(name)
+            self.log.warning(
+                "%s has published no version of fragments %s for %.0f s (stall_seconds %.0f; "
+                "newest %s) while the learners trained %d steps: it may be paused, hung or "
+                "cut off from its home region",
+                name, fragments, now - since, stall,
+                " ".join(f"f{p}:v{v}" for p, v in zip(fragments, held, strict=True)), steps - steps_then,
+            )  # fmt: skip
+            out.append(name)
         return out
 
     def tokens(self, statuses: dict[str, dict[str, Any]]) -> int:
@@ -834,11 +885,14 @@ def _watch(
     log: Any,
     display: Display | None = None,
     metrics: LiveMetrics | None = None,
+    stand_by: Callable[[str], tuple[str, Any] | None] | None = None,
 ) -> dict[str, float]:
     """Evaluate and log progress every ``every`` seconds until every worker's task has
     ended; returns when each ended (its machine was freed: the end of its allocation).
     Each evaluation also updates the progress artifact, the live ``metrics`` and the
-    ``display``; a live display also shows the learners' phases every few seconds."""
+    ``display``; a live display also shows the learners' phases every few seconds. A
+    syncer shard seen stalled gets a stand-by (``stand_by(name)``: the name and future of
+    the worker it started, watched from then on like the others)."""
     display = display or Display()
     last_eval, last_look = time.monotonic(), time.monotonic()
     ended: dict[str, float] = {}
@@ -872,6 +926,12 @@ def _watch(
             continue
         if monitor.errors == errors:
             monitor.storage_ok()
+        for name in monitor.stalled_syncers(statuses, point["versions"]):
+            extra = stand_by(name) if stand_by is not None else None
+            if extra is not None:
+                names.append(extra[0])
+                futures.append(extra[1])
+                pool.append(extra[1].wrapped_future)
         pct = monitor.progress(statuses)
         if bar is not None:
             best_effort(update_progress_artifact, bar, pct)
@@ -1169,9 +1229,28 @@ def _launch(
     names, futures = _start_workers(run, regions, cfg, spec, logs, via)
     show_phases(display, monitor.statuses(), first["versions"])
     chaos = start_chaos(chaos_plan, folder, via, log)
+    syncers = {name: (argv, status) for name, argv, status in worker_commands(run, regions, cfg, spec)
+               if status[2]}  # fmt: skip
+
+    def stand_by(name: str) -> tuple[str, Any] | None:
+        """A second process for a stalled syncer shard: it resumes from the newest
+        committed version and publishes the next ones; should the stalled one wake up,
+        the commit protocol fences one of the two at each version (never a version twice)."""
+        if via != "processes" or name not in syncers or STOPPING.is_set():
+            log.warning("%s: no stand-by syncer (workers run as deployments' flow runs)", name)
+            return None
+        argv, status = syncers[name]
+        label = f"{name} {STAND_BY}"
+        path = str(Path(logs) / f"{label.replace(' ', '-').replace('/', '-')}.log")
+        log.warning("%s: starting a stand-by for fragments %s; the two are fenced by the "
+                    "commit protocol", name, status[2])  # fmt: skip
+        future = supervise.submit(label, argv, path, status, run, regions,
+                                  cfg.pipeline.max_failed_starts)  # fmt: skip
+        return label, future
+
     try:
         ended = _watch(names, futures, monitor, bar, cfg.pipeline.eval_seconds, log, display,
-                       metrics)  # fmt: skip
+                       metrics, stand_by)  # fmt: skip
     except BaseException:
         # Cancelled from the UI (the worker's SIGTERM) or interrupted: the workers stop with
         # this flow run (each checkpoints) rather than run on unsupervised.

@@ -34,6 +34,7 @@ from flows.run_lock import RunLock, RunLocked
 from infra.local_servers import Forwarder
 from infra.prefect_server import free_port, prefect_server, server_env, wait_healthy
 from infra.processes import command_line, write_pids
+from storage_layout.audit import audit_run
 from storage_layout.store import RunStore
 
 
@@ -130,11 +131,12 @@ PIPELINE = {"round_steps": 20, "rounds_per_flow_run": 2, "checkpoint_every": 20,
             "max_failed_starts": 2, "spares": 0}  # fmt: skip
 
 
-def _train(root: Path, run: str, tokens: int, env: dict[str, str], log: Path) -> subprocess.Popen:
+def _train(root: Path, run: str, tokens: int, env: dict[str, str], log: Path,
+           **pipeline: object) -> subprocess.Popen:  # fmt: skip
     """`diloco train` of ``run`` under ``root``, its output to ``log``."""
     argv = [sys.executable, "-m", "flows.cli", "train", "--dir", str(root), "--run", run,
             "--tokens", str(tokens)]  # fmt: skip
-    argv += [f"--set=pipeline.{k}={v}" for k, v in PIPELINE.items()]
+    argv += [f"--set=pipeline.{k}={v}" for k, v in {**PIPELINE, **pipeline}.items()]
     with log.open("ab") as out:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
 
@@ -349,3 +351,54 @@ def test_two_launchers_of_one_run_and_a_killed_launchers_workers(tmp_path):
         for pid in left:  # what a failed test left
             if "flows.worker" in command_line(pid) or "prefect" in command_line(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (``T``: stopped), '' once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0]
+    except (OSError, IndexError):
+        return ""
+
+
+@pytest.mark.slow
+def test_a_paused_syncer_is_named_and_a_stand_by_takes_its_fragments_over(prefect_api, tmp_path):
+    """Defect: a syncer paused (SIGSTOP) froze its fragments while the learners trained
+    on, and nothing said so. The launcher names it once its fragments have had no new
+    version for ``stall_seconds`` while the learners trained, and starts a stand-by that
+    publishes the next versions while it is still paused; when it wakes, the commit
+    protocol fences the two: the audit finds every contribution merged once."""
+    root, run = tmp_path / "runs", "paused"
+    root.mkdir()
+    log = root / "train.log"
+    proc = _train(root, run, 300_000, dict(os.environ), log, stall_seconds=10)
+    regions = {r: f"file://{root / run / 'buckets' / r}" for r in ("us-east", "eu-west")}
+    paused = None
+    try:
+        store = until(lambda: (root / run / "buckets" / "us-east" / run / "spec.json").exists()
+                      and RunStore(run, regions, "us-east"), "the run's spec")  # fmt: skip
+        until(lambda: (store.latest_global(0) or 0) >= 2, "two versions of fragment 0")
+        paused = _started(log)["syncer 0"]
+        os.kill(paused, signal.SIGSTOP)
+        frozen = store.latest_global(0)
+        until(lambda: "syncer us-east/0 has published no version of fragments [0, 1]" in log.read_text(),
+              "the launcher to name the paused syncer")  # fmt: skip
+        # A stand-by publishes while the paused one is still stopped.
+        until(lambda: (store.latest_global(0) or 0) > frozen or proc.poll() is not None,
+              "a version from the stand-by")  # fmt: skip
+        assert _state(paused) == "T" and store.latest_global(0) > frozen
+        os.kill(paused, signal.SIGCONT)
+        code = proc.wait(timeout=600)
+    finally:
+        if paused is not None and _state(paused):
+            os.kill(paused, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=120)
+    output = log.read_text()
+    assert code == 0, output[-4000:]
+    assert "syncer us-east/0: starting a stand-by for fragments [0, 1]" in output
+    summary = json.loads((root / run / "summary.json").read_text())
+    assert summary["failed"] == [] and set(summary["learner_states"].values()) == {"done"}
+    report = audit_run(run, regions)
+    assert report.ok, dict(report.violations)
