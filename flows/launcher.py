@@ -235,10 +235,15 @@ class ApiDown(RuntimeError):
     runs cannot start or end without it): the API is waited for, and no crash counted."""
 
 
+API_PATIENCE = 1800.0  # seconds a worker waits for the Prefect API before it is given up
+
+
 def wait_for_api(name: str, log: Any, pause: float = 2.0) -> bool:
     """If the Prefect API is unreachable, say so for ``name`` and wait until it answers
     (or the run stops); True if there was a wait. A restart that needs the API cannot
-    succeed before it is back, and must not count towards giving a worker up."""
+    succeed before it is back, and must not count towards giving a worker up. After
+    ``API_PATIENCE`` seconds the wait ends in an error naming the API (the run then ends
+    with its summary rather than waiting for ever)."""
     url = PREFECT_API_URL.value()
     if prefect_api_reachable(url):
         return False
@@ -250,6 +255,9 @@ def wait_for_api(name: str, log: Any, pause: float = 2.0) -> bool:
             log.warning("%s: the Prefect API answers again after %.0f s; restarting %s", name,
                         time.monotonic() - down, name)  # fmt: skip
             break
+        if time.monotonic() - down > API_PATIENCE:
+            raise ApiDown(f"{name}: the Prefect API at {url} has been unreachable for "
+                          f"{API_PATIENCE:.0f} s; giving {name} up")  # fmt: skip
     return True
 
 
@@ -275,9 +283,13 @@ def worker_progress(store: RunStore, status: Status) -> Any:
 def give_up(store: RunStore, writer: str, reason: str) -> None:
     """Record in the launcher's status object that ``writer`` was given up (syncers read
     it: a learner given up is not waited for)."""
-    status = store.read_metrics("launcher") or {}
-    given_up = {**status.get("given_up", {}), writer: reason[-300:]}
-    store.write_metrics("launcher", {**status, "given_up": given_up})
+    try:
+        status = store.read_metrics("launcher") or {}
+        given_up = {**status.get("given_up", {}), writer: reason[-300:]}
+        store.write_metrics("launcher", {**status, "given_up": given_up})
+    except Exception as exc:  # the launcher's own error names the worker all the same
+        log.error("could not record that %s was given up (%s: %s)", writer,
+                  type(exc).__name__, exc)  # fmt: skip
 
 
 @task(name="worker", task_run_name="{name}", cache_policy=NO_CACHE, persist_result=False)
@@ -313,8 +325,12 @@ def supervise(
         except Exception as exc:
             if STOPPING.is_set():
                 return 130
-            if wait_for_api(name, log) or isinstance(exc, ApiDown):
-                continue  # (it failed on the API, not on its own)
+            try:
+                if wait_for_api(name, log) or isinstance(exc, ApiDown):
+                    continue  # (it failed on the API, not on its own)
+            except ApiDown as down:
+                give_up(store, status[0], str(down))
+                raise
             if worker_progress(store, status) != before:
                 failed, delay = 0, 2.0  # it got somewhere: not a crash loop
             failed += 1

@@ -402,3 +402,36 @@ def test_a_paused_syncer_is_named_and_a_stand_by_takes_its_fragments_over(prefec
     assert summary["failed"] == [] and set(summary["learner_states"].values()) == {"done"}
     report = audit_run(run, regions)
     assert report.ok, dict(report.violations)
+
+
+def test_a_syncer_is_called_stalled_only_while_the_learners_train_past_its_versions(
+    tmp_path, caplog
+):
+    """The rule behind the paused-syncer warning: a shard whose fragments have had no new
+    version for ``stall_seconds`` while the learners' steps went up is named, once per
+    stall; not while the learners stand still (starting, or all done), and it is said
+    when it publishes again."""
+    store = _lock_run(tmp_path, "stall")
+    cfg = load_config("tiny", overrides=["budget.tokens=20000", "pipeline.stall_seconds=0.01",
+                                         "pipeline.syncer_shards=2"])  # fmt: skip
+    monitor = Monitor(store, cfg, store.read_spec())
+    learners = list(store.read_spec()["learners"])
+
+    def steps(n: int, state: str = "training") -> dict:
+        return {lid: {"step": n, "state": state} for lid in learners}
+
+    versions = {0: 1, 1: 1}
+    assert monitor.stalled_syncers(steps(10), versions) == []  # first sight
+    time.sleep(0.05)  # past stall_seconds
+    assert monitor.stalled_syncers(steps(10), versions) == []  # nobody trained since
+    assert monitor.stalled_syncers(steps(10, "done"), versions) == []
+    with caplog.at_level("WARNING"):
+        stalled = monitor.stalled_syncers(steps(12), versions)
+        assert stalled == ["syncer us-east/0", "syncer us-east/1"]
+        assert monitor.stalled_syncers(steps(14), versions) == []  # named once per stall
+        assert monitor.stalled_syncers(steps(16), {0: 2, 1: 1}) == []
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("syncer us-east/0 has published no version of fragments [0]")
+               and "while the learners trained 8 steps" in m for m in messages), messages  # fmt: skip
+    assert "syncer us-east/0 publishes again (versions f0:v2)" in messages
+    assert monitor.stalled == {"syncer us-east/1"}
