@@ -178,6 +178,10 @@ def _train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: s
                     launcher.cancel_flow_runs()
                 console.print(f"resume with the same command (run {run!r})")
                 return 130
+            except (launcher.RunTakenOver, launcher.StorageUnreachable) as exc:
+                launcher.stop_children()
+                console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+                return 1
             finally:
                 launcher.flush_prefect()
     wall = time.perf_counter() - started
