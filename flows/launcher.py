@@ -1018,8 +1018,8 @@ def report_metrics(
             "bytes/cross_region": cross_region_bytes(traffic),
         }
         metrics.tick(point, extra, statuses)
-    except Exception as exc:
-        log.warning("live metrics not updated this time: %r", exc)
+    except Exception as exc:  # (logged by name, once a minute per kind)
+        monitor.storage_error("updating the live metrics", exc)
 
 
 def cross_region_bytes(traffic: dict[str, dict[str, int]]) -> int:
