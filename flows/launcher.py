@@ -373,12 +373,17 @@ def supervise_deployment(
     log = get_run_logger()
     while not STOPPING.is_set():
         before = worker_progress(home, status)
-        # as_subflow: linked under this task run, in the launcher's flow run
-        flow_run = run_deployment(deployment, parameters=parameters, tags=tags, timeout=0,
-                                  as_subflow=True)  # fmt: skip
+        try:
+            # as_subflow: linked under this task run, in the launcher's flow run
+            flow_run = run_deployment(deployment, parameters=parameters, tags=tags, timeout=0,
+                                      as_subflow=True)  # fmt: skip
+        except Exception:
+            if wait_for_api(name, log):  # (no flow run was started: nothing counts)
+                continue
+            raise
         _flow_runs.add(flow_run.id)
         try:
-            state = _wait_flow_run(flow_run.id)
+            state = _wait_flow_run(flow_run.id, name, log)
         finally:
             _flow_runs.discard(flow_run.id)
         if worker_done(store, writer):
@@ -401,12 +406,18 @@ def supervise_deployment(
     return 130
 
 
-def _wait_flow_run(flow_run_id: Any, poll: float = 2.0) -> Any:
+def _wait_flow_run(flow_run_id: Any, name: str, log: Any, poll: float = 2.0) -> Any:
+    """The final state of a flow run; while the API is unreachable, waits for it."""
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
         while True:
-            state = client.read_flow_run(flow_run_id).state
+            try:
+                state = client.read_flow_run(flow_run_id).state
+            except Exception:
+                if wait_for_api(name, log):
+                    continue
+                raise
             if state is not None and state.is_final():
                 return state
             time.sleep(poll)
