@@ -204,6 +204,7 @@ def _record_pids() -> None:
     pids = {name: p.pid for name, p in _workers.items() if p.poll() is None}
     if _SPARES is not None and _SPARES.zygote is not None:
         pids["zygote"] = _SPARES.zygote.proc.pid
+    pids[PARENT_ENV] = os.getpid()  # (each of them has it in its environment)
     try:
         write_pids(_PIDS, pids)
     except OSError as exc:
@@ -214,7 +215,11 @@ def stop_predecessors(pids: Path, log: Any) -> None:
     """Stop the workers a launcher of this run left running on this host when it died
     (its ``pids.json``; each still a ``flows.worker`` process): they would train beside
     the new ones, unsupervised, until fenced. Only with the run's lock held."""
-    found = stop_leftovers(read_pids(pids), "flows.worker", grace=60.0)
+    left = read_pids(pids)
+    launcher = left.pop(PARENT_ENV, None)
+    if launcher is None:
+        return
+    found = stop_leftovers(left, "flows.worker", grace=60.0, environ=f"{PARENT_ENV}={launcher}")
     if found:
         log.warning("stopped %d worker processes a launcher of this run left running: %s",
                     len(found), ", ".join(f"{n} (pid {p})" for n, p in sorted(found.items())))  # fmt: skip

@@ -55,6 +55,14 @@ def command_line(pid: int) -> str:
         return ""
 
 
+def environment_holds(pid: int, entry: str) -> bool:
+    """Whether the environment ``pid`` started with holds ``entry`` (``NAME=VALUE``)."""
+    try:
+        return entry.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+
+
 def write_pids(path: Path, pids: dict[str, int]) -> None:
     """Record ``pids`` (name -> pid) in ``path``, atomically."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
@@ -70,12 +78,14 @@ def read_pids(path: Path) -> dict[str, int]:
 
 
 def stop_leftovers(pids: dict[str, int], marker: str, grace: float = 30.0,
-                   groups: Iterable[str] = ()) -> dict[str, int]:  # fmt: skip
-    """Stop each process of ``pids`` that is alive and whose command line holds
-    ``marker``: SIGTERM (and SIGCONT, should it be paused), then SIGKILL after ``grace``
-    seconds. Names in ``groups`` are process-group leaders: their whole group is
-    signalled. Returns the ones found (name -> pid)."""
-    found = {n: p for n, p in pids.items() if p != os.getpid() and marker in command_line(p)}
+                   groups: Iterable[str] = (), environ: str | None = None) -> dict[str, int]:  # fmt: skip
+    """Stop each process of ``pids`` that is alive, whose command line holds ``marker``
+    and (if given) whose environment holds ``environ`` (a pid reused by another program,
+    or by another run's worker, is left alone): SIGTERM (and SIGCONT, should it be
+    paused), then SIGKILL after ``grace`` seconds. Names in ``groups`` are process-group
+    leaders: their whole group is signalled. Returns the ones found (name -> pid)."""
+    found = {n: p for n, p in pids.items() if p != os.getpid() and marker in command_line(p)
+             and (environ is None or environment_holds(p, environ))}  # fmt: skip
 
     def send(name: str, pid: int, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):

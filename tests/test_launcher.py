@@ -31,6 +31,7 @@ from flows import run_lock
 from flows.launcher import Monitor, _watch, stop_predecessors
 from flows.run import initialize_run
 from flows.run_lock import RunLock, RunLocked
+from flows.worker import PARENT_ENV
 from infra.local_servers import Forwarder
 from infra.prefect_server import free_port, prefect_server, server_env, wait_healthy
 from infra.processes import command_line, write_pids
@@ -266,23 +267,32 @@ def test_one_launcher_per_run_a_second_is_refused_by_name_and_a_stale_one_taken_
 def test_a_relaunch_stops_the_workers_its_dead_predecessor_left(tmp_path, caplog):
     """Defect: a killed launcher's workers trained on unsupervised beside its successor's.
     The launcher records its workers' pids in the run's folder; the next launcher stops
-    each that is still a worker (a pid reused by another program is left alone)."""
+    each that is still a worker of that launcher (a pid reused by another program, or by
+    another run's worker, is left alone)."""
     pids = tmp_path / "pids.json"
+    # The launcher that recorded them: this process (a worker whose recorded parent is
+    # not its parent stops at once; so they must be this one's children).
+    env = {**os.environ, PARENT_ENV: str(os.getpid())}
     worker = subprocess.Popen([sys.executable, "-m", "flows.worker", "standby"],
-                              stdin=subprocess.PIPE, start_new_session=True)  # fmt: skip
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+                              stdin=subprocess.PIPE, start_new_session=True, env=env)  # fmt: skip
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env)
+    another_runs = subprocess.Popen([sys.executable, "-m", "flows.worker", "standby"],
+                                    stdin=subprocess.PIPE)  # fmt: skip
+    procs = (worker, other, another_runs)
     try:
-        write_pids(pids, {"learner us-east/0": worker.pid, "syncer us-east/0": other.pid})
-        until(lambda: "flows.worker" in command_line(worker.pid), "the worker to start")
+        write_pids(pids, {"learner us-east/0": worker.pid, "syncer us-east/0": other.pid,
+                          "learner us-east/2": another_runs.pid, PARENT_ENV: os.getpid()})  # fmt: skip
+        until(lambda: all("flows.worker" in command_line(p.pid) for p in (worker, another_runs)),
+              "the workers to start")  # fmt: skip
         with caplog.at_level("WARNING"):
             stop_predecessors(pids, logging.getLogger("test"))
         assert worker.wait(timeout=60) != 0
         assert other.poll() is None  # not a worker: not ours to stop
-        assert any(
-            f"learner us-east/0 (pid {worker.pid})" in r.getMessage() for r in caplog.records
-        )
+        assert another_runs.poll() is None  # a worker, but not of that launcher
+        messages = [r.getMessage() for r in caplog.records]
+        assert any(f"learner us-east/0 (pid {worker.pid})" in m for m in messages), messages
     finally:
-        for proc in (worker, other):
+        for proc in procs:
             proc.kill()
             proc.wait()
 
