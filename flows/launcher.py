@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
-import contextlib
 import io
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -74,8 +74,11 @@ from flows.observe import (
     train_summary_rows,
 )
 from flows.run import build_model, initialize_run, validation, worker_done
+from flows.run_lock import RunLock, RunTakenOver, held
 from flows.spares import WORKER_COMMAND, Spares
+from flows.worker import API_DOWN, PARENT_ENV, prefect_api_reachable
 from infra.chaos import Chaos, ChaosPlan, kill_to_rejoin, percentiles, read_actions
+from infra.processes import read_pids, stop_leftovers, write_pids
 from storage_layout import faults
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV, learner_key, run_secret
 from storage_layout.commit import CorruptVersion
@@ -102,6 +105,9 @@ _FAULT_ENV: dict[str, dict[str, str]] = {}
 # Run -> its secret, for the worker processes' environments. Never a flow or task
 # parameter: Prefect records those.
 _RUN_SECRETS: dict[str, str] = {}
+STAND_BY = "stand-by"  # the name of a syncer started beside a stalled one ends so
+QUIET_SECONDS = 60.0  # one kind of error while watching is logged at most this often
+STORAGE_PATIENCE = 600.0  # seconds the summary waits for the home bucket to answer
 
 
 def child_env(
@@ -118,6 +124,7 @@ def child_env(
         plan = json.loads(_FAULT_ENV[run][faults.ENV_VAR])
         env[faults.ENV_VAR] = json.dumps({**plan, "salt": f"{worker}/{start}"})
     env["PYTHONUNBUFFERED"] = "1"
+    env[PARENT_ENV] = str(os.getpid())  # a worker dies with its launcher (flows.worker)
     url = PREFECT_API_URL.value()
     if url:
         env["PREFECT_API_URL"] = url
@@ -139,9 +146,10 @@ def run_process(name: str, argv: list[str], log_path: str, run: str = "", worker
     its end; a non-zero exit fails the task run."""
     if STOPPING.is_set():
         return 130
+    key = name if name.endswith(STAND_BY) else worker or name  # (a stand-by: its own)
     with _lock:
-        _starts[worker or name] += 1
-        start = _starts[worker or name]
+        _starts[key] += 1
+        start = _starts[key]
     # parent_env(): the process's flow runs are linked as subflows of this task run
     env = {**child_env(run, worker, _RUN_SECRETS.get(run), start), **parent_env()}
     proc, warm = (_SPARES or Spares(0, log_path, env)).take(argv, log_path, env)
@@ -151,17 +159,21 @@ def run_process(name: str, argv: list[str], log_path: str, run: str = "", worker
                           ", a spare" if warm else "", log_path)  # fmt: skip
     with _lock:
         _children.add(proc)
-        _workers[worker or name] = proc
+        _workers[key] = proc
+        _record_pids()
     try:
         code = memory.wait(proc, watch)
     finally:
         with _lock:
             _children.discard(proc)
-            if _workers.get(worker or name) is proc:
-                del _workers[worker or name]
+            if _workers.get(key) is proc:
+                del _workers[key]
     if code == 0 or STOPPING.is_set():
         return code
     tail = Path(log_path).read_text(errors="replace")[-800:]
+    if code == API_DOWN:
+        raise ApiDown(f"{name} could not reach the Prefect API (exit status {code}); log "
+                      f"{log_path}:\n{tail}")  # fmt: skip
     if code < 0:
         why, oom = watch.death(code)
         with _lock:
@@ -174,6 +186,59 @@ def run_process(name: str, argv: list[str], log_path: str, run: str = "", worker
     raise RuntimeError(f"{name} exited with status {code}; log {log_path}:\n{tail}")
 
 
+_best_effort_reported: dict[str, float] = {}  # call -> when its failure was last logged
+
+
+def best_effort(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)`` for what only reports to the Prefect API (a progress or
+    summary artifact): a failure (the API gone for a while) is logged by name, at most
+    once every ``QUIET_SECONDS`` per call, and never raised: the run needs none of it.
+    None when it failed."""
+    try:
+        return call(*args, **kwargs)
+    except Exception as exc:
+        name = getattr(call, "__name__", str(call))
+        now = time.monotonic()
+        if now - _best_effort_reported.get(name, -math.inf) >= QUIET_SECONDS:
+            _best_effort_reported[name] = now
+            log.warning("%s failed (%s: %s); the run goes on without it", name,
+                        type(exc).__name__, str(exc)[:300])  # fmt: skip
+        return None
+
+
+_PIDS: Path | None = None  # where this launcher records its workers' pids (logs/pids.json)
+
+
+def _record_pids() -> None:
+    """Keep the pids of this launcher's workers (and its spares' zygote) in the run's
+    folder, so that a launcher of the run that starts after this one died can stop what
+    it left (``stop_predecessors``). Called with ``_lock`` held."""
+    if _PIDS is None:
+        return
+    pids = {name: p.pid for name, p in _workers.items() if p.poll() is None}
+    if _SPARES is not None and _SPARES.zygote is not None:
+        pids["zygote"] = _SPARES.zygote.proc.pid
+    pids[PARENT_ENV] = os.getpid()  # (each of them has it in its environment)
+    try:
+        write_pids(_PIDS, pids)
+    except OSError as exc:
+        log.warning("could not record the workers' pids in %s: %s", _PIDS, exc)
+
+
+def stop_predecessors(pids: Path, log: Any) -> None:
+    """Stop the workers a launcher of this run left running on this host when it died
+    (its ``pids.json``; each still a ``flows.worker`` process): they would train beside
+    the new ones, unsupervised, until fenced. Only with the run's lock held."""
+    left = read_pids(pids)
+    launcher = left.pop(PARENT_ENV, None)
+    if launcher is None:
+        return
+    found = stop_leftovers(left, "flows.worker", grace=60.0, environ=f"{PARENT_ENV}={launcher}")
+    if found:
+        log.warning("stopped %d worker processes a launcher of this run left running: %s",
+                    len(found), ", ".join(f"{n} (pid {p})" for n, p in sorted(found.items())))  # fmt: skip
+
+
 class Killed(RuntimeError):
     """A worker process ended by a signal (a machine lost, a kill from outside), not by
     failing on its own: restarted at once, and never counted as a crash loop. ``lived``:
@@ -182,6 +247,37 @@ class Killed(RuntimeError):
     def __init__(self, message: str, lived: float = 0.0):
         super().__init__(message)
         self.lived = lived
+
+
+class ApiDown(RuntimeError):
+    """A worker process that failed because the Prefect API was unreachable (its flow
+    runs cannot start or end without it): the API is waited for, and no crash counted."""
+
+
+API_PATIENCE = 1800.0  # seconds a worker waits for the Prefect API before it is given up
+
+
+def wait_for_api(name: str, log: Any, pause: float = 2.0) -> bool:
+    """If the Prefect API is unreachable, say so for ``name`` and wait until it answers
+    (or the run stops); True if there was a wait. A restart that needs the API cannot
+    succeed before it is back, and must not count towards giving a worker up. After
+    ``API_PATIENCE`` seconds the wait ends in an error naming the API (the run then ends
+    with its summary rather than waiting for ever)."""
+    url = PREFECT_API_URL.value()
+    if prefect_api_reachable(url):
+        return False
+    log.warning("%s: the Prefect API at %s is unreachable; waiting for it before starting "
+                "%s again (not counted as a crash)", name, url, name)  # fmt: skip
+    down = time.monotonic()
+    while not STOPPING.wait(pause):
+        if prefect_api_reachable(url):
+            log.warning("%s: the Prefect API answers again after %.0f s; restarting %s", name,
+                        time.monotonic() - down, name)  # fmt: skip
+            break
+        if time.monotonic() - down > API_PATIENCE:
+            raise ApiDown(f"{name}: the Prefect API at {url} has been unreachable for "
+                          f"{API_PATIENCE:.0f} s; giving {name} up")  # fmt: skip
+    return True
 
 
 KILLED_YOUNG = 5.0  # seconds: a process killed sooner is restarted after a pause
@@ -199,16 +295,20 @@ def worker_progress(store: RunStore, status: Status) -> Any:
         sent = [(store.contribution_seqs(writer, p, region) or [0])[-1]
                 for p in range(len(store.read_spec()["fragments"]))]  # fmt: skip
         return (store.read_metrics(writer, region) or {}).get("step"), sent
-    except (OSError, ValueError):
+    except Exception:  # any storage error (botocore's are no OSError): progress unknown
         return None
 
 
 def give_up(store: RunStore, writer: str, reason: str) -> None:
     """Record in the launcher's status object that ``writer`` was given up (syncers read
     it: a learner given up is not waited for)."""
-    status = store.read_metrics("launcher") or {}
-    given_up = {**status.get("given_up", {}), writer: reason[-300:]}
-    store.write_metrics("launcher", {**status, "given_up": given_up})
+    try:
+        status = store.read_metrics("launcher") or {}
+        given_up = {**status.get("given_up", {}), writer: reason[-300:]}
+        store.write_metrics("launcher", {**status, "given_up": given_up})
+    except Exception as exc:  # the launcher's own error names the worker all the same
+        log.error("could not record that %s was given up (%s: %s)", writer,
+                  type(exc).__name__, exc)  # fmt: skip
 
 
 @task(name="worker", task_run_name="{name}", cache_policy=NO_CACHE, persist_result=False)
@@ -244,6 +344,12 @@ def supervise(
         except Exception as exc:
             if STOPPING.is_set():
                 return 130
+            try:
+                if wait_for_api(name, log) or isinstance(exc, ApiDown):
+                    continue  # (it failed on the API, not on its own)
+            except ApiDown as down:
+                give_up(store, status[0], str(down))
+                raise
             if worker_progress(store, status) != before:
                 failed, delay = 0, 2.0  # it got somewhere: not a crash loop
             failed += 1
@@ -286,12 +392,17 @@ def supervise_deployment(
     log = get_run_logger()
     while not STOPPING.is_set():
         before = worker_progress(home, status)
-        # as_subflow: linked under this task run, in the launcher's flow run
-        flow_run = run_deployment(deployment, parameters=parameters, tags=tags, timeout=0,
-                                  as_subflow=True)  # fmt: skip
+        try:
+            # as_subflow: linked under this task run, in the launcher's flow run
+            flow_run = run_deployment(deployment, parameters=parameters, tags=tags, timeout=0,
+                                      as_subflow=True)  # fmt: skip
+        except Exception:
+            if wait_for_api(name, log):  # (no flow run was started: nothing counts)
+                continue
+            raise
         _flow_runs.add(flow_run.id)
         try:
-            state = _wait_flow_run(flow_run.id)
+            state = _wait_flow_run(flow_run.id, name, log)
         finally:
             _flow_runs.discard(flow_run.id)
         if worker_done(store, writer):
@@ -314,12 +425,18 @@ def supervise_deployment(
     return 130
 
 
-def _wait_flow_run(flow_run_id: Any, poll: float = 2.0) -> Any:
+def _wait_flow_run(flow_run_id: Any, name: str, log: Any, poll: float = 2.0) -> Any:
+    """The final state of a flow run; while the API is unreachable, waits for it."""
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
         while True:
-            state = client.read_flow_run(flow_run_id).state
+            try:
+                state = client.read_flow_run(flow_run_id).state
+            except Exception:
+                if wait_for_api(name, log):
+                    continue
+                raise
             if state is not None and state.is_final():
                 return state
             time.sleep(poll)
@@ -419,12 +536,31 @@ def worker_commands(
     return out
 
 
+class StorageUnreachable(RuntimeError):
+    """The run's home bucket did not answer in time for the summary."""
+
+
 class Monitor:
-    """Reads the run's state from the buckets and evaluates the newest global model."""
+    """Reads the run's state from the buckets and evaluates the newest global model.
+
+    While the run goes, a read that fails (any error of a storage client, not only an
+    ``OSError``: botocore's ``EndpointConnectionError`` is none) is logged by name, at
+    most once every ``QUIET_SECONDS`` per kind, and the last state read stands in: the
+    workers ride an outage out, so the launcher that supervises them must too."""
 
     def __init__(self, store: RunStore, cfg: RunConfig, spec: dict[str, Any], log: Any = log):
         self.store, self.cfg, self.spec, self.log = store, cfg, spec, log
         self.unreadable: set[tuple[int, int]] = set()  # reported once each
+        self.errors = 0  # storage errors while watching, in all
+        self.down_since: float | None = None  # monotonic time of the first error of an outage
+        self._reported: dict[str, float] = {}  # kind -> when it was last logged
+        self._unreported: Counter[str] = Counter()  # kind -> errors since then
+        self._last_statuses: dict[str, dict[str, Any]] = {}
+        self._last_versions: dict[int, int] = {}
+        # Syncer shard -> (its fragments' versions, when they last changed, the learners'
+        # steps then); and the shards reported stalled.
+        self._publishing: dict[str, tuple[tuple[int, ...], float, int]] = {}
+        self.stalled: set[str] = set()
         self.model = build_model(cfg)
         self.val = validation(cfg)
         self.total_steps = cfg.steps_per_learner
@@ -445,6 +581,52 @@ class Monitor:
             out[p] = float(newest[1].meta.get("seconds_total", 0.0)) if newest else 0.0
         return out
 
+    def storage_error(self, what: str, exc: BaseException) -> None:
+        """Log a failed read by the error's name (once per ``QUIET_SECONDS`` per kind, with
+        how many went unlogged since), and go on."""
+        kind = type(exc).__name__
+        now = time.monotonic()
+        self.errors += 1
+        if self.down_since is None:
+            self.down_since = now
+        if now - self._reported.get(kind, -math.inf) < QUIET_SECONDS:
+            self._unreported[kind] += 1
+            return
+        more = self._unreported.pop(kind, 0)
+        self._reported[kind] = now
+        self.log.warning("%s failed (%s: %s); the watch goes on (the workers ride it "
+                         "out)%s", what, kind, str(exc)[:300],
+                         f" ({more} more {kind} since the last report)" if more else "")  # fmt: skip
+
+    def storage_ok(self) -> None:
+        """A look that read everything: an outage, if there was one, is over."""
+        if self.down_since is not None:
+            self.log.warning("the run's storage answers again, after %.0f s of errors",
+                             time.monotonic() - self.down_since)  # fmt: skip
+            self.down_since = None
+            self._reported.clear()
+            self._unreported.clear()
+
+    def wait_for_storage(self, patience: float = STORAGE_PATIENCE, pause: float = 2.0) -> None:
+        """Before the summary, which is read from the buckets: wait until the home bucket
+        answers, for up to ``patience`` seconds, then fail naming it (never a summary of
+        half-read numbers, never a hang)."""
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                self.store.latest_global(0)
+                self.storage_ok()
+                return
+            except Exception as exc:
+                self.storage_error("reading the home bucket for the summary", exc)
+                if time.monotonic() >= deadline:
+                    raise StorageUnreachable(
+                        f"run {self.store.run}: the home bucket {self.store.urls[self.store.client_region]} "
+                        f"did not answer for {patience:.0f} s ({type(exc).__name__}: {exc}); the "
+                        "workers have ended, so no summary: the same command resumes the run"
+                    ) from exc
+            time.sleep(pause)
+
     def readable(self, p: int, read: Callable[[int], Any]) -> tuple[int, Any] | None:
         """``read`` of fragment ``p``'s newest version that reads: a corrupt or vanished
         one is reported once and the one before it is tried (never a crash: the launcher
@@ -460,25 +642,85 @@ class Monitor:
         return None
 
     def statuses(self) -> dict[str, dict[str, Any]]:
-        """Each learner's status object; a learner whose process died by a signal since
-        it last wrote is in state ``killed`` (or ``killed by the OOM killer``) until its
-        next process reports, not in the phase the dead one had reached."""
-        out = {}
+        """Every learner's status object; on a storage error, the last one read (or
+        ``unreachable``) for it and for the learners after it in this look. A learner
+        whose process died by a signal since it last wrote is in state ``killed`` (or
+        ``killed by the OOM killer``) until its next process reports, not in the phase
+        the dead one had reached."""
+        out, failed = {}, False
         for learner, region in self.spec["learners"].items():
-            try:
-                out[learner] = self.store.read_metrics(learner, region) or {}
-            except OSError:
-                out[learner] = {"state": "unreachable"}
+            if not failed:
+                try:
+                    out[learner] = self.store.read_metrics(learner, region) or {}
+                except Exception as exc:
+                    self.storage_error(f"reading {learner}'s status", exc)
+                    failed = True
+            if failed:
+                out[learner] = self._last_statuses.get(learner, {"state": "unreachable"})
             died = _deaths.get(learner)
             if died is not None and float(out[learner].get("time", 0.0)) < died[0]:
                 out[learner] = {**out[learner], "state": died[1]}
+        if not failed:
+            self._last_statuses = out
+        return out
+
+    def syncers(self) -> dict[str, list[int]]:
+        """Each syncer shard (as the launcher names it, ``syncer us-east/0``) and the
+        fragments it owns."""
+        shards = shard_count(self.cfg.pipeline.syncer_shards, self.cfg.topology.fragments)
+        home = self.store.client_region
+        return {f"syncer {home}/{s}": shard_fragments(s, shards, self.cfg.topology.fragments)
+                for s in range(shards)}  # fmt: skip
+
+    def stalled_syncers(
+        self, statuses: dict[str, dict[str, Any]], versions: dict[int, int]
+    ) -> list[str]:
+        """The syncer shards newly seen stalled: none of their fragments has had a new
+        version for ``pipeline.stall_seconds`` (as this launcher saw them) while the
+        learners trained on (their steps went up, and not every learner is done): a syncer
+        paused, hung or cut off from home. Each is warned about by name, once per stall,
+        and once more when it publishes again."""
+        now = time.monotonic()
+        steps = sum(int(s.get("step", 0)) for s in statuses.values())
+        training = any(s.get("state") != "done" for s in statuses.values())
+        out = []
+        for name, fragments in self.syncers().items():
+            held = tuple(versions.get(p, 0) for p in fragments)
+            seen = self._publishing.get(name)
+            if seen is None or seen[0] != held:
+                self._publishing[name] = (held, now, steps)
+                if name in self.stalled:
+                    self.stalled.discard(name)
+                    self.log.warning("%s publishes again (versions %s)", name,
+                                     " ".join(f"f{p}:v{v}" for p, v in zip(fragments, held, strict=True)))  # fmt: skip
+                continue
+            _, since, steps_then = seen
+            stall = self.cfg.pipeline.stall_seconds
+            if name in self.stalled or now - since < stall or steps <= steps_then or not training:
+                continue
+            self.stalled.add(name)
+            self.log.warning(
+                "%s has published no version of fragments %s for %.0f s (stall_seconds %.0f; "
+                "newest %s) while the learners trained %d steps: it may be paused, hung or "
+                "cut off from its home region",
+                name, fragments, now - since, stall,
+                " ".join(f"f{p}:v{v}" for p, v in zip(fragments, held, strict=True)), steps - steps_then,
+            )  # fmt: skip
+            out.append(name)
         return out
 
     def tokens(self, statuses: dict[str, dict[str, Any]]) -> int:
         return sum(int(s.get("tokens", 0)) for s in statuses.values())
 
     def versions(self) -> dict[int, int]:
-        return {p: self.store.latest_global(p) or 0 for p in range(len(self.model.plan))}
+        """The newest version of each fragment (on a storage error, the last read)."""
+        try:
+            found = {p: self.store.latest_global(p) or 0 for p in range(len(self.model.plan))}
+        except Exception as exc:
+            self.storage_error("listing the global versions", exc)
+            return self._last_versions or dict.fromkeys(range(len(self.model.plan)), 0)
+        self._last_versions = found
+        return found
 
     def evaluate(self, statuses: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """The validation loss of the newest readable global model, at its position: the
@@ -549,7 +791,11 @@ class Monitor:
         writers += [(f"syncer-{s}", store.client_region) for s in range(shards)]
         rejected, learner_bytes = 0, 0
         for name, region in writers:
-            record = store.read_metrics(name, region) or {}
+            try:
+                record = store.read_metrics(name, region) or {}
+            except Exception as exc:  # its traffic is counted at the next look
+                self.storage_error(f"reading {name}'s metrics", exc)
+                record = {}
             rejected += len(record.get("rejected", []))
             if name in spec["learners"]:
                 learner_bytes += record.get("bytes_up", 0) + record.get("bytes_down", 0)
@@ -691,11 +937,14 @@ def _watch(
     log: Any,
     display: Display | None = None,
     metrics: LiveMetrics | None = None,
+    stand_by: Callable[[str], tuple[str, Any] | None] | None = None,
 ) -> dict[str, float]:
     """Evaluate and log progress every ``every`` seconds until every worker's task has
     ended; returns when each ended (its machine was freed: the end of its allocation).
     Each evaluation also updates the progress artifact, the live ``metrics`` and the
-    ``display``; a live display also shows the learners' phases every few seconds."""
+    ``display``; a live display also shows the learners' phases every few seconds. A
+    syncer shard seen stalled gets a stand-by (``stand_by(name)``: the name and future of
+    the worker it started, watched from then on like the others)."""
     display = display or Display()
     last_eval, last_look = time.monotonic(), time.monotonic()
     ended: dict[str, float] = {}
@@ -713,19 +962,31 @@ def _watch(
             return ended
         if time.monotonic() - last_eval < every:
             if display.live and time.monotonic() - last_look >= LOOK_SECONDS:
-                last_look = time.monotonic()
-                with contextlib.suppress(OSError):  # the next look or evaluation will do
-                    show_phases(display, monitor.statuses(), monitor.versions())
+                last_look = time.monotonic()  # (a failed read shows the last state read)
+                show_phases(display, monitor.statuses(), monitor.versions())
             continue
         last_eval = last_look = time.monotonic()
+        errors = monitor.errors
         statuses = monitor.statuses()
         try:
             point = monitor.evaluate(statuses)
-        except Exception as exc:  # the workers go on; so does watching them
+        except CorruptVersion as exc:
             log.error("evaluation failed, trying again in %.0f s: %r", every, exc)
             continue
+        except Exception as exc:  # the workers go on; so does watching them
+            monitor.storage_error("evaluating the newest versions", exc)
+            continue
+        if monitor.errors == errors:
+            monitor.storage_ok()
+        for name in monitor.stalled_syncers(statuses, point["versions"]):
+            extra = stand_by(name) if stand_by is not None else None
+            if extra is not None:
+                names.append(extra[0])
+                futures.append(extra[1])
+                pool.append(extra[1].wrapped_future)
         pct = monitor.progress(statuses)
-        update_progress_artifact(bar, pct)
+        if bar is not None:
+            best_effort(update_progress_artifact, bar, pct)
         show_phases(display, statuses, point["versions"], point, pct)
         if metrics is not None:
             report_metrics(metrics, monitor, point, statuses, log)
@@ -793,8 +1054,8 @@ def report_metrics(
             "bytes/cross_region": cross_region_bytes(traffic),
         }
         metrics.tick(point, extra, statuses)
-    except Exception as exc:
-        log.warning("live metrics not updated this time: %r", exc)
+    except Exception as exc:  # (logged by name, once a minute per kind)
+        monitor.storage_error("updating the live metrics", exc)
 
 
 def cross_region_bytes(traffic: dict[str, dict[str, int]]) -> int:
@@ -974,7 +1235,36 @@ def train_flow(
     display = current_display()
     display.phase("spec", "running", "writing the run spec and version 0, evaluating it")
     spec = initialize_run(store, cfg)
+    lock = held(run)  # `diloco train` took it before starting its Prefect server
+    if lock is None:  # a flow run of the train deployment: one launcher per run here too
+        lock = RunLock(store, log, on_lost=lambda who: _interrupt_children()).acquire()
+        try:
+            return _launch(run, regions, cfg, logs, via, store, spec, chaos_plan, lock, log)
+        finally:
+            lock.release()
+    return _launch(run, regions, cfg, logs, via, store, spec, chaos_plan, lock, log)
+
+
+def _launch(
+    run: str,
+    regions: dict[str, str],
+    cfg: RunConfig,
+    logs: str,
+    via: str,
+    store: RunStore,
+    spec: dict[str, Any],
+    chaos_plan: ChaosPlan,
+    lock: RunLock,
+    log: Any,
+) -> dict[str, Any]:
+    """The launch itself, with the run's lock held."""
+    global _SPARES, _PIDS
+    folder = Path(logs).parent
+    display = current_display()
     Path(logs).mkdir(parents=True, exist_ok=True)
+    _PIDS = Path(logs) / "pids.json"
+    if via == "processes":
+        stop_predecessors(_PIDS, log)
     authenticate(run, folder, via, log, store)
     # Workers share a persistent JAX compilation cache: a restarted learner does not
     # compile its step again (the variables reach them through child_env()).
@@ -996,13 +1286,13 @@ def train_flow(
     metrics = LiveMetrics(store, spec, folder, log=log)  # runs/NAME/tensorboard
     log.info("live metrics: tensorboard --logdir %s", metrics.dir)
     report_metrics(metrics, monitor, first, monitor.statuses(), log)
-    bar = create_progress_artifact(
+    bar = best_effort(
+        create_progress_artifact,
         monitor.progress(monitor.statuses()),
         key=artifact_key(run, "progress"),
         description=f"run {run}: share of all learners' inner steps done",
     )
     started = time.time()
-    global _SPARES
     if via == "processes":
         home = next(iter(regions))
         warm = {"run": run, "bucket": regions[home], "region": home}
@@ -1010,9 +1300,28 @@ def train_flow(
     names, futures = _start_workers(run, regions, cfg, spec, logs, via)
     show_phases(display, monitor.statuses(), first["versions"])
     chaos = start_chaos(chaos_plan, folder, via, log, monitor)
+    syncers = {name: (argv, status) for name, argv, status in worker_commands(run, regions, cfg, spec)
+               if status[2]}  # fmt: skip
+
+    def stand_by(name: str) -> tuple[str, Any] | None:
+        """A second process for a stalled syncer shard: it resumes from the newest
+        committed version and publishes the next ones; should the stalled one wake up,
+        the commit protocol fences one of the two at each version (never a version twice)."""
+        if via != "processes" or name not in syncers or STOPPING.is_set():
+            log.warning("%s: no stand-by syncer (workers run as deployments' flow runs)", name)
+            return None
+        argv, status = syncers[name]
+        label = f"{name} {STAND_BY}"
+        path = str(Path(logs) / f"{label.replace(' ', '-').replace('/', '-')}.log")
+        log.warning("%s: starting a stand-by for fragments %s; the two are fenced by the "
+                    "commit protocol", name, status[2])  # fmt: skip
+        future = supervise.submit(label, argv, path, status, run, regions,
+                                  cfg.pipeline.max_failed_starts)  # fmt: skip
+        return label, future
+
     try:
         ended = _watch(names, futures, monitor, bar, cfg.pipeline.eval_seconds, log, display,
-                       metrics)  # fmt: skip
+                       metrics, stand_by)  # fmt: skip
     except BaseException:
         # Cancelled from the UI (the worker's SIGTERM) or interrupted: the workers stop with
         # this flow run (each checkpoints) rather than run on unsupervised.
@@ -1027,17 +1336,24 @@ def train_flow(
         if _SPARES is not None:
             _SPARES.close()
             _SPARES = None
+    if lock.lost:
+        raise RunTakenOver(f"run {run} was taken over by {lock.lost}; this launcher stopped "
+                           "its workers")  # fmt: skip
     failed = []
     for name, future in zip(names, futures, strict=True):
         try:
             future.result()
         except Exception as exc:
+            if name.endswith(STAND_BY):  # the shard's own process is judged, not its help
+                log.warning("%s failed: %s", name, exc)
+                continue
             log.error("%s failed for good: %s", name, exc)
             failed.append(name)
     display.phase("training", "failed" if failed else "done")
     display.phase("finishing", "running", "final evaluation, summary, loss curve")
     now = time.time()
     wall = now - started
+    monitor.wait_for_storage()
     # Allocated learner time: each learner from the launch until its worker ended.
     allocated = sum(ended.get(n, now) - started for n in names if n.startswith("learner"))
     try:
@@ -1045,7 +1361,8 @@ def train_flow(
     except Exception as exc:  # the summary still reports the curve so far
         log.error("final evaluation failed: %r", exc)
     statuses = monitor.statuses()
-    update_progress_artifact(bar, monitor.progress(statuses))
+    if bar is not None:
+        best_effort(update_progress_artifact, bar, monitor.progress(statuses))
     if monitor.curve:
         report_metrics(metrics, monitor, monitor.curve[-1], statuses, log)
     metrics.close()
@@ -1055,7 +1372,8 @@ def train_flow(
         summary["chaos"] = failure_report(store, spec, folder, chaos.missed if chaos else [])
     png = loss_plot_png(monitor.curve, f"run {run}", metrics.training_curve())
     store.home.put(f"{run}/metrics/loss.png", png)
-    create_markdown_artifact(
+    best_effort(
+        create_markdown_artifact,
         summary_markdown(summary, png),
         key=artifact_key(run, "summary"),
         description=f"run {run}: summary and loss curve",

@@ -160,6 +160,32 @@ def train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: st
     signal.signal(signal.SIGTERM, _raise_interrupt)  # clean up the server on `kill` too
     if _is_complete(run, regions, cfg, root):
         return 0
+    from flows.run_lock import RunLock, RunLocked
+    from storage_layout.store import RunStore
+
+    # One launcher per run, taken before the run's Prefect server starts (two servers
+    # must never share its database): a second `diloco train` of a running run is refused.
+    store = RunStore(run, regions, home_region(regions), writer="launcher")
+    try:
+        lock = RunLock(store, on_lost=_taken_over).acquire()
+    except RunLocked as exc:
+        console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+        return 2
+    try:
+        return _train(run, regions, cfg, root, via)
+    finally:
+        lock.release()
+
+
+def _taken_over(who: str) -> None:
+    """Another launcher took the run over (this one's lease went stale): stop the workers;
+    the launcher flow then ends naming who took over."""
+    from flows import launcher
+
+    launcher._interrupt_children()
+
+
+def _train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: str) -> int:
     prefect_home = root / "prefect"
     os.environ.setdefault("PREFECT_HOME", str(prefect_home.resolve()))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -204,6 +230,10 @@ def train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: st
                     launcher.cancel_flow_runs()
                 console.print(f"resume with the same command (run {run!r})")
                 return 130
+            except (launcher.RunTakenOver, launcher.StorageUnreachable) as exc:
+                launcher.stop_children()
+                console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+                return 1
             finally:
                 launcher.flush_prefect()
     wall = time.perf_counter() - started

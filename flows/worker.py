@@ -10,7 +10,9 @@
 
 Every flow run resumes from the buckets (checkpoint or newest versions), so this process
 can be killed at any point and started again. Exit status: 0 when the role is done,
-130 when interrupted (after a checkpoint), 1 on an error (the launcher restarts it).
+130 when interrupted (after a checkpoint), ``API_DOWN`` (75) when it failed while the
+Prefect API was unreachable (the launcher waits for the API, and counts no crash), 1 on
+another error (the launcher restarts it).
 
 Started by the launcher, each flow run is a subflow of the launcher's task run that
 started this process (``flows.observe.run_linked``): the launcher's flow run lists every
@@ -27,6 +29,24 @@ import signal
 import sys
 import threading
 import time
+import urllib.request
+
+from infra.processes import die_with_parent
+
+API_DOWN = 75  # exit status: failed while the Prefect API was unreachable (EX_TEMPFAIL)
+
+
+def prefect_api_reachable(url: str | None = None, timeout: float = 5.0) -> bool:
+    """Whether the Prefect API (``url``, by default ``PREFECT_API_URL``) answers its health
+    check; True when there is none to ask (an ephemeral API lives in this process)."""
+    url = url or os.environ.get("PREFECT_API_URL")
+    if not url:
+        return True
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout) as answer:
+            return answer.status == 200
+    except OSError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,6 +101,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         time.sleep(1)
         return 1
+    except Exception:
+        if prefect_api_reachable():
+            raise
+        import traceback
+
+        traceback.print_exc()
+        print(f"error: the Prefect API at {os.environ.get('PREFECT_API_URL')} is unreachable; "
+              f"exiting with status {API_DOWN} (the launcher waits for it)", file=sys.stderr)  # fmt: skip
+        return API_DOWN
 
 
 def _warm_up(warm: dict[str, str]) -> None:
@@ -183,8 +212,10 @@ def zygote() -> int:
                     give(msg["job"], (msg["line"].rstrip("\n") + "\n").encode())
                     continue
                 read_end, write_end = os.pipe()
+                zygote_pid = os.getpid()
                 pid = os.fork()
                 if pid == 0:  # the spare: its own stdin and log, the default Ctrl-C
+                    die_with_parent(signal.SIGTERM, zygote_pid)  # (a fork clears it)
                     os.dup2(read_end, 0)
                     for fd in (read_end, write_end, *jobs.values()):
                         os.close(fd)
@@ -212,7 +243,14 @@ def zygote() -> int:
     return 0
 
 
+PARENT_ENV = "DILOCO_PARENT_PID"  # the launcher's pid, as it starts a worker
+
+
 if __name__ == "__main__":
+    # A worker dies with its launcher (SIGTERM: a learner checkpoints first), rather than
+    # train on unsupervised; one whose launcher is already gone stops at once.
+    parent = os.environ.get(PARENT_ENV)
+    die_with_parent(signal.SIGTERM, int(parent) if parent else None)
     if sys.argv[1:2] == ["standby"]:
         warm = json.loads(sys.argv[3]) if sys.argv[2:3] == ["--warm"] else None
         sys.exit(standby(warm))

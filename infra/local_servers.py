@@ -11,6 +11,7 @@ Each ``start`` sets the environment the clients read (``AWS_*``/``AWS_ENDPOINT_U
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -100,3 +101,71 @@ class LocalGCS:
         if self._server is not None:
             self._server.stop()  # unsets STORAGE_EMULATOR_HOST
             self._server = None
+
+
+@dataclass
+class Forwarder:
+    """A TCP forwarder on loopback to ``target`` (``host:port``) that can refuse
+    connections for a while: ``stop`` closes its port (a client gets "connection
+    refused", as from an endpoint that is down) and ends the connections in flight;
+    ``start`` opens the same port again. For tests of what a client does while its
+    storage endpoint is gone."""
+
+    target: str
+    port: int = 0
+    _listener: socket.socket | None = None
+    _conns: list = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Forwarder:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self.port = listener.getsockname()[1]
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        with self._lock:
+            listener, self._listener, conns, self._conns = self._listener, None, self._conns, []
+        if listener is not None:
+            listener.close()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.close()
+
+    def _accept(self, listener: socket.socket) -> None:
+        host, port = self.target.rsplit(":", 1)
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # closed by stop()
+            try:
+                upstream = socket.create_connection((host, int(port)), timeout=10)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                if self._listener is not listener:
+                    client.close()
+                    upstream.close()
+                    return
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=_pipe, args=(a, b), daemon=True).start()
+
+
+def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while data := src.recv(1 << 16):
+            dst.sendall(data)
+    for s in (src, dst):
+        with contextlib.suppress(OSError):
+            s.shutdown(socket.SHUT_RDWR)

@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from infra.processes import dying_with_this_process, read_pids, stop_leftovers, write_pids
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -61,7 +63,9 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 9
 
 @contextmanager
 def prefect_server(home: Path, port: int | None = None, services: bool = False) -> Iterator[str]:
-    """Start a server whose state lives in ``home``; yields its API URL."""
+    """Start a server whose state lives in ``home``; yields its API URL. The server stops
+    when this process dies (``die_with_parent``), and one that a dead process left in
+    ``home`` is stopped first."""
     home.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     log = home / "server.log"
@@ -71,11 +75,18 @@ def prefect_server(home: Path, port: int | None = None, services: bool = False) 
         # Flows run in our own processes: no scheduling. The event services stay on: task
         # runs reach the database (and the UI) only through them.
         argv += ["--no-scheduler", "--no-late-runs"]
+    # A server of this home that a process which died left running (its pid file): two
+    # servers must never share one database. (The caller holds the run, so the process
+    # that started it is gone.)
+    pid_file = home / "server.pid"
+    stop_leftovers(read_pids(pid_file), "prefect", grace=15.0, groups=("server",))
     with log.open("ab") as out:
         # Its own session: a Ctrl-C in the terminal must not stop it before the launcher has
-        # recorded the final states of its flow runs.
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                env=server_env(home, port), start_new_session=True)  # fmt: skip
+        # recorded the final states of its flow runs. It dies with this process, though.
+        proc = subprocess.Popen(dying_with_this_process(argv), stdout=out,
+                                stderr=subprocess.STDOUT, env=server_env(home, port),
+                                start_new_session=True)  # fmt: skip
+    write_pids(pid_file, {"server": proc.pid})
     url = f"http://127.0.0.1:{port}/api"
     try:
         wait_healthy(url, proc, log)
@@ -87,3 +98,4 @@ def prefect_server(home: Path, port: int | None = None, services: bool = False) 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        pid_file.unlink(missing_ok=True)

@@ -13,6 +13,8 @@
     {root}/{run}/globals/f{P}/latest.json             advisory pointer to the newest version
     {root}/{run}/ledger/f{P}/s{N}.json                 what retention deleted (for audits)
     {root}/{run}/metrics/{writer}.json
+    {root}/{run}/launcher/claims/s{N}.json      a launcher's claim on the run, written once
+    {root}/{run}/launcher/leases/s{N}.json      claim N's lease, renewed by its launcher
 
 Numbers are zero-padded to 12 digits (fragments to 4), so keys sort lexicographically in
 version order, and they are logical counters, never wall-clock times. Markers sit in
@@ -160,6 +162,16 @@ class RunLayout:
 
     def checkpoint_data(self, learner: str, step: int, write_id: str) -> str:
         return f"{self.run}/learners/{check_name('learner', learner)}/checkpoints/data/s{number(step)}-{write_id}"
+
+    # the launcher's lock on the run -------------------------------------------------
+    def launcher_claims(self) -> str:
+        """Launchers' claims on the run (``s{N}.json``, each written once by an exclusive
+        create): the newest claim holds the run while its lease is fresh."""
+        return f"{self.run}/launcher/claims"
+
+    def launcher_lease(self, claim: int) -> str:
+        """Claim ``claim``'s lease: overwritten by its launcher each time it renews it."""
+        return f"{self.run}/launcher/leases/s{number(claim)}.json"
 
     # learners' round history -------------------------------------------------------
     def history(self, learner: str) -> str:

@@ -1,0 +1,447 @@
+"""The launcher outlives what its workers outlive: storage that refuses connections, the
+Prefect API going away and coming back, a second launcher of the same run, its own
+death (its workers die with it; a relaunch stops what its predecessor left), a paused
+syncer. Real servers throughout: moto's S3 behind a forwarder that can refuse
+connections, Prefect servers of the test's own where one is killed."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import fsspec
+import httpx
+import pytest
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_progress_artifact
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from diloco.config import load_config
+from flows import run_lock
+from flows.launcher import Monitor, _watch, stop_predecessors
+from flows.run import initialize_run
+from flows.run_lock import RunLock, RunLocked
+from flows.worker import PARENT_ENV
+from infra.local_servers import Forwarder
+from infra.prefect_server import free_port, prefect_server, server_env, wait_healthy
+from infra.processes import command_line, write_pids
+from storage_layout.audit import audit_run
+from storage_layout.store import RunStore
+
+
+def until(check, what: str, timeout: float = 300.0):
+    """Wait for ``check()`` to be true (driven by what the code under test does; the
+    timeout only ends a test that would otherwise hang)."""
+    deadline = time.monotonic() + timeout
+    while not (found := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+    return found
+
+
+def test_the_launcher_watches_on_while_s3_refuses_connections(prefect_api, s3_server, caplog):
+    """Defect: S3 refusing connections for 30 s ended the run: botocore's
+    EndpointConnectionError (no OSError) escaped the watch and the launcher interrupted
+    every worker. The watch now logs it by name, once, goes on, notices the storage back
+    and ends with a summary."""
+    bucket = f"outage-{uuid.uuid4().hex[:10]}"
+    fsspec.filesystem("s3").mkdir(bucket)
+    regions = {"us-east": f"s3://{bucket}"}
+    cfg = load_config("tiny", overrides=["budget.tokens=20000"])
+    initialize_run(RunStore("outage", regions, "us-east"), cfg)
+    proxy = Forwarder(s3_server.removeprefix("http://")).start()
+    # The launcher's view of the bucket goes through the forwarder (one attempt per
+    # request: botocore's own retries would only make the outage slower to see).
+    options = {"endpoint_url": proxy.url, "config_kwargs": {"retries": {"max_attempts": 1}}}
+    store = RunStore("outage", regions, "us-east", writer="launcher",
+                     storage_options={"us-east": options})  # fmt: skip
+    monitor = Monitor(store, cfg, store.read_spec())
+
+    @task
+    def worker() -> int:
+        proxy.stop()  # S3 refuses connections ...
+        until(lambda: monitor.errors >= 6, "the watch to look through the outage")
+        proxy.start()  # ... and is back, on the same port
+        until(lambda: monitor.down_since is None, "the watch to see the storage back")
+        return 0
+
+    @flow(task_runner=ThreadPoolTaskRunner(max_workers=2))
+    def launch() -> tuple[dict, dict]:
+        bar = create_progress_artifact(0.0)
+        ended = _watch(["learner us-east/0"], [worker.submit()], monitor, bar, 0.05,
+                       get_run_logger())  # fmt: skip
+        return ended, monitor.summary(1.0, 1.0)
+
+    try:
+        with caplog.at_level("WARNING"):
+            ended, summary = launch()
+    finally:
+        proxy.stop()
+    assert list(ended) == ["learner us-east/0"]
+    assert summary["run"] == "outage" and summary["versions"] == {0: 0, 1: 0}
+    named = [r.getMessage() for r in caplog.records if "EndpointConnectionError" in r.getMessage()]
+    assert named and all("the watch goes on" in m for m in named), named
+    assert len(named) <= 3, named  # rate-limited: once per kind and per what was read
+    assert any("storage answers again" in r.getMessage() for r in caplog.records)
+
+
+class OwnPrefectServer:
+    """A Prefect server of this test's own (its own PREFECT_HOME and port), that it may
+    kill and start again on the same port and database: never the session's."""
+
+    def __init__(self, home: Path):
+        self.home, self.port, self.proc = home, free_port(), None
+        self.url = f"http://127.0.0.1:{self.port}/api"
+
+    def start(self) -> OwnPrefectServer:
+        self.home.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                "--port", str(self.port), "--no-scheduler", "--no-late-runs"]  # fmt: skip
+        with (self.home / "server.log").open("ab") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                         env=server_env(self.home), start_new_session=True)  # fmt: skip
+        wait_healthy(self.url, self.proc, self.home / "server.log", timeout=180)
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def _started(log: Path) -> dict[str, int]:
+    """The newest pid of each worker ("learner 1", "syncer 0") the launcher's log names."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    found = re.findall(r"(learner|syncer) [\w-]+/(\d+) started \(pid (\d+)", text)
+    return {f"{role} {index}": int(pid) for role, index, pid in found}
+
+
+PIPELINE = {"round_steps": 20, "rounds_per_flow_run": 2, "checkpoint_every": 20,
+            "poll_seconds": 0.1, "eval_seconds": 2.0, "syncer_shards": 1,
+            "max_failed_starts": 2, "spares": 0}  # fmt: skip
+
+
+def _train(root: Path, run: str, tokens: int, env: dict[str, str], log: Path,
+           **pipeline: object) -> subprocess.Popen:  # fmt: skip
+    """`diloco train` of ``run`` under ``root``, its output to ``log``."""
+    argv = [sys.executable, "-m", "flows.cli", "train", "--dir", str(root), "--run", run,
+            "--tokens", str(tokens)]  # fmt: skip
+    argv += [f"--set=pipeline.{k}={v}" for k, v in {**PIPELINE, **pipeline}.items()]
+    with log.open("ab") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+@pytest.mark.slow
+def test_a_run_outlives_its_prefect_server_killed_and_restarted(tmp_path):
+    """Defect: with the Prefect server killed mid-run, worker restarts failed to reach
+    the API and counted towards giving up, and the launcher's flow crashed and hung
+    without a summary. A restart now waits for the API, counts no crash, and the run
+    ends with its summary once the server is back."""
+    server = OwnPrefectServer(tmp_path / "prefect").start()
+    env = {**os.environ, "PREFECT_API_URL": server.url, "PREFECT_HOME": str(server.home)}
+    root, run = tmp_path / "runs", "api"
+    root.mkdir()
+    log = root / f"{run}.log"
+    proc = _train(root, run, 200_000, env, log)
+    regions = {r: f"file://{root / run / 'buckets' / r}" for r in ("us-east", "eu-west")}
+    try:
+        store = until(lambda: (root / run / "buckets" / "us-east" / run / "spec.json").exists()
+                      and RunStore(run, regions, "us-east"), "the run's spec")  # fmt: skip
+        until(lambda: (store.latest_global(0) or 0) >= 1, "the first merged version")
+        server.kill()  # the API goes away mid-run ...
+        os.kill(_started(log)["learner 1"], signal.SIGKILL)  # ... and a restart needs it
+        until(lambda: "the Prefect API at" in log.read_text() or proc.poll() is not None,
+              "the launcher to wait for the API")  # fmt: skip
+        server.start()  # the same port and database
+        code = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=120)
+        server.kill()
+    output = log.read_text()
+    assert code == 0, output[-4000:]
+    assert "is unreachable; waiting for it before starting learner eu-west/1 again" in output
+    assert "gave up" not in output and "failed without progress" not in output
+    summary = json.loads((root / run / "summary.json").read_text())
+    assert summary["failed"] == [] and set(summary["learner_states"].values()) == {"done"}
+
+
+def _lock_run(tmp_path: Path, run: str = "locked") -> RunStore:
+    (tmp_path / "us").mkdir(parents=True, exist_ok=True)
+    regions = {"us-east": f"file://{tmp_path / 'us'}"}
+    store = RunStore(run, regions, "us-east", writer="launcher")
+    initialize_run(store, load_config("tiny", overrides=["budget.tokens=20000"]))
+    return store
+
+
+def _foreign_claim(store: RunStore, claim: int, age: float, host: str = "elsewhere",
+                   pid: int = 1) -> None:  # fmt: skip
+    """A launcher's claim as another process would have written it, renewed ``age`` s ago."""
+    body = {"claim": claim, "host": host, "pid": pid, "time": time.time() - age, "nonce": "x"}
+    key = f"{store.layout.launcher_claims()}/s{claim:012d}.json"
+    store.home.put_exclusive(key, json.dumps(body).encode())
+    store.home.put(store.layout.launcher_lease(claim), json.dumps(body).encode())
+
+
+def test_one_launcher_per_run_a_second_is_refused_by_name_and_a_stale_one_taken_over(
+    tmp_path, monkeypatch
+):
+    """Defect: two launchers of one run both ran (two Prefect servers on one database,
+    learners fencing each other all run long). The run's lock in its home bucket refuses
+    a second launcher, naming the first, and of two started at the same moment exactly
+    one gets the run; a launcher that died is taken over once its lease is stale (at
+    once on its own host), and the one taken over learns it and stops."""
+    monkeypatch.setattr(run_lock, "RENEW_SECONDS", 0.05)
+    store = _lock_run(tmp_path)
+    first = RunLock(store).acquire()
+    with pytest.raises(RunLocked, match=r"run 'locked' is already running: launcher pid "
+                       rf"{os.getpid()} on host .* \(claim 1\), lease renewed \d+ s ago"):  # fmt: skip
+        RunLock(RunStore("locked", store.urls, "us-east")).acquire()
+    first.release()
+    again = RunLock(store).acquire()  # released: the next one starts at once
+    assert again.claim == 2
+    again.release()
+
+    # Two at the same moment: one claim, one clear refusal.
+    racers = [RunLock(RunStore("locked", store.urls, "us-east")) for _ in range(2)]
+    results: list[object] = []
+    barrier = threading.Barrier(2)
+
+    def race(lock: RunLock) -> None:
+        barrier.wait()
+        try:
+            results.append(lock.acquire())
+        except RunLocked as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=race, args=(lock,)) for lock in racers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    won = [r for r in results if isinstance(r, RunLock)]
+    lost = [r for r in results if isinstance(r, RunLocked)]
+    assert len(won) == 1 and len(lost) == 1, results
+    assert "run 'locked'" in str(lost[0]) and "launcher pid" in str(lost[0])
+    won[0].release()
+
+    # Another host's launcher: live while its lease is fresh, taken over once stale.
+    _foreign_claim(store, 4, age=1.0)
+    with pytest.raises(RunLocked, match="on host elsewhere"):
+        RunLock(store).acquire()
+    other = _lock_run(tmp_path / "b", "stale")
+    _foreign_claim(other, 1, age=run_lock.LEASE_SECONDS + 1)
+    taken = RunLock(other).acquire()
+    assert taken.claim == 2
+    taken.release()
+    # A dead process of this host: at once.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    third = _lock_run(tmp_path / "c", "dead")
+    _foreign_claim(third, 1, age=0.0, host=socket.gethostname(), pid=dead.pid)
+    assert RunLock(third).acquire().claim == 2
+
+    # The launcher taken over (its lease went stale while it could not renew) is told.
+    lost_to: list[str] = []
+    old = RunLock(RunStore("fenced", store.urls, "us-east"), on_lost=lost_to.append)
+    _lock_run(tmp_path, "fenced")
+    old.acquire()
+    _foreign_claim(old.store, 2, age=0.0)  # another host took it over
+    until(lambda: lost_to, "the old launcher to be told")
+    assert "host elsewhere (claim 2)" in lost_to[0] and old.lost == lost_to[0]
+    old.release()
+
+
+def test_a_relaunch_stops_the_workers_its_dead_predecessor_left(tmp_path, caplog):
+    """Defect: a killed launcher's workers trained on unsupervised beside its successor's.
+    The launcher records its workers' pids in the run's folder; the next launcher stops
+    each that is still a worker of that launcher (a pid reused by another program, or by
+    another run's worker, is left alone)."""
+    pids = tmp_path / "pids.json"
+    # The launcher that recorded them: this process (a worker whose recorded parent is
+    # not its parent stops at once; so they must be this one's children).
+    env = {**os.environ, PARENT_ENV: str(os.getpid())}
+    worker = subprocess.Popen([sys.executable, "-m", "flows.worker", "standby"],
+                              stdin=subprocess.PIPE, start_new_session=True, env=env)  # fmt: skip
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env)
+    another_runs = subprocess.Popen([sys.executable, "-m", "flows.worker", "standby"],
+                                    stdin=subprocess.PIPE)  # fmt: skip
+    procs = (worker, other, another_runs)
+    try:
+        write_pids(pids, {"learner us-east/0": worker.pid, "syncer us-east/0": other.pid,
+                          "learner us-east/2": another_runs.pid, PARENT_ENV: os.getpid()})  # fmt: skip
+        until(lambda: all("flows.worker" in command_line(p.pid) for p in (worker, another_runs)),
+              "the workers to start")  # fmt: skip
+        with caplog.at_level("WARNING"):
+            stop_predecessors(pids, logging.getLogger("test"))
+        assert worker.wait(timeout=60) != 0
+        assert other.poll() is None  # not a worker: not ours to stop
+        assert another_runs.poll() is None  # a worker, but not of that launcher
+        messages = [r.getMessage() for r in caplog.records]
+        assert any(f"learner us-east/0 (pid {worker.pid})" in m for m in messages), messages
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_prefect_server_left_by_a_dead_launcher_is_stopped_before_another_starts(tmp_path):
+    """Defect: a killed launcher's Prefect server was never stopped, and the next one
+    shared its database. A server left in the run's Prefect home (its pid file) is stopped
+    before a new one starts there."""
+    home = tmp_path / "prefect"
+    left = OwnPrefectServer(home).start()
+    write_pids(home / "server.pid", {"server": left.proc.pid})
+    try:
+        with prefect_server(home) as url:
+            assert left.proc.poll() is not None  # stopped
+            assert url != left.url and httpx.get(f"{url}/health").status_code == 200
+        assert not (home / "server.pid").exists()
+    finally:
+        left.kill()
+
+
+@pytest.mark.slow
+def test_two_launchers_of_one_run_and_a_killed_launchers_workers(tmp_path):
+    """Defects: two `diloco train` of one run started together: the second died with a
+    raw SQLite traceback (or, later, both ran); a launcher killed with SIGKILL left its
+    Prefect server and workers running unsupervised. Now the second is refused by name;
+    the killed launcher's workers and server die with it; and a relaunch takes the run
+    over at once (its predecessor is gone) and finishes it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+    root, run = tmp_path / "runs", "twice"
+    root.mkdir()
+    procs = {name: _train(root, run, 200_000, env, root / f"{name}.log") for name in "ab"}
+    left: list[int] = []
+    try:
+        first = until(lambda: next((n for n, p in procs.items() if p.poll() is not None), None),
+                      "one of the two launchers to end")  # fmt: skip
+        loser, winner = procs[first], procs["b" if first == "a" else "a"]
+        output = (root / f"{first}.log").read_text()
+        assert loser.returncode == 2, output[-3000:]
+        assert f"run '{run}' is already running: launcher pid {winner.pid}" in output or (
+            f"run '{run}' was claimed by another launcher at the same moment" in output
+        ), output[-3000:]
+        assert "Traceback" not in output and "sqlite" not in output.lower()
+        log = root / f"{'b' if first == 'a' else 'a'}.log"
+        workers = until(lambda: len(found := _started(log)) == 5 and found,
+                        "the winner's 4 learners and its syncer")  # fmt: skip
+        server = json.loads((root / run / "prefect" / "server.pid").read_text())["server"]
+        left = [*workers.values(), server]
+        assert all(command_line(pid) for pid in left)
+        winner.send_signal(signal.SIGKILL)
+        winner.wait()
+        until(lambda: not any(command_line(pid) for pid in left),
+              "the killed launcher's workers and server to die with it", timeout=120)  # fmt: skip
+        relaunch = _train(root, run, 200_000, env, root / "c.log")
+        procs["c"] = relaunch
+        code = relaunch.wait(timeout=600)
+        output = (root / "c.log").read_text()
+        assert code == 0, output[-4000:]
+        assert "already running" not in output
+        summary = json.loads((root / run / "summary.json").read_text())
+        assert summary["failed"] == [] and set(summary["learner_states"].values()) == {"done"}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                proc.wait(timeout=120)
+        for pid in left:  # what a failed test left
+            if "flows.worker" in command_line(pid) or "prefect" in command_line(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (``T``: stopped), '' once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0]
+    except (OSError, IndexError):
+        return ""
+
+
+@pytest.mark.slow
+def test_a_paused_syncer_is_named_and_a_stand_by_takes_its_fragments_over(prefect_api, tmp_path):
+    """Defect: a syncer paused (SIGSTOP) froze its fragments while the learners trained
+    on, and nothing said so. The launcher names it once its fragments have had no new
+    version for ``stall_seconds`` while the learners trained, and starts a stand-by that
+    publishes the next versions while it is still paused; when it wakes, the commit
+    protocol fences the two: the audit finds every contribution merged once."""
+    root, run = tmp_path / "runs", "paused"
+    root.mkdir()
+    log = root / "train.log"
+    proc = _train(root, run, 300_000, dict(os.environ), log, stall_seconds=10)
+    regions = {r: f"file://{root / run / 'buckets' / r}" for r in ("us-east", "eu-west")}
+    paused = None
+    try:
+        store = until(lambda: (root / run / "buckets" / "us-east" / run / "spec.json").exists()
+                      and RunStore(run, regions, "us-east"), "the run's spec")  # fmt: skip
+        until(lambda: (store.latest_global(0) or 0) >= 2, "two versions of fragment 0")
+        paused = _started(log)["syncer 0"]
+        os.kill(paused, signal.SIGSTOP)
+        frozen = store.latest_global(0)
+        until(lambda: "syncer us-east/0 has published no version of fragments [0, 1]" in log.read_text(),
+              "the launcher to name the paused syncer")  # fmt: skip
+        # A stand-by publishes while the paused one is still stopped.
+        until(lambda: (store.latest_global(0) or 0) > frozen or proc.poll() is not None,
+              "a version from the stand-by")  # fmt: skip
+        assert _state(paused) == "T" and store.latest_global(0) > frozen
+        os.kill(paused, signal.SIGCONT)
+        code = proc.wait(timeout=600)
+    finally:
+        if paused is not None and _state(paused):
+            os.kill(paused, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=120)
+    output = log.read_text()
+    assert code == 0, output[-4000:]
+    assert "syncer us-east/0: starting a stand-by for fragments [0, 1]" in output
+    summary = json.loads((root / run / "summary.json").read_text())
+    assert summary["failed"] == [] and set(summary["learner_states"].values()) == {"done"}
+    report = audit_run(run, regions)
+    assert report.ok, dict(report.violations)
+
+
+def test_a_syncer_is_called_stalled_only_while_the_learners_train_past_its_versions(
+    tmp_path, caplog
+):
+    """The rule behind the paused-syncer warning: a shard whose fragments have had no new
+    version for ``stall_seconds`` while the learners' steps went up is named, once per
+    stall; not while the learners stand still (starting, or all done), and it is said
+    when it publishes again."""
+    store = _lock_run(tmp_path, "stall")
+    cfg = load_config("tiny", overrides=["budget.tokens=20000", "pipeline.stall_seconds=0.01",
+                                         "pipeline.syncer_shards=2"])  # fmt: skip
+    monitor = Monitor(store, cfg, store.read_spec())
+    learners = list(store.read_spec()["learners"])
+
+    def steps(n: int, state: str = "training") -> dict:
+        return {lid: {"step": n, "state": state} for lid in learners}
+
+    versions = {0: 1, 1: 1}
+    assert monitor.stalled_syncers(steps(10), versions) == []  # first sight
+    time.sleep(0.05)  # past stall_seconds
+    assert monitor.stalled_syncers(steps(10), versions) == []  # nobody trained since
+    assert monitor.stalled_syncers(steps(10, "done"), versions) == []
+    with caplog.at_level("WARNING"):
+        stalled = monitor.stalled_syncers(steps(12), versions)
+        assert stalled == ["syncer us-east/0", "syncer us-east/1"]
+        assert monitor.stalled_syncers(steps(14), versions) == []  # named once per stall
+        assert monitor.stalled_syncers(steps(16), {0: 2, 1: 1}) == []
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("syncer us-east/0 has published no version of fragments [0]")
+               and "while the learners trained 8 steps" in m for m in messages), messages  # fmt: skip
+    assert "syncer us-east/0 publishes again (versions f0:v2)" in messages
+    assert monitor.stalled == {"syncer us-east/1"}
