@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextvars
 import io
 import json
 import logging
@@ -137,6 +138,7 @@ def child_env(
 
 
 _SPARES: Spares | None = None  # this launcher's spare workers (processes mode)
+FINISHED: dict[str, dict[str, Any]] = {}  # run -> its summary, once this launch has one
 
 
 @task(name="process", task_run_name="start {name}", cache_policy=NO_CACHE,
@@ -187,23 +189,49 @@ def run_process(name: str, argv: list[str], log_path: str, run: str = "", worker
 
 
 _best_effort_reported: dict[str, float] = {}  # call -> when its failure was last logged
+_best_effort_running: dict[str, threading.Thread] = {}  # call -> its call still under way
+REPORT_SECONDS = 10.0  # the watch waits at most this long for a report to the Prefect API
 
 
-def best_effort(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``call(*args, **kwargs)`` for what only reports to the Prefect API (a progress or
-    summary artifact): a failure (the API gone for a while) is logged by name, at most
-    once every ``QUIET_SECONDS`` per call, and never raised: the run needs none of it.
-    None when it failed."""
-    try:
-        return call(*args, **kwargs)
-    except Exception as exc:
-        name = getattr(call, "__name__", str(call))
+def best_effort(call: Callable[..., Any], *args: Any, wait: float = REPORT_SECONDS,
+                **kwargs: Any) -> Any:  # fmt: skip
+    """``call(*args, **kwargs)`` for what only reports (a progress or summary artifact,
+    the live metrics' tables): run off this thread and waited for at most ``wait``
+    seconds, so an API that is gone (whose client retries for minutes) never holds up
+    the watch or a Ctrl-C; one at a time per call (one still under way skips the next).
+    A failure or a call that takes too long is logged by name, at most once every
+    ``QUIET_SECONDS`` per call, and never raised: the run needs none of it. The call's
+    result, or None."""
+    name = getattr(call, "__name__", str(call))
+
+    def report(what: str) -> None:
         now = time.monotonic()
         if now - _best_effort_reported.get(name, -math.inf) >= QUIET_SECONDS:
             _best_effort_reported[name] = now
-            log.warning("%s failed (%s: %s); the run goes on without it", name,
-                        type(exc).__name__, str(exc)[:300])  # fmt: skip
-        return None
+            log.warning("%s %s; the run goes on without it", name, what)
+
+    busy = _best_effort_running.get(name)
+    if busy is not None and busy.is_alive():
+        busy.join(wait)
+        if busy.is_alive():
+            report("is still waiting on an earlier call (the Prefect API may be down)")
+            return None
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = call(*args, **kwargs)
+        except Exception as exc:
+            report(f"failed ({type(exc).__name__}: {str(exc)[:300]})")
+
+    context = contextvars.copy_context()  # (the flow run's, for the artifacts' links)
+    thread = threading.Thread(target=context.run, args=(run,), daemon=True, name=name)
+    _best_effort_running[name] = thread
+    thread.start()
+    thread.join(wait)
+    if wait > 0 and thread.is_alive():
+        report(f"did not answer in {wait:.0f} s")
+    return result.get("value")
 
 
 _PIDS: Path | None = None  # where this launcher records its workers' pids (logs/pids.json)
@@ -494,9 +522,22 @@ def on_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def stop_children(timeout: float = 60.0) -> None:
+STOP_SECONDS = 60.0  # workers asked to stop are killed after this (they checkpoint first)
+
+
+def stop_children(timeout: float = STOP_SECONDS) -> None:
     """Ctrl-C: ask every worker to checkpoint and exit, then kill what is left."""
-    procs = _interrupt_children()
+    _interrupt_children()
+    reap_children(timeout)
+
+
+def reap_children(timeout: float = STOP_SECONDS) -> None:
+    """Wait for the workers already asked to stop, ``timeout`` seconds in all, then kill
+    what is left: a worker that has checkpointed may still wait minutes on a Prefect API
+    that is gone to record its flow run's end. (No second SIGINT: it could interrupt a
+    checkpoint being written.)"""
+    with _lock:
+        procs = list(_children)
     deadline = time.monotonic() + timeout
     for proc in procs:
         try:
@@ -989,7 +1030,7 @@ def _watch(
             best_effort(update_progress_artifact, bar, pct)
         show_phases(display, statuses, point["versions"], point, pct)
         if metrics is not None:
-            report_metrics(metrics, monitor, point, statuses, log)
+            best_effort(report_metrics, metrics, monitor, point, statuses, log, wait=0.0)
         starting = None if started else startup_line(statuses, point["versions"])
         if starting:
             log.info("%s | validation loss %.4f", starting, point["loss"], extra=SHOWN)
@@ -1328,7 +1369,9 @@ def _launch(
         if not STOPPING.is_set():
             _interrupt_children()
         if via == "deployments":
-            cancel_flow_runs()
+            best_effort(cancel_flow_runs, wait=30.0)
+        else:
+            reap_children()
         raise
     finally:
         if chaos is not None:
@@ -1364,7 +1407,8 @@ def _launch(
     if bar is not None:
         best_effort(update_progress_artifact, bar, monitor.progress(statuses))
     if monitor.curve:
-        report_metrics(metrics, monitor, monitor.curve[-1], statuses, log)
+        best_effort(report_metrics, metrics, monitor, monitor.curve[-1], statuses, log,
+                    wait=60.0)  # fmt: skip
     metrics.close()
     summary = monitor.summary(wall, allocated)
     summary["failed"] = failed
@@ -1382,4 +1426,5 @@ def _launch(
     if failed:
         log.error("gave up on %s (each failed %d starts in a row without progress)",
                   failed, cfg.pipeline.max_failed_starts)  # fmt: skip
+    FINISHED[run] = summary  # (should the API not record the flow run's end)
     return summary

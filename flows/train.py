@@ -234,6 +234,21 @@ def _train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: s
                 launcher.stop_children()
                 console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
                 return 1
+            except Exception as exc:
+                # Prefect's engine raises when it cannot record the flow run's end (the
+                # API gone): the run's own outcome still stands.
+                summary = launcher.FINISHED.get(run)
+                interrupted = launcher.STOPPING.is_set()
+                if summary is None and launcher.prefect_api_reachable():
+                    raise
+                launcher.stop_children()
+                console.print(f"[bold red]error:[/] the Prefect API at {api_url} is unreachable "
+                              f"({type(exc).__name__}: {exc}); the launcher's flow run could not "
+                              "be recorded", soft_wrap=True)  # fmt: skip
+                if summary is None:
+                    console.print(f"the workers stopped (they checkpoint); resume with the same "
+                                  f"command (run {run!r})")  # fmt: skip
+                    return 130 if interrupted else 1
             finally:
                 launcher.flush_prefect()
     wall = time.perf_counter() - started

@@ -79,7 +79,13 @@ def prefect_server(home: Path, port: int | None = None, services: bool = False) 
     # servers must never share one database. (The caller holds the run, so the process
     # that started it is gone.)
     pid_file = home / "server.pid"
-    stop_leftovers(read_pids(pid_file), "prefect", grace=15.0, groups=("server",))
+    stop_leftovers(
+        read_pids(pid_file),
+        "prefect",
+        grace=15.0,
+        groups=("server",),
+        environ=f"PREFECT_HOME={home}",
+    )  # (a pid reused elsewhere is left alone)
     with log.open("ab") as out:
         # Its own session: a Ctrl-C in the terminal must not stop it before the launcher has
         # recorded the final states of its flow runs. It dies with this process, though.
