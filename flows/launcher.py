@@ -1030,7 +1030,7 @@ def _watch(
             best_effort(update_progress_artifact, bar, pct)
         show_phases(display, statuses, point["versions"], point, pct)
         if metrics is not None:
-            best_effort(report_metrics, metrics, monitor, point, statuses, log, wait=0.0)
+            best_effort(report_metrics, metrics, monitor, point, statuses, log)
         starting = None if started else startup_line(statuses, point["versions"])
         if starting:
             log.info("%s | validation loss %.4f", starting, point["loss"], extra=SHOWN)
