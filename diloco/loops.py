@@ -37,6 +37,7 @@ from diloco.outer import Contribution, FlatParams
 from diloco.quantize import payload_bytes
 from diloco.syncer import FragmentSyncer, GlobalVersion, estimate_step_seconds, grace_window
 from diloco.syncer import quorum_met as _quorum_met
+from diloco.tensors import as_tensors
 
 log = logging.getLogger(__name__)
 
@@ -489,8 +490,10 @@ class SyncerLoop:
             p, stored.params, outer, self.learners, is_embedding, version=stored.version,
             opt_leaves=stored.opt_leaves, cursor=stored.meta.get("cursor"),
             merged=stored.meta.get("merged"), progress=stored.meta.get("progress"),
+            sink=getattr(self.transport, "version_sink", None),
+            block_size=self.cfg.topology.block_size,
         )  # fmt: skip
-        syncer.history.update(stored.history)
+        syncer.history.update({v: as_tensors(h) for v, h in stored.history.items()})
         if stored.lost:
             syncer.version = max(stored.lost)  # numbering goes on above them
             self.lost[p] = sorted(stored.lost)
@@ -647,7 +650,11 @@ class SyncerLoop:
         its record, or None if nothing was merged or another syncer won the version."""
         syncer = self._loaded(p)
         self.clocks[p] = _MergeClock()
-        outcome = syncer.merge()
+        try:
+            outcome = syncer.merge()
+        except Exception:
+            self._reload(p)  # a half-done merge: forget it, read the fragment back
+            raise
         now = self.clock.now()
         for r in outcome.rejected:
             c = r.contribution
@@ -660,7 +667,11 @@ class SyncerLoop:
     def seal(self, p: int) -> records.Record | None:
         """At the run's end: publish the outcomes no merge will carry (see
         ``FragmentSyncer.seal``), so the versions account for every contribution."""
-        gv = self._loaded(p).seal()
+        try:
+            gv = self._loaded(p).seal()
+        except Exception:
+            self._reload(p)
+            raise
         return None if gv is None else self._publish(p, gv)
 
     def _publish(self, p: int, gv: GlobalVersion) -> records.Record | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import numpy as np
@@ -21,6 +22,7 @@ import optax
 
 from diloco.config import OuterConfig
 from diloco.quantize import QuantizedTensor, dequantize
+from diloco.tensors import as_tensors, pieces
 
 FlatParams = dict[str, np.ndarray]
 StalenessFn = Callable[[int], float]
@@ -46,6 +48,9 @@ class Contribution:
     # so (base_version, anchor_seq) names one trajectory: a learner that rejoins on the
     # version it had anchored on before it failed starts a new one, not a continuation.
     anchor_seq: int = 0
+    # What a transport found scanning the payload as it read it (``validate.Scan``: its
+    # norm, or a problem), so validation does not read it again; None: not scanned yet.
+    scan: Any = field(default=None, repr=False, compare=False)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -58,7 +63,9 @@ class Contribution:
 
     @property
     def nbytes(self) -> int:
-        return sum(q.nbytes for q in self.payload.values())
+        if isinstance(self.payload, Mapping):
+            return sum(q.nbytes for q in self.payload.values())
+        return int(self.payload.nbytes)
 
     def outer_gradient(self) -> FlatParams:
         return {n: dequantize(q) for n, q in self.payload.items()}
@@ -150,6 +157,79 @@ def rda_merge(
         n: mean[n] if is_embedding(n) else radial_directional_average([d[n] for d in deltas], w)
         for n in deltas[0]
     }
+
+
+# --- the same rules, a piece at a time (``diloco.tensors``; what the syncer runs) ------
+
+
+def normalized(weights: Sequence[float]) -> np.ndarray:
+    """Merge weights summing to one (float64); ``ValueError`` if they cannot."""
+    return _normalized(weights)
+
+
+def mean_piece(values: Sequence[np.ndarray], w: np.ndarray) -> np.ndarray:
+    """``weighted_mean`` of one piece: the same arithmetic, so the same bits."""
+    return sum(wi * d.astype(np.float64) for wi, d in zip(w, values, strict=True)).astype(
+        np.float32
+    )
+
+
+def rda_scales(
+    deltas: Sequence[Any],
+    w: np.ndarray,
+    shapes: Mapping[str, Sequence[int]],
+    is_embedding: Callable[[str], bool],
+    block_size: int,
+) -> dict[str, tuple[list[float], float]]:
+    """For ``rda`` a piece at a time: per non-embedding tensor, the norm of each outer
+    gradient and the norm of their weighted sum of unit vectors (two passes over the
+    pieces; float64 sums in piece order)."""
+    kept = {n: s for n, s in shapes.items() if not is_embedding(n)}
+    sums = {n: [0.0] * len(deltas) for n in kept}
+    for name, a, b in pieces(kept, block_size):
+        for i, d in enumerate(deltas):
+            sums[name][i] += float(np.sum(np.square(d.piece(name, a, b), dtype=np.float64)))
+    norms = {n: [math.sqrt(x) for x in v] for n, v in sums.items()}
+    direction = dict.fromkeys(kept, 0.0)
+    for name, a, b in pieces(kept, block_size):
+        s = _unit_sum([d.piece(name, a, b) for d in deltas], w, norms[name])
+        direction[name] += float(np.sum(np.square(s)))
+    return {n: (norms[n], math.sqrt(direction[n])) for n in kept}
+
+
+def _unit_sum(values: Sequence[np.ndarray], w: np.ndarray, norms: Sequence[float]) -> np.ndarray:
+    return sum(
+        wi * (x.astype(np.float64) / r if r > 0 else np.zeros(x.shape))
+        for wi, x, r in zip(w, values, norms, strict=True)
+    )
+
+
+def rda_piece(
+    values: Sequence[np.ndarray], w: np.ndarray, norms: Sequence[float], direction: float
+) -> np.ndarray:
+    """``radial_directional_average`` of one piece, given its tensor's ``rda_scales``."""
+    if direction <= 0:
+        return np.zeros(values[0].shape, np.float32)
+    radius = sum(wi * r for wi, r in zip(w, norms, strict=True))
+    return (radius * (_unit_sum(values, w, norms) / direction)).astype(np.float32)
+
+
+class Anchored:
+    """``anchored_delta`` a piece at a time: ``current - base + delta``."""
+
+    def __init__(self, current: Any, base: Any, delta: Any):
+        self.current, self.base, self.delta = as_tensors(current), as_tensors(base), delta
+
+    @property
+    def shapes(self) -> Mapping[str, tuple[int, ...]]:
+        return self.delta.shapes
+
+    def piece(self, name: str, start: int, stop: int) -> np.ndarray:
+        return (
+            self.current.piece(name, start, stop)
+            - self.base.piece(name, start, stop)
+            + self.delta.piece(name, start, stop)
+        )
 
 
 def anchored_delta(current: FlatParams, base: FlatParams, delta: FlatParams) -> FlatParams:

@@ -20,6 +20,7 @@ import statistics
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import jax
 import numpy as np
@@ -27,16 +28,31 @@ import optax
 
 from diloco.config import OuterConfig
 from diloco.outer import (
+    Anchored,
     Contribution,
     FlatParams,
-    anchored_delta,
     contribution_weight,
-    global_norm,
+    mean_piece,
+    normalized,
     outer_optimizer,
-    outer_step,
-    rda_merge,
+    rda_piece,
+    rda_scales,
     staleness_fn,
-    weighted_mean,
+)
+from diloco.tensors import (
+    ArrayTensors,
+    Difference,
+    MemorySink,
+    PayloadTensors,
+    SinkFactory,
+    Tensors,
+    as_tensors,
+    leaves_to_slots,
+    payload_view,
+    pieces,
+    slot_leaves,
+    state_slots,
+    step_piece,
 )
 from diloco.validate import ContributionRejected, check_contribution
 
@@ -71,8 +87,8 @@ def estimate_step_seconds(pending: Collection[Contribution], default: float) -> 
 class GlobalVersion:
     fragment: int
     version: int
-    params: FlatParams
-    opt_state: optax.OptState
+    params: Tensors  # the new master copy (arrays, or a version being streamed out)
+    slots: list[Tensors]  # the outer optimizer's state, per parameter (``state_slots``)
     consumed: tuple[tuple[str, int], ...]  # (learner, seq) merged into this version
     cursor: dict[str, int]  # per learner, the highest seq processed (merged, replaced, rejected)
     weights: dict[str, float]  # normalized merge weight per "learner/seq"
@@ -99,29 +115,35 @@ class FragmentSyncer:
     def __init__(
         self,
         fragment: int,
-        init: FlatParams,
+        init: FlatParams | Tensors,
         cfg: OuterConfig,
         learners: Collection[str],
         is_embedding: Callable[[str], bool],
         version: int = 0,
-        opt_leaves: list[np.ndarray] | None = None,
+        opt_leaves: list[Any] | None = None,
         cursor: dict[str, int] | None = None,
         merged: dict[str, list[float]] | None = None,
         progress: dict[str, int] | None = None,
+        sink: SinkFactory | None = None,
+        block_size: int = 128,
     ):
         self.fragment = fragment
         self.cfg = cfg
         self.learners = frozenset(learners)
         self.is_embedding = is_embedding
         self.tx = outer_optimizer(cfg)
-        self.params = {n: np.asarray(v, dtype=np.float32) for n, v in init.items()}
-        self.shapes = {n: v.shape for n, v in self.params.items()}
-        self.opt_state = self.tx.init(self.params)
+        # The master copy (and below, the outer optimizer's state) is read a piece at a
+        # time: arrays in memory, or a version in a bucket (``flows.bucket_io``).
+        self.params: Tensors = as_tensors(init)
+        self.shapes = {n: tuple(s) for n, s in self.params.shapes.items()}
+        self.block_size = block_size
+        self.sink: SinkFactory = sink or MemorySink
+        self.slots_per_param = state_slots(self.tx, self.shapes)
         if opt_leaves is not None:  # resuming from a stored version
-            treedef = jax.tree_util.tree_structure(self.opt_state)
-            self.opt_state = jax.tree_util.tree_unflatten(
-                treedef, [np.asarray(x) for x in opt_leaves]
-            )
+            self.slots = leaves_to_slots(opt_leaves, self.shapes, self.slots_per_param)
+        else:
+            zeros = ArrayTensors({n: np.zeros(s, np.float32) for n, s in self.shapes.items()})
+            self.slots = [zeros] * self.slots_per_param
         self.version = version
         self.cursor: dict[str, int] = dict(cursor or {})
         # Per learner, the inner step of its newest merged contribution: the learners read
@@ -135,10 +157,10 @@ class FragmentSyncer:
         # Norms per inner step of the recently accepted contributions (an outlier check).
         self.norms: deque[float] = deque(maxlen=NORM_WINDOW)
         # Versions inside the staleness window, for the anchored merge.
-        self.history: dict[int, FlatParams] = {version: self.params}
+        self.history: dict[int, Tensors] = {version: self.params}
         # Per anchor (learner, base version, anchor seq): the last merged contribution, so a
         # later, cumulative one from the same anchor is merged as its increment only.
-        self.merged_from: dict[tuple[str, int, int], tuple[Contribution, FlatParams | None]] = {}
+        self.merged_from: dict[tuple[str, int, int], tuple[Contribution, Tensors | None]] = {}
         for key, (seq, tokens, steps, seconds) in (merged or {}).items():
             learner, base, *anchor = key.split("/")  # (no anchor seq: stored before it existed)
             c = Contribution(learner, fragment, int(seq), int(base), int(tokens), int(steps),
@@ -156,8 +178,16 @@ class FragmentSyncer:
 
     @property
     def opt_leaves(self) -> list[np.ndarray]:
-        """The outer optimizer state as a flat list of arrays (what storage keeps)."""
-        return [np.asarray(x) for x in jax.tree_util.tree_leaves(self.opt_state)]
+        """The outer optimizer state as optax lists its leaves, whole (small fragments:
+        the simulator's store; a streamed version wrote its state as it went)."""
+        return slot_leaves(self.slots, self.shapes)
+
+    @property
+    def opt_state(self) -> optax.OptState:
+        """The outer optimizer state as optax holds it, whole (tests, small fragments)."""
+        template = self.tx.init({n: np.zeros(s, np.float32) for n, s in self.shapes.items()})
+        treedef = jax.tree_util.tree_structure(template)
+        return jax.tree_util.tree_unflatten(treedef, self.opt_leaves)
 
     def is_new(self, learner: str, seq: int) -> bool:
         """Not yet processed by any committed version (restarts must not double-count)."""
@@ -189,9 +219,7 @@ class FragmentSyncer:
     def present(self) -> set[str]:
         return {c.learner for c in self.pending.values()}
 
-    def _new_work(
-        self, item: tuple[Contribution, FlatParams]
-    ) -> tuple[Contribution, FlatParams] | None:
+    def _new_work(self, item: tuple[Contribution, Tensors]) -> tuple[Contribution, Tensors] | None:
         """The part of ``c`` not merged yet. A learner that sends again before it has
         received the version holding its previous contribution (same anchor) sends a
         cumulative outer gradient; merging it whole would count the earlier steps twice.
@@ -211,7 +239,7 @@ class FragmentSyncer:
             return None
         if self.cfg.reference == "delta" and before_delta is not None:
             # (after a restart only the counters are known; the delta is then merged whole)
-            delta = {n: delta[n] - before_delta[n] for n in delta}
+            delta = Difference(delta, before_delta)
         tokens, seconds = c.tokens - before.tokens, c.seconds - before.seconds
         return replace(c, tokens=tokens, steps=steps, seconds=seconds), delta
 
@@ -221,17 +249,17 @@ class FragmentSyncer:
         until there are a few: the outlier check needs something to compare with)."""
         return statistics.median(self.norms) if len(self.norms) >= NORM_MIN else None
 
-    def _admit(self) -> tuple[list[tuple[Contribution, FlatParams]], list[ContributionRejected]]:
+    def _admit(self) -> tuple[list[tuple[Contribution, Tensors]], list[ContributionRejected]]:
         """Validate and take every pending contribution (the cursor moves past each one,
         accepted or not); returns the new work to merge and the rejections."""
-        accepted: list[tuple[Contribution, FlatParams]] = []
+        accepted: list[tuple[Contribution, Tensors]] = []
         rejected: list[ContributionRejected] = []
         cfg = self.cfg
         for c in sorted(self.pending.values(), key=lambda c: (c.learner, c.seq)):
             try:
-                delta = check_contribution(c, self.shapes, self.learners, self.version,
-                                           cfg.max_staleness, cfg.max_norm, self.typical_norm,
-                                           cfg.max_norm_ratio)  # fmt: skip
+                scan = check_contribution(c, self.shapes, self.learners, self.version,
+                                          cfg.max_staleness, cfg.max_norm, self.typical_norm,
+                                          cfg.max_norm_ratio, self.block_size)  # fmt: skip
             except ContributionRejected as exc:
                 rejected.append(exc)
                 continue
@@ -239,15 +267,27 @@ class FragmentSyncer:
                 reason = f"base version {c.base_version} is no longer held"
                 rejected.append(ContributionRejected(c, reason))
                 continue
-            accepted.append((c, delta))
-            self.norms.append(global_norm(delta) / c.steps)
+            accepted.append((c, PayloadTensors(payload_view(c.payload))))
+            self.norms.append(scan.norm / c.steps)
         for c in self.pending.values():
             self.cursor[c.learner] = max(self.cursor.get(c.learner, 0), c.seq)
         self.pending.clear()
         return [item for item in map(self._new_work, accepted) if item is not None], rejected
 
+    def _outer_gradients(self, accepted: list[tuple[Contribution, Tensors]]) -> list[Tensors]:
+        """Each accepted contribution's outer gradient as merged: as sent (``delta``), or
+        rebased on the current version (``anchored``: current - base + delta)."""
+        if self.cfg.reference != "anchored":
+            return [d for _, d in accepted]
+        return [Anchored(self.params, self.history[c.base_version], d) for c, d in accepted]
+
     def merge(self) -> MergeOutcome:
-        """Merge every pending contribution that passes validation into version v + 1.
+        """Merge every pending contribution that passes validation into version v + 1,
+        a piece at a time (``diloco.tensors``): for each piece, the contributions'
+        values, the master copy's and the optimizer state's, the merge, the outer step,
+        and the new version's piece written to the sink. If anything fails half way,
+        the sink drops what it wrote and the error propagates (the caller reloads this
+        fragment from its newest committed version).
 
         Returns no version when nothing valid is pending (rejections are still reported).
         """
@@ -261,17 +301,28 @@ class FragmentSyncer:
         weights = [
             contribution_weight(c, s, self.g) for (c, _), s in zip(accepted, staleness, strict=True)
         ]
-        deltas = [
-            anchored_delta(self.params, self.history[c.base_version], d)
-            if self.cfg.reference == "anchored"
-            else d
-            for c, d in accepted
-        ]
-        if self.cfg.merge == "rda":
-            merged = rda_merge(deltas, weights, self.is_embedding)
-        else:
-            merged = weighted_mean(deltas, weights)
-        self.params, self.opt_state = outer_step(self.tx, self.params, self.opt_state, merged)
+        deltas = self._outer_gradients(accepted)
+        w = normalized(weights)
+        rda = (
+            rda_scales(deltas, w, self.shapes, self.is_embedding, self.block_size)
+            if self.cfg.merge == "rda"
+            else {}
+        )
+        sink = self.sink(self.fragment, self.version + 1, self.shapes, self.slots_per_param)
+        try:
+            for name, start, stop in pieces(self.shapes, self.block_size):
+                values = [d.piece(name, start, stop) for d in deltas]
+                merged = mean_piece(values, w)
+                if name in rda:
+                    merged = rda_piece(values, w, *rda[name])
+                params = self.params.piece(name, start, stop)
+                slots = [s.piece(name, start, stop) for s in self.slots]
+                new, new_slots = step_piece(self.tx, name, params, slots, merged)
+                sink.write(name, start, new, new_slots)
+            self.params, self.slots = sink.finish()
+        except BaseException:
+            sink.abort()
+            raise
         self.version += 1
         self.history[self.version] = self.params
         oldest = self.version - self.cfg.max_staleness
@@ -289,7 +340,7 @@ class FragmentSyncer:
                 fragment=self.fragment,
                 version=self.version,
                 params=self.params,
-                opt_state=self.opt_state,
+                slots=self.slots,
                 consumed=tuple(c.key for c, _ in accepted),
                 cursor=dict(self.cursor),
                 weights={label(c): w / total for (c, _), w in zip(accepted, weights, strict=True)},
@@ -307,15 +358,24 @@ class FragmentSyncer:
     def seal(self) -> GlobalVersion | None:
         """A version that merges nothing and records the outcomes decided since the last
         one (rejections, replacements, the cursor past them), for the run's end, when no
-        merge will carry them; the parameters and the outer state stay. None when there
-        is nothing to record."""
+        merge will carry them; the parameters and the outer state stay (copied a piece at
+        a time into the new version). None when there is nothing to record."""
         if not (self.rejections or self.superseded):
             return None
+        sink = self.sink(self.fragment, self.version + 1, self.shapes, self.slots_per_param)
+        try:
+            for name, start, stop in pieces(self.shapes, self.block_size):
+                sink.write(name, start, self.params.piece(name, start, stop),
+                           [s.piece(name, start, stop) for s in self.slots])  # fmt: skip
+            self.params, self.slots = sink.finish()
+        except BaseException:
+            sink.abort()
+            raise
         self.version += 1
         self.history[self.version] = self.params
         return GlobalVersion(
             fragment=self.fragment, version=self.version, params=self.params,
-            opt_state=self.opt_state, consumed=(), cursor=dict(self.cursor), weights={},
+            slots=self.slots, consumed=(), cursor=dict(self.cursor), weights={},
             staleness={}, tokens=0, seconds=0.0, merged=self.merged, progress=dict(self.progress),
             rejected=tuple(self._take(self.rejections)),
             superseded=tuple(self._take(self.superseded)),

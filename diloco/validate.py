@@ -7,12 +7,15 @@ wrong. A rejected contribution is reported and never merged.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
-from diloco.outer import Contribution, FlatParams, global_norm
+from diloco.outer import Contribution
 from diloco.quantize import STORAGE_DTYPE, dequantize, payload_bytes
+from diloco.tensors import Payload, payload_view, piece_size, pieces
 
 
 class ContributionRejected(ValueError):
@@ -26,6 +29,39 @@ class ContributionRejected(ValueError):
         )
 
 
+@dataclass(frozen=True)
+class Scan:
+    """What one pass over a payload's values found: its global L2 norm, or the first
+    problem (a value that is NaN or infinite, a piece of the wrong dtype)."""
+
+    norm: float = 0.0
+    problem: str | None = None
+
+
+def scan_payload(payload: Payload, block: int) -> Scan:
+    """One pass over ``payload``, a piece at a time: dtypes, finiteness and the norm
+    (sums of squares in float64, in piece order, so every transport gets the same
+    number). A storage-backed payload verifies each chunk it reads; its errors
+    (``OSError``, a damaged chunk) propagate to the caller."""
+    index = payload.index()
+    total = 0.0
+    if piece_size(block) % block:
+        return Scan(problem=f"block size {block} does not divide the piece size")
+    for name, start, stop in pieces({n: m.shape for n, m in index.items()}, block):
+        q = payload.read(name, start, stop)
+        if q.data.dtype != STORAGE_DTYPE[q.kind] or q.kind != index[name].kind:
+            return Scan(problem=f"tensor {name} has payload dtype {q.data.dtype} for kind "
+                                f"{index[name].kind!r}")  # fmt: skip
+        values = dequantize(q)
+        if values.size != stop - start:
+            return Scan(problem=f"tensor {name} holds {values.size} values at {start}, "
+                                f"expected {stop - start}")  # fmt: skip
+        if not np.all(np.isfinite(values)):
+            return Scan(problem=f"tensor {name} holds NaN or infinite values")
+        total += float(np.sum(np.square(values, dtype=np.float64)))
+    return Scan(math.sqrt(total))
+
+
 def check_contribution(
     c: Contribution,
     shapes: Mapping[str, tuple[int, ...]],
@@ -35,8 +71,11 @@ def check_contribution(
     max_norm: float,
     typical: float | None = None,
     max_ratio: float = 0.0,
-) -> FlatParams:
-    """Validate ``c`` against its fragment; return its outer gradient (float32).
+    expected_block: int = 128,
+) -> Scan:
+    """Validate ``c`` against its fragment; return its ``Scan`` (its norm). The values
+    are read a piece at a time (``c.scan``, when the transport has scanned them while
+    reading, is used instead), so no contribution is ever held whole.
     ``typical``: the median norm per inner step of the fragment's recent contributions;
     one above ``max_ratio`` times it is rejected (``max_ratio`` 0: no such check)."""
 
@@ -52,25 +91,32 @@ def check_contribution(
         raise reject(f"staleness {staleness} exceeds the maximum {max_staleness}")
     if c.steps <= 0 or c.tokens <= 0:
         raise reject(f"counts must be positive (tokens {c.tokens}, steps {c.steps})")
-    missing = sorted(set(shapes) - set(c.payload))
-    extra = sorted(set(c.payload) - set(shapes))
+    payload = payload_view(c.payload)
+    index = payload.index()
+    missing = sorted(set(shapes) - set(index))
+    extra = sorted(set(index) - set(shapes))
     if missing or extra:
         raise reject(f"tensors do not match the fragment (missing {missing}, unexpected {extra})")
-    for name, q in c.payload.items():
-        if tuple(q.shape) != tuple(shapes[name]):
+    for name, meta in index.items():
+        if tuple(meta.shape) != tuple(shapes[name]):
             raise reject(
-                f"tensor {name} has shape {tuple(q.shape)}, expected {tuple(shapes[name])}"
+                f"tensor {name} has shape {tuple(meta.shape)}, expected {tuple(shapes[name])}"
             )
-        expected_dtype = STORAGE_DTYPE.get(q.kind)
-        if expected_dtype is None or q.data.dtype != expected_dtype:
-            raise reject(f"tensor {name} has payload dtype {q.data.dtype} for kind {q.kind!r}")
-        if q.nbytes != payload_bytes(q.size, q.kind, q.block_size or 128):
-            raise reject(f"tensor {name} payload has {q.nbytes} bytes, expected a complete one")
-    delta = {n: dequantize(q) for n, q in c.payload.items()}
-    for name, value in delta.items():
-        if not np.all(np.isfinite(value)):
-            raise reject(f"tensor {name} holds NaN or infinite values")
-    norm = global_norm(delta)
+        if meta.kind not in STORAGE_DTYPE:
+            raise reject(f"tensor {name} has an unknown payload kind {meta.kind!r}")
+        if meta.dtype is not None and meta.dtype != np.dtype(STORAGE_DTYPE[meta.kind]).name:
+            raise reject(f"tensor {name} has payload dtype {meta.dtype} for kind {meta.kind!r}")
+        if meta.nbytes is not None and meta.nbytes != payload_bytes(
+            meta.size, meta.kind, meta.block_size or 128
+        ):
+            raise reject(f"tensor {name} payload has {meta.nbytes} bytes, expected a complete one")
+    blocks = {m.block_size for m in index.values() if m.kind in ("int8", "int4")}
+    if blocks - {expected_block}:
+        raise reject(f"quantization block size {sorted(blocks)}, expected {expected_block}")
+    scan = c.scan or scan_payload(payload, expected_block)
+    if scan.problem:
+        raise reject(scan.problem)
+    norm = scan.norm
     if norm > max_norm:
         raise reject(f"outer-gradient norm {norm:.4g} exceeds the bound {max_norm:.4g}")
     per_step = norm / c.steps
@@ -79,4 +125,4 @@ def check_contribution(
             f"outer-gradient norm per step {per_step:.4g} is {per_step / typical:.0f}x the "
             f"median {typical:.4g} of the fragment's recent contributions (bound {max_ratio:g}x)"
         )
-    return delta
+    return scan

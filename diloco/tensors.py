@@ -1,0 +1,292 @@
+"""A fragment's values a piece at a time, so a syncer's memory is flat in model size.
+
+A syncer never needs a whole fragment at once: the merge, the outer step, validation and
+quantization are elementwise or blockwise, and the few whole-tensor quantities (norms)
+are sums. So the syncer walks a fragment in **pieces**, ``(tensor, start, stop)`` of at
+most ``PIECE`` values (a multiple of the quantization block, so blocks never straddle
+two pieces), tensors in sorted name order, and holds one piece of each input at a time.
+
+- ``Tensors``: values readable a piece at a time. ``ArrayTensors`` is a plain
+  ``{name: ndarray}`` dict that also reads pieces (the simulator, small runs);
+  storage-backed ones (``flows.bucket_io``) read the piece's chunk objects from a bucket.
+- ``Payload``: a contribution's tensors as stored (quantized): ``QuantizedPayload`` over
+  ``{name: QuantizedTensor}``, or a bucket reader; ``payload_view`` wraps either.
+- ``VersionSink``: where a merge writes the new version, a piece at a time (in piece
+  order): ``MemorySink`` keeps it in arrays; the pipeline's streams it into the buckets.
+
+The piece boundaries depend only on the shapes, so every transport computes the same
+values in the same order, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import numpy as np
+import optax
+
+from diloco.quantize import QuantizedTensor, dequantize
+
+PIECE = 1 << 20  # values; the storage codec's chunk, so a piece spans at most two chunks
+
+
+def piece_size(block_size: int = 128) -> int:
+    """``PIECE`` rounded down to whole quantization blocks and to an even count (int4
+    packs two values per byte)."""
+    unit = math.lcm(max(1, block_size), 2)
+    return max(unit, PIECE - PIECE % unit)
+
+
+def pieces(
+    shapes: Mapping[str, Sequence[int]], block_size: int = 128
+) -> Iterator[tuple[str, int, int]]:
+    """``(name, start, stop)`` over every tensor's flattened values, names sorted."""
+    step = piece_size(block_size)
+    for name in sorted(shapes):
+        n = math.prod(shapes[name])
+        for start in range(0, n, step):
+            yield name, start, min(n, start + step)
+
+
+@runtime_checkable
+class Tensors(Protocol):
+    """Named float32 tensors, read a piece of flattened values at a time."""
+
+    @property
+    def shapes(self) -> Mapping[str, tuple[int, ...]]: ...
+
+    def piece(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Values ``[start, stop)`` of tensor ``name`` flattened in C order (float32)."""
+
+
+class ArrayTensors(dict):
+    """``{name: float32 ndarray}`` that is also ``Tensors``."""
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(v.shape) for n, v in self.items()}
+
+    def piece(self, name: str, start: int, stop: int) -> np.ndarray:
+        return self[name].reshape(-1)[start:stop]
+
+
+def as_tensors(values: Tensors | Mapping[str, Any]) -> Tensors:
+    """``values`` as ``Tensors``: a mapping of arrays becomes float32 ``ArrayTensors``."""
+    if isinstance(values, ArrayTensors) or not isinstance(values, Mapping):
+        return values
+    return ArrayTensors({n: np.asarray(v, dtype=np.float32) for n, v in values.items()})
+
+
+def materialize(values: Tensors) -> dict[str, np.ndarray]:
+    """Every tensor whole (small fragments, tests): ``{name: float32 ndarray}``."""
+    if isinstance(values, ArrayTensors):
+        return dict(values)
+    out = {}
+    for name, shape in values.shapes.items():
+        out[name] = (
+            np.concatenate(
+                [values.piece(name, a, b) for _, a, b in pieces({name: shape})] or [np.zeros(0)]
+            )
+            .astype(np.float32)
+            .reshape(shape)
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a payload says of one tensor before any value is read."""
+
+    kind: str
+    shape: tuple[int, ...]
+    block_size: int
+    nbytes: int | None = None  # the stored payload's size where known (in memory)
+    dtype: str | None = None  # its storage dtype where known before reading
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+class Payload(Protocol):
+    """A contribution's tensors as they travel (quantized), read a piece at a time."""
+
+    def index(self) -> Mapping[str, TensorMeta]: ...
+
+    def read(self, name: str, start: int, stop: int) -> QuantizedTensor:
+        """Values ``[start, stop)`` of ``name`` as stored (flat), with their scales."""
+
+
+def slice_quantized(q: QuantizedTensor, start: int, stop: int) -> QuantizedTensor:
+    """Values ``[start, stop)`` of ``q`` flattened (``start`` on a block boundary, even for
+    int4), as a flat ``QuantizedTensor`` of the same kind."""
+    n = stop - start
+    if q.kind in ("fp32", "bf16", "int8"):
+        data = q.data.reshape(-1)[start:stop]
+    else:  # int4: two codes per byte
+        data = q.data.reshape(-1)[start // 2 : -(-stop // 2)]
+    scales = None
+    if q.scales is not None:
+        scales = q.scales[start // q.block_size : -(-stop // q.block_size)]
+    return QuantizedTensor(q.kind, (n,), data, scales, q.block_size)
+
+
+class QuantizedPayload:
+    """``Payload`` over ``{name: QuantizedTensor}`` held in memory."""
+
+    def __init__(self, tensors: Mapping[str, QuantizedTensor]):
+        self.tensors = tensors
+
+    def index(self) -> dict[str, TensorMeta]:
+        return {n: TensorMeta(q.kind, tuple(q.shape), q.block_size, q.nbytes, q.data.dtype.name)
+                for n, q in self.tensors.items()}  # fmt: skip
+
+    def read(self, name: str, start: int, stop: int) -> QuantizedTensor:
+        return slice_quantized(self.tensors[name], start, stop)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(q.nbytes for q in self.tensors.values())
+
+
+def payload_view(payload: Any) -> Payload:
+    """A contribution's payload as a ``Payload`` (a mapping of tensors is wrapped)."""
+    return QuantizedPayload(payload) if isinstance(payload, Mapping) else payload
+
+
+class PayloadTensors:
+    """A payload's values, dequantized a piece at a time (``Tensors``)."""
+
+    def __init__(self, payload: Payload):
+        self.payload = payload
+        self._index = payload.index()
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: m.shape for n, m in self._index.items()}
+
+    def piece(self, name: str, start: int, stop: int) -> np.ndarray:
+        return dequantize(self.payload.read(name, start, stop)).reshape(-1)
+
+
+class Difference:
+    """``a - b`` piece by piece (a cumulative send minus the part already merged)."""
+
+    def __init__(self, a: Tensors, b: Tensors):
+        self.a, self.b = a, b
+
+    @property
+    def shapes(self) -> Mapping[str, tuple[int, ...]]:
+        return self.a.shapes
+
+    def piece(self, name: str, start: int, stop: int) -> np.ndarray:
+        return self.a.piece(name, start, stop) - self.b.piece(name, start, stop)
+
+
+# --- the outer optimizer's state, per parameter --------------------------------------
+
+
+def state_slots(tx: optax.GradientTransformation, shapes: Mapping[str, Sequence[int]]) -> int:
+    """How many state arrays ``tx`` keeps per parameter (0 for plain SGD, 1 with
+    momentum). A piece is stepped alone, so every leaf must belong to one parameter and
+    have its shape (elementwise state); a step count or any global leaf is refused."""
+    probe = {n: np.zeros(2, np.float32) for n in shapes}
+    leaves = jax.tree_util.tree_flatten_with_path(tx.init(probe))[0]
+    per: dict[str, int] = {n: 0 for n in shapes}
+    for path, leaf in leaves:
+        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        if not names or names[-1] not in per or np.shape(leaf) != (2,):
+            raise ValueError(f"the outer optimizer's state leaf {jax.tree_util.keystr(path)} is "
+                             "not elementwise per parameter; it cannot be stepped a piece at "
+                             "a time")  # fmt: skip
+        per[names[-1]] += 1
+    counts = set(per.values())
+    if len(counts) > 1:
+        raise ValueError(f"the outer optimizer keeps unequal state per parameter: {per}")
+    return counts.pop() if counts else 0
+
+
+def step_piece(
+    tx: optax.GradientTransformation,
+    name: str,
+    params: np.ndarray,
+    slots: Sequence[np.ndarray],
+    merged: np.ndarray,
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """One outer step on one piece of tensor ``name``: new values and state slots. The
+    optimizer is elementwise, so stepping pieces apart gives the bits stepping the whole
+    tensor gives."""
+    template = tx.init({name: params})
+    treedef = jax.tree_util.tree_structure(template)
+    state = jax.tree_util.tree_unflatten(treedef, list(slots))
+    updates, state = tx.update({name: merged}, state, {name: params})
+    new = optax.apply_updates({name: params}, updates)[name]
+    return (np.asarray(new, dtype=np.float32),
+            [np.asarray(x, dtype=np.float32) for x in jax.tree_util.tree_leaves(state)])  # fmt: skip
+
+
+def slot_leaves(slots: Sequence[Tensors], shapes: Mapping[str, Sequence[int]]) -> list[np.ndarray]:
+    """The optimizer state as optax lists its leaves (slot by slot, names sorted), whole."""
+    whole = [materialize(s) for s in slots]
+    return [w[n] for w in whole for n in sorted(shapes)]
+
+
+def leaves_to_slots(
+    leaves: Sequence[Any], shapes: Mapping[str, Sequence[int]], slots: int
+) -> list[Tensors]:
+    """Inverse of ``slot_leaves``: leaves (arrays, or ``Tensors`` already) -> slots."""
+    if len(leaves) and not isinstance(leaves[0], np.ndarray | jax.Array):
+        return [as_tensors(x) for x in leaves]
+    names = sorted(shapes)
+    if len(leaves) != slots * len(names):
+        raise ValueError(f"{len(leaves)} optimizer leaves for {len(names)} tensors and "
+                         f"{slots} state arrays each")  # fmt: skip
+    return [ArrayTensors({n: np.asarray(leaves[k * len(names) + i], np.float32)
+                          for i, n in enumerate(names)}) for k in range(slots)]  # fmt: skip
+
+
+# --- where a merge writes --------------------------------------------------------------
+
+
+class VersionSink(Protocol):
+    """A new version being written, a piece at a time in ``pieces`` order."""
+
+    def write(
+        self, name: str, start: int, params: np.ndarray, slots: Sequence[np.ndarray]
+    ) -> None: ...
+
+    def finish(self) -> tuple[Tensors, list[Tensors]]:
+        """Everything written: the version's parameters and state slots, readable."""
+
+    def abort(self) -> None:
+        """Drop what was written (a merge that failed half way)."""
+
+
+SinkFactory = Callable[[int, int, Mapping[str, Sequence[int]], int], VersionSink]
+
+
+class MemorySink:
+    """A version held in arrays (the simulator, small runs)."""
+
+    def __init__(
+        self, fragment: int, version: int, shapes: Mapping[str, Sequence[int]], slots: int
+    ):
+        self.params = ArrayTensors({n: np.empty(tuple(s), np.float32) for n, s in shapes.items()})
+        self.slots = [ArrayTensors({n: np.empty(tuple(s), np.float32) for n, s in shapes.items()})
+                      for _ in range(slots)]  # fmt: skip
+
+    def write(self, name: str, start: int, params: np.ndarray, slots: Sequence[np.ndarray]) -> None:
+        stop = start + params.size
+        self.params[name].reshape(-1)[start:stop] = params
+        for held, values in zip(self.slots, slots, strict=True):
+            held[name].reshape(-1)[start:stop] = values
+
+    def finish(self) -> tuple[Tensors, list[Tensors]]:
+        return self.params, self.slots
+
+    def abort(self) -> None:
+        pass

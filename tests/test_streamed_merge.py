@@ -1,0 +1,142 @@
+"""The syncer merges a piece at a time: the same bits whatever the piece size, the same
+bits as the whole-tensor rules, and nothing left changed by a merge that fails half way."""
+
+import numpy as np
+import pytest
+
+import diloco.tensors as tensors_mod
+from diloco.config import OuterConfig
+from diloco.outer import Contribution, anchored_delta, outer_optimizer, outer_step, weighted_mean
+from diloco.quantize import dequantize, quantize
+from diloco.syncer import FragmentSyncer
+from diloco.tensors import MemorySink, materialize, pieces
+
+SHAPES = {"blocks.0.up.kernel": (40, 33), "blocks.0.norm.scale": (33,), "embed.embedding": (7, 64)}
+
+
+def _init(seed=0):
+    rng = np.random.default_rng(seed)
+    return {n: rng.normal(size=s).astype(np.float32) for n, s in SHAPES.items()}
+
+
+def _contribution(learner, seq, base, seed, kind="int4"):
+    rng = np.random.default_rng(seed)
+    payload = {n: quantize(rng.normal(scale=0.01, size=s), kind, 128) for n, s in SHAPES.items()}
+    return Contribution(learner, 0, seq, base, tokens=1000 + seed, steps=10, seconds=1.0,
+                        payload=payload)  # fmt: skip
+
+
+def _run(cfg, piece=None, monkeypatch=None):
+    if piece is not None:
+        monkeypatch.setattr(tensors_mod, "PIECE", piece)
+    s = FragmentSyncer(0, _init(), cfg, ["a", "b", "c"], lambda n: n.startswith("embed"))
+    s.offer(_contribution("a", 1, 0, 1))
+    s.offer(_contribution("b", 1, 0, 2))
+    first = s.merge().version
+    s.offer(_contribution("c", 1, 0, 3))  # stale by one: anchored on version 0
+    s.offer(_contribution("a", 2, 1, 4))
+    second = s.merge().version
+    return [(materialize(v.params), [materialize(x) for x in v.slots]) for v in (first, second)]
+
+
+def _bits_equal(x, y):
+    for (p, slots), (q, other) in zip(x, y, strict=True):
+        for n in SHAPES:
+            assert p[n].tobytes() == q[n].tobytes(), n
+        for a, b in zip(slots, other, strict=True):
+            assert all(a[n].tobytes() == b[n].tobytes() for n in SHAPES)
+
+
+@pytest.mark.parametrize("reference", ["anchored", "delta"])
+def test_pieces_of_any_size_give_the_same_bits(reference, monkeypatch):
+    cfg = OuterConfig(lr=0.7, momentum=0.9, reference=reference)
+    whole = _run(cfg)
+    assert max(len(list(pieces({n: s}))) for n, s in SHAPES.items()) == 1
+    small = _run(cfg, piece=256, monkeypatch=monkeypatch)  # tensors cut in up to 6 pieces
+    assert len(list(pieces(SHAPES))) > len(SHAPES)
+    _bits_equal(whole, small)
+
+
+def test_the_piecewise_merge_is_the_whole_tensor_rule_bit_for_bit():
+    cfg = OuterConfig(lr=0.7, momentum=0.9)
+    s = FragmentSyncer(0, _init(), cfg, ["a", "b"], lambda n: False)
+    cs = [_contribution("a", 1, 0, 1), _contribution("b", 1, 0, 2)]
+    for c in cs:
+        s.offer(c)
+    gv = s.merge().version
+    tx = outer_optimizer(cfg)
+    init = _init()
+    deltas = [anchored_delta(init, init, c.outer_gradient()) for c in cs]
+    merged = weighted_mean(deltas, list(gv.weights.values()))
+    params, state = outer_step(tx, init, tx.init(init), merged)
+    for n in SHAPES:
+        assert params[n].tobytes() == materialize(gv.params)[n].tobytes()
+    assert all(
+        a.tobytes() == b.tobytes()
+        for a, b in zip(
+            [np.asarray(x) for x in __import__("jax").tree_util.tree_leaves(state)],
+            s.opt_leaves,
+            strict=True,
+        )
+    )
+
+
+def test_rda_pieces_agree_with_the_whole_tensor_rule(monkeypatch):
+    cfg = OuterConfig(merge="rda", reference="delta")
+    whole = _run(cfg)
+    small = _run(cfg, piece=256, monkeypatch=monkeypatch)
+    for (p, _), (q, _) in zip(whole, small, strict=True):
+        for n in SHAPES:  # sums of squares add up in another order: equal to rounding
+            np.testing.assert_allclose(p[n], q[n], rtol=1e-6, atol=1e-7)
+
+
+class _FailingSink(MemorySink):
+    """Fails after a number of pieces, as a bucket that goes away mid-version would."""
+
+    def __init__(self, *args, after=2, log=None):
+        super().__init__(*args)
+        self.left, self.log = after, log
+
+    def write(self, *args):
+        if self.left == 0:
+            raise OSError("the bucket went away")
+        self.left -= 1
+        super().write(*args)
+
+    def abort(self):
+        self.log.append("aborted")
+
+
+def test_a_merge_that_fails_half_way_drops_what_it_wrote(monkeypatch):
+    monkeypatch.setattr(tensors_mod, "PIECE", 256)
+    log = []
+    cfg = OuterConfig()
+    s = FragmentSyncer(0, _init(), cfg, ["a", "b"], lambda n: False,
+                       sink=lambda *a: _FailingSink(*a, log=log))  # fmt: skip
+    before = {n: v.copy() for n, v in materialize(s.params).items()}
+    s.offer(_contribution("a", 1, 0, 1))
+    with pytest.raises(OSError, match="went away"):
+        s.merge()
+    assert log == ["aborted"]
+    assert s.version == 0  # no version was made; the caller reloads the fragment
+    assert all(np.array_equal(before[n], materialize(s.params)[n]) for n in SHAPES)
+
+
+def test_a_contribution_is_read_a_piece_at_a_time(monkeypatch):
+    """Validation and the merge ask a payload for pieces, never for a whole tensor."""
+    monkeypatch.setattr(tensors_mod, "PIECE", 256)
+    asked = []
+
+    class Counting(tensors_mod.QuantizedPayload):
+        def read(self, name, start, stop):
+            asked.append(stop - start)
+            return super().read(name, start, stop)
+
+    c = _contribution("a", 1, 0, 1)
+    s = FragmentSyncer(0, _init(), OuterConfig(reference="delta"), ["a"], lambda n: False)
+    s.offer(Contribution(**{**c.__dict__, "payload": Counting(c.payload)}))
+    gv = s.merge().version
+    assert max(asked) <= 256 and sum(asked) == 2 * sum(np.prod(v) for v in SHAPES.values())
+    expect = {n: _init()[n] - dequantize(q) for n, q in c.payload.items()}
+    for n in SHAPES:
+        assert materialize(gv.params)[n].tobytes() == expect[n].tobytes()
