@@ -680,7 +680,8 @@ class SyncerLoop:
         if self.lost.get(p):
             record["lost_versions"] = self.lost[p]
         try:
-            won = self.transport.publish(gv, syncer.opt_leaves, record)
+            leaves = syncer.opt_leaves if syncer.in_memory else []  # streamed: written
+            won = self.transport.publish(gv, leaves, record)
         except Exception:
             self._reload(p)  # nothing committed: forget the merge, read them again
             raise

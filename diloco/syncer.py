@@ -183,6 +183,12 @@ class FragmentSyncer:
         return slot_leaves(self.slots, self.shapes)
 
     @property
+    def in_memory(self) -> bool:
+        """Whether the state is held in arrays (else a bucket holds it: a version the
+        merge streamed out, which its transport publishes as written)."""
+        return all(isinstance(x, ArrayTensors) for x in (self.params, *self.slots))
+
+    @property
     def opt_state(self) -> optax.OptState:
         """The outer optimizer state as optax holds it, whole (tests, small fragments)."""
         template = self.tx.init({n: np.zeros(s, np.float32) for n, s in self.shapes.items()})

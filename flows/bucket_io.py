@@ -34,13 +34,17 @@ from diloco.loops import GlobalView, StoredFragment, Unreadable
 from diloco.outer import Contribution, outer_optimizer
 from diloco.records import Record
 from diloco.syncer import GlobalVersion
+from diloco.tensors import Tensors, materialize, pieces
 from diloco.transport import GlobalDelta, downlink_update
+from diloco.validate import Scan, scan_payload
+from flows.version_stream import ReaderPayload, ReaderTensors, StreamedVersion, slot_names
 from storage_layout.auth import Keys, Unauthenticated
 from storage_layout.bucket import Traffic
-from storage_layout.commit import CommitConflict, CorruptVersion, patiently
+from storage_layout.commit import CommitConflict, CorruptVersion, patiently, read_marker
 from storage_layout.layout import number
 from storage_layout.retention import prune_checkpoints
 from storage_layout.store import PublishReport, RunStore, SeqNotReserved
+from storage_layout.stream import VersionReader
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +126,12 @@ def outer_leaf_names(cfg: OuterConfig, params: Mapping[str, Any]) -> list[str]:
     )
 
 
+def outer_names(cfg: OuterConfig, shapes: Mapping[str, Sequence[int]]) -> list[str]:
+    """``outer_leaf_names`` from the parameters' shapes alone."""
+    return list(_outer_names(cfg, tuple(sorted((n, tuple(int(x) for x in s))
+                                               for n, s in shapes.items()))))  # fmt: skip
+
+
 def named_outer_leaves(
     cfg: OuterConfig, params: Mapping[str, Any], leaves: Sequence[np.ndarray]
 ) -> dict[str, np.ndarray]:
@@ -174,6 +184,24 @@ def optimizer_state(
     return jax.tree_util.tree_unflatten(treedef, [placed[n] for n in names])
 
 
+class _Guarded:
+    """``Tensors`` that call ``on_damage`` before a read failure propagates."""
+
+    def __init__(self, tensors: Tensors, on_damage: Callable[[], None]):
+        self.tensors, self.on_damage = tensors, on_damage
+
+    @property
+    def shapes(self) -> Mapping[str, tuple[int, ...]]:
+        return self.tensors.shapes
+
+    def piece(self, name: str, start: int, stop: int) -> np.ndarray:
+        try:
+            return self.tensors.piece(name, start, stop)
+        except (CorruptVersion, KeyError, ValueError, OSError):
+            self.on_damage()
+            raise
+
+
 class BucketStore:
     """A run's ``Store`` in its regions' buckets (see the module docstring).
 
@@ -205,6 +233,11 @@ class BucketStore:
         # fragment -> (version, learners' copy) this process published last: the base of
         # the next version's compact update (read back from home when it is not this one)
         self._published: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
+        # (fragment, version) -> the version a merge is streaming out, until published
+        self._streams: dict[tuple[int, int], StreamedVersion] = {}
+        # (fragment, version) whose learners' copy could not be read as a compact
+        # update's base: the next version goes out whole
+        self._bad_bases: set[tuple[int, int]] = set()
         # (learner, fragment) -> seq -> the marker of a listed contribution not read yet
         self._heads: dict[tuple[str, int], dict[int, Any]] = {}
         # learner -> (claim, first, end) of the block of seqs this process holds
@@ -458,35 +491,80 @@ class BucketStore:
         return out
 
     def read(self, c: Contribution) -> Contribution | Unreadable:
-        """``c`` (a header from ``contributions``) with its tensors, or ``Unreadable`` when
-        its data does not match its marker after ``READ_ATTEMPTS`` reads (a read can come
-        back damaged while the object is whole; a rejection is for good). An ``OSError``
-        means: not readable yet."""
+        """``c`` (a header from ``contributions``) with its payload, read a piece at a time
+        (``ReaderPayload``), or ``Unreadable`` when its data does not match its marker
+        after ``READ_ATTEMPTS`` reads (a read can come back damaged while the object is
+        whole; a rejection is for good). Every chunk is read and checked here, and its
+        values scanned (``validate.scan_payload``: dtypes, NaN, the norm), in bounded
+        memory; the merge reads them again. An ``OSError`` means: not readable yet."""
         if c.payload is not None:
             return c
         learner, fragment, seq = c.learner, c.fragment, c.seq
         marker = self._heads[(learner, fragment)][seq]
-        region = self.region_of(learner)
+        bucket = self.main.bucket(self.region_of(learner))
+        where = self.main.layout.contribution_marker(learner, fragment, seq)
+
+        def scan() -> Scan:
+            return scan_payload(ReaderPayload(VersionReader(bucket, marker, where)),
+                                self.block_size)  # fmt: skip
+
         try:
-            tensors = patiently(
-                lambda: self.main.contribution_tensors(marker, learner, fragment, seq, region),
-                f"{learner} fragment {fragment} seq {seq}",
-                READ_ATTEMPTS,
-            )
+            found = patiently(scan, f"{learner} fragment {fragment} seq {seq}", READ_ATTEMPTS)
         except (CorruptVersion, KeyError, ValueError) as exc:
             return Unreadable(learner, fragment, seq, f"unreadable: {exc}")
-        return replace(c, payload=dict(tensors))
+        # A fresh reader for the merge: it holds no chunk until then.
+        return replace(c, payload=ReaderPayload(VersionReader(bucket, marker, where)), scan=found)
+
+    def version_sink(
+        self, fragment: int, version: int, shapes: Mapping[str, Sequence[int]], slots: int
+    ) -> StreamedVersion:
+        """Where the syncer merges version ``version`` of ``fragment``: straight into the
+        buckets (``StreamedVersion``); ``publish`` commits it."""
+        names = outer_names(self._outer(), shapes)
+        base = None
+        if self.downlink != "full" and version > 0 and (fragment, version - 1) not in self._bad_bases:
+            base = self._wire_of(fragment, version - 1)
+        sink = StreamedVersion(
+            self.main, fragment, version, shapes, slot_names(names, shapes, slots),
+            self.wire_dtype, self.downlink, self.block_size, base,
+        )  # fmt: skip
+        self._streams[(fragment, version)] = sink
+        return sink
+
+    def _wire_of(self, fragment: int, version: int) -> Tensors | None:
+        """The learners' copy of ``version`` at home, read a piece at a time (the base of
+        the next compact update), or None (that version goes out whole) when it cannot
+        be opened; a damaged chunk found while merging marks it (``_bad_bases``), and the
+        merge, tried again, sends the version whole."""
+        key = self.main.layout.global_marker(fragment, version)
+        try:
+            reader = VersionReader(self.main.home, read_marker(self.main.home, key), key)
+            return _Guarded(ReaderTensors(reader, "wire"),
+                            lambda: self._bad_bases.add((fragment, version)))  # fmt: skip
+        except (CorruptVersion, KeyError, ValueError, OSError) as exc:
+            log.warning("fragment %d: the learners' copy of version %d is unreadable (%s); "
+                        "version %d goes out whole", fragment, version, exc, version + 1)  # fmt: skip
+            return None
 
     def publish(self, gv: GlobalVersion, opt_leaves: list[Any], record: Record) -> bool:
+        streamed = self._streams.pop((gv.fragment, gv.version), None)
+        for key in [k for k in self._streams if k[0] == gv.fragment and k[1] < gv.version]:
+            del self._streams[key]  # merges that failed before a publish
+        if streamed is not None:
+            try:
+                self.last_report = streamed.commit(record)
+            except CommitConflict:
+                return False
+            return True
         base = self._learners_copy(gv.fragment, gv.version - 1)
-        wire, delta = downlink_update(
-            gv.params, base, self.wire_dtype, self.downlink, self.block_size
-        )
+        params = materialize(gv.params)
+        wire, delta = downlink_update(params, base, self.wire_dtype, self.downlink,
+                                      self.block_size)  # fmt: skip
         self._published.pop(gv.fragment, None)
-        opt = self._named_opt(gv.fragment, gv.params, opt_leaves)
+        opt = self._named_opt(gv.fragment, params, opt_leaves)
         try:
             self.last_report = self.main.publish_global(
-                gv.fragment, gv.version, gv.params, opt, record, self.wire_dtype,
+                gv.fragment, gv.version, params, opt, record, self.wire_dtype,
                 wire=wire, delta=delta, delta_base=gv.version - 1,
             )  # fmt: skip
         except CommitConflict:
@@ -511,6 +589,10 @@ class BucketStore:
             return None
 
     def load_fragment(self, fragment: int, window: int) -> StoredFragment:
+        """Fragment ``fragment``'s newest version that reads at home, and the versions
+        inside the staleness window, each read a piece at a time when used (nothing of
+        them is held here). The newest is read through once, every chunk checked, so a
+        damaged one is found now (and declared lost), not half way through a merge."""
         store = self.main
         versions = store.global_versions(fragment)
         if not versions:
@@ -518,9 +600,9 @@ class BucketStore:
         lost = []
         for version in reversed(versions):  # the newest that reads (only home holds it all)
             try:
-                state = store.get_global(fragment, version)
+                params, slots, meta = self._stored(fragment, version, check=True)
                 break
-            except CorruptVersion as exc:
+            except (CorruptVersion, KeyError, ValueError) as exc:
                 log.error("fragment %d version %d is corrupt at home: %s", fragment, version, exc)
                 lost.append(version)
         else:
@@ -529,12 +611,44 @@ class BucketStore:
         for v in versions:
             if version - window <= v < version:
                 try:
-                    history[v] = store.get_global(fragment, v).params
-                except CorruptVersion as exc:
+                    history[v] = self._stored(fragment, v)[0]
+                except (CorruptVersion, KeyError, ValueError) as exc:
                     # Contributions based on it are rejected ("no longer held"); the rest merge.
                     log.error("fragment %d version %d is corrupt; left out: %s", fragment, v, exc)
-        opt = ordered_outer_leaves(self._outer(), state.params, state.opt_names, state.opt_leaves)
-        return StoredFragment(version, state.params, opt, state.meta, history, lost)
+        return StoredFragment(version, params, slots, meta, history, lost)
+
+    def _stored(
+        self, fragment: int, version: int, check: bool = False
+    ) -> tuple[Tensors, list[Tensors], dict[str, Any]]:
+        """A version's master copy and outer optimizer state at home, as ``Tensors``
+        (``check``: every chunk read once and checked)."""
+        home, key = self.main.home, self.main.layout.global_marker(fragment, version)
+        marker = read_marker(home, key)
+        if "params/zarr.json" not in marker.objects:
+            raise CorruptVersion(f"{home.url}/{key} holds the learner view only; the master "
+                                 "copy and the optimizer state are in the syncers' home region")  # fmt: skip
+        reader = VersionReader(home, marker, key)
+        params = ReaderTensors(reader, "params")
+        stored = sorted(reader.index("opt"))
+        wanted = outer_names(self._outer(), params.shapes)
+        if stored and all(_POSITIONAL.match(n) for n in stored):
+            wanted_in_order = stored  # written before leaves had names: in optax's order
+        elif set(stored) != set(wanted):
+            raise CorruptVersion(f"{key}: outer optimizer state has leaves {stored[:3]}..., "
+                                 f"this optimizer {len(wanted)}")  # fmt: skip
+        else:
+            wanted_in_order = wanted
+        count = len(wanted_in_order) // max(1, len(params.shapes))
+        slots = [ReaderTensors(reader, "opt", names)
+                 for names in slot_names(wanted_in_order, params.shapes, count)]  # fmt: skip
+        if check:
+            for tensors in (params, *slots):
+                for name, start, stop in pieces(params.shapes):
+                    tensors.piece(name, start, stop)
+            reader = VersionReader(home, marker, key)  # one holding no chunk
+            params = ReaderTensors(reader, "params")
+            slots = [ReaderTensors(reader, "opt", s.names) for s in slots]
+        return params, slots, dict(marker.meta)
 
     def close(self, summary: dict[str, Any]) -> None:
         """Record the simulation's summary and the traffic of every writer it drove."""

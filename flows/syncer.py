@@ -81,6 +81,9 @@ class PipelineSyncerTransport:
     def load_fragment(self, fragment: int, window: int) -> StoredFragment:
         return self.store.load_fragment(fragment, window)
 
+    def version_sink(self, fragment: int, version: int, shapes: Any, slots: int) -> Any:
+        return self.store.version_sink(fragment, version, shapes, slots)
+
     def publish(self, gv: GlobalVersion, opt_leaves: list[Any], record: records.Record) -> bool:
         start = time.perf_counter()
         call = lambda: self.store.publish(gv, opt_leaves, record)  # noqa: E731

@@ -1,0 +1,261 @@
+"""Global versions and contributions through the buckets a piece at a time: the syncer's
+side of ``diloco.tensors`` over ``storage_layout.stream``.
+
+- ``StreamedVersion`` is the ``VersionSink`` a bucket-backed syncer merges into: each
+  piece of the new version goes out as it is made. The master copy (``params``) and the
+  outer optimizer state (``opt``) go to the home region only; the learners' copy
+  (``wire``, and the compact update ``delta`` when the downlink is quantized) to every
+  region, each region's chunk objects uploading in the background (``ObjectSink``).
+  Nothing is visible until ``commit`` writes the markers: home first (the arbiter), then
+  the other regions. A merge that fails half way aborts, and the objects written so far
+  are deleted (they are under a fresh write id that no marker names).
+- ``ReaderTensors`` and ``ReaderPayload`` read a committed (or just uploaded) version's
+  group a piece at a time, every chunk checked against its marker.
+
+So a syncer shard holds a few chunks per input and per output whatever the model's
+size: its memory is flat in model size.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from diloco.quantize import QuantizedTensor, dequantize, quantize
+from diloco.tensors import TensorMeta, Tensors
+from storage_layout.codec import GroupWriter, root_objects
+from storage_layout.commit import (
+    CommitConflict,
+    CommitMarker,
+    commit_marker,
+    discard_data,
+    new_write_id,
+)
+from storage_layout.store import PublishReport, RunStore
+from storage_layout.stream import ObjectSink, VersionReader
+
+log = logging.getLogger(__name__)
+
+IN_FLIGHT = 4  # chunk uploads outstanding per region
+
+
+class ReaderTensors:
+    """Group ``gname`` of a version as ``Tensors`` (float32 values, dequantized).
+    ``names`` maps a parameter's name to the stored tensor's (the ``opt`` group stores
+    leaves by their path in the optimizer's state: ``0/trace/blocks.0.up.kernel``)."""
+
+    def __init__(self, reader: VersionReader, gname: str, names: Mapping[str, str] | None = None):
+        self.reader, self.gname = reader, gname
+        index = reader.index(gname)
+        self.names = dict(names) if names is not None else {n: n for n in index}
+        missing = [s for s in self.names.values() if s not in index]
+        if missing:
+            raise KeyError(f"{reader.marker_key}: group {gname!r} lacks {missing[:3]}")
+        self._shapes = {n: tuple(index[s].shape) for n, s in self.names.items()}
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return self._shapes
+
+    def piece(self, name: str, start: int, stop: int) -> np.ndarray:
+        return dequantize(self.reader.read(self.gname, self.names[name], start, stop)).reshape(-1)
+
+
+class ReaderPayload:
+    """A contribution's ``delta`` group as a ``diloco.tensors.Payload``."""
+
+    def __init__(self, reader: VersionReader, gname: str = "delta"):
+        self.reader, self.gname = reader, gname
+
+    def index(self) -> dict[str, TensorMeta]:
+        return {n: TensorMeta(i.kind, tuple(i.shape), i.block_size)
+                for n, i in self.reader.index(self.gname).items()}  # fmt: skip
+
+    def read(self, name: str, start: int, stop: int) -> QuantizedTensor:
+        return self.reader.read(self.gname, name, start, stop)
+
+    @property
+    def nbytes(self) -> int:
+        return self.reader.marker.size
+
+
+def slot_names(leaf_names: Sequence[str], shapes: Mapping[str, Any], slots: int) -> list[dict]:
+    """Per state slot, parameter name -> its stored leaf name (``leaf_names`` as optax
+    lists the leaves: slot by slot, parameters sorted)."""
+    names = sorted(shapes)
+    if len(leaf_names) != slots * len(names):
+        raise ValueError(f"{len(leaf_names)} optimizer leaves for {len(names)} tensors and "
+                         f"{slots} state arrays each")  # fmt: skip
+    return [{n: leaf_names[k * len(names) + i] for i, n in enumerate(names)} for k in range(slots)]
+
+
+class StreamedVersion:
+    """Version ``version`` of ``fragment`` written to the buckets as it is merged (see
+    the module docstring). ``base`` is the learners' copy of the previous version (its
+    ``wire`` group) when the downlink sends compact updates; None sends the copy whole."""
+
+    def __init__(
+        self,
+        store: RunStore,
+        fragment: int,
+        version: int,
+        shapes: Mapping[str, Sequence[int]],
+        leaf_names: list[dict[str, str]],
+        wire_dtype: str,
+        downlink: str = "full",
+        block_size: int = 128,
+        base: Tensors | None = None,
+        write_id: str | None = None,
+    ):
+        self.store, self.fragment, self.version = store, fragment, version
+        self.shapes = {n: tuple(int(x) for x in s) for n, s in shapes.items()}
+        self.wire_dtype, self.downlink, self.block_size = wire_dtype, downlink, block_size
+        self.base = base if downlink != "full" else None
+        self.leaf_names = leaf_names
+        if len(leaf_names) > 1:
+            raise ValueError("a streamed version stores one optimizer state array per "
+                             f"parameter; this optimizer keeps {len(leaf_names)}")  # fmt: skip
+        self.write_id = write_id or new_write_id()
+        layout = store.layout
+        self.marker_key = layout.global_marker(fragment, version)
+        self.data_prefix = layout.global_data(fragment, version, self.write_id)
+        self.home = store.client_region
+        self.sinks: dict[str, ObjectSink] = {}
+        self.lagging: dict[str, str] = {}  # region -> why its copy is not written
+        for region in store.urls:
+            try:
+                self.sinks[region] = ObjectSink(store.bucket(region), self.data_prefix, IN_FLIGHT)
+            except OSError as exc:
+                if region == self.home:
+                    raise
+                self._lag(region, exc)
+        home = self._to(self.home)
+        everywhere = self._to_all
+        leaves = leaf_names[0] if leaf_names else {}
+        self.groups = {
+            "params": GroupWriter(home, "params", "fp32", self.shapes),
+            "opt": GroupWriter(home, "opt", "fp32",
+                               {leaves[n]: s for n, s in self.shapes.items() if n in leaves}),
+            "wire": GroupWriter(everywhere, "wire", wire_dtype, self.shapes, block_size),
+        }  # fmt: skip
+        if self.base is not None:
+            self.groups["delta"] = GroupWriter(everywhere, "delta", downlink, self.shapes,
+                                               block_size)  # fmt: skip
+        self.entries: dict[str, dict[str, dict]] = {}
+
+    # writing ----------------------------------------------------------------------------
+    def _lag(self, region: str, exc: BaseException) -> None:
+        self.lagging[region] = f"unreachable: {exc}"
+        sink = self.sinks.pop(region, None)
+        if sink is not None:
+            try:
+                sink.abort()
+            except Exception as err:  # its data is under a write id no marker will name
+                log.warning("could not discard %s in region %s: %s", self.data_prefix, region, err)
+        log.warning("region %s is behind on fragment %d: %s", region, self.fragment, exc)
+
+    def _to(self, region: str):
+        def put(rel: str, data: bytes) -> None:
+            self.sinks[region].put(rel, data)
+
+        return put
+
+    def _to_all(self, rel: str, data: bytes) -> None:
+        self._to(self.home)(rel, data)  # home's failure fails the version
+        for region in [r for r in self.sinks if r != self.home]:
+            try:
+                self.sinks[region].put(rel, data)
+            except OSError as exc:
+                self._lag(region, exc)
+
+    def write(self, name: str, start: int, params: np.ndarray, slots: Sequence[np.ndarray]) -> None:
+        n = params.size
+        self.groups["params"].append(name, QuantizedTensor("fp32", (n,), params))
+        for values in slots:
+            self.groups["opt"].append(self.leaf_names[0][name],
+                                      QuantizedTensor("fp32", (n,), values))  # fmt: skip
+        if self.base is None:
+            self.groups["wire"].append(name, quantize(params, self.wire_dtype, self.block_size))
+            return
+        # As ``diloco.transport.downlink_update`` and ``apply_delta``, on this piece.
+        base = self.base.piece(name, start, start + n)
+        delta = quantize(params - base, self.downlink, self.block_size)
+        wire = quantize(base + dequantize(delta), self.wire_dtype, self.block_size)
+        self.groups["delta"].append(name, delta)
+        self.groups["wire"].append(name, wire)
+
+    def finish(self) -> tuple[Tensors, list[Tensors]]:
+        """Close every group, write the root metadata, wait for the uploads; the new
+        version's master copy and state, readable from home (not yet committed)."""
+        for group in self.groups.values():
+            group.close()
+        attrs = {"kind": "global", "wire_dtype": self.wire_dtype, "fragment": self.fragment,
+                 "version": self.version}  # fmt: skip
+        if self.base is not None:
+            attrs["delta_base"] = self.version - 1
+        for rel, data in root_objects(attrs).items():
+            self._to_all(rel, data)
+        for region in list(self.sinks):
+            try:
+                self.entries[region] = self.sinks[region].finish()
+            except OSError as exc:
+                if region == self.home:
+                    raise
+                self._lag(region, exc)
+        marker = CommitMarker("global", self.data_prefix, self.entries[self.home],
+                              self.store.writer, self.write_id, {})  # fmt: skip
+        reader = VersionReader(self.store.home, marker, self.marker_key)
+        params = ReaderTensors(reader, "params")
+        slots = [ReaderTensors(reader, "opt", names) for names in self.leaf_names]
+        return params, slots
+
+    def abort(self) -> None:
+        for region, sink in list(self.sinks.items()):
+            try:
+                sink.abort()
+            except Exception as exc:
+                log.warning("could not discard %s in region %s: %s", self.data_prefix, region, exc)
+        self.sinks.clear()
+
+    # committing -------------------------------------------------------------------------
+    def commit(self, meta: Mapping[str, Any]) -> PublishReport:
+        """The markers: home first (``CommitConflict`` if another syncer holds this
+        version there: every copy of ours is deleted), then the other regions, each on
+        its own (one that fails is ``lagging``, caught up later by ``sync_regions``)."""
+        meta = {"fragment": self.fragment, "version": self.version, **meta}
+        if self.base is not None:
+            meta["delta_base"] = self.version - 1
+        store, report = self.store, PublishReport(self.version, lagging=dict(self.lagging))
+
+        def commit_in(region: str) -> None:
+            commit_marker(store.bucket(region), self.marker_key, self.data_prefix,
+                          self.entries[region], "global", meta, store.writer, self.write_id)  # fmt: skip
+            store.point_latest(region, self.fragment, self.version, self.write_id)
+
+        try:
+            commit_in(self.home)
+        except CommitConflict:
+            for region in self.entries:
+                if region != self.home:
+                    discard_data(store.bucket(region), self.data_prefix)
+            raise
+        report.committed.append(self.home)
+        others = [r for r in self.entries if r != self.home]
+        with ThreadPoolExecutor(max_workers=max(1, len(others))) as pool:
+            futures = {region: pool.submit(commit_in, region) for region in others}
+        for region, future in futures.items():
+            exc = future.exception()
+            if exc is None:
+                report.committed.append(region)
+            elif isinstance(exc, CommitConflict):
+                report.lagging[region] = "holds another write of this version"
+            elif isinstance(exc, OSError):
+                report.lagging[region] = f"unreachable: {exc}"
+                log.warning("region %s is behind on fragment %d: %s", region, self.fragment, exc)
+            else:
+                raise exc
+        return report
