@@ -218,12 +218,14 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _entry(data: bytes) -> dict[str, Any]:
-    entry: dict[str, Any] = {"size": len(data), "sha256": sha256(data)}
+def entry(data: bytes) -> dict[str, Any]:
+    """A marker's record of one object: its size and sha256, and the object itself when
+    it is small UTF-8 text (the Zarr metadata documents; see ``INLINE_BYTES``)."""
+    record: dict[str, Any] = {"size": len(data), "sha256": sha256(data)}
     if len(data) <= INLINE_BYTES:
         with contextlib.suppress(UnicodeDecodeError):
-            entry["inline"] = data.decode("utf-8")
-    return entry
+            record["inline"] = data.decode("utf-8")
+    return record
 
 
 def commit_version(
@@ -238,7 +240,9 @@ def commit_version(
     attempts: int = 4,
     sign: Callable[[CommitMarker], CommitMarker] | None = None,
 ) -> CommitMarker:
-    """Write ``objects`` under ``data_prefix`` and then the marker, exclusively.
+    """Write ``objects`` under ``data_prefix`` and then the marker, exclusively
+    (``commit_marker``; a writer that streams its objects up, ``storage_layout.stream``,
+    calls that itself).
 
     ``sign`` (e.g. ``storage_layout.auth.signer(key)``) returns the marker with its
     signature; it is applied to the finished marker, so it covers all of it.
@@ -246,18 +250,43 @@ def commit_version(
     holds the marker.
     """
     write_id = write_id or new_write_id()
+    entries = {rel: entry(blob) for rel, blob in objects.items()}
+    data = {f"{data_prefix}/{rel}": blob for rel, blob in objects.items()}
+    put_patiently(bucket, data, f"writing {data_prefix}")
+    return commit_marker(
+        bucket, marker_key, data_prefix, entries, kind, meta, writer, write_id, attempts, sign
+    )
+
+
+def commit_marker(
+    bucket: Bucket,
+    marker_key: str,
+    data_prefix: str,
+    entries: Mapping[str, Mapping[str, Any]],
+    kind: str,
+    meta: Mapping[str, Any],
+    writer: str,
+    write_id: str,
+    attempts: int = 4,
+    sign: Callable[[CommitMarker], CommitMarker] | None = None,
+) -> CommitMarker:
+    """Commit the objects already written under ``data_prefix``: the marker listing
+    ``entries`` (``{relative key: entry(object)}``), written create-exclusive.
+
+    A write whose answer was lost is read back: our ``write_id`` means it landed. When
+    another writer holds the marker, our data prefix is deleted and ``CommitConflict``
+    raised. ``sign`` as for ``commit_version``.
+    """
     marker = CommitMarker(
         kind=kind,
         data_prefix=data_prefix,
-        objects={k: _entry(v) for k, v in sorted(objects.items())},
+        objects={rel: dict(entries[rel]) for rel in sorted(entries)},
         writer=writer,
         write_id=write_id,
         meta=dict(meta),
     )
     if sign is not None:
         marker = sign(marker)
-    data = {f"{data_prefix}/{rel}": blob for rel, blob in objects.items()}
-    put_patiently(bucket, data, f"writing {data_prefix}")
     body = marker.to_json()
     delay = 0.1
     for attempt in range(attempts):
