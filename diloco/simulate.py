@@ -40,6 +40,7 @@ from diloco.loops import STEP, LearnerLoop, Request, SyncerLoop, Wait
 from diloco.model import ParamCodec
 from diloco.outer import FlatParams
 from diloco.quantize import payload_bytes
+from diloco.tensors import materialize
 from diloco.topology import learner_ids, shard_count, shard_fragments, shard_of
 from diloco.transport import MemoryStore, SimulatedNetwork, Store, transfer_seconds
 
@@ -402,7 +403,7 @@ def _simulate_loops(
 
     def global_params() -> dict:
         flat = {n: v for s in syncers.values() for f in s.syncers.values()
-                for n, v in f.params.items()}  # fmt: skip
+                for n, v in materialize(f.params).items()}  # fmt: skip
         return run.trainer.place_params(flat)
 
     def on_step(name: str) -> None:

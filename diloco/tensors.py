@@ -83,8 +83,8 @@ def as_tensors(values: Tensors | Mapping[str, Any]) -> Tensors:
 
 def materialize(values: Tensors) -> dict[str, np.ndarray]:
     """Every tensor whole (small fragments, tests): ``{name: float32 ndarray}``."""
-    if isinstance(values, ArrayTensors):
-        return dict(values)
+    if isinstance(values, Mapping):
+        return {n: np.asarray(v, dtype=np.float32) for n, v in values.items()}
     out = {}
     for name, shape in values.shapes.items():
         out[name] = (

@@ -522,7 +522,11 @@ class BucketStore:
         buckets (``StreamedVersion``); ``publish`` commits it."""
         names = outer_names(self._outer(), shapes)
         base = None
-        if self.downlink != "full" and version > 0 and (fragment, version - 1) not in self._bad_bases:
+        if (
+            self.downlink != "full"
+            and version > 0
+            and (fragment, version - 1) not in self._bad_bases
+        ):
             base = self._wire_of(fragment, version - 1)
         sink = StreamedVersion(
             self.main, fragment, version, shapes, slot_names(names, shapes, slots),
