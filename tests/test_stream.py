@@ -491,3 +491,37 @@ def test_a_metadata_bomb_of_the_sharded_format_is_refused(local):
     commit_version(local, KEY, data_prefix_of(KEY, "2" * 16), objects, "global", {}, "t", "2" * 16)
     with pytest.raises(FormatError, match="declares 20971520000 values"):
         VersionReader(local, read_marker(local, KEY), KEY).tensors("g")
+
+
+def test_a_version_many_chunks_large_streams_through_in_bounded_memory(local):
+    """64 chunks written piece by piece and read back piece by piece: at no moment does
+    the process hold more than a few chunks (traced allocations, not timing)."""
+    import tracemalloc
+
+    chunk, chunks = 1 << 16, 64  # 256 KiB fp32 chunks, 16 MiB in all
+    n, step = chunk * chunks, chunk // 2 + 64
+    value = lambda a, b: np.arange(a, b, dtype=np.float32)  # noqa: E731
+    write_id = new_write_id()
+    prefix = data_prefix_of(KEY, write_id)
+    bound = 12 * chunk * 4  # a few chunks: the pieces, the writer's, the uploads, the cache
+    tracemalloc.start()
+    try:
+        with ObjectSink(local, prefix, in_flight=3) as sink:
+            sink.put("zarr.json", root_objects({})["zarr.json"])
+            writer = GroupWriter(sink.put, "params", "fp32", {"w": (n,)}, chunk=chunk)
+            for a in range(0, n, step):
+                writer.append("w", quantize(value(a, min(n, a + step)), "fp32"))
+            writer.close()
+            entries = sink.finish()
+        _, written_peak = tracemalloc.get_traced_memory()
+        marker = commit_marker(local, KEY, prefix, entries, "global", {}, "test", write_id)
+        tracemalloc.reset_peak()
+        reader = VersionReader(local, marker, KEY)
+        for a in range(0, n, step):
+            got = reader.read("params", "w", a, min(n, a + step))
+            assert np.array_equal(got.data, value(a, min(n, a + step)))
+        _, read_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len([k for k in entries if "/c/" in k]) == chunks
+    assert written_peak < bound and read_peak < bound, (written_peak, read_peak, bound)
