@@ -43,8 +43,9 @@ MARKER_FORMAT = "diloco-commit"
 # Objects up to this size (the Zarr metadata documents) are also inlined in the marker, so
 # a reader needs one request for the marker and one per chunk, not one per object.
 INLINE_BYTES = 4096
-# The largest marker read: a marker lists one entry (about 150 bytes) per object, and a
-# version's arrays are a handful of Zarr shards, so real ones are kilobytes. A larger one
+# The largest marker read: a marker lists one entry (about 150 bytes) per object, one per
+# Zarr chunk of at most 1 Mi values (4 MiB of fp32), so a version of 1 B fp32 values
+# lists about 1,000 (150 KB) and this bound is reached near 100 GB of data. A larger one
 # is refused before it is parsed, let alone authenticated.
 MAX_MARKER_BYTES = 4 << 20
 
