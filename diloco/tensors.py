@@ -31,7 +31,9 @@ import optax
 
 from diloco.quantize import QuantizedTensor, dequantize
 
-PIECE = 1 << 20  # values; the storage codec's chunk, so a piece spans at most two chunks
+PIECE = (
+    1 << 18
+)  # values: a quarter of a storage chunk (1 Mi values), so pieces walk chunks in order
 
 
 def piece_size(block_size: int = 128) -> int:

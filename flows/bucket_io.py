@@ -505,7 +505,7 @@ class BucketStore:
         where = self.main.layout.contribution_marker(learner, fragment, seq)
 
         def scan() -> Scan:
-            return scan_payload(ReaderPayload(VersionReader(bucket, marker, where)),
+            return scan_payload(ReaderPayload(VersionReader(bucket, marker, where, cache=1)),
                                 self.block_size)  # fmt: skip
 
         try:
@@ -513,7 +513,9 @@ class BucketStore:
         except (CorruptVersion, KeyError, ValueError) as exc:
             return Unreadable(learner, fragment, seq, f"unreadable: {exc}")
         # A fresh reader for the merge: it holds no chunk until then.
-        return replace(c, payload=ReaderPayload(VersionReader(bucket, marker, where)), scan=found)
+        return replace(
+            c, payload=ReaderPayload(VersionReader(bucket, marker, where, cache=1)), scan=found
+        )
 
     def version_sink(
         self, fragment: int, version: int, shapes: Mapping[str, Sequence[int]], slots: int
@@ -542,7 +544,7 @@ class BucketStore:
         merge, tried again, sends the version whole."""
         key = self.main.layout.global_marker(fragment, version)
         try:
-            reader = VersionReader(self.main.home, read_marker(self.main.home, key), key)
+            reader = VersionReader(self.main.home, read_marker(self.main.home, key), key, cache=1)
             return _Guarded(ReaderTensors(reader, "wire"),
                             lambda: self._bad_bases.add((fragment, version)))  # fmt: skip
         except (CorruptVersion, KeyError, ValueError, OSError) as exc:
@@ -631,7 +633,7 @@ class BucketStore:
         if "params/zarr.json" not in marker.objects:
             raise CorruptVersion(f"{home.url}/{key} holds the learner view only; the master "
                                  "copy and the optimizer state are in the syncers' home region")  # fmt: skip
-        reader = VersionReader(home, marker, key)
+        reader = VersionReader(home, marker, key, cache=1)
         params = ReaderTensors(reader, "params")
         stored = sorted(reader.index("opt"))
         wanted = outer_names(self._outer(), params.shapes)
@@ -649,7 +651,7 @@ class BucketStore:
             for tensors in (params, *slots):
                 for name, start, stop in pieces(params.shapes):
                     tensors.piece(name, start, stop)
-            reader = VersionReader(home, marker, key)  # one holding no chunk
+            reader = VersionReader(home, marker, key, cache=1)  # one holding no chunk
             params = ReaderTensors(reader, "params")
             slots = [ReaderTensors(reader, "opt", s.names) for s in slots]
         return params, slots, dict(marker.meta)

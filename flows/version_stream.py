@@ -208,7 +208,7 @@ class StreamedVersion:
                 self._lag(region, exc)
         marker = CommitMarker("global", self.data_prefix, self.entries[self.home],
                               self.store.writer, self.write_id, {})  # fmt: skip
-        reader = VersionReader(self.store.home, marker, self.marker_key)
+        reader = VersionReader(self.store.home, marker, self.marker_key, cache=1)
         params = ReaderTensors(reader, "params")
         slots = [ReaderTensors(reader, "opt", names) for names in self.leaf_names]
         return params, slots
