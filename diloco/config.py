@@ -259,9 +259,11 @@ class PipelineConfig(_Strict):
     versions_per_flow_run: PositiveInt = Field(
         200, description="a syncer flow run ends after this many publishes"
     )
-    keep_versions: PositiveInt = Field(
-        100,
-        description="global versions kept per fragment (at least max_staleness + 2); older "
+    keep_versions: PositiveInt | None = Field(
+        None,
+        description="global versions kept per fragment; null: what the run needs, "
+        "outer.max_staleness + 2 (the anchored merge's bases, and a version to go back to "
+        "should the newest be damaged; a larger number keeps more, never fewer); older "
         "ones and the contributions merged into them are deleted as the run goes",
     )
     syncer_shards: PositiveInt = Field(
@@ -372,6 +374,12 @@ class RunConfig(_Strict):
         clock: its factor relative to the fastest learner's (real hardware can be slowed,
         not sped up, so the fastest runs as it is and ``[0.5, 1]`` means ``[1, 2]``)."""
         return self.speeds[learner] / min(self.speeds)
+
+    @property
+    def kept_versions(self) -> int:
+        """Global versions retention keeps per fragment: ``pipeline.keep_versions``, and
+        never fewer than the run needs (``outer.max_staleness + 2``)."""
+        return max(self.pipeline.keep_versions or 0, self.outer.max_staleness + 2)
 
     @property
     def quorum(self) -> int:
