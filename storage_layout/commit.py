@@ -221,7 +221,8 @@ def sha256(data: bytes) -> str:
 
 def entry(data: bytes) -> dict[str, Any]:
     """A marker's record of one object: its size and sha256, and the object itself when
-    it is small UTF-8 text (the Zarr metadata documents; see ``INLINE_BYTES``)."""
+    it is small UTF-8 text (the Zarr metadata documents, or a small chunk whose bytes
+    happen to be; see ``INLINE_BYTES``)."""
     record: dict[str, Any] = {"size": len(data), "sha256": sha256(data)}
     if len(data) <= INLINE_BYTES:
         with contextlib.suppress(UnicodeDecodeError):

@@ -229,26 +229,7 @@ class VersionReader:
 
     # objects --------------------------------------------------------------------------
     def _object(self, rel: str, missing: type[Exception] = CorruptVersion) -> bytes:
-        """Object ``rel`` of the version, checked against the marker."""
-        expect = self.marker.objects.get(rel)
-        if expect is None:
-            raise missing(f"{self.marker_key} lists no object {rel}")
-        key = f"{self.marker.data_prefix}/{rel}"
-        if "inline" in expect:
-            return _checked(expect["inline"].encode("utf-8"), expect, key, self.marker_key)
-
-        def fetch() -> bytes:
-            try:
-                data = self.bucket.get(key, limit=expect["size"])
-            except FileNotFoundError as exc:
-                raise CorruptVersion(
-                    f"{self.marker_key}: object {key} listed in the marker is missing"
-                ) from exc
-            except ObjectTooLarge as exc:
-                raise CorruptVersion(f"{self.marker_key}: object {key}: {exc}") from exc
-            return _checked(data, expect, key, self.marker_key)
-
-        return patiently(fetch, key)
+        return checked_object(self.bucket, self.marker, self.marker_key, rel, missing)
 
     def _open(self, docs: Mapping[str, bytes]) -> zarr.Group:
         store = MemoryStore({k: cpu.Buffer.from_bytes(v) for k, v in docs.items()})
@@ -434,6 +415,62 @@ class VersionReader:
                     i = pending.pop(future)
                     yield i, future.result()
                     submit()
+
+
+def checked_object(
+    bucket: Bucket,
+    marker: CommitMarker,
+    marker_key: str,
+    rel: str,
+    missing: type[Exception] = CorruptVersion,
+    use_inline: bool = True,
+) -> bytes:
+    """Object ``rel`` of a version (its inlined copy unless ``use_inline`` is False),
+    checked against the size and sha256 ``marker`` records: read again on a mismatch
+    (``patiently``), then ``CorruptVersion`` naming its key. An object the marker does not
+    list raises ``missing``."""
+    expect = marker.objects.get(rel)
+    if expect is None:
+        raise missing(f"{marker_key} lists no object {rel}")
+    key = f"{marker.data_prefix}/{rel}"
+    if use_inline and "inline" in expect:
+        return _checked(expect["inline"].encode("utf-8"), expect, key, marker_key)
+
+    def fetch() -> bytes:
+        try:
+            data = bucket.get(key, limit=expect["size"])
+        except FileNotFoundError as exc:
+            raise CorruptVersion(
+                f"{marker_key}: object {key} listed in the marker is missing"
+            ) from exc
+        except ObjectTooLarge as exc:
+            raise CorruptVersion(f"{marker_key}: object {key}: {exc}") from exc
+        return _checked(data, expect, key, marker_key)
+
+    return patiently(fetch, key)
+
+
+def verify_version(
+    bucket: Bucket, marker: CommitMarker, marker_key: str, parallel: int = PARALLEL
+) -> int:
+    """Read every object ``marker`` lists from the bucket (the inlined ones too) and
+    check it, at most ``parallel`` at once: what ``fetch_objects(..., use_inline=False)``
+    checks, in bounded memory whatever the version's size. Returns the bytes checked;
+    raises the first ``CorruptVersion`` (naming the object's key) or read failure."""
+
+    def check(rel: str) -> int:
+        return len(checked_object(bucket, marker, marker_key, rel, use_inline=False))
+
+    checked = 0
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        pending: set[Future] = set()
+        for rel in sorted(marker.objects):
+            if len(pending) >= parallel:
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                checked += sum(f.result() for f in done)
+            pending.add(pool.submit(check, rel))
+        checked += sum(f.result() for f in wait(pending).done)
+    return checked
 
 
 def _plain(arr: zarr.Array) -> bool:

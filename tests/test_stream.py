@@ -38,7 +38,7 @@ from storage_layout.commit import (
     read_version,
 )
 from storage_layout.layout import FORMAT_VERSION, data_prefix_of
-from storage_layout.stream import ObjectSink, VersionReader
+from storage_layout.stream import ObjectSink, VersionReader, verify_version
 
 KEY = "run/globals/f0000/commits/v000000000001.json"
 SMALL = 2048  # values per chunk in most tests, so tensors span chunks cheaply
@@ -221,6 +221,21 @@ def test_a_damaged_chunk_is_named_by_its_key_and_the_others_still_read(local):
     local.delete([key])
     with pytest.raises(CorruptVersion, match=r"params/data/c/2 listed in the marker is missing"):
         VersionReader(local, marker, KEY).read("params", "w")
+
+
+def test_verifying_a_version_reads_every_stored_object_a_few_at_a_time(tmp_path):
+    (tmp_path / "b").mkdir()
+    bucket = CountingBucket(f"file://{tmp_path / 'b'}")
+    marker = commit_streamed(bucket, {"g": tensors("int8"), "h": tensors("bf16")})
+    assert verify_version(bucket, marker, KEY, parallel=2) == marker.size
+    assert len(bucket.reads) == len(marker.objects) and bucket.most <= 2  # inlined ones too
+    for rel in ("h/data/c/1", "g/zarr.json"):  # a chunk; a document the marker inlines
+        key = f"{marker.data_prefix}/{rel}"
+        good = bucket.get(key)
+        bucket.put(key, good[:-1] + bytes([good[-1] ^ 1]))
+        with pytest.raises(CorruptVersion, match=f"{rel} does not match its sha256"):
+            verify_version(bucket, marker, KEY)
+        bucket.put(key, good)
 
 
 class CountingBucket(Bucket):
