@@ -173,7 +173,7 @@ class PipelineSyncerTransport:
         try:
             report = collect_garbage(
                 self.store.main, self.fragments, self.store.learners,
-                window=self.keep_versions, orphan_age=ORPHAN_AGE,
+                window=max(self.keep_versions, self.window + 2), orphan_age=ORPHAN_AGE,
                 keys=self.store.keys,
             )  # fmt: skip
         except (OSError, ValueError) as exc:  # a failed request, or a stored object refused
@@ -207,7 +207,7 @@ class SyncerRuntime:
         self.fragments = shard_fragments(shard, shards, len(spec["fragments"]))
         store = bucket_store(run, regions, spec, self.cfg, f"syncer-{shard}", home=home)
         self.transport = PipelineSyncerTransport(
-            store, self.fragments, self.cfg.kept_versions,
+            store, self.fragments, self.cfg.pipeline.keep_versions or self.cfg.kept_versions,
             self.cfg.outer.max_staleness, self.log, self.cfg.budget.tokens,
         )  # fmt: skip
         self.transport.on_published = self.report

@@ -247,14 +247,14 @@ def _plan_contributions(
 
 
 def _plan_versions(
-    store: RunStore, p: int, keep: set[int], plan: _Plan, report: RetentionReport,
-    orphan_age: float | None,
+    store: RunStore, p: int, oldest_kept: int, pins: set[int], plan: _Plan,
+    report: RetentionReport, orphan_age: float | None,
 ) -> None:  # fmt: skip
     layout = store.layout
     for region in store.urls:
         bucket = store.bucket(region)
         for v in store.global_versions(p, region):
-            if v in keep:
+            if v >= oldest_kept or v in pins:
                 continue
             key = layout.global_marker(p, v)
             try:
@@ -342,8 +342,9 @@ def collect_garbage(
         decided = None if keys is not None and keys.verifies else _decided(store, p, versions)
         _plan_contributions(store, p, learners, cursor, plan, report, orphan_age, keys, decided)
         report.pinned[p] = sorted(v for v in plan.pins if v < newest - window)
-        keep = {v for v in versions if v >= newest - window} | plan.pins
-        _plan_versions(store, p, keep, plan, report, orphan_age)
+        # Kept: every version from ``newest - window`` up, listed or not (a listing that
+        # left the newest out must not make it look old in the next listing), and the pins.
+        _plan_versions(store, p, newest - window, plan.pins, plan, report, orphan_age)
         if not plan.doomed:
             continue
         write_ledger(store, p, {"contributions": plan.contributions,

@@ -431,6 +431,27 @@ def test_retention_keeps_what_learners_need(bucket_url):
     assert store.get_global(0, 5).version == 5
 
 
+def test_retention_never_deletes_the_newest_version_a_stale_listing_left_out(tmp_path):
+    """Home's listing leaves the newest version out (listings lag): every version from
+    ``newest - window`` up stays, in every region, listed at home or not."""
+    from storage_layout import faults
+
+    regions = {r: f"file://{tmp_path / r}" for r in ("us", "eu")}
+    for r in regions:
+        (tmp_path / r).mkdir()
+    store = RunStore("run", regions, "us", writer="syncer")
+    for v in range(5):
+        publish(store, 0, v, meta={"cursor": {}})
+    plan = {"seed": 1, "stale_list_rate": 1.0, "regions": ["us"], "ops": ["list"]}
+    with faults.inject(plan):
+        lagging = RunStore("run", regions, "us", writer="syncer")
+        assert lagging.global_versions(0) == [0, 1, 2, 3]  # v4 is left out at home
+        collect_garbage(lagging, 1, {}, window=1)
+    # (newest 3 as home listed it, window 1: versions 0 and 1 go, everywhere)
+    assert store.global_versions(0) == store.global_versions(0, "eu") == [2, 3, 4]
+    assert store.get_global(0, 4).version == 4
+
+
 def test_retention_collects_abandoned_temporaries_and_data_once_they_are_old(make_bucket):
     """A writer killed mid-write leaves a ``.tmp-*`` file that no listing shows, or data
     that no marker names (a full disk failed the marker); both go once older than the
