@@ -658,9 +658,15 @@ def row_cells(r: dict) -> list[str]:
     window = "–"
     if r.get("kept_at_keep_versions"):
         window = f"{r['kept_at_keep_versions']['bytes'] / GB:,.1f} GB"
+    syncer_s = val("syncer")
+    if syn is not None and "failed" not in syn:
+        syncer_s += f" (publish {syn['publish_seconds']:.2f}, load {syn['load_seconds']:.2f})"
+    adv = s.get("advance")
+    if adv and "failed" not in adv and adv["version_seconds"]:
+        syncer_s += f"; next {', '.join(f'{x:.2f}' for x in adv['version_seconds'])}"
     return [
-        size_name(r["model_params"]), str(r["P"]), f"{fp / 1e6:.1f} M",
-        val("syncer"), syncer_rss, upload, val("download"), learner_rss, pub, rd, per_version,
+        size_name(r["size"]), str(r["P"]), f"{fp / 1e6:.1f} M",
+        syncer_s, syncer_rss, upload, val("download"), learner_rss, pub, rd, per_version,
         kept, window,
     ]  # fmt: skip
 
@@ -672,33 +678,34 @@ def targets(rows: list[dict]) -> list[str]:
     flat = []
     for key in sorted({(r["backend"], r["P"]) for r in rows}):
         group = sorted((r for r in rows if (r["backend"], r["P"]) == key), key=lambda r: r["size"])
-        peaks = [(r["size"], r["steps"].get("syncer", {}).get("peak_rss")) for r in group]
-        peaks = [(s, p) for s, p in peaks if p]
+        peaks = [(r["size"], r["steps"].get("syncer", {})) for r in group]
+        peaks = [(s, st["peak_rss"], "failed" in st) for s, st in peaks if st.get("peak_rss")]
         if len(peaks) >= 2:
-            (s0, p0), (s1, p1) = peaks[0], peaks[-1]
-            flat.append((key, s0, p0, s1, p1, p1 <= 1.25 * p0))
+            (s0, p0, _), (s1, p1, k1) = peaks[0], peaks[-1]
+            flat.append((key, s0, p0, s1, p1, k1, not k1 and p1 <= 1.25 * p0))
     if flat:
         met = all(f[-1] for f in flat)
-        detail = "; ".join(f"{b} P={p}: {fmt_gb(p0)} GB at {size_name(s0)}, {fmt_gb(p1)} GB at "
-                           f"{size_name(s1)}" for (b, p), s0, p0, s1, p1, _ in flat)  # fmt: skip
+        detail = "; ".join(f"{b} P={p}: {fmt_gb(p0)} GB at {size_name(s0)}, "
+                           f"{'over ' if k1 else ''}{fmt_gb(p1)} GB at {size_name(s1)}"
+                           f"{' (killed)' if k1 else ''}"
+                           for (b, p), s0, p0, s1, p1, k1, _ in flat)  # fmt: skip
         out.append(f"- Syncer peak RSS flat in model size (largest within 1.25x of smallest): "
                    f"**{'met' if met else 'not met'}** ({detail}).")  # fmt: skip
     else:
         out.append("- Syncer peak RSS flat in model size: not measured (one size only).")
-    at1b = [r for r in rows if r["size"] >= 10**9 and "syncer" in r["steps"]]
-    if at1b:
-        peaks = [r["steps"]["syncer"]["peak_rss"] for r in at1b]
-        killed = any("failed" in r["steps"]["syncer"] for r in at1b)
-        met = not killed and max(peaks) < 2 * (1 << 30)
+    at1b = [r for r in rows if r["size"] == 10**9]
+    ran = [r for r in at1b if "syncer" in r["steps"]]
+    if ran:
+        ok = all("failed" not in r["steps"]["syncer"] for r in ran)
+        met = ok and max(r["steps"]["syncer"]["peak_rss"] for r in ran) < 2 * (1 << 30)
+        detail = "; ".join(f"{r['backend']} P={r['P']}: {row_cells(r)[4]}" for r in ran)
         out.append(f"- Syncer peak RSS under 2 GB at 1 B: **{'met' if met else 'not met'}** "
-                   f"(up to {fmt_gb(max(peaks))} GB{', killed' if killed else ''}).")  # fmt: skip
+                   f"({detail}).")  # fmt: skip
+    elif at1b:
+        detail = "; ".join(f"P={r['P']}: {r['failed']}" for r in at1b)
+        out.append(f"- Syncer peak RSS under 2 GB at 1 B: **not met**: no syncer ran ({detail}).")
     else:
-        tried = [r for r in rows if r["size"] >= 10**9]
-        out.append(
-            "- Syncer peak RSS under 2 GB at 1 B: "
-            + (f"**not met**: no syncer step ran ({'; '.join(r['failed'] for r in tried)})"
-               if tried else "not measured (no 1 B row)")
-        )  # fmt: skip
+        out.append("- Syncer peak RSS under 2 GB at 1 B: not measured (no 1 B row).")
     ratios = []
     for r in done:
         cells = row_cells(r)
@@ -733,29 +740,31 @@ HEADER = [
 ]  # fmt: skip
 
 
-def report(rows: list[dict], args, notes: list[str], commit: str) -> str:
-    from machine import machine
-
+def report(data: dict) -> str:
+    rows, notes, overrides = data["rows"], data["notes"], data["set"]
     lines = [
         "# bench/scale results",
         "",
-        f"Command: `python bench/scale/run.py {' '.join(sys.argv[1:])}`".rstrip(),
-        f"Machine: {machine()}; {notes[0]}",
-        f"Code measured: commit {commit}.",
+        f"Command: `python bench/scale/run.py {' '.join(data['command'])}`".rstrip(),
+        f"Machine: {data['machine']}; {notes[0]}",
+        f"Code measured: commit {data['commit']}.",
         "",
         f"Config: the `{PRESET}` preset with M = {LEARNERS} learners in two regions (home and "
         f"other, two learners each), K = quorum = {QUORUM}"
-        + (f", {' '.join(args.set)}" if args.set else "")
+        + (f", {' '.join(overrides)}" if overrides else "")
         + ". One fragment per size and P (the others are the same work). Seconds are the "
         "operation alone (the process's start and imports, and the generation of the "
         "synthetic tensors, are not counted); peak RSS is the process's `ru_maxrss`, with its "
         "resident memory right after imports in brackets. Throughput / raw: raw fsspec time "
         "for an object set of the same number and sizes over the protocol's time (publish: "
-        "both regions' objects of the version; read: the objects the learner fetched).",
+        "both regions' objects of the version; read: the objects the learner fetched). "
+        "Syncer s/version: collect, merge, outer step and publish of version 1 in a fresh "
+        "process (in brackets its publish alone, and the load of version 0 before it); "
+        "`next`: versions 2..N in one process that keeps its loop (the steady state).",
         *[f"{n}" for n in notes[1:]],
         "",
     ]
-    for backend in args.backends:
+    for backend in ("file", "s3"):
         mine = [r for r in rows if r["backend"] == backend]
         if not mine:
             continue
@@ -796,7 +805,12 @@ def main() -> int:
     parser.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--note", default="", help="a line for the results (e.g. the load)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent)
+    parser.add_argument("--render", type=Path, metavar="RESULTS_JSON",
+                        help="only write results.md (in --out) again from a results.json")  # fmt: skip
     args = parser.parse_args()
+    if args.render:
+        print(save(json.loads(args.render.read_text()), args.out))
+        return 0
     if args.versions < 1:
         parser.error("--versions must be at least 1")
     sizes = args.sizes if args.sizes is not None else [parse_size(s) for s in ("10M", "100M", "1B")]
@@ -831,29 +845,31 @@ def main() -> int:
 
         server = LocalS3().start()
         env.update(server.environment())
-    rows = []
+    from machine import machine
+
+    rows: list[dict] = []
+    data = {"command": sys.argv[1:], "machine": machine(), "commit": commit, "notes": notes,
+            "set": args.set, "rows": rows}  # fmt: skip
     try:
         for backend, size, ps, every in cases:
             for p in ps:
                 rows.append(bench_case(backend, size, p, args, tmp, env, every))
-                save(rows, args, notes, commit)
+                save(data, args.out)
     finally:
         if server is not None:
             server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     notes[0] += (f" Load average (1 min) {load:.1f} at the start, {os.getloadavg()[0]:.1f} at "
                  f"the end, on {os.cpu_count()} cores.")  # fmt: skip
-    text = save(rows, args, notes, commit)
-    print(text)
+    print(save(data, args.out))
     return 0
 
 
-def save(rows: list[dict], args, notes: list[str], commit: str) -> str:
-    args.out.mkdir(parents=True, exist_ok=True)
-    text = report(rows, args, notes, commit)
-    (args.out / "results.md").write_text(text)
-    (args.out / "results.json").write_text(json.dumps(
-        {"command": sys.argv[1:], "commit": commit, "notes": notes, "rows": rows}, indent=1))  # fmt: skip
+def save(data: dict, out: Path) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    text = report(data)
+    (out / "results.md").write_text(text)
+    (out / "results.json").write_text(json.dumps(data, indent=1))
     return text
 
 
