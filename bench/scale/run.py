@@ -510,7 +510,7 @@ def pick_largest(args, tmp: Path) -> tuple[int | None, list[int], str]:
     """The largest size of ``LADDER`` whose one-fragment round fits the free disk for some
     P asked (with ``DISK_RESERVE`` left free), the Ps it fits with, and why it stopped."""
     free = shutil.disk_usage(tmp).free - DISK_RESERVE
-    chosen, fits, why = None, [], ""
+    chosen, fits, why, fitted = None, [], "", ""
     for name in LADDER:
         size = parse_size(name)
         ok = []
@@ -525,8 +525,8 @@ def pick_largest(args, tmp: Path) -> tuple[int | None, list[int], str]:
                    f"{free / GB:.0f} GB free (keeping {DISK_RESERVE / GB:.0f} GB) in {tmp}")  # fmt: skip
             break
         chosen, fits = size, ok
-        why = f"{name} fits ({', '.join(needs)} per fragment; {free / GB:.0f} GB free)"
-    return chosen, fits, why
+        fitted = f"{name} fits ({', '.join(needs)} per fragment; {free / GB:.0f} GB free)"
+    return chosen, fits, f"{fitted}; {why}" if chosen and why else why or fitted
 
 
 def bench_case(backend: str, size: int, p: int, args, tmp: Path, env: dict, every: bool) -> dict:
@@ -774,9 +774,12 @@ def report(data: dict) -> str:
                   "|" + "---|" * len(HEADER)]  # fmt: skip
         for r in mine:
             lines.append("| " + " | ".join(row_cells(r)) + " |")
-        failed = [r for r in mine if r["failed"]]
-        for r in failed:
-            lines.append(f"\n{size_name(r['size'])} P={r['P']}: stopped at {r['failed']}.")
+        for r in mine:
+            if r["failed"]:
+                killed = [v for v in r["steps"].values() if "failed" in v]
+                how = (f" (peak {fmt_gb(killed[0]['peak_rss'])} GB, {killed[0]['wall']:.0f} s "
+                       "after its start)" if killed else "")  # fmt: skip
+                lines.append(f"\n{size_name(r['size'])} P={r['P']}: stopped at {r['failed']}{how}.")
         lines.append("")
     lines += ["## Targets (issue 28)", "", *targets(rows), ""]
     return "\n".join(lines)
@@ -835,7 +838,8 @@ def main() -> int:
     if args.largest:
         size, fits, why = pick_largest(args, tmp)
         notes.append(f"- `--largest`: {why}." if size is None else
-                     f"- `--largest` picked {size_name(size)} with P = {fits}: {why}.")  # fmt: skip
+                     f"- `--largest` picked {size_name(size)} with P = "
+                     f"{', '.join(map(str, fits))}: {why}.")  # fmt: skip
         if size is not None:
             cases.append(("file", size, fits, True))
     server = None
