@@ -51,9 +51,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from storage_layout.bucket import BucketError
-from storage_layout.commit import CorruptVersion, fetch_objects, read_marker
+from storage_layout.commit import CorruptVersion, read_marker
 from storage_layout.retention import read_ledger
 from storage_layout.store import RunStore, spec_home
+from storage_layout.stream import verify_version
 
 INVARIANTS = (
     "objects-verify",
@@ -240,7 +241,7 @@ def _versions(
             try:
                 marker = read_marker(bucket, key)
                 write_ids[("version", v)][region] = marker.write_id
-                fetch_objects(bucket, marker, key, use_inline=False)
+                verify_version(bucket, marker, key)
             except (CorruptVersion, FileNotFoundError) as exc:
                 damaged[v].append(f"{region}: {exc}")
                 continue
@@ -280,7 +281,7 @@ def _contributions(
                 continue
             c = sent[(learner, seq)] = sent_from_meta(learner, seq, marker.meta, marker.write_id)
             try:
-                fetch_objects(bucket, marker, key, use_inline=False)
+                verify_version(bucket, marker, key)
                 report.objects += 1
             except (CorruptVersion, FileNotFoundError) as exc:
                 c.damage = f"{region}: {exc}"  # a violation unless a syncer rejected it

@@ -12,9 +12,10 @@ from collections import defaultdict
 from typing import Any
 
 from storage_layout.bucket import Bucket, BucketError
-from storage_layout.commit import CorruptVersion, fetch_objects, read_marker
+from storage_layout.commit import CorruptVersion, read_marker
 from storage_layout.layout import RunLayout, parse_marker_name
 from storage_layout.store import RunStore
+from storage_layout.stream import verify_version
 
 
 def find_runs(bucket: Bucket) -> list[str]:
@@ -37,7 +38,7 @@ def _verify(bucket: Bucket, commits_dir: str, letter: str, problems: list[str]) 
             continue
         key = f"{commits_dir}/{name}"
         try:
-            fetch_objects(bucket, read_marker(bucket, key), key, use_inline=False)
+            verify_version(bucket, read_marker(bucket, key), key)
             checked += 1
         except (CorruptVersion, OSError) as exc:
             problems.append(f"{bucket.region}: {exc}")

@@ -40,6 +40,7 @@ from storage_layout.commit import (
     CommitConflict,
     CommitMarker,
     CorruptVersion,
+    commit_marker,
     commit_version,
     content_write_id,
     fetch_objects,
@@ -57,6 +58,7 @@ from storage_layout.layout import (
     number,
     parse_marker_name,
 )
+from storage_layout.stream import ObjectSink, checked_object
 
 log = logging.getLogger(__name__)
 
@@ -664,7 +666,7 @@ class RunStore:
         if newest is None:
             return copied
         key = self.layout.global_marker(fragment, newest)
-        source: tuple[CommitMarker, dict[str, bytes]] | None = None
+        marker: CommitMarker | None = None
         for region in self.urls:
             if region == self.client_region:
                 continue
@@ -672,19 +674,27 @@ class RunStore:
                 theirs = self.latest_global(fragment, region)
                 if theirs is not None and theirs >= newest:
                     continue
-                if source is None:
-                    marker = read_marker(self.home, key)
-                    source = marker, fetch_objects(self.home, marker, key, groups=LEARNER_GROUPS)
-                marker, objects = source
-                commit_version(
-                    self.bucket(region), key, marker.data_prefix, objects, "global",
-                    marker.meta, self.writer, marker.write_id,
-                )  # fmt: skip
+                marker = marker or read_marker(self.home, key)
+                self._copy_version(marker, key, region)
                 self.point_latest(region, fragment, newest, marker.write_id)
                 copied[region] = newest
             except (OSError, CommitConflict) as exc:
                 log.warning("region %s still behind on fragment %d: %s", region, fragment, exc)
         return copied
+
+    def _copy_version(self, marker: CommitMarker, key: str, region: str) -> None:
+        """Copy a version's learner view from home to ``region`` object by object (each
+        checked against the marker as it is read; a few uploads in flight), then its
+        marker: a copy of any size in a few chunks' memory."""
+        target = self.bucket(region)
+        wanted = [rel for rel in marker.objects
+                  if "/" not in rel or rel.split("/", 1)[0] in LEARNER_GROUPS]  # fmt: skip
+        with ObjectSink(target, marker.data_prefix) as sink:
+            for rel in wanted:
+                sink.put(rel, checked_object(self.home, marker, key, rel))
+            entries = sink.finish()
+        commit_marker(target, key, marker.data_prefix, entries, "global", marker.meta,
+                      self.writer, marker.write_id)  # fmt: skip
 
     # checkpoints and metrics ----------------------------------------------------------
     def put_checkpoint(
