@@ -9,7 +9,7 @@ what each global version merged.
 - **Versions**: each global version's commit marker holds its ``version`` record
   (``diloco/records.py``: consumed contributions, weights, staleness, rejections,
   tokens and seconds merged, running totals). Retention deletes old versions (what it
-  deleted is in the ledger); the newest ``pipeline.keep_versions`` stay.
+  deleted is in the ledger); the newest ``RunConfig.kept_versions`` stay.
 
 Both readers skip what they cannot read and say so; both can resume after what a caller
 already holds (``after``), so a watcher reads only what is new.
