@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -243,19 +242,5 @@ class StreamedVersion:
                 if region != self.home:
                     discard_data(store.bucket(region), self.data_prefix)
             raise
-        report.committed.append(self.home)
         others = [r for r in self.entries if r != self.home]
-        with ThreadPoolExecutor(max_workers=max(1, len(others))) as pool:
-            futures = {region: pool.submit(commit_in, region) for region in others}
-        for region, future in futures.items():
-            exc = future.exception()
-            if exc is None:
-                report.committed.append(region)
-            elif isinstance(exc, CommitConflict):
-                report.lagging[region] = "holds another write of this version"
-            elif isinstance(exc, OSError):
-                report.lagging[region] = f"unreachable: {exc}"
-                log.warning("region %s is behind on fragment %d: %s", region, self.fragment, exc)
-            else:
-                raise exc
-        return report
+        return store.commit_elsewhere(self.fragment, commit_in, others, report)

@@ -569,8 +569,20 @@ class RunStore:
             self.point_latest(region, fragment, version, write_id)
 
         commit_in(self.client_region)  # the arbiter: a conflict here means we lost the race
-        report.committed.append(self.client_region)
         others = [r for r in self.urls if r != self.client_region]
+        return self.commit_elsewhere(fragment, commit_in, others, report)
+
+    def commit_elsewhere(
+        self,
+        fragment: int,
+        commit_in: Callable[[str], None],
+        others: Sequence[str],
+        report: PublishReport,
+    ) -> PublishReport:
+        """After a version committed at home: ``commit_in`` each of ``others`` at once;
+        one that fails is ``lagging`` (caught up later by ``sync_regions``), never an
+        error of the version's."""
+        report.committed.append(self.client_region)
         with ThreadPoolExecutor(max_workers=max(1, len(others))) as pool:
             futures = {region: pool.submit(commit_in, region) for region in others}
         for region, future in futures.items():
