@@ -291,6 +291,12 @@ class PipelineConfig(_Strict):
     stall_seconds: PositiveFloat = Field(
         120.0, description="a learner says so when no awaited version came for this long"
     )
+    syncer_memory_mb: Annotated[int, Field(ge=64)] = Field(
+        512,
+        description="what a syncer shard's merge may hold in chunks (being read, built and "
+        "uploaded; a chunk is at most 4 MiB), whatever the model's size: it sets how many "
+        "chunk uploads are in flight per region; the process adds its interpreter and JAX",
+    )
     probe_exclusive: bool = Field(
         True,
         description="before a run starts, check that every bucket refuses a second "

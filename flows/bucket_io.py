@@ -37,7 +37,13 @@ from diloco.syncer import GlobalVersion
 from diloco.tensors import Tensors, materialize, pieces
 from diloco.transport import GlobalDelta, downlink_update
 from diloco.validate import Scan, scan_payload
-from flows.version_stream import ReaderPayload, ReaderTensors, StreamedVersion, slot_names
+from flows.version_stream import (
+    ReaderPayload,
+    ReaderTensors,
+    StreamedVersion,
+    slot_names,
+    uploads_in_flight,
+)
 from storage_layout.auth import Keys, Unauthenticated
 from storage_layout.bucket import Traffic
 from storage_layout.commit import CommitConflict, CorruptVersion, patiently, read_marker
@@ -227,8 +233,10 @@ class BucketStore:
         keys: Keys | None = None,
         downlink: str = "full",
         block_size: int = 128,
+        syncer_memory_mb: int = 512,
     ):
         self.run, self.regions, self.home = run, dict(regions), home
+        self.syncer_memory_mb = syncer_memory_mb
         self.downlink, self.block_size = downlink, block_size
         # fragment -> (version, learners' copy) this process published last: the base of
         # the next version's compact update (read back from home when it is not this one)
@@ -533,6 +541,8 @@ class BucketStore:
         sink = StreamedVersion(
             self.main, fragment, version, shapes, slot_names(names, shapes, slots),
             self.wire_dtype, self.downlink, self.block_size, base,
+            in_flight=uploads_in_flight(self.syncer_memory_mb, len(self.regions),
+                                        len(self.learners)),
         )  # fmt: skip
         self._streams[(fragment, version)] = sink
         return sink

@@ -199,6 +199,7 @@ def bucket_store(
         writer, place=trainer.place_params,
         opt_template=lambda: trainer.init_opt_state(trainer.place_params(model.init)),
         downlink=cfg.topology.downlink, block_size=cfg.topology.block_size,
+        syncer_memory_mb=cfg.pipeline.syncer_memory_mb,
     )  # fmt: skip
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from diloco.quantize import QuantizedTensor, dequantize, quantize
 from diloco.tensors import TensorMeta, Tensors
-from storage_layout.codec import GroupWriter, root_objects
+from storage_layout.codec import CHUNK, GroupWriter, root_objects
 from storage_layout.commit import (
     CommitConflict,
     CommitMarker,
@@ -39,7 +39,18 @@ from storage_layout.stream import ObjectSink, VersionReader
 
 log = logging.getLogger(__name__)
 
-IN_FLIGHT = 4  # chunk uploads outstanding per region
+CHUNK_BYTES = 4 * CHUNK  # the largest chunk object: 1 Mi float32 values
+MAX_IN_FLIGHT = 16  # chunk uploads outstanding per region, at most
+
+
+def uploads_in_flight(memory_mb: int, regions: int, learners: int) -> int:
+    """Chunk uploads per region that fit ``memory_mb`` beside what a merge holds: two
+    chunks per contribution read (data and scales), the master copy's, the momentum's
+    and the previous learners' copy's, and about five being built (``params``, ``opt``,
+    ``wire``, ``delta`` and its scales); each upload holds its chunk's bytes."""
+    held = (2 * learners + 8) * CHUNK_BYTES
+    room = memory_mb * 2**20 - held
+    return max(1, min(MAX_IN_FLIGHT, room // (max(1, regions) * CHUNK_BYTES)))
 
 
 class ReaderTensors:
@@ -109,6 +120,7 @@ class StreamedVersion:
         block_size: int = 128,
         base: Tensors | None = None,
         write_id: str | None = None,
+        in_flight: int = 4,
     ):
         self.store, self.fragment, self.version = store, fragment, version
         self.shapes = {n: tuple(int(x) for x in s) for n, s in shapes.items()}
@@ -127,7 +139,7 @@ class StreamedVersion:
         self.lagging: dict[str, str] = {}  # region -> why its copy is not written
         for region in store.urls:
             try:
-                self.sinks[region] = ObjectSink(store.bucket(region), self.data_prefix, IN_FLIGHT)
+                self.sinks[region] = ObjectSink(store.bucket(region), self.data_prefix, in_flight)
             except OSError as exc:
                 if region == self.home:
                     raise

@@ -59,9 +59,9 @@ def _run(root: Path, shapes) -> dict[str, str]:
     return regions
 
 
-def _store(regions) -> BucketStore:
+def _store(regions, memory_mb: int = 512) -> BucketStore:
     return BucketStore("r", regions, "us", {"a": "us", "b": "eu"}, "bf16", "syncer",
-                       downlink="int8")  # fmt: skip
+                       downlink="int8", syncer_memory_mb=memory_mb)  # fmt: skip
 
 
 def _merge(store: BucketStore, streamed: bool = True) -> FragmentSyncer:
@@ -111,7 +111,7 @@ def test_a_streamed_merge_publishes_the_bits_of_the_in_memory_one(tmp_path):
 def _peak(root: Path, values: int) -> tuple[int, int]:
     """(fragment bytes in fp32, the most bytes allocated at once merging it)."""
     shapes = _shapes(values)
-    store = _store(_run(root, shapes))
+    store = _store(_run(root, shapes), memory_mb=64)
     tracemalloc.start()
     try:
         _merge(store)
@@ -122,9 +122,10 @@ def _peak(root: Path, values: int) -> tuple[int, int]:
 
 
 def test_a_fragment_larger_than_the_memory_bound_merges_in_it(tmp_path):
-    """A 100 MB fragment (fp32) is merged and published with under 64 MB allocated at
-    any moment (each input and output is held a chunk or so at a time), and a fragment
-    four times smaller needs about as much: the bound is flat in the fragment's size."""
+    """A 100 MB fragment (fp32) is merged and published by a syncer given 64 MB
+    (``pipeline.syncer_memory_mb``) with under 64 MB allocated at any moment (each input
+    and output is held a chunk or so at a time), and a fragment four times smaller needs
+    about as much: the bound is flat in the fragment's size."""
     size, peak = _peak(tmp_path / "large", 25_000_000)
     assert size > 100e6
     assert peak < 64e6, f"{peak / 1e6:.0f} MB allocated at once for a {size / 1e6:.0f} MB fragment"
