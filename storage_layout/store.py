@@ -35,7 +35,7 @@ import numpy as np
 from diloco.quantize import QuantizedTensor, dequantize, quantize
 from storage_layout.auth import SecretMismatch, secret_fingerprint, signer, verify
 from storage_layout.bucket import Bucket, BucketError, Traffic
-from storage_layout.codec import FormatError, decode, encode
+from storage_layout.codec import FormatError, encode
 from storage_layout.commit import (
     CommitConflict,
     CommitMarker,
@@ -43,7 +43,6 @@ from storage_layout.commit import (
     commit_marker,
     commit_version,
     content_write_id,
-    fetch_objects,
     get_patiently,
     new_write_id,
     patiently,
@@ -58,7 +57,7 @@ from storage_layout.layout import (
     number,
     parse_marker_name,
 )
-from storage_layout.stream import ObjectSink, checked_object
+from storage_layout.stream import ObjectSink, VersionReader, checked_object
 
 log = logging.getLogger(__name__)
 
@@ -494,12 +493,7 @@ class RunStore:
         """The tensors a contribution's ``marker`` (from ``contribution_head``) lists,
         each object checked against it."""
         where = self.layout.contribution_marker(learner, fragment, seq)
-        objects = fetch_objects(self.bucket(region), marker, where)
-        try:
-            groups, _ = decode(objects)
-            return groups["delta"]
-        except (FormatError, KeyError) as exc:
-            raise CorruptVersion(f"{where}: {exc}") from exc
+        return read_groups(self.bucket(region), marker, where, ("delta",))["delta"]
 
     def contribution_meta(self, learner: str, fragment: int, seq: int, region: str) -> dict:
         """The meta of one committed contribution's marker (no tensors are read)."""
@@ -606,25 +600,16 @@ class RunStore:
         bucket = self.bucket(region or self.client_region)
         key = self.layout.global_marker(fragment, version)
         marker = read_marker(bucket, key)
-        wanted = WIRE if learner_view else ("params", "opt")
-        objects = fetch_objects(bucket, marker, key, groups=wanted)
         if not learner_view and "params/zarr.json" not in marker.objects:
             raise CorruptVersion(
                 f"{bucket.url}/{key} holds the learner view only; the master copy and the "
                 f"optimizer state are in the syncer's home region"
             )
-        try:
-            groups, _ = decode(objects)
-            source = groups["wire"] if learner_view else groups["params"]
-            params = {n: dequantize(q) for n, q in source.items()}
-            opt = (
-                []
-                if learner_view
-                else [dequantize(groups["opt"][k]) for k in sorted(groups["opt"])]
-            )
-            opt_names = [] if learner_view else sorted(groups["opt"])
-        except (FormatError, KeyError) as exc:
-            raise CorruptVersion(f"{key}: {exc}") from exc
+        groups = read_groups(bucket, marker, key, WIRE if learner_view else ("params", "opt"))
+        source = groups["wire"] if learner_view else groups["params"]
+        params = {n: dequantize(q) for n, q in source.items()}
+        opt_names = [] if learner_view else sorted(groups["opt"])
+        opt = [dequantize(groups["opt"][k]) for k in opt_names]
         return GlobalState(fragment, version, params, opt, dict(marker.meta), opt_names)
 
     def get_global_delta(
@@ -638,11 +623,10 @@ class RunStore:
         marker = read_marker(bucket, key)
         if "delta/zarr.json" not in marker.objects or "delta_base" not in marker.meta:
             return None
-        objects = fetch_objects(bucket, marker, key, groups=("delta",))
+        delta = read_groups(bucket, marker, key, ("delta",))["delta"]
         try:
-            groups, _ = decode(objects)
-            return int(marker.meta["delta_base"]), dict(groups["delta"]), dict(marker.meta)
-        except (FormatError, KeyError) as exc:
+            return int(marker.meta["delta_base"]), delta, dict(marker.meta)
+        except (KeyError, ValueError, TypeError) as exc:
             raise CorruptVersion(f"{key}: {exc}") from exc
 
     def point_latest(self, region: str, fragment: int, version: int, write_id: str) -> None:
@@ -735,7 +719,7 @@ class RunStore:
     ) -> tuple[dict[str, dict[str, np.ndarray]], dict]:
         key = self.layout.checkpoint_marker(learner, step)
         marker = read_marker(self.home, key)
-        groups, _ = decode(fetch_objects(self.home, marker, key))
+        groups = read_groups(self.home, marker, key)
         return {g: {n: dequantize(q) for n, q in t.items()} for g, t in groups.items()}, marker.meta
 
     def write_metrics(
@@ -845,6 +829,22 @@ def _history_row(data: bytes | None, key: str, learner: str, round_number: int) 
     if (row.get("learner"), row.get("round")) != (learner, round_number):
         raise CorruptVersion(f"describes another round ({row.get('learner')}, {row.get('round')})")
     return row
+
+
+def read_groups(
+    bucket: Bucket, marker: CommitMarker, key: str, groups: Sequence[str] | None = None
+) -> dict[str, dict[str, QuantizedTensor]]:
+    """The named groups (default: all) of the version ``marker`` commits, tensor by
+    tensor: each chunk object fetched and checked as it is read (``stream.VersionReader``),
+    so what is held is the tensors themselves, never the objects besides them.
+    ``CorruptVersion`` names what does not read."""
+    try:
+        reader = VersionReader(bucket, marker, key)
+        return {g: reader.tensors(g) for g in (reader.groups() if groups is None else groups)}
+    except (FormatError, KeyError, ValueError) as exc:
+        if isinstance(exc, CorruptVersion):
+            raise
+        raise CorruptVersion(f"{key}: {exc}") from exc
 
 
 def _read_json(bucket: Bucket, key: str) -> Any:
