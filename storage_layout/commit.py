@@ -137,9 +137,17 @@ def content_write_id(marker_key: str, objects: Mapping[str, bytes]) -> str:
     same id. A writer that retries a write whose marker landed but whose answer was lost
     (a learner's upload, asked again from the top) then finds its own write, not a
     conflict, and a retry rewrites the same data prefix instead of leaving another."""
+    return content_write_id_of(
+        marker_key, {rel: {"sha256": sha256(b)} for rel, b in objects.items()}
+    )
+
+
+def content_write_id_of(marker_key: str, entries: Mapping[str, Mapping[str, Any]]) -> str:
+    """``content_write_id`` from the marker's records of the objects (``{rel: entry(object)}``),
+    for a writer that streams its objects and never holds them all."""
     digest = hashlib.sha256(marker_key.encode())
-    for rel in sorted(objects):
-        digest.update(f"\0{rel}\0{sha256(objects[rel])}".encode())
+    for rel in sorted(entries):
+        digest.update(f"\0{rel}\0{entries[rel]['sha256']}".encode())
     return digest.hexdigest()[:16]
 
 

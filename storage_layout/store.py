@@ -24,7 +24,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -35,7 +35,7 @@ import numpy as np
 from diloco.quantize import QuantizedTensor, dequantize, quantize
 from storage_layout.auth import SecretMismatch, secret_fingerprint, signer, verify
 from storage_layout.bucket import Bucket, BucketError, Traffic
-from storage_layout.codec import FormatError, encode
+from storage_layout.codec import BLOCKED, FormatError, GroupWriter, encode, root_objects
 from storage_layout.commit import (
     CommitConflict,
     CommitMarker,
@@ -43,6 +43,8 @@ from storage_layout.commit import (
     commit_marker,
     commit_version,
     content_write_id,
+    content_write_id_of,
+    entry,
     get_patiently,
     new_write_id,
     patiently,
@@ -162,6 +164,26 @@ def _opt_group(leaves: Sequence[np.ndarray] | Mapping[str, np.ndarray]) -> dict:
     if isinstance(leaves, Mapping):
         return _fp32(leaves)
     return _fp32({f"{i:04d}": leaf for i, leaf in enumerate(leaves)})
+
+
+def _write_delta(
+    put: Callable[[str, bytes], None],
+    shapes: Mapping[str, Sequence[int]],
+    kind: str,
+    block_size: int,
+    pieces: Callable[[], Iterable[tuple[str, QuantizedTensor]]],
+) -> int:
+    """A contribution's objects (its root metadata and the ``delta`` group) to ``put``, a
+    piece at a time; the payload's bytes."""
+    for rel, blob in root_objects({"kind": "contribution"}).items():
+        put(rel, blob)
+    writer = GroupWriter(put, "delta", kind, shapes, block_size)
+    payload = 0
+    for name, q in pieces():
+        writer.append(name, q)
+        payload += q.nbytes
+    writer.close()
+    return payload
 
 
 class RunStore:
@@ -443,18 +465,82 @@ class RunStore:
     ) -> CommitMarker:
         """Commit contribution ``seq`` of ``learner``'s ``fragment`` (its tensors and JSON
         meta) in this store's region, the learner's own; its marker is signed with ``key``
-        (the learner's, ``storage_layout.auth``) if one is given."""
+        (the learner's, ``storage_layout.auth``) if one is given. The objects are those
+        ``encode`` makes of ``{"delta": tensors}``, written as ``put_contribution_stream``
+        writes them (each tensor one piece)."""
+        kinds = {q.kind for q in tensors.values()}
+        if len(kinds) > 1:
+            raise FormatError(f"group 'delta' mixes payload kinds {sorted(kinds)}")
+        kind = kinds.pop() if kinds else "fp32"
+        blocks = {q.block_size for q in tensors.values()} if kind in BLOCKED else set()
+        if len(blocks) > 1:
+            raise FormatError(f"group 'delta' mixes block sizes {sorted(blocks)}")
+
+        def whole() -> Iterator[tuple[str, QuantizedTensor]]:
+            for name in sorted(tensors):
+                q = tensors[name]
+                yield name, QuantizedTensor(kind, (q.size,), q.data, q.scales, q.block_size)
+
+        shapes = {name: q.shape for name, q in tensors.items()}
+        block_size = blocks.pop() if blocks else 128
+        return self.put_contribution_stream(
+            learner, fragment, seq, shapes, kind, block_size, whole, meta, key
+        )
+
+    def put_contribution_stream(
+        self,
+        learner: str,
+        fragment: int,
+        seq: int,
+        shapes: Mapping[str, Sequence[int]],
+        kind: str,
+        block_size: int,
+        pieces: Callable[[], Iterable[tuple[str, QuantizedTensor]]],
+        meta: Mapping[str, Any],
+        key: bytes | None = None,
+    ) -> CommitMarker:
+        """``put_contribution`` of tensors of ``shapes`` given a piece at a time, so the
+        learner never holds its whole payload encoded: ``pieces()`` yields ``(name, flat
+        piece)`` in ``GroupWriter`` order (names sorted, each tensor's pieces in order) and
+        is called twice, giving the same pieces both times. The first pass only hashes
+        the chunk objects, for the write id that names the content (``content_write_id``:
+        a retried upload rewrites its own prefix and finds its own marker); the second
+        uploads them (``ObjectSink``), then the marker is committed. Same objects, write
+        id and marker fields as ``put_contribution`` of the same tensors."""
         layout = self.layout
-        objects = encode({"delta": tensors}, {"kind": "contribution"})
-        payload = sum(q.nbytes for q in tensors.values())
+        marker_key = layout.contribution_marker(learner, fragment, seq)
+        hashed: dict[str, dict[str, Any]] = {}
+
+        def record(rel: str, data: bytes) -> None:
+            hashed[rel] = entry(data)
+
+        payload = _write_delta(record, shapes, kind, block_size, pieces)
+        write_id = content_write_id_of(marker_key, hashed)
+        data_prefix = layout.contribution_data(learner, fragment, seq, write_id)
+        # Not ObjectSink's context manager: its abort deletes the data prefix, and this
+        # one may hold an earlier attempt's committed objects (the id names the content).
+        sink = ObjectSink(self.home, data_prefix)
+        try:
+            _write_delta(sink.put, shapes, kind, block_size, pieces)
+            entries = sink.finish()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                sink.finish()  # let the uploads under way end; the failure is the one raised
+            raise
+        if entries != hashed:
+            differ = sorted(r for r in entries.keys() | hashed.keys()
+                            if entries.get(r) != hashed.get(r))  # fmt: skip
+            raise ValueError(
+                f"{marker_key}: pieces() gave other objects on its second call ({differ[:3]}); "
+                "it must give the same pieces both times"
+            )
         body = {**meta, "learner": learner, "fragment": fragment, "seq": seq,
                 "payload_bytes": payload, "written_at": time.time()}  # fmt: skip
-        write_id = content_write_id(layout.contribution_marker(learner, fragment, seq), objects)
-        return commit_version(
+        return commit_marker(
             self.home,
-            layout.contribution_marker(learner, fragment, seq),
-            layout.contribution_data(learner, fragment, seq, write_id),
-            objects,
+            marker_key,
+            data_prefix,
+            entries,
             "contribution",
             body,
             self.writer,

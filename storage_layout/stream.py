@@ -68,6 +68,18 @@ from storage_layout.layout import check_key
 log = logging.getLogger(__name__)
 
 PARALLEL = 4  # chunk objects a reader fetches at once
+AHEAD = 0  # chunk objects per array a reader fetches ahead of the range read (see below)
+_AHEAD_POOL: ThreadPoolExecutor | None = None  # shared by every reader's read-ahead
+_AHEAD_LOCK = threading.Lock()
+
+
+def _ahead_pool() -> ThreadPoolExecutor:
+    global _AHEAD_POOL
+    with _AHEAD_LOCK:
+        if _AHEAD_POOL is None:
+            _AHEAD_POOL = ThreadPoolExecutor(max_workers=2 * PARALLEL,
+                                             thread_name_prefix="read-ahead")  # fmt: skip
+        return _AHEAD_POOL
 
 
 class ObjectSink:
@@ -179,6 +191,10 @@ class _Array:
     chunk: int
     keys: list[str]  # chunk i's object key, relative to the data prefix
     kept: OrderedDict[int, np.ndarray] = field(default_factory=OrderedDict)
+    coming: dict[int, Future] = field(default_factory=dict)  # chunks read ahead
+    # (chunk, first value, values from it to the chunk's end): the start of a range that
+    # straddled a chunk no longer kept
+    tail: tuple[int, int, np.ndarray] = (-1, 0, np.empty(0))
 
 
 @dataclass(frozen=True)
@@ -204,8 +220,12 @@ class VersionReader:
     key); every array's metadata against the sizes of its chunk objects before any is
     fetched (``FormatError``). A range spanning several chunks fetches up to ``parallel``
     at once; each array keeps at most ``cache`` chunks (the most recently used) between
-    reads, so consecutive pieces of a tensor fetch each chunk once. Not thread-safe:
-    one reader per thread.
+    reads, so consecutive pieces of a tensor fetch each chunk once. After each range,
+    the ``ahead`` chunks of the array that follow it are fetched and checked in the
+    background (a few threads shared by all readers), so a tensor read in order finds
+    its next chunk there while the caller works on this one; a failure of one is raised
+    by the read that needs it, and one the reads never reach is dropped. So an array
+    holds at most ``cache + ahead`` chunks. Not thread-safe: one reader per thread.
     """
 
     def __init__(
@@ -215,11 +235,13 @@ class VersionReader:
         marker_key: str,
         cache: int = 2,
         parallel: int = PARALLEL,
+        ahead: int = AHEAD,
     ):
-        if cache < 1 or parallel < 1:
-            raise ValueError(f"cache and parallel must be at least 1, got {cache}, {parallel}")
+        if cache < 1 or parallel < 1 or ahead < 0:
+            raise ValueError(f"cache and parallel must be at least 1 and ahead at least 0, "
+                             f"got {cache}, {parallel}, {ahead}")  # fmt: skip
         self.bucket, self.marker, self.marker_key = bucket, marker, marker_key
-        self.cache, self.parallel = cache, parallel
+        self.cache, self.parallel, self.ahead = cache, parallel, ahead
         self.fetched = 0  # chunk objects fetched from the bucket
         self.most_kept = 0  # the most chunks any array has kept at once
         self._groups: dict[str, _Group] = {}
@@ -367,18 +389,25 @@ class VersionReader:
             lo, hi = max(start, i * arr.chunk), min(stop, (i + 1) * arr.chunk)
             out[lo - start : hi - start] = values[lo - i * arr.chunk : hi - i * arr.chunk]
 
-        missing = []
-        for i in range(start // arr.chunk, (stop - 1) // arr.chunk + 1):
+        missing, arrived = [], []
+        first = start // arr.chunk
+        for i in range(first, (stop - 1) // arr.chunk + 1):
             if i in arr.kept:
                 arr.kept.move_to_end(i)
                 place(i, arr.kept[i])
+            elif arr.tail[0] == i and arr.tail[1] <= max(start, i * arr.chunk) - i * arr.chunk:
+                lo, hi = max(start, i * arr.chunk), min(stop, (i + 1) * arr.chunk)
+                at = i * arr.chunk + arr.tail[1]
+                out[lo - start : hi - start] = arr.tail[2][lo - at : hi - at]
+            elif i in arr.coming:
+                arrived.append(i)
             else:
                 missing.append(i)
         # The range's last chunks are kept (in order, the last most recent): the next
         # piece of a tensor read in order starts in the last one.
         last = (stop - 1) // arr.chunk
         keep = {}
-        for i, values in self._fetch_chunks(arr, missing):
+        for i, values in [*self._arrived(arr, arrived), *self._fetch_chunks(arr, missing)]:
             place(i, values)
             if i > last - self.cache:
                 keep[i] = values
@@ -387,7 +416,28 @@ class VersionReader:
             while len(arr.kept) > self.cache:
                 arr.kept.popitem(last=False)
             self.most_kept = max(self.most_kept, len(arr.kept))
+        # A range that begins in a chunk no longer kept keeps its own values from that
+        # chunk (at most a range's worth): the merge reads the same range of a version
+        # once per contribution, and would fetch that chunk again each time.
+        if first not in arr.kept and first < last:
+            arr.tail = (first, start - first * arr.chunk,
+                        out[: (first + 1) * arr.chunk - start].copy())  # fmt: skip
+        self._read_ahead(arr, last)
         return out
+
+    def _arrived(self, arr: _Array, wanted: list[int]) -> Iterator[tuple[int, np.ndarray]]:
+        for i in wanted:
+            yield i, arr.coming.pop(i).result()
+
+    def _read_ahead(self, arr: _Array, last: int) -> None:
+        """Fetch the ``ahead`` chunks after chunk ``last`` in the background; drop those
+        read ahead for a range that was not read after all (a jump)."""
+        wanted = range(last + 1, min(len(arr.keys), last + 1 + self.ahead))
+        for i in [i for i in arr.coming if i not in wanted]:
+            arr.coming.pop(i).cancel()
+        for i in wanted:
+            if i not in arr.kept and i not in arr.coming:
+                arr.coming[i] = _ahead_pool().submit(self._chunk, arr, i)
 
     def _chunk(self, arr: _Array, i: int) -> np.ndarray:
         self.fetched += "inline" not in self.marker.objects[arr.keys[i]]

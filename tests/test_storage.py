@@ -17,10 +17,20 @@ import pytest
 
 from diloco.outer import Contribution
 from diloco.quantize import quantize
+from diloco.tensors import pieces as tensor_pieces
 from flows.bucket_io import contribution_from, contribution_meta
+from storage_layout.auth import Unauthenticated
 from storage_layout.bucket import Bucket, BucketError
 from storage_layout.codec import FormatError, decode, encode
-from storage_layout.commit import CommitConflict, CorruptVersion, read_marker
+from storage_layout.commit import (
+    CommitConflict,
+    CorruptVersion,
+    content_write_id,
+    content_write_id_of,
+    entry,
+    fetch_objects,
+    read_marker,
+)
 from storage_layout.layout import LayoutError, RunLayout
 from storage_layout.retention import ORPHAN_AGE, collect_garbage, prune_checkpoints
 from storage_layout.store import RegionDown, RunStore, SpecMismatch, poll
@@ -117,6 +127,82 @@ def test_contribution_round_trip_and_discovery(bucket_url):
     marker = read_marker(store.home, store.layout.contribution_marker("l0", 0, 2))
     assert marker.writer == "l0" and len(marker.write_id) == 16
     assert all(len(o["sha256"]) == 64 for o in marker.objects.values())
+
+
+def test_content_write_id_of_entries_is_content_write_id_of_objects():
+    objects = encode({"delta": contribution().payload}, {"kind": "contribution"})
+    key = "runs/r/contributions/l0/f0/commits/s1.json"
+    entries = {rel: entry(blob) for rel, blob in objects.items()}
+    assert content_write_id_of(key, entries) == content_write_id(key, objects)
+    changed = {**objects, "delta/data/c/0": objects["delta/data/c/0"] + b"x"}
+    assert content_write_id(key, changed) != content_write_id_of(key, entries)
+
+
+def _streamed_payload(n=3_000_000, kind="int4"):
+    """Tensors spanning several chunk objects, and ``pieces`` that quantize them a piece
+    at a time (as a learner streams its outer gradient out)."""
+    values = {"a.kernel": rng.normal(size=(1000, n // 1000)).astype(np.float32),
+              "b.bias": rng.normal(size=(777,)).astype(np.float32)}  # fmt: skip
+    calls = []
+
+    def pieces():
+        calls.append(1)
+        for name, start, stop in tensor_pieces({n: v.shape for n, v in values.items()}):
+            yield name, quantize(values[name].reshape(-1)[start:stop], kind)
+
+    whole = {name: quantize(v, kind) for name, v in values.items()}
+    return values, whole, pieces, calls
+
+
+def test_a_streamed_contribution_is_the_same_objects_and_marker(bucket_url):
+    values, whole, pieces, calls = _streamed_payload()
+    store = RunStore("run", {"us": bucket_url}, "us", writer="l0")
+    shapes = {n: v.shape for n, v in values.items()}
+    meta = {"base_version": 0, "tokens": 1, "steps": 1, "seconds": 1.0}
+    marker = store.put_contribution_stream("l0", 0, 1, shapes, "int4", 128, pieces, meta)
+    assert len(calls) == 2  # hashed, then uploaded: never held whole
+    key = store.layout.contribution_marker("l0", 0, 1)
+    objects = encode({"delta": whole}, {"kind": "contribution"})
+    assert sum(1 for rel in objects if "/c/" in rel) > 2  # several chunks per array
+    assert marker.write_id == content_write_id(key, objects)
+    stored = fetch_objects(store.home, read_marker(store.home, key), key, use_inline=False)
+    assert stored == objects  # byte-identical to the whole payload encoded
+    m = marker.meta
+    assert (m["learner"], m["fragment"], m["seq"]) == ("l0", 0, 1)
+    assert m["payload_bytes"] == sum(q.nbytes for q in whole.values()) and "written_at" in m
+    tensors, _ = store.get_contribution("l0", 0, 1, "us")
+    same_payload(SimpleNamespace(payload=whole), SimpleNamespace(payload=tensors))
+    # put_contribution of the whole tensors: the same objects, under the same write id.
+    again = store.put_contribution("l0", 0, 2, whole, meta)
+    assert again.objects == marker.objects
+    assert again.write_id == content_write_id(store.layout.contribution_marker("l0", 0, 2), objects)
+
+
+def test_a_streamed_contribution_is_signed_and_checked_by_its_reader(tmp_path):
+    values, whole, pieces, _ = _streamed_payload(n=200_000)
+    store = RunStore("run", {"us": f"file://{tmp_path}"}, "us", writer="l0")
+    shapes = {n: v.shape for n, v in values.items()}
+    store.put_contribution_stream("l0", 0, 1, shapes, "int4", 128, pieces, {}, key=b"k" * 32)
+    tensors, _ = store.get_contribution("l0", 0, 1, "us", key=b"k" * 32)
+    same_payload(SimpleNamespace(payload=whole), SimpleNamespace(payload=tensors))
+    with pytest.raises(Unauthenticated):
+        store.get_contribution("l0", 0, 1, "us", key=b"x" * 32)
+
+
+def test_pieces_that_change_between_their_two_calls_commit_nothing(tmp_path):
+    values, _, pieces, calls = _streamed_payload(n=200_000)
+    store = RunStore("run", {"us": f"file://{tmp_path}"}, "us", writer="l0")
+
+    def drifting():
+        for name, q in pieces():
+            if len(calls) == 2 and name == "b.bias":
+                q = quantize(np.zeros(q.size, np.float32), "int4")
+            yield name, q
+
+    shapes = {n: v.shape for n, v in values.items()}
+    with pytest.raises(ValueError, match=r"other objects on its second call.*delta/data"):
+        store.put_contribution_stream("l0", 0, 1, shapes, "int4", 128, drifting, {})
+    assert store.contribution_seqs("l0", 0, "us") == []
 
 
 def test_global_versions_full_and_learner_view(bucket_url):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+from concurrent.futures import wait
 from typing import Any
 
 import fsspec
@@ -281,6 +282,67 @@ def test_the_reader_keeps_at_most_cache_chunks_and_fetches_each_once(tmp_path, c
     fresh = VersionReader(bucket, marker, KEY, cache=cache, parallel=3)
     same(fresh.read("delta", "w"), group["w"])  # ten data chunks and the scales, whole
     assert bucket.most <= 3 and fresh.most_kept <= cache
+
+
+def test_a_range_read_again_and_again_fetches_its_chunks_once(tmp_path):
+    """The merge reads the same piece of a version once per contribution (the anchored
+    outer gradient: current - base + delta) through a reader keeping one chunk: a piece
+    that straddles two chunks must not fetch the first again each time."""
+    (tmp_path / "b").mkdir()
+    bucket = CountingBucket(f"file://{tmp_path / 'b'}")
+    values = np.arange(6 * SMALL, dtype=np.float32)
+    marker = commit_streamed(bucket, {"params": {"w": quantize(values, "fp32")}})
+    reader = VersionReader(bucket, marker, KEY, cache=1, ahead=0)
+    step = SMALL // 2 + 256  # pieces that straddle chunk boundaries now and then
+    for a in range(0, values.size, step):
+        b = min(values.size, a + step)
+        for _ in range(9):
+            np.testing.assert_array_equal(reader.read("params", "w", a, b).data, values[a:b])
+    chunk_reads = {k: n for k, n in bucket.reads.items() if "/c/" in k}
+    assert len(chunk_reads) == 6 and set(chunk_reads.values()) == {1}, chunk_reads
+    # One chunk kept, and of the one before only the range's part (at most a range).
+    arr = reader._groups["params"].arrays["data"]
+    assert reader.most_kept == 1 and arr.tail[2].size <= step
+
+
+def test_the_next_chunk_is_read_ahead_and_fetched_once(tmp_path):
+    (tmp_path / "b").mkdir()
+    bucket = CountingBucket(f"file://{tmp_path / 'b'}")
+    values = np.arange(4 * SMALL, dtype=np.float32)
+    marker = commit_streamed(bucket, {"params": {"w": quantize(values, "fp32")}})
+    reader = VersionReader(bucket, marker, KEY, cache=1, ahead=2)
+    chunk = lambda i: f"{marker.data_prefix}/params/data/c/{i}"  # noqa: E731
+    np.testing.assert_array_equal(reader.read("params", "w", 0, 100).data, values[:100])
+    arr = reader._groups["params"].arrays["data"]
+    assert sorted(arr.coming) == [1, 2]  # the two chunks after the range, under way
+    wait(list(arr.coming.values()))
+    assert [bucket.reads.get(chunk(i), 0) for i in range(4)] == [1, 1, 1, 0]
+    for a in range(100, values.size, 700):  # the rest in order: nothing fetched twice
+        b = min(values.size, a + 700)
+        np.testing.assert_array_equal(reader.read("params", "w", a, b).data, values[a:b])
+    assert [bucket.reads.get(chunk(i), 0) for i in range(4)] == [1, 1, 1, 1]
+    assert not arr.coming  # nothing after the last chunk
+
+
+def test_a_damaged_chunk_read_ahead_fails_the_read_that_needs_it_only(local):
+    group = {"w": quantize(np.arange(4 * SMALL, dtype=np.float32), "fp32")}
+    marker = commit_streamed(local, {"params": group})
+    key = f"{marker.data_prefix}/params/data/c/1"
+    blob = bytearray(local.get(key))
+    blob[7] ^= 1
+    local.put(key, bytes(blob))
+    reader = VersionReader(local, marker, KEY, cache=1, ahead=1)
+    same(reader.read("params", "w", 0, 100), piece(group["w"], 0, 100))
+    arr = reader._groups["params"].arrays["data"]
+    wait(list(arr.coming.values()))  # chunk 1 read ahead, and found damaged
+    assert arr.coming[1].exception() is not None
+    same(reader.read("params", "w", 3 * SMALL), piece(group["w"], 3 * SMALL, 4 * SMALL))
+    with pytest.raises(CorruptVersion, match=r"params/data/c/1 does not match its sha256"):
+        reader.read("params", "w", SMALL, SMALL + 10)
+    reader = VersionReader(local, marker, KEY, cache=1, ahead=1)
+    reader.read("params", "w", 0, 100)
+    with pytest.raises(CorruptVersion, match=r"params/data/c/1 does not match its sha256"):
+        reader.read("params", "w", SMALL, SMALL + 10)  # the failure read ahead, raised here
 
 
 class FailingBucket(Bucket):
