@@ -42,7 +42,6 @@ from storage_layout.commit import (
     CorruptVersion,
     commit_marker,
     commit_version,
-    content_write_id,
     content_write_id_of,
     entry,
     get_patiently,
@@ -507,21 +506,49 @@ class RunStore:
         a retried upload rewrites its own prefix and finds its own marker); the second
         uploads them (``ObjectSink``), then the marker is committed. Same objects, write
         id and marker fields as ``put_contribution`` of the same tensors."""
-        layout = self.layout
-        marker_key = layout.contribution_marker(learner, fragment, seq)
+        marker_key = self.layout.contribution_marker(learner, fragment, seq)
+        payload = [0]
+
+        def write(put: Callable[[str, bytes], None]) -> None:
+            payload[0] = _write_delta(put, shapes, kind, block_size, pieces)
+
+        def body() -> dict[str, Any]:
+            return {**meta, "learner": learner, "fragment": fragment, "seq": seq,
+                    "payload_bytes": payload[0], "written_at": time.time()}  # fmt: skip
+
+        return self._put_by_content(
+            marker_key, lambda wid: self.layout.contribution_data(learner, fragment, seq, wid),
+            write, "contribution", body, None if key is None else signer(key),
+        )  # fmt: skip
+
+    def _put_by_content(
+        self,
+        marker_key: str,
+        data_prefix: Callable[[str], str],
+        write: Callable[[Callable[[str, bytes], None]], None],
+        kind: str,
+        body: Callable[[], dict[str, Any]],
+        sign: Callable[[CommitMarker], CommitMarker] | None = None,
+    ) -> CommitMarker:
+        """Commit at home the objects ``write(put)`` puts, a chunk at a time, under a
+        write id that names their content (``content_write_id``: a retried write rewrites
+        its own prefix and finds its own marker). ``write`` runs twice and must put the
+        same objects both times: the first pass only hashes them (for the id), the second
+        uploads them (``ObjectSink``); then the marker (``body()`` its meta) is committed.
+        So no writer holds its objects whole, whatever their size."""
         hashed: dict[str, dict[str, Any]] = {}
 
         def record(rel: str, data: bytes) -> None:
             hashed[rel] = entry(data)
 
-        payload = _write_delta(record, shapes, kind, block_size, pieces)
+        write(record)
         write_id = content_write_id_of(marker_key, hashed)
-        data_prefix = layout.contribution_data(learner, fragment, seq, write_id)
+        prefix = data_prefix(write_id)
         # Not ObjectSink's context manager: its abort deletes the data prefix, and this
         # one may hold an earlier attempt's committed objects (the id names the content).
-        sink = ObjectSink(self.home, data_prefix)
+        sink = ObjectSink(self.home, prefix)
         try:
-            _write_delta(sink.put, shapes, kind, block_size, pieces)
+            write(sink.put)
             entries = sink.finish()
         except BaseException:
             with contextlib.suppress(Exception):
@@ -534,19 +561,8 @@ class RunStore:
                 f"{marker_key}: pieces() gave other objects on its second call ({differ[:3]}); "
                 "it must give the same pieces both times"
             )
-        body = {**meta, "learner": learner, "fragment": fragment, "seq": seq,
-                "payload_bytes": payload, "written_at": time.time()}  # fmt: skip
-        return commit_marker(
-            self.home,
-            marker_key,
-            data_prefix,
-            entries,
-            "contribution",
-            body,
-            self.writer,
-            write_id,
-            sign=None if key is None else signer(key),
-        )
+        return commit_marker(self.home, marker_key, prefix, entries, kind, body(),
+                             self.writer, write_id, sign=sign)  # fmt: skip
 
     def get_contribution(
         self, learner: str, fragment: int, seq: int, region: str, key: bytes | None = None
@@ -786,19 +802,26 @@ class RunStore:
         tensors: Mapping[str, Mapping[str, np.ndarray]],
         meta: Mapping[str, Any],
     ) -> CommitMarker:
-        """Commit a learner checkpoint: named groups of float32 arrays plus JSON ``meta``."""
-        objects = encode({g: _fp32(t) for g, t in tensors.items()}, {"kind": "checkpoint"})
-        write_id = content_write_id(self.layout.checkpoint_marker(learner, step), objects)
-        return commit_version(
-            self.home,
+        """Commit a learner checkpoint: named groups of float32 arrays plus JSON ``meta``,
+        written a chunk at a time (``_put_by_content``): the objects ``encode`` makes of
+        them, never all held at once beside the arrays."""
+
+        def write(put: Callable[[str, bytes], None]) -> None:
+            for rel, blob in root_objects({"kind": "checkpoint"}).items():
+                put(rel, blob)
+            for gname in tensors:
+                group = tensors[gname]
+                writer = GroupWriter(put, gname, "fp32", {n: np.shape(v) for n, v in group.items()})
+                for name in sorted(group):
+                    flat = np.ascontiguousarray(group[name], dtype=np.float32).reshape(-1)
+                    writer.append(name, QuantizedTensor("fp32", (flat.size,), flat))
+                writer.close()
+
+        return self._put_by_content(
             self.layout.checkpoint_marker(learner, step),
-            self.layout.checkpoint_data(learner, step, write_id),
-            objects,
-            "checkpoint",
-            {"learner": learner, "step": step, **meta},
-            self.writer,
-            write_id,
-        )
+            lambda wid: self.layout.checkpoint_data(learner, step, wid), write, "checkpoint",
+            lambda: {"learner": learner, "step": step, **meta},
+        )  # fmt: skip
 
     def get_checkpoint(
         self, learner: str, step: int
