@@ -291,22 +291,34 @@ def encode(groups: TensorGroups, attrs: Mapping[str, Any]) -> dict[str, bytes]:
     (in memory: ``GroupWriter`` writes the same objects piece by piece)."""
     objects = root_objects(attrs)
     for gname, tensors in groups.items():
-        kinds = {q.kind for q in tensors.values()}
-        if len(kinds) > 1:
-            raise FormatError(f"group {gname!r} mixes payload kinds {sorted(kinds)}")
-        kind = kinds.pop() if kinds else "fp32"
-        blocks = {q.block_size for q in tensors.values()} if kind in BLOCKED else set()
-        if len(blocks) > 1:
-            raise FormatError(f"group {gname!r} mixes block sizes {sorted(blocks)}")
-        shapes = {name: q.shape for name, q in tensors.items()}
-        writer = GroupWriter(
-            objects.__setitem__, gname, kind, shapes, blocks.pop() if blocks else 128
-        )
-        for name in sorted(tensors):
-            q = tensors[name]
-            writer.append(name, QuantizedTensor(kind, (q.size,), q.data, q.scales, q.block_size))
-        writer.close()
+        write_group(objects.__setitem__, gname, tensors)
     return objects
+
+
+def group_kind(gname: str, tensors: Mapping[str, QuantizedTensor]) -> tuple[str, int]:
+    """The one payload kind and block size of a group's tensors; ``FormatError`` if they
+    mix kinds or block sizes."""
+    kinds = {q.kind for q in tensors.values()}
+    if len(kinds) > 1:
+        raise FormatError(f"group {gname!r} mixes payload kinds {sorted(kinds)}")
+    kind = kinds.pop() if kinds else "fp32"
+    blocks = {q.block_size for q in tensors.values()} if kind in BLOCKED else set()
+    if len(blocks) > 1:
+        raise FormatError(f"group {gname!r} mixes block sizes {sorted(blocks)}")
+    return kind, blocks.pop() if blocks else 128
+
+
+def write_group(
+    put: Callable[[str, bytes], None], gname: str, tensors: Mapping[str, QuantizedTensor]
+) -> None:
+    """Whole tensors as group ``gname``, through a ``GroupWriter`` (one piece each)."""
+    kind, block_size = group_kind(gname, tensors)
+    shapes = {name: q.shape for name, q in tensors.items()}
+    writer = GroupWriter(put, gname, kind, shapes, block_size)
+    for name in sorted(tensors):
+        q = tensors[name]
+        writer.append(name, QuantizedTensor(kind, (q.size,), q.data, q.scales, q.block_size))
+    writer.close()
 
 
 def tensor_entry(entry: Any) -> tuple[str, list[int], int, int, int, int, int]:

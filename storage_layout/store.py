@@ -35,7 +35,14 @@ import numpy as np
 from diloco.quantize import QuantizedTensor, dequantize, quantize
 from storage_layout.auth import SecretMismatch, secret_fingerprint, signer, verify
 from storage_layout.bucket import Bucket, BucketError, Traffic
-from storage_layout.codec import BLOCKED, FormatError, GroupWriter, encode, root_objects
+from storage_layout.codec import (
+    FormatError,
+    GroupWriter,
+    encode,
+    group_kind,
+    root_objects,
+    write_group,
+)
 from storage_layout.commit import (
     CommitConflict,
     CommitMarker,
@@ -467,13 +474,7 @@ class RunStore:
         (the learner's, ``storage_layout.auth``) if one is given. The objects are those
         ``encode`` makes of ``{"delta": tensors}``, written as ``put_contribution_stream``
         writes them (each tensor one piece)."""
-        kinds = {q.kind for q in tensors.values()}
-        if len(kinds) > 1:
-            raise FormatError(f"group 'delta' mixes payload kinds {sorted(kinds)}")
-        kind = kinds.pop() if kinds else "fp32"
-        blocks = {q.block_size for q in tensors.values()} if kind in BLOCKED else set()
-        if len(blocks) > 1:
-            raise FormatError(f"group 'delta' mixes block sizes {sorted(blocks)}")
+        kind, block_size = group_kind("delta", tensors)
 
         def whole() -> Iterator[tuple[str, QuantizedTensor]]:
             for name in sorted(tensors):
@@ -481,7 +482,6 @@ class RunStore:
                 yield name, QuantizedTensor(kind, (q.size,), q.data, q.scales, q.block_size)
 
         shapes = {name: q.shape for name, q in tensors.items()}
-        block_size = blocks.pop() if blocks else 128
         return self.put_contribution_stream(
             learner, fragment, seq, shapes, kind, block_size, whole, meta, key
         )
@@ -809,13 +809,8 @@ class RunStore:
         def write(put: Callable[[str, bytes], None]) -> None:
             for rel, blob in root_objects({"kind": "checkpoint"}).items():
                 put(rel, blob)
-            for gname in tensors:
-                group = tensors[gname]
-                writer = GroupWriter(put, gname, "fp32", {n: np.shape(v) for n, v in group.items()})
-                for name in sorted(group):
-                    flat = np.ascontiguousarray(group[name], dtype=np.float32).reshape(-1)
-                    writer.append(name, QuantizedTensor("fp32", (flat.size,), flat))
-                writer.close()
+            for gname, group in tensors.items():
+                write_group(put, gname, _fp32(group))
 
         return self._put_by_content(
             self.layout.checkpoint_marker(learner, step),
