@@ -646,14 +646,10 @@ class BucketStore:
         reader = VersionReader(home, marker, key, cache=1)
         params = ReaderTensors(reader, "params")
         stored = sorted(reader.index("opt"))
-        wanted = outer_names(self._outer(), params.shapes)
-        if stored and all(_POSITIONAL.match(n) for n in stored):
-            wanted_in_order = stored  # written before leaves had names: in optax's order
-        elif set(stored) != set(wanted):
-            raise CorruptVersion(f"{key}: outer optimizer state has leaves {stored[:3]}..., "
-                                 f"this optimizer {len(wanted)}")  # fmt: skip
-        else:
-            wanted_in_order = wanted
+        # The stored leaf names in the optimizer's order: the rule whole leaves follow
+        # (``ordered_outer_leaves``), applied to the names themselves.
+        shaped = {n: jax.ShapeDtypeStruct(s, np.float32) for n, s in params.shapes.items()}
+        wanted_in_order = ordered_outer_leaves(self._outer(), shaped, stored, stored)
         count = len(wanted_in_order) // max(1, len(params.shapes))
         slots = [ReaderTensors(reader, "opt", names)
                  for names in slot_names(wanted_in_order, params.shapes, count)]  # fmt: skip
