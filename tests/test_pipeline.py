@@ -11,6 +11,7 @@ harness's server), real buckets (moto S3, fake-gcs-server, local disk).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import logging
@@ -337,11 +338,25 @@ def faulty_run(prefect_api, tmp_path_factory):
             other: (s.get("state"), s.get("step", 0)) for other, s in status.items() if other != lid
         }
         v0 = store.latest_global(0) or 0
-        os.kill(pid, signal.SIGKILL)
-        _wait(lambda: not _alive(pid), 60, f"{lid} to die")
-        # The newest checkpoint the killed process left (its successor takes seconds to
-        # start and a round to write one).
-        events["checkpoint_at_kill"] = store.checkpoint_steps(lid, region)[-1]
+        # The other learners wait (stopped) until the killed one is back, so that its next
+        # process finds work to do however long a restart takes on this machine: tiny
+        # learners can spend the rest of the budget before it is up.
+        others = [p for k, p in _workers(root / "train.log").items()
+                  if k.startswith("learner") and p != pid]  # fmt: skip
+        for other in others:
+            os.kill(other, signal.SIGSTOP)
+        try:
+            os.kill(pid, signal.SIGKILL)
+            _wait(lambda: not _alive(pid), 60, f"{lid} to die")
+            # The newest checkpoint the killed process left (its successor takes seconds
+            # to start and a round to write one).
+            events["checkpoint_at_kill"] = store.checkpoint_steps(lid, region)[-1]
+            mine = RunStore(run, regions, region)
+            _wait(lambda: mine.newest_generation(lid) >= 2, 420, f"{lid} to start again", proc)
+        finally:
+            for other in others:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(other, signal.SIGCONT)
 
         def syncer_mid_run():
             seen = statuses()
