@@ -296,7 +296,8 @@ class Dataset:
         if self.vocab_size > vocab_size:
             raise DataError(
                 f"data set {self.url} has a vocabulary of {self.vocab_size} tokens, larger "
-                f"than model.vocab_size {vocab_size}; set -o model.vocab_size={self.vocab_size}"
+                f"than model.vocab_size {vocab_size}; give --set "
+                f"model.vocab_size={self.vocab_size}"
             )
         train = self.chunks("train")
         if not train or self.tokens("train") == 0:
