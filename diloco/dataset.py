@@ -24,7 +24,7 @@ import json
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -48,6 +48,8 @@ VALIDATION_STREAM = 1_000_003
 
 
 class Tokenizer(Protocol):
+    kind: str
+    file: str
     vocab_size: int
     eos_id: int
 
@@ -259,7 +261,7 @@ class Dataset:
             raise DataError(f"shard {self.url}/{chunk.shard} is missing") from None
         if len(data) != chunk.tokens * size:
             raise DataError(
-                f"shard {self.url}/{chunk.shard} is truncated: {chunk.name} has "
+                f"shard {self.url}/{chunk.shard} is truncated: chunk {chunk.index} has "
                 f"{len(data)} bytes, the manifest says {chunk.tokens * size}"
             )
         if hashlib.sha256(data).hexdigest() != chunk.sha256:
@@ -556,8 +558,7 @@ def prepare(
     if workers:
         os.environ.setdefault("RAYON_RS_NUM_CPUS", str(workers))
     src_fs, files = list_files(source)
-    sizes = [src_fs.size(p) or 0 for p, _ in files]
-    total = sum(sizes)
+    total = sum(src_fs.size(p) or 0 for p, _ in files)
     fs, root = fsspec.core.url_to_fs(out)
     _check_out(fs, root, out)
 
@@ -572,48 +573,73 @@ def prepare(
         texts = _identified(src_fs, files, text_field, progress, total, stage, TRAIN_TEXT_BYTES)
         tok = train_bpe((text for _, text in texts), vocab_size)
         tok_bytes = tok._tok.to_str().encode()
+    source_info = {"url": source, "files": len(files), "bytes": total,
+                   "val_percent": val_percent, "text_field": text_field}  # fmt: skip
+    texts = _identified(src_fs, files, text_field, progress, total, "tokenizing")
+    documents = _tokenized(texts, tok, val_percent, source)
+    return write_dataset(out, tok, tok_bytes, documents, chunk_tokens, shard_chunks, source_info)
+
+
+def _tokenized(
+    texts: Iterator[tuple[str, str]], tok: Tokenizer, val_percent: int, source: str
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(split, tokens with EOS) of each document, tokenized in batches (in parallel)."""
+    batch: list[tuple[str, str]] = []
+    size = text_tokens = held_out = 0
+
+    def flush(last: bool) -> Iterator[tuple[str, np.ndarray]]:
+        nonlocal text_tokens, held_out
+        ids = tok.encode_batch([t for _, t in batch])
+        for n, ((ident, _), seq) in enumerate(zip(batch, ids, strict=True)):
+            text_tokens += len(seq)
+            split = "validation" if is_held_out(ident, val_percent) else "train"
+            if last and n == len(batch) - 1 and not held_out:
+                split = "validation"  # a small corpus where the hash held nothing out
+            held_out += split == "validation"
+            yield split, np.append(np.asarray(seq, dtype=np.int64), tok.eos_id)
+        batch.clear()
+
+    for ident, text in texts:
+        if size >= 8 << 20 or len(batch) >= 4096:  # never the last: that is flush(True)'s
+            yield from flush(False)
+            size = 0
+        batch.append((ident, text))
+        size += len(text)
+    yield from flush(True)
+    if text_tokens == 0:
+        raise DataError(f"data source {source} holds no text to tokenize (its documents are empty)")
+
+
+def write_dataset(
+    out: str,
+    tok: Tokenizer,
+    tok_bytes: bytes,
+    documents: Iterable[tuple[str, np.ndarray]],
+    chunk_tokens: int = CHUNK_TOKENS,
+    shard_chunks: int = SHARD_CHUNKS,
+    source: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write ``documents`` ((split, tokens) each, EOS included) as a data set at ``out``:
+    shards as they come, then the tokenizer, then the manifest."""
+    fs, root = fsspec.core.url_to_fs(out)
+    fs.makedirs(root, exist_ok=True)
     dtype = np.dtype("<u2") if tok.vocab_size <= 1 << 16 else np.dtype("<u4")
     writers = {
         split: _ShardWriter(fs, root, split, dtype, chunk_tokens, shard_chunks)
         for split in ("train", "validation")
     }
-    fs.makedirs(root, exist_ok=True)
     docs = {"train": 0, "validation": 0}
-    batch: list[tuple[str, str]] = []
-    batch_bytes = 0
-
-    text_tokens = 0
-
-    def flush(last: bool = False) -> None:
-        nonlocal text_tokens
-        ids = tok.encode_batch([t for _, t in batch])
-        for n, ((ident, _), seq) in enumerate(zip(batch, ids, strict=True)):
-            text_tokens += len(seq)
-            split = "validation" if is_held_out(ident, val_percent) else "train"
-            if last and n == len(batch) - 1 and not docs["validation"]:
-                split = "validation"  # a small corpus where the hash held nothing out
-            writers[split].write(np.append(np.asarray(seq, dtype=np.int64), tok.eos_id))
-            docs[split] += 1
-        batch.clear()
-
-    for ident, text in _identified(src_fs, files, text_field, progress, total, "tokenizing"):
-        if batch_bytes >= 8 << 20 or len(batch) >= 4096:  # never the last: flush(last=True)
-            flush()
-            batch_bytes = 0
-        batch.append((ident, text))
-        batch_bytes += len(text)
-    flush(last=True)
+    for split, ids in documents:
+        writers[split].write(ids)
+        docs[split] += 1
     for w in writers.values():
         w.close()
-    if text_tokens == 0:
-        raise DataError(f"data source {source} holds no text to tokenize (every document is empty)")
     if not writers["train"].shards:
         raise DataError(
-            f"data source {source}: every document was held out for validation; give a "
-            "smaller --val-percent or more documents"
+            f"every document of {(source or {}).get('url', out)} was held out for validation; "
+            "give a smaller --val-percent or more documents"
         )
     fs.pipe_file(_join(root, tok.file), tok_bytes)
-    shards = writers["train"].shards + writers["validation"].shards
     manifest = {
         "format": FORMAT,
         "version": VERSION,
@@ -623,13 +649,12 @@ def prepare(
         },
         "dtype": dtype.name,
         "chunk_tokens": chunk_tokens,
-        "shards": shards,
+        "shards": writers["train"].shards + writers["validation"].shards,
         "totals": {
             split: {"documents": docs[split], "tokens": sum(s["tokens"] for s in w.shards)}
             for split, w in writers.items()
         },
-        "source": {"url": source, "files": len(files), "bytes": total,
-                   "val_percent": val_percent, "text_field": text_field},
+        "source": source or {},
     }  # fmt: skip
     fs.pipe_file(_join(root, MANIFEST), json.dumps(manifest, indent=1).encode())
     return manifest
