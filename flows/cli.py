@@ -738,6 +738,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
     out.print("contributions: " + ", ".join(f"{k} {v}" for k, v in report.outcomes.items()))
     out.print("tokens: " + ", ".join(f"{k} {v:,}" for k, v in report.tokens.items()))
     out.print(f"{report.versions} versions accounted for, {report.objects} markers verified")
+    for learner, spans in sorted(report.data.items()):
+        ranges = ", ".join(f"{lo}-{hi}" for lo, hi in spans)
+        out.print(f"data merged from {learner} (its batches, [from, to)): {ranges}")
     for damage in report.unread_damage:
         out.print(f"[yellow]damaged, never read:[/] {damage}")
     for region, frags in report.lagging.items():
