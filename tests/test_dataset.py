@@ -421,3 +421,27 @@ def test_diloco_train_on_prepared_tokens_learns_and_a_killed_learner_skips_and_r
     assert sorted(report.data) == sorted(store.read_spec()["learners"]), report.data
     for learner, spans in report.data.items():
         assert len(spans) == 1 and spans[0][0] == 0, (learner, spans)
+
+
+def test_a_missing_shard_is_named(prepared, tmp_path):
+    out = _copy(prepared, tmp_path)
+    (out / "validation-00000.bin").unlink()
+    with pytest.raises(DataError, match=r"shard .*validation-00000.bin is missing"):
+        open_dataset(str(out)).check(512, 1, 32)
+
+
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+def test_a_data_set_in_a_bucket_reads_as_the_same_one_on_disk(backend, make_bucket, text_folder,
+                                                              tmp_path):  # fmt: skip
+    """Prepared into a bucket (moto S3, fake GCS) and read back with ranged reads: the
+    same manifest and the same batches as on disk."""
+    url = make_bucket(backend) + "/tokens"
+    source = str(text_folder / "json")
+    a = prepare(source, url, vocab_size=300, chunk_tokens=1024)
+    b = prepare(source, str(tmp_path / "local"), vocab_size=300, chunk_tokens=1024)
+    assert dataset.is_prepared(url) and a["shards"] == b["shards"]
+    remote, local = (TokenReader(open_dataset(u), 1, 2, 4, 32, seed=3)
+                     for u in (url, str(tmp_path / "local")))  # fmt: skip
+    for _ in range(3 * remote.epoch_windows // 4):
+        assert (remote.next_batch() == local.next_batch()).all()
+    open_dataset(url).check(300, 2, 32)
