@@ -3,6 +3,7 @@ the tokenizers, the streaming ``TokenReader`` and the errors that name bad input
 
 import hashlib
 import io
+import itertools
 import json
 import sysconfig
 import tracemalloc
@@ -146,7 +147,8 @@ def _synthetic(out: Path, tokenizer: Path, tokens: int, chunk_tokens: int = 1 <<
     data = tokenizer.read_bytes()
     docs = (("train", rng.integers(1, 500, 5000)) for _ in range(tokens // 5000))
     val = [("validation", rng.integers(1, 500, 5000))]
-    dataset.write_dataset(str(out), dataset.HFTokenizer(data), data, [*docs, *val], chunk_tokens)
+    documents = itertools.chain(docs, val)
+    dataset.write_dataset(str(out), dataset.HFTokenizer(data), data, documents, chunk_tokens)
     return str(out)
 
 
