@@ -447,3 +447,20 @@ def test_a_data_set_in_a_bucket_reads_as_the_same_one_on_disk(backend, make_buck
     for _ in range(3 * remote.epoch_windows // 4):
         assert (remote.next_batch() == local.next_batch()).all()
     open_dataset(url).check(300, 2, 32)
+
+
+def test_a_vocabulary_above_65536_is_stored_as_uint32(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    tok = Tokenizer(models.BPE(vocab={f"t{i}": i for i in range(70_000)}, merges=[]))
+    tok.add_special_tokens(["<|endoftext|>"])
+    data = tok.to_str().encode()
+    rng = np.random.default_rng(1)
+    docs = [("train", rng.integers(60_000, 70_000, 3000)) for _ in range(4)]
+    docs.append(("validation", rng.integers(0, 70_000, 500)))
+    m = dataset.write_dataset(str(tmp_path / "big"), dataset.HFTokenizer(data), data, docs, 2048)
+    assert m["dtype"] == "uint32" and m["tokenizer"]["vocab_size"] == 70_001
+    ds = open_dataset(str(tmp_path / "big"))
+    ds.check(70_001, 2, 32)
+    batch = TokenReader(ds, 0, 2, 4, 32, seed=0).next_batch()
+    assert batch.max() >= 60_000 and set(np.unique(batch)) <= set(range(60_000, 70_001))
