@@ -168,11 +168,17 @@ def _join(root: str, name: str) -> str:
 
 
 def is_prepared(url: str | None) -> bool:
-    """Whether ``url`` is a prepared data set (a folder holding a manifest)."""
+    """Whether ``url`` is a prepared data set: a folder holding a manifest of this format
+    (a text corpus may hold some other ``manifest.json``)."""
     if not url:
         return False
     fs, path = fsspec.core.url_to_fs(url)
-    return fs.isdir(path) and fs.exists(_join(path, MANIFEST))
+    if not (fs.isdir(path) and fs.exists(_join(path, MANIFEST))):
+        return False
+    try:
+        return json.loads(fs.cat_file(_join(path, MANIFEST))).get("format") == FORMAT
+    except (ValueError, AttributeError):  # not JSON, or not an object
+        return False
 
 
 @dataclass(frozen=True)

@@ -258,9 +258,13 @@ def test_bad_sources_and_outputs_are_named(prepared, text_folder, tmp_path):
 def test_data_prepare_and_show_on_the_command_line(text_folder, tmp_path, capsys):
     out = tmp_path / "cli"
     code = main(["data", "prepare", str(text_folder / "json"), "--out", str(out),
-                 "--vocab-size", "300", "--chunk-tokens", "1024", "--quiet"])  # fmt: skip
+                 "--vocab-size", "300", "--chunk-tokens", "1024"])  # fmt: skip
     text = capsys.readouterr().out
     assert code == 0 and "--set model.vocab_size=300" in text and "validation" in text
+    corpus = tmp_path / "corpus"  # text with a manifest.json of its own: not a data set
+    corpus.mkdir()
+    (corpus / "manifest.json").write_text('{"files": ["a.txt"]}')
+    assert not dataset.is_prepared(str(corpus)) and dataset.is_prepared(str(out))
     assert main(["data", "prepare", str(text_folder), "--out", str(out), "--quiet"]) == 2
     assert "already holds a data set" in capsys.readouterr().err
 
