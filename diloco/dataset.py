@@ -69,6 +69,7 @@ class HFTokenizer:
     def __init__(self, data: bytes, name: str = "tokenizer.json"):
         from tokenizers import Tokenizer as _Tokenizer
 
+        self.data = data  # the file's bytes, stored beside the shards
         self._tok = _Tokenizer.from_str(data.decode())
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         eos = [self._tok.token_to_id(n) for n in EOS_NAMES]
@@ -580,7 +581,7 @@ def prepare(
         stage = "training tokenizer"
         texts = _identified(src_fs, files, text_field, progress, total, stage, TRAIN_TEXT_BYTES)
         tok = train_bpe((text for _, text in texts), vocab_size)
-        tok_bytes = tok._tok.to_str().encode()
+        tok_bytes = tok.data
     source_info = {"url": source, "files": len(files), "bytes": total,
                    "val_percent": val_percent, "text_field": text_field}  # fmt: skip
     texts = _identified(src_fs, files, text_field, progress, total, "tokenizing")
