@@ -29,6 +29,7 @@ import numpy as np
 import optax
 
 from diloco.config import OuterConfig
+from diloco.inner import to_host
 from diloco.learner import LearnerCheckpoint
 from diloco.loops import GlobalView, StoredFragment, Unreadable
 from diloco.outer import Contribution, outer_optimizer
@@ -104,14 +105,40 @@ def leaf_names(tree: Any) -> list[str]:
     return names
 
 
-def optimizer_leaves(state: optax.OptState) -> dict[str, np.ndarray]:
-    """An optimizer state's leaves as float32 arrays named by their path in the tree
-    (``leaf_names``), so a checkpoint reads without our code."""
-    leaves = jax.tree_util.tree_leaves(state)
-    return {
-        name: np.asarray(jax.device_get(leaf), dtype=np.float32)
-        for name, leaf in zip(leaf_names(state), leaves, strict=True)
-    }
+class OptimizerLeaves(Mapping[str, np.ndarray]):
+    """An optimizer state's leaves as float32 host arrays named by their path in the tree
+    (``leaf_names``), so a checkpoint reads without our code; also ``Tensors``, which
+    ``RunStore.put_checkpoint`` streams. A leaf comes to the host (``inner.to_host``) only
+    when it is read and one at a time, never the whole state: its sharded device arrays
+    stay where they are. Each read transfers again; ``piece`` keeps the last leaf."""
+
+    def __init__(self, state: optax.OptState):
+        self._leaves = dict(zip(leaf_names(state), jax.tree_util.tree_leaves(state), strict=True))
+        self._held: tuple[str, np.ndarray] | None = None
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return np.asarray(to_host(self._leaves[name]), dtype=np.float32)
+
+    def __iter__(self):
+        return iter(self._leaves)
+
+    def __len__(self) -> int:
+        return len(self._leaves)
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(np.shape(v)) for n, v in self._leaves.items()}
+
+    def piece(self, name: str, start: int, stop: int) -> np.ndarray:
+        if self._held is None or self._held[0] != name:
+            self._held = None  # the previous leaf goes before the next one comes
+            self._held = (name, self[name].reshape(-1))
+        return self._held[1][start:stop]
+
+
+def optimizer_leaves(state: optax.OptState) -> OptimizerLeaves:
+    """``OptimizerLeaves`` of ``state``: what a checkpoint stores."""
+    return OptimizerLeaves(state)
 
 
 def _positional(names: Sequence[str]) -> bool:
@@ -182,12 +209,12 @@ def optimizer_state(
             f"optimizer state has {len(leaves)} leaves, this model's optimizer "
             f"{len(names)} (missing {missing[:3]})"
         )
-    host = {
-        n: np.asarray(leaves[n], dtype=t.dtype).reshape(t.shape)
+    placed = [  # a leaf at a time: ``place`` shards it over this learner's mesh, whatever
+        # mesh wrote it (a checkpoint stores the logical arrays)
+        place({n: np.asarray(leaves[n], dtype=t.dtype).reshape(t.shape)})[n]
         for n, (_, t) in zip(names, flat, strict=True)
-    }
-    placed = place(host)
-    return jax.tree_util.tree_unflatten(treedef, [placed[n] for n in names])
+    ]
+    return jax.tree_util.tree_unflatten(treedef, placed)
 
 
 class _Guarded:
