@@ -20,6 +20,9 @@ import pytest
 
 from diloco import quantize as Q
 from diloco import quantize_device as QD
+from diloco.config import PipelineConfig, load_config
+from diloco.inner import InnerTrainer
+from diloco.model import ParamCodec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -195,3 +198,13 @@ def test_device_quantization_is_numpys_bit_for_bit(kind):
     data, _, res = QD.outer_gradient(jnp.asarray(zeros), jnp.asarray(zeros), None, kind, 32)
     assert np.array_equal(np.asarray(data), Q.quantize(zeros, kind, 32).data)
     assert not np.asarray(res).any()
+
+
+def test_a_mesh_that_does_not_fit_is_refused_by_name():
+    cfg = load_config("tiny")
+    codec, _ = ParamCodec.create(cfg.model, 0)
+    with pytest.raises(ValueError, match=r"pipeline.fsdp=3 does not divide the learner's 2"):
+        InnerTrainer(codec, cfg.inner, 10, fsdp=3)  # conftest: 2 CPU devices
+    assert InnerTrainer(codec, cfg.inner, 10, fsdp=-1).fsdp == 2
+    with pytest.raises(ValueError, match="fsdp=0"):
+        PipelineConfig(fsdp=0)
