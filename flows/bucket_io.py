@@ -217,6 +217,42 @@ def optimizer_state(
     return jax.tree_util.tree_unflatten(treedef, placed)
 
 
+class _StoredLeaves(Mapping[str, np.ndarray]):
+    """A checkpoint's ``opt`` group as a mapping whose values are read when asked for, a
+    whole leaf at a time (``optimizer_state`` places each before it reads the next)."""
+
+    def __init__(self, tensors: ReaderTensors):
+        self.tensors = tensors
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        shape = self.tensors.shapes[name]
+        return self.tensors.piece(name, 0, int(np.prod(shape))).reshape(shape)
+
+    def __iter__(self):
+        return iter(self.tensors.shapes)
+
+    def __len__(self) -> int:
+        return len(self.tensors.shapes)
+
+
+def read_checkpoint(
+    store: RunStore,
+    learner: str,
+    step: int,
+    template: optax.OptState,
+    place: Callable[[dict], dict],
+) -> tuple[optax.OptState, dict[str, Any]]:
+    """Checkpoint ``learner@step`` into the structure of ``template``, with its meta: the
+    stored leaves are the logical arrays, so any mesh reads them; each is read, checked
+    and placed (``place``: onto this learner's shardings) before the next, so the host
+    holds one leaf, never the whole state."""
+    key = store.layout.checkpoint_marker(learner, step)
+    marker = read_marker(store.home, key)
+    reader = VersionReader(store.home, marker, key, cache=1)
+    leaves = _StoredLeaves(ReaderTensors(reader, "opt"))
+    return optimizer_state(leaves, template, place), dict(marker.meta)
+
+
 class _Guarded:
     """``Tensors`` that call ``on_damage`` before a read failure propagates."""
 
@@ -464,8 +500,7 @@ class BucketStore:
         store = self.writer_for(learner, checkpoints=True)
         for step in reversed(store.checkpoint_steps(learner)):
             try:
-                groups, meta = store.get_checkpoint(learner, step)
-                opt = optimizer_state(groups["opt"], self.opt_template(), self.place)
+                opt, meta = read_checkpoint(store, learner, step, self.opt_template(), self.place)
                 return LearnerCheckpoint(
                     step=int(meta["step"]), seq=int(meta["seq"]), opt_state=opt
                 )

@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,6 +24,8 @@ from diloco import quantize_device as QD
 from diloco.config import PipelineConfig, load_config
 from diloco.inner import InnerTrainer
 from diloco.model import ParamCodec
+from flows.bucket_io import optimizer_leaves
+from storage_layout.store import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +41,7 @@ WORKER = textwrap.dedent(
     from diloco.learner import Learner
     from diloco.model import ParamCodec
     from diloco.quantize import quantize_with_feedback
-    from flows.bucket_io import optimizer_leaves, optimizer_state
+    from flows.bucket_io import optimizer_leaves, read_checkpoint
     from storage_layout.store import RunStore
 
     out, bucket = sys.argv[1], sys.argv[2]
@@ -90,11 +93,10 @@ WORKER = textwrap.dedent(
             store = RunStore("r", {"us": bucket}, "us")
             store.put_checkpoint("l0", lrn.step, {"opt": optimizer_leaves(lrn.opt_state)}, {})
             saved = dict(optimizer_leaves(lrn.opt_state))
-    groups, _ = store.get_checkpoint("l0", 6)
     for tag in ("d1", "f2"):
         trainer = trainers[tag]
         template = trainer.init_opt_state(trainer.place_params(init))
-        restored = optimizer_state(groups["opt"], template, trainer.place_params)
+        restored, _ = read_checkpoint(store, "l0", 6, template, trainer.place_params)
         back = optimizer_leaves(restored)
         res[f"ckpt/{tag}/equal"] = sorted(back) == sorted(saved) and all(
             np.array_equal(back[n], saved[n]) for n in saved)
@@ -208,3 +210,22 @@ def test_a_mesh_that_does_not_fit_is_refused_by_name():
     assert InnerTrainer(codec, cfg.inner, 10, fsdp=-1).fsdp == 2
     with pytest.raises(ValueError, match="fsdp=0"):
         PipelineConfig(fsdp=0)
+
+
+def test_a_streamed_checkpoint_is_the_same_objects_as_a_whole_one(tmp_path):
+    """``OptimizerLeaves`` streams a leaf and a chunk at a time; what lands in the bucket
+    is what the whole arrays write, so older readers and ``inspect`` read it alike."""
+    cfg = load_config("tiny")
+    codec, state = ParamCodec.create(cfg.model, 0)
+    trainer = InnerTrainer(codec, cfg.inner, 10, fsdp=2)
+    opt = trainer.init_opt_state(trainer.place_params(codec.to_flat(state)))
+    opt = jax.tree.map(lambda x: x + 1, opt)  # not all zeros
+    markers = []
+    for name, group in (
+        ("whole", dict(optimizer_leaves(opt))),
+        ("streamed", optimizer_leaves(opt)),
+    ):
+        (tmp_path / name).mkdir()
+        store = RunStore("r", {"us": f"file://{tmp_path / name}"}, "us")
+        markers.append(store.put_checkpoint("l0", 3, {"opt": group}, {"seq": 1}))
+    assert markers[0].objects == markers[1].objects and markers[0].objects
