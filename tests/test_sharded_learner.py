@@ -25,6 +25,7 @@ from diloco.config import PipelineConfig, load_config
 from diloco.inner import InnerTrainer
 from diloco.model import ParamCodec
 from flows.bucket_io import optimizer_leaves
+from flows.run import build_model
 from storage_layout.store import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,6 +209,11 @@ def test_a_mesh_that_does_not_fit_is_refused_by_name():
     with pytest.raises(ValueError, match=r"pipeline.fsdp=3 does not divide the learner's 2"):
         InnerTrainer(codec, cfg.inner, 10, fsdp=3)  # conftest: 2 CPU devices
     assert InnerTrainer(codec, cfg.inner, 10, fsdp=-1).fsdp == 2
+    # the setting reaches the learners' trainer; the run's model stays the same
+    sharded = build_model(load_config("tiny", overrides=["pipeline.fsdp=2"]))
+    assert sharded.trainer.fsdp == 2 and build_model(cfg).trainer.fsdp == 1
+    kernel = sharded.trainer.place(sharded.init["blocks.0.down.kernel"])
+    assert [s.data.shape for s in kernel.addressable_shards] == [(128, 64)] * 2
     with pytest.raises(ValueError, match="fsdp=0"):
         PipelineConfig(fsdp=0)
 
