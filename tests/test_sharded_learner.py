@@ -24,9 +24,11 @@ from diloco import quantize_device as QD
 from diloco.config import PipelineConfig, load_config
 from diloco.inner import InnerTrainer
 from diloco.model import ParamCodec
+from diloco.simulate import simulate
 from flows.bucket_io import optimizer_leaves
-from flows.run import build_model
+from flows.run import build_model, config_from_spec, simulation_store
 from storage_layout.store import RunStore
+from tests.test_loops import OVER, regions_in, run_pipeline_runtimes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -235,3 +237,30 @@ def test_a_streamed_checkpoint_is_the_same_objects_as_a_whole_one(tmp_path):
         store = RunStore("r", {"us": f"file://{tmp_path / name}"}, "us")
         markers.append(store.put_checkpoint("l0", 3, {"opt": group}, {"seq": 1}))
     assert markers[0].objects == markers[1].objects and markers[0].objects
+
+
+def test_the_pipeline_with_sharded_learners_merges_what_the_simulator_merges(tmp_path):
+    """The pipeline's own runtimes with ``pipeline.fsdp=2`` (conftest: 2 devices) against
+    the simulator (replicated) on one virtual clock: the same versions merging the same
+    contributions; the values agree to float tolerance, not bit for bit (see above):
+    each tensor's relative L2 difference under 1e-2."""
+    cfg = load_config("tiny", overrides=OVER)
+    a, b = regions_in(tmp_path, "a"), regions_in(tmp_path, "b")
+    simulate(cfg, store=simulation_store("eq", a))
+    sharded = load_config("tiny", overrides=[*OVER, "pipeline.fsdp=2"])
+    run_pipeline_runtimes("eq", b, sharded)
+    sa, sb = RunStore("eq", a, "us"), RunStore("eq", b, "us")
+    learners = config_from_spec(sb.read_spec(), sharded.pipeline.model_dump())
+    trainer = build_model(learners).trainer  # the one the learners trained with (cached)
+    assert trainer.fsdp == 2 and trainer._train_step._cache_size() == 1
+    worst = 0.0
+    for p in range(cfg.topology.fragments):
+        versions = sa.global_versions(p)
+        assert sb.global_versions(p) == versions and len(versions) > 3, p
+        for v in versions:
+            ga, gb = sa.get_global(p, v), sb.get_global(p, v)
+            assert ga.meta["consumed"] == gb.meta["consumed"], (p, v)
+            for name, value in ga.params.items():
+                diff = np.linalg.norm(gb.params[name] - value) / max(np.linalg.norm(value), 1e-12)
+                worst = max(worst, float(diff))
+    assert worst < 1e-2  # seen: 1.7e-3, int4 codes one off where a value sat on a tie
