@@ -285,6 +285,13 @@ class PipelineConfig(_Strict):
         description="worker processes started ahead of need, imports done, for a restarted "
         "worker to take over; 0: start each cold",
     )
+    fsdp: int = Field(
+        1,
+        description="devices per parameter shard group of a learner: its parameters and "
+        "AdamW state are split over this many of its devices (FSDP), the batch over all; "
+        "1: replicated on every device, -1: sharded over all of them. Must divide the "
+        "learner's device count (docs/architecture.md, 'A sharded learner')",
+    )
     eval_seconds: PositiveFloat = Field(
         10.0, description="the launcher evaluates the newest globals this often"
     )
@@ -316,6 +323,13 @@ class PipelineConfig(_Strict):
         description="process chaos plan (fields of infra.chaos.ChaosPlan, docs/chaos.md) for "
         "diloco train's local workers; empty: none",
     )
+
+    @field_validator("fsdp")
+    @classmethod
+    def _fsdp(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError(f"fsdp={value}: give a device count (>= 1), or -1 for all devices")
+        return value
 
 
 class RunConfig(_Strict):

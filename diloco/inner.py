@@ -7,9 +7,15 @@ decay a *position* the caller gives, the run's progress when learners share the 
 schedule at the same time.
 
 Parameters travel as a flat ``{name: jax.Array}`` dict (see ``model.ParamCodec``), so
-the step, the optimizer state and every fragment operation share one naming. The batch
-is sharded over all local JAX devices along a ``data`` mesh axis (data parallel inside
-one learner); parameters and optimizer state are replicated.
+the step, the optimizer state and every fragment operation share one naming.
+
+The learner's devices form a ``(data, fsdp)`` mesh (``pipeline.fsdp``, docs/architecture.md
+"A sharded learner"): each parameter and each of its AdamW moments is split over the
+``fsdp`` axis along its largest dimension that the axis divides (replicated where none
+does), and the batch over all devices. The sharding of a tensor depends on its shape
+alone, so an optimizer leaf lands where its parameter is, and a tensor read from storage
+(a global version, a checkpoint's leaf) is placed without knowing whose it is. Every
+transfer of the learner's arrays to the host goes through ``to_host``.
 """
 
 from __future__ import annotations
@@ -26,6 +32,43 @@ from diloco.config import InnerConfig
 from diloco.model import ParamCodec
 
 JaxParams = dict[str, jax.Array]
+
+
+def to_host(array: jax.Array) -> np.ndarray:
+    """The one way the learner's device arrays reach the host (a contribution's codes, a
+    fragment's values, a checkpoint's leaf): a single tensor at a time, never a tree.
+    A learner spanning several processes gathers here what one process cannot address."""
+    return np.asarray(jax.device_get(array))
+
+
+def to_device(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A host array onto ``sharding``: each device receives only its own slice."""
+    host = np.asarray(host)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def fsdp_spec(shape: Sequence[int], fsdp: int) -> PartitionSpec:
+    """Split along the largest dimension that ``fsdp`` divides (the first of equals);
+    replicated when none does (scalars, norms' scales of odd width) or ``fsdp`` is 1."""
+    if fsdp == 1:
+        return PartitionSpec()
+    fits = [d for d, size in enumerate(shape) if size % fsdp == 0]
+    if not fits:
+        return PartitionSpec()
+    axis = max(fits, key=lambda d: (shape[d], -d))
+    return PartitionSpec(*[("fsdp" if d == axis else None) for d in range(len(shape))])
+
+
+def learner_mesh(devices: Sequence[jax.Device], fsdp: int = 1) -> Mesh:
+    """The ``(data, fsdp)`` mesh of a learner's devices; ``fsdp=-1`` shards over all."""
+    n = len(devices)
+    size = n if fsdp == -1 else fsdp
+    if size < 1 or n % size:
+        raise ValueError(
+            f"pipeline.fsdp={fsdp} does not divide the learner's {n} devices; give a "
+            f"divisor of {n} (1: replicated parameters, -1: sharded over all {n})"
+        )
+    return Mesh(np.array(devices).reshape(n // size, size), ("data", "fsdp"))
 
 
 def inner_optimizer(cfg: InnerConfig) -> optax.GradientTransformation:
@@ -63,13 +106,15 @@ class InnerTrainer:
         cfg: InnerConfig,
         total_steps: int,
         devices: Sequence[jax.Device] | None = None,
+        fsdp: int = 1,
     ):
         self.codec = codec
         self.tx = inner_optimizer(cfg)
         self.devices = list(devices or jax.devices())
-        mesh = Mesh(np.array(self.devices), ("data",))
-        self.batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
-        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self.mesh = learner_mesh(self.devices, fsdp)
+        self.fsdp = self.mesh.shape["fsdp"]
+        self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(("data", "fsdp")))
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
 
         def loss_fn(params: JaxParams, batch: jax.Array) -> jax.Array:
             model = codec.model(codec.from_flat(params))
@@ -86,21 +131,38 @@ class InnerTrainer:
             lr = self._lr(opt_state, position)
             updates, opt_state = self.tx.update(grads, opt_state, params)
             updates = jax.tree.map(lambda u: lr * u, updates)
-            return optax.apply_updates(params, updates), opt_state, loss
+            keep = lambda x: jax.lax.with_sharding_constraint(x, self.sharding(x.shape))  # noqa: E731
+            params = jax.tree.map(keep, optax.apply_updates(params, updates))
+            return params, jax.tree.map(keep, opt_state), loss
 
         self._train_step = jax.jit(train_step)
         self._loss = jax.jit(loss_fn)
 
+    def sharding(self, shape: Sequence[int]) -> NamedSharding:
+        """Where a tensor of ``shape`` lives on this learner's mesh (``fsdp_spec``)."""
+        return NamedSharding(self.mesh, fsdp_spec(tuple(shape), self.fsdp))
+
+    def place(self, value: np.ndarray | jax.Array) -> jax.Array:
+        """One tensor onto its sharding: from the host slice by slice, or resharded on
+        the devices (a no-op when it is there already)."""
+        sharding = self.sharding(np.shape(value))
+        if isinstance(value, jax.Array):
+            return jax.device_put(value, sharding)
+        host = np.asarray(value)
+        return to_device(host.astype(jax.dtypes.canonicalize_dtype(host.dtype)), sharding)
+
     def place_params(self, flat: Mapping[str, np.ndarray]) -> JaxParams:
-        """Host arrays -> replicated device arrays (all tensors, or a fragment's subset)."""
-        return {n: jax.device_put(jnp.asarray(v), self.replicated) for n, v in flat.items()}
+        """Host arrays -> sharded device arrays (all tensors, or a fragment's subset; any
+        tensors, as optimizer leaves too), a tensor at a time."""
+        return {n: self.place(v) for n, v in flat.items()}
 
     def init_opt_state(self, params: JaxParams) -> optax.OptState:
-        """A fresh state, replicated like the parameters: so placed, it is what a train
-        step returns and what a restored checkpoint is, and the step compiles once per
-        process (left uncommitted, the first step and every later one would each compile
-        their own version: seconds of a restarted learner's first round)."""
-        return jax.device_put(self.tx.init(params), self.replicated)
+        """A fresh state, sharded like the parameters: so placed, it is what a train step
+        returns and what a restored checkpoint is, and the step compiles once per process
+        (left uncommitted, the first step and every later one would each compile their
+        own version: seconds of a restarted learner's first round)."""
+        state = jax.jit(self.tx.init)(params)
+        return jax.tree.map(lambda x: jax.device_put(x, self.sharding(x.shape)), state)
 
     def place_batch(self, batch: np.ndarray) -> jax.Array:
         if batch.shape[0] % len(self.devices):
@@ -128,4 +190,4 @@ class InnerTrainer:
     def evaluate(self, params: JaxParams, batches: Sequence[np.ndarray]) -> float:
         """Mean next-byte cross-entropy (nats per byte) over ``batches``."""
         losses = [self._loss(params, self.place_batch(b)) for b in batches]
-        return float(np.mean(jax.device_get(losses)))
+        return float(np.mean(to_host(jnp.stack(losses))))

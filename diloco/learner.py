@@ -3,6 +3,13 @@ application of global fragments after the overlap delay tau.
 
 The same ``Learner`` runs under the simulator's clock and inside the Prefect learner
 flow; only who calls it, and how contributions and globals travel, differ.
+
+A fragment's state (anchor, error-feedback carry and residual, values at the last send)
+lives on the learner's devices with each parameter's sharding (``InnerTrainer.sharding``):
+the outer gradient is computed and quantized there tensor by tensor
+(``quantize_device``), and only each tensor's codes travel to the host (``to_host``); a
+new global is placed and blended a tensor at a time. So the model is never gathered on
+one device or held whole on the host.
 """
 
 from __future__ import annotations
@@ -16,16 +23,31 @@ import optax
 from diloco.config import TopologyConfig
 from diloco.data import ShardReader
 from diloco.fragments import FragmentPlan, due_fragment
-from diloco.inner import InnerTrainer
-from diloco.outer import Contribution, FlatParams, blend
-from diloco.quantize import quantize, quantize_with_feedback
+from diloco.inner import InnerTrainer, to_host
+from diloco.outer import Contribution, FlatParams
+from diloco.quantize import QuantizedTensor
+from diloco.quantize_device import outer_gradient
+
+DeviceParams = dict[str, jax.Array]
+
+
+@jax.jit
+def _blend(local: jax.Array, global_: jax.Array, alpha: jax.Array, beta: jax.Array) -> jax.Array:
+    """``outer.blend`` of one tensor on its devices, ``beta = 1 - alpha`` (traced
+    weights: one program whatever alpha is)."""
+    return alpha * local + beta * global_
+
+
+@jax.jit
+def _keep_unsent(anchor: jax.Array, current: jax.Array, sent: jax.Array) -> jax.Array:
+    return anchor + (current - sent)
 
 
 @dataclass
 class FragmentState:
     """What a learner knows of one fragment since it last received a global version."""
 
-    anchor: FlatParams  # the fragment's value right after that version was applied
+    anchor: DeviceParams  # the fragment's value right after that version was applied
     base_version: int
     anchor_seq: int = 0  # the learner's seq when the anchor was taken (Contribution.anchor_seq)
     tokens: int = 0
@@ -38,10 +60,10 @@ class FragmentState:
     # everything, so each adds ``carry``, not its predecessor's residual: a superseded send
     # was never merged, and the syncer takes only the increment of a re-sent one. The
     # residual becomes the carry when a global version re-anchors the fragment.
-    carry: FlatParams = field(default_factory=dict)
-    residual: FlatParams = field(default_factory=dict)
+    carry: DeviceParams = field(default_factory=dict)
+    residual: DeviceParams = field(default_factory=dict)
     # With ``keep_unsent``: the fragment's values at the newest send.
-    sent_values: FlatParams = field(default_factory=dict)
+    sent_values: DeviceParams = field(default_factory=dict)
 
 
 @dataclass
@@ -75,8 +97,8 @@ class Learner:
         self.opt_state = trainer.init_opt_state(self.params)
         self.step = 0
         self.seq = 0
-        self.fragments = [
-            FragmentState(anchor={n: np.asarray(init[n]) for n in names}, base_version=0)
+        self.fragments = [  # arrays are immutable: the anchor shares the placed values
+            FragmentState(anchor={n: self.params[n] for n in names}, base_version=0)
             for names in plan
         ]
 
@@ -105,28 +127,35 @@ class Learner:
         return p if p is not None and self.fragments[p].steps > 0 else None
 
     def fragment_values(self, p: int) -> FlatParams:
-        names = self.plan[p]
-        values = jax.device_get([self.params[n] for n in names])
-        return {n: np.asarray(v, dtype=np.float32) for n, v in zip(names, values, strict=True)}
+        """Fragment ``p``'s current values on the host (for tests and tools; the learner's
+        own fragment operations stay on the devices)."""
+        return {n: to_host(self.params[n]).astype(np.float32) for n in self.plan[p]}
 
     def contribute(self, p: int) -> Contribution:
-        """The outer gradient ``anchor - theta`` of fragment ``p``, quantized."""
+        """The outer gradient ``anchor - theta`` of fragment ``p``, quantized on the
+        devices; each tensor's codes come to the host as soon as they are computed, so
+        the host holds the payload and at most one tensor's device work is queued."""
         frag = self.fragments[p]
-        theta = self.fragment_values(p)
         kind, block = self.topology.quantization, self.topology.block_size
+        feedback = self.topology.error_feedback
         payload = {}
-        for name, value in theta.items():
-            delta = frag.anchor[name] - value
-            if self.topology.error_feedback:
-                payload[name], frag.residual[name] = quantize_with_feedback(
-                    delta, frag.carry.get(name), kind, block
-                )
-            else:
-                payload[name] = quantize(delta, kind, block)
+        for name in self.plan[p]:
+            theta = self.params[name]
+            carry = frag.carry.get(name) if feedback else None
+            data, scales, residual = outer_gradient(frag.anchor[name], theta, carry, kind, block)
+            if feedback:
+                frag.residual[name] = self.trainer.place(residual)
+            payload[name] = QuantizedTensor(
+                kind,
+                tuple(theta.shape),
+                to_host(data),
+                None if scales is None else to_host(scales),
+                block if scales is not None else 0,
+            )
         self.seq += 1
         frag.sent_at_step = self.step
         if self.topology.keep_unsent:
-            frag.sent_values = theta
+            frag.sent_values = {n: self.params[n] for n in self.plan[p]}
         return Contribution(
             learner=self.id,
             fragment=p,
@@ -162,12 +191,14 @@ class Learner:
         frag = self.fragments[p]
         if version <= frag.base_version:
             return
-        current = self.fragment_values(p)
+        names = self.plan[p]
         carry = frag.residual or frag.carry
+        # Placed a tensor at a time: each device receives its slice of the global's tensor.
+        placed = {n: self.trainer.place(np.asarray(values[n], dtype=np.float32)) for n in names}
         if frag.sent_values and frag.sent_at_step is not None:  # only with keep_unsent
             kept = self.step - frag.sent_at_step
-            anchor = {n: np.asarray(values[n], dtype=np.float32) for n in current}
-            new = {n: anchor[n] + (current[n] - frag.sent_values[n]) for n in current}
+            anchor = placed
+            new = {n: _keep_unsent(anchor[n], self.params[n], frag.sent_values[n]) for n in names}
             state = FragmentState(
                 anchor=anchor,
                 base_version=version,
@@ -178,11 +209,19 @@ class Learner:
                 anchor_seq=self.seq,
             )
         else:
-            new = blend(current, values, self.topology.alpha)
+            alpha = self.topology.alpha
+            new = (  # alpha = 0 overwrites (outer.blend)
+                placed
+                if alpha == 0.0
+                else {
+                    n: _blend(self.params[n], placed[n], np.float32(alpha), np.float32(1.0 - alpha))
+                    for n in names
+                }
+            )
             state = FragmentState(
                 anchor=new, base_version=version, carry=carry, anchor_seq=self.seq
             )
-        self.params = {**self.params, **self.trainer.place_params(new)}
+        self.params = {**self.params, **{n: self.trainer.place(v) for n, v in new.items()}}
         self.fragments[p] = state
 
     def checkpoint(self) -> LearnerCheckpoint:

@@ -29,6 +29,7 @@ import numpy as np
 import optax
 
 from diloco.config import OuterConfig
+from diloco.inner import to_host
 from diloco.learner import LearnerCheckpoint
 from diloco.loops import GlobalView, StoredFragment, Unreadable
 from diloco.outer import Contribution, outer_optimizer
@@ -106,14 +107,40 @@ def leaf_names(tree: Any) -> list[str]:
     return names
 
 
-def optimizer_leaves(state: optax.OptState) -> dict[str, np.ndarray]:
-    """An optimizer state's leaves as float32 arrays named by their path in the tree
-    (``leaf_names``), so a checkpoint reads without our code."""
-    leaves = jax.tree_util.tree_leaves(state)
-    return {
-        name: np.asarray(jax.device_get(leaf), dtype=np.float32)
-        for name, leaf in zip(leaf_names(state), leaves, strict=True)
-    }
+class OptimizerLeaves(Mapping[str, np.ndarray]):
+    """An optimizer state's leaves as float32 host arrays named by their path in the tree
+    (``leaf_names``), so a checkpoint reads without our code; also ``Tensors``, which
+    ``RunStore.put_checkpoint`` streams. A leaf comes to the host (``inner.to_host``) only
+    when it is read and one at a time, never the whole state: its sharded device arrays
+    stay where they are. Each read transfers again; ``piece`` keeps the last leaf."""
+
+    def __init__(self, state: optax.OptState):
+        self._leaves = dict(zip(leaf_names(state), jax.tree_util.tree_leaves(state), strict=True))
+        self._held: tuple[str, np.ndarray] | None = None
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return np.asarray(to_host(self._leaves[name]), dtype=np.float32)
+
+    def __iter__(self):
+        return iter(self._leaves)
+
+    def __len__(self) -> int:
+        return len(self._leaves)
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(np.shape(v)) for n, v in self._leaves.items()}
+
+    def piece(self, name: str, start: int, stop: int) -> np.ndarray:
+        if self._held is None or self._held[0] != name:
+            self._held = None  # the previous leaf goes before the next one comes
+            self._held = (name, self[name].reshape(-1))
+        return self._held[1][start:stop]
+
+
+def optimizer_leaves(state: optax.OptState) -> OptimizerLeaves:
+    """``OptimizerLeaves`` of ``state``: what a checkpoint stores."""
+    return OptimizerLeaves(state)
 
 
 def _positional(names: Sequence[str]) -> bool:
@@ -184,12 +211,48 @@ def optimizer_state(
             f"optimizer state has {len(leaves)} leaves, this model's optimizer "
             f"{len(names)} (missing {missing[:3]})"
         )
-    host = {
-        n: np.asarray(leaves[n], dtype=t.dtype).reshape(t.shape)
+    placed = [  # a leaf at a time: ``place`` shards it over this learner's mesh, whatever
+        # mesh wrote it (a checkpoint stores the logical arrays)
+        place({n: np.asarray(leaves[n], dtype=t.dtype).reshape(t.shape)})[n]
         for n, (_, t) in zip(names, flat, strict=True)
-    }
-    placed = place(host)
-    return jax.tree_util.tree_unflatten(treedef, [placed[n] for n in names])
+    ]
+    return jax.tree_util.tree_unflatten(treedef, placed)
+
+
+class _StoredLeaves(Mapping[str, np.ndarray]):
+    """A checkpoint's ``opt`` group as a mapping whose values are read when asked for, a
+    whole leaf at a time (``optimizer_state`` places each before it reads the next)."""
+
+    def __init__(self, tensors: ReaderTensors):
+        self.tensors = tensors
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        shape = self.tensors.shapes[name]
+        return self.tensors.piece(name, 0, int(np.prod(shape))).reshape(shape)
+
+    def __iter__(self):
+        return iter(self.tensors.shapes)
+
+    def __len__(self) -> int:
+        return len(self.tensors.shapes)
+
+
+def read_checkpoint(
+    store: RunStore,
+    learner: str,
+    step: int,
+    template: optax.OptState,
+    place: Callable[[dict], dict],
+) -> tuple[optax.OptState, dict[str, Any]]:
+    """Checkpoint ``learner@step`` into the structure of ``template``, with its meta: the
+    stored leaves are the logical arrays, so any mesh reads them; each is read, checked
+    and placed (``place``: onto this learner's shardings) before the next, so the host
+    holds one leaf, never the whole state."""
+    key = store.layout.checkpoint_marker(learner, step)
+    marker = read_marker(store.home, key)
+    reader = VersionReader(store.home, marker, key, cache=1)
+    leaves = _StoredLeaves(ReaderTensors(reader, "opt"))
+    return optimizer_state(leaves, template, place), dict(marker.meta)
 
 
 class _Guarded:
@@ -439,8 +502,7 @@ class BucketStore:
         store = self.writer_for(learner, checkpoints=True)
         for step in reversed(store.checkpoint_steps(learner)):
             try:
-                groups, meta = store.get_checkpoint(learner, step)
-                opt = optimizer_state(groups["opt"], self.opt_template(), self.place)
+                opt, meta = read_checkpoint(store, learner, step, self.opt_template(), self.place)
                 return LearnerCheckpoint(
                     step=int(meta["step"]), seq=int(meta["seq"]), opt_state=opt
                 )

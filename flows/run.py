@@ -98,12 +98,12 @@ class Model:
 
 
 @lru_cache(maxsize=2)
-def _model(cfg_json: str) -> Model:
+def _model(cfg_json: str, fsdp: int) -> Model:
     cfg = RunConfig.model_validate_json(cfg_json)
     codec, state = ParamCodec.create(cfg.model, cfg.seed)
     topo = cfg.topology
     plan = plan_fragments(codec.sizes, topo.fragments, topo.fragment_strategy)
-    trainer = InnerTrainer(codec, cfg.inner, cfg.steps_per_learner)
+    trainer = InnerTrainer(codec, cfg.inner, cfg.steps_per_learner, fsdp=fsdp)
     return Model(codec, codec.to_flat(state), plan, trainer)
 
 
@@ -114,7 +114,8 @@ def build_model(cfg: RunConfig) -> Model:
     """The model of ``cfg``, built once per process (a spare's warm-up thread and the
     worker it becomes share it: the second caller waits for the first)."""
     with _BUILDING:
-        return _model(cfg.model_copy(update={"pipeline": type(cfg.pipeline)()}).model_dump_json())
+        run = cfg.model_copy(update={"pipeline": type(cfg.pipeline)()})
+        return _model(run.model_dump_json(), cfg.pipeline.fsdp)  # the mesh is operational
 
 
 def corpus(cfg: RunConfig) -> None:

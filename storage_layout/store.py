@@ -36,6 +36,7 @@ from diloco.quantize import QuantizedTensor, dequantize, quantize
 from storage_layout.auth import SecretMismatch, secret_fingerprint, signer, verify
 from storage_layout.bucket import Bucket, BucketError, Traffic
 from storage_layout.codec import (
+    CHUNK,
     FormatError,
     GroupWriter,
     encode,
@@ -161,6 +162,17 @@ def learner_view(objects: Mapping[str, bytes]) -> dict[str, bytes]:
 
 def _fp32(values: Mapping[str, np.ndarray]) -> dict[str, QuantizedTensor]:
     return {n: quantize(v, "fp32") for n, v in values.items()}
+
+
+def _write_streamed(put: Callable[[str, bytes], None], gname: str, group: Any) -> None:
+    """``write_group`` of float32 ``Tensors``, a chunk of values at a time (same objects)."""
+    writer = GroupWriter(put, gname, "fp32", group.shapes)
+    for name, shape in sorted(group.shapes.items()):
+        size = int(np.prod(shape))
+        for start in range(0, size, CHUNK):
+            stop = min(size, start + CHUNK)
+            writer.append(name, quantize(group.piece(name, start, stop), "fp32"))
+    writer.close()
 
 
 def _opt_group(leaves: Sequence[np.ndarray] | Mapping[str, np.ndarray]) -> dict:
@@ -804,13 +816,18 @@ class RunStore:
     ) -> CommitMarker:
         """Commit a learner checkpoint: named groups of float32 arrays plus JSON ``meta``,
         written a chunk at a time (``_put_by_content``): the objects ``encode`` makes of
-        them, never all held at once beside the arrays."""
+        them, never all held at once beside the arrays. A group that is ``Tensors``
+        (``shapes`` and ``piece``, like a learner's sharded optimizer state) is read a
+        piece at a time, so not even its arrays are held whole."""
 
         def write(put: Callable[[str, bytes], None]) -> None:
             for rel, blob in root_objects({"kind": "checkpoint"}).items():
                 put(rel, blob)
             for gname, group in tensors.items():
-                write_group(put, gname, _fp32(group))
+                if hasattr(group, "piece"):
+                    _write_streamed(put, gname, group)
+                else:
+                    write_group(put, gname, _fp32(group))
 
         return self._put_by_content(
             self.layout.checkpoint_marker(learner, step),

@@ -1,0 +1,266 @@
+"""A learner sharded over its devices (FSDP): the same contributions as one device, its
+arrays really split, its checkpoint portable across device counts, and its on-device
+quantization bit for bit the numpy one.
+
+JAX fixes its CPU device count when it is first imported (conftest gives this process
+2), so the cases on 4 devices run in one short subprocess with
+``--xla_force_host_platform_device_count=4``; it writes what it measured to an ``.npz``
+and the assertions are made here.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from diloco import quantize as Q
+from diloco import quantize_device as QD
+from diloco.config import PipelineConfig, load_config
+from diloco.inner import InnerTrainer
+from diloco.model import ParamCodec
+from diloco.simulate import simulate
+from flows.bucket_io import optimizer_leaves
+from flows.run import build_model, config_from_spec, simulation_store
+from storage_layout.store import RunStore
+from tests.test_loops import OVER, regions_in, run_pipeline_runtimes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+WORKER = textwrap.dedent(
+    """
+    import sys
+    import jax
+    import numpy as np
+    from diloco.config import load_config
+    from diloco.data import ShardReader, load_corpus
+    from diloco.fragments import plan_fragments
+    from diloco.inner import InnerTrainer, to_host
+    from diloco.learner import Learner
+    from diloco.model import ParamCodec
+    from diloco.quantize import quantize_with_feedback
+    from flows.bucket_io import optimizer_leaves, read_checkpoint
+    from storage_layout.store import RunStore
+
+    out, bucket = sys.argv[1], sys.argv[2]
+    assert len(jax.devices()) == 4, jax.devices()
+    cfg = load_config("tiny", overrides=["topology.quantization=int8",
+                                         "topology.error_feedback=true", "topology.tau=1"])
+    codec, state = ParamCodec.create(cfg.model, 0)
+    init = codec.to_flat(state)
+    plan = plan_fragments(codec.sizes, cfg.topology.fragments)
+    corpus = load_corpus(None, 1)
+    big = "blocks.0.down.kernel"  # (256, 64), in fragment 0: split along its 256 rows
+    res, trainers = {}, {}
+    for tag, devices, fsdp in (("d1", 1, 1), ("f2", 4, 2), ("f4", 4, 4)):
+        trainer = InnerTrainer(codec, cfg.inner, 100, devices=jax.devices()[:devices], fsdp=fsdp)
+        trainers[tag] = trainer
+        reader = ShardReader(corpus.train_shards[0], 8, cfg.model.context, 0, 0)
+        lrn = Learner("l0", trainer, plan, cfg.topology, init, reader)
+        for _ in range(3):
+            lrn.train_step()
+        frag, names = lrn.fragments[0], plan[0]
+        host = {n: (to_host(frag.anchor[n]), to_host(lrn.params[n])) for n in names}
+        first = lrn.contribute(0)
+        # the codes computed on the sharded arrays are numpy's codes of the same values
+        res[tag + "/exact"] = all(
+            np.array_equal(first.payload[n].data, q.data)
+            and np.array_equal(first.payload[n].scales, q.scales)
+            for n in names
+            for q in [quantize_with_feedback(host[n][0] - host[n][1], None, "int8", 128)[0]]
+        )
+        lrn.train_step()
+        glob = {n: init[n] * np.float32(0.5) for n in names}
+        lrn.apply_global(0, 1, glob)  # keep_unsent: the global plus the step since the send
+        for _ in range(2):
+            lrn.train_step()
+        lrn.contribute(1)
+        second = lrn.contribute(0)  # measured from the applied global, with the carry
+        for c, key in ((first, "first"), (second, "second")):
+            for n, v in c.outer_gradient().items():
+                res[f"{tag}/{key}/grad/{n}"] = v
+            for n, q in c.payload.items():
+                res[f"{tag}/{key}/codes/{n}"] = q.data
+        mu = lrn.opt_state[1][0].mu[big]
+        for what, arr in (("param", lrn.params[big]), ("mu", mu), ("anchor", frag.anchor[big]),
+                          ("newanchor", lrn.fragments[0].anchor[big]),
+                          ("carry", lrn.fragments[0].carry[big])):
+            res[f"{tag}/shards/{what}"] = np.array(
+                [s.data.shape for s in arr.addressable_shards])
+        if tag == "f4":
+            store = RunStore("r", {"us": bucket}, "us")
+            store.put_checkpoint("l0", lrn.step, {"opt": optimizer_leaves(lrn.opt_state)}, {})
+            saved = dict(optimizer_leaves(lrn.opt_state))
+    for tag in ("d1", "f2"):
+        trainer = trainers[tag]
+        template = trainer.init_opt_state(trainer.place_params(init))
+        restored, _ = read_checkpoint(store, "l0", 6, template, trainer.place_params)
+        back = optimizer_leaves(restored)
+        res[f"ckpt/{tag}/equal"] = sorted(back) == sorted(saved) and all(
+            np.array_equal(back[n], saved[n]) for n in saved)
+        res[f"ckpt/{tag}/shards"] = np.array(
+            [s.data.shape for s in restored[1][0].nu[big].addressable_shards])
+    np.savez(out, **res)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("sharded")
+    (tmp / "bucket").mkdir()
+    script = tmp / "worker.py"
+    script.write_text(WORKER)
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": str(ROOT),
+    }
+    out = tmp / "out.npz"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(out), f"file://{tmp / 'bucket'}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with np.load(out) as data:
+        return {k: data[k] for k in data.files}
+
+
+def _grads(res: dict, tag: str, key: str) -> dict[str, np.ndarray]:
+    prefix = f"{tag}/{key}/grad/"
+    return {k[len(prefix) :]: v for k, v in res.items() if k.startswith(prefix)}
+
+
+@pytest.mark.parametrize("tag", ["f2", "f4"])
+def test_sharded_contributions_equal_one_device(sharded, tag):
+    """fsdp=2 and fsdp=4 on 4 devices send what 1 device sends, to float tolerance: the
+    batch's gradient is reduced over another split of the devices, which changes float32
+    sums in their last bits, and a few AdamW steps carry that into the parameters. So the
+    int8 codes are equal but for codes one off, in at most 1 % of the values (seen: 1 in
+    4096), where a value sat at a rounding boundary; the dequantized outer gradients
+    agree to 1e-3 of each tensor's largest value where the codes agree, and to one int8
+    step (1/127 of it) where they do not."""
+    assert sharded[f"{tag}/exact"]
+    for key in ("first", "second"):
+        ref, got = _grads(sharded, "d1", key), _grads(sharded, tag, key)
+        assert ref.keys() == got.keys() and ref
+        for n in ref:
+            a = sharded[f"d1/{key}/codes/{n}"].astype(np.int16)
+            b = sharded[f"{tag}/{key}/codes/{n}"].astype(np.int16)
+            assert np.abs(a - b).max() <= 1, n
+            assert np.count_nonzero(a != b) <= 0.01 * a.size, n
+            step = max(float(np.abs(ref[n]).max()), 1e-12) / 127  # one int8 step, at most
+            same = (a == b).reshape(ref[n].shape)
+            np.testing.assert_allclose(got[n][same], ref[n][same], rtol=0, atol=1e-3 * step * 127)
+            np.testing.assert_allclose(got[n], ref[n], rtol=0, atol=1.01 * step, err_msg=n)
+
+
+@pytest.mark.parametrize(("tag", "fsdp"), [("d1", 1), ("f2", 2), ("f4", 4)])
+def test_parameters_and_optimizer_state_are_sharded(sharded, tag, fsdp):
+    """Each device holds 1/fsdp of a (256, 64) kernel, of its Adam moment and of its
+    fragment state: split along the 256 rows (its largest dimension)."""
+    devices = 1 if tag == "d1" else 4
+    for what in ("param", "mu", "anchor", "newanchor", "carry"):
+        shapes = sharded[f"{tag}/shards/{what}"]
+        assert shapes.tolist() == [[256 // fsdp, 64]] * devices, what
+
+
+def test_checkpoint_saved_at_fsdp4_restores_on_one_device_and_fsdp2(sharded):
+    assert sharded["ckpt/d1/equal"] and sharded["ckpt/f2/equal"]
+    assert sharded["ckpt/d1/shards"].tolist() == [[256, 64]]
+    assert sharded["ckpt/f2/shards"].tolist() == [[128, 64]] * 4
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8", "int4"])
+def test_device_quantization_is_numpys_bit_for_bit(kind):
+    rng = np.random.default_rng(3)
+    for shape in [(37, 13), (64, 128), (1001,), (3,)]:
+        anchor = (rng.standard_normal(shape) * 1e-2).astype(np.float32)
+        theta = (rng.standard_normal(shape) * 1e-2).astype(np.float32)
+        carry = (rng.standard_normal(shape) * 1e-4).astype(np.float32)
+        anchor.reshape(-1)[:2] = theta.reshape(-1)[:2]  # a zero block start; all-zero below
+        for block in (128, 32):
+            for c in (None, carry):
+                q, residual = Q.quantize_with_feedback(anchor - theta, c, kind, block)
+                data, scales, res = QD.outer_gradient(
+                    jnp.asarray(anchor), jnp.asarray(theta),
+                    None if c is None else jnp.asarray(c), kind, block,
+                )  # fmt: skip
+                data = np.asarray(data)
+                assert data.dtype == q.data.dtype and np.array_equal(data, q.data)
+                if q.scales is None:
+                    assert scales is None
+                else:
+                    assert np.array_equal(np.asarray(scales), q.scales)
+                assert np.array_equal(np.asarray(res), residual)
+    zeros = np.zeros((5, 7), np.float32)
+    data, _, res = QD.outer_gradient(jnp.asarray(zeros), jnp.asarray(zeros), None, kind, 32)
+    assert np.array_equal(np.asarray(data), Q.quantize(zeros, kind, 32).data)
+    assert not np.asarray(res).any()
+
+
+def test_a_mesh_that_does_not_fit_is_refused_by_name():
+    cfg = load_config("tiny")
+    codec, _ = ParamCodec.create(cfg.model, 0)
+    with pytest.raises(ValueError, match=r"pipeline.fsdp=3 does not divide the learner's 2"):
+        InnerTrainer(codec, cfg.inner, 10, fsdp=3)  # conftest: 2 CPU devices
+    assert InnerTrainer(codec, cfg.inner, 10, fsdp=-1).fsdp == 2
+    # the setting reaches the learners' trainer; the run's model stays the same
+    sharded = build_model(load_config("tiny", overrides=["pipeline.fsdp=2"]))
+    assert sharded.trainer.fsdp == 2 and build_model(cfg).trainer.fsdp == 1
+    kernel = sharded.trainer.place(sharded.init["blocks.0.down.kernel"])
+    assert [s.data.shape for s in kernel.addressable_shards] == [(128, 64)] * 2
+    with pytest.raises(ValueError, match="fsdp=0"):
+        PipelineConfig(fsdp=0)
+
+
+def test_a_streamed_checkpoint_is_the_same_objects_as_a_whole_one(tmp_path):
+    """``OptimizerLeaves`` streams a leaf and a chunk at a time; what lands in the bucket
+    is what the whole arrays write, so older readers and ``inspect`` read it alike."""
+    cfg = load_config("tiny")
+    codec, state = ParamCodec.create(cfg.model, 0)
+    trainer = InnerTrainer(codec, cfg.inner, 10, fsdp=2)
+    opt = trainer.init_opt_state(trainer.place_params(codec.to_flat(state)))
+    opt = jax.tree.map(lambda x: x + 1, opt)  # not all zeros
+    markers = []
+    for name, group in (
+        ("whole", dict(optimizer_leaves(opt))),
+        ("streamed", optimizer_leaves(opt)),
+    ):
+        (tmp_path / name).mkdir()
+        store = RunStore("r", {"us": f"file://{tmp_path / name}"}, "us")
+        markers.append(store.put_checkpoint("l0", 3, {"opt": group}, {"seq": 1}))
+    assert markers[0].objects == markers[1].objects and markers[0].objects
+
+
+def test_the_pipeline_with_sharded_learners_merges_what_the_simulator_merges(tmp_path):
+    """The pipeline's own runtimes with ``pipeline.fsdp=2`` (conftest: 2 devices) against
+    the simulator (replicated) on one virtual clock: the same versions merging the same
+    contributions; the values agree to float tolerance, not bit for bit (see above):
+    each tensor's relative L2 difference under 1e-2."""
+    cfg = load_config("tiny", overrides=OVER)
+    a, b = regions_in(tmp_path, "a"), regions_in(tmp_path, "b")
+    simulate(cfg, store=simulation_store("eq", a))
+    sharded = load_config("tiny", overrides=[*OVER, "pipeline.fsdp=2"])
+    run_pipeline_runtimes("eq", b, sharded)
+    sa, sb = RunStore("eq", a, "us"), RunStore("eq", b, "us")
+    learners = config_from_spec(sb.read_spec(), sharded.pipeline.model_dump())
+    trainer = build_model(learners).trainer  # the one the learners trained with (cached)
+    assert trainer.fsdp == 2 and trainer._train_step._cache_size() == 1
+    worst = 0.0
+    for p in range(cfg.topology.fragments):
+        versions = sa.global_versions(p)
+        assert sb.global_versions(p) == versions and len(versions) > 3, p
+        for v in versions:
+            ga, gb = sa.get_global(p, v), sb.get_global(p, v)
+            assert ga.meta["consumed"] == gb.meta["consumed"], (p, v)
+            for name, value in ga.params.items():
+                diff = np.linalg.norm(gb.params[name] - value) / max(np.linalg.norm(value), 1e-12)
+                worst = max(worst, float(diff))
+    assert worst < 1e-2  # seen: 1.7e-3, int4 codes one off where a value sat on a tie
