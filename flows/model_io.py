@@ -497,4 +497,7 @@ def evaluate(
     tokens = read_text(data, max_bytes, field)
     default = model.run_config.data.batch_size if model.run_config else 8
     scorer = Scorer(model.codec, model.config.context, batch_size or default)
+    if model.tokenizer is not None:  # text through the model's own tokenizer
+        text = tokens.tobytes().decode("utf-8", errors="replace")
+        return scorer.score_text(model.params, model.tokenizer, text), data
     return scorer.score(model.params, tokens), data

@@ -247,3 +247,72 @@ def test_a_llama_tiny_simulation_learns():
     summary = simulate(cfg).summary
     assert summary["versions"] > 0 and summary["rejected"] == 0
     assert summary["final_loss"] < summary["initial_loss"] - 2.0, summary
+
+
+def test_export_eval_and_generate_from_the_cli(tmp_path, capsysbinary):
+    """A llama-tiny run's version 0 in a file:// bucket: `diloco export` writes the
+    Hugging Face folder (no tokenizer: the run trains on bytes); a folder with a
+    tokenizer evaluates and generates text through it."""
+    from flows.cli import main
+    from flows.run import initialize_run
+    from storage_layout.store import RunStore
+
+    text = tmp_path / "text.txt"
+    text.write_text(Path(json.__file__).read_text() * 12)
+    cfg = load_config("llama-tiny", overrides=[f"data.source={text}", "model.depth=1",
+                                               "model.context=32"])  # fmt: skip
+    (tmp_path / "us").mkdir()
+    regions = {"us-east": f"file://{tmp_path / 'us'}"}
+    initialize_run(RunStore("l", regions, "us-east"), cfg)
+    folder = tmp_path / "hf"
+    assert main(["export", regions["us-east"], "--run", "l", "--out", str(folder)]) == 0
+    assert "a Hugging Face Llama folder" in capsysbinary.readouterr().out.decode()
+    assert {p.name for p in folder.iterdir()} == {"model.safetensors", "config.json"}
+    assert json.loads((folder / "config.json").read_text())["eos_token_id"] is None
+    assert main(["eval", "--model", str(folder), "--data", str(text), "--max-bytes", "3000",
+                 "--json"]) == 0  # fmt: skip
+    byte_score = json.loads(capsysbinary.readouterr().out.decode())
+    assert byte_score["tokens"] == byte_score["bytes"] == 2999
+    # The same model with a tokenizer of 320 tokens beside it.
+    tokenizer = _tokenizer(tmp_path, 320)
+    model = open_exported(str(folder))
+    model = UsableModel(model.config, model.codec, model.params, model.versions, "t", "fp32",
+                        tokenizer=tokenizer)  # fmt: skip
+    export_model(model, str(folder), ("tokenizer.json", tokenizer.tokenizer.to_str().encode()))
+    assert main(["eval", "--model", str(folder), "--data", str(text), "--max-bytes", "3000",
+                 "--json"]) == 0  # fmt: skip
+    score = json.loads(capsysbinary.readouterr().out.decode())
+    assert score["tokens"] < score["bytes"] <= 3000
+    args = ["generate", "--model", str(folder), "--prompt", "import", "--max-tokens", "6",
+            "--temperature", "0"]  # fmt: skip
+    assert main(args) == 0
+    first = capsysbinary.readouterr().out.decode()
+    assert main(args) == 0
+    assert capsysbinary.readouterr().out.decode() == first and first
+
+
+def test_memory_estimate_of_the_llama_presets(capsys):
+    """Counted parameters match the built model; sharding over N devices divides the
+    sharded parts by N; remat keeps less; bf16 adds its weight copies; `diloco plan
+    memory` shows each device count."""
+    from diloco.memory import activation_bytes_per_token, learner_memory, param_count
+    from flows.cli import main
+
+    for tied in ("true", "false"):
+        m = load_config("llama-tiny", overrides=[f"model.tie_embeddings={tied}"]).model
+        assert param_count(m) == ParamCodec.create(m, 0)[0].num_params
+    assert param_count(load_config("tiny").model) == 119_744
+    assert 1.23e9 < param_count(load_config("llama-1b").model) < 1.24e9  # Llama-3.2-1B
+    assert 8.0e9 < param_count(load_config("llama-8b").model) < 8.1e9  # Llama-3-8B
+    cfg = load_config("llama-1b")
+    n = param_count(cfg.model)
+    one, eight = learner_memory(cfg, n, 1), learner_memory(cfg, n, 8)
+    assert one.optimizer == 2 * one.parameters and one.compute_copies == one.parameters // 2
+    assert eight.parameters == pytest.approx(one.parameters / 8, rel=1e-6)
+    assert eight.activations == pytest.approx(one.activations / 8, rel=1e-6)
+    assert activation_bytes_per_token(cfg.model, remat=False) > 3 * activation_bytes_per_token(
+        cfg.model, remat=True
+    )
+    assert main(["plan", "memory", "--preset", "llama-8b", "--devices", "1", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "8 devices" in out and "bf16 weights" in out and "total without remat" in out
