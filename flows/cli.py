@@ -12,7 +12,7 @@
     diloco config show [--preset tiny] [--config run.toml] [--set KEY=VALUE ...]
     diloco plan memory [--preset tiny] [--devices 1 8 ...] [--set KEY=VALUE ...]
     diloco --version
-    diloco export URL --run NAME --out FILE [--version V | V0,V1,...]
+    diloco export URL --run NAME --out FILE|FOLDER [--version V | V0,V1,...]
     diloco eval (URL --run NAME [--version V] | --model FILE) [--data PATH] [--max-bytes N]
     diloco generate (URL --run NAME [--version V] | --model FILE) --prompt TEXT
                     [--max-bytes 256] [--temperature 1] [--top-k 0] [--seed 0]

@@ -277,6 +277,11 @@ def export_hf(model: UsableModel, out: str, tokenizer_file: tuple[str, bytes] | 
     to the run's data set's; ``config.json``'s eos and bos ids are its ``eos_id``."""
     from diloco.llama import hf_config, to_hf
 
+    if out.rstrip("/").endswith(".safetensors"):
+        raise ConfigError(
+            f"--out {out}: a Llama exports to a folder in the Hugging Face layout (it writes "
+            "model.safetensors, config.json and tokenizer.json in it); give a folder name"
+        )
     if tokenizer_file is None:
         tokenizer_file = run_tokenizer_file(model.run_config)
     eos = None if model.tokenizer is None else int(model.tokenizer.eos_id)

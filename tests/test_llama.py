@@ -265,6 +265,9 @@ def test_export_eval_and_generate_from_the_cli(tmp_path, capsysbinary):
     regions = {"us-east": f"file://{tmp_path / 'us'}"}
     initialize_run(RunStore("l", regions, "us-east"), cfg)
     folder = tmp_path / "hf"
+    file = str(tmp_path / "model.safetensors")
+    assert main(["export", regions["us-east"], "--run", "l", "--out", file]) == 2
+    assert "a Llama exports to a folder" in capsysbinary.readouterr().err.decode()
     assert main(["export", regions["us-east"], "--run", "l", "--out", str(folder)]) == 0
     assert "a Hugging Face Llama folder" in capsysbinary.readouterr().out.decode()
     assert {p.name for p in folder.iterdir()} == {"model.safetensors", "config.json"}
