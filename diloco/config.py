@@ -155,11 +155,14 @@ class DataConfig(_Strict):
     source: str | None = Field(
         None,
         description="text file, JSON lines or Parquet file, folder of them, or fsspec URL "
-        "to train on; null: the Python standard library's .py files",
+        "to train on (bytes), or a data set of `diloco data prepare` (tokens: set "
+        "model.vocab_size to its vocabulary); null: the Python standard library's .py files",
     )
     batch_size: PositiveInt = Field(8, description="sequences per learner per inner step")
     val_percent: Annotated[int, Field(ge=1, le=50)] = Field(
-        5, description="percent of the files held out for validation"
+        5,
+        description="percent of the files held out for validation (a prepared data set "
+        "holds its own split)",
     )
     eval_batches: PositiveInt = Field(8, description="validation batches per evaluation")
     text_field: str = Field(

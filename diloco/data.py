@@ -36,7 +36,7 @@ def default_corpus() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
-def _is_held_out(relpath: str, val_percent: int) -> bool:
+def is_held_out(relpath: str, val_percent: int) -> bool:
     # A hash of the path, not of a random draw: the split is the same on every machine
     # that has the same files, whatever order they are listed in.
     digest = hashlib.sha256(relpath.encode()).digest()
@@ -103,7 +103,7 @@ def load_corpus(
     i = 0
     for path, rel in files:
         text = read_file(fs, path, text_field) + DOC_SEPARATOR
-        if _is_held_out(rel, val_percent):
+        if is_held_out(rel, val_percent):
             val_parts.append(text)
         else:
             train_parts[i % num_shards].append(text)
@@ -121,16 +121,24 @@ def read_file(fs: fsspec.AbstractFileSystem, path: str, text_field: str = "text"
     missing, is not a string or holds a NUL character is an error naming the file and
     the line (JSON lines, from 1) or row (Parquet, from 0); so is a file with no records.
     """
+    return DOC_SEPARATOR.join(read_documents(fs, path, text_field))
+
+
+def read_documents(
+    fs: fsspec.AbstractFileSystem, path: str, text_field: str = "text"
+) -> list[bytes]:
+    """One listed file's documents, as ``read_file`` finds them: a text file is one
+    document, a JSON lines or Parquet file one per record (the same errors)."""
     name = path.lower()
     if name.endswith((".jsonl", ".jsonl.gz")):
         docs = _jsonl_texts(fs.cat_file(path), path, text_field)
     elif name.endswith(".parquet"):
         docs = _parquet_texts(fs, path, text_field)
     else:
-        return _text(fs.cat_file(path), path)
+        return [_text(fs.cat_file(path), path)]
     if not docs:
         raise DataError(f"{path} holds no records")
-    return DOC_SEPARATOR.join(docs)
+    return docs
 
 
 def _record_text(value: object, path: str, where: str, field: str) -> bytes:

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from diloco import records
+from diloco import dataset, records
 from diloco.config import RunConfig
 from diloco.data import Corpus, ShardReader, load_corpus, validation_batches
 from diloco.fragments import FragmentPlan, fragment_sizes, plan_fragments
@@ -56,6 +56,46 @@ def cached_corpus(
     source: str | None, shards: int, val_percent: int, text_field: str = "text"
 ) -> Corpus:
     return load_corpus(source, shards, val_percent, text_field)
+
+
+@lru_cache(maxsize=4)
+def cached_dataset(source: str) -> dataset.Dataset | None:
+    """The prepared data set at ``source``; None: ``source`` is text (the byte reader's)."""
+    return dataset.open_dataset(source) if dataset.is_prepared(source) else None
+
+
+def check_data(cfg: RunConfig) -> None:
+    """Fail, naming what is wrong, on data a run cannot train on: a missing, empty or
+    binary source, or a prepared data set that does not fit the model and learners."""
+    prepared = cfg.data.source and cached_dataset(cfg.data.source)
+    if prepared:
+        prepared.check(cfg.model.vocab_size, cfg.topology.learners, cfg.model.context)
+    else:
+        d = cfg.data
+        cached_corpus(d.source, cfg.topology.learners, d.val_percent, d.text_field)
+
+
+def make_reader(cfg: RunConfig, index: int) -> ShardReader | dataset.TokenReader:
+    """Learner ``index``'s reader: its chunks of a prepared data set, or its shard of the
+    byte corpus."""
+    d, m = cfg.data, cfg.topology.learners
+    prepared = d.source and cached_dataset(d.source)
+    if prepared:
+        return dataset.TokenReader(prepared, index, m, d.batch_size, cfg.model.context, cfg.seed)
+    corpus = cached_corpus(d.source, m, d.val_percent, d.text_field)
+    return ShardReader(corpus.train_shards[index], d.batch_size, cfg.model.context, cfg.seed, index)
+
+
+def make_validation(cfg: RunConfig) -> list[np.ndarray]:
+    """The fixed held-out batches, the same for every learner and syncer."""
+    d = cfg.data
+    prepared = d.source and cached_dataset(d.source)
+    if prepared:
+        return dataset.validation_batches(
+            prepared, d.batch_size, cfg.model.context, d.eval_batches, cfg.seed
+        )
+    corpus = cached_corpus(d.source, cfg.topology.learners, d.val_percent, d.text_field)
+    return validation_batches(corpus, d.batch_size, cfg.model.context, d.eval_batches, cfg.seed)
 
 
 def dp_bytes_per_step(num_params: int, learners: int) -> int:
@@ -118,17 +158,12 @@ def simulate(
     store: StoreFactory | None = None,
 ) -> SimResult:
     m = cfg.topology.learners
-    corpus = cached_corpus(cfg.data.source, m, cfg.data.val_percent, cfg.data.text_field)
+    check_data(cfg)
     codec, state = ParamCodec.create(cfg.model, cfg.seed)
     init = codec.to_flat(state)
     trainer = InnerTrainer(codec, cfg.inner, cfg.steps_per_learner)
-    val = validation_batches(
-        corpus, cfg.data.batch_size, cfg.model.context, cfg.data.eval_batches, cfg.seed
-    )
-    readers = [
-        ShardReader(corpus.train_shards[i], cfg.data.batch_size, cfg.model.context, cfg.seed, i)
-        for i in range(m)
-    ]
+    val = make_validation(cfg)
+    readers = [make_reader(cfg, i) for i in range(m)]
     run = _Run(cfg, trainer, val, progress)
     if cfg.mode == "dp":
         end = _simulate_dp(run, codec, init, readers)

@@ -63,7 +63,9 @@ _COUNTERS = ("base_version", "anchor_seq", "step", "tokens", "steps", "seconds")
 
 
 def contribution_meta(c: Contribution) -> dict[str, Any]:
-    return {k: getattr(c, k) for k in _COUNTERS}
+    # "data": the learner's data positions (its batches, one per inner step) whose steps
+    # this send carries, [from, to): the audit shows them and checks none merged twice.
+    return {**{k: getattr(c, k) for k in _COUNTERS}, "data": [c.step - c.steps, c.step]}
 
 
 def contribution_from(

@@ -9,6 +9,9 @@
     diloco inspect URL [--run NAME] [--verify] [--json]
     diloco inspect [REGION=]URL ... --run NAME --audit [--json]
     diloco gc URL --run NAME [--keep 100] [--orphan-age 3600]
+    diloco data prepare SOURCE --out URL [--tokenizer FILE] [--vocab-size 4096]
+                        [--val-percent 5] [--text-field text] [--workers N]
+    diloco data show URL
     diloco config show [--preset tiny] [--config run.toml] [--set KEY=VALUE ...]
     diloco plan memory [--preset tiny] [--devices 1 8 ...] [--set KEY=VALUE ...]
     diloco --version
@@ -26,6 +29,8 @@ folder and prints a summary table; with ``--store`` every contribution and globa
 version goes through those buckets. ``inspect`` shows what a bucket holds; with
 ``--audit`` it checks a run's invariants in the buckets given (``storage_layout.audit``).
 ``export``, ``eval`` and ``generate`` use a run's global model (``flows.model_io``).
+``data prepare`` tokenizes text into a data set that ``data.source`` can name
+(``diloco.dataset``; docs/data.md).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from rich.text import Text
 
 from diloco.config import PRESETS, ConfigError, RunConfig, load_config
 from diloco.data import DataError
+from diloco.dataset import CHUNK_TOKENS, DEFAULT_VOCAB
 from flows.observe import human_bytes
 from flows.train import console, stdout_console
 
@@ -356,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "seconds")  # fmt: skip
     gc.set_defaults(func=cmd_gc)
     add_plan_parser(sub)
+    add_data_parser(sub)
     add_config_parser(sub)
     add_model_parsers(sub)
     return parser
@@ -801,6 +808,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
     out.print("contributions: " + ", ".join(f"{k} {v}" for k, v in report.outcomes.items()))
     out.print("tokens: " + ", ".join(f"{k} {v:,}" for k, v in report.tokens.items()))
     out.print(f"{report.versions} versions accounted for, {report.objects} markers verified")
+    for learner, spans in sorted(report.data.items()):
+        ranges = ", ".join(f"{lo}-{hi}" for lo, hi in spans)
+        out.print(f"data merged from {learner} (its batches, [from, to)): {ranges}")
     for damage in report.unread_damage:
         out.print(f"[yellow]damaged, never read:[/] {damage}")
     for region, frags in report.lagging.items():
@@ -867,6 +877,78 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             for problem in run["problems"]:
                 out.print(f"[red]problem:[/] {problem}")
     return 1 if problems else 0
+
+
+def add_data_parser(sub: argparse._SubParsersAction) -> None:
+    data = sub.add_parser("data", help="tokenize text into a data set in a bucket")
+    dsub = data.add_subparsers(dest="data_command", required=True)
+    prep = dsub.add_parser("prepare", help="tokenize SOURCE into token shards at --out")
+    prep.add_argument("source", help="text file, JSON lines or Parquet file, folder of them, "
+                      "or fsspec URL")  # fmt: skip
+    prep.add_argument("--out", required=True, help="the data set's folder or bucket URL")
+    prep.add_argument("--tokenizer", help="a tokenizer.json or SentencePiece .model to use "
+                      "(default: train a byte-level BPE on SOURCE)")  # fmt: skip
+    prep.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB,
+                      help=f"the trained BPE's vocabulary (default {DEFAULT_VOCAB})")  # fmt: skip
+    prep.add_argument("--val-percent", type=int, default=5,
+                      help="percent of documents held out for validation (default 5)")  # fmt: skip
+    prep.add_argument("--text-field", default="text",
+                      help="the JSON lines field or Parquet column holding the text")  # fmt: skip
+    prep.add_argument("--workers", type=int, help="tokenizer threads (default: all cores)")
+    prep.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS,
+                      help="tokens per chunk: what a learner reads and checks at a time, and "
+                      f"the unit dealt to learners (default {CHUNK_TOKENS:,})")  # fmt: skip
+    prep.add_argument("--quiet", action="store_true", help="no progress bar")
+    prep.set_defaults(func=cmd_data_prepare)
+    show = dsub.add_parser("show", help="print a data set's manifest summary")
+    show.add_argument("url", help="the data set's folder or bucket URL")
+    show.set_defaults(func=cmd_data_show)
+
+
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    from diloco.dataset import prepare
+
+    if not 0 <= args.val_percent <= 50:
+        raise DataError(f"--val-percent {args.val_percent} is not between 0 and 50")
+    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+               TimeElapsedColumn()]  # fmt: skip
+    with Progress(*columns, console=console, disable=args.quiet) as bar:
+        tasks: dict[str, Any] = {}
+
+        def progress(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total)
+            bar.update(tasks[stage], completed=done)
+
+        prepare(args.source, args.out, args.tokenizer, args.vocab_size, args.val_percent,
+                args.text_field, args.workers, args.chunk_tokens, progress=progress)  # fmt: skip
+    return cmd_data_show(argparse.Namespace(url=args.out))
+
+
+def cmd_data_show(args: argparse.Namespace) -> int:
+    from diloco.dataset import open_dataset
+
+    ds = open_dataset(args.url)
+    m = ds.manifest
+    table = Table(title=f"data set {args.url}")
+    for col in ("split", "shards", "chunks", "documents", "tokens", "bytes"):
+        table.add_column(col, justify="left" if col == "split" else "right")
+    for split, totals in m["totals"].items():
+        shards = [s for s in m["shards"] if s["split"] == split]
+        table.add_row(split, str(len(shards)), str(sum(len(s["chunk_sha256"]) for s in shards)),
+                      f"{totals['documents']:,}", f"{totals['tokens']:,}",
+                      human_bytes(totals["tokens"] * ds.dtype.itemsize))  # fmt: skip
+    stdout_console().print(table)
+    tok = m["tokenizer"]
+    stdout_console().print(
+        f"tokenizer {tok['file']} ({tok['kind']}), vocabulary {tok['vocab_size']:,}, eos "
+        f"{tok['eos_id']}, tokens {m['dtype']}, chunks of {m['chunk_tokens']:,} tokens; "
+        f"source {m['source']['url']} ({m['source']['files']:,} files, "
+        f"{human_bytes(m['source']['bytes'])}); train with "
+        f"--set data.source={args.url} --set model.vocab_size={tok['vocab_size']}",
+        soft_wrap=True,
+    )
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,11 +20,12 @@ import numpy as np
 
 from diloco import records
 from diloco.config import ConfigError, RunConfig, validate_config
-from diloco.data import Corpus, ShardReader, validation_batches
+from diloco.data import ShardReader
+from diloco.dataset import TokenReader
 from diloco.fragments import FragmentPlan, plan_fragments
 from diloco.inner import InnerTrainer
 from diloco.model import ParamCodec
-from diloco.simulate import StoreFactory, cached_corpus
+from diloco.simulate import StoreFactory, check_data, make_reader, make_validation
 from diloco.syncer import FragmentSyncer
 from diloco.topology import deal_learners, home_region
 from flows.bucket_io import BucketStore, named_outer_leaves
@@ -116,22 +117,17 @@ def build_model(cfg: RunConfig) -> Model:
         return _model(cfg.model_copy(update={"pipeline": type(cfg.pipeline)()}).model_dump_json())
 
 
-def corpus(cfg: RunConfig) -> Corpus:
-    data = cfg.data
-    return cached_corpus(data.source, cfg.topology.learners, data.val_percent, data.text_field)
+def corpus(cfg: RunConfig) -> None:
+    """Check the run's data (``check_data``): a bad source fails here, named."""
+    check_data(cfg)
 
 
-def reader(cfg: RunConfig, index: int) -> ShardReader:
-    data = corpus(cfg)
-    return ShardReader(
-        data.train_shards[index], cfg.data.batch_size, cfg.model.context, cfg.seed, index
-    )
+def reader(cfg: RunConfig, index: int) -> ShardReader | TokenReader:
+    return make_reader(cfg, index)
 
 
 def validation(cfg: RunConfig) -> list[np.ndarray]:
-    return validation_batches(
-        corpus(cfg), cfg.data.batch_size, cfg.model.context, cfg.data.eval_batches, cfg.seed
-    )
+    return make_validation(cfg)
 
 
 def initialize_run(store: RunStore, cfg: RunConfig) -> dict[str, Any]:
@@ -139,7 +135,7 @@ def initialize_run(store: RunStore, cfg: RunConfig) -> dict[str, Any]:
     fragment (the initial parameters) if the run has none yet. Safe to repeat and to race."""
     if cfg.mode == "dp":
         raise ValueError("mode 'dp' is the simulator's baseline; a run is diloco or decoupled")
-    corpus(cfg)  # a missing, empty or binary data source fails before anything is committed
+    corpus(cfg)  # a missing, empty or binary source, a bad data set: before any commit
     if cfg.pipeline.probe_exclusive:
         for region in store.urls:
             store.bucket(region).probe_exclusive()

@@ -33,6 +33,10 @@ The audit reads them and checks, naming the objects that break each invariant:
 - ``no-strangers``: contributions lie only under the learners dealt to each region (the
   syncer never reads others: one under an unknown learner, or a learner of another
   region, was written by someone else, and is named here);
+- ``data-once``: the data a learner's merged contributions to one fragment trained (their
+  ``data`` positions, [from, to) of the learner's batches) do not overlap between
+  anchors: no batch of a learner reached a fragment twice, also across its restarts
+  (sends from one anchor are cumulative, so they overlap each other by design);
 - ``tokens-balance``: the tokens the versions say they merged equal the new tokens of
   the contributions merged or superseded (a send from an anchor carries all its steps so
   far, so each one's new tokens are its count less its predecessor's from that anchor);
@@ -48,6 +52,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 from storage_layout.bucket import BucketError
@@ -65,6 +70,7 @@ INVARIANTS = (
     "one-outcome",
     "home-complete",
     "no-strangers",
+    "data-once",
     "tokens-balance",
 )
 OUTCOMES = ("merged", "superseded", "rejected", "pending", "lost")
@@ -84,6 +90,7 @@ class Sent:
     outcome: str = ""
     where: str = ""  # the version that merged it, the reason it was rejected, ...
     damage: str = ""  # why its objects do not verify, if they do not
+    data: tuple[int, int] | None = None  # the learner's data positions it carries, [from, to)
 
     @property
     def anchor(self) -> tuple[str, int, int]:
@@ -109,6 +116,9 @@ class AuditReport:
     # "rejected <reason>", ...: for whoever asks about one (bench/chaos, of its forgeries).
     # Not in ``as_dict``: a run holds thousands.
     outcome_of: dict[tuple[int, str, int], str] = field(default_factory=dict)
+    # Per learner, the data positions (batches of its stream) its merged contributions
+    # trained, merged into ranges [from, to): what of its data reached the model.
+    data: dict[str, list[list[int]]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -124,6 +134,7 @@ class AuditReport:
             "lagging": self.lagging, "outcomes": self.outcomes, "tokens": self.tokens,
             "versions": self.versions, "objects_verified": self.objects,
             "rejections": self.rejections, "unread_damage": self.unread_damage,
+            "data": self.data,
         }  # fmt: skip
 
 
@@ -190,6 +201,7 @@ def _audit_fragment(
     live = {v: r for v, r in records.items() if v not in lost}
     decide_outcomes(p, live, sent, report)
     _balance(p, live, sent, report)
+    _data_once(p, sent, report)
 
 
 def _home_complete(
@@ -299,8 +311,10 @@ def sent_from_meta(learner: str, seq: int, meta: Mapping[str, Any], write_id: st
     """A committed contribution as its marker's meta (or a ledger row) describes it; with
     ``decide_outcomes``, what ``storage_layout.report`` shares with the audit, so both
     decide outcomes one way."""
+    data = meta.get("data")  # absent in contributions written before it was recorded
     return Sent(learner, seq, int(meta.get("base_version", 0)), int(meta.get("anchor_seq", 0)),
-                int(meta.get("tokens") or 0), write_id)  # fmt: skip
+                int(meta.get("tokens") or 0), write_id,
+                data=(int(data[0]), int(data[1])) if data else None)  # fmt: skip
 
 
 def _check_writes(p: int, write_ids: Mapping[tuple[str, int], dict[str, str]],
@@ -398,3 +412,34 @@ def _balance(
     if in_versions != expected:
         report.fail("tokens-balance", f"fragment {p}: the versions merged {in_versions} tokens, "
                     f"the contributions merged or superseded carry {expected}")  # fmt: skip
+
+
+def _data_once(p: int, sent: Mapping[tuple[str, int], Sent], report: AuditReport) -> None:
+    """Each anchor's merged data range (its merged sends are cumulative: the union) is
+    apart from every other anchor's of the learner; all of them join ``report.data``."""
+    anchors: dict[tuple[str, int, int], list[int]] = {}
+    for c in sent.values():
+        if c.outcome == "merged" and c.data is not None and c.data[1] > c.data[0]:
+            lo, hi = anchors.get(c.anchor, [c.data[0], c.data[1]])
+            anchors[c.anchor] = [min(lo, c.data[0]), max(hi, c.data[1])]
+    by_learner: dict[str, list[list[int]]] = defaultdict(list)
+    for (learner, _, _), span in anchors.items():
+        by_learner[learner].append(span)
+    for learner, spans in sorted(by_learner.items()):
+        spans.sort()
+        for a, b in pairwise(spans):
+            if b[0] < a[1]:
+                report.fail("data-once", f"fragment {p}: learner {learner} merged its data "
+                            f"{a[0]}-{a[1]} and {b[0]}-{b[1]} (batches) from two anchors")  # fmt: skip
+        report.data[learner] = merge_ranges(report.data.get(learner, []) + spans)
+
+
+def merge_ranges(spans: list[list[int]]) -> list[list[int]]:
+    """[from, to) ranges joined where they touch or overlap."""
+    out: list[list[int]] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return out

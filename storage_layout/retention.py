@@ -235,7 +235,8 @@ def _plan_contributions(
                 plan.contributions.append(
                     {"learner": learner, "seq": seq, "base_version": base,
                      "anchor_seq": m.get("anchor_seq", 0), "tokens": m.get("tokens"),
-                     "steps": m.get("steps"), "written_at": m.get("written_at"),
+                     "steps": m.get("steps"), "data": m.get("data"),
+                     "written_at": m.get("written_at"),
                      "write_id": marker.write_id}
                 )  # fmt: skip
             else:

@@ -1,0 +1,715 @@
+"""Tokenized data sets in a folder or bucket, and the reader learners stream them with.
+
+A prepared data set (``diloco data prepare``; docs/data.md) is a folder, local or any
+fsspec URL, holding:
+
+- ``manifest.json``, written last (a folder without it is no data set): the format
+  version, the tokenizer (kind, file, sha256, vocab_size, eos_id), the token dtype, the
+  chunk size and every shard (split, documents, tokens, one sha256 per chunk);
+- token shards ``train-00000.bin``, ``validation-00000.bin``, ...: raw little-endian
+  ``uint16`` tokens (``uint32`` above 65,536 tokens), each document followed by EOS;
+- the tokenizer file beside them (``tokenizer.json`` or ``tokenizer.model``).
+
+A chunk (``chunk_tokens``, 1 Mi tokens by default) is the unit of everything a learner
+does: training chunks are dealt to learners, read one ranged request at a time, checked
+against their sha256 and cut into windows. So a learner holds a few chunks, never the
+data set, and reads a bucket in a few large requests rather than one per window.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Protocol
+
+import fsspec
+import numpy as np
+
+from diloco.data import DataError, is_held_out, list_files, read_documents
+
+FORMAT = "diloco-tokens"
+VERSION = 1
+MANIFEST = "manifest.json"
+CHUNK_TOKENS = 1 << 20  # 2 MiB of uint16 tokens: one ranged read, one checksum
+SHARD_CHUNKS = 64  # chunks per shard file (128 MiB of uint16 tokens)
+SHUFFLE_CHUNKS = 4  # windows are shuffled within groups of this many chunks
+DEFAULT_VOCAB = 4096
+TRAIN_TEXT_BYTES = 512 << 20  # text a BPE is trained on, at most (the corpus's start)
+EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>")
+VALIDATION_STREAM = 1_000_003
+
+
+class Tokenizer(Protocol):
+    kind: str
+    file: str
+    vocab_size: int
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer (``tokenizer.json``)."""
+
+    kind = "hf"
+    file = "tokenizer.json"
+
+    def __init__(self, data: bytes, name: str = "tokenizer.json"):
+        from tokenizers import Tokenizer as _Tokenizer
+
+        self.data = data  # the file's bytes, stored beside the shards
+        self._tok = _Tokenizer.from_str(data.decode())
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        eos = [self._tok.token_to_id(n) for n in EOS_NAMES]
+        eos = [i for i in eos if i is not None]
+        if not eos:
+            raise DataError(
+                f"tokenizer {name} has no end-of-text token (one of {', '.join(EOS_NAMES)}); "
+                "documents are separated by it"
+            )
+        self.eos_id = eos[0]
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        # Parallel in Rust (RAYON_RS_NUM_CPUS threads).
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece model (``tokenizer.model``)."""
+
+    kind = "sentencepiece"
+    file = "tokenizer.model"
+
+    def __init__(self, data: bytes, name: str = "tokenizer.model", threads: int = 1):
+        import sentencepiece as spm
+
+        self._sp = spm.SentencePieceProcessor(model_proto=data)
+        self.vocab_size = int(self._sp.get_piece_size())
+        self.eos_id = int(self._sp.eos_id())
+        self.threads = threads
+        if self.eos_id < 0:
+            raise DataError(f"SentencePiece model {name} has no end-of-sentence token (eos_id)")
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._sp.encode(text))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [list(ids) for ids in self._sp.encode(texts, num_threads=self.threads)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+
+def load_tokenizer(
+    data: bytes, name: str, threads: int = 1
+) -> HFTokenizer | SentencePieceTokenizer:
+    """A tokenizer from a file's bytes: a ``tokenizer.json`` or a SentencePiece model."""
+    try:
+        json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        pass
+    else:
+        try:
+            return HFTokenizer(data, name)
+        except DataError:
+            raise
+        except Exception as exc:
+            raise DataError(f"{name} is JSON but not a Hugging Face tokenizer: {exc}") from None
+    try:
+        return SentencePieceTokenizer(data, name, threads)
+    except DataError:
+        raise
+    except Exception:
+        raise DataError(
+            f"{name} is neither a Hugging Face tokenizer.json nor a SentencePiece model"
+        ) from None
+
+
+def train_bpe(texts: Iterator[str], vocab_size: int) -> HFTokenizer:
+    """A byte-level BPE trained on ``texts``: every string encodes (no unknown token) and
+    decodes back to itself; ``<|endoftext|>`` (id 0) ends each document."""
+    from tokenizers import Tokenizer as _Tokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 257 + 1:
+        raise DataError(f"--vocab-size {vocab_size} is too small: a byte-level BPE needs >= 258")
+    tok = _Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_NAMES[0]],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return HFTokenizer(tok.to_str().encode())
+
+
+def _join(root: str, name: str) -> str:
+    return f"{root.rstrip('/')}/{name}"
+
+
+def is_prepared(url: str | None) -> bool:
+    """Whether ``url`` is a prepared data set: a folder holding a manifest of this format
+    (a text corpus may hold some other ``manifest.json``)."""
+    if not url:
+        return False
+    fs, path = fsspec.core.url_to_fs(url)
+    if not (fs.isdir(path) and fs.exists(_join(path, MANIFEST))):
+        return False
+    try:
+        return json.loads(fs.cat_file(_join(path, MANIFEST))).get("format") == FORMAT
+    except (ValueError, AttributeError):  # not JSON, or not an object
+        return False
+
+
+@dataclass(frozen=True)
+class Chunk:
+    shard: str
+    index: int  # within its shard
+    start: int  # first token, within the shard
+    tokens: int
+    sha256: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.shard} chunk {self.index}"
+
+
+class Dataset:
+    """A prepared data set: its manifest, tokenizer and chunks."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.fs, self.root = fsspec.core.url_to_fs(url)
+        path = _join(self.root, MANIFEST)
+        if not self.fs.exists(path):
+            raise DataError(f"{url} is not a prepared data set (it has no {MANIFEST})")
+        try:
+            self.manifest: dict[str, Any] = json.loads(self.fs.cat_file(path))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise DataError(f"{url}/{MANIFEST} is not valid JSON: {exc}") from None
+        if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
+            raise DataError(
+                f"{url}/{MANIFEST} is not a {FORMAT} manifest of version {VERSION} "
+                f"(format {self.manifest.get('format')!r}, version "
+                f"{self.manifest.get('version')!r})"
+            )
+        self.dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
+        self.chunk_tokens = int(self.manifest["chunk_tokens"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.manifest["tokenizer"]["vocab_size"])
+
+    @property
+    def eos_id(self) -> int:
+        return int(self.manifest["tokenizer"]["eos_id"])
+
+    def tokens(self, split: str = "train") -> int:
+        return sum(s["tokens"] for s in self.manifest["shards"] if s["split"] == split)
+
+    def tokenizer_file(self) -> tuple[str, bytes]:
+        """The tokenizer's file name and bytes, checked against the manifest's sha256."""
+        entry = self.manifest["tokenizer"]
+        data = self.fs.cat_file(_join(self.root, entry["file"]))
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != entry["sha256"]:
+            raise DataError(
+                f"tokenizer {self.url}/{entry['file']} does not match the manifest (sha256 "
+                f"{digest[:12]}..., manifest {entry['sha256'][:12]}...): the shards were "
+                "tokenized with another tokenizer"
+            )
+        return entry["file"], data
+
+    def tokenizer(self) -> HFTokenizer | SentencePieceTokenizer:
+        name, data = self.tokenizer_file()
+        return load_tokenizer(data, f"{self.url}/{name}")
+
+    @cached_property
+    def _chunks(self) -> dict[str, list[Chunk]]:
+        out: dict[str, list[Chunk]] = {"train": [], "validation": []}
+        for shard in self.manifest["shards"]:
+            size = int(shard["chunk_tokens"])
+            for i, sha in enumerate(shard["chunk_sha256"]):
+                n = min(size, int(shard["tokens"]) - i * size)
+                out[shard["split"]].append(Chunk(shard["name"], i, i * size, n, sha))
+        return out
+
+    def chunks(self, split: str = "train") -> list[Chunk]:
+        return self._chunks[split]
+
+    def read_chunk(self, chunk: Chunk) -> np.ndarray:
+        """One chunk's tokens, by one ranged read, checked against the manifest."""
+        size = self.dtype.itemsize
+        path = _join(self.root, chunk.shard)
+        try:
+            data = self.fs.cat_file(
+                path, start=chunk.start * size, end=(chunk.start + chunk.tokens) * size
+            )
+        except FileNotFoundError:
+            raise DataError(f"shard {self.url}/{chunk.shard} is missing") from None
+        if len(data) != chunk.tokens * size:
+            raise DataError(
+                f"shard {self.url}/{chunk.shard} is truncated: chunk {chunk.index} has "
+                f"{len(data)} bytes, the manifest says {chunk.tokens * size}"
+            )
+        if hashlib.sha256(data).hexdigest() != chunk.sha256:
+            raise DataError(
+                f"shard {self.url}/{chunk.shard}: chunk {chunk.index} (tokens {chunk.start:,} "
+                f"to {chunk.start + chunk.tokens:,}) fails its sha256 checksum; the shard is "
+                "corrupt"
+            )
+        return np.frombuffer(data, dtype=self.dtype)
+
+    def check_shards(self) -> None:
+        """Every shard's size against the manifest, from one listing of the folder (a
+        request per thousand objects on a bucket, not one per shard)."""
+        sizes = {
+            str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: e.get("size")
+            for e in self.fs.ls(self.root, detail=True)
+        }
+        for shard in self.manifest["shards"]:
+            name = shard["name"]
+            if name not in sizes:
+                raise DataError(f"shard {self.url}/{name} is missing")
+            want = int(shard["tokens"]) * self.dtype.itemsize
+            if sizes[name] != want:
+                raise DataError(
+                    f"shard {self.url}/{name} is truncated: {sizes[name]:,} bytes, the "
+                    f"manifest says {want:,} ({shard['tokens']:,} tokens)"
+                )
+
+    def check(self, vocab_size: int, learners: int, context: int) -> None:
+        """What a run needs of the data set, named when it is missing: a tokenizer that
+        matches the manifest, a vocabulary the model has room for, training tokens, at
+        least one chunk per learner, shards of the manifest's sizes and held-out tokens."""
+        self.tokenizer_file()
+        if self.vocab_size > vocab_size:
+            raise DataError(
+                f"data set {self.url} has a vocabulary of {self.vocab_size} tokens, larger "
+                f"than model.vocab_size {vocab_size}; give --set "
+                f"model.vocab_size={self.vocab_size}"
+            )
+        train = self.chunks("train")
+        if not train or self.tokens("train") == 0:
+            raise DataError(f"data set {self.url} holds no training tokens")
+        if len(train) < learners:
+            raise DataError(
+                f"data set {self.url} has {len(train)} training chunks for {learners} "
+                "learners; each learner needs one at least (prepare it again with a smaller "
+                "--chunk-tokens, or run fewer learners)"
+            )
+        if max(c.tokens for c in train) < context + 1:
+            raise DataError(
+                f"data set {self.url}: no training chunk holds a window of model.context + 1 "
+                f"= {context + 1} tokens"
+            )
+        val = self.chunks("validation")
+        if not val or max(c.tokens for c in val) < context + 1:
+            raise DataError(
+                f"data set {self.url} holds no validation window of {context + 1} tokens "
+                "(prepare it with a larger --val-percent or a larger corpus)"
+            )
+        self.check_shards()
+
+
+def open_dataset(url: str) -> Dataset:
+    return Dataset(url)
+
+
+def assignment(chunks: list[Chunk], index: int, learners: int) -> list[Chunk]:
+    """Learner ``index``'s training chunks: every ``learners``-th, from its index on."""
+    if len(chunks) < learners:
+        raise DataError(f"{len(chunks)} training chunks for {learners} learners")
+    return chunks[index::learners]
+
+
+@dataclass
+class _Group:
+    """Some consecutive chunks of an epoch's order, read, with their shuffled windows."""
+
+    arrays: list[np.ndarray]
+    windows: np.ndarray  # [n, 2]: (array, start) in shuffled order
+
+
+class TokenReader:
+    """A learner's reader over its chunks of a prepared data set (the ``ShardReader``
+    interface); ``position`` (batches served) is its whole state.
+
+    The learner's window stream is a pure function of the seed, its assignment and the
+    window's index: epoch ``e`` visits the learner's chunks in an order shuffled by
+    ``(seed, index, e)``; each group of ``shuffle_chunks`` consecutive chunks of that
+    order is cut into windows of ``context + 1`` tokens (stride ``context``, so every
+    token but a chunk's first is a target once an epoch), shuffled within the group. Batch
+    ``b`` is windows ``b * batch_size`` to ``(b + 1) * batch_size`` of the stream. A
+    background thread reads the next group while this one is served (at most two groups,
+    a few chunks, are held); its errors are raised by ``next_batch``.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        index: int,
+        learners: int,
+        batch_size: int,
+        context: int,
+        seed: int,
+        position: int = 0,
+        shuffle_chunks: int = SHUFFLE_CHUNKS,
+    ):
+        self.dataset = dataset
+        self.index, self.learners = index, learners
+        self.batch_size, self.context, self.seed = batch_size, context, seed
+        self.position = position
+        self.shuffle_chunks = shuffle_chunks
+        self.chunks = assignment(dataset.chunks("train"), index, learners)
+        self.per_chunk = np.array([max(0, (c.tokens - 1) // context) for c in self.chunks])
+        self.epoch_windows = int(self.per_chunk.sum())
+        if self.epoch_windows == 0:
+            raise DataError(
+                f"learner {index}'s chunks of {dataset.url} hold no window of {context + 1} tokens"
+            )
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"token-reader-{index}")
+        self._groups: OrderedDict[tuple[int, int], Future[_Group]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._epoch_order: tuple[int, Any] = (-1, None)
+
+    def _order(self, epoch: int) -> tuple[np.ndarray, list[int]]:
+        """The epoch's chunk order and each group's first window in the epoch (the last
+        epoch's kept: computing it is linear in the learner's chunks)."""
+        if self._epoch_order[0] != epoch:
+            rng = np.random.default_rng((self.seed, self.index, epoch))
+            order = rng.permutation(len(self.chunks))
+            sums = np.add.reduceat(
+                self.per_chunk[order], np.arange(0, len(order), self.shuffle_chunks)
+            )
+            self._epoch_order = (epoch, (order, [0, *np.cumsum(sums).tolist()]))
+        return self._epoch_order[1]
+
+    def _read_group(self, epoch: int, group: int) -> _Group:
+        order, _ = self._order(epoch)
+        picked = order[group * self.shuffle_chunks : (group + 1) * self.shuffle_chunks]
+        arrays = [self.dataset.read_chunk(self.chunks[i]) for i in picked]
+        windows = np.concatenate(
+            [
+                np.stack([np.full(n, a), np.arange(n) * self.context], axis=1)
+                for a, n in enumerate(self.per_chunk[picked])
+            ]
+        )
+        rng = np.random.default_rng((self.seed, self.index, epoch, group))
+        return _Group(arrays, windows[rng.permutation(len(windows))])
+
+    def _group(self, key: tuple[int, int]) -> _Group:
+        with self._lock:
+            if key not in self._groups:
+                self._groups[key] = self._pool.submit(self._read_group, *key)
+            future = self._groups[key]
+            self._groups.move_to_end(key)
+            while len(self._groups) > 2:
+                self._groups.popitem(last=False)
+        return future.result()  # a read's error is raised here, in the learner's thread
+
+    def _prefetch(self, key: tuple[int, int]) -> None:
+        with self._lock:
+            if key not in self._groups:
+                self._groups[key] = self._pool.submit(self._read_group, *key)
+
+    def window(self, w: int) -> np.ndarray:
+        """Window ``w`` of this learner's stream: ``context + 1`` tokens."""
+        epoch, offset = divmod(w, self.epoch_windows)
+        _, starts = self._order(epoch)
+        g = bisect.bisect_right(starts, offset) - 1
+        group = self._group((epoch, g))
+        a, s = group.windows[offset - starts[g]]
+        after = (epoch, g + 1) if g + 2 < len(starts) else (epoch + 1, 0)
+        self._prefetch(after)
+        return group.arrays[a][s : s + self.context + 1]
+
+    def next_batch(self) -> np.ndarray:
+        first = self.position * self.batch_size
+        out = np.stack([self.window(first + i) for i in range(self.batch_size)])
+        self.position += 1
+        return out.astype(np.int32)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def validation_batches(
+    dataset: Dataset, batch_size: int, context: int, count: int, seed: int
+) -> list[np.ndarray]:
+    """The fixed held-out batches every learner evaluates on: windows of the validation
+    chunks in order (stride ``context``), read a chunk at a time until ``count`` batches
+    are filled, then shuffled by ``seed``; a small split is cycled."""
+    need = count * batch_size
+    windows: list[np.ndarray] = []
+    for chunk in dataset.chunks("validation"):
+        tokens = dataset.read_chunk(chunk)
+        for s in range(0, len(tokens) - context, context):
+            windows.append(tokens[s : s + context + 1].copy())
+            if len(windows) == need:
+                break
+        if len(windows) == need:
+            break
+    if not windows:
+        raise DataError(f"data set {dataset.url} holds no validation window of {context + 1}")
+    picked = np.random.default_rng((seed, VALIDATION_STREAM)).permutation(len(windows))
+    cycled = [windows[picked[i % len(windows)]] for i in range(need)]
+    return [
+        np.stack(cycled[i * batch_size : (i + 1) * batch_size]).astype(np.int32)
+        for i in range(count)
+    ]
+
+
+# --- prepare -------------------------------------------------------------------------
+
+
+@dataclass
+class _ShardWriter:
+    """Writes one split's tokens to shard files, hashing each chunk as it goes."""
+
+    fs: fsspec.AbstractFileSystem
+    root: str
+    split: str
+    dtype: np.dtype
+    chunk_tokens: int
+    shard_chunks: int
+    shards: list[dict[str, Any]] = field(default_factory=list)
+    _file: Any = None
+    _hash: Any = None
+    _in_chunk: int = 0
+
+    def _open(self) -> None:
+        name = f"{self.split}-{len(self.shards):05d}.bin"
+        self._file = self.fs.open(_join(self.root, name), "wb")
+        self.shards.append(
+            {"name": name, "split": self.split, "documents": 0, "tokens": 0,
+             "chunk_tokens": self.chunk_tokens, "chunk_sha256": []}
+        )  # fmt: skip
+        self._hash, self._in_chunk = hashlib.sha256(), 0
+
+    def _end_chunk(self) -> None:
+        if self._in_chunk:
+            self.shards[-1]["chunk_sha256"].append(self._hash.hexdigest())
+        self._hash, self._in_chunk = hashlib.sha256(), 0
+
+    def write(self, ids: np.ndarray) -> None:
+        """One document's tokens (EOS included); a document may span chunks and shards."""
+        if self._file is None:
+            self._open()
+        self.shards[-1]["documents"] += 1
+        ids = ids.astype(self.dtype)
+        while len(ids):
+            shard = self.shards[-1]
+            if shard["tokens"] == self.chunk_tokens * self.shard_chunks:
+                self._end_chunk()
+                self._file.close()
+                self._open()
+                shard = self.shards[-1]
+            room = self.chunk_tokens - self._in_chunk
+            room = min(room, self.chunk_tokens * self.shard_chunks - shard["tokens"])
+            part, ids = ids[:room], ids[room:]
+            data = part.tobytes()
+            self._file.write(data)
+            self._hash.update(data)
+            self._in_chunk += len(part)
+            shard["tokens"] += len(part)
+            if self._in_chunk == self.chunk_tokens:
+                self._end_chunk()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._end_chunk()
+            self._file.close()
+            self._file = None
+
+
+def prepare(
+    source: str,
+    out: str,
+    tokenizer: str | None = None,
+    vocab_size: int = DEFAULT_VOCAB,
+    val_percent: int = 5,
+    text_field: str = "text",
+    workers: int | None = None,
+    chunk_tokens: int = CHUNK_TOKENS,
+    shard_chunks: int = SHARD_CHUNKS,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Tokenize ``source`` into a data set at ``out``; return its manifest.
+
+    Documents stream from the source (one source file in memory at a time) through the
+    tokenizer in batches to the shard files; the manifest is written last. A document is
+    held out for validation by a hash of its identity (its path, and its record number
+    in a JSON lines or Parquet file), the same on every machine. ``progress(stage, done,
+    total)`` is called with source bytes done.
+    """
+    if workers:
+        os.environ.setdefault("RAYON_RS_NUM_CPUS", str(workers))
+    src_fs, files = list_files(source)
+    total = sum(src_fs.size(p) or 0 for p, _ in files)
+    fs, root = fsspec.core.url_to_fs(out)
+    _check_out(fs, root, out)
+
+    if tokenizer:
+        tfs, tpath = fsspec.core.url_to_fs(tokenizer)
+        if not tfs.exists(tpath):
+            raise DataError(f"--tokenizer {tokenizer} does not exist")
+        tok_bytes = tfs.cat_file(tpath)
+        tok = load_tokenizer(tok_bytes, tokenizer, workers or 1)
+    else:
+        stage = "training tokenizer"
+        texts = _identified(src_fs, files, text_field, progress, total, stage, TRAIN_TEXT_BYTES)
+        tok = train_bpe((text for _, text in texts), vocab_size)
+        tok_bytes = tok.data
+    source_info = {"url": source, "files": len(files), "bytes": total,
+                   "val_percent": val_percent, "text_field": text_field}  # fmt: skip
+    texts = _identified(src_fs, files, text_field, progress, total, "tokenizing")
+    documents = _tokenized(texts, tok, val_percent, source)
+    return write_dataset(out, tok, tok_bytes, documents, chunk_tokens, shard_chunks, source_info)
+
+
+def _tokenized(
+    texts: Iterator[tuple[str, str]], tok: Tokenizer, val_percent: int, source: str
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(split, tokens with EOS) of each document, tokenized in batches (in parallel)."""
+    batch: list[tuple[str, str]] = []
+    size = text_tokens = held_out = 0
+
+    def flush(last: bool) -> Iterator[tuple[str, np.ndarray]]:
+        nonlocal text_tokens, held_out
+        ids = tok.encode_batch([t for _, t in batch])
+        for n, ((ident, _), seq) in enumerate(zip(batch, ids, strict=True)):
+            text_tokens += len(seq)
+            split = "validation" if is_held_out(ident, val_percent) else "train"
+            if last and n == len(batch) - 1 and not held_out:
+                split = "validation"  # a small corpus where the hash held nothing out
+            held_out += split == "validation"
+            yield split, np.append(np.asarray(seq, dtype=np.int64), tok.eos_id)
+        batch.clear()
+
+    for ident, text in texts:
+        if size >= 8 << 20 or len(batch) >= 4096:  # never the last: that is flush(True)'s
+            yield from flush(False)
+            size = 0
+        batch.append((ident, text))
+        size += len(text)
+    yield from flush(True)
+    if text_tokens == 0:
+        raise DataError(f"data source {source} holds no text to tokenize (its documents are empty)")
+
+
+def write_dataset(
+    out: str,
+    tok: Tokenizer,
+    tok_bytes: bytes,
+    documents: Iterable[tuple[str, np.ndarray]],
+    chunk_tokens: int = CHUNK_TOKENS,
+    shard_chunks: int = SHARD_CHUNKS,
+    source: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write ``documents`` ((split, tokens) each, EOS included) as a data set at ``out``:
+    shards as they come, then the tokenizer, then the manifest."""
+    fs, root = fsspec.core.url_to_fs(out)
+    fs.makedirs(root, exist_ok=True)
+    dtype = np.dtype("<u2") if tok.vocab_size <= 1 << 16 else np.dtype("<u4")
+    writers = {
+        split: _ShardWriter(fs, root, split, dtype, chunk_tokens, shard_chunks)
+        for split in ("train", "validation")
+    }
+    docs = {"train": 0, "validation": 0}
+    for split, ids in documents:
+        writers[split].write(ids)
+        docs[split] += 1
+    for w in writers.values():
+        w.close()
+    if not writers["train"].shards:
+        raise DataError(
+            f"every document of {(source or {}).get('url', out)} was held out for validation; "
+            "give a smaller --val-percent or more documents"
+        )
+    fs.pipe_file(_join(root, tok.file), tok_bytes)
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "tokenizer": {
+            "kind": tok.kind, "file": tok.file, "sha256": hashlib.sha256(tok_bytes).hexdigest(),
+            "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+        },
+        "dtype": dtype.name,
+        "chunk_tokens": chunk_tokens,
+        "shards": writers["train"].shards + writers["validation"].shards,
+        "totals": {
+            split: {"documents": docs[split], "tokens": sum(s["tokens"] for s in w.shards)}
+            for split, w in writers.items()
+        },
+        "source": source or {},
+    }  # fmt: skip
+    fs.pipe_file(_join(root, MANIFEST), json.dumps(manifest, indent=1).encode())
+    return manifest
+
+
+def _identified(
+    fs: fsspec.AbstractFileSystem,
+    files: list[tuple[str, str]],
+    text_field: str,
+    progress: Callable[[str, int, int], None] | None,
+    total: int,
+    stage: str,
+    limit: int | None = None,
+) -> Iterator[tuple[str, str]]:
+    """(identity, text) of every document, one source file in memory at a time; its
+    identity is its path, and its record number in a JSON lines or Parquet file."""
+    done = 0
+    for path, rel in files:
+        docs = read_documents(fs, path, text_field)
+        records = path.lower().endswith((".jsonl", ".jsonl.gz", ".parquet"))
+        for i, doc in enumerate(docs):
+            try:
+                text = doc.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{path} is not UTF-8 text: {exc}") from None
+            yield (f"{rel}#{i}" if records else rel), text
+        done += fs.size(path) or 0
+        if progress:
+            progress(stage, min(done, total), total)
+        if limit is not None and done >= limit:
+            return
+
+
+def _check_out(fs: fsspec.AbstractFileSystem, root: str, out: str) -> None:
+    """Refuse an output that holds a data set, or files that are not a data set's."""
+    if fs.exists(_join(root, MANIFEST)):
+        raise DataError(
+            f"{out} already holds a data set (it has a {MANIFEST}); give another --out or remove it"
+        )
+    if fs.exists(root) and fs.isdir(root):
+        others = [
+            p for p in fs.ls(root, detail=False)
+            if not p.rstrip("/").rsplit("/", 1)[-1].startswith(("train-", "validation-", "tokenizer."))
+        ]  # fmt: skip
+        if others:
+            raise DataError(
+                f"{out} holds files that are not a data set's ({others[0]}, ...); give an "
+                "empty or new folder as --out"
+            )
