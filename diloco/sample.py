@@ -2,8 +2,8 @@
 
 Text meets the model through a ``Tokenizer`` (``encode``, ``decode``, ``vocab_size``,
 ``eos_id``): the byte model's is ``ByteTokenizer`` (a byte is a token), a Llama's the
-run's data set tokenizer (``HFTokenizer`` wraps a Hugging Face ``tokenizers`` one). The
-sampler and the scorer work on token ids either way; below, "byte" reads "token" for a
+run's data set's (``diloco.dataset.load_tokenizer``: a ``tokenizer.json`` or a
+SentencePiece model). The sampler and the scorer work on token ids either way; below, "byte" reads "token" for a
 model with a tokenizer of its own.
 
 Both compile once per model shape and never again, whatever is asked of them:
@@ -69,28 +69,6 @@ class ByteTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
-
-
-class HFTokenizer:
-    """A Hugging Face ``tokenizers.Tokenizer`` (a ``tokenizer.json``) as a ``Tokenizer``;
-    ``eos_id`` is the token that ends documents (``config.json``'s ``eos_token_id``)."""
-
-    def __init__(self, tokenizer, eos_id: int):
-        self.tokenizer, self.eos_id = tokenizer, int(eos_id)
-        self.vocab_size = tokenizer.get_vocab_size()
-
-    @classmethod
-    def from_json(cls, text: str | bytes, eos_id: int) -> HFTokenizer:
-        from tokenizers import Tokenizer as _Tokenizer
-
-        raw = text.decode() if isinstance(text, bytes) else text
-        return cls(_Tokenizer.from_str(raw), eos_id)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 def _place(params: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:

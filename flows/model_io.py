@@ -44,7 +44,7 @@ from pydantic import ValidationError
 from diloco.config import ConfigError, ModelConfig, RunConfig
 from diloco.data import DOC_SEPARATOR, DataError, list_files, read_file
 from diloco.model import FlatParams, ParamCodec
-from diloco.sample import HFTokenizer, Scorer, TextScore, Tokenizer
+from diloco.sample import Scorer, TextScore, Tokenizer
 from flows.run import build_model, config_from_spec, validation
 from storage_layout.commit import CorruptVersion
 from storage_layout.store import GlobalState, RegionDown, RunStore
@@ -188,15 +188,13 @@ def read_global_model(url: str, run: str, versions: str | None = None) -> Usable
 
 
 def _prepared_dataset(cfg: RunConfig | None) -> Any:
-    """The run's tokenized data set (``diloco data prepare``), or None: no source, a
-    source of text (the byte reader's), or no data-set support in this installation."""
+    """The run's tokenized data set (``diloco data prepare``), or None: no source, or a
+    source of text (the byte reader's)."""
     source = cfg.data.source if cfg is not None else None
     if source is None:
         return None
-    try:
-        from diloco.dataset import is_prepared, open_dataset
-    except ModuleNotFoundError:
-        return None
+    from diloco.dataset import is_prepared, open_dataset
+
     return open_dataset(source) if is_prepared(source) else None
 
 
@@ -421,26 +419,30 @@ def open_exported(path: str) -> UsableModel:
     """An exported file (or a Llama's folder, with its tokenizer) as a ``UsableModel``."""
     config, params, meta = _load(path)
     codec, _ = ParamCodec.create(config, 0)
+    tokenizer = _folder_tokenizer(path)
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise ModelFileError(
+            f"{path}: its tokenizer.json has {tokenizer.vocab_size} tokens, more than the "
+            f"model's vocabulary ({config.vocab_size}): not the tokenizer it was trained with"
+        )
     return UsableModel(config, codec, params, meta["versions"], path,
                        meta.get("params_dtype", "?"), meta.get("run", ""),
-                       tokenizer=_folder_tokenizer(path))  # fmt: skip
+                       tokenizer=tokenizer)  # fmt: skip
 
 
 def _folder_tokenizer(path: str) -> Tokenizer | None:
-    """The ``tokenizer.json`` of a folder export, with ``config.json``'s eos id."""
+    """The tokenizer file of a folder export (``tokenizer.json``, or a SentencePiece
+    ``tokenizer.model``), read as the data sets read theirs."""
     folder = _hf_folder(path)
     if folder is None:
         return None
     fs, root = fsspec.core.url_to_fs(folder)
-    if not fs.exists(f"{root}/tokenizer.json"):
-        return None
-    try:
-        eos = json.loads(fs.cat_file(f"{root}/config.json"))["eos_token_id"]
-        return HFTokenizer.from_json(fs.cat_file(f"{root}/tokenizer.json"), int(eos))
-    except Exception as exc:  # OSError, bad JSON, a tokenizers error: all say the same
-        raise ModelFileError(
-            f"{folder}: its tokenizer.json or config.json is unusable: {exc}"
-        ) from None
+    for name in ("tokenizer.json", "tokenizer.model"):
+        if fs.exists(f"{root}/{name}"):
+            from diloco.dataset import load_tokenizer
+
+            return load_tokenizer(fs.cat_file(f"{root}/{name}"), f"{folder}/{name}")
+    return None
 
 
 def open_model(

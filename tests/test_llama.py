@@ -14,10 +14,11 @@ import safetensors.numpy
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from diloco.config import ConfigError, load_config
+from diloco.dataset import HFTokenizer
 from diloco.fragments import plan_fragments
 from diloco.inner import InnerTrainer
 from diloco.model import ParamCodec, is_embedding
-from diloco.sample import HFTokenizer, Sampler, Scorer
+from diloco.sample import Sampler, Scorer
 from flows.model_io import UsableModel, export_model, open_exported
 
 SMALL = ["model.arch=llama", "model.vocab_size=320", "model.width=32", "model.depth=2",
@@ -91,7 +92,7 @@ def _tokenizer(tmp_path: Path, vocab: int) -> HFTokenizer:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
     text = Path(json.__file__).read_text()
     tok.train_from_iterator([text[i : i + 500] for i in range(0, len(text), 500)], trainer)
-    return HFTokenizer(tok, tok.token_to_id("<eos>"))
+    return HFTokenizer(tok.to_str().encode())
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -107,7 +108,7 @@ def test_the_hugging_face_export_gives_our_logits_in_an_independent_llama(tmp_pa
     tokenizer = _tokenizer(tmp_path, cfg.model.vocab_size)
     model = UsableModel(cfg.model, codec, params, {0: 3}, "test", "fp32", "r", cfg, tokenizer)
     folder = tmp_path / "export"
-    tok_json = tokenizer.tokenizer.to_str().encode()
+    tok_json = tokenizer.data
     export_model(model, str(folder), ("tokenizer.json", tok_json))
     assert {p.name for p in folder.iterdir()} == {"model.safetensors", "config.json",
                                                     "tokenizer.json"}  # fmt: skip
@@ -281,7 +282,7 @@ def test_export_eval_and_generate_from_the_cli(tmp_path, capsysbinary):
     model = open_exported(str(folder))
     model = UsableModel(model.config, model.codec, model.params, model.versions, "t", "fp32",
                         tokenizer=tokenizer)  # fmt: skip
-    export_model(model, str(folder), ("tokenizer.json", tokenizer.tokenizer.to_str().encode()))
+    export_model(model, str(folder), ("tokenizer.json", tokenizer.data))
     assert main(["eval", "--model", str(folder), "--data", str(text), "--max-bytes", "3000",
                  "--json"]) == 0  # fmt: skip
     score = json.loads(capsysbinary.readouterr().out.decode())
@@ -292,6 +293,13 @@ def test_export_eval_and_generate_from_the_cli(tmp_path, capsysbinary):
     first = capsysbinary.readouterr().out.decode()
     assert main(args) == 0
     assert capsysbinary.readouterr().out.decode() == first and first
+    # A tokenizer larger than the model's vocabulary is not its tokenizer.
+    vocab = {"<eos>": 0, **{f"w{i}": i for i in range(1, 5000)}}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    (folder / "tokenizer.json").write_text(words.to_str())
+    assert main(["generate", "--model", str(folder), "--prompt", "x"]) == 2
+    err = capsysbinary.readouterr().err.decode()
+    assert "more than the model's vocabulary (4096)" in err, err
 
 
 def test_memory_estimate_of_the_llama_presets(capsys):
@@ -319,3 +327,40 @@ def test_memory_estimate_of_the_llama_presets(capsys):
     assert main(["plan", "memory", "--preset", "llama-8b", "--devices", "1", "8"]) == 0
     out = capsys.readouterr().out
     assert "8 devices" in out and "bf16 weights" in out and "total without remat" in out
+
+
+def test_a_run_on_a_prepared_data_set_exports_its_tokenizer(tmp_path, capsysbinary):
+    """`diloco data prepare`'s data set (a BPE of 512 tokens) under a llama-tiny run:
+    the run's model reads with the data set's tokenizer, `diloco export` puts its
+    tokenizer.json beside the weights with its end-of-text id in config.json, and the
+    folder generates text through it; eval without --data scores the run's validation
+    tokens."""
+    from diloco.dataset import open_dataset, prepare
+    from flows.cli import main
+    from flows.run import initialize_run
+    from storage_layout.store import RunStore
+
+    source = tmp_path / "text"
+    source.mkdir()
+    for f in sorted(Path(json.__file__).parent.glob("*.py")):
+        (source / f.name).write_text(f.read_text() * 4)
+    data = str(tmp_path / "tokens")
+    prepare(str(source), data, vocab_size=512, chunk_tokens=1024, shard_chunks=4)
+    cfg = load_config("llama-tiny", overrides=[f"data.source={data}", "model.vocab_size=512",
+                                               "model.depth=1", "model.context=32",
+                                               "topology.learners=2"])  # fmt: skip
+    (tmp_path / "us").mkdir()
+    regions = {"us-east": f"file://{tmp_path / 'us'}"}
+    initialize_run(RunStore("tok", regions, "us-east"), cfg)
+    folder = tmp_path / "hf"
+    assert main(["export", regions["us-east"], "--run", "tok", "--out", str(folder)]) == 0
+    ds = open_dataset(data)
+    assert (folder / "tokenizer.json").read_bytes() == ds.tokenizer_file()[1]
+    assert json.loads((folder / "config.json").read_text())["eos_token_id"] == ds.eos_id
+    capsysbinary.readouterr()
+    assert main(["generate", "--model", str(folder), "--prompt", "def", "--max-tokens", "5",
+                 "--temperature", "0"]) == 0  # fmt: skip
+    assert capsysbinary.readouterr().out.decode()
+    assert main(["eval", regions["us-east"], "--run", "tok", "--json"]) == 0
+    score = json.loads(capsysbinary.readouterr().out.decode())
+    assert abs(score["loss"] - np.log(512)) < 0.5  # an untrained model: about uniform
