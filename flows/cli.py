@@ -286,6 +286,14 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         style = "" if value else "cyan"  # a section: its model's description
         table.add_row(Text(key, style), Text(value), Text(meaning, style))
     stdout_console().print(table)
+    if cfg.model.factory is None:
+        from diloco.memory import learner_memory, param_count
+
+        params = param_count(cfg.model)
+        need = learner_memory(cfg, params).total
+        console.print(f"model: {params:,} parameters; one learner on one device needs about "
+                      f"{human_bytes(need)} (per device over N: diloco plan memory "
+                      f"--preset {args.preset} --devices N)")  # fmt: skip
     console.print("set any of them with --set KEY=VALUE (diloco simulate / diloco train)")
     return 0
 

@@ -327,6 +327,9 @@ def test_memory_estimate_of_the_llama_presets(capsys):
     assert main(["plan", "memory", "--preset", "llama-8b", "--devices", "1", "8"]) == 0
     out = capsys.readouterr().out
     assert "8 devices" in out and "bf16 weights" in out and "total without remat" in out
+    assert main(["config", "show", "--preset", "llama-1b"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "model: 1,235,814,400 parameters; one learner on one device needs about" in err
 
 
 def test_a_run_on_a_prepared_data_set_exports_its_tokenizer(tmp_path, capsysbinary):
