@@ -3,6 +3,8 @@ independent reading of that definition runs to the same logits; bf16 compute kee
 parameters and trains; remat changes nothing but memory; config errors are named; a
 llama-tiny run goes through the codec, fragments and trainer."""
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
+from jax.ad_checkpoint import print_saved_residuals
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from diloco.config import ConfigError, load_config
@@ -150,6 +153,7 @@ def test_text_in_text_out_with_a_tokenizer(tmp_path):
 
 
 def _loss_and_grads(cfg_overrides: list[str], batch: np.ndarray):
+    """Loss, gradients, and how many arrays the backward pass keeps from the forward."""
     cfg = load_config("tiny", overrides=[*SMALL, *cfg_overrides])
     codec, state = ParamCodec.create(cfg.model, 0)
     params = {n: jnp.asarray(v) for n, v in codec.to_flat(state).items()}
@@ -160,13 +164,19 @@ def _loss_and_grads(cfg_overrides: list[str], batch: np.ndarray):
         labels = jax.nn.one_hot(batch[:, 1:], logits.shape[-1])
         return -jnp.mean(jnp.sum(labels * jax.nn.log_softmax(logits), axis=-1))
 
-    return jax.jit(jax.value_and_grad(loss))(params)
+    listing = io.StringIO()
+    with contextlib.redirect_stdout(listing):
+        print_saved_residuals(loss, params)
+    kept = [line for line in listing.getvalue().splitlines() if "argument" not in line]
+    return *jax.jit(jax.value_and_grad(loss))(params), len(kept)
 
 
 def test_remat_gives_the_same_loss_and_gradients():
+    """...and keeps a fraction of the forward pass's arrays (each block's input)."""
     batch = jnp.asarray(np.random.default_rng(0).integers(0, 320, (2, 17)), jnp.int32)
-    loss, grads = _loss_and_grads([], batch)
-    loss_r, grads_r = _loss_and_grads(["model.remat=true"], batch)
+    loss, grads, kept = _loss_and_grads([], batch)
+    loss_r, grads_r, kept_r = _loss_and_grads(["model.remat=true"], batch)
+    assert kept_r < kept / 2, (kept_r, kept)
     assert float(loss) == pytest.approx(float(loss_r), abs=1e-6)
     for n in grads:
         np.testing.assert_allclose(grads_r[n], grads[n], rtol=1e-5, atol=1e-7, err_msg=n)
