@@ -8,6 +8,7 @@ wrong value fails at load time with the dotted name of the field
 from __future__ import annotations
 
 import json
+import math
 import re
 import tomllib
 from pathlib import Path
@@ -29,21 +30,56 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    """Decoder-only transformer over bytes, or a Flax NNX module of your own (``factory``)."""
+    """Decoder-only transformer: the byte-level GPT (``arch = "byte"``), a Llama-class
+    decoder (``"llama"``: RMSNorm, rotary positions, SwiGLU, grouped-query attention;
+    ``diloco/llama.py``), or a Flax NNX module of your own (``factory``)."""
 
+    arch: Literal["byte", "llama"] = Field(
+        "byte",
+        description="byte: the byte-level GPT (learned positions, GELU MLP, tied head); "
+        "llama: a Llama-class decoder (RMSNorm, rotary positions, SwiGLU, grouped-query "
+        "attention), exported in the Hugging Face Llama layout",
+    )
     vocab_size: PositiveInt = Field(256, description="tokens in the vocabulary (256: bytes)")
     width: PositiveInt = Field(64, description="model width (embedding size)")
     depth: PositiveInt = Field(2, description="transformer blocks")
     heads: PositiveInt = Field(4, description="attention heads (must divide width)")
     context: PositiveInt = Field(64, description="sequence length in tokens")
     mlp_ratio: PositiveInt = Field(4, description="MLP hidden size as a multiple of width")
+    # The Llama's own fields (arch "llama"); the byte model refuses values other than
+    # these defaults, so a stored spec of a byte run means what it always meant.
+    kv_heads: PositiveInt | None = Field(
+        None,
+        description="llama: key/value heads of grouped-query attention (must divide heads); "
+        "null: heads (multi-head attention)",
+    )
+    hidden: PositiveInt | None = Field(
+        None,
+        description="llama: the SwiGLU MLP's hidden size; null: 2/3 of mlp_ratio * width, "
+        "rounded up to a multiple of 32 (the parameters of a GELU MLP of mlp_ratio)",
+    )
+    rope_theta: PositiveFloat = Field(10_000.0, description="llama: rotary embedding base")
+    norm_eps: PositiveFloat = Field(1e-5, description="llama: RMSNorm epsilon")
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="llama: dtype of the matmuls and activations; parameters, optimizer "
+        "state, logits and the loss stay float32",
+    )
+    remat: bool = Field(
+        False,
+        description="llama: recompute each block's activations in the backward pass "
+        "(less memory, about a third more compute)",
+    )
+    tie_embeddings: bool = Field(
+        True, description="llama: the output head is the token embedding (false: its own)"
+    )
     # Bring your own model (diloco/model.py: create_model). Part of the run spec: every
     # learner, syncer and launcher imports it, so it must be importable on every node.
     factory: str | None = Field(
         None,
         description="'package.module:function' called as function(model_config, nnx.Rngs, "
         "**factory_args), returning a flax.nnx Module that maps int32 bytes [batch, length] "
-        "to logits [batch, length, vocab_size]; null: the built-in byte transformer",
+        "to logits [batch, length, vocab_size]; null: the built-in model of model.arch",
     )
     factory_args: dict[str, Any] = Field(
         default_factory=dict,
@@ -63,7 +99,54 @@ class ModelConfig(_Strict):
             raise ValueError(f"width {self.width} is not divisible by heads {self.heads}")
         if self.factory_args and self.factory is None:
             raise ValueError("model.factory_args is set but model.factory is not")
+        if self.arch == "byte":
+            fields = type(self).model_fields
+            changed = [n for n in LLAMA_FIELDS if getattr(self, n) != fields[n].default]
+            if changed:
+                raise ValueError(
+                    f"model.{changed[0]} is a field of model.arch 'llama'; this model is "
+                    "arch 'byte' (set model.arch=llama, or leave it out)"
+                )
+            return self
+        if self.factory is not None:
+            raise ValueError("model.factory replaces the built-in model: leave model.arch 'byte'")
+        if self.heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.kv_heads {self.num_kv_heads} does not divide model.heads {self.heads} "
+                "(each key/value head serves heads / kv_heads query heads)"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"model.width / model.heads = {self.head_dim} is odd; rotary positions need "
+                "an even head dimension"
+            )
         return self
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.width // self.heads
+
+    @property
+    def ffn_size(self) -> int:
+        """The Llama's SwiGLU hidden size (``hidden``, or its default)."""
+        if self.hidden is not None:
+            return self.hidden
+        return math.ceil(2 * self.mlp_ratio * self.width / 3 / 32) * 32
+
+
+LLAMA_FIELDS = (
+    "kv_heads",
+    "hidden",
+    "rope_theta",
+    "norm_eps",
+    "compute_dtype",
+    "remat",
+    "tie_embeddings",
+)
 
 
 class DataConfig(_Strict):
@@ -477,6 +560,88 @@ PRESETS: dict[str, dict[str, Any]] = {
         "outer": {"lr": 0.9, "momentum": 0.5},
         "topology": {"inner_steps": 250, "fragments": 8},
         "budget": {"tokens": 5_000_000_000},
+    },
+    # Llama-class decoders (diloco/llama.py) over subword tokens. llama-tiny trains in
+    # minutes on 2 CPU cores; its vocabulary is `diloco data prepare`'s default (4096).
+    "llama-tiny": {
+        "model": {
+            "arch": "llama",
+            "vocab_size": 4096,
+            "width": 128,
+            "depth": 4,
+            "heads": 4,
+            "kv_heads": 2,
+            "hidden": 352,
+            "context": 128,
+        },
+        "data": {"batch_size": 8, "eval_batches": 8},
+        "inner": {"warmup_steps": 20},
+        "topology": {"inner_steps": 20, "fragments": 2},
+        "budget": {"tokens": 2_000_000},
+        "sim": {"eval_points": 8},
+    },
+    # GPU presets: bf16 compute, fp32 master weights; about 20 tokens per parameter.
+    "llama-150m": {
+        "model": {
+            "arch": "llama",
+            "vocab_size": 32768,
+            "width": 1024,
+            "depth": 12,
+            "heads": 16,
+            "kv_heads": 4,
+            "hidden": 2560,
+            "context": 2048,
+            "compute_dtype": "bfloat16",
+        },
+        "data": {"batch_size": 16},
+        "inner": {"lr": 1e-3, "warmup_steps": 500},
+        "outer": {"lr": 0.9, "momentum": 0.5},
+        "topology": {"inner_steps": 100, "fragments": 4},
+        "budget": {"tokens": 3_000_000_000},
+    },
+    # Llama-3.2-1B's shapes (1.24 B parameters, tied head), trained at context 2048.
+    "llama-1b": {
+        "model": {
+            "arch": "llama",
+            "vocab_size": 128256,
+            "width": 2048,
+            "depth": 16,
+            "heads": 32,
+            "kv_heads": 8,
+            "hidden": 8192,
+            "context": 2048,
+            "rope_theta": 500000.0,
+            "compute_dtype": "bfloat16",
+            "remat": True,
+        },
+        "data": {"batch_size": 8},
+        "inner": {"lr": 4e-4, "warmup_steps": 1000},
+        "outer": {"lr": 0.9, "momentum": 0.5},
+        "topology": {"inner_steps": 250, "fragments": 8},
+        "budget": {"tokens": 25_000_000_000},
+    },
+    # Llama-3-8B's shapes (8.0 B parameters, untied head): shard it over a learner's
+    # devices (`diloco plan memory --preset llama-8b --devices 8`).
+    "llama-8b": {
+        "model": {
+            "arch": "llama",
+            "vocab_size": 128256,
+            "width": 4096,
+            "depth": 32,
+            "heads": 32,
+            "kv_heads": 8,
+            "hidden": 14336,
+            "context": 2048,
+            "rope_theta": 500000.0,
+            "compute_dtype": "bfloat16",
+            "remat": True,
+            "tie_embeddings": False,
+        },
+        "data": {"batch_size": 8},
+        "inner": {"lr": 3e-4, "warmup_steps": 2000},
+        "outer": {"lr": 0.9, "momentum": 0.5},
+        "topology": {"inner_steps": 500, "fragments": 16},
+        "budget": {"tokens": 160_000_000_000},
     },
 }
 

@@ -16,8 +16,9 @@ FragmentPlan = tuple[tuple[str, ...], ...]
 
 
 def _layer_index(name: str) -> int:
-    """Block index of a tensor (``blocks.3.up.kernel`` -> 3); -1 before, 1e9 after the blocks."""
-    match = re.match(r"blocks\.(\d+)\.", name)
+    """Block index of a tensor (``blocks.3.up.kernel``, the Llama's ``layers.3.mlp...``
+    -> 3); -1 before, 1e9 after the blocks."""
+    match = re.match(r"(?:blocks|layers)\.(\d+)\.", name)
     if match:
         return int(match.group(1))
     return -1 if "embed" in name else 10**9

@@ -2,34 +2,59 @@
 
 `diloco train` starts every learner of a run on one machine (processes mode): a preset
 too large for it was OOM-killed over and over while the display said "compiling". The
-estimate is what the launcher prints, and warns on, before anything starts. Everything
-is float32 (parameters, AdamW moments, gradients, activations), as the trainer keeps it.
+estimate is what the launcher prints, and warns on, before anything starts, and what
+`diloco plan memory --preset P --devices N ...` tabulates per device.
 
-Activations are those a step keeps for its backward pass, without rematerialization, per
-token and block of the built-in transformer: the block's input, the normalized inputs,
-q/k/v, the attention output and its projection, the residuals, the MLP's up and GELU
-outputs (``mlp_ratio * width`` each) and the down projection, about
-``(10 + 2 * mlp_ratio) * width`` values, plus the attention's logits, mask, probabilities
-and their gradient, ``4 * heads * context``; and the output logits, their softmax and
-its gradient, ``3 * vocab_size`` per token. Checked against the peak resident memory of
-one compiled step of ``base`` on CPU: 2.75 GB at batch 4 and 8.0 GB at batch 16, where
-this says 2.7 and 7.8 GB. A model of one's own (``model.factory``) is estimated as if
-it were the built-in one of the same shape: roughly.
+Parameters, gradients, AdamW's two moments and the anchors (the global versions the
+learner's outer gradients are taken against) are float32, 4 bytes a value each. Over
+``devices`` devices the learner shards all four (FSDP), so each device holds
+``1 / devices`` of them; the batch is split over the devices too, and so are the
+activations. A Llama computing in bf16 also keeps bf16 copies of its weights for the
+backward pass (2 bytes a value, sharded likewise).
+
+Activations are those a step keeps for its backward pass, per token:
+
+- byte model, per block: the block's input, the normalized inputs, q/k/v, the attention
+  output and its projection, the residuals, the MLP's up and GELU outputs
+  (``mlp_ratio * width`` each) and the down projection, about
+  ``(10 + 2 * mlp_ratio) * width`` float32 values, plus the attention's logits, mask,
+  probabilities and their gradient, ``4 * heads * context``;
+- Llama, per block, in the compute dtype: the block's input, both norms' outputs, q, k
+  and v before and after the rotation, the attention output, the residual
+  (``8 * width + 4 * kv_width``, ``kv_width = kv_heads * head_dim``) and the SwiGLU's
+  gate, up, ``silu(gate)`` and their product (``4 * hidden``); plus, float32, the
+  attention's logits and probabilities, ``2 * heads * context`` (XLA's attention; a
+  fused GPU attention keeps none, so this part is an upper bound there). With
+  ``remat`` a block keeps only its input, and one block's full set lives at a time
+  while it is recomputed;
+- both: the output logits, their softmax and its gradient, ``3 * vocab_size`` float32
+  values.
+
+Checked against the peak resident memory (VmHWM) of one compiled train step on CPU:
+``base`` 2.75 GB at batch 4 and 8.0 GB at batch 16, where this says 2.7 and 7.8 GB;
+``llama-tiny`` (float32, 1.26 M parameters) 0.67 GB at batch 8 and 1.50 GB at batch
+64, where this says 0.66 and 1.44 GB (the slope: 0.84 GB per 56 x 128 more tokens
+measured, 0.78 estimated). The measurement, on one CPU device:
+``python -m diloco.memory --measure llama-tiny 8``. A model of one's own
+(``model.factory``) is estimated as if it were the built-in one of the same shape:
+roughly.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from diloco.config import RunConfig
+from diloco.config import ModelConfig, RunConfig
 
-FLOAT = 4  # bytes: the trainer keeps everything in float32
+FLOAT = 4  # bytes: parameters, optimizer state, gradients, logits are float32
 RUNTIME_BYTES = 500 * 2**20  # Python, JAX, Flax, Prefect, the corpus: measured ~0.3-0.5 GB
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one learner process needs, by part."""
+    """Bytes one learner needs, by part; with ``devices`` > 1, per device (the runtime is
+    per process)."""
 
     parameters: int  # the learner's parameters
     optimizer: int  # AdamW's two moments
@@ -37,36 +62,70 @@ class MemoryEstimate:
     copies: int  # the global versions it started from (its outer gradients' anchors)
     activations: int  # what one step keeps for its backward pass
     runtime: int  # the interpreter and libraries
+    compute_copies: int = 0  # bf16 weights a bf16 model keeps for its backward pass
 
     @property
     def total(self) -> int:
         return (self.parameters + self.optimizer + self.gradients + self.copies
-                + self.activations + self.runtime)  # fmt: skip
+                + self.compute_copies + self.activations + self.runtime)  # fmt: skip
 
     def parts(self) -> list[tuple[str, int]]:
-        return [
+        out = [
             ("parameters", self.parameters),
             ("AdamW state", self.optimizer),
             ("gradients", self.gradients),
             ("anchor copies", self.copies),
-            ("activations", self.activations),
-            ("runtime", self.runtime),
         ]
+        if self.compute_copies:
+            out.append(("bf16 weights", self.compute_copies))
+        return [*out, ("activations", self.activations), ("runtime", self.runtime)]
 
 
-def learner_memory(cfg: RunConfig, num_params: int) -> MemoryEstimate:
-    """The memory one learner of ``cfg`` needs, for a model of ``num_params`` parameters."""
-    m, tokens = cfg.model, cfg.data.batch_size * cfg.model.context
-    per_token = m.depth * ((10 + 2 * m.mlp_ratio) * m.width + 4 * m.heads * m.context)
-    per_token += 3 * m.vocab_size
-    weights = num_params * FLOAT
+def param_count(m: ModelConfig) -> int:
+    """Parameters of the built-in model ``m`` describes, without building it."""
+    if m.arch == "byte":
+        h = m.mlp_ratio * m.width
+        block = 2 * m.width + 4 * m.width**2 + 2 * m.width * h + h + m.width
+        return (m.vocab_size + m.context) * m.width + m.depth * block + m.width
+    q, kv = m.heads * m.head_dim, m.num_kv_heads * m.head_dim
+    block = 2 * m.width + 2 * m.width * q + 2 * m.width * kv + 3 * m.width * m.ffn_size
+    head = 0 if m.tie_embeddings else m.vocab_size * m.width
+    return m.vocab_size * m.width + head + m.depth * block + m.width
+
+
+def activation_bytes_per_token(m: ModelConfig, remat: bool | None = None) -> int:
+    """What a step keeps per token for its backward pass (the module docstring);
+    ``remat`` overrides the config's."""
+    logits = 3 * m.vocab_size * FLOAT
+    if m.arch == "byte":
+        block = ((10 + 2 * m.mlp_ratio) * m.width + 4 * m.heads * m.context) * FLOAT
+        return m.depth * block + logits
+    size = 2 if m.compute_dtype == "bfloat16" else 4
+    kv = m.num_kv_heads * m.head_dim
+    block = (8 * m.width + 4 * kv + 4 * m.ffn_size) * size + 2 * m.heads * m.context * FLOAT
+    if m.remat if remat is None else remat:
+        return m.depth * m.width * size + block + logits
+    return m.depth * block + logits
+
+
+def learner_memory(
+    cfg: RunConfig, num_params: int, devices: int = 1, remat: bool | None = None
+) -> MemoryEstimate:
+    """The memory one learner of ``cfg`` needs per device, for a model of ``num_params``
+    parameters sharded (with its optimizer state and batch) over ``devices`` devices;
+    ``remat`` overrides ``model.remat`` (the Llama's)."""
+    m = cfg.model
+    tokens = math.ceil(cfg.data.batch_size / devices) * m.context
+    weights = math.ceil(num_params / devices) * FLOAT
+    bf16 = m.arch == "llama" and m.compute_dtype == "bfloat16"
     return MemoryEstimate(
         parameters=weights,
         optimizer=2 * weights,
         gradients=weights,
         copies=weights,
-        activations=tokens * per_token * FLOAT,
+        activations=tokens * activation_bytes_per_token(m, remat),
         runtime=RUNTIME_BYTES,
+        compute_copies=weights // 2 if bf16 else 0,
     )
 
 
@@ -74,3 +133,43 @@ def process_memory(num_params: int) -> int:
     """What a syncer shard or the launcher holds at most: the runtime, and the parameters
     with their outer momentum and a merge's worth of copies."""
     return RUNTIME_BYTES + 4 * num_params * FLOAT
+
+
+def measure_step(preset: str, batch_size: int) -> dict[str, float]:
+    """Peak resident memory of a process that builds ``preset``'s model and runs one
+    compiled train step at ``batch_size`` on one CPU device, against the estimate: what
+    the module docstring quotes (``python -m diloco.memory --measure PRESET BATCH``)."""
+    import resource
+
+    import jax
+    import numpy as np
+
+    from diloco.config import load_config
+    from diloco.inner import InnerTrainer
+    from diloco.model import ParamCodec
+
+    cfg = load_config(preset, overrides=[f"data.batch_size={batch_size}"])
+    codec, state = ParamCodec.create(cfg.model, 0)
+    trainer = InnerTrainer(codec, cfg.inner, 100, jax.devices()[:1])
+    params = trainer.place_params(codec.to_flat(state))
+    opt = trainer.init_opt_state(params)
+    anchors = codec.to_flat(state)  # the learner holds its anchors too
+    batch = np.random.default_rng(0).integers(0, cfg.model.vocab_size,
+                                              (batch_size, cfg.model.context + 1))  # fmt: skip
+    for _ in range(2):
+        params, opt, loss = trainer.step(params, opt, batch.astype(np.int32), 1.0)
+    jax.block_until_ready(loss)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    est = learner_memory(cfg, codec.num_params)
+    del anchors
+    return {"params": codec.num_params, "peak_gb": peak / 1e9, "estimate_gb": est.total / 1e9,
+            "activations_gb": est.activations / 1e9}  # fmt: skip
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if len(sys.argv) != 4 or sys.argv[1] != "--measure":
+        sys.exit("usage: python -m diloco.memory --measure PRESET BATCH_SIZE")
+    print(json.dumps(measure_step(sys.argv[2], int(sys.argv[3]))))

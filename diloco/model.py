@@ -108,11 +108,16 @@ def load_factory(factory: str) -> Any:
 
 
 def create_model(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
-    """The model ``cfg`` describes: the byte ``Transformer``, or, with ``cfg.factory``,
+    """The model ``cfg`` describes: the byte ``Transformer``, the ``Llama``
+    (``arch = "llama"``, ``diloco/llama.py``), or, with ``cfg.factory``,
     ``factory(cfg, rngs, **cfg.factory_args)``, checked once on a dummy batch (shapes
     only, ``jax.eval_shape``): it must be an ``nnx.Module`` holding ``nnx.Param``
     variables only, mapping int32 ``[2, context]`` to logits ``[2, context, vocab_size]``."""
     if cfg.factory is None:
+        if cfg.arch == "llama":
+            from diloco.llama import Llama
+
+            return Llama(cfg, rngs)
         return Transformer(cfg, rngs)
     where = f"model.factory {cfg.factory!r}"
     factory = load_factory(cfg.factory)
@@ -206,5 +211,8 @@ class ParamCodec:
 
 
 def is_embedding(name: str) -> bool:
-    """Embedding tables are merged by weighted mean even under RDA (ALGORITHM.md)."""
-    return "embed" in name.split(".")[0]
+    """Embedding tables are merged by weighted mean even under RDA (ALGORITHM.md): the
+    token embedding (``embed.embedding``, the byte model's ``pos_embed`` too) and the
+    Llama's untied output head (``lm_head.kernel``), a vocabulary-sized table as well."""
+    top = name.split(".")[0]
+    return "embed" in top or top == "lm_head"

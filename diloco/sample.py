@@ -1,4 +1,10 @@
-"""Using a trained byte model: sampling bytes and scoring text (pure JAX, no I/O).
+"""Using a trained model: sampling tokens and scoring text (pure JAX, no I/O).
+
+Text meets the model through a ``Tokenizer`` (``encode``, ``decode``, ``vocab_size``,
+``eos_id``): the byte model's is ``ByteTokenizer`` (a byte is a token), a Llama's the
+run's data set's (``diloco.dataset.load_tokenizer``: a ``tokenizer.json`` or a
+SentencePiece model). The sampler and the scorer work on token ids either way; below, "byte" reads "token" for a
+model with a tokenizer of its own.
 
 Both compile once per model shape and never again, whatever is asked of them:
 
@@ -23,8 +29,9 @@ Both compile once per model shape and never again, whatever is asked of them:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +44,31 @@ from diloco.model import ParamCodec
 # What an empty prompt starts from: the separator every training document ends with, so
 # the model begins a new document.
 START = DOC_SEPARATOR
+
+
+class Tokenizer(Protocol):
+    """What eval and generate need of a tokenizer (the data set's, or bytes)."""
+
+    vocab_size: int
+    eos_id: int  # ends every training document: an empty prompt starts from it
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """A byte is a token: the byte model's tokenizer (``decode`` replaces what is not
+    UTF-8; ``diloco generate`` writes a byte model's raw bytes instead)."""
+
+    vocab_size = 256
+    eos_id = DOC_SEPARATOR[-1]
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
 def _place(params: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -103,38 +135,73 @@ class Sampler:
         """``max_bytes`` bytes that follow ``prompt`` (its last ``context`` bytes are what
         the model sees; an empty prompt starts a new document). Temperature 0 is greedy.
         The same arguments give the same bytes."""
-        if max_bytes < 0:
-            raise ValueError(f"--max-bytes must be at least 0, got {max_bytes}")
+        seen = np.frombuffer(prompt or START, dtype=np.uint8)
+        tokens = self.generate_ids(params, seen, max_bytes, temperature, top_k, seed)
+        return np.asarray(tokens, np.int32).astype(np.uint8).tobytes()
+
+    def generate_ids(
+        self,
+        params: Mapping[str, np.ndarray],
+        prompt: Sequence[int] | np.ndarray,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+    ) -> list[int]:
+        """``max_tokens`` token ids that follow ``prompt`` (at least one id; the last
+        ``context`` are what the model sees)."""
+        if max_tokens < 0:
+            raise ValueError(f"--max-bytes must be at least 0, got {max_tokens}")
         if not math.isfinite(temperature) or temperature < 0:
             raise ValueError(f"--temperature must be a finite number >= 0, got {temperature}")
         if top_k < 0:
             raise ValueError(f"--top-k must be at least 0 (0: no limit), got {top_k}")
-        seen = np.frombuffer(prompt or START, dtype=np.uint8)[-self.context :]
+        seen = np.asarray(prompt, dtype=np.int32)[-self.context :]
+        if not len(seen):
+            raise ValueError("the prompt must hold at least one token")
         window = np.zeros(self.context, np.int32)
         window[: len(seen)] = seen
         state = (jnp.asarray(window), jnp.asarray(len(seen), jnp.int32))
         placed, key = _place(params), jax.random.key(seed)
         temp, k = jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32)
         chunks = []
-        for start in range(0, max_bytes, self.chunk):
-            count = min(self.chunk, max_bytes - start)
+        for start in range(0, max_tokens, self.chunk):
+            count = min(self.chunk, max_tokens - start)
             *state, out = self._steps(placed, *state, key, jnp.asarray(start, jnp.int32),
                                       jnp.asarray(count, jnp.int32), temp, k)  # fmt: skip
             chunks.append(out)
         if not chunks:
-            return b""
-        tokens = np.concatenate([np.asarray(c) for c in chunks])[:max_bytes]
-        return tokens.astype(np.uint8).tobytes()
+            return []
+        return np.concatenate([np.asarray(c) for c in chunks])[:max_tokens].tolist()
+
+    def generate_text(
+        self,
+        params: Mapping[str, np.ndarray],
+        tokenizer: Tokenizer,
+        prompt: str,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+    ) -> str:
+        """Text in, text out: ``max_tokens`` tokens after ``prompt`` (an empty prompt
+        starts a new document, from ``tokenizer.eos_id``), decoded."""
+        ids = tokenizer.encode(prompt) if prompt else [tokenizer.eos_id]
+        return tokenizer.decode(self.generate_ids(params, ids, max_tokens, temperature,
+                                                  top_k, seed))  # fmt: skip
 
 
 @dataclass(frozen=True)
 class TextScore:
-    loss: float  # mean next-byte cross-entropy, nats per byte
+    loss: float  # mean next-token cross-entropy, nats per token (a byte model's: per byte)
     bytes: int  # bytes predicted (every byte of the text but the first)
+    tokens: int | None = None  # tokens predicted, for a model with a tokenizer (else bytes)
 
     @property
     def bits_per_byte(self) -> float:
-        return self.loss / math.log(2)
+        """Bits per byte of text: comparable across tokenizers."""
+        per_byte = self.loss * (self.tokens or self.bytes) / max(self.bytes, 1)
+        return per_byte / math.log(2)
 
 
 def text_windows(tokens: np.ndarray, context: int) -> tuple[np.ndarray, np.ndarray]:
@@ -183,3 +250,13 @@ class Scorer:
         total = float(np.sum(np.asarray(jax.device_get(sums), dtype=np.float64)))
         count = len(tokens) - 1
         return TextScore(total / count, count)
+
+    def score_text(
+        self, params: Mapping[str, np.ndarray], tokenizer: Tokenizer, text: str
+    ) -> TextScore:
+        """Mean cross-entropy per token of ``text`` under ``tokenizer``, with the bytes
+        those tokens cover (every byte but the first token's), for bits per byte."""
+        ids = tokenizer.encode(text)
+        per_token = self.score(params, np.asarray(ids, np.int32))
+        covered = len(text.encode()) - len(tokenizer.decode(ids[:1]).encode())
+        return TextScore(per_token.loss, max(covered, 1), per_token.bytes)

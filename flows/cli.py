@@ -13,8 +13,9 @@
                         [--val-percent 5] [--text-field text] [--workers N]
     diloco data show URL
     diloco config show [--preset tiny] [--config run.toml] [--set KEY=VALUE ...]
+    diloco plan memory [--preset tiny] [--devices 1 8 ...] [--set KEY=VALUE ...]
     diloco --version
-    diloco export URL --run NAME --out FILE [--version V | V0,V1,...]
+    diloco export URL --run NAME --out FILE|FOLDER [--version V | V0,V1,...]
     diloco eval (URL --run NAME [--version V] | --model FILE) [--data PATH] [--max-bytes N]
     diloco generate (URL --run NAME [--version V] | --model FILE) --prompt TEXT
                     [--max-bytes 256] [--temperature 1] [--top-k 0] [--seed 0]
@@ -285,6 +286,14 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         style = "" if value else "cyan"  # a section: its model's description
         table.add_row(Text(key, style), Text(value), Text(meaning, style))
     stdout_console().print(table)
+    if cfg.model.factory is None:
+        from diloco.memory import learner_memory, param_count
+
+        params = param_count(cfg.model)
+        need = learner_memory(cfg, params).total
+        console.print(f"model: {params:,} parameters; one learner on one device needs about "
+                      f"{human_bytes(need)} (per device over N: diloco plan memory "
+                      f"--preset {args.preset} --devices N)")  # fmt: skip
     console.print("set any of them with --set KEY=VALUE (diloco simulate / diloco train)")
     return 0
 
@@ -379,14 +388,17 @@ def _model_source(parser: argparse.ArgumentParser, file_too: bool) -> None:
                         "(default: the newest of each)")  # fmt: skip
     if file_too:
         parser.add_argument("--model", metavar="FILE",
-                            help="a file `diloco export` wrote, instead of URL and --run")  # fmt: skip
+                            help="a file (a Llama: the folder) `diloco export` wrote, instead "
+                            "of URL and --run")  # fmt: skip
 
 
 def add_model_parsers(sub: argparse._SubParsersAction) -> None:
     """``diloco export``, ``diloco eval`` and ``diloco generate``: use a run's model."""
-    ex = sub.add_parser("export", help="write a run's global model to a safetensors file")
+    ex = sub.add_parser("export", help="write a run's global model to a safetensors file "
+                        "(a Llama: a Hugging Face Llama folder for transformers)")  # fmt: skip
     _model_source(ex, file_too=False)
-    ex.add_argument("--out", required=True, metavar="FILE", help="the file to write")
+    ex.add_argument("--out", required=True, metavar="FILE|FOLDER",
+                    help="the file to write (a Llama: the folder)")  # fmt: skip
     ex.set_defaults(func=cmd_export)
     ev = sub.add_parser("eval", help="validation loss and bits per byte of a run's model")
     _model_source(ev, file_too=True)
@@ -401,7 +413,8 @@ def add_model_parsers(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("generate", help="sample bytes from a run's model")
     _model_source(gen, file_too=True)
     gen.add_argument("--prompt", default="", help="text the sample continues (default: none)")
-    gen.add_argument("--max-bytes", type=_count, default=256, help="bytes to sample (default 256)")
+    gen.add_argument("--max-bytes", "--max-tokens", type=_count, default=256,
+                     help="bytes (a model with a tokenizer: tokens) to sample (default 256)")  # fmt: skip
     gen.add_argument("--temperature", type=float, default=1.0,
                      help="softmax temperature; 0 is greedy (default 1)")  # fmt: skip
     gen.add_argument("--top-k", type=int, default=0,
@@ -422,9 +435,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     model = _open_model(args)
     size = export_model(model, args.out)
+    layout = " (a Hugging Face Llama folder)" if model.config.arch == "llama" else ""
     stdout_console().print(
         f"exported {model.label}: {model.codec.num_params:,} parameters, "
-        f"{human_bytes(size)} -> {args.out}"
+        f"{human_bytes(size)} -> {args.out}{layout}"
     )
     return 0
 
@@ -437,12 +451,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"model": model.source, "versions": model.versions,
                           "params_dtype": model.dtype, "data": what, "bytes": score.bytes,
-                          "loss": score.loss, "bits_per_byte": score.bits_per_byte}))  # fmt: skip
+                          "tokens": score.tokens or score.bytes, "loss": score.loss,
+                          "bits_per_byte": score.bits_per_byte}))  # fmt: skip
         return 0
     out = stdout_console()
+    unit = "token" if model.tokenizer is not None else "byte"
     out.print(f"model: {model.label}")
-    out.print(f"data:  {what} ({score.bytes:,} bytes predicted)")
-    out.print(f"validation loss {score.loss:.4f} nats/byte, {score.bits_per_byte:.4f} bits/byte")
+    count = (f"{score.tokens:,} tokens, {score.bytes:,} bytes" if score.tokens
+             else f"{score.bytes:,} {unit}s")  # fmt: skip
+    out.print(f"data:  {what} ({count} predicted)")
+    out.print(f"validation loss {score.loss:.4f} nats/{unit}, {score.bits_per_byte:.4f} bits/byte")
     return 0
 
 
@@ -452,8 +470,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model = _open_model(args)
     console.print(f"model: {model.label}")
     sampler = Sampler(model.codec, model.config.context)
-    text = sampler.generate(model.params, args.prompt.encode(), args.max_bytes,
-                            args.temperature, args.top_k, args.seed)  # fmt: skip
+    if model.tokenizer is not None:  # text in, text out; --max-bytes counts tokens
+        text = sampler.generate_text(model.params, model.tokenizer, args.prompt,
+                                     args.max_bytes, args.temperature, args.top_k,
+                                     args.seed).encode()  # fmt: skip
+    else:  # the byte model: its raw bytes
+        text = sampler.generate(model.params, args.prompt.encode(), args.max_bytes,
+                                args.temperature, args.top_k, args.seed)  # fmt: skip
     sys.stdout.buffer.write(text)
     if sys.stdout.isatty() and not text.endswith(b"\n"):
         sys.stdout.buffer.write(b"\n")
@@ -528,6 +551,15 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                     help="speed-up whose break-even compute step is reported (default 20)")  # fmt: skip
     bw.add_argument("--json", action="store_true")
     bw.set_defaults(func=cmd_plan_bandwidth)
+    mem = kinds.add_parser("memory", help="memory per device of one learner of a preset, "
+                           "sharded over N devices (diloco/memory.py)")  # fmt: skip
+    mem.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    mem.add_argument("--config", help="a TOML or JSON file of config fields")
+    mem.add_argument("--set", action="append", metavar="KEY=VALUE", help=SET_HELP)
+    mem.add_argument("--devices", type=int, nargs="+", default=[1, 8], metavar="N",
+                     help="devices a learner shards its model over (FSDP; default 1 8)")  # fmt: skip
+    mem.add_argument("--json", action="store_true")
+    mem.set_defaults(func=cmd_plan_memory)
 
 
 def cmd_plan_goodput(args: argparse.Namespace) -> int:
@@ -654,6 +686,52 @@ def cmd_plan_bandwidth(args: argparse.Namespace) -> int:
                       f"{p.decoupled_step_seconds:.3g} s", f"{p.exchange_steps:.2g} steps",
                       f"{p.speedup:.1f}x", f"{breakeven[p.wan_gbps]:.3g} s")  # fmt: skip
         out.print(t)
+    return 0
+
+
+def cmd_plan_memory(args: argparse.Namespace) -> int:
+    """Per device, what one learner of the preset needs at each device count, by part,
+    with and without rematerialization (numpy only: the model is counted, not built)."""
+    from diloco.memory import learner_memory, param_count
+
+    cfg = load_config(preset=args.preset, file=args.config, overrides=list(args.set or []))
+    if any(n < 1 for n in args.devices):
+        raise ConfigError("--devices: a device count is at least 1")
+    params = param_count(cfg.model)
+    m = cfg.model
+    estimates = {n: learner_memory(cfg, params, n) for n in args.devices}
+    other = None if m.arch != "llama" else not m.remat
+    flipped = (
+        {n: learner_memory(cfg, params, n, other) for n in args.devices}
+        if other is not None
+        else {}
+    )
+    if args.json:
+        print(json.dumps({"preset": args.preset, "params": params, "remat": m.remat,
+                          "per_device": {n: dict(e.parts(), total=e.total)
+                                         for n, e in estimates.items()},
+                          "total_other_remat": {n: e.total for n, e in flipped.items()}},
+                         indent=1))  # fmt: skip
+        return 0
+    tokens = cfg.data.batch_size * m.context
+    table = Table(title=f"memory per device of one learner: preset {args.preset}, "
+                  f"{params / 1e6:,.1f} M parameters, {cfg.data.batch_size} x {m.context} "
+                  f"= {tokens:,} tokens a step"
+                  + (f", {m.compute_dtype} compute, remat {'on' if m.remat else 'off'}"
+                     if m.arch == "llama" else ""))  # fmt: skip
+    table.add_column("", style="bold")
+    for n in args.devices:
+        table.add_column(f"{n} device{'s' if n > 1 else ''}", justify="right")
+    for i, (part, _) in enumerate(estimates[args.devices[0]].parts()):
+        table.add_row(part, *(human_bytes(e.parts()[i][1]) for e in estimates.values()))
+    table.add_row("total", *(human_bytes(e.total) for e in estimates.values()), style="bold")
+    if flipped:
+        label = "total without remat" if m.remat else "total with remat"
+        table.add_row(label, *(human_bytes(e.total) for e in flipped.values()))
+    stdout_console().print(table)
+    console.print("parameters, gradients, AdamW state and anchors sharded over the devices "
+                  "(FSDP), the batch split over them; float32 but for bf16 compute's weight "
+                  "copies and activations (diloco/memory.py)")  # fmt: skip
     return 0
 
 

@@ -15,6 +15,14 @@ An export is a safetensors file of float32 tensors named as in ``FlatParams``
 (``fp32`` for the master copy, else the wire dtype the values were rounded to).
 ``load_exported`` returns ``(ModelConfig, params)``; the model is then
 ``ParamCodec.create(config, 0)`` and ``codec.model(codec.from_flat(params))``.
+
+A Llama (``model.arch = "llama"``) is exported as a folder in the Hugging Face Llama
+layout instead, which ``transformers.LlamaForCausalLM.from_pretrained(folder)`` loads:
+``model.safetensors`` (Hugging Face's tensor names, Linear weights ``[out, in]``; its
+metadata is ``format: pt``, which transformers requires, and ours under the same keys
+with ``diloco_format`` for ``format``), ``config.json`` and, when the run trained on a
+prepared data set, that data set's tokenizer file (``tokenizer.json``). Such a folder
+reads back as the export file does (``open_exported``), tokenizer included.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from pydantic import ValidationError
 from diloco.config import ConfigError, ModelConfig, RunConfig
 from diloco.data import DOC_SEPARATOR, DataError, list_files, read_file
 from diloco.model import FlatParams, ParamCodec
-from diloco.sample import Scorer, TextScore
+from diloco.sample import Scorer, TextScore, Tokenizer
 from flows.run import build_model, config_from_spec, validation
 from storage_layout.commit import CorruptVersion
 from storage_layout.store import GlobalState, RegionDown, RunStore
@@ -63,6 +71,7 @@ class UsableModel:
     dtype: str  # "fp32" (master copy) or the wire dtype the values were rounded to
     run: str = ""
     run_config: RunConfig | None = None  # the run's whole config (from a bucket only)
+    tokenizer: Tokenizer | None = None  # the data set's; None: bytes (the byte model)
 
     @property
     def label(self) -> str:
@@ -174,7 +183,31 @@ def read_global_model(url: str, run: str, versions: str | None = None) -> Usable
             + "; ".join(problems)
         )
     dtype = "fp32" if all(masters) else cfg.topology.global_dtype
-    return UsableModel(cfg.model, codec, params, held, f"run {run} in {url}", dtype, run, cfg)
+    return UsableModel(cfg.model, codec, params, held, f"run {run} in {url}", dtype, run, cfg,
+                       run_tokenizer(cfg))  # fmt: skip
+
+
+def _prepared_dataset(cfg: RunConfig | None) -> Any:
+    """The run's tokenized data set (``diloco data prepare``), or None: no source, or a
+    source of text (the byte reader's)."""
+    source = cfg.data.source if cfg is not None else None
+    if source is None:
+        return None
+    from diloco.dataset import is_prepared, open_dataset
+
+    return open_dataset(source) if is_prepared(source) else None
+
+
+def run_tokenizer(cfg: RunConfig | None) -> Tokenizer | None:
+    """The tokenizer of the run's data set (None: the run trains on bytes)."""
+    dataset = _prepared_dataset(cfg)
+    return None if dataset is None else dataset.tokenizer()
+
+
+def run_tokenizer_file(cfg: RunConfig | None) -> tuple[str, bytes] | None:
+    """The run's data set's tokenizer file, ``(name, contents)`` (e.g. ``tokenizer.json``)."""
+    dataset = _prepared_dataset(cfg)
+    return None if dataset is None else dataset.tokenizer_file()
 
 
 def shape_problems(codec: ParamCodec, params: FlatParams, limit: int = 5) -> list[str]:
@@ -193,11 +226,8 @@ def shape_problems(codec: ParamCodec, params: FlatParams, limit: int = 5) -> lis
 # --- the exported file ---------------------------------------------------------------------
 
 
-def export_model(model: UsableModel, out: str) -> int:
-    """Write ``model`` to ``out`` (a path or an fsspec URL) as safetensors with its config
-    and versions in the metadata; returns the bytes written. A local file is written
-    under a temporary name and renamed, so a failed export leaves no partial file."""
-    metadata = {
+def _export_metadata(model: UsableModel) -> dict[str, str]:
+    return {
         "format": EXPORT_FORMAT,
         "format_version": EXPORT_FORMAT_VERSION,
         "model_config": model.config.model_dump_json(),
@@ -206,6 +236,18 @@ def export_model(model: UsableModel, out: str) -> int:
         "source": model.source,
         "params_dtype": model.dtype,
     }
+
+
+def export_model(
+    model: UsableModel, out: str, tokenizer_file: tuple[str, bytes] | None = None
+) -> int:
+    """Write ``model`` to ``out`` (a path or an fsspec URL) as safetensors with its config
+    and versions in the metadata; returns the bytes written. A local file is written
+    under a temporary name and renamed, so a failed export leaves no partial file. A
+    Llama goes to a folder in the Hugging Face layout (``export_hf``)."""
+    if model.config.arch == "llama":
+        return export_hf(model, out, tokenizer_file)
+    metadata = _export_metadata(model)
     tensors = {
         n: np.ascontiguousarray(model.params[n], dtype=np.float32) for n in model.codec.names
     }
@@ -225,6 +267,61 @@ def export_model(model: UsableModel, out: str) -> int:
     tmp.write_bytes(data)
     os.replace(tmp, path)
     return len(data)
+
+
+def export_hf(model: UsableModel, out: str, tokenizer_file: tuple[str, bytes] | None = None) -> int:
+    """Write a Llama to the folder ``out`` in the Hugging Face Llama layout (the module
+    docstring); returns the bytes written. ``tokenizer_file`` (name, contents) defaults
+    to the run's data set's; ``config.json``'s eos and bos ids are its ``eos_id``."""
+    from diloco.llama import hf_config, to_hf
+
+    if out.rstrip("/").endswith(".safetensors"):
+        raise ConfigError(
+            f"--out {out}: a Llama exports to a folder in the Hugging Face layout (it writes "
+            "model.safetensors, config.json and tokenizer.json in it); give a folder name"
+        )
+    if tokenizer_file is None:
+        tokenizer_file = run_tokenizer_file(model.run_config)
+    eos = None if model.tokenizer is None else int(model.tokenizer.eos_id)
+    if tokenizer_file is not None and eos is None:
+        raise ConfigError(
+            f"exporting {tokenizer_file[0]} needs its end-of-document token id: give the "
+            "model's tokenizer (UsableModel.tokenizer) too"
+        )
+    metadata = {**_export_metadata(model), "format": "pt", "diloco_format": EXPORT_FORMAT}
+    files = {
+        "model.safetensors": safetensors.numpy.save(
+            to_hf(model.config, model.params), metadata=metadata
+        ),
+        "config.json": (json.dumps(hf_config(model.config, eos, eos), indent=2) + "\n").encode(),
+    }
+    if tokenizer_file is not None:
+        name, data = tokenizer_file
+        files[name] = data
+    if "://" in out and not out.startswith("file://"):
+        for name, data in files.items():
+            with fsspec.open(f"{out.rstrip('/')}/{name}", "wb") as f:
+                f.write(data)
+        return sum(map(len, files.values()))
+    folder = Path(out.removeprefix("file://"))
+    if folder.is_file():
+        raise FileExistsError(f"--out {out} is a file; a Llama exports to a folder")
+    if not folder.parent.exists():
+        raise FileNotFoundError(f"--out {out}: folder {folder.parent} does not exist")
+    folder.mkdir(exist_ok=True)
+    for name, data in files.items():
+        tmp = folder / f".{name}.{os.getpid()}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, folder / name)
+    return sum(map(len, files.values()))
+
+
+def _hf_folder(path: str) -> str | None:
+    """``path`` as a folder export (holding ``model.safetensors``), or None."""
+    fs, root = fsspec.core.url_to_fs(path)
+    if fs.isdir(root) and fs.exists(f"{root.rstrip('/')}/model.safetensors"):
+        return path.rstrip("/")
+    return None
 
 
 def _read_bytes(path: str) -> bytes:
@@ -250,7 +347,7 @@ def _metadata(data: bytes, path: str) -> dict[str, str]:
         meta = header.get("__metadata__") or {}
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
         raise ModelFileError(f"{path} is not a safetensors file (header: {exc})") from None
-    if meta.get("format") != EXPORT_FORMAT:
+    if EXPORT_FORMAT not in (meta.get("format"), meta.get("diloco_format")):
         raise ModelFileError(
             f"{path} is a safetensors file but not a model exported by `diloco export` "
             f"(its metadata has no format {EXPORT_FORMAT!r})"
@@ -286,6 +383,9 @@ def load_exported(path: str) -> tuple[ModelConfig, FlatParams]:
 
 
 def _load(path: str) -> tuple[ModelConfig, FlatParams, dict[str, Any]]:
+    folder = _hf_folder(path)
+    if folder is not None:
+        path = f"{folder}/model.safetensors"
     data = _read_bytes(path)
     meta = _decoded(_metadata(data, path), path)
     try:
@@ -293,6 +393,13 @@ def _load(path: str) -> tuple[ModelConfig, FlatParams, dict[str, Any]]:
     except (safetensors.SafetensorError, ValueError) as exc:
         raise ModelFileError(f"{path} is corrupt: {exc}") from None
     config: ModelConfig = meta["model_config"]
+    if meta.get("diloco_format") == EXPORT_FORMAT:  # the Hugging Face layout
+        from diloco.llama import from_hf
+
+        try:
+            params = from_hf(config, params)
+        except KeyError as exc:
+            raise ModelFileError(f"{path} does not hold the model its config says: {exc}") from None
     codec, _ = ParamCodec.create(config, 0)
     problems = shape_problems(codec, params)
     if problems:
@@ -309,11 +416,33 @@ def _shape(config: ModelConfig) -> str:
 
 
 def open_exported(path: str) -> UsableModel:
-    """An exported file as a ``UsableModel``."""
+    """An exported file (or a Llama's folder, with its tokenizer) as a ``UsableModel``."""
     config, params, meta = _load(path)
     codec, _ = ParamCodec.create(config, 0)
+    tokenizer = _folder_tokenizer(path)
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise ModelFileError(
+            f"{path}: its tokenizer.json has {tokenizer.vocab_size} tokens, more than the "
+            f"model's vocabulary ({config.vocab_size}): not the tokenizer it was trained with"
+        )
     return UsableModel(config, codec, params, meta["versions"], path,
-                       meta.get("params_dtype", "?"), meta.get("run", ""))  # fmt: skip
+                       meta.get("params_dtype", "?"), meta.get("run", ""),
+                       tokenizer=tokenizer)  # fmt: skip
+
+
+def _folder_tokenizer(path: str) -> Tokenizer | None:
+    """The tokenizer file of a folder export (``tokenizer.json``, or a SentencePiece
+    ``tokenizer.model``), read as the data sets read theirs."""
+    folder = _hf_folder(path)
+    if folder is None:
+        return None
+    fs, root = fsspec.core.url_to_fs(folder)
+    for name in ("tokenizer.json", "tokenizer.model"):
+        if fs.exists(f"{root}/{name}"):
+            from diloco.dataset import load_tokenizer
+
+            return load_tokenizer(fs.cat_file(f"{root}/{name}"), f"{folder}/{name}")
+    return None
 
 
 def open_model(
@@ -375,4 +504,7 @@ def evaluate(
     tokens = read_text(data, max_bytes, field)
     default = model.run_config.data.batch_size if model.run_config else 8
     scorer = Scorer(model.codec, model.config.context, batch_size or default)
+    if model.tokenizer is not None:  # text through the model's own tokenizer
+        text = tokens.tobytes().decode("utf-8", errors="replace")
+        return scorer.score_text(model.params, model.tokenizer, text), data
     return scorer.score(model.params, tokens), data
