@@ -134,8 +134,10 @@ def memory_lines(cfg: RunConfig, num_params: int, via: str,
     from diloco.topology import shard_count
     from flows.memory import memory_limit
 
-    each = learner_memory(cfg, num_params)
-    line = (f"memory per learner process: about {human_bytes(each.total)} ("
+    shards = max(cfg.pipeline.fsdp, 1)  # -1 (all devices): counted as one, an upper bound
+    each = learner_memory(cfg, num_params, shards)
+    per = f" per device (sharded over {shards})" if shards > 1 else ""
+    line = (f"memory per learner process{per}: about {human_bytes(each.total)} ("
             + ", ".join(f"{k} {human_bytes(v)}" for k, v in each.parts()) + ")")  # fmt: skip
     if via != "processes":
         return line, None

@@ -102,6 +102,9 @@ def test_train_estimates_a_learners_memory_and_warns_when_the_machine_is_short()
     assert line.startswith("memory per learner process: about 14.5 GB (") and "activations" in line
     assert warning is not None and "4 learners" in warning and "24.0 GB available" in warning
     assert "OOM killer" in warning
+    sharded = load_config("base", overrides=["pipeline.fsdp=4"])
+    line4, _ = memory_lines(sharded, 25_600_000, "deployments", (24 * gb, 25 * gb))
+    assert line4.startswith("memory per learner process per device (sharded over 4): about 4.0 GB")
     tiny = load_config("tiny")
     params = build_model(tiny).codec.num_params
     assert memory_lines(tiny, params, "processes", (24 * gb, 25 * gb))[1] is None
