@@ -338,7 +338,7 @@ def test_diloco_train_on_prepared_tokens_learns_and_a_killed_learner_skips_and_r
     prefect_api, tmp_path
 ):
     """`diloco data prepare` on about 2 MB of text, then `diloco train` on its tokens with
-    a learner SIGKILLed mid-run (once it has a checkpoint, while the other trains; the
+    the CPU Llama preset (llama-tiny, its vocabulary cut to the data set's 1024) and a learner SIGKILLed mid-run (once it has a checkpoint, while the other trains; the
     other is stopped until the killed one is back, so that it finds work whatever a
     restart costs here). The run learns (validation loss falls by 1.0 at least from about
     ln 1024 = 6.9) and the audit finds each learner's merged data one run of its batches
@@ -367,7 +367,8 @@ def test_diloco_train_on_prepared_tokens_learns_and_a_killed_learner_skips_and_r
     root, run = tmp_path / "runs", "tok"
     regions = {r: f"file://{root / 'buckets' / r}" for r in ("us-east", "eu-west")}
     argv = [sys.executable, "-m", "flows.cli", "train", "--dir", str(root), "--run", run,
-            "--tokens", "300000", "--create-buckets", f"--set=data.source={tokens}",
+            "--tokens", "300000", "--create-buckets", "--preset", "llama-tiny",
+            f"--set=data.source={tokens}",
             "--set=model.vocab_size=1024", "--set=topology.learners=2",
             "--set=topology.keep_unsent=true", "--set=pipeline.keep_versions=1000"]  # fmt: skip
     argv += [f"--region={r}={u}" for r, u in regions.items()]
