@@ -41,6 +41,7 @@ from flows.version_stream import (
     ReaderPayload,
     ReaderTensors,
     StreamedVersion,
+    reads_ahead,
     slot_names,
     uploads_in_flight,
 )
@@ -239,6 +240,8 @@ class BucketStore:
     ):
         self.run, self.regions, self.home = run, dict(regions), home
         self.syncer_memory_mb = syncer_memory_mb
+        # chunks per array the syncer's readers fetch ahead of its merge
+        self.ahead = reads_ahead(syncer_memory_mb, len(self.regions), len(learners))
         self.downlink, self.block_size = downlink, block_size
         # fragment -> (version, learners' copy) this process published last: the base of
         # the next version's compact update (read back from home when it is not this one)
@@ -515,7 +518,7 @@ class BucketStore:
         where = self.main.layout.contribution_marker(learner, fragment, seq)
 
         def scan() -> Scan:
-            return scan_payload(ReaderPayload(VersionReader(bucket, marker, where, cache=1)),
+            return scan_payload(ReaderPayload(self._reader(bucket, marker, where)),
                                 self.block_size)  # fmt: skip
 
         try:
@@ -523,9 +526,12 @@ class BucketStore:
         except (CorruptVersion, KeyError, ValueError) as exc:
             return Unreadable(learner, fragment, seq, f"unreadable: {exc}")
         # A fresh reader for the merge: it holds no chunk until then.
-        return replace(
-            c, payload=ReaderPayload(VersionReader(bucket, marker, where, cache=1)), scan=found
-        )
+        return replace(c, payload=ReaderPayload(self._reader(bucket, marker, where)), scan=found)
+
+    def _reader(self, bucket: Any, marker: Any, key: str) -> VersionReader:
+        """A reader for the syncer's merge: one chunk kept per array, ``self.ahead``
+        fetched and checked ahead in the background (bounded by ``syncer_memory_mb``)."""
+        return VersionReader(bucket, marker, key, cache=1, ahead=self.ahead)
 
     def version_sink(
         self, fragment: int, version: int, shapes: Mapping[str, Sequence[int]], slots: int
@@ -556,7 +562,7 @@ class BucketStore:
         merge, tried again, sends the version whole."""
         key = self.main.layout.global_marker(fragment, version)
         try:
-            reader = VersionReader(self.main.home, read_marker(self.main.home, key), key, cache=1)
+            reader = self._reader(self.main.home, read_marker(self.main.home, key), key)
             return _Guarded(ReaderTensors(reader, "wire"),
                             lambda: self._bad_bases.add((fragment, version)))  # fmt: skip
         except (CorruptVersion, KeyError, ValueError, OSError) as exc:
@@ -645,7 +651,7 @@ class BucketStore:
         if "params/zarr.json" not in marker.objects:
             raise CorruptVersion(f"{home.url}/{key} holds the learner view only; the master "
                                  "copy and the optimizer state are in the syncers' home region")  # fmt: skip
-        reader = VersionReader(home, marker, key, cache=1)
+        reader = self._reader(home, marker, key)
         params = ReaderTensors(reader, "params")
         stored = sorted(reader.index("opt"))
         # The stored leaf names in the optimizer's order: the rule whole leaves follow
@@ -659,7 +665,7 @@ class BucketStore:
             for tensors in (params, *slots):
                 for name, start, stop in pieces(params.shapes):
                     tensors.piece(name, start, stop)
-            reader = VersionReader(home, marker, key, cache=1)  # one holding no chunk
+            reader = self._reader(home, marker, key)  # one holding no chunk
             params = ReaderTensors(reader, "params")
             slots = [ReaderTensors(reader, "opt", s.names) for s in slots]
         return params, slots, dict(marker.meta)

@@ -67,8 +67,8 @@ from storage_layout.layout import check_key
 
 log = logging.getLogger(__name__)
 
-PARALLEL = 4  # chunk objects a reader fetches at once
-AHEAD = 0  # chunk objects per array a reader fetches ahead of the range read (see below)
+PARALLEL = 8  # chunk objects a reader fetches at once (a whole tensor's read)
+AHEAD = 0  # chunks per array read ahead (see below); a syncer sets it by its memory setting
 _AHEAD_POOL: ThreadPoolExecutor | None = None  # shared by every reader's read-ahead
 _AHEAD_LOCK = threading.Lock()
 

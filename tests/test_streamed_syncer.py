@@ -136,6 +136,28 @@ def test_a_fragment_larger_than_the_memory_bound_merges_in_it(tmp_path):
     )
 
 
+def test_a_syncers_reads_ahead_and_uploads_fit_its_memory_setting():
+    """The merge's readers fetch chunks ahead only with memory to spare: what a merge
+    holds (a chunk per array read, those read ahead, five being built, the uploads in
+    flight) stays within ``syncer_memory_mb`` wherever it allows one upload per region,
+    and the default (512 MB) reads ahead (the merge above ran that way)."""
+    from flows.version_stream import CHUNK_BYTES, reads_ahead, uploads_in_flight
+
+    for learners in (2, 4, 16):
+        for regions in (1, 2, 4):
+            arrays = 2 * learners + 3
+            for memory_mb in (64, 128, 256, 512, 1024):
+                ahead = reads_ahead(memory_mb, regions, learners)
+                uploads = uploads_in_flight(memory_mb, regions, learners)
+                held = ((1 + ahead) * arrays + 5 + uploads * regions) * CHUNK_BYTES
+                if (arrays + 5 + regions) * CHUNK_BYTES <= memory_mb * 2**20:
+                    assert held <= memory_mb * 2**20, (learners, regions, memory_mb)
+            assert reads_ahead(64, regions, learners) == 0
+    assert reads_ahead(512, 2, 4) > 0
+    assert _store({"us": "memory://x/us", "eu": "memory://x/eu"}).ahead > 0
+    assert _store({"us": "memory://x/us", "eu": "memory://x/eu"}, memory_mb=64).ahead == 0
+
+
 def test_damage_in_one_chunk_is_named_by_its_chunk(tmp_path):
     shapes = _shapes(3_000_000)
     regions = _run(tmp_path, shapes)
