@@ -24,8 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from diloco.quantize import QuantizedTensor, dequantize, quantize
+from diloco.quantize import QuantizedTensor, dequantize
 from diloco.tensors import TensorMeta, Tensors
+from diloco.transport import downlink_piece
 from storage_layout.codec import CHUNK, GroupWriter, root_objects
 from storage_layout.commit import (
     CommitConflict,
@@ -208,14 +209,11 @@ class StreamedVersion:
         for values in slots:
             self.groups["opt"].append(self.leaf_names[0][name],
                                       QuantizedTensor("fp32", (n,), values))  # fmt: skip
-        if self.base is None:
-            self.groups["wire"].append(name, quantize(params, self.wire_dtype, self.block_size))
-            return
-        # As ``diloco.transport.downlink_update`` and ``apply_delta``, on this piece.
-        base = self.base.piece(name, start, start + n)
-        delta = quantize(params - base, self.downlink, self.block_size)
-        wire = quantize(base + dequantize(delta), self.wire_dtype, self.block_size)
-        self.groups["delta"].append(name, delta)
+        base = None if self.base is None else self.base.piece(name, start, start + n)
+        wire, delta = downlink_piece(params, base, self.wire_dtype, self.downlink,
+                                     self.block_size)  # fmt: skip
+        if self.base is not None:
+            self.groups["delta"].append(name, delta)
         self.groups["wire"].append(name, wire)
 
     def finish(self) -> tuple[Tensors, list[Tensors]]:
