@@ -269,6 +269,14 @@ class PipelineConfig(_Strict):
         "should the newest be damaged; a larger number keeps more, never fewer); older "
         "ones and the contributions merged into them are deleted as the run goes",
     )
+    retention_seconds: Annotated[float, Field(ge=0)] = Field(
+        60.0,
+        description="a syncer shard runs retention (lists every learner's markers and the "
+        "versions of its fragments, deletes what no learner can still need) at most this "
+        "often, after a publish: a run keeps at most keep_versions plus what it publishes "
+        "in this time, and the LIST requests stay a few a minute however fast it publishes; "
+        "0: after every publish",
+    )
     syncer_shards: PositiveInt = Field(
         2, description="syncer processes; shard s owns the fragments p with p % S == s"
     )
