@@ -213,3 +213,47 @@ def test_a_syncer_killed_half_way_through_a_version_commits_nothing(tmp_path):
 @pytest.fixture(autouse=True)
 def _quiet_jax(monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+
+
+def test_version_0_of_a_run_is_published_streamed_with_the_values_of_a_whole_publish(tmp_path):
+    """``initialize_run`` writes version 0 through ``StreamedVersion`` (chunk by chunk, as
+    a merge writes them): the objects and bits ``publish_global`` stores, at home and in
+    the other region."""
+    from diloco import records
+    from diloco.config import load_config
+    from flows.bucket_io import named_outer_leaves
+    from flows.run import build_model, initialize_run
+
+    cfg = load_config("tiny", overrides=["budget.tokens=64000"])
+    model = build_model(cfg)
+    runs = {}
+    for how in ("streamed", "whole"):
+        regions = {r: f"file://{tmp_path / how / r}" for r in ("us", "eu")}
+        for region in regions:
+            (tmp_path / how / region).mkdir(parents=True)
+        runs[how] = regions
+    initialize_run(RunStore("r", runs["streamed"], "us"), cfg)
+    whole = RunStore("r", runs["whole"], "us")
+    for p, names in enumerate(model.plan):
+        params = {n: model.init[n] for n in names}
+        leaves = FragmentSyncer(p, params, cfg.outer, [], lambda _: False).opt_leaves
+        opt = named_outer_leaves(cfg.outer, params, leaves)
+        whole.publish_global(p, 0, params, opt, records.initial_version(p, 0.0),
+                             cfg.topology.global_dtype)  # fmt: skip
+    streamed = RunStore("r", runs["streamed"], "us")
+    for p in range(len(model.plan)):
+        # The same objects but the root's metadata (a whole publish copies the meta in)
+        ours, theirs = streamed.global_marker(p, 0).objects, whole.global_marker(p, 0).objects
+        assert {r: o["sha256"] for r, o in ours.items() if r != "zarr.json"} == {
+            r: o["sha256"] for r, o in theirs.items() if r != "zarr.json"
+        }
+        a, b = streamed.get_global(p, 0), whole.get_global(p, 0)
+        assert a.opt_names == b.opt_names and a.meta == b.meta
+        for n in b.params:
+            assert a.params[n].tobytes() == b.params[n].tobytes(), n
+        assert all(
+            x.tobytes() == y.tobytes() for x, y in zip(a.opt_leaves, b.opt_leaves, strict=True)
+        )
+        wa = streamed.get_global(p, 0, region="eu", learner_view=True).params
+        wb = whole.get_global(p, 0, region="eu", learner_view=True).params
+        assert all(wa[n].tobytes() == wb[n].tobytes() for n in wb)
