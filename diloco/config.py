@@ -308,6 +308,12 @@ class PipelineConfig(_Strict):
         "uploaded; a chunk is at most 4 MiB), whatever the model's size: it sets how many "
         "chunk uploads are in flight per region; the process adds its interpreter and JAX",
     )
+    syncer_spool_mb: Annotated[int, Field(ge=0)] = Field(
+        2048,
+        description="local disk a syncer shard keeps the contributions' chunks on between "
+        "the check when they are listed and the merge, so each is fetched once (oldest "
+        "dropped first when full); 0: none, the merge fetches them again",
+    )
     probe_exclusive: bool = Field(
         True,
         description="before a run starts, check that every bucket refuses a second "

@@ -51,7 +51,7 @@ from storage_layout.commit import CommitConflict, CorruptVersion, patiently, rea
 from storage_layout.layout import number
 from storage_layout.retention import prune_checkpoints
 from storage_layout.store import PublishReport, RunStore, SeqNotReserved
-from storage_layout.stream import VersionReader
+from storage_layout.stream import ChunkSpool, VersionReader
 
 log = logging.getLogger(__name__)
 
@@ -237,11 +237,16 @@ class BucketStore:
         downlink: str = "full",
         block_size: int = 128,
         syncer_memory_mb: int = 512,
+        syncer_spool_mb: int = 2048,
     ):
         self.run, self.regions, self.home = run, dict(regions), home
         self.syncer_memory_mb = syncer_memory_mb
         # chunks per array the syncer's readers fetch ahead of its merge
         self.ahead = reads_ahead(syncer_memory_mb, len(self.regions), len(learners))
+        # contributions' chunks checked by the scan, kept on disk for the merge (made on
+        # the first scan: learners never need one); 0 MB: none, the merge fetches again
+        self.syncer_spool_mb = syncer_spool_mb
+        self._spool: ChunkSpool | None = None
         self.downlink, self.block_size = downlink, block_size
         # fragment -> (version, learners' copy) this process published last: the base of
         # the next version's compact update (read back from home when it is not this one)
@@ -517,16 +522,25 @@ class BucketStore:
         bucket = self.main.bucket(self.region_of(learner))
         where = self.main.layout.contribution_marker(learner, fragment, seq)
 
+        spool = self._contribution_spool()
+
         def scan() -> Scan:
-            return scan_payload(ReaderPayload(self._reader(bucket, marker, where)),
-                                self.block_size)  # fmt: skip
+            reader = VersionReader(bucket, marker, where, cache=1, ahead=self.ahead, fill=spool)
+            return scan_payload(ReaderPayload(reader), self.block_size)
 
         try:
             found = patiently(scan, f"{learner} fragment {fragment} seq {seq}", READ_ATTEMPTS)
         except (CorruptVersion, KeyError, ValueError) as exc:
             return Unreadable(learner, fragment, seq, f"unreadable: {exc}")
-        # A fresh reader for the merge: it holds no chunk until then.
-        return replace(c, payload=ReaderPayload(self._reader(bucket, marker, where)), scan=found)
+        # A fresh reader for the merge: it holds no chunk until then, and takes those
+        # the scan kept in the spool instead of fetching them again.
+        reader = VersionReader(bucket, marker, where, cache=1, ahead=self.ahead, reuse=spool)
+        return replace(c, payload=ReaderPayload(reader), scan=found)
+
+    def _contribution_spool(self) -> ChunkSpool | None:
+        if self._spool is None and self.syncer_spool_mb > 0:
+            self._spool = ChunkSpool(self.syncer_spool_mb * 2**20)
+        return self._spool
 
     def _reader(self, bucket: Any, marker: Any, key: str) -> VersionReader:
         """A reader for the syncer's merge: one chunk kept per array, ``self.ahead``

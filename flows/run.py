@@ -230,6 +230,7 @@ def bucket_store(
         opt_template=lambda: trainer.init_opt_state(trainer.place_params(model.init)),
         downlink=cfg.topology.downlink, block_size=cfg.topology.block_size,
         syncer_memory_mb=cfg.pipeline.syncer_memory_mb,
+        syncer_spool_mb=cfg.pipeline.syncer_spool_mb,
     )  # fmt: skip
 
 

@@ -158,6 +158,30 @@ def test_a_syncers_reads_ahead_and_uploads_fit_its_memory_setting():
     assert _store({"us": "memory://x/us", "eu": "memory://x/eu"}, memory_mb=64).ahead == 0
 
 
+def test_each_contribution_chunk_is_fetched_once_for_the_scan_and_the_merge(tmp_path):
+    """The scan when a contribution is listed keeps the chunks it checked on disk
+    (``pipeline.syncer_spool_mb``); the merge takes them there: every chunk object of
+    every contribution is fetched from its bucket once, and the spool ends empty."""
+    from storage_layout.commit import read_marker
+
+    shapes = _shapes(3_000_000)
+    regions = _run(tmp_path, shapes)
+    store = _store(regions)
+    _merge(store)
+    main = RunStore("r", regions, "us")
+    chunks = 0
+    for learner, region in (("a", "us"), ("b", "eu")):
+        key = main.layout.contribution_marker(learner, 0, 1)
+        marker = read_marker(main.bucket(region), key)
+        chunks += sum("/c/" in rel and "inline" not in o for rel, o in marker.objects.items())
+    assert chunks > 4 and store._spool.taken == chunks
+    assert store._spool.size == 0
+    off = _store(_run(tmp_path / "off", shapes))
+    off.syncer_spool_mb = 0
+    _merge(off)
+    assert off._spool is None
+
+
 def test_damage_in_one_chunk_is_named_by_its_chunk(tmp_path):
     shapes = _shapes(3_000_000)
     regions = _run(tmp_path, shapes)
