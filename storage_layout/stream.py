@@ -300,7 +300,10 @@ class VersionReader:
     background (a few threads shared by all readers), so a tensor read in order finds
     its next chunk there while the caller works on this one; a failure of one is raised
     by the read that needs it, and one the reads never reach is dropped. So an array
-    holds at most ``cache + ahead`` chunks. Not thread-safe: one reader per thread.
+    holds at most ``cache + ahead`` chunks. With ``fill``, each chunk fetched and checked
+    is also kept in that ``ChunkSpool`` (on disk); with ``reuse``, a chunk found there is
+    taken instead of fetched (not hashed again: this process checked it before keeping
+    it). Not thread-safe: one reader per thread.
     """
 
     def __init__(
