@@ -352,6 +352,14 @@ class PipelineConfig(_Strict):
         "should the newest be damaged; a larger number keeps more, never fewer); older "
         "ones and the contributions merged into them are deleted as the run goes",
     )
+    retention_seconds: Annotated[float, Field(ge=0)] = Field(
+        60.0,
+        description="a syncer shard runs retention (lists every learner's markers and the "
+        "versions of its fragments, deletes what no learner can still need) at most this "
+        "often, after a publish: a run keeps at most keep_versions plus what it publishes "
+        "in this time, and the LIST requests stay a few a minute however fast it publishes; "
+        "0: after every publish",
+    )
     syncer_shards: PositiveInt = Field(
         2, description="syncer processes; shard s owns the fragments p with p % S == s"
     )
@@ -389,6 +397,12 @@ class PipelineConfig(_Strict):
         description="what a syncer shard's merge may hold in chunks (being read, built and "
         "uploaded; a chunk is at most 4 MiB), whatever the model's size: it sets how many "
         "chunk uploads are in flight per region; the process adds its interpreter and JAX",
+    )
+    syncer_spool_mb: Annotated[int, Field(ge=0)] = Field(
+        2048,
+        description="local disk a syncer shard keeps the contributions' chunks on between "
+        "the check when they are listed and the merge, so each is fetched once (oldest "
+        "dropped first when full); 0: none, the merge fetches them again",
     )
     probe_exclusive: bool = Field(
         True,

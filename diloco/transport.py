@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
+
 from diloco.config import SimConfig
 from diloco.learner import LearnerCheckpoint
 from diloco.loops import Clock, GlobalView, StoredFragment, Unreadable
@@ -81,29 +83,50 @@ class GlobalDelta:
     meta: Mapping[str, Any]
 
 
+def learners_copy(base: np.ndarray, delta: QuantizedTensor, wire_dtype: str) -> QuantizedTensor:
+    """The learners' copy of a tensor (or a piece of one) from their copy of the base
+    version and the compact update: ``round(base + dequantize(delta))`` in float32, on
+    the wire dtype's grid. Learners applying an update and the syncer building the full
+    copy both come here, so both ways give the same bits."""
+    return quantize(np.asarray(base, np.float32) + dequantize(delta), wire_dtype)
+
+
+def downlink_piece(
+    params: np.ndarray, base: np.ndarray | None, wire_dtype: str, downlink: str, block_size: int
+) -> tuple[QuantizedTensor, QuantizedTensor | None]:
+    """The downlink rule for one tensor, or a piece of one that starts on a quantization
+    block (a streamed merge writes a version piece by piece): the learners' copy as
+    stored (the wire dtype), and with ``downlink`` int4 or int8 and the previous copy
+    ``base`` at hand, the quantized difference that turns ``base`` into it.
+
+    With a difference, the copy is not ``params`` rounded but ``base`` plus the
+    difference: the learners' copy, which both ways reach bit for bit. What the
+    difference leaves out (``params`` minus that copy) is in the next difference, which is
+    taken against the copy and not against the previous ``params``: the syncer carries
+    the residual, and learners' copies track the master copy instead of drifting away."""
+    if downlink == "full" or base is None:
+        return quantize(params, wire_dtype, block_size), None
+    delta = quantize(params - base, downlink, block_size)
+    return learners_copy(base, delta, wire_dtype), delta
+
+
 def apply_delta(wire: FlatParams, delta: Delta, wire_dtype: str) -> FlatParams:
-    """The learners' copy of a version from their copy of its base and the compact update:
-    ``round(wire + dequantize(delta))`` in float32, on the wire dtype's grid. The syncer
-    builds the full copy with this same function, so both ways give the same bits."""
-    return {n: dequantize(quantize(wire[n] + dequantize(delta[n]), wire_dtype)) for n in wire}
+    """The learners' copy of a version from their copy of its base and the compact
+    update (``learners_copy``, tensor by tensor), in float32."""
+    return {n: dequantize(learners_copy(wire[n], delta[n], wire_dtype)) for n in wire}
 
 
 def downlink_update(
     params: FlatParams, base: FlatParams | None, wire_dtype: str, downlink: str, block_size: int
 ) -> tuple[FlatParams, Delta | None]:
-    """What learners get of a new version: the full copy, and (``downlink`` int4 or
-    int8, with the previous version's copy ``base`` at hand) the quantized difference that
-    turns ``base`` into it.
-
-    With a difference, the full copy is not ``params`` rounded but ``base`` plus the
-    difference: the learners' copy, which both ways reach bit for bit. What the
-    difference leaves out (``params`` minus that copy) is in the next difference, which is
-    taken against the copy and not against the previous ``params``: the syncer carries
-    the residual, and learners' copies track the master copy instead of drifting away."""
+    """What learners get of a new version: the full copy (in float32), and (``downlink``
+    int4 or int8, with the previous version's copy ``base`` at hand) the quantized
+    difference that turns ``base`` into it: ``downlink_piece`` on each tensor."""
     if downlink == "full" or base is None or base.keys() != params.keys():
         return wire_view(params, wire_dtype), None
-    delta = {n: quantize(v - base[n], downlink, block_size) for n, v in params.items()}
-    return apply_delta(base, delta, wire_dtype), delta
+    out = {n: downlink_piece(v, base[n], wire_dtype, downlink, block_size)
+           for n, v in params.items()}  # fmt: skip
+    return {n: dequantize(w) for n, (w, _) in out.items()}, {n: d for n, (_, d) in out.items()}
 
 
 def delta_bytes(delta: Delta) -> int:

@@ -42,6 +42,7 @@ from flows.version_stream import (
     ReaderPayload,
     ReaderTensors,
     StreamedVersion,
+    reads_ahead,
     slot_names,
     uploads_in_flight,
 )
@@ -51,7 +52,7 @@ from storage_layout.commit import CommitConflict, CorruptVersion, patiently, rea
 from storage_layout.layout import number
 from storage_layout.retention import prune_checkpoints
 from storage_layout.store import PublishReport, RunStore, SeqNotReserved
-from storage_layout.stream import VersionReader
+from storage_layout.stream import ChunkSpool, VersionReader
 
 log = logging.getLogger(__name__)
 
@@ -299,9 +300,16 @@ class BucketStore:
         downlink: str = "full",
         block_size: int = 128,
         syncer_memory_mb: int = 512,
+        syncer_spool_mb: int = 2048,
     ):
         self.run, self.regions, self.home = run, dict(regions), home
         self.syncer_memory_mb = syncer_memory_mb
+        # chunks per array the syncer's readers fetch ahead of its merge
+        self.ahead = reads_ahead(syncer_memory_mb, len(self.regions), len(learners))
+        # contributions' chunks checked by the scan, kept on disk for the merge (made on
+        # the first scan: learners never need one); 0 MB: none, the merge fetches again
+        self.syncer_spool_mb = syncer_spool_mb
+        self._spool: ChunkSpool | None = None
         self.downlink, self.block_size = downlink, block_size
         # fragment -> (version, learners' copy) this process published last: the base of
         # the next version's compact update (read back from home when it is not this one)
@@ -576,18 +584,30 @@ class BucketStore:
         bucket = self.main.bucket(self.region_of(learner))
         where = self.main.layout.contribution_marker(learner, fragment, seq)
 
+        spool = self._contribution_spool()
+
         def scan() -> Scan:
-            return scan_payload(ReaderPayload(VersionReader(bucket, marker, where, cache=1)),
-                                self.block_size)  # fmt: skip
+            reader = VersionReader(bucket, marker, where, cache=1, ahead=self.ahead, fill=spool)
+            return scan_payload(ReaderPayload(reader), self.block_size)
 
         try:
             found = patiently(scan, f"{learner} fragment {fragment} seq {seq}", READ_ATTEMPTS)
         except (CorruptVersion, KeyError, ValueError) as exc:
             return Unreadable(learner, fragment, seq, f"unreadable: {exc}")
-        # A fresh reader for the merge: it holds no chunk until then.
-        return replace(
-            c, payload=ReaderPayload(VersionReader(bucket, marker, where, cache=1)), scan=found
-        )
+        # A fresh reader for the merge: it holds no chunk until then, and takes those
+        # the scan kept in the spool instead of fetching them again.
+        reader = VersionReader(bucket, marker, where, cache=1, ahead=self.ahead, reuse=spool)
+        return replace(c, payload=ReaderPayload(reader), scan=found)
+
+    def _contribution_spool(self) -> ChunkSpool | None:
+        if self._spool is None and self.syncer_spool_mb > 0:
+            self._spool = ChunkSpool(self.syncer_spool_mb * 2**20)
+        return self._spool
+
+    def _reader(self, bucket: Any, marker: Any, key: str) -> VersionReader:
+        """A reader for the syncer's merge: one chunk kept per array, ``self.ahead``
+        fetched and checked ahead in the background (bounded by ``syncer_memory_mb``)."""
+        return VersionReader(bucket, marker, key, cache=1, ahead=self.ahead)
 
     def version_sink(
         self, fragment: int, version: int, shapes: Mapping[str, Sequence[int]], slots: int
@@ -618,7 +638,7 @@ class BucketStore:
         merge, tried again, sends the version whole."""
         key = self.main.layout.global_marker(fragment, version)
         try:
-            reader = VersionReader(self.main.home, read_marker(self.main.home, key), key, cache=1)
+            reader = self._reader(self.main.home, read_marker(self.main.home, key), key)
             return _Guarded(ReaderTensors(reader, "wire"),
                             lambda: self._bad_bases.add((fragment, version)))  # fmt: skip
         except (CorruptVersion, KeyError, ValueError, OSError) as exc:
@@ -707,7 +727,7 @@ class BucketStore:
         if "params/zarr.json" not in marker.objects:
             raise CorruptVersion(f"{home.url}/{key} holds the learner view only; the master "
                                  "copy and the optimizer state are in the syncers' home region")  # fmt: skip
-        reader = VersionReader(home, marker, key, cache=1)
+        reader = self._reader(home, marker, key)
         params = ReaderTensors(reader, "params")
         stored = sorted(reader.index("opt"))
         # The stored leaf names in the optimizer's order: the rule whole leaves follow
@@ -721,7 +741,7 @@ class BucketStore:
             for tensors in (params, *slots):
                 for name, start, stop in pieces(params.shapes):
                     tensors.piece(name, start, stop)
-            reader = VersionReader(home, marker, key, cache=1)  # one holding no chunk
+            reader = self._reader(home, marker, key)  # one holding no chunk
             params = ReaderTensors(reader, "params")
             slots = [ReaderTensors(reader, "opt", s.names) for s in slots]
         return params, slots, dict(marker.meta)

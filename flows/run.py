@@ -27,8 +27,10 @@ from diloco.inner import InnerTrainer
 from diloco.model import ParamCodec
 from diloco.simulate import StoreFactory, check_data, make_reader, make_validation
 from diloco.syncer import FragmentSyncer
+from diloco.tensors import pieces
 from diloco.topology import deal_learners, home_region
-from flows.bucket_io import BucketStore, named_outer_leaves
+from flows.bucket_io import BucketStore, named_outer_leaves, outer_names
+from flows.version_stream import StreamedVersion, slot_names
 from storage_layout.commit import CommitConflict
 from storage_layout.store import RunStore
 
@@ -154,10 +156,42 @@ def initialize_run(store: RunStore, cfg: RunConfig) -> dict[str, Any]:
         )
         # Another launcher may have initialized it first: same spec, same seed, same values.
         with contextlib.suppress(CommitConflict):
-            store.publish_global(
-                p, 0, params, opt, records.initial_version(p, 0.0), cfg.topology.global_dtype
-            )
+            publish_initial(store, cfg, p, params, opt)
     return spec
+
+
+def publish_initial(
+    store: RunStore,
+    cfg: RunConfig,
+    fragment: int,
+    params: Mapping[str, np.ndarray],
+    opt: Mapping[str, np.ndarray],
+) -> None:
+    """Version 0 of ``fragment`` (``opt``: the outer optimizer's initial leaves by stored
+    name), written a piece at a time through the syncer's ``StreamedVersion``: each chunk
+    is encoded, hashed and uploaded as it is made, never the whole version's objects at
+    once, the same objects a syncer's merge writes. An optimizer keeping more than one
+    state array per parameter (which a streamed version does not store) is published
+    whole (``RunStore.publish_global``). ``CommitConflict`` if version 0 is there."""
+    topo, record = cfg.topology, records.initial_version(fragment, 0.0)
+    shapes = {n: tuple(np.shape(v)) for n, v in params.items()}
+    slots = len(opt) // max(1, len(params))
+    if slots > 1:
+        store.publish_global(fragment, 0, params, opt, record, topo.global_dtype)
+        return
+    names = slot_names(outer_names(cfg.outer, shapes), shapes, slots)
+    sink = StreamedVersion(store, fragment, 0, shapes, names, topo.global_dtype, "full",
+                           topo.block_size)  # fmt: skip
+    try:
+        for name, a, b in pieces(shapes, topo.block_size):
+            values = np.asarray(params[name], np.float32).reshape(-1)[a:b]
+            state = [np.asarray(opt[s[name]], np.float32).reshape(-1)[a:b] for s in names]
+            sink.write(name, a, values, state)
+        sink.finish()
+    except BaseException:
+        sink.abort()
+        raise
+    sink.commit(record)
 
 
 def extend_budget(store: RunStore, spec: dict[str, Any]) -> None:
@@ -197,6 +231,7 @@ def bucket_store(
         opt_template=lambda: trainer.init_opt_state(trainer.place_params(model.init)),
         downlink=cfg.topology.downlink, block_size=cfg.topology.block_size,
         syncer_memory_mb=cfg.pipeline.syncer_memory_mb,
+        syncer_spool_mb=cfg.pipeline.syncer_spool_mb,
     )  # fmt: skip
 
 

@@ -53,8 +53,16 @@ class PipelineSyncerTransport:
     the run read from the learners' status objects, regions to catch up, retention."""
 
     def __init__(self, store: BucketStore, fragments: list[int], keep_versions: int,
-                 window: int, log: Any, tokens: int | None = None):  # fmt: skip
+                 window: int, log: Any, tokens: int | None = None,
+                 retention_seconds: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
         self.store, self.fragments = store, fragments
+        # Retention's own cadence (``pipeline.retention_seconds``): a pass after a
+        # publish once this long has gone by since the last (or the start), whatever
+        # keep_versions is, so its LIST requests do not grow with the publish rate.
+        self.retention_seconds, self.clock = retention_seconds, clock
+        self._retained_at = clock()
+        self.retention_passes = 0
         self.tokens = tokens  # the run's budget: a learner done at a smaller one is not done
         self.keep_versions, self.window, self.log = keep_versions, window, log
         self.sync_seconds = 0.05  # publish time, exponential moving average
@@ -142,8 +150,9 @@ class PipelineSyncerTransport:
     def tend(self) -> None:
         if self.lagging and time.monotonic() >= self._catch_up_at:
             self.catch_up()
-        if self.published >= max(1, self.keep_versions // 4):
-            self.published = 0
+        now = self.clock()
+        if self.published and now - self._retained_at >= self.retention_seconds:
+            self.published, self._retained_at = 0, now
             self.collect_garbage()
 
     def catch_up(self) -> None:
@@ -170,6 +179,7 @@ class PipelineSyncerTransport:
         """Delete processed contributions and versions no learner can still need, and
         what writers left unfinished over an hour ago (``ORPHAN_AGE``): data no marker
         names, temporaries of a writer killed mid-write."""
+        self.retention_passes += 1
         try:
             report = collect_garbage(
                 self.store.main, self.fragments, self.store.learners,
@@ -209,6 +219,7 @@ class SyncerRuntime:
         self.transport = PipelineSyncerTransport(
             store, self.fragments, self.cfg.pipeline.keep_versions or self.cfg.kept_versions,
             self.cfg.outer.max_staleness, self.log, self.cfg.budget.tokens,
+            self.cfg.pipeline.retention_seconds,
         )  # fmt: skip
         self.transport.on_published = self.report
         self.records: list[records.Record] = []

@@ -24,8 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from diloco.quantize import QuantizedTensor, dequantize, quantize
+from diloco.quantize import QuantizedTensor, dequantize
 from diloco.tensors import TensorMeta, Tensors
+from diloco.transport import downlink_piece
 from storage_layout.codec import CHUNK, GroupWriter, root_objects
 from storage_layout.commit import (
     CommitConflict,
@@ -41,16 +42,35 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 * CHUNK  # the largest chunk object: 1 Mi float32 values
 MAX_IN_FLIGHT = 16  # chunk uploads outstanding per region, at most
+MAX_AHEAD = 2  # chunk objects per array a merge's readers fetch ahead, at most
+
+
+def _read_arrays(learners: int) -> int:
+    """Arrays a merge reads a chunk at a time: each contribution's data and scales, the
+    master copy, the momentum and the previous learners' copy."""
+    return 2 * learners + 3
+
+
+def reads_ahead(memory_mb: int, regions: int, learners: int) -> int:
+    """Chunks per array a merge's readers fetch ahead (``VersionReader``'s ``ahead``), so
+    the fetch, sha256 check and decode of the next chunk of every input go on in the
+    background while this one is merged: as many as ``memory_mb`` holds beside what a
+    merge holds anyway and one upload per region, up to ``MAX_AHEAD``; 0 when it
+    holds none."""
+    held = (_read_arrays(learners) + 5 + max(1, regions)) * CHUNK_BYTES
+    room = memory_mb * 2**20 - held
+    return int(max(0, min(MAX_AHEAD, room // (_read_arrays(learners) * CHUNK_BYTES))))
 
 
 def uploads_in_flight(memory_mb: int, regions: int, learners: int) -> int:
-    """Chunk uploads per region that fit ``memory_mb`` beside what a merge holds: two
-    chunks per contribution read (data and scales), the master copy's, the momentum's
-    and the previous learners' copy's, and about five being built (``params``, ``opt``,
-    ``wire``, ``delta`` and its scales); each upload holds its chunk's bytes."""
-    held = (2 * learners + 8) * CHUNK_BYTES
+    """Chunk uploads per region that fit ``memory_mb`` beside what a merge holds: one
+    chunk per array read (``_read_arrays``) and those read ahead (``reads_ahead``), and
+    about five being built (``params``, ``opt``, ``wire``, ``delta`` and its scales);
+    each upload holds its chunk's bytes."""
+    ahead = reads_ahead(memory_mb, regions, learners)
+    held = ((1 + ahead) * _read_arrays(learners) + 5) * CHUNK_BYTES
     room = memory_mb * 2**20 - held
-    return max(1, min(MAX_IN_FLIGHT, room // (max(1, regions) * CHUNK_BYTES)))
+    return int(max(1, min(MAX_IN_FLIGHT, room // (max(1, regions) * CHUNK_BYTES))))
 
 
 class ReaderTensors:
@@ -189,14 +209,11 @@ class StreamedVersion:
         for values in slots:
             self.groups["opt"].append(self.leaf_names[0][name],
                                       QuantizedTensor("fp32", (n,), values))  # fmt: skip
-        if self.base is None:
-            self.groups["wire"].append(name, quantize(params, self.wire_dtype, self.block_size))
-            return
-        # As ``diloco.transport.downlink_update`` and ``apply_delta``, on this piece.
-        base = self.base.piece(name, start, start + n)
-        delta = quantize(params - base, self.downlink, self.block_size)
-        wire = quantize(base + dequantize(delta), self.wire_dtype, self.block_size)
-        self.groups["delta"].append(name, delta)
+        base = None if self.base is None else self.base.piece(name, start, start + n)
+        wire, delta = downlink_piece(params, base, self.wire_dtype, self.downlink,
+                                     self.block_size)  # fmt: skip
+        if self.base is not None:
+            self.groups["delta"].append(name, delta)
         self.groups["wire"].append(name, wire)
 
     def finish(self) -> tuple[Tensors, list[Tensors]]:

@@ -25,10 +25,16 @@ and decoded whole.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import logging
 import math
+import os
+import shutil
+import tempfile
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -67,8 +73,8 @@ from storage_layout.layout import check_key
 
 log = logging.getLogger(__name__)
 
-PARALLEL = 4  # chunk objects a reader fetches at once
-AHEAD = 0  # chunk objects per array a reader fetches ahead of the range read (see below)
+PARALLEL = 8  # chunk objects a reader fetches at once (a whole tensor's read)
+AHEAD = 0  # chunks per array read ahead (see below); a syncer sets it by its memory setting
 _AHEAD_POOL: ThreadPoolExecutor | None = None  # shared by every reader's read-ahead
 _AHEAD_LOCK = threading.Lock()
 
@@ -181,6 +187,75 @@ class ObjectSink:
         discard_data(self.bucket, self.data_prefix)
 
 
+class ChunkSpool:
+    """Checked chunk objects kept on the local disk for one more read: a syncer scans each
+    contribution when it is listed and reads it again to merge; the scan's reader puts
+    the chunks it fetched and checked here (``fill``), the merge's reader takes them
+    (``reuse``), so each is fetched from the bucket and hashed once. A chunk is keyed by
+    its bucket, key and the sha256 its marker records, and dropped once taken. Bounded by
+    ``limit`` bytes: when full, the oldest chunks go first (those of contributions that
+    were never merged, superseded ones, age out). Its files live in a temporary folder,
+    deleted by ``close`` or when the spool is garbage collected. Thread-safe."""
+
+    def __init__(self, limit: int, directory: str | None = None):
+        if limit < 1:
+            raise ValueError(f"a chunk spool holds at least one byte, not {limit}")
+        self.limit = limit
+        self.folder = tempfile.mkdtemp(prefix="chunk-spool-", dir=directory)
+        self._sizes: OrderedDict[str, int] = OrderedDict()
+        self.size = 0  # bytes held
+        self.taken = 0  # chunks a read took from here instead of the bucket
+        self._lock = threading.Lock()
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.folder, True)
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.folder, hashlib.sha256(key.encode()).hexdigest())
+
+    def put(self, key: str, data: bytes) -> None:
+        """Keep ``data`` (already checked) under ``key``, the oldest going if need be;
+        not kept if larger than the whole spool."""
+        if len(data) > self.limit:
+            return
+        with self._lock:
+            if key in self._sizes:
+                return
+            while self._sizes and self.size + len(data) > self.limit:
+                old, n = self._sizes.popitem(last=False)
+                self.size -= n
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self._path(old))
+            with open(self._path(key), "wb") as f:
+                f.write(data)
+            self._sizes[key] = len(data)
+            self.size += len(data)
+
+    def take(self, key: str) -> bytes | None:
+        """The chunk kept under ``key``, no longer kept; None if it is not here (or its
+        file is not whole: read it from the bucket)."""
+        with self._lock:
+            n = self._sizes.pop(key, None)
+            if n is None:
+                return None
+            self.size -= n
+            path = self._path(key)
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+                os.remove(path)
+            except OSError:
+                return None
+            if len(data) != n:
+                return None
+            self.taken += 1
+            return data
+
+    def close(self) -> None:
+        with self._lock:
+            self._sizes.clear()
+            self.size = 0
+        self._cleanup()
+
+
 @dataclass
 class _Array:
     """A plain chunked array of a group: its chunk objects and the chunks kept."""
@@ -225,7 +300,10 @@ class VersionReader:
     background (a few threads shared by all readers), so a tensor read in order finds
     its next chunk there while the caller works on this one; a failure of one is raised
     by the read that needs it, and one the reads never reach is dropped. So an array
-    holds at most ``cache + ahead`` chunks. Not thread-safe: one reader per thread.
+    holds at most ``cache + ahead`` chunks. With ``fill``, each chunk fetched and checked
+    is also kept in that ``ChunkSpool`` (on disk); with ``reuse``, a chunk found there is
+    taken instead of fetched (not hashed again: this process checked it before keeping
+    it). Not thread-safe: one reader per thread.
     """
 
     def __init__(
@@ -236,12 +314,15 @@ class VersionReader:
         cache: int = 2,
         parallel: int = PARALLEL,
         ahead: int = AHEAD,
+        fill: ChunkSpool | None = None,
+        reuse: ChunkSpool | None = None,
     ):
         if cache < 1 or parallel < 1 or ahead < 0:
             raise ValueError(f"cache and parallel must be at least 1 and ahead at least 0, "
                              f"got {cache}, {parallel}, {ahead}")  # fmt: skip
         self.bucket, self.marker, self.marker_key = bucket, marker, marker_key
         self.cache, self.parallel, self.ahead = cache, parallel, ahead
+        self.fill, self.reuse = fill, reuse  # where checked chunks go, where they come from
         self.fetched = 0  # chunk objects fetched from the bucket
         self.most_kept = 0  # the most chunks any array has kept at once
         self._groups: dict[str, _Group] = {}
@@ -440,8 +521,18 @@ class VersionReader:
                 arr.coming[i] = _ahead_pool().submit(self._chunk, arr, i)
 
     def _chunk(self, arr: _Array, i: int) -> np.ndarray:
-        self.fetched += "inline" not in self.marker.objects[arr.keys[i]]
-        return np.frombuffer(self._object(arr.keys[i]), arr.dtype)
+        rel = arr.keys[i]
+        expect = self.marker.objects[rel]
+        if "inline" in expect:
+            return np.frombuffer(self._object(rel), arr.dtype)
+        key = f"{self.bucket.url}/{self.marker.data_prefix}/{rel}@{expect['sha256']}"
+        data = None if self.reuse is None else self.reuse.take(key)
+        if data is None:
+            data = self._object(rel)
+            self.fetched += 1
+            if self.fill is not None:
+                self.fill.put(key, data)
+        return np.frombuffer(data, arr.dtype)
 
     def _fetch_chunks(self, arr: _Array, wanted: list[int]) -> Iterator[tuple[int, np.ndarray]]:
         """(i, values) of chunks ``wanted``, as they arrive, at most ``parallel`` at once."""

@@ -15,6 +15,7 @@ from diloco.transport import (
     MemoryStore,
     StoreLearnerView,
     delta_bytes,
+    downlink_piece,
     downlink_update,
     full_bytes,
     wire_view,
@@ -54,6 +55,31 @@ def test_the_learners_copy_tracks_the_master_copy_without_drifting():
     # The syncer carries the residual: the copy stays within about one int4 step of the
     # master copy, where the sum of quantized steps drifts away from it.
     assert err < 2e-3 < drift, (err, drift)
+
+
+def test_the_downlink_rule_piece_by_piece_gives_the_bits_of_the_whole_tensors():
+    """A streamed merge writes each version piece by piece (``downlink_piece`` on a flat
+    range starting on a block); the in-memory path and learners (``downlink_update``,
+    ``apply_delta``) take whole tensors: both give the same copy and update, bit for bit."""
+    old, params = walk(1, seed=3)
+    base = wire_view(old, "bf16")
+    for downlink in ("int4", "int8", "full"):
+        copy, delta = downlink_update(params, base, "bf16", downlink, 32)
+        for name, values in params.items():
+            flat, at = values.reshape(-1), base[name].reshape(-1)
+            wires, deltas = [], []
+            for a in range(0, flat.size, 96):  # three blocks of 32 a piece
+                wire, d = downlink_piece(flat[a : a + 96], at[a : a + 96], "bf16", downlink, 32)
+                wires.append(dequantize(wire))
+                deltas.append(d)
+            assert np.concatenate(wires).tobytes() == copy[name].tobytes(), (downlink, name)
+            if downlink == "full":
+                assert delta is None and deltas[0] is None
+                continue
+            assert np.concatenate([d.data for d in deltas]).tobytes() == delta[name].data.tobytes()
+            assert np.concatenate([d.scales for d in deltas]).tobytes() == (
+                delta[name].scales.tobytes()
+            )
 
 
 def test_a_learner_reaches_a_version_through_updates_or_reads_it_whole():

@@ -1126,7 +1126,7 @@ def test_syncers_collect_what_no_learner_needs_and_gc_does_it_by_hand(tmp_path, 
         os.utime(path, (time.time() - 7200, time.time() - 7200))
     young = commits / ".tmp-0c"
     young.touch()
-    pipeline = {**cfg.pipeline.model_dump(), "keep_versions": 4}
+    pipeline = {**cfg.pipeline.model_dump(), "keep_versions": 4, "retention_seconds": 0}
     syncer = SyncerRuntime("gc", regions, "us-east", 0, 2, pipeline)
     assert syncer.poll() == 4  # the newest of each learner is read, seqs 1 and 2 are not
     assert len(syncer.loop.syncers[0].superseded) == 8

@@ -39,7 +39,7 @@ from storage_layout.commit import (
     read_version,
 )
 from storage_layout.layout import FORMAT_VERSION, data_prefix_of
-from storage_layout.stream import ObjectSink, VersionReader, verify_version
+from storage_layout.stream import ChunkSpool, ObjectSink, VersionReader, verify_version
 
 KEY = "run/globals/f0000/commits/v000000000001.json"
 SMALL = 2048  # values per chunk in most tests, so tensors span chunks cheaply
@@ -303,6 +303,51 @@ def test_a_range_read_again_and_again_fetches_its_chunks_once(tmp_path):
     # One chunk kept, and of the one before only the range's part (at most a range).
     arr = reader._groups["params"].arrays["data"]
     assert reader.most_kept == 1 and arr.tail[2].size <= step
+
+
+def test_a_version_read_twice_through_a_spool_is_fetched_and_hashed_once(tmp_path):
+    """A syncer scans a contribution, then merges it: the scan's reader keeps the chunks
+    it checked in a ``ChunkSpool`` on disk, the merge's takes them from there; a chunk
+    the spool could not keep (full: the oldest went) or lost is fetched again."""
+    (tmp_path / "b").mkdir()
+    bucket = CountingBucket(f"file://{tmp_path / 'b'}")
+    group = {"w": quantize(np.random.default_rng(7).normal(size=6 * SMALL).astype(np.float32),
+                           "int8")}  # fmt: skip
+    marker = commit_streamed(bucket, {"delta": group})
+    spool = ChunkSpool(10**9, str(tmp_path))
+    first = VersionReader(bucket, marker, KEY, cache=1, fill=spool)
+    same(first.read("delta", "w"), group["w"])
+    fetched = dict(bucket.reads)
+    assert first.fetched > 0 and spool.size > 0
+    again = VersionReader(bucket, marker, KEY, cache=1, reuse=spool)
+    same(again.read("delta", "w"), group["w"])
+    assert bucket.reads == fetched and again.fetched == 0  # nothing from the bucket
+    assert spool.taken == first.fetched and spool.size == 0  # each taken once, then gone
+    # A spool too small for the version keeps its newest chunks; the rest are fetched.
+    chunk = 4 * SMALL  # an fp32 chunk object's bytes
+    small = ChunkSpool(2 * chunk, str(tmp_path))
+    values = np.arange(4 * SMALL, dtype=np.float32)
+    (tmp_path / "c").mkdir()
+    bucket = CountingBucket(f"file://{tmp_path / 'c'}")
+    other = commit_streamed(bucket, {"params": {"v": quantize(values, "fp32")}})
+    VersionReader(bucket, other, KEY, cache=1, fill=small).read("params", "v")
+    assert small.size == 2 * chunk
+    bucket.reads.clear()
+    reader = VersionReader(bucket, other, KEY, cache=1, reuse=small)
+    np.testing.assert_array_equal(reader.read("params", "v").data, values)
+    data = {k.rsplit("/", 1)[-1]: n for k, n in bucket.reads.items() if "/params/data/c/" in k}
+    assert data == {"0": 1, "1": 1} and small.taken == 2
+    # A kept file that is not whole is not used: the chunk comes from the bucket.
+    VersionReader(bucket, other, KEY, cache=1, fill=small).read("params", "v", 3 * SMALL)
+    for path in (tmp_path / small.folder).iterdir():
+        path.write_bytes(path.read_bytes()[:-4])
+    bucket.reads.clear()
+    reader = VersionReader(bucket, other, KEY, cache=1, reuse=small)
+    np.testing.assert_array_equal(reader.read("params", "v", 3 * SMALL).data, values[3 * SMALL :])
+    assert reader.fetched == 1 and small.taken == 2
+    folder = small.folder
+    small.close()
+    assert not (tmp_path / folder).exists()
 
 
 def test_the_next_chunk_is_read_ahead_and_fetched_once(tmp_path):

@@ -136,6 +136,52 @@ def test_a_fragment_larger_than_the_memory_bound_merges_in_it(tmp_path):
     )
 
 
+def test_a_syncers_reads_ahead_and_uploads_fit_its_memory_setting():
+    """The merge's readers fetch chunks ahead only with memory to spare: what a merge
+    holds (a chunk per array read, those read ahead, five being built, the uploads in
+    flight) stays within ``syncer_memory_mb`` wherever it allows one upload per region,
+    and the default (512 MB) reads ahead (the merge above ran that way)."""
+    from flows.version_stream import CHUNK_BYTES, reads_ahead, uploads_in_flight
+
+    for learners in (2, 4, 16):
+        for regions in (1, 2, 4):
+            arrays = 2 * learners + 3
+            for memory_mb in (64, 128, 256, 512, 1024):
+                ahead = reads_ahead(memory_mb, regions, learners)
+                uploads = uploads_in_flight(memory_mb, regions, learners)
+                held = ((1 + ahead) * arrays + 5 + uploads * regions) * CHUNK_BYTES
+                if (arrays + 5 + regions) * CHUNK_BYTES <= memory_mb * 2**20:
+                    assert held <= memory_mb * 2**20, (learners, regions, memory_mb)
+            assert reads_ahead(64, regions, learners) == 0
+    assert reads_ahead(512, 2, 4) > 0
+    assert _store({"us": "memory://x/us", "eu": "memory://x/eu"}).ahead > 0
+    assert _store({"us": "memory://x/us", "eu": "memory://x/eu"}, memory_mb=64).ahead == 0
+
+
+def test_each_contribution_chunk_is_fetched_once_for_the_scan_and_the_merge(tmp_path):
+    """The scan when a contribution is listed keeps the chunks it checked on disk
+    (``pipeline.syncer_spool_mb``); the merge takes them there: every chunk object of
+    every contribution is fetched from its bucket once, and the spool ends empty."""
+    from storage_layout.commit import read_marker
+
+    shapes = _shapes(3_000_000)
+    regions = _run(tmp_path, shapes)
+    store = _store(regions)
+    _merge(store)
+    main = RunStore("r", regions, "us")
+    chunks = 0
+    for learner, region in (("a", "us"), ("b", "eu")):
+        key = main.layout.contribution_marker(learner, 0, 1)
+        marker = read_marker(main.bucket(region), key)
+        chunks += sum("/c/" in rel and "inline" not in o for rel, o in marker.objects.items())
+    assert chunks > 4 and store._spool.taken == chunks
+    assert store._spool.size == 0
+    off = _store(_run(tmp_path / "off", shapes))
+    off.syncer_spool_mb = 0
+    _merge(off)
+    assert off._spool is None
+
+
 def test_damage_in_one_chunk_is_named_by_its_chunk(tmp_path):
     shapes = _shapes(3_000_000)
     regions = _run(tmp_path, shapes)
@@ -191,3 +237,47 @@ def test_a_syncer_killed_half_way_through_a_version_commits_nothing(tmp_path):
 @pytest.fixture(autouse=True)
 def _quiet_jax(monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+
+
+def test_version_0_of_a_run_is_published_streamed_with_the_values_of_a_whole_publish(tmp_path):
+    """``initialize_run`` writes version 0 through ``StreamedVersion`` (chunk by chunk, as
+    a merge writes them): the objects and bits ``publish_global`` stores, at home and in
+    the other region."""
+    from diloco import records
+    from diloco.config import load_config
+    from flows.bucket_io import named_outer_leaves
+    from flows.run import build_model, initialize_run
+
+    cfg = load_config("tiny", overrides=["budget.tokens=64000"])
+    model = build_model(cfg)
+    runs = {}
+    for how in ("streamed", "whole"):
+        regions = {r: f"file://{tmp_path / how / r}" for r in ("us", "eu")}
+        for region in regions:
+            (tmp_path / how / region).mkdir(parents=True)
+        runs[how] = regions
+    initialize_run(RunStore("r", runs["streamed"], "us"), cfg)
+    whole = RunStore("r", runs["whole"], "us")
+    for p, names in enumerate(model.plan):
+        params = {n: model.init[n] for n in names}
+        leaves = FragmentSyncer(p, params, cfg.outer, [], lambda _: False).opt_leaves
+        opt = named_outer_leaves(cfg.outer, params, leaves)
+        whole.publish_global(p, 0, params, opt, records.initial_version(p, 0.0),
+                             cfg.topology.global_dtype)  # fmt: skip
+    streamed = RunStore("r", runs["streamed"], "us")
+    for p in range(len(model.plan)):
+        # The same objects but the root's metadata (a whole publish copies the meta in)
+        ours, theirs = streamed.global_marker(p, 0).objects, whole.global_marker(p, 0).objects
+        assert {r: o["sha256"] for r, o in ours.items() if r != "zarr.json"} == {
+            r: o["sha256"] for r, o in theirs.items() if r != "zarr.json"
+        }
+        a, b = streamed.get_global(p, 0), whole.get_global(p, 0)
+        assert a.opt_names == b.opt_names and a.meta == b.meta
+        for n in b.params:
+            assert a.params[n].tobytes() == b.params[n].tobytes(), n
+        assert all(
+            x.tobytes() == y.tobytes() for x, y in zip(a.opt_leaves, b.opt_leaves, strict=True)
+        )
+        wa = streamed.get_global(p, 0, region="eu", learner_view=True).params
+        wb = whole.get_global(p, 0, region="eu", learner_view=True).params
+        assert all(wa[n].tobytes() == wb[n].tobytes() for n in wb)
