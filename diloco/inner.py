@@ -28,6 +28,17 @@ from diloco.model import ParamCodec
 JaxParams = dict[str, jax.Array]
 
 
+def to_host(array: jax.Array) -> np.ndarray:
+    """``array`` as a NumPy array in this process, whichever processes its shards live
+    on: one that spans several processes (a learner over several hosts) is gathered
+    from all of them (a collective: every process calls it at the same point)."""
+    if getattr(array, "is_fully_addressable", True) or array.is_fully_replicated:
+        return np.asarray(jax.device_get(array))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
 def inner_optimizer(cfg: InnerConfig) -> optax.GradientTransformation:
     """Clip by global norm, then AdamW at rate 1: the step scales the update by
     ``inner_lr`` (a schedule inside the state could follow only the state's own count).
@@ -108,7 +119,9 @@ class InnerTrainer:
                 f"batch of {batch.shape[0]} sequences does not split over "
                 f"{len(self.devices)} devices; use a batch size divisible by the device count"
             )
-        return jax.device_put(batch, self.batch_sharding)
+        # Each process places only its devices' rows: over several processes (hosts)
+        # the array is one global batch, every process holding the same host batch.
+        return jax.make_array_from_callback(batch.shape, self.batch_sharding, lambda i: batch[i])
 
     def step(
         self, params: JaxParams, opt_state: optax.OptState, batch: np.ndarray, position: float

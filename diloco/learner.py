@@ -16,7 +16,7 @@ import optax
 from diloco.config import TopologyConfig
 from diloco.data import ShardReader
 from diloco.fragments import FragmentPlan, due_fragment
-from diloco.inner import InnerTrainer
+from diloco.inner import InnerTrainer, to_host
 from diloco.outer import Contribution, FlatParams, blend
 from diloco.quantize import quantize, quantize_with_feedback
 
@@ -106,7 +106,7 @@ class Learner:
 
     def fragment_values(self, p: int) -> FlatParams:
         names = self.plan[p]
-        values = jax.device_get([self.params[n] for n in names])
+        values = [to_host(self.params[n]) for n in names]
         return {n: np.asarray(v, dtype=np.float32) for n, v in zip(names, values, strict=True)}
 
     def contribute(self, p: int) -> Contribution:
