@@ -25,12 +25,13 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import jax
 import numpy as np
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from diloco import records
+from diloco import hosts, records
 from diloco.learner import LearnerCheckpoint
 from diloco.loops import Clock, GlobalView, LearnerLoop, WallClock, drive
 from diloco.outer import Contribution
@@ -413,17 +414,31 @@ class LearnerRuntime:
         self.index = learner_index(learner)
         self.label = f"{region}/{self.index}"
         self.store = bucket_store(run, {region: bucket}, spec, self.cfg, learner, home=region)
+        # Over several processes (diloco.hosts) process 0 leads: it alone writes to the
+        # bucket, and the others take what it read.
+        self.leader, self.processes = hosts.is_leader(), hosts.process_count()
         # Fence off any older process of this learner before reading what it left.
-        self.generation = wait_for_space(lambda: self.store.claim_generation(learner), region,
-                                         f"the start of {learner}", self.log)  # fmt: skip
+        self.generation = hosts.broadcast_object(
+            wait_for_space(lambda: self.store.claim_generation(learner), region,
+                           f"the start of {learner}", self.log) if self.leader else None
+        )  # fmt: skip
         self._progress: dict[str, Any] | None = None  # what a predecessor reported
         self.announce("compiling")
         self._compile()
         self.announce("resuming")
         opts, view = self.cfg.pipeline, StoreLearnerView(self.store, learner)
-        self.io = io(view) if io else BackgroundIO(view, len(self.model.plan), opts.poll_seconds,
-                                                   opts.upload_retries, self.log,
-                                                   opts.stall_seconds)  # fmt: skip
+        io = io or (lambda view: BackgroundIO(view, len(self.model.plan), opts.poll_seconds,
+                                              opts.upload_retries, self.log,
+                                              opts.stall_seconds))  # fmt: skip
+        if self.processes == 1:
+            self.io = io(view)
+        else:  # every process sees what the leader's transport answers (diloco.hosts)
+            trainer = self.model.trainer
+
+            def place(tree: Any) -> Any:
+                return jax.device_put(tree, trainer.replicated)
+
+            self.io = hosts.ReplicatedTransport(io(view) if self.leader else None, place)
         self.records: list[records.Record] = []
         self.loop, self.resumed_from = LearnerLoop.start(
             learner, self.model.trainer, self.model.plan, reader(self.cfg, self.index),
@@ -460,15 +475,20 @@ class LearnerRuntime:
         one was given up for dead while it was only cut off): two processes of one id
         would race for its sequence numbers and mix its checkpoints. Its uploads may have
         found out first (``BackgroundIO.fenced``)."""
+        reason = self._fenced() if self.leader else None
+        reason = hosts.broadcast_object(reason)  # the group stops as one
+        if reason is not None:
+            raise Fenced(reason)
+
+    def _fenced(self) -> str | None:
         refused = getattr(self.io, "fenced", None)
         if refused is not None:
-            raise Fenced(f"{self.id}: another process runs as this learner: {refused}")
+            return f"{self.id}: another process runs as this learner: {refused}"
         newest = self.store.writer_for(self.id).newest_generation(self.id)
         if newest > self.generation:
-            raise Fenced(
-                f"{self.id}: another process took over as generation {newest} (this "
-                f"one is generation {self.generation}); this one stops"
-            )
+            return (f"{self.id}: another process took over as generation {newest} (this "
+                    f"one is generation {self.generation}); this one stops")  # fmt: skip
+        return None
 
     def train_round(self) -> dict[str, Any]:
         """One round of the core loop on the wall clock; returns its table row."""
@@ -497,6 +517,8 @@ class LearnerRuntime:
             "seconds": round(seconds, 3),
         }  # fmt: skip
         del self.records[:first]  # rows keep what the UI shows; memory stays flat
+        if not self.leader:
+            return row
         try:  # the history (storage_layout.history) is news, not state: never fatal
             entry = {**row, "time": time.time(), "generation": self.generation,
                      "region": self.region}  # fmt: skip
@@ -518,6 +540,8 @@ class LearnerRuntime:
     def announce(self, state: str) -> None:
         """Say in the status object which start-up phase this process is in (the launcher
         shows it), keeping the progress an earlier process of this learner reported."""
+        if not self.leader:
+            return
         writer = self.store.writer_for(self.id)
         try:
             if self._progress is None:  # read once: the phases after it keep the same
@@ -535,6 +559,8 @@ class LearnerRuntime:
                      final: bool = False) -> None:  # fmt: skip
         """The status object; ``final``: the "done" the syncers end on, which is state,
         not news: a write that fails for good raises (the process is started again)."""
+        if not self.leader:
+            return
         record = {
             "state": state, "region": self.region, "step": self.step,
             "total_steps": self.loop.total_steps, "budget_tokens": self.cfg.budget.tokens,
@@ -630,7 +656,7 @@ def learner_flow(
                      rt.loop.run_steps(), rt.cfg.budget_steps, rt.loop.total_steps)  # fmt: skip
     else:
         rt.write_status("paused")
-    if rows:
+    if rows and rt.leader:
         create_table_artifact(
             rows,
             key=artifact_key(run, rt.id, "rounds"),
