@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("needs --processes N (N >= 1) and a command after --")
     code = run_group(command, args.processes, args.port)
     if code < 0:  # ended as its member did: a kill is a kill to the launcher
-        signal.signal(-code, signal.SIG_DFL)
+        if -code != signal.SIGKILL:  # (SIGKILL has no handler to reset)
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     return code
 
