@@ -2,6 +2,7 @@
 supervising the group on one machine.
 
     python -m flows.hosts --processes 2 -- python -m flows.worker learner --run R ...
+    python -m flows.hosts follow [FLOW_RUN_ID]   # processes 1..N-1 of a deployment's learner
 
 starts the command N times, process i with ``DILOCO_PROCESS_ID=i``,
 ``DILOCO_PROCESS_COUNT=N`` and ``DILOCO_COORDINATOR=127.0.0.1:PORT`` (a free port, or
@@ -44,6 +45,10 @@ def join(env: os._Environ[str] | dict[str, str] = os.environ) -> int:
     count = int(env.get(PROCESS_COUNT_ENV, "1"))
     if count <= 1:
         return 1
+    import jax
+
+    if jax.distributed.is_initialized():  # (a later flow run of the same process)
+        return count
     index = env.get(PROCESS_ID_ENV, env.get(INDEXED_JOB_ENV))
     coordinator = env.get(COORDINATOR_ENV)
     if index is None or not coordinator:
@@ -53,8 +58,6 @@ def join(env: os._Environ[str] | dict[str, str] = os.environ) -> int:
         )
     if not 0 <= int(index) < count:
         raise ValueError(f"{PROCESS_ID_ENV}={index} is not in 0..{count - 1}")
-    import jax
-
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices only
     heartbeat = int(env.get(HEARTBEAT_ENV, HEARTBEAT_SECONDS))
     jax.distributed.initialize(
@@ -105,7 +108,29 @@ def run_group(argv: list[str], processes: int, port: int | None = None) -> int:
         time.sleep(0.1)
 
 
+def follow(flow_run_id: str | None = None) -> int:
+    """Run a follower of a learner whose leader is a flow run of a ``learner/REGION``
+    deployment (its process 0, on another node): the same flow with the same parameters,
+    read from that flow run (``PREFECT__FLOW_RUN_ID``, which Prefect sets in every pod
+    or process of the flow run's job), as a flow run of its own, once. The leader's flow
+    run ends after the same rounds (the group's decisions agree), and so does this one."""
+    from prefect import get_client
+
+    from flows.learner import learner_flow
+
+    flow_run_id = flow_run_id or os.environ.get("PREFECT__FLOW_RUN_ID")
+    if not flow_run_id:
+        raise ValueError("a follower needs the leader's flow run: set PREFECT__FLOW_RUN_ID")
+    with get_client(sync_client=True) as client:
+        parameters = client.read_flow_run(flow_run_id).parameters
+    join()
+    learner_flow(**parameters)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and sys.argv[1:2] == ["follow"]:
+        return follow(sys.argv[2] if len(sys.argv) > 2 else None)
     parser = argparse.ArgumentParser(prog="python -m flows.hosts")
     parser.add_argument("--processes", type=int, required=True)
     parser.add_argument("--port", type=int, default=None)

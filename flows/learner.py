@@ -37,6 +37,7 @@ from diloco.loops import Clock, GlobalView, LearnerLoop, WallClock, drive
 from diloco.outer import Contribution
 from diloco.topology import learner_id, learner_index
 from diloco.transport import StoreLearnerView
+from flows.hosts import join as join_group
 from flows.observe import artifact_key, run_logger, tag_flow_run, worker_tags
 from flows.run import bucket_store, build_model, config_from_spec, reader
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV
@@ -619,10 +620,14 @@ def learner_flow(
     bounded number of rounds; returns ``{"done": bool, "step": int, ...}``."""
     log = get_run_logger()
     tag_flow_run(worker_tags(run, region, f"learner:{index}"))
+    join_group()  # one of a learner's N processes (flows.hosts): join the others first
     lid = learner_id(index)
     fresh = (run, region, lid) not in _RUNTIMES
     rt = runtime(run, bucket, region, lid, pipeline)
     rt.loop.log = rt.io.log = rt.log = log
+    if fresh and rt.processes > 1:
+        log.info("this is process %d of the %d of learner %s (%s)", jax.process_index(),
+                 rt.processes, rt.label, "it writes" if rt.leader else "process 0 writes")  # fmt: skip
     if fresh:
         log.info("learner %s resumes from %s (step %d of %d, generation %d)",
                  rt.label, rt.resumed_from, rt.step, rt.loop.total_steps,
