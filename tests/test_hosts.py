@@ -82,6 +82,25 @@ def _contributions(name: str, bucket: str, lid: str) -> dict[tuple[int, int], di
     return out
 
 
+class _Restored:
+    def __init__(self, step: int, opt_state):
+        import jax
+
+        self.step = step
+        self.leaves = [np.asarray(x) for x in jax.tree.leaves(opt_state)]
+
+
+def _checkpoint(name: str, bucket: str, lid: str) -> _Restored:
+    """The learner's newest checkpoint, restored on this process's devices."""
+    from flows.run import bucket_store, build_model, config_from_spec
+
+    spec = RunStore(name, {"us": bucket}, "us").read_spec()
+    cfg = config_from_spec(spec)
+    build_model(cfg)
+    ckpt = bucket_store(name, {"us": bucket}, spec, cfg, lid, home="us").load_checkpoint(lid)
+    return _Restored(ckpt.step, ckpt.opt_state)
+
+
 @pytest.mark.slow
 def test_a_learner_over_two_processes_sends_what_one_process_sends(tmp_path, monkeypatch):
     """The same run trained by one learner as 2 processes x 2 devices, 1 x 4 and 1 x 1:
@@ -90,7 +109,7 @@ def test_a_learner_over_two_processes_sends_what_one_process_sends(tmp_path, mon
     and processes differ in their last bits (1.2e-7 at most, seen), against outer
     gradients up to ~8e-3. Followers that trained on other data, or missed an update,
     would differ by far more."""
-    found = {}
+    found, ckpts = {}, {}
     for processes, devices in ((2, 2), (1, 4), (1, 1)):
         name = f"p{processes}d{devices}"
         bucket, lid, pipeline, _ = _run(tmp_path, name)
@@ -99,6 +118,7 @@ def test_a_learner_over_two_processes_sends_what_one_process_sends(tmp_path, mon
             monkeypatch.setenv(key, value)
         assert run_group(command, processes) == 0, name
         found[name] = _contributions(name, bucket, lid)
+        ckpts[name] = _checkpoint(name, bucket, lid)
     two, four, one = found["p2d2"], found["p1d4"], found["p1d1"]
     assert sorted(two) == sorted(four) == sorted(one) == [(0, 1), (0, 3), (1, 2), (1, 4)]
     largest = 0.0
@@ -110,6 +130,15 @@ def test_a_learner_over_two_processes_sends_what_one_process_sends(tmp_path, mon
                     np.testing.assert_allclose(value, other[key][n], atol=1e-6, rtol=0)
                     largest = max(largest, float(np.abs(value).max()))
     assert largest > 1e-3  # they trained: the gradients are far above the tolerance
+    # The checkpoints written over 4 devices (2 processes, or 1) restore in this process,
+    # on fewer devices, and hold one optimizer state.
+    import jax
+
+    assert jax.device_count() < 4
+    assert {c.step for c in ckpts.values()} == {STEPS}
+    for other in ("p1d4", "p1d1"):
+        for a, b in zip(ckpts["p2d2"].leaves, ckpts[other].leaves, strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-4)
 
 
 def _alive(pid: int) -> bool:
