@@ -59,6 +59,10 @@ def join(env: os._Environ[str] | dict[str, str] = os.environ) -> int:
     if not 0 <= int(index) < count:
         raise ValueError(f"{PROCESS_ID_ENV}={index} is not in 0..{count - 1}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices only
+    # One CPU computation at a time: dispatched ahead, a train step's all-reduce and the
+    # next broadcast ran at once on the CPU client's threads, in different orders in the
+    # processes, and deadlocked (seen under load). GPUs keep their streams' order.
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
     heartbeat = int(env.get(HEARTBEAT_ENV, HEARTBEAT_SECONDS))
     jax.distributed.initialize(
         coordinator, count, int(index), heartbeat_timeout_seconds=heartbeat,

@@ -439,6 +439,13 @@ class LearnerRuntime:
             def place(tree: Any) -> Any:
                 return jax.device_put(tree, trainer.replicated)
 
+            # The leader reads a checkpoint as host arrays (ReplicatedTransport places it
+            # in every process): a computation on the mesh in one process only would wait
+            # for the others forever. The template is made by all, in the same order.
+            template = hosts.host_tree(
+                trainer.init_opt_state(trainer.place_params(self.model.init))
+            )
+            self.store.place, self.store.opt_template = (lambda host: host), (lambda: template)
             self.io = hosts.ReplicatedTransport(io(view) if self.leader else None, place)
         self.records: list[records.Record] = []
         self.loop, self.resumed_from = LearnerLoop.start(
