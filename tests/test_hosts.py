@@ -3,7 +3,8 @@ processes joined by ``jax.distributed`` on loopback, each with its own CPU devic
 (``--xla_force_host_platform_device_count``), over a real file:// bucket.
 
 - 2 processes x 2 devices train what 1 process x 4 devices and 1 x 1 do: the same
-  contributions, to float tolerance;
+  contributions, to float tolerance; started again, it restores its checkpoint, and
+  that checkpoint restores on fewer devices too;
 - `diloco train` with ``pipeline.learner_processes=2``: one of a learner's processes
   killed once its first contribution is committed restarts the whole learner, which
   rejoins and trains on as one learner (one id, no seq reused, one generation per start).
