@@ -338,6 +338,19 @@ class PipelineConfig(_Strict):
         "learner of diloco train sleeps to emulate the slower chip",
     )
     checkpoint_every: PositiveInt = Field(50, description="inner steps between learner checkpoints")
+    learner_processes: PositiveInt = Field(
+        1,
+        description="processes per learner, joined by jax.distributed (diloco.hosts); "
+        "diloco train starts each learner as this many local processes, one learner to the "
+        "syncers, restarted as a whole when one of them dies",
+    )
+    learner_coordinator_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="with learner_processes > 1: the port of learner m's coordinator is "
+        "this plus m; null: a free port, picked at each start",
+    )
     round_steps: PositiveInt = Field(50, description="inner steps per round (one Prefect task run)")
     rounds_per_flow_run: PositiveInt = Field(
         20, description="a learner flow run ends after this many rounds"

@@ -37,8 +37,13 @@ JaxParams = dict[str, jax.Array]
 def to_host(array: jax.Array) -> np.ndarray:
     """The one way the learner's device arrays reach the host (a contribution's codes, a
     fragment's values, a checkpoint's leaf): a single tensor at a time, never a tree.
-    A learner spanning several processes gathers here what one process cannot address."""
-    return np.asarray(jax.device_get(array))
+    One that spans several processes (a learner over several hosts) is gathered from
+    all of them (a collective: every process calls it at the same point)."""
+    if getattr(array, "is_fully_addressable", True) or array.is_fully_replicated:
+        return np.asarray(jax.device_get(array))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
 def to_device(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -170,7 +175,9 @@ class InnerTrainer:
                 f"batch of {batch.shape[0]} sequences does not split over "
                 f"{len(self.devices)} devices; use a batch size divisible by the device count"
             )
-        return jax.device_put(batch, self.batch_sharding)
+        # Each process places only its devices' rows: over several processes (hosts)
+        # the array is one global batch, every process holding the same host batch.
+        return jax.make_array_from_callback(batch.shape, self.batch_sharding, lambda i: batch[i])
 
     def step(
         self, params: JaxParams, opt_state: optax.OptState, batch: np.ndarray, position: float

@@ -573,6 +573,12 @@ def worker_commands(
         index = str(learner_index(learner))
         argv = [*base, "learner", "--run", run, "--bucket", regions[region], "--region", region,
                 "--index", index, "--pipeline", pipeline]  # fmt: skip
+        group = cfg.pipeline.learner_processes
+        if group > 1:  # one learner, N processes, started and restarted together
+            port = cfg.pipeline.learner_coordinator_port
+            where = ["--port", str(port + int(index))] if port else []
+            argv = [WORKER_COMMAND[0], "-m", "flows.hosts", "--processes", str(group), *where,
+                    "--", *argv]  # fmt: skip
         out.append((f"learner {region}/{index}", argv, (learner, region, [])))
     return out
 

@@ -25,17 +25,19 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import jax
 import numpy as np
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from diloco import records
+from diloco import hosts, records
 from diloco.learner import LearnerCheckpoint
 from diloco.loops import Clock, GlobalView, LearnerLoop, WallClock, drive
 from diloco.outer import Contribution
 from diloco.topology import learner_id, learner_index
 from diloco.transport import StoreLearnerView
+from flows.hosts import join as join_group
 from flows.observe import artifact_key, run_logger, tag_flow_run, worker_tags
 from flows.run import bucket_store, build_model, config_from_spec, reader
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV
@@ -377,7 +379,7 @@ def warm_up(run: str, bucket: str, region: str) -> None:
     corpus. A spare does it while it waits, so a learner that takes over from a killed one
     starts training seconds sooner."""
     cfg = config_from_spec(RunStore(run, {region: bucket}, region).read_spec())
-    compile_step(build_model(cfg), cfg)
+    compile_step(build_model(cfg, learner=True), cfg)
     reader(cfg, 0)  # the corpus, read and split once per process
 
 
@@ -408,22 +410,44 @@ class LearnerRuntime:
                 f"the run has {spec['learners']}"
             )
         self.cfg = config_from_spec(spec, pipeline)
-        self.model = build_model(self.cfg)
+        self.model = build_model(self.cfg, learner=True)
         self.run, self.region, self.id = run, region, learner
         self.index = learner_index(learner)
         self.label = f"{region}/{self.index}"
-        self.store = bucket_store(run, {region: bucket}, spec, self.cfg, learner, home=region)
+        self.store = bucket_store(run, {region: bucket}, spec, self.cfg, learner, home=region,
+                                  model=self.model)  # fmt: skip
+        # Over several processes (diloco.hosts) process 0 leads: it alone writes to the
+        # bucket, and the others take what it read.
+        self.leader, self.processes = hosts.is_leader(), hosts.process_count()
         # Fence off any older process of this learner before reading what it left.
-        self.generation = wait_for_space(lambda: self.store.claim_generation(learner), region,
-                                         f"the start of {learner}", self.log)  # fmt: skip
+        self.generation = hosts.broadcast_object(
+            wait_for_space(lambda: self.store.claim_generation(learner), region,
+                           f"the start of {learner}", self.log) if self.leader else None
+        )  # fmt: skip
         self._progress: dict[str, Any] | None = None  # what a predecessor reported
         self.announce("compiling")
         self._compile()
         self.announce("resuming")
         opts, view = self.cfg.pipeline, StoreLearnerView(self.store, learner)
-        self.io = io(view) if io else BackgroundIO(view, len(self.model.plan), opts.poll_seconds,
-                                                   opts.upload_retries, self.log,
-                                                   opts.stall_seconds)  # fmt: skip
+        io = io or (lambda view: BackgroundIO(view, len(self.model.plan), opts.poll_seconds,
+                                              opts.upload_retries, self.log,
+                                              opts.stall_seconds))  # fmt: skip
+        if self.processes == 1:
+            self.io = io(view)
+        else:  # every process sees what the leader's transport answers (diloco.hosts)
+            trainer = self.model.trainer
+
+            def place(tree: Any) -> Any:  # each leaf onto its (FSDP) sharding
+                return jax.tree.map(trainer.place, tree)
+
+            # The leader reads a checkpoint as host arrays (ReplicatedTransport places it
+            # in every process): a computation on the mesh in one process only would wait
+            # for the others forever. The template is made by all, in the same order.
+            template = hosts.host_tree(
+                trainer.init_opt_state(trainer.place_params(self.model.init))
+            )
+            self.store.place, self.store.opt_template = (lambda host: host), (lambda: template)
+            self.io = hosts.ReplicatedTransport(io(view) if self.leader else None, place)
         self.records: list[records.Record] = []
         self.loop, self.resumed_from = LearnerLoop.start(
             learner, self.model.trainer, self.model.plan, reader(self.cfg, self.index),
@@ -460,15 +484,20 @@ class LearnerRuntime:
         one was given up for dead while it was only cut off): two processes of one id
         would race for its sequence numbers and mix its checkpoints. Its uploads may have
         found out first (``BackgroundIO.fenced``)."""
+        reason = self._fenced() if self.leader else None
+        reason = hosts.broadcast_object(reason)  # the group stops as one
+        if reason is not None:
+            raise Fenced(reason)
+
+    def _fenced(self) -> str | None:
         refused = getattr(self.io, "fenced", None)
         if refused is not None:
-            raise Fenced(f"{self.id}: another process runs as this learner: {refused}")
+            return f"{self.id}: another process runs as this learner: {refused}"
         newest = self.store.writer_for(self.id).newest_generation(self.id)
         if newest > self.generation:
-            raise Fenced(
-                f"{self.id}: another process took over as generation {newest} (this "
-                f"one is generation {self.generation}); this one stops"
-            )
+            return (f"{self.id}: another process took over as generation {newest} (this "
+                    f"one is generation {self.generation}); this one stops")  # fmt: skip
+        return None
 
     def train_round(self) -> dict[str, Any]:
         """One round of the core loop on the wall clock; returns its table row."""
@@ -497,6 +526,8 @@ class LearnerRuntime:
             "seconds": round(seconds, 3),
         }  # fmt: skip
         del self.records[:first]  # rows keep what the UI shows; memory stays flat
+        if not self.leader:
+            return row
         try:  # the history (storage_layout.history) is news, not state: never fatal
             entry = {**row, "time": time.time(), "generation": self.generation,
                      "region": self.region}  # fmt: skip
@@ -518,6 +549,8 @@ class LearnerRuntime:
     def announce(self, state: str) -> None:
         """Say in the status object which start-up phase this process is in (the launcher
         shows it), keeping the progress an earlier process of this learner reported."""
+        if not self.leader:
+            return
         writer = self.store.writer_for(self.id)
         try:
             if self._progress is None:  # read once: the phases after it keep the same
@@ -535,6 +568,8 @@ class LearnerRuntime:
                      final: bool = False) -> None:  # fmt: skip
         """The status object; ``final``: the "done" the syncers end on, which is state,
         not news: a write that fails for good raises (the process is started again)."""
+        if not self.leader:
+            return
         record = {
             "state": state, "region": self.region, "step": self.step,
             "total_steps": self.loop.total_steps, "budget_tokens": self.cfg.budget.tokens,
@@ -593,10 +628,14 @@ def learner_flow(
     bounded number of rounds; returns ``{"done": bool, "step": int, ...}``."""
     log = get_run_logger()
     tag_flow_run(worker_tags(run, region, f"learner:{index}"))
+    join_group()  # one of a learner's N processes (flows.hosts): join the others first
     lid = learner_id(index)
     fresh = (run, region, lid) not in _RUNTIMES
     rt = runtime(run, bucket, region, lid, pipeline)
     rt.loop.log = rt.io.log = rt.log = log
+    if fresh and rt.processes > 1:
+        log.info("this is process %d of the %d of learner %s (%s)", jax.process_index(),
+                 rt.processes, rt.label, "it writes" if rt.leader else "process 0 writes")  # fmt: skip
     if fresh:
         log.info("learner %s resumes from %s (step %d of %d, generation %d)",
                  rt.label, rt.resumed_from, rt.step, rt.loop.total_steps,
@@ -630,7 +669,7 @@ def learner_flow(
                      rt.loop.run_steps(), rt.cfg.budget_steps, rt.loop.total_steps)  # fmt: skip
     else:
         rt.write_status("paused")
-    if rows:
+    if rows and rt.leader:
         create_table_artifact(
             rows,
             key=artifact_key(run, rt.id, "rounds"),

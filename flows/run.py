@@ -112,12 +112,15 @@ def _model(cfg_json: str, fsdp: int) -> Model:
 _BUILDING = threading.Lock()
 
 
-def build_model(cfg: RunConfig) -> Model:
+def build_model(cfg: RunConfig, learner: bool = False) -> Model:
     """The model of ``cfg``, built once per process (a spare's warm-up thread and the
-    worker it becomes share it: the second caller waits for the first)."""
+    worker it becomes share it: the second caller waits for the first). A ``learner``'s
+    trainer is sharded over its devices as ``pipeline.fsdp`` says; everyone else (the
+    launcher, syncers, tools) keeps parameters whole, whatever devices it has."""
     with _BUILDING:
         run = cfg.model_copy(update={"pipeline": type(cfg.pipeline)()})
-        return _model(run.model_dump_json(), cfg.pipeline.fsdp)  # the mesh is operational
+        fsdp = cfg.pipeline.fsdp if learner else 1  # the mesh is operational
+        return _model(run.model_dump_json(), fsdp)
 
 
 def corpus(cfg: RunConfig) -> None:
@@ -221,9 +224,11 @@ def bucket_store(
     cfg: RunConfig,
     writer: str,
     home: str | None = None,
+    model: Model | None = None,
 ) -> BucketStore:
-    """The run's store as ``writer`` sees it from ``home`` (default: the syncers')."""
-    model = build_model(cfg)
+    """The run's store as ``writer`` sees it from ``home`` (default: the syncers'); a
+    learner passes its ``model``, whose trainer places what it reads on its mesh."""
+    model = model or build_model(cfg)
     trainer = model.trainer
     return BucketStore(
         run, regions, home or home_region(regions), spec["learners"], cfg.topology.global_dtype,

@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt  # the learner flow checkpoints on its way out
 
     signal.signal(signal.SIGTERM, interrupted)
+    if args.role == "learner":  # one of a learner's several processes: join the others
+        from flows.hosts import join
+
+        join()
     try:
         while True:
             if args.role == "learner":

@@ -212,8 +212,13 @@ def test_a_mesh_that_does_not_fit_is_refused_by_name():
         InnerTrainer(codec, cfg.inner, 10, fsdp=3)  # conftest: 2 CPU devices
     assert InnerTrainer(codec, cfg.inner, 10, fsdp=-1).fsdp == 2
     # the setting reaches the learners' trainer; the run's model stays the same
-    sharded = build_model(load_config("tiny", overrides=["pipeline.fsdp=2"]))
+    sharded = build_model(load_config("tiny", overrides=["pipeline.fsdp=2"]), learner=True)
     assert sharded.trainer.fsdp == 2 and build_model(cfg).trainer.fsdp == 1
+    # ... and only theirs: the launcher and syncers keep parameters whole on any machine
+    wide = load_config("tiny", overrides=["pipeline.fsdp=4"])
+    assert build_model(wide).trainer.fsdp == 1
+    with pytest.raises(ValueError, match=r"pipeline.fsdp=4 does not divide"):
+        build_model(wide, learner=True)
     kernel = sharded.trainer.place(sharded.init["blocks.0.down.kernel"])
     assert [s.data.shape for s in kernel.addressable_shards] == [(128, 64)] * 2
     with pytest.raises(ValueError, match="fsdp=0"):

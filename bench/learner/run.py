@@ -54,7 +54,7 @@ regions = {"us": "file://" + folder}
 spec = initialize_run(RunStore("bench", regions, "us", writer="launcher"), cfg)
 lid = next(iter(spec["learners"]))
 rt = LearnerRuntime("bench", regions["us"], "us", lid, cfg.pipeline.model_dump())
-model = build_model(cfg)
+model = build_model(cfg, learner=True)
 trainer, r = model.trainer, reader(cfg, 0)
 params = trainer.place_params(model.init)
 opt = trainer.init_opt_state(params)
