@@ -73,6 +73,13 @@ class ModelConfig(_Strict):
     tie_embeddings: bool = Field(
         True, description="llama: the output head is the token embedding (false: its own)"
     )
+    attention: Literal["auto", "xla", "cudnn"] = Field(
+        "auto",
+        description="llama: the attention kernel; auto: cuDNN's fused (flash) attention on a "
+        "GPU computing in bfloat16, XLA's elsewhere; xla: scores materialized by XLA, on any "
+        "device; cudnn: the fused kernel, NVIDIA GPUs and bfloat16 only. The same function "
+        "to rounding: learners on different chips may use different kernels",
+    )
     # Bring your own model (diloco/model.py: create_model). Part of the run spec: every
     # learner, syncer and launcher imports it, so it must be importable on every node.
     factory: str | None = Field(
@@ -122,6 +129,22 @@ class ModelConfig(_Strict):
             )
         return self
 
+    def attention_kernel(self, platform: str) -> str:
+        """``attention`` on a device of ``platform`` (``jax.default_backend()``): "auto" is
+        cuDNN's fused attention where it runs (a GPU, bf16 compute, a head dimension it
+        takes), which keeps no ``[heads, time, time]`` scores and skips the masked half;
+        XLA's elsewhere. A "cudnn" the device cannot run is refused by name."""
+        fits = self.compute_dtype == "bfloat16" and self.head_dim % 8 == 0 and self.head_dim <= 128
+        if self.attention == "cudnn" and not (platform == "gpu" and fits):
+            raise ConfigError(
+                "model.attention=cudnn needs an NVIDIA GPU, model.compute_dtype=bfloat16 and "
+                f"a head dimension that is a multiple of 8 up to 128; this is {platform}, "
+                f"{self.compute_dtype}, head dimension {self.head_dim} (use model.attention=auto)"
+            )
+        if self.attention == "auto":
+            return "cudnn" if platform == "gpu" and fits else "xla"
+        return self.attention
+
     @property
     def num_kv_heads(self) -> int:
         return self.kv_heads or self.heads
@@ -146,6 +169,7 @@ LLAMA_FIELDS = (
     "compute_dtype",
     "remat",
     "tie_embeddings",
+    "attention",
 )
 
 

@@ -70,6 +70,7 @@ def _residual_std(cfg: ModelConfig) -> float:
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.num_kv_heads, cfg.head_dim
+        self.impl = cfg.attention_kernel(jax.default_backend())
         self.q_proj = _linear(cfg, cfg.width, cfg.heads * cfg.head_dim, rngs)
         self.k_proj = _linear(cfg, cfg.width, self.kv_heads * cfg.head_dim, rngs)
         self.v_proj = _linear(cfg, cfg.width, self.kv_heads * cfg.head_dim, rngs)
@@ -82,7 +83,7 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(b, t, self.kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # K kv heads serve N query heads (N % K == 0): grouped-query attention.
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.impl)
         return self.o_proj(y.reshape(b, t, self.heads * self.head_dim))
 
 

@@ -22,9 +22,10 @@ Activations are those a step keeps for its backward pass, per token:
 - Llama, per block, in the compute dtype: the block's input, both norms' outputs, q, k
   and v before and after the rotation, the attention output, the residual
   (``8 * width + 4 * kv_width``, ``kv_width = kv_heads * head_dim``) and the SwiGLU's
-  gate, up, ``silu(gate)`` and their product (``4 * hidden``); plus, float32, the
-  attention's logits and probabilities, ``2 * heads * context`` (XLA's attention; a
-  fused GPU attention keeps none, so this part is an upper bound there). With
+  gate, up, ``silu(gate)`` and their product (``4 * hidden``); plus, with XLA's
+  attention, the float32 logits and probabilities, ``2 * heads * context``, which
+  cuDNN's fused attention (``model.attention``, the default on a GPU in bf16) does not
+  keep: it keeps a float32 log-sum-exp per head, ``heads``. With
   ``remat`` a block keeps only its input, and one block's full set lives at a time
   while it is recomputed;
 - both: the output logits, their softmax and its gradient, ``3 * vocab_size`` float32
@@ -93,26 +94,35 @@ def param_count(m: ModelConfig) -> int:
     return m.vocab_size * m.width + head + m.depth * block + m.width
 
 
-def activation_bytes_per_token(m: ModelConfig, remat: bool | None = None) -> int:
+def activation_bytes_per_token(
+    m: ModelConfig, remat: bool | None = None, platform: str = "gpu"
+) -> int:
     """What a step keeps per token for its backward pass (the module docstring);
-    ``remat`` overrides the config's."""
+    ``remat`` overrides the config's; ``platform`` decides the attention kernel."""
     logits = 3 * m.vocab_size * FLOAT
     if m.arch == "byte":
         block = ((10 + 2 * m.mlp_ratio) * m.width + 4 * m.heads * m.context) * FLOAT
         return m.depth * block + logits
     size = 2 if m.compute_dtype == "bfloat16" else 4
     kv = m.num_kv_heads * m.head_dim
-    block = (8 * m.width + 4 * kv + 4 * m.ffn_size) * size + 2 * m.heads * m.context * FLOAT
+    fused = m.attention_kernel(platform) == "cudnn"
+    scores = m.heads if fused else 2 * m.heads * m.context
+    block = (8 * m.width + 4 * kv + 4 * m.ffn_size) * size + scores * FLOAT
     if m.remat if remat is None else remat:
         return m.depth * m.width * size + block + logits
     return m.depth * block + logits
 
 
 def learner_memory(
-    cfg: RunConfig, num_params: int, devices: int = 1, remat: bool | None = None
+    cfg: RunConfig,
+    num_params: int,
+    devices: int = 1,
+    remat: bool | None = None,
+    platform: str = "gpu",
 ) -> MemoryEstimate:
     """The memory one learner of ``cfg`` needs per device, for a model of ``num_params``
-    parameters sharded (with its optimizer state and batch) over ``devices`` devices;
+    parameters sharded (with its optimizer state and batch) over ``devices`` devices of
+    ``platform`` (``jax.default_backend()``: the attention kernel depends on it);
     ``remat`` overrides ``model.remat`` (the Llama's)."""
     m = cfg.model
     tokens = math.ceil(cfg.data.batch_size / devices) * m.context
@@ -123,7 +133,7 @@ def learner_memory(
         optimizer=2 * weights,
         gradients=weights,
         copies=weights,
-        activations=tokens * activation_bytes_per_token(m, remat),
+        activations=tokens * activation_bytes_per_token(m, remat, platform),
         runtime=RUNTIME_BYTES,
         compute_copies=weights // 2 if bf16 else 0,
     )
@@ -160,7 +170,7 @@ def measure_step(preset: str, batch_size: int) -> dict[str, float]:
         params, opt, loss = trainer.step(params, opt, batch.astype(np.int32), 1.0)
     jax.block_until_ready(loss)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    est = learner_memory(cfg, codec.num_params)
+    est = learner_memory(cfg, codec.num_params, platform=jax.default_backend())
     del anchors
     return {"params": codec.num_params, "peak_gb": peak / 1e9, "estimate_gb": est.total / 1e9,
             "activations_gb": est.activations / 1e9}  # fmt: skip

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
+from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -219,6 +220,7 @@ def test_config_errors_name_the_field():
     assert "even head dimension" in error(*SMALL, "model.width=20", "model.heads=4")
     assert "model.kv_heads is a field of model.arch 'llama'" in error("model.kv_heads=2")
     assert "model.remat is a field" in error("model.remat=true")
+    assert "model.attention is a field" in error("model.attention=xla")
     assert "model.compute_dtype" in error(*SMALL, "model.compute_dtype=float16")
     assert "model.arch" in error("model.arch=gpt")
     # Today's configs and stored specs (every field dumped, or none of the new ones) load
@@ -331,8 +333,10 @@ def test_memory_estimate_of_the_llama_presets(capsys):
     assert one.optimizer == 2 * one.parameters and one.compute_copies == one.parameters // 2
     assert eight.parameters == pytest.approx(one.parameters / 8, rel=1e-6)
     assert eight.activations == pytest.approx(one.activations / 8, rel=1e-6)
-    assert activation_bytes_per_token(cfg.model, remat=False) > 3 * activation_bytes_per_token(
-        cfg.model, remat=True
+    xla = {remat: activation_bytes_per_token(cfg.model, remat, "cpu") for remat in (False, True)}
+    assert xla[False] > 3 * xla[True]  # XLA's attention keeps [heads, time, time] scores
+    assert activation_bytes_per_token(cfg.model, False) > activation_bytes_per_token(
+        cfg.model, True
     )
     assert main(["plan", "memory", "--preset", "llama-8b", "--devices", "1", "8"]) == 0
     out = capsys.readouterr().out
@@ -340,6 +344,35 @@ def test_memory_estimate_of_the_llama_presets(capsys):
     assert main(["config", "show", "--preset", "llama-1b"]) == 0
     err = " ".join(capsys.readouterr().err.split())
     assert "model: 1,235,814,400 parameters; one learner on one device needs about" in err
+
+
+def test_the_attention_kernel_follows_the_device_and_dtype():
+    """auto: cuDNN's fused attention on a GPU in bf16 (a head dimension it takes), XLA's
+    on a CPU or in float32; a cudnn the device cannot run is refused by name; a model
+    built here (CPU) runs XLA's; the fused kernel keeps no scores, so a GPU learner's
+    estimate is smaller by exactly them."""
+    from diloco.llama import Llama
+    from diloco.memory import FLOAT, activation_bytes_per_token
+
+    gpu = load_config("llama-150m").model
+    assert gpu.attention == "auto"
+    assert gpu.attention_kernel("gpu") == "cudnn" and gpu.attention_kernel("cpu") == "xla"
+    assert gpu.model_copy(update={"attention": "xla"}).attention_kernel("gpu") == "xla"
+    tiny = load_config("llama-tiny").model  # float32: XLA's everywhere
+    assert tiny.attention_kernel("gpu") == "xla"
+    wide = gpu.model_copy(update={"width": 4096, "heads": 16, "kv_heads": 4})  # head 256
+    assert wide.attention_kernel("gpu") == "xla"
+    for m, platform in ((gpu, "cpu"), (tiny, "gpu"), (wide, "gpu")):
+        with pytest.raises(ConfigError, match=r"model\.attention=cudnn needs an NVIDIA GPU"):
+            m.model_copy(update={"attention": "cudnn"}).attention_kernel(platform)
+    assert Llama(tiny, nnx.Rngs(0)).layers[0].attn.impl == "xla"
+    scores = activation_bytes_per_token(gpu, False, "cpu") - activation_bytes_per_token(
+        gpu, False, "gpu"
+    )
+    assert scores == gpu.depth * (2 * gpu.heads * gpu.context - gpu.heads) * FLOAT
+    assert activation_bytes_per_token(tiny, False, "cpu") == activation_bytes_per_token(
+        tiny, False, "gpu"
+    )
 
 
 def test_a_run_on_a_prepared_data_set_exports_its_tokenizer(tmp_path, capsysbinary):

@@ -107,7 +107,7 @@ def main() -> int:
     for p in pairs:
         p["ratio"] = p["learner"] / p["bare"]
     cfg = load_config(args.preset)
-    estimate = learner_memory(cfg, param_count(cfg.model)).total
+    estimate = learner_memory(cfg, param_count(cfg.model), platform="cpu").total
     ratio = statistics.median(p["ratio"] for p in pairs)
     best = {k: max(p[k] for p in pairs) for k in ("bare", "learner")}
     med = {k: statistics.median(p[k] for p in pairs) for k in ("bare", "learner")}
