@@ -6,11 +6,13 @@ llama-tiny run goes through the codec, fragments and trainer."""
 import contextlib
 import io
 import json
+from functools import partial
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import safetensors.numpy
 from flax import nnx
@@ -208,6 +210,37 @@ def test_bf16_compute_keeps_fp32_parameters_and_trains():
     assert all(v.dtype == jnp.float32 for v in params.values())
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(opt) if x.ndim)
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_bf16_heads_backward_runs_in_bf16_to_autodiffs_gradient(tied):
+    """In bf16 the output head's backward matmuls take bf16 operands (autodiff would
+    give them the float32 logits' gradient: float32 matmuls over the vocabulary); the
+    gradient is autodiff's to bf16 rounding (relative 2e-2), the logits the same."""
+    from diloco import llama
+
+    x = jax.random.normal(jax.random.key(0), (2, 16, 64), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (512, 64) if tied else (64, 512), jnp.bfloat16)
+    labels = jax.random.randint(jax.random.key(2), (2, 16), 0, 512)
+
+    def loss(head, x, w):
+        logits = head(x, w, tied)
+        assert logits.dtype == jnp.float32
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    ours = jax.grad(partial(loss, llama.head_logits), argnums=(0, 1))
+    plain = jax.grad(partial(loss, llama._head), argnums=(0, 1))
+    for a, b in zip(ours(x, w), plain(x, w), strict=True):
+        assert a.dtype == b.dtype == jnp.bfloat16
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
+    assert np.array_equal(llama.head_logits(x, w, tied), llama._head(x, w, tied))
+    dots = [e for e in jax.make_jaxpr(ours)(x, w).jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 3  # the forward's and the backward's two
+    assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+    autodiff = jax.make_jaxpr(plain)(x, w).jaxpr.eqns
+    assert any(v.aval.dtype == jnp.float32 for e in autodiff if e.primitive.name == "dot_general"
+               for v in e.invars)  # fmt: skip
 
 
 def test_config_errors_name_the_field():
