@@ -256,7 +256,7 @@ def test_the_pipeline_with_sharded_learners_merges_what_the_simulator_merges(tmp
     run_pipeline_runtimes("eq", b, sharded)
     sa, sb = RunStore("eq", a, "us"), RunStore("eq", b, "us")
     learners = config_from_spec(sb.read_spec(), sharded.pipeline.model_dump())
-    trainer = build_model(learners).trainer  # the one the learners trained with (cached)
+    trainer = build_model(learners, learner=True).trainer  # the learners' own (cached)
     assert trainer.fsdp == 2 and trainer._train_step._cache_size() == 1
     worst = 0.0
     for p in range(cfg.topology.fragments):
