@@ -362,6 +362,12 @@ class PipelineConfig(_Strict):
         "learner of diloco train sleeps to emulate the slower chip",
     )
     checkpoint_every: PositiveInt = Field(50, description="inner steps between learner checkpoints")
+    preempt_seconds: PositiveFloat = Field(
+        30.0,
+        description="a learner told it will be preempted (SIGTERM) stops after its step, "
+        "sends every fragment's unsent steps and checkpoints; what is not written within "
+        "this many seconds is abandoned, named in its log (a spot notice gives 30 s to 2 min)",
+    )
     learner_processes: PositiveInt = Field(
         1,
         description="processes per learner, joined by jax.distributed (diloco.hosts); "

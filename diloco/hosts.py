@@ -139,10 +139,11 @@ class ReplicatedTransport:
     def sent_so_far(self) -> tuple[int, int]:
         return tuple(broadcast_object(self.inner.sent_so_far() if self.inner else None))
 
-    def flush(self) -> None:
-        if self.inner is not None:
-            self.inner.flush()
+    def flush(self, timeout: float | None = None) -> bool:
+        """The leader waits for its writes; the others have none (no collective here: a
+        process may flush alone, on its way out)."""
+        return self.inner.flush(timeout) if self.inner is not None else True
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         if self.inner is not None:
-            self.inner.close()
+            self.inner.close(wait)

@@ -366,6 +366,20 @@ class LearnerLoop:
             if self.sync:
                 yield from self._wait_for_answers()
 
+    def send_pending(self) -> list[int]:
+        """Before this learner leaves (preempted): send every fragment holding steps that
+        no send has carried yet, so that nothing it trained is lost; a rejoining learner
+        starts after them (``start``: the newest committed send's step). Returns the
+        fragments sent. Sends from one anchor are cumulative: the syncer merges only what
+        a fragment's earlier send from that anchor did not carry."""
+        lrn, sent = self.learner, []
+        loss = self.losses[-1] if self.losses else float("nan")
+        for p, frag in enumerate(lrn.fragments):
+            if frag.steps > 0 and frag.sent_at_step != lrn.step:
+                self.send(p, loss)
+                sent.append(p)
+        return sent
+
     def send(self, p: int, loss: Any) -> None:
         c = self.learner.contribute(p)
         self.transport.send(c)

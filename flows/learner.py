@@ -17,12 +17,16 @@ training never waits on the network in ``decoupled`` mode.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
+import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Any, TypeVar
 
 import jax
@@ -349,13 +353,20 @@ class BackgroundIO:
                     now - since,
                 )
 
-    def flush(self) -> None:
-        """Wait for every upload and checkpoint queued so far."""
-        self.jobs.submit(lambda: None).result()
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for every upload and checkpoint queued so far, at most ``timeout`` seconds;
+        returns whether they were all written (or dropped, logged) by then."""
+        try:
+            self.jobs.submit(lambda: None).result(timeout=timeout)
+        except FuturesTimeout:
+            return False
+        return True
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stop both threads; without ``wait``, drop the jobs not yet started (a preempted
+        learner past its deadline: what they would write is named in its log)."""
         self.stop.set()
-        self.jobs.shutdown(wait=True)
+        self.jobs.shutdown(wait=wait, cancel_futures=not wait)
         self.poller.join(timeout=5)
 
 
@@ -506,7 +517,10 @@ class LearnerRuntime:
         traffic = self.store.traffic
         up, down, start_step = traffic.uploaded, traffic.downloaded, self.step
         start = time.perf_counter()
-        drive(self.loop.run(self.cfg.pipeline.round_steps), self.cfg.pipeline.poll_seconds)
+        # Told it will be preempted, a learner of one process stops after its step; one
+        # of several processes stops at the round's end (the group decides as one).
+        stop = PREEMPTED.is_set if self.processes == 1 else None
+        drive(self.loop.run(self.cfg.pipeline.round_steps), self.cfg.pipeline.poll_seconds, stop)
         losses = [float(x) for x in self.loop.losses]  # waits for the device
         seconds = time.perf_counter() - start
         self.train_seconds += seconds
@@ -545,6 +559,40 @@ class LearnerRuntime:
         self.loop.checkpoint()
         if wait:
             self.io.flush()
+
+    def preempting(self) -> bool:
+        """Whether this learner was told it will be preempted (``PREEMPTED``: SIGTERM to a
+        worker); over several processes, as process 0 was told: the group leaves as one."""
+        if self.processes == 1:
+            return PREEMPTED.is_set()
+        return bool(hosts.broadcast_object(PREEMPTED.is_set() if self.leader else None))
+
+    def leave(self) -> dict[str, Any]:
+        """Preempted: send every fragment's unsent steps (``LearnerLoop.send_pending``),
+        checkpoint, and wait at most ``pipeline.preempt_seconds`` for both to be written,
+        so that nothing trained is lost and the learner rejoins where it stopped. What is
+        still unwritten at the deadline is abandoned, named in the log (a rejoining
+        learner then starts after the newest send that did commit, as after a kill)."""
+        started = time.monotonic()
+        sent = self.loop.send_pending()
+        self.loop.checkpoint()
+        written = self.io.flush(self.cfg.pipeline.preempt_seconds)
+        seconds = time.monotonic() - started
+        if written:
+            self.log.warning(
+                "preempted: learner %s sent fragments %s and checkpointed at step %d in "
+                "%.1f s; it rejoins from there", self.label, sent, self.step, seconds,
+            )  # fmt: skip
+        else:
+            self.log.error(
+                "preempted: learner %s could not write its sends of fragments %s and its "
+                "checkpoint at step %d within pipeline.preempt_seconds (%.0f s); what is "
+                "unwritten is abandoned and a restart resumes after its newest committed "
+                "send", self.label, sent, self.step, self.cfg.pipeline.preempt_seconds,
+            )  # fmt: skip
+        self.write_status("preempted")
+        self.io.close(wait=written)
+        return {"step": self.step, "sent": sent, "written": written, "seconds": seconds}
 
     def announce(self, state: str) -> None:
         """Say in the status object which start-up phase this process is in (the launcher
@@ -594,6 +642,38 @@ class LearnerRuntime:
 
 
 _RUNTIMES: dict[tuple[str, str, str], LearnerRuntime] = {}  # this process's learner
+# Set when this process is told it will be preempted (the first SIGTERM: ``take_sigterm``);
+# a signal is the process's, so the flag is too.
+PREEMPTED = threading.Event()
+
+
+def take_sigterm() -> None:
+    """Take a first SIGTERM as a preemption notice (a spot notice, a pod deleted, the
+    launcher gone): set ``PREEMPTED``, so the learner finishes its step, sends what it
+    trained, checkpoints and leaves (``LearnerRuntime.leave``). A second SIGTERM goes to
+    the handler this one replaces: inside a flow run, Prefect's, which stops the run at
+    once (``TerminationSignal``); in the worker between runs, a ``KeyboardInterrupt``.
+
+    Called by the worker and again at the start of each learner flow run: Prefect's flow
+    engine installs its own SIGTERM handler for the run (and restores the one before it
+    after), which would otherwise raise wherever the learner is, mid-step included."""
+    try:
+        before = signal.getsignal(signal.SIGTERM)
+    except ValueError:  # not the main thread: signals are not ours to take
+        return
+
+    def notice(signum: int, frame: Any) -> None:
+        if not PREEMPTED.is_set():
+            PREEMPTED.set()
+            print("SIGTERM: the learner sends what it trained, checkpoints and leaves "
+                  "(again: stop at once)", file=sys.stderr, flush=True)  # fmt: skip
+            return
+        if callable(before):
+            before(signum, frame)
+        raise KeyboardInterrupt
+
+    with contextlib.suppress(ValueError):
+        signal.signal(signal.SIGTERM, notice)
 
 
 def runtime(
@@ -627,6 +707,7 @@ def learner_flow(
     """Train learner ``index`` of ``run`` in ``region`` (whose bucket is ``bucket``) for a
     bounded number of rounds; returns ``{"done": bool, "step": int, ...}``."""
     log = get_run_logger()
+    take_sigterm()  # in place of the flow engine's handler, for this run
     tag_flow_run(worker_tags(run, region, f"learner:{index}"))
     join_group()  # one of a learner's N processes (flows.hosts): join the others first
     lid = learner_id(index)
@@ -649,9 +730,13 @@ def learner_flow(
     rows: list[dict[str, Any]] = []
     try:
         for _ in range(rt.cfg.pipeline.rounds_per_flow_run):
-            if rt.finished:
+            if rt.finished or rt.preempting():
                 break
             rows.append(train_round(rt, f"learner {rt.label} round {rt.round}"))
+        if not rt.finished and rt.preempting():
+            left = rt.leave()
+            _RUNTIMES.pop((run, region, lid), None)
+            return {"done": False, "preempted": True, "rounds": len(rows), **left}
         # Once: a shared budget may end between two looks, and "done" must follow the
         # final checkpoint and every upload before it (the syncers end on it).
         finished = rt.finished

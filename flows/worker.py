@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt  # the learner flow checkpoints on its way out
 
     signal.signal(signal.SIGTERM, interrupted)
+    if args.role == "learner":  # a first SIGTERM is a preemption notice (take_sigterm)
+        from flows.learner import take_sigterm
+
+        take_sigterm()
     if args.role == "learner":  # one of a learner's several processes: join the others
         from flows.hosts import join
 
@@ -98,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                 result = run_linked(syncer_flow, params, os.environ, tags)
             if result["done"]:
                 return 0
+            if result.get("preempted"):
+                return 128 + signal.SIGTERM  # it left as told: ended by SIGTERM, cleanly
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -175,6 +175,70 @@ def test_a_learner_killed_before_its_first_checkpoint_rejoins_after_its_sends(ti
     assert max(seqs) == resumed_seq + 1 > sent_seq
 
 
+def test_a_preempted_learner_sends_what_it_trained_and_rejoins_where_it_stopped(tiny_run):
+    """``send_pending`` sends every fragment holding steps no send carried (cumulative
+    from its anchor), once; the restart resumes at that step, reusing no seq and
+    skipping no batch: nothing trained is lost, as it is after a kill."""
+    cfg, regions, spec, model = tiny_run
+    clock = VirtualClock()
+    loop, _, _ = _learner(cfg, regions, spec, model, clock)
+    for request in loop.run(23):  # sends every 5 steps, the last at step 20
+        assert request is STEP
+    unsent = [p for p, f in enumerate(loop.learner.fragments) if f.sent_at_step != 23]
+    assert unsent == list(range(len(model.plan)))  # no global answered: all hold steps
+    assert loop.send_pending() == unsent
+    assert loop.send_pending() == []  # nothing left to send
+    assert all(f.sent_at_step == 23 for f in loop.learner.fragments)
+    seq = loop.learner.seq
+    again, source, _ = _learner(cfg, regions, spec, model, clock)
+    assert (again.learner.step, again.learner.reader.position) == (23, 23)
+    assert "sends up to step 23 " in source and again.learner.seq >= seq
+    reread = RunStore("r", regions, "us")
+    for p in unsent:
+        assert seq - len(unsent) < max(reread.contribution_seqs("learner-0", p, "us")) <= seq
+
+
+def test_a_preempted_learner_runtime_stops_after_its_step_and_leaves_within_its_deadline(
+    tiny_run,
+):
+    """Told it will be preempted (``PREEMPTED``, the worker's first SIGTERM) mid-round,
+    the pipeline's learner stops after the step it is in, sends, checkpoints, says
+    "preempted" in its status, and its next process resumes at that step."""
+    from flows.learner import PREEMPTED
+
+    _, regions, spec, model = tiny_run
+    lid = "learner-0"
+    region = spec["learners"][lid]
+    pipeline = {"round_steps": 20, "preempt_seconds": 60}
+
+    class NoticeAt(WallClock):  # the notice comes at the run's own step 7
+        steps = 0
+
+        def stepped(self, started, result):
+            NoticeAt.steps += 1
+            if NoticeAt.steps == 7:
+                PREEMPTED.set()
+
+    try:
+        rt = LearnerRuntime("r", regions[region], region, lid, pipeline, clock=NoticeAt())
+        row = rt.train_round()
+        assert row["steps"] == 7 and rt.preempting()
+        left = rt.leave()
+    finally:
+        PREEMPTED.clear()
+    assert left["step"] == 7 and left["written"] and left["sent"] == list(range(len(model.plan)))
+    store = RunStore("r", regions, region)
+    assert store.checkpoint_steps(lid) == [7]
+    assert store.read_metrics(lid)["state"] == "preempted"
+    again = LearnerRuntime("r", regions[region], region, lid, pipeline)
+    try:
+        assert (
+            again.step == 7 and "checkpoint at step 7 and sends up to step 7 " in again.resumed_from
+        )
+    finally:
+        again.close()
+
+
 def test_background_io_survives_a_corrupt_global_version(tiny_run, caplog):
     """A version that does not verify is reported once and skipped; the poller goes on
     and takes the next one (before, it ended the thread and the learner never took a new

@@ -37,6 +37,7 @@ from diloco.outer import Contribution
 from diloco.quantize import quantize
 from diloco.tensors import materialize
 from diloco.topology import learner_index
+from diloco.transport import StoreLearnerView
 from flows import bucket_io
 from flows.bucket_io import SEQ_BLOCK, contribution_meta
 from flows.cli import main as cli_main
@@ -731,6 +732,48 @@ def test_a_crash_looping_worker_is_given_up_by_name_and_not_waited_for(tmp_path,
         give_up(store, lid, "test")
     syncer.transport._given_up_read = -math.inf  # (it reads the launcher's status every 5 s)
     assert syncer.transport.learners_finished()
+
+
+@pytest.mark.slow
+def test_a_learner_worker_told_it_is_preempted_sends_checkpoints_and_leaves(tmp_path, prefect_api):
+    """SIGTERM to a learner's worker process (a spot notice, a pod deleted): it finishes
+    its step, sends every fragment's unsent steps, checkpoints at that step, says
+    "preempted" and exits with 128 + SIGTERM; a second process would resume there. The
+    notice comes from the run's own progress: once the learner's first send commits."""
+    cfg = tiny(50_000_000)  # far more than the test trains: it never finishes
+    regions = {"us-east": f"file://{tmp_path / 'us'}"}
+    (tmp_path / "us").mkdir()
+    store = RunStore("pre", regions, "us-east")
+    spec = initialize_run(store, cfg)
+    lid = next(iter(spec["learners"]))
+    pipeline = json.dumps({**cfg.pipeline.model_dump(), "preempt_seconds": 60})
+    argv = [*WORKER_COMMAND, "learner", "--run", "pre", "--bucket", regions["us-east"],
+            "--region", "us-east", "--index", str(learner_index(lid)), "--pipeline", pipeline]  # fmt: skip
+    log = tmp_path / "learner.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=child_env())
+    try:
+        deadline = time.monotonic() + 300  # a guard against a hang, not a measure
+        plan = range(cfg.topology.fragments)
+        while not any(store.contribution_seqs(lid, p, "us-east") for p in plan):
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert code == 128 + signal.SIGTERM, text[-3000:]
+    status = store.read_metrics(lid)
+    assert status["state"] == "preempted", status
+    step = status["step"]
+    assert store.checkpoint_steps(lid)[-1] == step, text[-3000:]
+    assert f"checkpointed at step {step}" in text and "preempted: learner" in text
+    # Every fragment's newest send was made at that step: nothing it trained is lost.
+    view = StoreLearnerView(bucket_store("pre", regions, spec, cfg, lid, home="us-east"), lid)
+    assert view.sent_so_far()[1] == step
 
 
 def test_watching_the_workers_arms_no_asynchronous_timeout(prefect_api, monkeypatch):
