@@ -311,6 +311,12 @@ class Failure(_Strict):
     learner: Annotated[int, Field(ge=0)] = Field(description="the learner's index (0-based)")
     at: Fraction = Field(description="when it fails, as a share of the run's tokens")
     duration: Fraction = Field(description="how long it stays down, as a share of the tokens")
+    notice: bool = Field(
+        False,
+        description="a preemption with notice (a spot VM's SIGTERM): the learner sends what it "
+        "trained and checkpoints before it goes, as a preempted pipeline learner does; "
+        "false: a kill, losing the steps since its newest sends and checkpoint",
+    )
 
 
 class BudgetConfig(_Strict):
@@ -338,7 +344,8 @@ class SimConfig(_Strict):
     )
     # (``sim.speeds`` is the old name of ``pipeline.speeds``: still read, moved there.)
     failures: tuple[Failure, ...] = Field(
-        (), description='learner outages: [{"learner": 3, "at": 0.3, "duration": 0.25}]'
+        (),
+        description='learner outages: [{"learner": 3, "at": 0.3, "duration": 0.25}] (add "notice": true for a preemption with notice)',
     )
     bandwidth_gbps: PositiveFloat = Field(
         1.0, description="per learner, between its region and the syncer"

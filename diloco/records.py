@@ -99,8 +99,10 @@ def rejected(learner: str, fragment: int, seq: int, reason: str, time: float) ->
     }  # fmt: skip
 
 
-def failure(learner: str, step: int, time: float) -> Record:
-    return {"event": "failure", "time": time, "learner": learner, "step": step}
+def failure(learner: str, step: int, time: float, notice: bool = False) -> Record:
+    """A learner went down at ``step``; with ``notice`` (preempted) after sending what it
+    had trained (``LearnerLoop.send_pending``) and checkpointing."""
+    return {"event": "failure", "time": time, "learner": learner, "step": step, "notice": notice}
 
 
 def rejoin(learner: str, step: int, lost_steps: int, resumed_from: str, time: float) -> Record:

@@ -333,18 +333,25 @@ class Scheduler:
 
 
 def _failure_schedule(
-    cfg: RunConfig, clock: VirtualClock, fail: Callable[[int], None], rejoin: Callable[[int], None]
+    cfg: RunConfig,
+    clock: VirtualClock,
+    fail: Callable[[int, bool], None],
+    rejoin: Callable[[int], None],
 ) -> Iterator[Request]:
-    """Kills and rejoins at the configured fractions of the nominal run time."""
+    """Kills (or preemptions with notice) and rejoins at the configured fractions of the
+    nominal run time."""
     nominal = cfg.steps_per_learner * cfg.sim.step_seconds
     events = sorted(
-        [(f.at * nominal, 0, f.learner) for f in cfg.sim.failures]
-        + [((f.at + f.duration) * nominal, 1, f.learner) for f in cfg.sim.failures]
+        [(f.at * nominal, 0, f.learner, f.notice) for f in cfg.sim.failures]
+        + [((f.at + f.duration) * nominal, 1, f.learner, False) for f in cfg.sim.failures]
     )
-    for at, kind, learner in events:
+    for at, kind, learner, notice in events:
         if at > clock.now():
             yield Wait(at - clock.now())
-        (fail if kind == 0 else rejoin)(learner)
+        if kind == 0:
+            fail(learner, notice)
+        else:
+            rejoin(learner)
 
 
 class _Fleet:
@@ -373,12 +380,18 @@ class _Fleet:
         self.sched.start(lid, loop.run())
         return source
 
-    def fail(self, i: int) -> None:
+    def fail(self, i: int, notice: bool = False) -> None:
+        """Learner ``i`` goes down where its loop stands; with ``notice`` (preempted), it
+        first sends what it trained and checkpoints, as a pipeline learner does."""
         lid = self.ids[i]
         if lid in self.ended or not self.sched.stop(lid):
             return  # done already: nothing to lose
-        self.down[i] = self.loops[lid].learner.step
-        self.run.metrics.append(records.failure(lid, self.down[i], self.clock.now()))
+        loop = self.loops[lid]
+        if notice:
+            loop.send_pending()
+            loop.checkpoint()
+        self.down[i] = loop.learner.step
+        self.run.metrics.append(records.failure(lid, self.down[i], self.clock.now(), notice))
 
     def rejoin(self, i: int) -> None:
         if i not in self.down:

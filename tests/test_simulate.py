@@ -103,6 +103,27 @@ def test_failure_and_rejoin():
     assert result.summary["goodput"] > dp["goodput"]  # one failure stops all of dp
 
 
+def test_a_preemption_with_notice_loses_no_step():
+    """A learner preempted with notice (``"notice": true``) sends what it trained and
+    checkpoints before it goes, through the loop the pipeline runs: its rejoin loses no
+    step, and each fragment's last send before it went was made at the failure's step."""
+    over = [
+        "budget.tokens=160000",
+        "sim.eval_points=2",
+        "topology.tau=1",
+        'sim.failures=[{"learner": 1, "at": 0.25, "duration": 0.5, "notice": true}]',
+        "pipeline.checkpoint_every=1000",  # no checkpoint would save it otherwise
+    ]
+    result = simulate(load_config("tiny", mode="decoupled", overrides=over))
+    failure, rejoin = (m for m in result.metrics if m["event"] in ("failure", "rejoin"))
+    assert failure["notice"] and rejoin["lost_steps"] == 0
+    before = [m for m in result.metrics if m["event"] == "sent" and m["learner"] == "learner-1"
+              and m["time"] <= failure["time"]]  # fmt: skip
+    last = {m["fragment"]: m["step"] for m in before}
+    assert last and set(last.values()) == {failure["step"]}
+    assert len(last) == load_config("tiny").topology.fragments
+
+
 def test_time_to_loss_interpolates():
     evals = [{"time": 0.0, "loss": 5.0}, {"time": 10.0, "loss": 3.0}, {"time": 20.0, "loss": 2.0}]
     assert time_to_loss(evals, 4.0) == pytest.approx(5.0)
