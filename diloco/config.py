@@ -369,6 +369,12 @@ class PipelineConfig(_Strict):
         "learner of diloco train sleeps to emulate the slower chip",
     )
     checkpoint_every: PositiveInt = Field(50, description="inner steps between learner checkpoints")
+    member_timeout: PositiveFloat = Field(
+        600.0,
+        description="a learner whose status object has not changed for this many seconds (as "
+        "a syncer sees it; a live learner writes one each round) is not counted towards the "
+        "quorum until it writes again; one that said it was preempted, at once",
+    )
     preempt_seconds: PositiveFloat = Field(
         30.0,
         description="a learner told it will be preempted (SIGTERM) stops after its step, "

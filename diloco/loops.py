@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,7 +35,13 @@ from diloco.learner import Learner, LearnerCheckpoint
 from diloco.model import is_embedding
 from diloco.outer import Contribution, FlatParams
 from diloco.quantize import payload_bytes
-from diloco.syncer import FragmentSyncer, GlobalVersion, estimate_step_seconds, grace_window
+from diloco.syncer import (
+    FragmentSyncer,
+    GlobalVersion,
+    estimate_step_seconds,
+    grace_window,
+    member_quorum,
+)
 from diloco.syncer import quorum_met as _quorum_met
 from diloco.tensors import as_tensors
 
@@ -208,6 +214,10 @@ class SyncerTransport(Protocol):
 
     def learners_finished(self) -> bool:
         """Every learner is done and all its contributions are readable."""
+
+    def members(self) -> Collection[str]:
+        """The learners counted towards the quorum now (``member_quorum``): the run's
+        learners less those known to be gone."""
 
     def tend(self) -> None:
         """Housekeeping between two looks (catch up lagging regions, retention)."""
@@ -637,15 +647,19 @@ class SyncerLoop:
         """Fragments to merge now: quorum met and the grace window over. ``finishing`` (every
         learner is done): whatever is pending, at once: nothing more will come."""
         now, out = self.clock.now(), []
+        quorum = member_quorum(self.cfg.quorum, len(self.transport.members()))
         for p, syncer in self.syncers.items():
             if p in self.unloaded:
                 continue
             if finishing and syncer.pending:
                 out.append(p)
                 continue
-            if not _quorum_met(syncer.present, self.cfg.quorum):
-                continue
             clock = self.clocks[p]
+            if not _quorum_met(syncer.present, quorum):
+                # A member that came back raises the quorum: its grace window starts
+                # again once the quorum is met (a stale deadline would spin the loop).
+                clock.merge_at = None
+                continue
             if clock.merge_at is None:
                 est = estimate_step_seconds(syncer.pending.values(), self.step_seconds[p])
                 self.step_seconds[p] = est

@@ -366,6 +366,11 @@ class _Fleet:
         self.loops: dict[str, LearnerLoop] = {}
         self.ended: dict[str, float] = {}  # learner -> when its loop ended
         self.down: dict[int, int] = {}  # learner index -> its step when it failed
+        self.syncers: list[str] = []  # told when a learner goes: their quorum follows
+
+    def members(self) -> list[str]:
+        """The learners that are not down (the syncers' quorum: ``member_quorum``)."""
+        return [lid for i, lid in enumerate(self.ids) if i not in self.down]
 
     def finished(self) -> bool:
         return len(self.ended) == len(self.ids) and not self.down
@@ -392,6 +397,8 @@ class _Fleet:
             loop.checkpoint()
         self.down[i] = loop.learner.step
         self.run.metrics.append(records.failure(lid, self.down[i], self.clock.now(), notice))
+        for s in self.syncers:  # one fewer member: a merge may be due now
+            self.sched.notify(s, self.clock.now())
 
     def rejoin(self, i: int) -> None:
         if i not in self.down:
@@ -442,12 +449,14 @@ def _simulate_loops(
         owner=lambda p: f"syncer-{shard_of(p, shards)}",
         notify=sched.notify,
         finished=fleet.finished,
+        members=fleet.members,
     )  # fmt: skip
     emit = run.metrics.append
     syncers = {
         f"syncer-{s}": SyncerLoop(cfg, shard_fragments(s, shards, len(plan)), ids, net, clock, emit)
         for s in range(shards)
     }
+    fleet.syncers = list(syncers)
 
     def global_params() -> dict:
         flat = {n: v for s in syncers.values() for f in s.syncers.values()

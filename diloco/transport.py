@@ -16,7 +16,7 @@ they take to travel.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -315,11 +315,13 @@ class SimulatedNetwork:
         owner: Callable[[int], str],
         notify: Callable[[str, float], None],
         finished: Callable[[], bool],
+        members: Callable[[], Collection[str]] | None = None,
     ):
         self.store, self.clock, self.sim = store, clock, sim
         self.global_bytes = list(global_bytes)
         self.learners = list(learners)
         self.owner, self.notify, self.finished = owner, notify, finished
+        self._members = members or (lambda: self.learners)
         self.arrival: dict[tuple[str, int, int], float] = {}  # (learner, fragment, seq)
         self.last_arrival = 0.0
         # fragment -> [(time available to learners, version)]; version 0 always is.
@@ -365,6 +367,10 @@ class SimulatedNetwork:
 
     def learners_finished(self) -> bool:
         return self.finished() and self.last_arrival <= self.clock.now()
+
+    def members(self) -> Collection[str]:
+        """The scheduler's learners that are not down (``members``; all by default)."""
+        return self._members()
 
     def tend(self) -> None:
         pass

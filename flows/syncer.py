@@ -55,8 +55,13 @@ class PipelineSyncerTransport:
     def __init__(self, store: BucketStore, fragments: list[int], keep_versions: int,
                  window: int, log: Any, tokens: int | None = None,
                  retention_seconds: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+                 clock: Callable[[], float] = time.monotonic,
+                 member_timeout: float = 600.0):  # fmt: skip
         self.store, self.fragments = store, fragments
+        self.member_timeout = member_timeout
+        self._members: list[str] = list(store.learners)
+        self._members_read = -math.inf
+        self._heard: dict[str, tuple[Any, float]] = {}  # learner -> (its status, first seen)
         # Retention's own cadence (``pipeline.retention_seconds``): a pass after a
         # publish once this long has gone by since the last (or the start), whatever
         # keep_versions is, so its LIST requests do not grow with the publish rate.
@@ -129,6 +134,49 @@ class PipelineSyncerTransport:
                 return False
             self.done.add(learner)
         return True
+
+    def members(self) -> list[str]:
+        """The learners counted towards the quorum (``member_quorum``), read at most every
+        5 s: all of the run's but one whose status says it was preempted, one whose status
+        has not changed for ``pipeline.member_timeout`` seconds of this syncer's clock (no
+        clock of another machine is compared; a done learner stays counted, as before),
+        and one the launcher gave up. A status that cannot be read leaves its learner
+        counted: a storage hiccup drops nobody."""
+        now = self.clock()
+        if now - self._members_read < 5.0:
+            return self._members
+        self._members_read = now
+        members = []
+        for learner, region in self.store.learners.items():
+            gone = self._gone(learner, region, now)
+            if gone is None and not self._given_up(learner):
+                members.append(learner)
+            was = learner in self._members
+            if gone is not None and was:
+                self.log.warning("learner %s is not counted towards the quorum: %s", learner,
+                                 gone)  # fmt: skip
+            elif gone is None and not was and learner not in self.given_up:
+                self.log.warning("learner %s is counted towards the quorum again", learner)
+        self._members = members
+        return members
+
+    def _gone(self, learner: str, region: str, now: float) -> str | None:
+        """Why ``learner`` is not a member now, or None."""
+        try:
+            status = self.store.main.read_metrics(learner, region) or {}
+        except (OSError, ValueError):
+            return None
+        key = (status.get("state"), status.get("time"), status.get("step"))
+        heard = self._heard.get(learner)
+        if heard is None or heard[0] != key:
+            heard = self._heard[learner] = (key, now)
+        if status.get("state") == "preempted":
+            return "it was preempted (it counts again when it writes a new status)"
+        silent = now - heard[1]
+        if status.get("state") != "done" and silent > self.member_timeout:
+            return (f"no new status for {silent:.0f} s (pipeline.member_timeout "
+                    f"{self.member_timeout:.0f} s)")  # fmt: skip
+        return None
 
     def _given_up(self, learner: str) -> bool:
         """Whether the launcher gave ``learner`` up (read at most every 5 s)."""
@@ -219,7 +267,7 @@ class SyncerRuntime:
         self.transport = PipelineSyncerTransport(
             store, self.fragments, self.cfg.pipeline.keep_versions or self.cfg.kept_versions,
             self.cfg.outer.max_staleness, self.log, self.cfg.budget.tokens,
-            self.cfg.pipeline.retention_seconds,
+            self.cfg.pipeline.retention_seconds, member_timeout=self.cfg.pipeline.member_timeout,
         )  # fmt: skip
         self.transport.on_published = self.report
         self.records: list[records.Record] = []

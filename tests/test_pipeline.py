@@ -776,6 +776,48 @@ def test_a_learner_worker_told_it_is_preempted_sends_checkpoints_and_leaves(tmp_
     assert view.sent_so_far()[1] == step
 
 
+def test_the_syncers_members_follow_the_learners_statuses(tmp_path, caplog):
+    """A syncer counts towards the quorum every learner but one whose status says it was
+    preempted, one whose status has not changed for pipeline.member_timeout seconds of
+    the syncer's own clock (a done one excepted), and one given up; each comes back when
+    it writes again, and each change is logged once."""
+    _, regions, _, _ = _local_run(tmp_path, "members")
+    syncer = SyncerRuntime("members", regions, "us-east", 0, 2, {"member_timeout": 100})
+    transport, now = syncer.transport, [0.0]
+    transport.clock = lambda: now[0]
+    spec = RunStore("members", regions, "us-east").read_spec()
+    writers = {
+        lid: RunStore("members", regions, r, writer=lid) for lid, r in spec["learners"].items()
+    }
+
+    def status(lid: str, state: str) -> None:
+        writers[lid].write_metrics(lid, {"state": state, "time": now[0], "step": int(now[0])})
+
+    def look(after: float) -> list[str]:
+        now[0] += after
+        return transport.members()
+
+    everyone = sorted(spec["learners"])
+    for lid in everyone:
+        status(lid, "training")
+    assert sorted(look(0)) == everyone
+    status("learner-1", "preempted")
+    assert sorted(look(1)) == everyone  # read at most every 5 s
+    assert "learner-1" not in look(5)
+    status("learner-3", "done")
+    for _ in range(3):  # learner-0 writes each round; learner-2 stops writing
+        status("learner-0", "training")
+        members = look(40)
+    assert sorted(members) == ["learner-0", "learner-3"]  # done: counted, as before
+    status("learner-1", "training")
+    status("learner-2", "training")
+    assert sorted(look(5)) == everyone
+    text = caplog.text
+    assert "learner-1 is not counted towards the quorum: it was preempted" in text
+    assert "learner-2 is not counted towards the quorum: no new status for 1" in text
+    assert text.count("learner-2 is counted towards the quorum again") == 1
+
+
 def test_watching_the_workers_arms_no_asynchronous_timeout(prefect_api, monkeypatch):
     """Defect: every run ended with "RuntimeError: release unlocked lock". The watch loop
     polled ``prefect.futures.wait(timeout=...)``, which arms an alarm (or a watcher

@@ -124,6 +124,28 @@ def test_a_preemption_with_notice_loses_no_step():
     assert len(last) == load_config("tiny").topology.fragments
 
 
+@pytest.mark.parametrize("mode", ["diloco", "decoupled"])
+def test_the_quorum_follows_the_members_while_a_learner_is_down(mode):
+    """Quorum K = M: while learner 1 is down the other three are the members, so their
+    versions go on without it (it used to hold every merge until it came back); once it
+    rejoins, its contributions are merged again."""
+    over = [
+        "budget.tokens=160000",
+        "sim.eval_points=2",
+        "topology.tau=1",
+        "topology.quorum=4",
+        'sim.failures=[{"learner": 1, "at": 0.2, "duration": 0.5}]',
+    ]
+    result = simulate(load_config("tiny", mode=mode, overrides=over))
+    failure, rejoin = (m for m in result.metrics if m["event"] in ("failure", "rejoin"))
+    versions = [m for m in result.metrics if m["event"] == "version"]
+    down = [v for v in versions if failure["time"] < v["time"] < rejoin["time"]]
+    assert len(down) >= 2 * load_config("tiny").topology.fragments, len(down)
+    assert not any(k.startswith("learner-1/") for v in down[1:] for k in v["weights"])
+    after = [v for v in versions if v["time"] > rejoin["time"]]
+    assert any(k.startswith("learner-1/") for v in after for k in v["weights"])
+
+
 def test_time_to_loss_interpolates():
     evals = [{"time": 0.0, "loss": 5.0}, {"time": 10.0, "loss": 3.0}, {"time": 20.0, "loss": 2.0}]
     assert time_to_loss(evals, 4.0) == pytest.approx(5.0)
