@@ -650,29 +650,22 @@ PREEMPTED = threading.Event()
 def take_sigterm() -> None:
     """Take a first SIGTERM as a preemption notice (a spot notice, a pod deleted, the
     launcher gone): set ``PREEMPTED``, so the learner finishes its step, sends what it
-    trained, checkpoints and leaves (``LearnerRuntime.leave``). A second SIGTERM goes to
-    the handler this one replaces: inside a flow run, Prefect's, which stops the run at
-    once (``TerminationSignal``); in the worker between runs, a ``KeyboardInterrupt``.
+    trained, checkpoints and leaves (``LearnerRuntime.leave``). A second SIGTERM stops it
+    at once: a ``KeyboardInterrupt``, on which the learner flow checkpoints and ends.
 
     Called by the worker and again at the start of each learner flow run: Prefect's flow
     engine installs its own SIGTERM handler for the run (and restores the one before it
-    after), which would otherwise raise wherever the learner is, mid-step included."""
-    try:
-        before = signal.getsignal(signal.SIGTERM)
-    except ValueError:  # not the main thread: signals are not ours to take
-        return
+    after), which would raise ``TerminationSignal`` wherever the learner is, mid-step
+    included, and end the run without a checkpoint."""
 
     def notice(signum: int, frame: Any) -> None:
-        if not PREEMPTED.is_set():
-            PREEMPTED.set()
-            print("SIGTERM: the learner sends what it trained, checkpoints and leaves "
-                  "(again: stop at once)", file=sys.stderr, flush=True)  # fmt: skip
-            return
-        if callable(before):
-            before(signum, frame)
-        raise KeyboardInterrupt
+        if PREEMPTED.is_set():
+            raise KeyboardInterrupt
+        PREEMPTED.set()
+        print("SIGTERM: the learner sends what it trained, checkpoints and leaves "
+              "(again: stop at once)", file=sys.stderr, flush=True)  # fmt: skip
 
-    with contextlib.suppress(ValueError):
+    with contextlib.suppress(ValueError):  # not the main thread: not ours to take
         signal.signal(signal.SIGTERM, notice)
 
 

@@ -75,14 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt  # the learner flow checkpoints on its way out
 
     signal.signal(signal.SIGTERM, interrupted)
-    if args.role == "learner":  # a first SIGTERM is a preemption notice (take_sigterm)
+    if args.role == "learner":
+        from flows.hosts import join
         from flows.learner import take_sigterm
 
-        take_sigterm()
-    if args.role == "learner":  # one of a learner's several processes: join the others
-        from flows.hosts import join
-
-        join()
+        take_sigterm()  # a first SIGTERM is a preemption notice: send, checkpoint, leave
+        join()  # one of a learner's several processes: join the others
     try:
         while True:
             if args.role == "learner":
