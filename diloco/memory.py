@@ -94,6 +94,20 @@ def param_count(m: ModelConfig) -> int:
     return m.vocab_size * m.width + head + m.depth * block + m.width
 
 
+def model_flops_per_token(m: ModelConfig) -> int:
+    """Model FLOPs a Llama's training step spends per token, ``6 N + 12 L d T`` (PaLM,
+    appendix B): N the parameters of the matmuls (every block's kernels and the output
+    head: the token table itself when tied; not an untied embedding table, a lookup, nor
+    the norms' scales), L layers, d width, T context. What MFU counts: remat's
+    recomputation is not in it."""
+    if m.arch != "llama":
+        raise ValueError(f"model FLOPs are counted for model.arch 'llama', not {m.arch!r}")
+    lookup = 0 if m.tie_embeddings else m.vocab_size * m.width
+    norms = m.width * (2 * m.depth + 1)
+    matmuls = param_count(m) - lookup - norms
+    return 6 * matmuls + 12 * m.depth * m.width * m.context
+
+
 def activation_bytes_per_token(
     m: ModelConfig, remat: bool | None = None, platform: str = "gpu"
 ) -> int:

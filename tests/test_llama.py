@@ -379,6 +379,22 @@ def test_memory_estimate_of_the_llama_presets(capsys):
     assert "model: 1,235,814,400 parameters; one learner on one device needs about" in err
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_model_flops_count_every_matmul_and_no_lookup(tied):
+    """MFU's model FLOPs (``6 N + 12 L d T``) against the built model's own tensors: N is
+    every kernel, plus the token table when it is the head (tied), never when it is only
+    looked up (untied); the norms' scales are no matmul."""
+    from diloco.memory import model_flops_per_token
+
+    m = load_config("llama-tiny", overrides=[f"model.tie_embeddings={str(tied).lower()}"]).model
+    sizes = ParamCodec.create(m, 0)[0].sizes
+    matmuls = sum(n for name, n in sizes.items() if name.endswith(".kernel"))
+    matmuls += sizes["embed.embedding"] if tied else 0
+    assert model_flops_per_token(m) == 6 * matmuls + 12 * m.depth * m.width * m.context
+    with pytest.raises(ValueError, match="arch 'llama'"):
+        model_flops_per_token(load_config("tiny").model)
+
+
 def test_the_attention_kernel_follows_the_device_and_dtype():
     """auto: cuDNN's fused attention on a GPU in bf16 (a head dimension it takes), XLA's
     on a CPU or in float32; a cudnn the device cannot run is refused by name; a model

@@ -14,9 +14,9 @@ process on one device, both after a warm-up that compiles everything they run:
   and checkpoints, in background threads) is not here: ``bench/scale`` measures it, and
   ``bench/learner/run.py`` the whole learner over a bucket on CPU.
 
-MFU: model FLOPs per token ``6 N + 12 L d T`` (PaLM, appendix B: N the parameters of
-the matmuls, the output head included and the embedding lookup not; L layers, d width,
-T context; remat's recomputation is not counted), times tokens/s, over the device's
+MFU: model FLOPs per token (``diloco.memory.model_flops_per_token``: ``6 N + 12 L d T``,
+N the parameters of the matmuls, the output head included, the embedding lookup not;
+remat's recomputation is not counted), times tokens/s, over the device's
 dense bf16 peak from its datasheet. Beside it, the rate of a large bf16 matrix product
 measured on the same device, the practical ceiling. Memory: the device allocator's peak
 (``memory_stats``), against ``diloco.memory``'s estimate for one device.
@@ -45,15 +45,6 @@ sys.path.insert(0, str(ROOT))
 # Dense bf16 peak, FLOP/s, by the vendor's datasheet (SXM parts), keyed by the start of
 # jax's device_kind.
 PEAKS = {"NVIDIA H100": 989.4e12, "NVIDIA H200": 989.4e12, "NVIDIA A100": 312e12}
-
-
-def model_flops_per_token(m) -> float:
-    """``6 N + 12 L d T``: N the matmuls' parameters (blocks and the output head)."""
-    from diloco.memory import param_count
-
-    matmuls = param_count(m) - m.vocab_size * m.width * (1 if m.tie_embeddings else 0)
-    matmuls -= m.width * (2 * m.depth + 1)  # the norms' scales
-    return 6 * matmuls + 12 * m.depth * m.width * m.context
 
 
 def parse(spec: str) -> tuple[str, list[str]]:
@@ -165,7 +156,7 @@ def measure_one(spec: str, steps: int) -> dict:
     from diloco.inner import InnerTrainer
     from diloco.learner import Learner
     from diloco.loops import STEP, GlobalView, LearnerLoop, WallClock
-    from diloco.memory import learner_memory
+    from diloco.memory import learner_memory, model_flops_per_token
     from diloco.model import ParamCodec
 
     preset, overrides = parse(spec)
@@ -186,7 +177,8 @@ def measure_one(spec: str, steps: int) -> dict:
         return stats.get("peak_bytes_in_use")
 
     # The bare loop: compile and warm up on 3 steps, then time ``steps``.
-    reader = Batches(cfg.data.batch_size, m.context, m.vocab_size)
+    shape = (cfg.data.batch_size, m.context, m.vocab_size)
+    reader = Batches(*shape)
     params = trainer.place_params(init)
     opt = trainer.init_opt_state(params)
     started = time.perf_counter()
@@ -210,7 +202,7 @@ def measure_one(spec: str, steps: int) -> dict:
         for p, names in enumerate(plan)
     }
     echo = Echo(views)
-    learner = Learner("bench", trainer, plan, topo, init, Batches(*reader_args(cfg)))
+    learner = Learner("bench", trainer, plan, topo, init, Batches(*shape))
     loop = LearnerLoop(learner, cfg, echo, WallClock())
     for request in loop.run(1):
         assert request is STEP  # the echo never makes it wait
@@ -264,10 +256,6 @@ def measure_one(spec: str, steps: int) -> dict:
         "peak_bytes": peak(),
         "estimate_bytes": learner_memory(cfg, codec.num_params, platform=device.platform).total,
     }
-
-
-def reader_args(cfg) -> tuple[int, int, int]:
-    return cfg.data.batch_size, cfg.model.context, cfg.model.vocab_size
 
 
 def table(rows: list[dict], ceiling: float | None) -> str:
