@@ -719,11 +719,10 @@ class RunStore:
                 f"{bucket.url}/{key} holds the learner view only; the master copy and the "
                 f"optimizer state are in the syncer's home region"
             )
-        groups = read_groups(bucket, marker, key, WIRE if learner_view else ("params", "opt"))
-        source = groups["wire"] if learner_view else groups["params"]
-        params = {n: dequantize(q) for n, q in source.items()}
+        groups = read_decoded(bucket, marker, key, WIRE if learner_view else ("params", "opt"))
+        params = groups["wire"] if learner_view else groups["params"]
         opt_names = [] if learner_view else sorted(groups["opt"])
-        opt = [dequantize(groups["opt"][k]) for k in opt_names]
+        opt = [groups["opt"][k] for k in opt_names]
         return GlobalState(fragment, version, params, opt, dict(marker.meta), opt_names)
 
     def get_global_delta(
@@ -840,8 +839,7 @@ class RunStore:
     ) -> tuple[dict[str, dict[str, np.ndarray]], dict]:
         key = self.layout.checkpoint_marker(learner, step)
         marker = read_marker(self.home, key)
-        groups = read_groups(self.home, marker, key)
-        return {g: {n: dequantize(q) for n, q in t.items()} for g, t in groups.items()}, marker.meta
+        return read_decoded(self.home, marker, key), marker.meta
 
     def write_metrics(
         self, name: str, record: Mapping[str, Any], totals: Mapping[str, float] | None = None
@@ -962,6 +960,25 @@ def read_groups(
     try:
         reader = VersionReader(bucket, marker, key)
         return {g: reader.tensors(g) for g in (reader.groups() if groups is None else groups)}
+    except (FormatError, KeyError, ValueError) as exc:
+        if isinstance(exc, CorruptVersion):
+            raise
+        raise CorruptVersion(f"{key}: {exc}") from exc
+
+
+def read_decoded(
+    bucket: Bucket, marker: CommitMarker, key: str, groups: Sequence[str] | None = None
+) -> dict[str, dict[str, np.ndarray]]:
+    """``read_groups``, each tensor decoded to float32 as it arrives (while the next ones
+    are fetched), its stored form dropped at once: what is held is the float32 values."""
+    try:
+        reader = VersionReader(bucket, marker, key)
+        names = reader.groups() if groups is None else groups
+        out = {}
+        for g in names:
+            got = {n: dequantize(q) for n, q in reader.each(g)}
+            out[g] = {n: got[n] for n in reader.index(g)}  # in the group's own order
+        return out
     except (FormatError, KeyError, ValueError) as exc:
         if isinstance(exc, CorruptVersion):
             raise

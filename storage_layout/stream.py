@@ -455,10 +455,23 @@ class VersionReader:
     def tensors(self, gname: str) -> dict[str, QuantizedTensor]:
         """Every tensor of group ``gname`` whole, with its shape (as ``codec.decode``
         gives them): for groups small enough to hold."""
-        return {
-            name: dataclasses.replace(self.read(gname, name), shape=info.shape)
-            for name, info in self.index(gname).items()
-        }
+        got = dict(self.each(gname))
+        return {name: got[name] for name in self.index(gname)}
+
+    def each(self, gname: str) -> Iterator[tuple[str, QuantizedTensor]]:
+        """(name, tensor) of every tensor of group ``gname``, whole and shaped, in the
+        order they lie in the group's arrays. Each read fetches the ``parallel`` chunks
+        after it in the background, so a group of many small tensors keeps ``parallel``
+        requests in flight rather than one or two (what a store far away needs), and a
+        caller that decodes each tensor as it comes does so while the next ones arrive."""
+        index = self._group(gname).tensors
+        ahead, self.ahead = self.ahead, max(self.ahead, self.parallel)
+        try:
+            for name in sorted(index, key=lambda n: index[n].data[0]):
+                got = self.read(gname, name)
+                yield name, dataclasses.replace(got, shape=index[name].info.shape)
+        finally:
+            self.ahead = ahead
 
     def _values(self, arr: _Array, start: int, stop: int) -> np.ndarray:
         """Values [start, stop) of a plain array, chunk object by chunk object."""
