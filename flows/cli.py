@@ -819,6 +819,12 @@ def cmd_audit(args: argparse.Namespace) -> int:
     for learner, spans in sorted(report.data.items()):
         ranges = ", ".join(f"{lo}-{hi}" for lo, hi in spans)
         out.print(f"data merged from {learner} (its batches, [from, to)): {ranges}")
+    for learner, acc in sorted(report.learners.items()):
+        tokens = ", ".join(f"{k} {v:,}" for k, v in acc["tokens"].items() if v)
+        unsent = "" if acc.get("unsent") is None else f", unsent {acc['unsent']}"
+        out.print(f"learner {learner} ({acc.get('region')}): {acc.get('state') or 'no status'}; "
+                  f"batches trained {acc.get('trained')}, sent {acc.get('sent')}{unsent}; "
+                  f"tokens {tokens or 'none'}")  # fmt: skip
     for damage in report.unread_damage:
         out.print(f"[yellow]damaged, never read:[/] {damage}")
     for region, frags in report.lagging.items():

@@ -42,6 +42,13 @@ The audit reads them and checks, naming the objects that break each invariant:
   far, so each one's new tokens are its count less its predecessor's from that anchor);
   committed = merged + superseded + rejected + pending.
 
+Beside the invariants, each learner's work is accounted for (``learners``): its last
+status (``done``, ``preempted``, or a state it never left: a learner that vanished), the
+batches it trained, the batches its committed sends carry (on every fragment), and the
+tokens of its sends by outcome. ``unsent`` batches were trained but left in no send:
+lost with a learner that vanished (a preempted one sends them before it leaves, so it
+has none); ``pending`` tokens were committed and not merged when the audit ran.
+
 Regions that hold an older newest version than the home region are reported as lagging
 (not a violation: they catch up). The buckets audited are the ones given; a region of
 the run not given is read at the URL in the run's spec and said so.
@@ -119,6 +126,12 @@ class AuditReport:
     # Per learner, the data positions (batches of its stream) its merged contributions
     # trained, merged into ranges [from, to): what of its data reached the model.
     data: dict[str, list[list[int]]] = field(default_factory=dict)
+    # Per learner, its work accounted for (see the module docstring): state, trained,
+    # sent (batches), unsent, and tokens by outcome (each fragment's sends carry all of
+    # the learner's steps: the mean over fragments).
+    learners: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Per learner and fragment, the end of the data its committed sends carry.
+    _sent_to: dict[str, dict[int, int]] = field(default_factory=dict, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -134,7 +147,7 @@ class AuditReport:
             "lagging": self.lagging, "outcomes": self.outcomes, "tokens": self.tokens,
             "versions": self.versions, "objects_verified": self.objects,
             "rejections": self.rejections, "unread_damage": self.unread_damage,
-            "data": self.data,
+            "data": self.data, "learners": self.learners,
         }  # fmt: skip
 
 
@@ -157,10 +170,35 @@ def audit_run(run: str, buckets: Mapping[str, str]) -> AuditReport:
         except BucketError as exc:
             raise BucketError(f"cannot audit run {run!r}: {exc}") from exc
     learners: dict[str, str] = dict(spec.get("learners") or {})
-    for p in range(len(spec.get("fragments") or [])):
+    fragments = len(spec.get("fragments") or [])
+    for p in range(fragments):
         _audit_fragment(store, p, learners, report)
     _strangers(store, learners, report)
+    _account(store, learners, fragments, report)
     return report
+
+
+def _account(
+    store: RunStore, learners: Mapping[str, str], fragments: int, report: AuditReport
+) -> None:
+    """Each learner's work (``report.learners``): its status against what it sent."""
+    for learner, region in sorted(learners.items()):
+        try:
+            status = store.read_metrics(learner, region) or {}
+        except (OSError, ValueError):
+            status = {}
+        acc = report.learners.setdefault(learner, {"tokens": dict.fromkeys(OUTCOMES, 0)})
+        sent_to = report._sent_to.get(learner, {})
+        sent = min((sent_to.get(p, 0) for p in range(fragments)), default=0)
+        trained = int(status.get("step") or 0)
+        acc.update(
+            region=region,
+            state=status.get("state"),
+            trained=trained,
+            sent=sent,
+            unsent=max(0, trained - sent) if status else None,
+        )
+        acc["tokens"] = {k: v // max(1, fragments) for k, v in acc["tokens"].items()}
 
 
 def _strangers(store: RunStore, learners: Mapping[str, str], report: AuditReport) -> None:
@@ -202,6 +240,12 @@ def _audit_fragment(
     decide_outcomes(p, live, sent, report)
     _balance(p, live, sent, report)
     _data_once(p, sent, report)
+    for c in sent.values():
+        acc = report.learners.setdefault(c.learner, {"tokens": dict.fromkeys(OUTCOMES, 0)})
+        acc["tokens"][c.outcome] += c.new_tokens
+        if c.data is not None:
+            ends = report._sent_to.setdefault(c.learner, {})
+            ends[p] = max(ends.get(p, 0), c.data[1])
 
 
 def _home_complete(

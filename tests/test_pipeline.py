@@ -774,6 +774,15 @@ def test_a_learner_worker_told_it_is_preempted_sends_checkpoints_and_leaves(tmp_
     # Every fragment's newest send was made at that step: nothing it trained is lost.
     view = StoreLearnerView(bucket_store("pre", regions, spec, cfg, lid, home="us-east"), lid)
     assert view.sent_so_far()[1] == step
+    # The audit accounts for its work: all of it sent, none of it merged yet (no syncer
+    # ran), every committed token pending.
+    report = audit_run("pre", regions)
+    assert report.ok, report.violations
+    acc = report.learners[lid]
+    assert acc["state"] == "preempted" and acc["trained"] == acc["sent"] == step, acc
+    assert acc["unsent"] == 0, acc
+    assert acc["tokens"]["pending"] == step * cfg.tokens_per_step > 0, acc
+    assert acc["tokens"]["merged"] == 0, acc
 
 
 def test_the_syncers_members_follow_the_learners_statuses(tmp_path, caplog):
