@@ -704,7 +704,9 @@ class SyncerLoop:
 
     def _publish(self, p: int, gv: GlobalVersion) -> records.Record | None:
         syncer, now = self.syncers[p], self.clock.now()
-        record = records.version(gv, now, self.last[p])
+        members = self.transport.members()
+        quorum = member_quorum(self.cfg.quorum, len(members))
+        record = records.version(gv, now, self.last[p], members, quorum)
         if self.lost.get(p):
             record["lost_versions"] = self.lost[p]
         try:

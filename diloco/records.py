@@ -22,7 +22,7 @@ function each.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 Record = dict[str, Any]
@@ -57,13 +57,23 @@ def applied(
     }  # fmt: skip
 
 
-def version(gv: Any, time: float, before: Mapping[str, Any] | None = None) -> Record:
+def version(
+    gv: Any,
+    time: float,
+    before: Mapping[str, Any] | None = None,
+    members: Collection[str] = (),
+    quorum: int | None = None,
+) -> Record:
     """A global version (``gv`` is a ``diloco.syncer.GlobalVersion``); ``before`` is the
     previous version's record, whose running totals this one carries on. Stored as the
     meta of the version's commit marker: a restarted syncer reads its cursor and merge
-    counters back from it, and the newest version alone tells the work merged so far."""
+    counters back from it, and the newest version alone tells the work merged so far.
+    ``members`` and ``quorum``: the learners the syncer counted as members when it
+    published, and the quorum it merged under (``diloco.syncer.member_quorum``)."""
     before = before or {}
     return {
+        "members": sorted(members),
+        "quorum": quorum,
         "event": "version",
         "time": time,
         "fragment": gv.fragment,

@@ -142,8 +142,13 @@ def test_the_quorum_follows_the_members_while_a_learner_is_down(mode):
     down = [v for v in versions if failure["time"] < v["time"] < rejoin["time"]]
     assert len(down) >= 2 * load_config("tiny").topology.fragments, len(down)
     assert not any(k.startswith("learner-1/") for v in down[1:] for k in v["weights"])
+    # Each version records the members it merged under, and their quorum.
+    assert {(tuple(v["members"]), v["quorum"]) for v in down[1:]} == {
+        (("learner-0", "learner-2", "learner-3"), 3)
+    }
     after = [v for v in versions if v["time"] > rejoin["time"]]
     assert any(k.startswith("learner-1/") for v in after for k in v["weights"])
+    assert after[-1]["members"] == [f"learner-{i}" for i in range(4)] and after[-1]["quorum"] == 4
 
 
 def test_time_to_loss_interpolates():
