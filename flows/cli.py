@@ -6,6 +6,8 @@
     diloco train [--run NAME] [--dir runs] [--preset tiny] [--config run.toml]
                  [--set KEY=VALUE ...] [--tokens N] [--region NAME=URL ...]
                  [--create-buckets]
+    diloco join URL --run NAME --region R [--slot LEARNER] [--speed X]
+    diloco join-token --run NAME [--dir runs] (--learner ID ... | --learners M)
     diloco inspect URL [--run NAME] [--verify] [--json]
     diloco inspect [REGION=]URL ... --run NAME --audit [--json]
     diloco gc URL --run NAME [--keep 100] [--orphan-age 3600]
@@ -28,7 +30,9 @@ set. Run it again with the same ``--run`` to resume (from the stored spec; a lar
 folder and prints a summary table; with ``--store`` every contribution and global
 version goes through those buckets. ``inspect`` shows what a bucket holds; with
 ``--audit`` it checks a run's invariants in the buckets given (``storage_layout.audit``).
-``export``, ``eval`` and ``generate`` use a run's global model (``flows.model_io``).
+``join`` takes a vacant learner slot of a running run from its region's bucket alone
+(``flows.join``; ``join-token`` makes what a joiner needs). ``export``, ``eval`` and
+``generate`` use a run's global model (``flows.model_io``).
 ``data prepare`` tokenizes text into a data set that ``data.source`` can name
 (``diloco.dataset``; docs/data.md).
 """
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -274,6 +279,42 @@ def config_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
     return rows
 
 
+def cmd_join(args: argparse.Namespace) -> int:
+    from flows.join import become, join
+
+    try:
+        pipeline = json.loads(args.pipeline)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--pipeline is not a JSON object: {exc}") from exc
+    command, env = join(_bucket_url(args.url), args.run, args.region, args.slot, pipeline,
+                        speed=args.speed)  # fmt: skip
+    become(command, env)
+    return 1  # not reached: the learner worker runs in this process's place
+
+
+def cmd_join_token(args: argparse.Namespace) -> int:
+    from diloco.topology import learner_ids
+    from storage_layout.auth import RUN_SECRET_ENV, check_secret, join_token
+
+    path = Path(args.dir) / args.run / "run-secret"
+    if os.environ.get(RUN_SECRET_ENV):
+        secret = check_secret(os.environ[RUN_SECRET_ENV])
+    elif path.exists():
+        secret = check_secret(path.read_text().strip(), str(path))
+    else:
+        raise ConfigError(f"no run secret: set {RUN_SECRET_ENV} or give the --dir whose "
+                          f"{args.run}/run-secret `diloco train` made ({path} does not exist)")  # fmt: skip
+    if args.learner:
+        learners = list(args.learner)
+    elif args.learners:
+        learners = learner_ids(args.learners)
+    else:
+        raise ConfigError("name the slots the token opens: --learner ID (repeat) or "
+                          "--learners M for every slot of a run of M learners")  # fmt: skip
+    print(join_token(secret, args.run, learners))
+    return 0
+
+
 def cmd_config_show(args: argparse.Namespace) -> int:
     cfg = load_config(preset=args.preset, file=args.config, overrides=list(args.set or []))
     table = Table(title=f"config: preset {args.preset}"
@@ -349,6 +390,32 @@ def build_parser() -> argparse.ArgumentParser:
         "learner/REGION and syncer/REGION deployments (needs PREFECT_API_URL and workers)",
     )
     tr.set_defaults(func=cmd_train)
+    jn = sub.add_parser("join", help="take a vacant learner slot of a running run (from its "
+                        "region's bucket alone) and train as its learner")  # fmt: skip
+    jn.add_argument("url", metavar="URL", help="the bucket of the region to train in")
+    jn.add_argument("--run", required=True, help="the run to join")
+    jn.add_argument("--region", required=True, help="the region whose bucket URL is")
+    jn.add_argument("--slot", metavar="LEARNER",
+                    help="take this learner's slot (default: the first vacant one in the region)")  # fmt: skip
+    jn.add_argument("--speed", type=float,
+                    help="a hint of this machine's speed, kept in the join record")  # fmt: skip
+    jn.add_argument("--pipeline", default="{}", help="JSON object of pipeline.* fields")
+    jn.set_defaults(func=cmd_join)
+    tok = sub.add_parser("join-token", help="print a token that lets a machine join a run "
+                         "(the keys of the learner slots it may take, not the run secret)")  # fmt: skip
+    tok.add_argument("--run", required=True)
+    tok.add_argument("--dir", default="runs",
+                     help="the run's local folder's parent, where `diloco train` keeps the run "
+                     "secret (DIR/RUN/run-secret; DILOCO_RUN_SECRET wins)")  # fmt: skip
+    tok.add_argument("--learner", action="append", metavar="LEARNER",
+                     help="a slot it may take (repeat; default: every slot of the run)")  # fmt: skip
+    tok.add_argument(
+        "--learners",
+        type=int,
+        metavar="M",
+        help="every slot of a run of M learners (learner-0 .. learner-M-1)",
+    )
+    tok.set_defaults(func=cmd_join_token)
     ins = sub.add_parser("inspect", help="show what a bucket holds", epilog=INSPECT_LEGEND,
                          formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ins.add_argument("url", nargs="+", metavar="[REGION=]URL",

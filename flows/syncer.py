@@ -37,8 +37,8 @@ from diloco.syncer import GlobalVersion
 from diloco.topology import shard_fragments
 from flows.bucket_io import BucketStore
 from flows.observe import artifact_key, run_logger, tag_flow_run, worker_tags
-from flows.run import bucket_store, config_from_spec, worker_done
-from storage_layout.auth import RUN_SECRET_ENV, UNAUTHENTICATED
+from flows.run import absence, bucket_store, config_from_spec, worker_done
+from storage_layout.auth import RUN_SECRET_ENV, UNAUTHENTICATED, record_verifies
 from storage_layout.retention import ORPHAN_AGE, collect_garbage
 from storage_layout.store import RunStore
 
@@ -61,6 +61,7 @@ class PipelineSyncerTransport:
         self.member_timeout = member_timeout
         self._members: list[str] = list(store.learners)
         self._members_read = -math.inf
+        self._joined: dict[str, int] = {}  # join records seen, per learner
         self._heard: dict[str, tuple[Any, float]] = {}  # learner -> (its status, first seen)
         # Retention's own cadence (``pipeline.retention_seconds``): a pass after a
         # publish once this long has gone by since the last (or the start), whatever
@@ -157,8 +158,33 @@ class PipelineSyncerTransport:
                                  gone)  # fmt: skip
             elif gone is None and not was and learner not in self.given_up:
                 self.log.warning("learner %s is counted towards the quorum again", learner)
+            if gone is None and (learner not in self._joined or not was):  # (back) in
+                self._note_join(learner, region)
         self._members = members
         return members
+
+    def _note_join(self, learner: str, region: str) -> None:
+        """Log who took ``learner``'s slot by ``diloco join`` (its newest join record),
+        checked against the learner's key: news for whoever watches the run, never fatal
+        (a joiner without the slot's key cannot sign its contributions either, and those
+        are what a syncer rejects)."""
+        try:
+            joins = self.store.main.joins(learner, region)
+        except (OSError, ValueError) as exc:
+            self.log.warning("cannot read the join records of %s: %s", learner, exc)
+            return
+        seen = self._joined.get(learner, 0)
+        self._joined[learner] = len(joins)
+        if len(joins) <= seen:
+            return
+        record = joins[-1]
+        key = self.store.keys.verifying_key(learner)
+        if key is not None and not record_verifies(record, key):
+            self.log.error("join record %s of %s does not verify with its key: written by "
+                           "someone without a join token for it", record.get("join"), learner)  # fmt: skip
+            return
+        self.log.warning("learner %s joined from host %s (join %s; the slot was %s)", learner,
+                         record.get("host"), record.get("join"), record.get("took"))  # fmt: skip
 
     def _gone(self, learner: str, region: str, now: float) -> str | None:
         """Why ``learner`` is not a member now, or None."""
@@ -170,13 +196,7 @@ class PipelineSyncerTransport:
         heard = self._heard.get(learner)
         if heard is None or heard[0] != key:
             heard = self._heard[learner] = (key, now)
-        if status.get("state") == "preempted":
-            return "it was preempted (it counts again when it writes a new status)"
-        silent = now - heard[1]
-        if status.get("state") != "done" and silent > self.member_timeout:
-            return (f"no new status for {silent:.0f} s (pipeline.member_timeout "
-                    f"{self.member_timeout:.0f} s)")  # fmt: skip
-        return None
+        return absence(status, now - heard[1], self.member_timeout)
 
     def _given_up(self, learner: str) -> bool:
         """Whether the launcher gave ``learner`` up (read at most every 5 s)."""

@@ -22,6 +22,7 @@ not signed.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
@@ -200,3 +201,59 @@ def run_secret(path: Path, environ: Mapping[str, str] | None = None) -> tuple[st
     with os.fdopen(fd, "w") as out:
         out.write(secret + "\n")
     return secret, str(path)
+
+
+# Joining a running run ------------------------------------------------------------------
+JOIN_TOKEN_ENV = "DILOCO_JOIN_TOKEN"
+JOIN_TOKEN_PREFIX = "diloco-join-1:"
+
+
+class JoinRefused(ValueError):
+    """A learner that may not join a run (no token, a token of another run or for other
+    learners), or no place in the run to join: the message says which and why."""
+
+
+def join_token(secret: str, run: str, learners: list[str]) -> str:
+    """What a run's owner gives a machine that may join ``run``: the keys of ``learners``
+    (the run's learner slots it may take), never the run secret. Text, one line."""
+    body = {"run": run, "keys": {lid: learner_key(secret, run, lid).hex() for lid in learners}}
+    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return JOIN_TOKEN_PREFIX + base64.urlsafe_b64encode(raw).decode()
+
+
+def parse_join_token(text: str, run: str) -> dict[str, bytes]:
+    """The learner keys a join token holds for ``run`` (learner id -> key); ``JoinRefused``
+    naming what is wrong with a token that is malformed or made for another run."""
+    text = text.strip()
+    if not text.startswith(JOIN_TOKEN_PREFIX):
+        raise JoinRefused(f"{JOIN_TOKEN_ENV} is not a join token (it starts with "
+                          f"{JOIN_TOKEN_PREFIX!r}; `diloco join-token` makes one)")  # fmt: skip
+    try:
+        body = json.loads(base64.urlsafe_b64decode(text[len(JOIN_TOKEN_PREFIX) :]))
+        keys = {str(lid): parse_key(k, JOIN_TOKEN_ENV) for lid, k in body["keys"].items()}
+        token_run = str(body["run"])
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise JoinRefused(f"{JOIN_TOKEN_ENV} is damaged: {exc}") from exc
+    if token_run != run:
+        raise JoinRefused(f"{JOIN_TOKEN_ENV} is a join token of run {token_run!r}, not {run!r}")
+    return keys
+
+
+def record_signature(record: Mapping[str, object], key: bytes) -> str:
+    """HMAC-SHA256 under ``key`` of ``record``'s canonical JSON without its signature."""
+    body = {k: v for k, v in record.items() if k != "signature"}
+    content = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hmac.new(key, content.encode(), hashlib.sha256).hexdigest()
+
+
+def sign_record(record: Mapping[str, object], key: bytes) -> dict[str, object]:
+    """``record`` (JSON) with its ``signature``: a join record, signed by its learner."""
+    return {**record, "signature": {"alg": ALGORITHM, "value": record_signature(record, key)}}
+
+
+def record_verifies(record: Mapping[str, object], key: bytes) -> bool:
+    sig = record.get("signature")
+    if not isinstance(sig, Mapping) or sig.get("alg") != ALGORITHM:
+        return False
+    value = str(sig.get("value", ""))
+    return hmac.compare_digest(value.encode(), record_signature(record, key).encode())

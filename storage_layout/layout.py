@@ -154,6 +154,11 @@ class RunLayout:
     def lease_commits(self, learner: str) -> str:
         return f"{self.run}/learners/{check_name('learner', learner)}/leases"
 
+    def join_commits(self, learner: str) -> str:
+        """A learner slot's join records (``s{N}.json``, each written once, signed with the
+        learner's key): who took the slot, from where, with what (``diloco join``)."""
+        return f"{self.run}/learners/{check_name('learner', learner)}/joins"
+
     def checkpoint_commits(self, learner: str) -> str:
         return f"{self.run}/learners/{check_name('learner', learner)}/checkpoints/commits"
 

@@ -467,6 +467,23 @@ class RunStore:
         n = self.put_next(prefix, claim, after)
         return n, block["first"], block["end"]
 
+    def put_join(self, learner: str, record: Callable[[int], bytes]) -> int:
+        """Add a join record of ``learner`` (``record(N)``: its signed JSON as join N) in
+        this store's region, the learner's own, written once; returns N."""
+        return self.put_next(self.layout.join_commits(learner), record)
+
+    def joins(self, learner: str, region: str | None = None) -> list[dict[str, Any]]:
+        """``learner``'s join records in ``region`` (its own), oldest first, as stored:
+        check their signatures (``auth.record_verifies``)."""
+        prefix = self.layout.join_commits(learner)
+        bucket = self.bucket(region or self.client_region)
+        out = []
+        for n in self._numbers(bucket, prefix, "s"):
+            record = _read_json(bucket, f"{prefix}/s{number(n)}.json")
+            if isinstance(record, dict):
+                out.append(record)
+        return out
+
     def newest_generation(self, learner: str) -> int:
         taken = self._numbers(self.home, self.layout.lease_commits(learner), "s")
         return taken[-1] if taken else 0

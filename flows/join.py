@@ -1,0 +1,198 @@
+"""``diloco join``: a machine takes a vacant learner slot of a running run, from its
+region's bucket alone.
+
+A run has a fixed number of learner slots (``topology.learners``), each with its id, its
+region, its share of the data (its stream of batches) and its checkpoints in the bucket.
+A slot is **vacant** when its learner takes no part in the run now (``flows.run.absence``:
+preempted, or silent past ``pipeline.member_timeout``) or never started; a **done** slot
+has trained its budget and is not vacant. A joiner picks the first vacant slot of its
+region that it holds a key for, writes a signed join record (write-once, under the slot's
+``joins/``), and becomes that slot's learner: it resumes from the slot's newest checkpoint
+at the slot's data position, so no batch of the slot is skipped or trained twice whoever
+trains it, and it needs no live donor, only the bucket. Several joiners may start at
+once: each start claims the slot's next generation (an exclusive create), and a process
+whose generation is no longer the newest stops, so one joiner per slot trains on.
+
+Who may join: with the run secret (``DILOCO_RUN_SECRET``) any slot; with a join token
+(``DILOCO_JOIN_TOKEN``, from ``diloco join-token``, which holds the keys of the slots the
+owner chose and never the secret) those slots. A run whose contributions are signed (its
+bucket holds the secret's fingerprint) refuses a joiner with neither, by name; the
+syncers reject the contributions of a joiner whose token is forged.
+
+Silence is read on the joiner's own clock against the status object's time, written by
+the learner's machine: clocks kept by NTP differ by far less than the timeout (600 s by
+default).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from diloco.topology import learner_index
+from flows.run import absence
+from flows.spares import WORKER_COMMAND
+from storage_layout.auth import (
+    JOIN_TOKEN_ENV,
+    LEARNER_KEY_ENV,
+    RUN_SECRET_ENV,
+    JoinRefused,
+    check_secret,
+    learner_key,
+    parse_join_token,
+    sign_record,
+)
+from storage_layout.store import RunStore
+
+
+@dataclass(frozen=True)
+class Slot:
+    learner: str
+    vacant: bool
+    why: str  # why it is vacant, or what it is doing
+
+
+def slot_state(
+    store: RunStore, learner: str, region: str, timeout: float, now: float | None = None
+) -> Slot:
+    """Whether ``learner``'s slot is vacant now, and why (see the module docstring)."""
+    now = time.time() if now is None else now
+    status = store.read_metrics(learner, region)
+    if status is None:
+        if store.newest_generation(learner) == 0:
+            return Slot(learner, True, "never started")
+        return Slot(learner, False, "starting (it has claimed the slot, no status yet)")
+    state = status.get("state", "?")
+    if state == "done":
+        return Slot(learner, False, "done: it has trained its budget")
+    why = absence(status, now - float(status.get("time") or 0.0), timeout)
+    if why is not None:
+        return Slot(learner, True, why.split(" (")[0])
+    return Slot(learner, False, f"{state} at step {status.get('step', 0)}")
+
+
+def join_keys(run: str, environ: Mapping[str, str]) -> dict[str, bytes] | None:
+    """The learner keys this machine holds for ``run`` (None: every slot's, from the run
+    secret), from ``DILOCO_RUN_SECRET`` or ``DILOCO_JOIN_TOKEN``; {} when it holds none."""
+    if environ.get(RUN_SECRET_ENV):
+        check_secret(environ[RUN_SECRET_ENV])
+        return None
+    if environ.get(JOIN_TOKEN_ENV):
+        return parse_join_token(environ[JOIN_TOKEN_ENV], run)
+    return {}
+
+
+def choose_slot(
+    store: RunStore,
+    spec: Mapping[str, Any],
+    region: str,
+    keys: dict[str, bytes] | None,
+    timeout: float,
+    wanted: str | None = None,
+) -> Slot:
+    """The slot a joiner in ``region`` takes (``wanted``, or the first vacant one it
+    holds a key for); ``JoinRefused`` naming each slot and why it is not to be taken."""
+    learners = dict(spec.get("learners") or {})
+    if region not in (spec.get("regions") or {}):
+        raise JoinRefused(f"run {store.run!r} has no region {region!r}; its regions are "
+                          f"{sorted(spec.get('regions') or {})}")  # fmt: skip
+    here = sorted((lid for lid, r in learners.items() if r == region), key=learner_index)
+    if wanted is not None:
+        if wanted not in learners:
+            raise JoinRefused(f"run {store.run!r} has no learner {wanted!r}")
+        if learners[wanted] != region:
+            raise JoinRefused(f"{wanted} trains in region {learners[wanted]!r}, not {region!r}")
+        here = [wanted]
+    if not here:
+        raise JoinRefused(f"run {store.run!r} has no learner slot in region {region!r}")
+    seen = []
+    for lid in here:
+        if keys is not None and lid not in keys:
+            seen.append(f"{lid}: the join token does not cover it")
+            continue
+        slot = slot_state(store, lid, region, timeout)
+        if slot.vacant:
+            return slot
+        seen.append(f"{lid}: {slot.why}")
+    raise JoinRefused(f"no vacant learner slot in region {region!r} of run {store.run!r}: "
+                      + "; ".join(seen))  # fmt: skip
+
+
+def join(
+    url: str,
+    run: str,
+    region: str,
+    slot: str | None = None,
+    pipeline: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    speed: float | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """Pick the slot, write its signed join record and return the learner worker's
+    command line (``become`` runs it in place of this process) with the environment to
+    run it in. ``JoinRefused`` (a ``ValueError``) names why a joiner may not join."""
+    from flows.run import config_from_spec
+
+    env = dict(os.environ if environ is None else environ)
+    store = RunStore(run, {region: url}, region, writer="joiner")
+    try:
+        spec = store.read_spec()
+    except FileNotFoundError as exc:
+        raise JoinRefused(f"{url} holds no run {run!r} (its spec is missing)") from exc
+    cfg = config_from_spec(spec, pipeline)
+    keys = join_keys(run, env)
+    if keys == {}:
+        if store.home.exists(store.layout.secret_fingerprint):
+            raise JoinRefused(
+                f"run {run!r} signs its contributions: a joiner needs a join token in "
+                f"{JOIN_TOKEN_ENV} (the run's owner makes one with `diloco join-token`) or "
+                f"the run secret in {RUN_SECRET_ENV}"
+            )
+        keys = None  # a run that signs nothing: any slot, its sends unsigned as the others'
+    taken = choose_slot(store, spec, region, keys, cfg.pipeline.member_timeout, slot)
+    lid = taken.learner
+    key = None
+    if env.get(RUN_SECRET_ENV):
+        key = learner_key(env[RUN_SECRET_ENV], run, lid)
+    elif keys:
+        key = keys[lid]
+    record = {"learner": lid, "region": region, "host": socket.gethostname(),
+              "pid": os.getpid(), "time": time.time(), "took": taken.why,
+              "devices": _devices(), "speed": speed}  # fmt: skip
+    writer = RunStore(run, {region: url}, region, writer=lid)
+
+    def body(n: int) -> bytes:
+        signed_record = {**record, "join": n}
+        if key is not None:
+            signed_record = sign_record(signed_record, key)
+        return json.dumps(signed_record, sort_keys=True).encode()
+
+    n = writer.put_join(lid, body)
+    if key is not None:
+        env[LEARNER_KEY_ENV] = key.hex()
+    env.pop(RUN_SECRET_ENV, None)  # a learner holds its own key only
+    env.pop(JOIN_TOKEN_ENV, None)
+    print(f"joining run {run} as {lid} in {region} (join {n}; the slot was {taken.why})",
+          flush=True)  # fmt: skip
+    command = [*WORKER_COMMAND, "learner", "--run", run, "--bucket", url, "--region", region,
+               "--index", str(learner_index(lid)), "--pipeline", json.dumps(dict(pipeline or {}))]  # fmt: skip
+    return command, env
+
+
+def _devices() -> str:
+    """What this machine would train on, named without starting JAX (it is the worker's
+    to start): the platform JAX is told to use, else what it finds."""
+    return os.environ.get("JAX_PLATFORMS") or os.environ.get("CUDA_VISIBLE_DEVICES") or "auto"
+
+
+def become(command: list[str], env: Mapping[str, str]) -> None:
+    """Run the learner worker in place of this process (its exit status is the joiner's,
+    and a SIGTERM to this process is the worker's preemption notice)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(command[0], command, dict(env))
