@@ -56,7 +56,7 @@ from flows.run import bucket_store, build_model, config_from_spec, initialize_ru
 from flows.syncer import SyncerRuntime
 from infra.chaos import read_actions
 from storage_layout.audit import audit_run
-from storage_layout.auth import RUN_SECRET_ENV
+from storage_layout.auth import RUN_SECRET_ENV, learner_key, sign_record
 from storage_layout.commit import read_marker
 from storage_layout.faults import inject
 from storage_layout.inspect import inspect_bucket
@@ -785,12 +785,15 @@ def test_a_learner_worker_told_it_is_preempted_sends_checkpoints_and_leaves(tmp_
     assert acc["tokens"]["merged"] == 0, acc
 
 
-def test_the_syncers_members_follow_the_learners_statuses(tmp_path, caplog):
+def test_the_syncers_members_follow_the_learners_statuses(tmp_path, caplog, monkeypatch):
     """A syncer counts towards the quorum every learner but one whose status says it was
     preempted, one whose status has not changed for pipeline.member_timeout seconds of
     the syncer's own clock (a done one excepted), and one given up; each comes back when
-    it writes again, and each change is logged once."""
+    it writes again, and each change is logged once. One that comes back by a join
+    (``diloco join``) is logged with its join record, checked against its key."""
     _, regions, _, _ = _local_run(tmp_path, "members")
+    secret = "s" * 32
+    monkeypatch.setenv(RUN_SECRET_ENV, secret)
     syncer = SyncerRuntime("members", regions, "us-east", 0, 2, {"member_timeout": 100})
     transport, now = syncer.transport, [0.0]
     transport.clock = lambda: now[0]
@@ -818,10 +821,19 @@ def test_the_syncers_members_follow_the_learners_statuses(tmp_path, caplog):
         status("learner-0", "training")
         members = look(40)
     assert sorted(members) == ["learner-0", "learner-3"]  # done: counted, as before
+    # Both come back by a join: learner-2's record signed with its key, learner-1's with
+    # another learner's (a forger's).
+    for lid, signer in (("learner-1", "learner-2"), ("learner-2", "learner-2")):
+        record = {"learner": lid, "host": f"host-of-{lid}", "took": "preempted", "join": 1}
+        body = json.dumps(sign_record(record, learner_key(secret, "members", signer)))
+        writers[lid].put_join(lid, lambda n, body=body: body.encode())
     status("learner-1", "training")
     status("learner-2", "training")
     assert sorted(look(5)) == everyone
     text = caplog.text
+    assert "learner learner-2 joined from host host-of-learner-2 (join 1" in text
+    assert "join record 1 of learner-1 does not verify with its key" in text
+    assert "learner learner-1 joined" not in text
     assert "learner-1 is not counted towards the quorum: it was preempted" in text
     assert "learner-2 is not counted towards the quorum: no new status for 1" in text
     assert text.count("learner-2 is counted towards the quorum again") == 1
