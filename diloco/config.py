@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from diloco.topology import learner_index
+
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 Fraction = Annotated[float, Field(ge=0, le=1)]
@@ -375,6 +377,12 @@ class PipelineConfig(_Strict):
         "a syncer sees it; a live learner writes one each round) is not counted towards the "
         "quorum until it writes again; one that said it was preempted, at once",
     )
+    learners_started: PositiveInt | None = Field(
+        None,
+        description="learner slots diloco train starts itself (learner-0 .. learner-N-1); "
+        "the others wait for machines that join (diloco join). Null: every slot. With a "
+        "shared budget, a slot vacant when the budget is spent does not hold the run's end",
+    )
     preempt_seconds: PositiveFloat = Field(
         30.0,
         description="a learner told it will be preempted (SIGTERM) stops after its step, "
@@ -536,9 +544,24 @@ class RunConfig(_Strict):
         for f in self.sim.failures:
             if f.learner >= m:
                 raise ValueError(f"sim.failures names learner {f.learner}, run has {m}")
+        started = self.pipeline.learners_started
+        if started is not None and started > m:
+            raise ValueError(f"pipeline.learners_started {started} exceeds the {m} learner slots")
+        if started is not None and started < m and not self.shared_budget:
+            raise ValueError(
+                f"pipeline.learners_started {started} < {m} slots needs a shared budget "
+                "(budget.shared, decoupled mode): an even share per slot would wait forever "
+                "for slots no machine joins"
+            )
         if self.topology.quorum is not None and self.topology.quorum > m:
             raise ValueError(f"topology.quorum {self.topology.quorum} exceeds learners {m}")
         return self
+
+    def started_learners(self, learners: list[str]) -> list[str]:
+        """Of the run's learner slots (ids), those diloco train starts itself
+        (``pipeline.learners_started``: the first N by index)."""
+        n = self.pipeline.learners_started
+        return list(learners) if n is None else sorted(learners, key=learner_index)[:n]
 
     @property
     def speeds(self) -> tuple[float, ...]:

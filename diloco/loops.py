@@ -212,8 +212,10 @@ class SyncerTransport(Protocol):
     def delivery_seconds(self, fragment: int) -> float:
         """Expected time for a published version to reach the learners."""
 
-    def learners_finished(self) -> bool:
-        """Every learner is done and all its contributions are readable."""
+    def learners_finished(self, budget_spent: bool = False) -> bool:
+        """Every learner is done and all its contributions are readable. ``budget_spent``:
+        the run's shared budget is trained, so a learner slot no one holds (never
+        started, or left) is finished too: no one will train in it."""
 
     def members(self) -> Collection[str]:
         """The learners counted towards the quorum now (``member_quorum``): the run's
@@ -724,6 +726,14 @@ class SyncerLoop:
         self.emit(record)
         return record
 
+    def budget_spent(self) -> bool:
+        """Sharing the budget, whether the steps the versions of this syncer's fragments
+        report merged (``FragmentSyncer.progress``, all learners) reach the run's budget."""
+        if not self.cfg.shared_budget:
+            return False
+        merged = [sum(s.progress.values()) for s in self.syncers.values()]
+        return bool(merged) and max(merged) >= self.cfg.budget_steps
+
     def next_deadline(self) -> float:
         """Seconds until the earliest pending merge (inf when none is scheduled)."""
         now = self.clock.now()
@@ -733,7 +743,8 @@ class SyncerLoop:
     def run(self) -> Iterator[Wait]:
         """Until every learner is done and their every contribution is processed."""
         while True:
-            finishing = self.transport.learners_finished()  # before listing: nothing after
+            # Before listing: nothing after.
+            finishing = self.transport.learners_finished(self.budget_spent())
             self.collect()
             for p in self.due(finishing):
                 try:

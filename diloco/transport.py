@@ -365,7 +365,7 @@ class SimulatedNetwork:
     def delivery_seconds(self, fragment: int) -> float:
         return transfer_seconds(self.global_bytes[fragment], self.sim)
 
-    def learners_finished(self) -> bool:
+    def learners_finished(self, budget_spent: bool = False) -> bool:
         return self.finished() and self.last_arrival <= self.clock.now()
 
     def members(self) -> Collection[str]:

@@ -494,8 +494,8 @@ def deployment_calls(
                   "shards": shards, "pipeline": pipeline}  # fmt: skip
         out.append((f"syncer {home}/{shard}", f"syncer/{home}", params,
                     [f"run:{run}", f"region:{home}", "syncer"], (f"syncer-{shard}", home, shard_fragments(shard, shards, cfg.topology.fragments))))  # fmt: skip
-    for learner, region in spec["learners"].items():
-        index = learner_index(learner)
+    for learner in cfg.started_learners(list(spec["learners"])):  # the others: joiners'
+        region, index = spec["learners"][learner], learner_index(learner)
         params = {"run": run, "bucket": regions[region], "region": region, "index": index,
                   "pipeline": pipeline}  # fmt: skip
         out.append((f"learner {region}/{index}", f"learner/{region}", params,
@@ -569,8 +569,8 @@ def worker_commands(
                 "--shard", str(shard), "--shards", str(shards), "--pipeline", pipeline]  # fmt: skip
         owned = shard_fragments(shard, shards, cfg.topology.fragments)
         out.append((f"syncer {home}/{shard}", argv, (f"syncer-{shard}", home, owned)))
-    for learner, region in spec["learners"].items():
-        index = str(learner_index(learner))
+    for learner in cfg.started_learners(list(spec["learners"])):  # the others: joiners'
+        region, index = spec["learners"][learner], str(learner_index(learner))
         argv = [*base, "learner", "--run", run, "--bucket", regions[region], "--region", region,
                 "--index", index, "--pipeline", pipeline]  # fmt: skip
         group = cfg.pipeline.learner_processes
@@ -597,6 +597,7 @@ class Monitor:
 
     def __init__(self, store: RunStore, cfg: RunConfig, spec: dict[str, Any], log: Any = log):
         self.store, self.cfg, self.spec, self.log = store, cfg, spec, log
+        self.launched = set(cfg.started_learners(list(spec["learners"])))  # others: joiners'
         self.unreadable: set[tuple[int, int]] = set()  # reported once each
         self.errors = 0  # storage errors while watching, in all
         self.down_since: float | None = None  # monotonic time of the first error of an outage
@@ -707,6 +708,8 @@ class Monitor:
             died = _deaths.get(learner)
             if died is not None and float(out[learner].get("time", 0.0)) < died[0]:
                 out[learner] = {**out[learner], "state": died[1]}
+            if not out[learner] and learner not in self.launched:
+                out[learner] = {"state": "vacant"}  # left to joiners, none has joined yet
         if not failed:
             self._last_statuses = out
         return out

@@ -119,22 +119,33 @@ class PipelineSyncerTransport:
     def delivery_seconds(self, fragment: int) -> float:
         return self.sync_seconds
 
-    def learners_finished(self) -> bool:
+    def learners_finished(self, budget_spent: bool = False) -> bool:
         """Every learner is done: its status object says so (written once its final
         checkpoint, and every contribution before it, is committed; sharing the budget, a
-        learner may end before its even share), or the launcher gave it up."""
+        learner may end before its even share), or the launcher gave it up, or, once the
+        shared budget is spent (``budget_spent``), its slot is vacant: never started
+        (left to joiners, ``pipeline.learners_started``), preempted or silent past
+        ``pipeline.member_timeout`` (``absence``)."""
         main = self.store.main
         for learner, region in self.store.learners.items():
             if learner in self.done:
                 continue
             try:
                 done = worker_done(main, learner, region, self.tokens)
+                if not done and budget_spent:
+                    done = self._vacant(learner, region)
             except OSError:
                 return False
             if not done and not self._given_up(learner):
                 return False
             self.done.add(learner)
         return True
+
+    def _vacant(self, learner: str, region: str) -> bool:
+        """Whether no one holds ``learner``'s slot now (see ``learners_finished``)."""
+        if main_status := self.store.main.read_metrics(learner, region):
+            return self._gone(learner, region, self.clock(), main_status) is not None
+        return self.store.writer_for(learner).newest_generation(learner) == 0
 
     def members(self) -> list[str]:
         """The learners counted towards the quorum (``member_quorum``), read at most every
@@ -158,7 +169,7 @@ class PipelineSyncerTransport:
                                  gone)  # fmt: skip
             elif gone is None and not was and learner not in self.given_up:
                 self.log.warning("learner %s is counted towards the quorum again", learner)
-            if gone is None and (learner not in self._joined or not was):  # (back) in
+            if gone is None:  # a join record since the last look: say who took the slot
                 self._note_join(learner, region)
         self._members = members
         return members
@@ -186,12 +197,15 @@ class PipelineSyncerTransport:
         self.log.warning("learner %s joined from host %s (join %s; the slot was %s)", learner,
                          record.get("host"), record.get("join"), record.get("took"))  # fmt: skip
 
-    def _gone(self, learner: str, region: str, now: float) -> str | None:
-        """Why ``learner`` is not a member now, or None."""
-        try:
-            status = self.store.main.read_metrics(learner, region) or {}
-        except (OSError, ValueError):
-            return None
+    def _gone(
+        self, learner: str, region: str, now: float, status: dict | None = None
+    ) -> str | None:
+        """Why ``learner`` is not a member now, or None (``status``: as just read)."""
+        if status is None:
+            try:
+                status = self.store.main.read_metrics(learner, region) or {}
+            except (OSError, ValueError):
+                return None
         key = (status.get("state"), status.get("time"), status.get("step"))
         heard = self._heard.get(learner)
         if heard is None or heard[0] != key:

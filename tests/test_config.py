@@ -43,6 +43,8 @@ def test_json_file(tmp_path):
         ("pipeline.speeds=[1,1,-2,1]", "config field 'pipeline.speeds.2': Input should be greater"),
         ('sim.failures=[{"learner": 7, "at": 0.1, "duration": 0.1}]', "names learner 7"),
         ("mode=fast", "config field 'mode'"),
+        ("pipeline.learners_started=5", "pipeline.learners_started 5 exceeds the 4 learner slots"),
+        ("pipeline.learners_started=0", "config field 'pipeline.learners_started'"),
     ],
 )
 def test_bad_values_name_the_field(override, message):
@@ -85,3 +87,12 @@ def test_train_set_reaches_pipeline_speeds():
 
     args = build_parser().parse_args(["train", "--set", "pipeline.speeds=[1,1,3,3]"])
     assert config_from_args(args).speeds == (1.0, 1.0, 3.0, 3.0)
+
+
+def test_learners_started_leaves_the_last_slots_to_joiners_and_needs_a_shared_budget():
+    ids = ["learner-3", "learner-0", "learner-10", "learner-2"]
+    cfg = load_config("tiny", overrides=["pipeline.learners_started=2"])
+    assert cfg.started_learners(ids) == ["learner-0", "learner-2"]
+    assert load_config("tiny").started_learners(ids) == ids  # default: every slot
+    with pytest.raises(ConfigError, match="needs a shared budget"):
+        load_config("tiny", overrides=["pipeline.learners_started=2", "budget.shared=false"])

@@ -3,8 +3,11 @@ region's bucket alone (flows/join.py), with a join token or the run secret."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -15,7 +18,7 @@ import pytest
 from diloco.config import load_config
 from flows.cli import main as cli_main
 from flows.join import slot_state
-from flows.launcher import WORKER_COMMAND, child_env
+from flows.launcher import child_env
 from flows.run import initialize_run
 from storage_layout.audit import audit_run
 from storage_layout.auth import (
@@ -27,6 +30,7 @@ from storage_layout.auth import (
     record_verifies,
 )
 from storage_layout.store import RunStore
+from tests.test_pipeline import _wait, _workers
 
 REGION = "us-east"
 
@@ -43,9 +47,13 @@ def _run(tmp_path: Path, name: str, tokens: int = 20_000):
     return url, cfg, store, spec, secret
 
 
-def _join(url: str, run: str, env: dict[str, str], *extra: str, timeout: float = 600):
+def _join(url: str, run: str, env: dict[str, str], timeout: float = 600, wait: bool = True):
+    """`diloco join` as a process: its result, or (``wait`` False) the running process."""
     argv = [sys.executable, "-m", "flows.cli", "join", url, "--run", run, "--region", REGION,
-            "--pipeline", json.dumps({"round_steps": 20, "poll_seconds": 0.1}), *extra]  # fmt: skip
+            "--pipeline", json.dumps({"round_steps": 20, "poll_seconds": 0.05})]  # fmt: skip
+    if not wait:
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env)  # fmt: skip
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -83,69 +91,118 @@ def test_a_joiner_without_a_token_for_a_vacant_slot_is_refused_by_name(tmp_path,
         assert store.joins(lid) == [] and store.newest_generation(lid) == 0
 
 
+def _train(tmp_path: Path, run: str, tokens: int, *sets: str) -> tuple[subprocess.Popen, str]:
+    """`diloco train` of ``run`` on one file:// region, in the background (its log in
+    tmp_path/RUN.log); returns the process and the region's URL."""
+    url = f"file://{tmp_path / run / 'us'}"
+    argv = [sys.executable, "-m", "flows.cli", "train", "--dir", str(tmp_path), "--run", run,
+            "--tokens", str(tokens), "--create-buckets", f"--region={REGION}={url}"]  # fmt: skip
+    argv += [f"--set={o}" for o in ("topology.learners=2", "topology.quorum=1",
+             "pipeline.learners_started=1", "pipeline.syncer_shards=1",
+             "pipeline.round_steps=20", "pipeline.poll_seconds=0.05",
+             "pipeline.eval_seconds=5", *sets)]  # fmt: skip
+    log = (tmp_path / f"{run}.log").open("wb")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=child_env())
+    log.close()
+    return proc, url
+
+
+def _finish(proc: subprocess.Popen, log: Path) -> str:
+    try:
+        code = proc.wait(timeout=900)  # a guard against a hang, not a measure
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text(errors="replace")
+    assert code == 0, text[-4000:]
+    return text
+
+
 @pytest.mark.slow
 def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     tmp_path, prefect_api
 ):
-    """Two learner slots; the syncer and learner 0 start, slot 1 stays vacant (never
-    started). `diloco join` with a join token for slot 1 takes it: it writes a signed join
-    record, trains as learner-1 from the bucket alone, and the syncer merges its
-    contributions (authenticated by the token's key). Once both are done, no slot is
-    vacant and a further joiner is refused, naming each slot's state."""
-    url, _, store, spec, secret = _run(tmp_path, "open", tokens=40_000)
-    assert sorted(spec["learners"]) == ["learner-0", "learner-1"]
-    assert slot_state(store, "learner-1", REGION, 600).why == "never started"
-    pipeline = json.dumps({"round_steps": 20, "poll_seconds": 0.1, "syncer_shards": 1})
-    logs = {name: (tmp_path / f"{name}.log").open("w") for name in ("syncer", "learner-0")}
-    syncer_env = {**child_env("open", "syncer-0", secret), RUN_SECRET_ENV: secret}
-    procs = {
-        "syncer": subprocess.Popen(
-            [*WORKER_COMMAND, "syncer", "--run", "open", "--regions", json.dumps({REGION: url}),
-             "--home", REGION, "--pipeline", pipeline],
-            stdout=logs["syncer"], stderr=subprocess.STDOUT, env=syncer_env),
-        "learner-0": subprocess.Popen(
-            [*WORKER_COMMAND, "learner", "--run", "open", "--bucket", url, "--region", REGION,
-             "--index", "0", "--pipeline", pipeline],
-            stdout=logs["learner-0"], stderr=subprocess.STDOUT,
-            env=child_env("open", "learner-0", secret)),
-    }  # fmt: skip
+    """`diloco train` with two learner slots, of which it starts one
+    (pipeline.learners_started=1). Once learner-0's first contribution is committed, a
+    machine with a join token for slot 1 (`diloco join-token`) runs `diloco join`: it
+    takes the vacant slot (never started), writes a signed join record, trains as
+    learner-1 from the bucket alone, and the syncer merges its contributions,
+    authenticated by the token's key. The run ends with both done and a clean audit;
+    then no slot is vacant and a further joiner is refused, naming each slot's state."""
+    run = "open"
+    proc, url = _train(tmp_path, run, 60_000)
+    store = RunStore(run, {REGION: url}, REGION)
+    paused = None
     try:
-        env = {
-            **child_env("open", "joiner"),
-            JOIN_TOKEN_ENV: join_token(secret, "open", ["learner-1"]),
-        }
-        joined = _join(url, "open", env)
-        assert joined.returncode == 0, joined.stdout[-3000:] + joined.stderr[-3000:]
-        assert "joining run open as learner-1 in us-east" in joined.stdout, joined.stdout
-        for name, proc in procs.items():
-            assert proc.wait(timeout=600) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+        _wait(lambda: _sent(store, "learner-0"), 600, "learner-0's first contribution", proc)
+        # Learner 0 waits (SIGSTOP) from here until the joiner has sent, so that the
+        # joiner finds budget left however long its start takes on this machine.
+        paused = _workers(tmp_path / f"{run}.log")["learner 0"]
+        os.kill(paused, signal.SIGSTOP)
+        token = subprocess.run(
+            [sys.executable, "-m", "flows.cli", "join-token", "--run", run, "--dir",
+             str(tmp_path), "--learner", "learner-1"],
+            capture_output=True, text=True, timeout=120, env=child_env())  # fmt: skip
+        assert token.returncode == 0, token.stderr
+        env = {**child_env(), JOIN_TOKEN_ENV: token.stdout.strip()}
+        joiner = _join(url, run, env, wait=False)
+        _wait(lambda: _sent(store, "learner-1"), 600, "the joiner's first contribution", proc)
+        os.kill(paused, signal.SIGCONT)
+        paused = None
+        out, err = joiner.communicate(timeout=900)
+        joined = subprocess.CompletedProcess(joiner.args, joiner.returncode, out, err)
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-        for f in logs.values():
-            f.close()
+        if paused is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(paused, signal.SIGCONT)
+        text = _finish(proc, tmp_path / f"{run}.log")
+    assert joined.returncode == 0, joined.stdout[-3000:] + joined.stderr[-3000:]
+    assert f"joining run {run} as learner-1 in {REGION}" in joined.stdout, joined.stdout
     (record,) = store.joins("learner-1")
     assert record["learner"] == "learner-1" and record["took"] == "never started"
-    assert record_verifies(record, learner_key(secret, "open", "learner-1"))
-    assert not record_verifies(record, learner_key(secret, "open", "learner-0"))
-    assert "learner learner-1 joined from host" in (tmp_path / "syncer.log").read_text()
-    report = audit_run("open", {REGION: url})
+    secret = (tmp_path / run / "run-secret").read_text().strip()
+    assert record_verifies(record, learner_key(secret, run, "learner-1"))
+    assert not record_verifies(record, learner_key(secret, run, "learner-0"))
+    syncer_log = (tmp_path / run / "logs" / f"syncer-{REGION}-0.log").read_text()
+    assert "learner learner-1 joined from host" in syncer_log, text[-3000:]
+    report = audit_run(run, {REGION: url})
     assert report.ok, dict(report.violations)
     merged = {lid: acc["tokens"]["merged"] for lid, acc in report.learners.items()}
     assert merged["learner-1"] > 0 and merged["learner-0"] > 0, merged
-    assert report.learners["learner-1"]["state"] == "done"
-    # Nothing is vacant now: a second joiner is refused, each slot named with its state.
-    again = _join(
-        url,
-        "open",
-        {**env, JOIN_TOKEN_ENV: join_token(secret, "open", ["learner-0", "learner-1"])},
-        timeout=120,
-    )
+    assert {acc["state"] for acc in report.learners.values()} == {"done"}
+    # Nothing is vacant now: a further joiner is refused, each slot named with its state.
+    env[JOIN_TOKEN_ENV] = join_token(secret, run, ["learner-0", "learner-1"])
+    again = _join(url, run, env, timeout=120)
     assert again.returncode == 2, again.stdout + again.stderr
     said = " ".join((again.stdout + again.stderr).split())
     assert "no vacant learner slot" in said and "learner-1: done" in said, said
     assert len(store.joins("learner-1")) == 1
+
+
+@pytest.mark.slow
+def test_a_run_ends_when_its_budget_is_spent_whatever_slots_no_one_joined(tmp_path, prefect_api):
+    """The same run with no joiner: learner-0 trains the whole shared budget alone (both
+    slots' shares), and the run ends (the syncer counts the never-started slot as
+    finished once the budget is spent), with every token accounted for."""
+    run = "alone"
+    proc, url = _train(tmp_path, run, 20_000)
+    _finish(proc, tmp_path / f"{run}.log")
+    report = audit_run(run, {REGION: url})
+    assert report.ok, dict(report.violations)
+    assert report.learners["learner-0"]["state"] == "done"
+    assert report.learners["learner-1"]["state"] is None  # never started
+    assert report.learners["learner-1"]["tokens"]["merged"] == 0
+    alone = report.learners["learner-0"]
+    steps = load_config("tiny", overrides=["budget.tokens=20000", "topology.learners=2"])
+    assert alone["trained"] >= steps.budget_steps and alone["tokens"]["merged"] > 0, alone
+
+
+def _sent(store: RunStore, lid: str) -> bool:
+    try:
+        fragments = len(store.read_spec()["fragments"])
+        return any(store.contribution_seqs(lid, p, REGION) for p in range(fragments))
+    except (OSError, ValueError):
+        return False
 
 
 def test_slot_states_follow_the_statuses(tmp_path):
