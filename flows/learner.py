@@ -39,6 +39,7 @@ from diloco import hosts, records
 from diloco.learner import LearnerCheckpoint
 from diloco.loops import Clock, GlobalView, LearnerLoop, WallClock, drive
 from diloco.outer import Contribution
+from diloco.quantize_device import outer_gradient
 from diloco.topology import learner_id, learner_index
 from diloco.transport import StoreLearnerView
 from flows.hosts import join as join_group
@@ -374,14 +375,26 @@ _COMPILING = threading.Lock()  # a spare's warm-up and the learner it becomes co
 
 
 def compile_step(model: Any, cfg: Any) -> None:
-    """Run ``model``'s train step once on zeros: it is compiled (or loaded from the JAX
-    cache) for this process; later steps of the same shapes reuse it. One at a time: a
-    second call waits for the first and then finds it compiled."""
+    """Run ``model``'s train step once on zeros, and its send (the quantized outer
+    gradient of each tensor shape): both are compiled (or loaded from the JAX cache) for
+    this process; later calls of the same shapes reuse them. Otherwise a learner's first
+    sends wait on their compilation, seconds in which the run's versions move on: a
+    joiner's first contributions came out too stale to merge. One at a time: a second
+    call waits for the first and then finds them compiled."""
     trainer = model.trainer
+    top = cfg.topology
     with _COMPILING:
         params = trainer.place_params(model.init)
         batch = np.zeros((cfg.data.batch_size, cfg.model.context + 1), dtype=np.int32)
         trainer.step(params, trainer.init_opt_state(params), batch, 0)[2].block_until_ready()
+        shapes = {}
+        for value in params.values():
+            shapes.setdefault((value.shape, value.sharding), value)
+        for value in shapes.values():
+            carries = (None, value) if top.error_feedback else (None,)
+            for carry in carries:  # the first send has none, the later ones their residual
+                got = outer_gradient(value, value, carry, top.quantization, top.block_size)
+                got[0].block_until_ready()
 
 
 def warm_up(run: str, bucket: str, region: str) -> None:
