@@ -17,7 +17,7 @@ import pytest
 
 from diloco.config import load_config
 from flows.cli import main as cli_main
-from flows.join import slot_state
+from flows.join import join, slot_state
 from flows.launcher import child_env
 from flows.run import initialize_run
 from storage_layout.audit import audit_run
@@ -75,8 +75,6 @@ def test_a_joiner_without_a_token_for_a_vacant_slot_is_refused_by_name(tmp_path,
         ({JOIN_TOKEN_ENV: join_token(secret, "closed", ["learner-0"])}, ["--region", "mars"],
          "has no region 'mars'"),
     ]  # fmt: skip
-    from flows.join import join
-
     for env, extra, expected in cases:
         slot = extra[1] if extra[:1] == ["--slot"] else None
         region = extra[1] if extra[:1] == ["--region"] else REGION

@@ -47,7 +47,13 @@ sys.path.insert(0, str(ROOT))
 from bench.machine import machine  # noqa: E402
 
 REGION = "us-east"
-COMMON = ["topology.quorum=1", "pipeline.eval_seconds=20", "pipeline.syncer_shards=1"]
+# Every version kept: join-to-merge times are read from the versions after the run.
+COMMON = [
+    "topology.quorum=1",
+    "pipeline.eval_seconds=20",
+    "pipeline.syncer_shards=1",
+    "pipeline.keep_versions=1000000",
+]
 
 
 def train_argv(name: str, root: Path, args: argparse.Namespace, sets: list[str]) -> list[str]:
