@@ -889,6 +889,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
     for learner, acc in sorted(report.learners.items()):
         tokens = ", ".join(f"{k} {v:,}" for k, v in acc["tokens"].items() if v)
         unsent = "" if acc.get("unsent") is None else f", unsent {acc['unsent']}"
+        if acc.get("joins"):
+            unsent += f", joined {len(acc['joins'])}x (last from {acc['joins'][-1]['host']})"
         out.print(f"learner {learner} ({acc.get('region')}): {acc.get('state') or 'no status'}; "
                   f"batches trained {acc.get('trained')}, sent {acc.get('sent')}{unsent}; "
                   f"tokens {tokens or 'none'}")  # fmt: skip

@@ -177,7 +177,7 @@ def join(
         env[LEARNER_KEY_ENV] = key.hex()
     env.pop(RUN_SECRET_ENV, None)  # a learner holds its own key only
     env.pop(JOIN_TOKEN_ENV, None)
-    print(f"joining run {run} as {lid} in {region} (join {n}; the slot was {taken.why})",
+    print(f"joining run {run} as {lid} in {region} (join {n}; the slot: {taken.why})",
           flush=True)  # fmt: skip
     command = [*WORKER_COMMAND, "learner", "--run", run, "--bucket", url, "--region", region,
                "--index", str(learner_index(lid)), "--pipeline", json.dumps(dict(pipeline or {}))]  # fmt: skip

@@ -194,7 +194,7 @@ class PipelineSyncerTransport:
             self.log.error("join record %s of %s does not verify with its key: written by "
                            "someone without a join token for it", record.get("join"), learner)  # fmt: skip
             return
-        self.log.warning("learner %s joined from host %s (join %s; the slot was %s)", learner,
+        self.log.warning("learner %s joined from host %s (join %s; the slot: %s)", learner,
                          record.get("host"), record.get("join"), record.get("took"))  # fmt: skip
 
     def _gone(

@@ -45,7 +45,9 @@ The audit reads them and checks, naming the objects that break each invariant:
 Beside the invariants, each learner's work is accounted for (``learners``): its last
 status (``done``, ``preempted``, or a state it never left: a learner that vanished), the
 batches it trained, the batches its committed sends carry (on every fragment), and the
-tokens of its sends by outcome. ``unsent`` batches were trained but left in no send:
+tokens of its sends by outcome, and who joined its slot (``diloco join``: each join
+record's number, host, time and what the slot was; as stored, the audit holds no key to
+check their signatures, the syncers do). ``unsent`` batches were trained but left in no send:
 lost with a learner that vanished (a preempted one sends them before it leaves, so it
 has none); ``pending`` tokens were committed and not merged when the audit ran.
 
@@ -191,12 +193,17 @@ def _account(
         sent_to = report._sent_to.get(learner, {})
         sent = min((sent_to.get(p, 0) for p in range(fragments)), default=0)
         trained = int(status.get("step") or 0)
+        try:
+            joins = store.joins(learner, region)
+        except (OSError, ValueError):
+            joins = []
         acc.update(
             region=region,
             state=status.get("state"),
             trained=trained,
             sent=sent,
             unsent=max(0, trained - sent) if status else None,
+            joins=[{k: j.get(k) for k in ("join", "host", "time", "took")} for j in joins],
         )
         acc["tokens"] = {k: v // max(1, fragments) for k, v in acc["tokens"].items()}
 

@@ -8,6 +8,7 @@
     {root}/{run}/learners/{learner}/checkpoints/commits/s{STEP}.json
     {root}/{run}/learners/{learner}/checkpoints/data/s{STEP}-{WRITE_ID}/
     {root}/{run}/learners/{learner}/history/s{ROUND}.json     one round's row, written once
+    {root}/{run}/learners/{learner}/joins/s{N}.json     a join of its slot, signed, written once
     {root}/{run}/globals/f{P}/commits/v{VERSION}.json
     {root}/{run}/globals/f{P}/data/v{VERSION}-{WRITE_ID}/
     {root}/{run}/globals/f{P}/latest.json             advisory pointer to the newest version

@@ -12,7 +12,7 @@ Deleted:
   lost a race), and the temporaries of exclusive creates on a local disk (``.tmp-*``,
   left by a writer killed mid-write; listings hide them), that are older than that many
   seconds: in the folders of the fragments collected, and, with fragment 0 among them,
-  the learners' own folders (checkpoints, sequence claims, leases, history) and the
+  the learners' own folders (checkpoints, sequence claims, leases, history, joins) and the
   run's top folder.
 
 Before anything of a fragment is deleted, the deleted contributions' counters and the
@@ -184,7 +184,7 @@ def _abandoned_by_learners(
         commits = layout.checkpoint_commits(learner)
         _orphans(bucket, f"{commits.rsplit('/', 1)[0]}/data", commits, age, report)
         for folder in (commits, layout.seq_claims(learner), layout.lease_commits(learner),
-                       layout.history(learner)):  # fmt: skip
+                       layout.history(learner), layout.join_commits(learner)):  # fmt: skip
             _temporaries(bucket, folder, age, report)
     for region in store.urls:
         _temporaries(store.bucket(region), layout.run, age, report)

@@ -168,6 +168,8 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     merged = {lid: acc["tokens"]["merged"] for lid, acc in report.learners.items()}
     assert merged["learner-1"] > 0 and merged["learner-0"] > 0, merged
     assert {acc["state"] for acc in report.learners.values()} == {"done"}
+    assert [j["took"] for j in report.learners["learner-1"]["joins"]] == ["never started"]
+    assert report.learners["learner-0"]["joins"] == []  # started by diloco train
     # Nothing is vacant now: a further joiner is refused, each slot named with its state.
     env[JOIN_TOKEN_ENV] = join_token(secret, run, ["learner-0", "learner-1"])
     again = _join(url, run, env, timeout=120)
