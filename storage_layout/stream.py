@@ -31,6 +31,7 @@ import hashlib
 import logging
 import math
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -194,14 +195,15 @@ class ChunkSpool:
     (``reuse``), so each is fetched from the bucket and hashed once. A chunk is keyed by
     its bucket, key and the sha256 its marker records, and dropped once taken. Bounded by
     ``limit`` bytes: when full, the oldest chunks go first (those of contributions that
-    were never merged, superseded ones, age out). Its files live in a temporary folder,
-    deleted by ``close`` or when the spool is garbage collected. Thread-safe."""
+    were never merged, superseded ones, age out). Its files live in a temporary folder
+    of this process (``process_folder``), deleted by ``close`` or when the spool is
+    garbage collected. Thread-safe."""
 
     def __init__(self, limit: int, directory: str | None = None):
         if limit < 1:
             raise ValueError(f"a chunk spool holds at least one byte, not {limit}")
         self.limit = limit
-        self.folder = tempfile.mkdtemp(prefix="chunk-spool-", dir=directory)
+        self.folder = process_folder("chunk-spool", directory)
         self._sizes: OrderedDict[str, int] = OrderedDict()
         self.size = 0  # bytes held
         self.taken = 0  # chunks a read took from here instead of the bucket
@@ -254,6 +256,30 @@ class ChunkSpool:
             self._sizes.clear()
             self.size = 0
         self._cleanup()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def process_folder(kind: str, directory: str | None = None) -> str:
+    """A new local folder for this process's ``kind`` of files (``KIND-PID-random`` in
+    ``directory``, the temporary directory by default). A process killed outright never
+    deletes its own, so this first deletes the ``kind`` folders of processes no longer
+    alive (a folder whose owner cannot be told is kept)."""
+    directory = directory or tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(directory):
+            m = re.fullmatch(rf"{re.escape(kind)}-(\d+)-\w+", entry.name)
+            if m and entry.is_dir(follow_symlinks=False) and not _alive(int(m.group(1))):
+                shutil.rmtree(entry.path, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{kind}-{os.getpid()}-", dir=directory)
 
 
 @dataclass

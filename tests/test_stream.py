@@ -6,8 +6,12 @@ held, and versions of the sharded format written before still read."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 from concurrent.futures import wait
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -350,6 +354,24 @@ def test_a_version_read_twice_through_a_spool_is_fetched_and_hashed_once(tmp_pat
     folder = small.folder
     small.close()
     assert not (tmp_path / folder).exists()
+
+
+def test_a_spool_left_by_a_killed_process_is_deleted_by_the_next_one(tmp_path):
+    """A syncer killed outright never closes its spool: the next spool made in the same
+    folder deletes it, and keeps those of processes still alive."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = tmp_path / f"chunk-spool-{dead.pid}-abc123"
+    left.mkdir()
+    (left / "chunk").write_bytes(b"x" * 10)
+    alive = tmp_path / f"chunk-spool-{os.getppid()}-def456"
+    alive.mkdir()
+    other = tmp_path / "not-a-spool"
+    other.mkdir()
+    spool = ChunkSpool(10**6, str(tmp_path))
+    assert not left.exists() and alive.exists() and other.exists()
+    assert Path(spool.folder).name.startswith(f"chunk-spool-{os.getpid()}-")
+    spool.close()
 
 
 def test_the_next_chunk_is_read_ahead_and_fetched_once(tmp_path):
