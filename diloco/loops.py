@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import ChainMap
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -34,7 +35,6 @@ from diloco.inner import InnerTrainer
 from diloco.learner import Learner, LearnerCheckpoint
 from diloco.model import is_embedding
 from diloco.outer import Contribution, FlatParams
-from diloco.quantize import payload_bytes
 from diloco.syncer import (
     FragmentSyncer,
     GlobalVersion,
@@ -43,7 +43,7 @@ from diloco.syncer import (
     member_quorum,
 )
 from diloco.syncer import quorum_met as _quorum_met
-from diloco.tensors import as_tensors
+from diloco.tensors import as_tensors, full_bytes
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +285,8 @@ class LearnerLoop:
             newest[p] = view
         ckpt = transport.load_checkpoint()
         seq, sent_step = transport.sent_so_far()
-        init = {n: v for g in newest.values() for n, v in g.params.items()}
+        # Read as placed, a tensor at a time (a spilled version is never whole in memory).
+        init = ChainMap(*[g.params for g in reversed(newest.values())])
         learner = Learner(learner_id, trainer, plan, cfg.topology, init, reader)
         step = max(ckpt.step if ckpt else 0, sent_step)
         learner.resume(step, max(seq, ckpt.seq if ckpt else 0), ckpt.opt_state if ckpt else None)
@@ -413,7 +414,7 @@ class LearnerLoop:
             ]
             nbytes = view.nbytes
             if nbytes is None:
-                nbytes = sum(self._wire_bytes(v) for v in view.params.values())
+                nbytes = full_bytes(view.params, self.cfg.topology.global_dtype)
             record = records.applied(
                 lrn.id, p, view.version, view.version - frag.base_version, sum(mine), nbytes,
                 self.clock.now(),
@@ -422,9 +423,6 @@ class LearnerLoop:
             self.emit(record)
             count += 1
         return count
-
-    def _wire_bytes(self, value: Any) -> int:
-        return payload_bytes(int(value.size), self.cfg.topology.global_dtype)
 
     def _wait_for_answers(self) -> Iterator[Request]:
         """Synchronous DiLoCo: block until every overdue fragment's answer is applied."""

@@ -20,8 +20,11 @@ values in the same order, bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import os
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -29,7 +32,7 @@ import jax
 import numpy as np
 import optax
 
-from diloco.quantize import QuantizedTensor, dequantize
+from diloco.quantize import QuantizedTensor, dequantize, payload_bytes
 
 PIECE = (
     1 << 18
@@ -76,9 +79,80 @@ class ArrayTensors(dict):
         return self[name].reshape(-1)[start:stop]
 
 
+class SpilledParams(Mapping[str, np.ndarray]):
+    """Named float32 tensors kept in one local file and read back a tensor (or a piece)
+    at a time, so a process can hold a whole fragment without it in memory: a learner's
+    newest global versions wait here until it applies them, tensor by tensor, onto its
+    devices. Also ``Tensors``. Written once (``write``); the file is deleted by
+    ``close`` or when the object is garbage collected. A value is read from the file on
+    every access (the page cache keeps a hot one cheap)."""
+
+    def __init__(self, path: str, index: Mapping[str, tuple[int, tuple[int, ...]]]):
+        self.path = path
+        self._index = dict(index)  # name -> (offset in values, shape)
+        self._cleanup = weakref.finalize(self, _remove, path)
+
+    @classmethod
+    def write(cls, path: str, items: Iterable[tuple[str, np.ndarray]]) -> SpilledParams:
+        """Each ``(name, values)`` appended as float32 in the order given, one at a time
+        (what is held is the one being written)."""
+        index, offset = {}, 0
+        with open(path, "wb") as f:
+            for name, values in items:
+                a = np.ascontiguousarray(values, dtype=np.float32)
+                f.write(memoryview(a.reshape(-1)).cast("B"))
+                index[name] = (offset, tuple(a.shape))
+                offset += a.size
+                del a
+        return cls(path, index)
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: shape for n, (_, shape) in self._index.items()}
+
+    def piece(self, name: str, start: int, stop: int) -> np.ndarray:
+        offset, _ = self._index[name]
+        with open(self.path, "rb") as f:
+            f.seek(4 * (offset + start))
+            data = f.read(4 * (stop - start))
+        if len(data) != 4 * (stop - start):
+            raise OSError(f"{self.path} ends before {name}[{start}:{stop}] (truncated?)")
+        return np.frombuffer(bytearray(data), dtype=np.float32)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        _, shape = self._index[name]
+        return self.piece(name, 0, math.prod(shape)).reshape(shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def close(self) -> None:
+        self._cleanup()
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
+
+
+def sizes(values: Mapping[str, Any]) -> dict[str, int]:
+    """Each tensor's number of values, without reading a ``SpilledParams``'s."""
+    if isinstance(values, SpilledParams):
+        return {n: math.prod(s) for n, s in values.shapes.items()}
+    return {n: int(np.size(v)) for n, v in values.items()}
+
+
+def full_bytes(params: Mapping[str, Any], wire_dtype: str) -> int:
+    """The bytes of ``params`` stored whole in ``wire_dtype``."""
+    return sum(payload_bytes(n, wire_dtype) for n in sizes(params).values())
+
+
 def as_tensors(values: Tensors | Mapping[str, Any]) -> Tensors:
     """``values`` as ``Tensors``: a mapping of arrays becomes float32 ``ArrayTensors``."""
-    if isinstance(values, ArrayTensors) or not isinstance(values, Mapping):
+    if isinstance(values, ArrayTensors | SpilledParams) or not isinstance(values, Mapping):
         return values
     return ArrayTensors({n: np.asarray(v, dtype=np.float32) for n, v in values.items()})
 

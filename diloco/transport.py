@@ -15,9 +15,12 @@ they take to travel.
 
 from __future__ import annotations
 
+import itertools
+import os
 from collections import defaultdict
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
@@ -29,6 +32,9 @@ from diloco.outer import Contribution, FlatParams
 from diloco.quantize import QuantizedTensor, dequantize, payload_bytes, quantize
 from diloco.records import Record
 from diloco.syncer import GlobalVersion
+from diloco.tensors import SpilledParams, full_bytes, sizes
+
+_SPILLS = itertools.count()  # a spilled version's file is named apart from its predecessors
 
 
 class Store(Protocol):
@@ -52,7 +58,11 @@ class Store(Protocol):
     def newest_version(self, learner: str | None, fragment: int) -> int | None:
         """Newest version of ``fragment`` in ``learner``'s region (None: the syncers')."""
 
-    def read_global(self, learner: str, fragment: int, version: int) -> GlobalView: ...
+    def read_global(
+        self, learner: str, fragment: int, version: int, spill_to: str | None = None
+    ) -> GlobalView:
+        """Version ``version`` of ``fragment`` as ``learner`` reads it; with ``spill_to``,
+        its values kept in that local file (``SpilledParams``), never all in memory."""
 
     def read_delta(self, learner: str, fragment: int, version: int) -> GlobalDelta | None:
         """The compact update that makes ``version`` from the version before it, as
@@ -110,10 +120,16 @@ def downlink_piece(
     return learners_copy(base, delta, wire_dtype), delta
 
 
-def apply_delta(wire: FlatParams, delta: Delta, wire_dtype: str) -> FlatParams:
+def apply_delta(
+    wire: FlatParams,
+    delta: Delta,
+    wire_dtype: str,
+    collect: Callable[[Iterator[tuple[str, np.ndarray]]], FlatParams] = dict,
+) -> FlatParams:
     """The learners' copy of a version from their copy of its base and the compact
-    update (``learners_copy``, tensor by tensor), in float32."""
-    return {n: dequantize(learners_copy(wire[n], delta[n], wire_dtype)) for n in wire}
+    update (``learners_copy``, tensor by tensor), in float32, each tensor handed to
+    ``collect`` as it is made (a ``SpilledParams`` file, or a dict)."""
+    return collect((n, dequantize(learners_copy(wire[n], delta[n], wire_dtype))) for n in wire)
 
 
 def downlink_update(
@@ -131,10 +147,6 @@ def downlink_update(
 
 def delta_bytes(delta: Delta) -> int:
     return sum(q.nbytes for q in delta.values())
-
-
-def full_bytes(params: FlatParams, wire_dtype: str) -> int:
-    return sum(payload_bytes(int(v.size), wire_dtype) for v in params.values())
 
 
 class MemoryStore:
@@ -201,8 +213,12 @@ class MemoryStore:
     def newest_version(self, learner: str | None, fragment: int) -> int | None:
         return max(self.versions[fragment])
 
-    def read_global(self, learner: str, fragment: int, version: int) -> GlobalView:
+    def read_global(
+        self, learner: str, fragment: int, version: int, spill_to: str | None = None
+    ) -> GlobalView:
         _, _, record, wire, _ = self.versions[fragment][version]
+        if spill_to is not None:
+            wire = SpilledParams.write(spill_to, wire.items())
         return GlobalView(fragment, version, wire, record)
 
     def read_delta(self, learner: str, fragment: int, version: int) -> GlobalDelta | None:
@@ -228,11 +244,16 @@ class StoreLearnerView:
 
     A newer version is reached from the one held through the versions' compact updates
     (``topology.downlink``) while that moves fewer bytes than the full copy; otherwise,
-    or when an update is missing or unreadable, the full copy is read."""
+    or when an update is missing or unreadable, the full copy is read.
 
-    def __init__(self, store: Store, learner: str):
+    With ``spill_dir`` (a local folder), the versions held are kept in files there
+    (``SpilledParams``), read back a tensor at a time as the learner applies them, so
+    the host holds no whole fragment: a version's file is deleted once no one holds it."""
+
+    def __init__(self, store: Store, learner: str, spill_dir: str | None = None):
         self.store = store
         self.learner = learner
+        self.spill_dir = spill_dir
         self.cache: dict[int, GlobalView] = {}
 
     def send(self, c: Contribution) -> None:
@@ -253,9 +274,19 @@ class StoreLearnerView:
         if held is None or held.version != version:
             newer = self._through_deltas(held, version) if held is not None else None
             if newer is None:
-                newer = self.store.read_global(self.learner, fragment, version)
+                spill = self._spill_path(fragment, version)
+                newer = self.store.read_global(self.learner, fragment, version, spill_to=spill)
             held = self.cache[fragment] = newer
         return held
+
+    def _spill_path(self, fragment: int, version: int) -> str | None:
+        if self.spill_dir is None:
+            return None
+        return os.path.join(self.spill_dir, f"f{fragment}-v{version}-{next(_SPILLS)}.f32")
+
+    def _collect(self, fragment: int, version: int) -> Callable[..., FlatParams]:
+        path = self._spill_path(fragment, version)
+        return dict if path is None else partial(SpilledParams.write, path)
 
     def _through_deltas(self, held: GlobalView, version: int) -> GlobalView | None:
         """``version`` rebuilt from ``held`` by the updates in between, or None when that
@@ -265,8 +296,8 @@ class StoreLearnerView:
         if getattr(store, "downlink", "full") == "full":
             return None
         full = full_bytes(held.params, store.wire_dtype)
-        each = sum(payload_bytes(v.size, store.downlink, store.block_size)
-                   for v in held.params.values())  # fmt: skip
+        each = sum(payload_bytes(n, store.downlink, store.block_size)
+                   for n in sizes(held.params).values())  # fmt: skip
         if (version - held.version) * each >= full:
             return None
         moved, view = 0, held
@@ -278,7 +309,8 @@ class StoreLearnerView:
             if d is None or d.base != view.version:
                 return None
             moved += delta_bytes(d.delta)
-            params = apply_delta(view.params, d.delta, store.wire_dtype)
+            params = apply_delta(view.params, d.delta, store.wire_dtype,
+                                 self._collect(held.fragment, v))  # fmt: skip
             view = GlobalView(held.fragment, v, params, d.meta, moved)
         return view
 

@@ -21,7 +21,7 @@ import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import jax
@@ -35,7 +35,7 @@ from diloco.loops import GlobalView, StoredFragment, Unreadable
 from diloco.outer import Contribution, outer_optimizer
 from diloco.records import Record
 from diloco.syncer import GlobalVersion
-from diloco.tensors import Tensors, materialize, pieces
+from diloco.tensors import SpilledParams, Tensors, materialize, pieces
 from diloco.transport import GlobalDelta, downlink_update
 from diloco.validate import Scan, scan_payload
 from flows.version_stream import (
@@ -525,8 +525,13 @@ class BucketStore:
         store = self.main if learner is None else self.writer_for(learner)
         return store.latest_global(fragment, region)
 
-    def read_global(self, learner: str, fragment: int, version: int) -> GlobalView:
-        state = self.writer_for(learner).get_global(fragment, version, learner_view=True)
+    def read_global(
+        self, learner: str, fragment: int, version: int, spill_to: str | None = None
+    ) -> GlobalView:
+        collect = None if spill_to is None else partial(SpilledParams.write, spill_to)
+        state = self.writer_for(learner).get_global(
+            fragment, version, learner_view=True, collect=collect
+        )
         return GlobalView(fragment, version, state.params, state.meta)
 
     def read_delta(self, learner: str, fragment: int, version: int) -> GlobalDelta | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import math
+import shutil
 import signal
 import sys
 import threading
@@ -49,6 +50,7 @@ from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV
 from storage_layout.bucket import PartialFailure
 from storage_layout.commit import CommitConflict
 from storage_layout.store import RunStore, SeqNotReserved
+from storage_layout.stream import process_folder
 
 
 class Fenced(RuntimeError):
@@ -452,7 +454,11 @@ class LearnerRuntime:
         self.announce("compiling")
         self._compile()
         self.announce("resuming")
-        opts, view = self.cfg.pipeline, StoreLearnerView(self.store, learner)
+        # The versions it holds wait in a local folder, not in memory (one process: over
+        # several, the leader hands each whole to the others, ``hosts.ReplicatedTransport``).
+        self.spill_dir = process_folder("global-views") if self.processes == 1 else None
+        opts = self.cfg.pipeline
+        view = StoreLearnerView(self.store, learner, self.spill_dir)
         io = io or (lambda view: BackgroundIO(view, len(self.model.plan), opts.poll_seconds,
                                               opts.upload_retries, self.log,
                                               opts.stall_seconds))  # fmt: skip
@@ -652,6 +658,8 @@ class LearnerRuntime:
 
     def close(self) -> None:
         self.io.close()
+        if self.spill_dir is not None:
+            shutil.rmtree(self.spill_dir, ignore_errors=True)
 
 
 _RUNTIMES: dict[tuple[str, str, str], LearnerRuntime] = {}  # this process's learner

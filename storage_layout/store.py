@@ -724,13 +724,24 @@ class RunStore:
         return report
 
     def get_global(
-        self, fragment: int, version: int, region: str | None = None, learner_view: bool = False
+        self,
+        fragment: int,
+        version: int,
+        region: str | None = None,
+        learner_view: bool = False,
+        collect: Callable[[Iterator[tuple[str, np.ndarray]]], Mapping[str, Any]] | None = None,
     ) -> GlobalState:
         """A verified global version. ``learner_view`` fetches only the ``wire`` parameters
-        (what a learner applies), not the fp32 master copy and the optimizer state."""
+        (what a learner applies), not the fp32 master copy and the optimizer state; with
+        ``collect``, they are handed to it as ``(name, float32 values)`` one tensor at a
+        time, and its result is the version's parameters (a learner spills them to a local
+        file: ``diloco.tensors.SpilledParams``), so the process never holds them all."""
         bucket = self.bucket(region or self.client_region)
         key = self.layout.global_marker(fragment, version)
         marker = read_marker(bucket, key)
+        if learner_view and collect is not None:
+            params = collect(decoded_each(bucket, marker, key, WIRE[0]))
+            return GlobalState(fragment, version, params, [], dict(marker.meta), [])
         if not learner_view and "params/zarr.json" not in marker.objects:
             raise CorruptVersion(
                 f"{bucket.url}/{key} holds the learner view only; the master copy and the "
@@ -988,14 +999,31 @@ def read_decoded(
 ) -> dict[str, dict[str, np.ndarray]]:
     """``read_groups``, each tensor decoded to float32 as it arrives (while the next ones
     are fetched), its stored form dropped at once: what is held is the float32 values."""
-    try:
+    with _named_damage(key):
         reader = VersionReader(bucket, marker, key)
         names = reader.groups() if groups is None else groups
         out = {}
         for g in names:
-            got = {n: dequantize(q) for n, q in reader.each(g)}
+            got = dict(decoded_each(bucket, marker, key, g, reader))
             out[g] = {n: got[n] for n in reader.index(g)}  # in the group's own order
         return out
+
+
+def decoded_each(
+    bucket: Bucket, marker: CommitMarker, key: str, group: str, reader: VersionReader | None = None
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Group ``group``'s tensors, each decoded to float32 as it arrives, in the order they
+    lie in the group (``VersionReader.each``): the caller holds one at a time."""
+    with _named_damage(key):
+        for name, q in (reader or VersionReader(bucket, marker, key)).each(group):
+            yield name, dequantize(q)
+
+
+@contextlib.contextmanager
+def _named_damage(key: str) -> Iterator[None]:
+    """A malformed stored object read under ``key`` raised as ``CorruptVersion`` naming it."""
+    try:
+        yield
     except (FormatError, KeyError, ValueError) as exc:
         if isinstance(exc, CorruptVersion):
             raise

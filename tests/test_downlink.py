@@ -3,14 +3,18 @@ read a quantized difference instead of the whole version, and get the same bits.
 
 import itertools
 import json
+import os
+import tracemalloc
 
 import numpy as np
+import pytest
 
 from diloco.config import load_config
 from diloco.loops import GlobalView
 from diloco.quantize import dequantize, quantize
 from diloco.simulate import simulate
 from diloco.syncer import GlobalVersion
+from diloco.tensors import SpilledParams
 from diloco.transport import (
     MemoryStore,
     StoreLearnerView,
@@ -126,9 +130,20 @@ def test_the_bucket_store_publishes_the_same_bits_and_falls_back_to_whole(tmp_pa
     view.read(0, 0)
     got = view.read(0, 2)  # through the two updates, read in the learner's region
     assert got.nbytes is not None
+    # A learner that keeps the versions it holds in local files reads the same bits.
+    (tmp_path / "spill").mkdir()
+    spilled = StoreLearnerView(learner, "learner-0", str(tmp_path / "spill"))
+    first = spilled.read(0, 0)
+    assert isinstance(first.params, SpilledParams)
+    kept = spilled.read(0, 2)
+    assert isinstance(kept.params, SpilledParams) and kept.nbytes == got.nbytes
     for n in SHAPES:
         assert np.array_equal(got.params[n], learner.read_global("learner-0", 0, 2).params[n])
         assert np.array_equal(got.params[n], memory.read_global("learner-0", 0, 2).params[n])
+        assert kept.params[n].tobytes() == got.params[n].tobytes()
+    # A version no one holds any more has no file left.
+    del first
+    assert [p.name for p in (tmp_path / "spill").iterdir()] == [os.path.basename(kept.params.path)]
     assert learner.read_delta("learner-0", 0, 0) is None  # version 0 is whole only
     assert learner.read_delta("learner-0", 0, 2).base == 1
     # A syncer that cannot read the version before (corrupt) publishes the next one whole.
@@ -158,3 +173,52 @@ def test_a_simulated_run_trains_the_same_with_a_quarter_of_the_downlink(tmp_path
         (tmp_path / region).mkdir()
     stored = simulate(cfg, store=simulation_store("run", regions))
     assert json.dumps(stored.metrics, sort_keys=True) == json.dumps(small.metrics, sort_keys=True)
+
+
+def test_a_learner_holding_its_versions_in_local_files_never_holds_one_whole(tmp_path):
+    """A version read into a spill folder goes through memory a few chunks and one tensor
+    at a time: the process's peak allocations (tracemalloc, numpy's included) stay under
+    half the fragment, where reading it into memory holds all of it."""
+    (tmp_path / "us").mkdir()
+    (tmp_path / "spill").mkdir()
+    regions = {"us": f"file://{tmp_path}/us"}
+    shapes = {f"t{i:02d}": (1024, 1024) for i in range(32)}  # 32 Mi values: 128 MB in fp32
+    rng = np.random.default_rng(0)
+    params = {n: rng.normal(size=s).astype(np.float32) for n, s in shapes.items()}
+    main = RunStore("run", regions, "us", writer="syncer")
+    main.ensure_spec({"learners": {"learner-0": "us"}, "fragments": [sorted(shapes)]})
+    main.publish_global(0, 0, params, [], {"weights": {}}, "bf16")
+    expected = {n: dequantize(quantize(v, "bf16")) for n, v in params.items()}
+    del params
+    learner = BucketStore("run", regions, "us", {"learner-0": "us"}, "bf16", "learner-0")
+    fragment = 4 * 32 * 2**20
+
+    def peak(spill_dir):
+        tracemalloc.start()
+        try:
+            view = StoreLearnerView(learner, "learner-0", spill_dir).read(0, 0)
+            return view, tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    spilled, low = peak(str(tmp_path / "spill"))
+    whole, high = peak(None)
+    assert high >= fragment and low < fragment // 2, (low, high)
+    for n in shapes:  # the same bits, read back a tensor at a time
+        assert spilled.params[n].tobytes() == whole.params[n].tobytes() == expected[n].tobytes()
+
+
+def test_spilled_params_read_back_what_was_written_and_name_a_damaged_file(tmp_path):
+    values = {"b": np.arange(6, dtype=np.float32).reshape(2, 3), "a": np.ones(4, np.float16)}
+    path = str(tmp_path / "v.f32")
+    spilled = SpilledParams.write(path, values.items())
+    assert list(spilled) == ["b", "a"] and spilled.shapes == {"b": (2, 3), "a": (4,)}
+    assert spilled["b"].tobytes() == values["b"].tobytes()
+    assert spilled["a"].dtype == np.float32 and np.array_equal(spilled["a"], values["a"])
+    assert spilled.piece("b", 2, 5).tolist() == [2.0, 3.0, 4.0]
+    with open(path, "r+b") as f:
+        f.truncate(4 * 8)
+    with pytest.raises(OSError, match="v.f32 ends before a"):
+        spilled["a"]
+    spilled.close()
+    assert not os.path.exists(path)
