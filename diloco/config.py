@@ -308,17 +308,48 @@ class TopologyConfig(_Strict):
 
 
 class Failure(_Strict):
-    """Learner ``learner`` is down from ``at`` to ``at + duration`` (fractions of the run's tokens)."""
+    """Learner ``learner`` is down from ``at`` to ``at + duration`` (fractions of the run's
+    nominal time); with no ``duration``, it leaves: its slot stays vacant (a ``sim.joins``
+    entry may fill it again)."""
 
     learner: Annotated[int, Field(ge=0)] = Field(description="the learner's index (0-based)")
     at: Fraction = Field(description="when it fails, as a share of the run's tokens")
-    duration: Fraction = Field(description="how long it stays down, as a share of the tokens")
+    duration: Fraction | None = Field(
+        None,
+        description="how long it stays down, as a share of the tokens; none: it leaves the run "
+        "for good (its slot vacant, as a pipeline learner preempted or silent past "
+        "pipeline.member_timeout; needs a shared budget)",
+    )
     notice: bool = Field(
         False,
         description="a preemption with notice (a spot VM's SIGTERM): the learner sends what it "
         "trained and checkpoints before it goes, as a preempted pipeline learner does; "
         "false: a kill, losing the steps since its newest sends and checkpoint",
     )
+
+
+class Join(_Strict):
+    """A learner joins slot ``learner`` at ``at`` (a share of the run's nominal time), as
+    ``diloco join`` does in the pipeline: from the newest global versions and the slot's
+    data position. The slot must be vacant then: never started
+    (``pipeline.learners_started``) or left (a ``sim.failures`` entry with no duration)."""
+
+    learner: Annotated[int, Field(ge=0)] = Field(description="the slot's index (0-based)")
+    at: Fraction = Field(description="when it joins, as a share of the run's tokens")
+
+
+def sim_events(sim: SimConfig) -> list[tuple[float, int, str, int, bool]]:
+    """The simulated membership changes in order: ``(at, order, kind, learner, notice)``,
+    kind ``fail`` (down, to come back), ``leave`` (for good), ``back`` or ``join``, at a
+    share of the run's nominal time; at one moment, goings before comings. The one
+    reading of ``sim.failures`` and ``sim.joins``."""
+    events = []
+    for f in sim.failures:
+        events.append((f.at, 0, "leave" if f.duration is None else "fail", f.learner, f.notice))
+        if f.duration is not None:
+            events.append((f.at + f.duration, 1, "back", f.learner, False))
+    events += [(j.at, 1, "join", j.learner, False) for j in sim.joins]
+    return sorted(events)
 
 
 class BudgetConfig(_Strict):
@@ -348,6 +379,11 @@ class SimConfig(_Strict):
     failures: tuple[Failure, ...] = Field(
         (),
         description='learner outages: [{"learner": 3, "at": 0.3, "duration": 0.25}] (add "notice": true for a preemption with notice)',
+    )
+    joins: tuple[Join, ...] = Field(
+        (),
+        description='learners joining vacant slots: [{"learner": 3, "at": 0.2}] (a slot '
+        "pipeline.learners_started leaves vacant, or one a failure with no duration left)",
     )
     bandwidth_gbps: PositiveFloat = Field(
         1.0, description="per learner, between its region and the syncer"
@@ -541,9 +577,18 @@ class RunConfig(_Strict):
             raise ValueError(
                 f"pipeline.speeds has {len(speeds)} entries for {m} learners (one factor each)"
             )
-        for f in self.sim.failures:
+        for f in (*self.sim.failures, *self.sim.joins):
             if f.learner >= m:
-                raise ValueError(f"sim.failures names learner {f.learner}, run has {m}")
+                what = "sim.failures" if isinstance(f, Failure) else "sim.joins"
+                raise ValueError(f"{what} names learner {f.learner}, run has {m}")
+        leaves = [f.learner for f in self.sim.failures if f.duration is None]
+        if leaves and not self.shared_budget:
+            raise ValueError(
+                f"sim.failures: learner {leaves[0]} leaves for good (no duration), which needs a "
+                "shared budget (budget.shared, decoupled mode): its even share would never be "
+                "trained"
+            )
+        self._check_slots()
         started = self.pipeline.learners_started
         if started is not None and started > m:
             raise ValueError(f"pipeline.learners_started {started} exceeds the {m} learner slots")
@@ -556,6 +601,25 @@ class RunConfig(_Strict):
         if self.topology.quorum is not None and self.topology.quorum > m:
             raise ValueError(f"topology.quorum {self.topology.quorum} exceeds learners {m}")
         return self
+
+    def _check_slots(self) -> None:
+        """Each ``sim.joins`` entry finds its slot vacant (never started, or left and not
+        joined since); each failure finds its learner there."""
+        n = self.pipeline.learners_started
+        vacant = set(range(self.topology.learners)) - set(range(n or self.topology.learners))
+        down: set[int] = set()
+        for at, _, kind, i, _ in sim_events(self.sim):
+            if kind == "join":
+                if i not in vacant:
+                    why = "down, to come back" if i in down else "held"
+                    raise ValueError(f"sim.joins: slot {i} is not vacant at {at:g} ({why})")
+                vacant.discard(i)
+            elif kind == "back":
+                down.discard(i)
+            elif i in vacant or i in down:
+                raise ValueError(f"sim.failures: learner {i} is not there at {at:g}")
+            else:
+                (vacant if kind == "leave" else down).add(i)
 
     def started_learners(self, learners: list[str]) -> list[str]:
         """Of the run's learner slots (ids), those diloco train starts itself

@@ -122,6 +122,14 @@ def rejoin(learner: str, step: int, lost_steps: int, resumed_from: str, time: fl
     }  # fmt: skip
 
 
+def joined(learner: str, step: int, resumed_from: str, time: float) -> Record:
+    """A learner took vacant slot ``learner`` (``diloco join``; ``sim.joins``)."""
+    return {
+        "event": "join", "time": time, "learner": learner, "step": step,
+        "resumed_from": resumed_from,
+    }  # fmt: skip
+
+
 def evaluation(tokens: int, loss: float, time: float, final: bool = False) -> Record:
     return {"event": "eval", "time": time, "tokens": tokens, "loss": loss, "final": final}
 

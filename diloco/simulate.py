@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from diloco import dataset, records
-from diloco.config import RunConfig
+from diloco.config import RunConfig, sim_events
 from diloco.data import Corpus, ShardReader, load_corpus, validation_batches
 from diloco.fragments import FragmentPlan, fragment_sizes, plan_fragments
 from diloco.inner import InnerTrainer
@@ -258,6 +258,7 @@ class _Process:
     wake: float = 0.0
     waiting: bool = False
     stepping: bool = False
+    background: bool = False
 
 
 class Scheduler:
@@ -277,8 +278,10 @@ class Scheduler:
         proc.wake = at
         heapq.heappush(self.queue, (at, next(self.order), name, proc.token))
 
-    def start(self, name: str, loop: Iterator[Request]) -> None:
-        self.procs[name] = proc = _Process(loop)
+    def start(self, name: str, loop: Iterator[Request], background: bool = False) -> None:
+        """Run ``loop`` from now; a ``background`` one (a schedule of events) does not
+        keep the run going: the run ends when only such loops are left."""
+        self.procs[name] = proc = _Process(loop, background=background)
         self._push(name, proc, self.clock.now())
 
     def stop(self, name: str) -> bool:
@@ -302,7 +305,7 @@ class Scheduler:
         return news[0] if news else math.inf
 
     def run(self, on_step: Callable[[str], None], on_end: Callable[[str], None]) -> None:
-        while self.queue:
+        while self.queue and not all(p.background for p in self.procs.values()):
             at, _, name, token = heapq.heappop(self.queue)
             proc = self.procs.get(name)
             if proc is None or token != proc.token:
@@ -332,30 +335,24 @@ class Scheduler:
                 self._push(name, proc, now + self.step_seconds(name))
 
 
-def _failure_schedule(
-    cfg: RunConfig,
-    clock: VirtualClock,
-    fail: Callable[[int, bool], None],
-    rejoin: Callable[[int], None],
-) -> Iterator[Request]:
-    """Kills (or preemptions with notice) and rejoins at the configured fractions of the
+def _membership_schedule(cfg: RunConfig, clock: VirtualClock, fleet: _Fleet) -> Iterator[Request]:
+    """Failures, leaves, rejoins and joins (``sim_events``) at their shares of the
     nominal run time."""
     nominal = cfg.steps_per_learner * cfg.sim.step_seconds
-    events = sorted(
-        [(f.at * nominal, 0, f.learner, f.notice) for f in cfg.sim.failures]
-        + [((f.at + f.duration) * nominal, 1, f.learner, False) for f in cfg.sim.failures]
-    )
-    for at, kind, learner, notice in events:
-        if at > clock.now():
-            yield Wait(at - clock.now())
-        if kind == 0:
-            fail(learner, notice)
+    act = {"fail": fleet.fail, "leave": fleet.leave, "back": fleet.rejoin, "join": fleet.join}
+    for at, _, kind, learner, notice in sim_events(cfg.sim):
+        if at * nominal > clock.now():
+            yield Wait(at * nominal - clock.now())
+        if kind in ("fail", "leave"):
+            act[kind](learner, notice)
         else:
-            rejoin(learner)
+            act[kind](learner)
 
 
 class _Fleet:
-    """The simulated learners: started, failed, rejoined and ended by the scheduler."""
+    """The simulated learners: started, failed, left, rejoined, joined and ended by the
+    scheduler. A slot is held, down (failed, to come back) or vacant (never started,
+    ``pipeline.learners_started``, or left); the syncers' members are the held slots."""
 
     def __init__(self, run: _Run, plan: FragmentPlan, readers: list[ShardReader],
                  sched: Scheduler, clock: VirtualClock):  # fmt: skip
@@ -366,14 +363,24 @@ class _Fleet:
         self.loops: dict[str, LearnerLoop] = {}
         self.ended: dict[str, float] = {}  # learner -> when its loop ended
         self.down: dict[int, int] = {}  # learner index -> its step when it failed
+        started = run.cfg.started_learners(self.ids)
+        self.vacant: dict[int, float] = {  # learner index -> since when its slot is vacant
+            i: 0.0 for i, lid in enumerate(self.ids) if lid not in started
+        }
+        self.vacant_seconds = dict.fromkeys(range(len(self.ids)), 0.0)
         self.syncers: list[str] = []  # told when a learner goes: their quorum follows
 
     def members(self) -> list[str]:
-        """The learners that are not down (the syncers' quorum: ``member_quorum``)."""
-        return [lid for i, lid in enumerate(self.ids) if i not in self.down]
+        """The learners that hold their slot (the syncers' quorum: ``member_quorum``)."""
+        return [lid for i, lid in enumerate(self.ids) if i not in self.down | self.vacant.keys()]
 
-    def finished(self) -> bool:
-        return len(self.ended) == len(self.ids) and not self.down
+    def finished(self, budget_spent: bool = False) -> bool:
+        """Every slot's learner is done; once the budget is spent, a vacant slot holds
+        the end no longer (``learners_finished``, as in the pipeline)."""
+        return not self.down and all(
+            lid in self.ended or (i in self.vacant and budget_spent)
+            for i, lid in enumerate(self.ids)
+        )
 
     def start(self, i: int) -> str:
         lid, run = self.ids[i], self.run
@@ -397,8 +404,13 @@ class _Fleet:
             loop.checkpoint()
         self.down[i] = loop.learner.step
         self.run.metrics.append(records.failure(lid, self.down[i], self.clock.now(), notice))
-        for s in self.syncers:  # one fewer member: a merge may be due now
-            self.sched.notify(s, self.clock.now())
+        self._members_changed()
+
+    def leave(self, i: int, notice: bool = False) -> None:
+        """Learner ``i`` goes (``fail``) and its slot is vacant until a learner joins it."""
+        self.fail(i, notice)
+        if self.down.pop(i, None) is not None:
+            self.vacant[i] = self.clock.now()
 
     def rejoin(self, i: int) -> None:
         if i not in self.down:
@@ -408,6 +420,33 @@ class _Fleet:
         step = self.loops[self.ids[i]].learner.step
         record = records.rejoin(self.ids[i], step, before - step, source, self.clock.now())
         self.run.metrics.append(record)
+
+    def join(self, i: int) -> None:
+        """A learner takes vacant slot ``i``: the slot's checkpoint and data position, the
+        newest global versions (``LearnerLoop.start``, as ``diloco join``)."""
+        since = self.vacant.pop(i, None)
+        if since is None:
+            return
+        self.vacant_seconds[i] += self.clock.now() - since
+        lid = self.ids[i]
+        source = self.start(i)
+        step = self.loops[lid].learner.step
+        self.run.metrics.append(records.joined(lid, step, source, self.clock.now()))
+        self._members_changed()
+
+    def _members_changed(self) -> None:
+        for s in self.syncers:  # a merge may be due now, or a wait end
+            self.sched.notify(s, self.clock.now())
+
+    def present_seconds(self, end: float) -> dict[str, float]:
+        """Each slot's time held or down (the learner time goodput divides by) up to its
+        learner's end: a vacant slot's time is no one's."""
+        out = {}
+        for i, lid in enumerate(self.ids):
+            stop = self.ended.get(lid, end)
+            vacant = self.vacant_seconds[i] + (stop - self.vacant[i] if i in self.vacant else 0.0)
+            out[lid] = max(0.0, stop - vacant)
+        return out
 
     def on_end(self, name: str, syncers: list[str]) -> None:
         if name in self.loops and name not in self.ended:
@@ -470,9 +509,10 @@ def _simulate_loops(
     for name, loop in syncers.items():
         sched.start(name, loop.run())
     for i in range(topo.learners):
-        fleet.start(i)
-    if sim.failures:
-        sched.start("failures", _failure_schedule(cfg, clock, fleet.fail, fleet.rejoin))
+        if i not in fleet.vacant:
+            fleet.start(i)
+    if sim.failures or sim.joins:
+        sched.start("membership", _membership_schedule(cfg, clock, fleet), background=True)
     run.maybe_evaluate(0.0, global_params)
     sched.run(on_step, lambda name: fleet.on_end(name, list(syncers)))
 
@@ -480,7 +520,7 @@ def _simulate_loops(
     loss = run.evaluate(end, global_params(), final=True)
     store.close({"tokens": run.tokens, "sim_seconds": end, "final_loss": loss})
     run.bytes_up, run.bytes_down = records.payload_traffic(run.metrics)
-    run.finished = {i: fleet.ended.get(i, end) for i in ids}
+    run.finished = fleet.present_seconds(end)
     shares = [s / codec.num_params for s in sizes]
     versions = records.of(run.metrics, "version")
     run.goodput = records.goodput(versions, shares, sum(run.finished.values()))

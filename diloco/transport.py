@@ -333,8 +333,9 @@ class SimulatedNetwork:
 
     ``notify(process, time)`` tells the scheduler when something will arrive for a
     process (a contribution for the syncer that owns its fragment, a global version for
-    every learner), so a waiting loop is woken then. ``finished()`` is the scheduler's
-    word that every learner's loop has ended.
+    every learner), so a waiting loop is woken then. ``finished(budget_spent)`` is the scheduler's
+    word that every learner's loop has ended (once the budget is spent, a vacant slot's
+    excepted).
     """
 
     def __init__(
@@ -346,7 +347,7 @@ class SimulatedNetwork:
         learners: Sequence[str],
         owner: Callable[[int], str],
         notify: Callable[[str, float], None],
-        finished: Callable[[], bool],
+        finished: Callable[[bool], bool],
         members: Callable[[], Collection[str]] | None = None,
     ):
         self.store, self.clock, self.sim = store, clock, sim
@@ -398,7 +399,7 @@ class SimulatedNetwork:
         return transfer_seconds(self.global_bytes[fragment], self.sim)
 
     def learners_finished(self, budget_spent: bool = False) -> bool:
-        return self.finished() and self.last_arrival <= self.clock.now()
+        return self.finished(budget_spent) and self.last_arrival <= self.clock.now()
 
     def members(self) -> Collection[str]:
         """The scheduler's learners that are not down (``members``; all by default)."""

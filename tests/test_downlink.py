@@ -218,7 +218,7 @@ def test_spilled_params_read_back_what_was_written_and_name_a_damaged_file(tmp_p
     assert spilled.piece("b", 2, 5).tolist() == [2.0, 3.0, 4.0]
     with open(path, "r+b") as f:
         f.truncate(4 * 8)
-    with pytest.raises(OSError, match="v.f32 ends before a"):
+    with pytest.raises(OSError, match=r"v\.f32 ends before a"):
         spilled["a"]
     spilled.close()
     assert not os.path.exists(path)

@@ -68,7 +68,7 @@ def run_pipeline_runtimes(run: str, regions: dict[str, str], cfg) -> None:
     net = SimulatedNetwork(
         bucket_store(run, regions, spec, cfg, "syncer"), clock, cfg.sim,
         [2 * s for s in sizes], ids, owner=lambda p: f"syncer-{shard_of(p, shards)}",
-        notify=sched.notify, finished=lambda: len(ended) == m,
+        notify=sched.notify, finished=lambda budget_spent=False: len(ended) == m,
     )  # fmt: skip
     pipeline = cfg.pipeline.model_dump()
     syncers = [SyncerRuntime(run, regions, home_region(regions), s, shards, pipeline,

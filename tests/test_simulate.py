@@ -1,6 +1,7 @@
 """The simulator end to end on the tiny preset (each run takes seconds)."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -149,6 +150,75 @@ def test_the_quorum_follows_the_members_while_a_learner_is_down(mode):
     after = [v for v in versions if v["time"] > rejoin["time"]]
     assert any(k.startswith("learner-1/") for v in after for k in v["weights"])
     assert after[-1]["members"] == [f"learner-{i}" for i in range(4)] and after[-1]["quorum"] == 4
+
+
+def test_learners_join_vacant_slots_and_leave_and_the_quorum_follows():
+    """Slot 3 starts vacant (``pipeline.learners_started=3``) and a learner joins it at
+    0.2; learner 1 is preempted for good at 0.3 and its slot joined again at 0.5;
+    learner 2 leaves at 0.6 with no notice and no one takes its slot. Each version merges
+    under the members of its moment, a joiner goes on from its slot's data position (no
+    step trained twice), and the run ends once the budget is spent with a slot vacant."""
+    over = [
+        "budget.tokens=160000",
+        "sim.eval_points=2",
+        "topology.tau=1",
+        "topology.quorum=4",
+        "pipeline.learners_started=3",
+        'sim.joins=[{"learner": 3, "at": 0.2}, {"learner": 1, "at": 0.5}]',
+        'sim.failures=[{"learner": 1, "at": 0.3, "notice": true}, {"learner": 2, "at": 0.6}]',
+    ]
+    result = simulate(load_config("tiny", mode="decoupled", overrides=over))
+    changes = [m for m in result.metrics if m["event"] in ("failure", "join", "rejoin")]
+    assert [(m["event"], m["learner"]) for m in changes] == [
+        ("join", "learner-3"), ("failure", "learner-1"), ("join", "learner-1"),
+        ("failure", "learner-2"),
+    ]  # fmt: skip
+    join3, leave1, join1, leave2 = changes
+    versions = [m for m in result.metrics if m["event"] == "version"]
+
+    def between(a, b):
+        return [v for v in versions if a < v["time"] < b][1:]  # the first may straddle
+
+    def merged(vs):
+        return {k.split("/")[0] for v in vs for k in v["weights"]}
+
+    members = {tuple(v["members"]) for v in between(0, join3["time"])}
+    assert members == {("learner-0", "learner-1", "learner-2")}
+    assert {v["quorum"] for v in between(0, join3["time"])} == {3}
+    assert "learner-3" not in merged(between(0, join3["time"]))
+    gone = between(leave1["time"], join1["time"])
+    assert {tuple(v["members"]) for v in gone} == {("learner-0", "learner-2", "learner-3")}
+    assert {"learner-1", "learner-3"} <= merged(between(join1["time"], leave2["time"]))
+    # Preempted, learner 1 sent what it had trained as it went (merged after it left);
+    # the joiner of its slot goes on from there: nothing lost, no step trained twice.
+    sends = [m for m in result.metrics if m["event"] == "sent" and m["learner"] == "learner-1"]
+    assert max(m["step"] for m in sends if m["time"] <= leave1["time"]) == leave1["step"]
+    assert not [m for m in sends if leave1["time"] < m["time"] < join1["time"]]
+    assert join1["step"] == leave1["step"]
+    assert min(m["step"] for m in sends if m["time"] > join1["time"]) > leave1["step"]
+    # Learner 2's slot stayed vacant; the run ended with the budget spent all the same.
+    assert versions[-1]["members"] == ["learner-0", "learner-1", "learner-3"]
+    assert result.summary["tokens"] >= 160000
+    # A slot's vacant time is no one's learner time (goodput's denominator).
+    seconds = result.summary["learner_seconds"]
+    assert seconds["learner-3"] < seconds["learner-0"] - join3["time"] / 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (['sim.joins=[{"learner": 1, "at": 0.2}]'], "slot 1 is not vacant at 0.2 (held)"),
+        (['sim.failures=[{"learner": 1, "at": 0.2, "duration": 0.5}]',
+          'sim.joins=[{"learner": 1, "at": 0.3}]'], "not vacant at 0.3 (down, to come back)"),
+        (['sim.failures=[{"learner": 1, "at": 0.2}]', "budget.shared=false"],
+         "learner 1 leaves for good"),
+        (['sim.failures=[{"learner": 1, "at": 0.2}, {"learner": 1, "at": 0.4}]'],
+         "learner 1 is not there at 0.4"),
+    ],
+)  # fmt: skip
+def test_a_membership_schedule_that_cannot_happen_is_refused_by_name(overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config("tiny", mode="decoupled", overrides=overrides)
 
 
 def test_time_to_loss_interpolates():
