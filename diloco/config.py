@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from diloco.topology import learner_index
+from diloco.topology import learner_index, member_quorum
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -287,6 +287,16 @@ class TopologyConfig(_Strict):
         None, description="K: contributions a merge waits for; null: M for diloco, "
         "max(1, M // 2) for decoupled"
     )  # fmt: skip
+    quorum_share: Annotated[float, Field(gt=0, le=1)] | None = Field(
+        None,
+        description="decoupled mode: a quorum that follows who is there, K = max(quorum_floor, "
+        "floor(share x members now)) (members: learners holding their slot; joiners count at "
+        "once, a learner preempted, left or silent past pipeline.member_timeout no longer); "
+        "null: the fixed K (topology.quorum), capped by the members",
+    )
+    quorum_floor: PositiveInt = Field(
+        1, description="the smallest quorum quorum_share gives (capped by the members)"
+    )
     grace: Annotated[float, Field(ge=0, lt=1)] = Field(
         0.5, description="gamma: share of the slack left after the quorum that a merge waits"
     )
@@ -600,6 +610,18 @@ class RunConfig(_Strict):
             )
         if self.topology.quorum is not None and self.topology.quorum > m:
             raise ValueError(f"topology.quorum {self.topology.quorum} exceeds learners {m}")
+        if self.topology.quorum_share is not None:
+            if self.topology.quorum is not None:
+                raise ValueError(
+                    "set topology.quorum (a fixed K) or topology.quorum_share (K follows the "
+                    "members), not both"
+                )
+            if self.mode != "decoupled":
+                raise ValueError(
+                    f"topology.quorum_share is for decoupled mode; {self.mode} merges "
+                    + ("every learner's contribution (K = M)" if self.mode == "diloco" else
+                       "nothing (data-parallel)")
+                )  # fmt: skip
         return self
 
     def _check_slots(self) -> None:
@@ -646,11 +668,17 @@ class RunConfig(_Strict):
 
     @property
     def quorum(self) -> int:
-        """Effective K: all learners in synchronous DiLoCo, else the configured one."""
-        m = self.topology.learners
+        """Effective K with every slot a member: all learners in synchronous DiLoCo, else
+        the configured one (``member_quorum`` over the members of the moment)."""
+        return self.quorum_over(self.topology.learners)
+
+    def quorum_over(self, members: int) -> int:
+        """K when ``members`` learners are members: the one rule the syncers merge by."""
+        m, topo = self.topology.learners, self.topology
         if self.mode == "diloco":
-            return m
-        return self.topology.quorum or max(1, m // 2)
+            return member_quorum(m, members)
+        return member_quorum(topo.quorum or max(1, m // 2), members, topo.quorum_share,
+                             topo.quorum_floor)  # fmt: skip
 
     @property
     def tokens_per_step(self) -> int:

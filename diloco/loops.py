@@ -40,7 +40,6 @@ from diloco.syncer import (
     GlobalVersion,
     estimate_step_seconds,
     grace_window,
-    member_quorum,
 )
 from diloco.syncer import quorum_met as _quorum_met
 from diloco.tensors import as_tensors, full_bytes
@@ -647,7 +646,7 @@ class SyncerLoop:
         """Fragments to merge now: quorum met and the grace window over. ``finishing`` (every
         learner is done): whatever is pending, at once: nothing more will come."""
         now, out = self.clock.now(), []
-        quorum = member_quorum(self.cfg.quorum, len(self.transport.members()))
+        quorum = self.cfg.quorum_over(len(self.transport.members()))
         for p, syncer in self.syncers.items():
             if p in self.unloaded:
                 continue
@@ -705,7 +704,7 @@ class SyncerLoop:
     def _publish(self, p: int, gv: GlobalVersion) -> records.Record | None:
         syncer, now = self.syncers[p], self.clock.now()
         members = self.transport.members()
-        quorum = member_quorum(self.cfg.quorum, len(members))
+        quorum = self.cfg.quorum_over(len(members))
         record = records.version(gv, now, self.last[p], members, quorum)
         if self.lost.get(p):
             record["lost_versions"] = self.lost[p]

@@ -69,7 +69,7 @@ def version(
     meta of the version's commit marker: a restarted syncer reads its cursor and merge
     counters back from it, and the newest version alone tells the work merged so far.
     ``members`` and ``quorum``: the learners the syncer counted as members when it
-    published, and the quorum it merged under (``diloco.syncer.member_quorum``)."""
+    published, and the quorum it merged under (``RunConfig.quorum_over``)."""
     before = before or {}
     return {
         "members": sorted(members),

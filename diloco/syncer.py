@@ -59,13 +59,6 @@ from diloco.validate import ContributionRejected, check_contribution
 NORM_WINDOW, NORM_MIN = 32, 4  # recent accepted norms kept; needed before the check
 
 
-def member_quorum(quorum: int, members: int) -> int:
-    """The quorum over the learners that are members now: the configured K, capped by how
-    many members there are, at least 1. A learner gone (down, preempted, silent past
-    ``pipeline.member_timeout``) holds no merge of the others; back, it counts again."""
-    return max(1, min(quorum, members))
-
-
 def quorum_met(learners_present: Collection[str], quorum: int) -> bool:
     """At least ``quorum`` distinct learners have a pending contribution."""
     return len(set(learners_present)) >= quorum

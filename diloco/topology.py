@@ -1,5 +1,6 @@
 """Who is who in a run, each rule in one place: learner ids, which region each learner
-lives in, the syncers' home region, and which syncer shard owns which fragment.
+lives in, the syncers' home region, which syncer shard owns which fragment, and the
+quorum over the learners that are members now.
 
 The simulator, the pipeline, the launcher and the tools all call these; none of them
 spells an id or deals learners itself.
@@ -7,6 +8,7 @@ spells an id or deals learners itself.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 LEARNER_PREFIX = "learner-"
@@ -61,3 +63,14 @@ def shard_fragments(shard: int, shards: int, fragments: int) -> list[int]:
 
 def shard_of(fragment: int, shards: int) -> int:
     return fragment % shards
+
+
+def member_quorum(quorum: int, members: int, share: float | None = None, floor: int = 1) -> int:
+    """The quorum over the learners that are members now: the configured K, or, with a
+    ``share``, ``max(floor, floor(share * members))``; either capped by how many members
+    there are, at least 1. A learner gone (down, preempted, left, silent past
+    ``pipeline.member_timeout``) holds no merge of the others; back, or a learner that
+    joins, counts at once."""
+    if share is not None:
+        quorum = max(floor, math.floor(share * members + 1e-9))
+    return max(1, min(quorum, members))

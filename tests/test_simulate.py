@@ -10,6 +10,7 @@ import pytest
 from diloco import records
 from diloco.config import load_config
 from diloco.simulate import simulate, time_to_loss
+from diloco.topology import member_quorum
 
 SHORT = ["budget.tokens=64000", "sim.eval_points=2"]
 
@@ -156,13 +157,14 @@ def test_learners_join_vacant_slots_and_leave_and_the_quorum_follows():
     """Slot 3 starts vacant (``pipeline.learners_started=3``) and a learner joins it at
     0.2; learner 1 is preempted for good at 0.3 and its slot joined again at 0.5;
     learner 2 leaves at 0.6 with no notice and no one takes its slot. Each version merges
-    under the members of its moment, a joiner goes on from its slot's data position (no
-    step trained twice), and the run ends once the budget is spent with a slot vacant."""
+    under the members of its moment and the quorum their count gives (three quarters of
+    them, rounded down), a joiner goes on from its slot's data position (no step trained
+    twice), and the run ends once the budget is spent with a slot vacant."""
     over = [
         "budget.tokens=160000",
         "sim.eval_points=2",
         "topology.tau=1",
-        "topology.quorum=4",
+        "topology.quorum_share=0.75",
         "pipeline.learners_started=3",
         'sim.joins=[{"learner": 3, "at": 0.2}, {"learner": 1, "at": 0.5}]',
         'sim.failures=[{"learner": 1, "at": 0.3, "notice": true}, {"learner": 2, "at": 0.6}]',
@@ -184,7 +186,9 @@ def test_learners_join_vacant_slots_and_leave_and_the_quorum_follows():
 
     members = {tuple(v["members"]) for v in between(0, join3["time"])}
     assert members == {("learner-0", "learner-1", "learner-2")}
-    assert {v["quorum"] for v in between(0, join3["time"])} == {3}
+    assert {v["quorum"] for v in between(0, join3["time"])} == {2}  # 3 x 0.75
+    four = [v for v in versions if len(v["members"]) == 4]  # after a join, before a leave
+    assert four and {v["quorum"] for v in four} == {3}
     assert "learner-3" not in merged(between(0, join3["time"]))
     gone = between(leave1["time"], join1["time"])
     assert {tuple(v["members"]) for v in gone} == {("learner-0", "learner-2", "learner-3")}
@@ -198,6 +202,7 @@ def test_learners_join_vacant_slots_and_leave_and_the_quorum_follows():
     assert min(m["step"] for m in sends if m["time"] > join1["time"]) > leave1["step"]
     # Learner 2's slot stayed vacant; the run ended with the budget spent all the same.
     assert versions[-1]["members"] == ["learner-0", "learner-1", "learner-3"]
+    assert versions[-1]["quorum"] == 2
     assert result.summary["tokens"] >= 160000
     # A slot's vacant time is no one's learner time (goodput's denominator).
     seconds = result.summary["learner_seconds"]
@@ -214,11 +219,19 @@ def test_learners_join_vacant_slots_and_leave_and_the_quorum_follows():
          "learner 1 leaves for good"),
         (['sim.failures=[{"learner": 1, "at": 0.2}, {"learner": 1, "at": 0.4}]'],
          "learner 1 is not there at 0.4"),
+        (["topology.quorum_share=0.5", "topology.quorum=2"], "not both"),
     ],
 )  # fmt: skip
 def test_a_membership_schedule_that_cannot_happen_is_refused_by_name(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         load_config("tiny", mode="decoupled", overrides=overrides)
+
+
+def test_a_quorum_share_follows_the_members_down_to_its_floor():
+    assert [member_quorum(9, n, 0.5, 2) for n in range(6)] == [1, 1, 2, 2, 2, 2]
+    assert [member_quorum(9, n, 0.75) for n in (1, 3, 4, 8)] == [1, 2, 3, 6]
+    assert [member_quorum(2, n) for n in (1, 2, 5)] == [1, 2, 2]  # the fixed K, capped
+    assert load_config("tiny", overrides=["topology.quorum_share=0.5"]).quorum_over(3) == 1
 
 
 def test_time_to_loss_interpolates():
