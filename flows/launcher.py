@@ -19,10 +19,8 @@ markdown artifact with the loss curve.
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
 import contextvars
-import io
 import json
 import logging
 import math
@@ -46,7 +44,6 @@ from prefect.cache_policies import NO_CACHE
 from prefect.settings import PREFECT_API_URL
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from diloco import records
 from diloco.config import (
     RunConfig,
     deep_merge,
@@ -54,7 +51,6 @@ from diloco.config import (
     parse_override,
     validate_config,
 )
-from diloco.simulate import dp_bytes_per_step
 from diloco.topology import (
     LEARNER_PREFIX,
     home_region,
@@ -66,15 +62,21 @@ from flows import memory
 from flows.display import Display
 from flows.display import current as current_display
 from flows.metrics import LiveMetrics
+from flows.monitor import (
+    QUIET_SECONDS,
+    Monitor,
+    cross_region_bytes,
+    loss_plot_png,
+    summary_markdown,
+)
 from flows.observe import (
     PARENT_FLOW_RUN_ENV,
     PARENT_TASK_RUN_ENV,
     artifact_key,
     parent_env,
     tag_flow_run,
-    train_summary_rows,
 )
-from flows.run import build_model, initialize_run, validation, worker_done
+from flows.run import initialize_run, worker_done
 from flows.run_lock import RunLock, RunTakenOver, held
 from flows.spares import WORKER_COMMAND, Spares
 from flows.worker import API_DOWN, PARENT_ENV, prefect_api_reachable
@@ -107,8 +109,6 @@ _FAULT_ENV: dict[str, dict[str, str]] = {}
 # parameter: Prefect records those.
 _RUN_SECRETS: dict[str, str] = {}
 STAND_BY = "stand-by"  # the name of a syncer started beside a stalled one ends so
-QUIET_SECONDS = 60.0  # one kind of error while watching is logged at most this often
-STORAGE_PATIENCE = 600.0  # seconds the summary waits for the home bucket to answer
 
 
 def child_env(
@@ -583,380 +583,6 @@ def worker_commands(
     return out
 
 
-class StorageUnreachable(RuntimeError):
-    """The run's home bucket did not answer in time for the summary."""
-
-
-class Monitor:
-    """Reads the run's state from the buckets and evaluates the newest global model.
-
-    While the run goes, a read that fails (any error of a storage client, not only an
-    ``OSError``: botocore's ``EndpointConnectionError`` is none) is logged by name, at
-    most once every ``QUIET_SECONDS`` per kind, and the last state read stands in: the
-    workers ride an outage out, so the launcher that supervises them must too."""
-
-    def __init__(self, store: RunStore, cfg: RunConfig, spec: dict[str, Any], log: Any = log):
-        self.store, self.cfg, self.spec, self.log = store, cfg, spec, log
-        self.launched = set(cfg.started_learners(list(spec["learners"])))  # others: joiners'
-        self.unreadable: set[tuple[int, int]] = set()  # reported once each
-        self.errors = 0  # storage errors while watching, in all
-        self.down_since: float | None = None  # monotonic time of the first error of an outage
-        self._reported: dict[str, float] = {}  # kind -> when it was last logged
-        self._unreported: Counter[str] = Counter()  # kind -> errors since then
-        self._last_statuses: dict[str, dict[str, Any]] = {}
-        self._last_versions: dict[int, int] = {}
-        # Syncer shard -> (its fragments' versions, when they last changed, the learners'
-        # steps then); and the shards reported stalled.
-        self._publishing: dict[str, tuple[tuple[int, ...], float, int]] = {}
-        self.stalled: set[str] = set()
-        self.model = build_model(cfg)
-        self.val = validation(cfg)
-        self.total_steps = cfg.steps_per_learner
-        self.curve: list[dict[str, Any]] = []
-        self.furthest: dict[str, int] = {}  # learner -> the furthest step it reached
-        self.initial_loss: float | None = None  # the run's, not this launch's (remember_start)
-        self.started = time.time()
-        # Learners' time counters and the work merged before this launch (a resumed run
-        # has some already).
-        self.before = {k: _learner_seconds(v) for k, v in self.statuses().items()}
-        self.merged_before = self.merged_seconds()
-
-    def merged_seconds(self) -> dict[int, float]:
-        """Per fragment, the learner seconds merged so far (the newest version's total)."""
-        out = {}
-        for p in range(len(self.model.plan)):
-            newest = self.readable(p, lambda v, p=p: self.store.global_marker(p, v))
-            out[p] = float(newest[1].meta.get("seconds_total", 0.0)) if newest else 0.0
-        return out
-
-    def storage_error(self, what: str, exc: BaseException) -> None:
-        """Log a failed read by the error's name (once per ``QUIET_SECONDS`` per kind, with
-        how many went unlogged since), and go on."""
-        kind = type(exc).__name__
-        now = time.monotonic()
-        self.errors += 1
-        if self.down_since is None:
-            self.down_since = now
-        if now - self._reported.get(kind, -math.inf) < QUIET_SECONDS:
-            self._unreported[kind] += 1
-            return
-        more = self._unreported.pop(kind, 0)
-        self._reported[kind] = now
-        self.log.warning("%s failed (%s: %s); the watch goes on (the workers ride it "
-                         "out)%s", what, kind, str(exc)[:300],
-                         f" ({more} more {kind} since the last report)" if more else "")  # fmt: skip
-
-    def storage_ok(self) -> None:
-        """A look that read everything: an outage, if there was one, is over."""
-        if self.down_since is not None:
-            self.log.warning("the run's storage answers again, after %.0f s of errors",
-                             time.monotonic() - self.down_since)  # fmt: skip
-            self.down_since = None
-            self._reported.clear()
-            self._unreported.clear()
-
-    def wait_for_storage(self, patience: float = STORAGE_PATIENCE, pause: float = 2.0) -> None:
-        """Before the summary, which is read from the buckets: wait until the home bucket
-        answers, for up to ``patience`` seconds, then fail naming it (never a summary of
-        half-read numbers, never a hang)."""
-        deadline = time.monotonic() + patience
-        while True:
-            try:
-                self.store.latest_global(0)
-                self.storage_ok()
-                return
-            except Exception as exc:
-                self.storage_error("reading the home bucket for the summary", exc)
-                if time.monotonic() >= deadline:
-                    raise StorageUnreachable(
-                        f"run {self.store.run}: the home bucket {self.store.urls[self.store.client_region]} "
-                        f"did not answer for {patience:.0f} s ({type(exc).__name__}: {exc}); the "
-                        "workers have ended, so no summary: the same command resumes the run"
-                    ) from exc
-            time.sleep(pause)
-
-    def readable(self, p: int, read: Callable[[int], Any]) -> tuple[int, Any] | None:
-        """``read`` of fragment ``p``'s newest version that reads: a corrupt or vanished
-        one is reported once and the one before it is tried (never a crash: the launcher
-        must outlive a bad object to stop its workers)."""
-        for v in reversed(self.store.global_versions(p)):
-            try:
-                return v, read(v)
-            except (CorruptVersion, OSError) as exc:
-                if (p, v) not in self.unreadable:
-                    self.unreadable.add((p, v))
-                    self.log.error("fragment %d version %d is unreadable, evaluating an "
-                                   "older one: %s", p, v, exc)  # fmt: skip
-        return None
-
-    def statuses(self) -> dict[str, dict[str, Any]]:
-        """Every learner's status object; on a storage error, the last one read (or
-        ``unreachable``) for it and for the learners after it in this look. A learner
-        whose process died by a signal since it last wrote is in state ``killed`` (or
-        ``killed by the OOM killer``) until its next process reports, not in the phase
-        the dead one had reached."""
-        out, failed = {}, False
-        for learner, region in self.spec["learners"].items():
-            if not failed:
-                try:
-                    out[learner] = self.store.read_metrics(learner, region) or {}
-                except Exception as exc:
-                    self.storage_error(f"reading {learner}'s status", exc)
-                    failed = True
-            if failed:
-                out[learner] = self._last_statuses.get(learner, {"state": "unreachable"})
-            died = _deaths.get(learner)
-            if died is not None and float(out[learner].get("time", 0.0)) < died[0]:
-                out[learner] = {**out[learner], "state": died[1]}
-            if not out[learner] and learner not in self.launched:
-                out[learner] = {"state": "vacant"}  # left to joiners, none has joined yet
-        if not failed:
-            self._last_statuses = out
-        return out
-
-    def syncers(self) -> dict[str, list[int]]:
-        """Each syncer shard (as the launcher names it, ``syncer us-east/0``) and the
-        fragments it owns."""
-        shards = shard_count(self.cfg.pipeline.syncer_shards, self.cfg.topology.fragments)
-        home = self.store.client_region
-        return {f"syncer {home}/{s}": shard_fragments(s, shards, self.cfg.topology.fragments)
-                for s in range(shards)}  # fmt: skip
-
-    def stalled_syncers(
-        self, statuses: dict[str, dict[str, Any]], versions: dict[int, int]
-    ) -> list[str]:
-        """The syncer shards newly seen stalled: none of their fragments has had a new
-        version for ``pipeline.stall_seconds`` (as this launcher saw them) while the
-        learners trained on (their steps went up, and not every learner is done): a syncer
-        paused, hung or cut off from home. Each is warned about by name, once per stall,
-        and once more when it publishes again."""
-        now = time.monotonic()
-        steps = sum(int(s.get("step", 0)) for s in statuses.values())
-        training = any(s.get("state") != "done" for s in statuses.values())
-        out = []
-        for name, fragments in self.syncers().items():
-            held = tuple(versions.get(p, 0) for p in fragments)
-            seen = self._publishing.get(name)
-            if seen is None or seen[0] != held:
-                self._publishing[name] = (held, now, steps)
-                if name in self.stalled:
-                    self.stalled.discard(name)
-                    self.log.warning("%s publishes again (versions %s)", name,
-                                     " ".join(f"f{p}:v{v}" for p, v in zip(fragments, held, strict=True)))  # fmt: skip
-                continue
-            _, since, steps_then = seen
-            stall = self.cfg.pipeline.stall_seconds
-            if name in self.stalled or now - since < stall or steps <= steps_then or not training:
-                continue
-            self.stalled.add(name)
-            self.log.warning(
-                "%s has published no version of fragments %s for %.0f s (stall_seconds %.0f; "
-                "newest %s) while the learners trained %d steps: it may be paused, hung or "
-                "cut off from its home region",
-                name, fragments, now - since, stall,
-                " ".join(f"f{p}:v{v}" for p, v in zip(fragments, held, strict=True)), steps - steps_then,
-            )  # fmt: skip
-            out.append(name)
-        return out
-
-    def tokens(self, statuses: dict[str, dict[str, Any]]) -> int:
-        return sum(int(s.get("tokens", 0)) for s in statuses.values())
-
-    def versions(self) -> dict[int, int]:
-        """The newest version of each fragment (on a storage error, the last read)."""
-        try:
-            found = {p: self.store.latest_global(p) or 0 for p in range(len(self.model.plan))}
-        except Exception as exc:
-            self.storage_error("listing the global versions", exc)
-            return self._last_versions or dict.fromkeys(range(len(self.model.plan)), 0)
-        self._last_versions = found
-        return found
-
-    def evaluate(self, statuses: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        """The validation loss of the newest readable global model, at its position: the
-        tokens merged into it (its fragments' ``tokens_total``, weighted by their share
-        of the parameters), which never go backwards, unlike the learners' steps after
-        a restart. The same versions as the last point give that point again (the curve
-        holds each model once: no stack of points at version 0 while the run starts)."""
-        last = self.curve[-1] if self.curve else None
-        if last is not None and last["versions"] == self.versions():
-            return last
-        versions, params, merged, seconds = {}, {}, 0.0, 0.0
-        for p in range(len(self.model.plan)):
-            found = self.readable(p, lambda v, p=p: self.store.get_global(p, v))
-            if found is None:
-                raise CorruptVersion(f"no readable version of fragment {p}")
-            versions[p] = found[0]
-            params.update(found[1].params)
-            merged += self.model.shares[p] * int(found[1].meta.get("tokens_total", 0))
-            seconds += self.model.shares[p] * float(found[1].meta.get("seconds_total", 0.0))
-        trainer = self.model.trainer
-        loss = trainer.evaluate(trainer.place_params(params), self.val)
-        point = {
-            "seconds": round(time.time() - self.started, 1),
-            "tokens": round(merged),
-            "loss": loss,
-            "versions": versions,
-            "learner_seconds_merged": round(seconds, 3),  # share-weighted (goodput)
-        }
-        self.curve.append(point)
-        return point
-
-    def goodput_so_far(self, point: dict[str, Any]) -> float | None:
-        """This launch's goodput up to ``point``: the learner seconds merged since the
-        launch over the learners' time since (each allocated from the launch on)."""
-        elapsed = time.time() - self.started
-        before = sum(self.model.shares[p] * s for p, s in self.merged_before.items())
-        useful = float(point.get("learner_seconds_merged", before)) - before
-        m = len(self.spec["learners"])
-        return max(0.0, useful) / (m * elapsed) if elapsed > 0 else None
-
-    def remember_start(self, point: dict[str, Any]) -> None:
-        """The run's loss before any training, kept in the launcher's status object by the
-        launch that evaluated version 0, so a resumed run's summary starts where the run
-        began rather than where this launch did (None if no launch saw version 0)."""
-        status = self.store.read_metrics("launcher") or {}
-        if "initial_loss" in status:
-            self.initial_loss = status["initial_loss"]
-        elif all(v == 0 for v in point["versions"].values()):
-            self.initial_loss = float(point["loss"])
-            self.store.write_metrics("launcher", {**status, "initial_loss": self.initial_loss})
-
-    def progress(self, statuses: dict[str, dict[str, Any]]) -> float:
-        """The share of the run's inner steps done (all learners together). A learner
-        restarted from an older checkpoint redoes steps: its progress holds at the furthest
-        step it reached until it passes it again, so the bar stalls but never goes back."""
-        for learner, s in statuses.items():
-            step = min(int(s.get("step", 0)), self.cfg.learner_step_cap)
-            self.furthest[learner] = max(self.furthest.get(learner, 0), step)
-        return min(100.0, 100.0 * sum(self.furthest.values()) / self.cfg.budget_steps)
-
-    def traffic(self) -> tuple[dict[str, dict[str, int]], int, int]:
-        """Bytes and requests per region pair summed over every writer's metrics, the
-        learners' bytes up and down, and the rejected contributions."""
-        store, spec = self.store, self.spec
-        traffic: dict[str, dict[str, int]] = {}
-        writers = [(lid, region) for lid, region in spec["learners"].items()]
-        shards = shard_count(self.cfg.pipeline.syncer_shards, self.cfg.topology.fragments)
-        writers += [(f"syncer-{s}", store.client_region) for s in range(shards)]
-        rejected, learner_bytes = 0, 0
-        for name, region in writers:
-            try:
-                record = store.read_metrics(name, region) or {}
-            except Exception as exc:  # its traffic is counted at the next look
-                self.storage_error(f"reading {name}'s metrics", exc)
-                record = {}
-            rejected += len(record.get("rejected", []))
-            if name in spec["learners"]:
-                learner_bytes += record.get("bytes_up", 0) + record.get("bytes_down", 0)
-            for pair, t in record.get("traffic", {}).items():
-                acc = traffic.setdefault(pair, {"bytes": 0, "requests": 0})
-                acc["bytes"] += t["bytes"]
-                acc["requests"] += t["requests"]
-        return traffic, learner_bytes, rejected
-
-    def summary(self, wall: float, allocated: float) -> dict[str, Any]:
-        """Totals from the buckets: traffic of every writer, goodput from the versions."""
-        store, spec = self.store, self.spec
-        statuses = self.statuses()
-        traffic, learner_bytes, rejected = self.traffic()
-        merged = self.merged_seconds()
-        versions = self.versions()
-        since = [
-            {"fragment": p, "seconds": s - self.merged_before.get(p, 0.0)}
-            for p, s in merged.items()
-        ]
-        useful = records.useful_seconds(since, self.model.shares)
-        m = len(spec["learners"])
-        startup = train = 0.0
-        for learner, status in statuses.items():
-            now, then = _learner_seconds(status), self.before.get(learner, (0.0, 0.0))
-            startup += now[0] - then[0]
-            train += now[1] - then[1]
-        tokens = self.tokens(statuses)
-        cross = cross_region_bytes(traffic)
-        num_params = self.model.codec.num_params
-        dp_bytes = dp_bytes_per_step(num_params, m) * (tokens // (m * self.cfg.tokens_per_step))
-        first, last = (self.curve[0], self.curve[-1]) if self.curve else ({}, {})
-        return {
-            "run": store.run,
-            "mode": self.cfg.mode,
-            "params": num_params,
-            "learners": m,
-            "quorum": self.cfg.quorum,
-            "tokens": tokens,
-            "initial_loss": self.initial_loss,
-            "launch_loss": first.get("loss"),
-            "final_loss": last.get("loss"),
-            "wall_seconds": round(wall, 1),
-            "goodput": records.goodput(since, self.model.shares, allocated),
-            # Shares of the allocated learner time: start-up (compile, resume), training
-            # whose work reached a global version (kept) or did not (lost), and other:
-            # process start, checkpoints, restarts and time between flow runs.
-            "time_breakdown": {
-                "start-up": startup / allocated,
-                "kept": useful / allocated,
-                "lost": max(0.0, train - useful) / allocated,
-                "other": max(0.0, allocated - startup - max(train, useful)) / allocated,
-            }
-            if allocated > 0
-            else {},
-            "versions": versions,
-            "rejected": rejected,
-            "traffic": traffic,
-            "learner_bytes": learner_bytes,
-            "cross_region_bytes": cross,
-            "dp_bytes": dp_bytes,
-            "bandwidth_ratio_vs_dp": dp_bytes / learner_bytes if learner_bytes else None,
-            "learner_states": {k: v.get("state", "not started") for k, v in statuses.items()},
-            "curve": self.curve,
-        }
-
-
-def _learner_seconds(status: dict[str, Any]) -> tuple[float, float]:
-    """(start-up, training) seconds a learner's status reports, summed over its flow runs."""
-    return float(status.get("startup_seconds", 0.0)), float(status.get("train_seconds", 0.0))
-
-
-def loss_plot_png(
-    curve: list[dict[str, Any]], title: str, training: list[tuple[float, float]] | None = None
-) -> bytes:
-    """The validation loss of each global model evaluated, at the tokens merged into it,
-    and (``training``: (tokens, loss) pairs from the learners' history) the learners'
-    training loss per round, at the tokens all learners had processed by then."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    if training:
-        ax.plot([t for t, _ in training], [loss for _, loss in training], ".", ms=3,
-                alpha=0.35, color="tab:gray", label="learners' training loss (tokens processed)")  # fmt: skip
-    ax.plot([c["tokens"] for c in curve], [c["loss"] for c in curve], marker="o",
-            label="validation loss of the global model (tokens merged)")  # fmt: skip
-    if training:
-        ax.legend(fontsize=7)
-    ax.set_xlabel("tokens (all learners)")
-    ax.set_ylabel("loss (nats/byte)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return buf.getvalue()
-
-
-def summary_markdown(summary: dict[str, Any], png: bytes | None) -> str:
-    rows = train_summary_rows(summary)
-    lines = [f"# Run {summary['run']}", "", "| | |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in rows]
-    if png:
-        lines += ["", f"![loss curve](data:image/png;base64,{base64.b64encode(png).decode()})"]
-    return "\n".join(lines)
-
-
 def _start_workers(
     run: str, regions: dict[str, str], cfg: RunConfig, spec: dict, logs: str, via: str
 ) -> tuple[list[str], list[Any]]:
@@ -1106,11 +732,6 @@ def report_metrics(
         metrics.tick(point, extra, statuses)
     except Exception as exc:  # (logged by name, once a minute per kind)
         monitor.storage_error("updating the live metrics", exc)
-
-
-def cross_region_bytes(traffic: dict[str, dict[str, int]]) -> int:
-    """Bytes between different regions, from traffic per ``src->dst`` pair."""
-    return sum(t["bytes"] for pair, t in traffic.items() if len(set(pair.split("->"))) > 1)
 
 
 # A learner's start-up phases, in order, as its status object names them (``starting``:
@@ -1320,7 +941,7 @@ def _launch(
     # compile its step again (the variables reach them through child_env()).
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(logs).parent / "jax-cache"))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    monitor = Monitor(store, cfg, spec, log)
+    monitor = Monitor(store, cfg, spec, log, _deaths)
     first = monitor.evaluate(monitor.statuses())
     monitor.remember_start(first)
     log.info(

@@ -217,6 +217,7 @@ def _train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: s
                 f"Prefect API {api_url}" + ("" if external else f" (home {prefect_home})")
             )
             from flows import launcher
+            from flows.monitor import StorageUnreachable
 
             display.adopt_prefect_logging()
             signal.signal(signal.SIGINT, launcher.on_interrupt)
@@ -232,7 +233,7 @@ def _train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: s
                     launcher.cancel_flow_runs()
                 console.print(f"resume with the same command (run {run!r})")
                 return 130
-            except (launcher.RunTakenOver, launcher.StorageUnreachable) as exc:
+            except (launcher.RunTakenOver, StorageUnreachable) as exc:
                 launcher.stop_children()
                 console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
                 return 1

@@ -28,7 +28,8 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from diloco.config import load_config
 from flows import run_lock
-from flows.launcher import Monitor, _watch, stop_predecessors
+from flows.launcher import _watch, stop_predecessors
+from flows.monitor import Monitor
 from flows.run import initialize_run
 from flows.run_lock import RunLock, RunLocked
 from flows.worker import PARENT_ENV

@@ -232,7 +232,7 @@ def test_the_live_display_shows_the_phases_and_is_plain_off_a_terminal():
 
 
 def test_the_curve_holds_each_model_once_and_the_plot_has_the_learners_loss(tmp_path):
-    from flows.launcher import Monitor, loss_plot_png
+    from flows.monitor import Monitor, loss_plot_png
     from flows.run import initialize_run
 
     cfg = load_config("tiny", overrides=["budget.tokens=20000"])

@@ -12,8 +12,9 @@ import pytest
 from diloco.config import load_config
 from diloco.memory import learner_memory
 from flows import launcher
-from flows.launcher import OOM_KILLED, Monitor, learner_phases
+from flows.launcher import OOM_KILLED, learner_phases
 from flows.memory import Watch, match_oom_record, parse_oom_kill, wait
+from flows.monitor import Monitor
 from flows.run import build_model, initialize_run
 from flows.train import memory_lines
 from storage_layout.store import RunStore
@@ -73,7 +74,7 @@ def test_a_learner_the_oom_killer_killed_is_shown_so_not_as_compiling(tmp_path, 
     spec = initialize_run(store, cfg)
     writer = RunStore("oom", regions, "us-east", writer="learner-0")
     writer.write_metrics("learner-0", {"state": "compiling", "time": time.time()})
-    monitor = Monitor(store, cfg, spec)
+    monitor = Monitor(store, cfg, spec, deaths=launcher._deaths)
     launcher._deaths["learner-0"] = (time.time() + 1, OOM_KILLED)
     launcher._oom_kills["learner-0"] += 3
     statuses = monitor.statuses()

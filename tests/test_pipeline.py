@@ -43,15 +43,14 @@ from flows.bucket_io import SEQ_BLOCK, contribution_meta
 from flows.cli import main as cli_main
 from flows.launcher import (
     WORKER_COMMAND,
-    Monitor,
     Spares,
     _watch,
     child_env,
-    cross_region_bytes,
     give_up,
     startup_line,
     supervise,
 )
+from flows.monitor import Monitor, cross_region_bytes
 from flows.run import bucket_store, build_model, config_from_spec, initialize_run
 from flows.syncer import SyncerRuntime
 from infra.chaos import read_actions
