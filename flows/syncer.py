@@ -61,7 +61,7 @@ class PipelineSyncerTransport:
         self.member_timeout = member_timeout
         self._members: list[str] = list(store.learners)
         self._members_read = -math.inf
-        self._joined: dict[str, int] = {}  # join records seen, per learner
+        self._joined: dict[str, int] = {}  # the newest join record seen, per learner
         self._heard: dict[str, tuple[Any, float]] = {}  # learner -> (its status, first seen)
         # Retention's own cadence (``pipeline.retention_seconds``): a pass after a
         # publish once this long has gone by since the last (or the start), whatever
@@ -179,16 +179,15 @@ class PipelineSyncerTransport:
         checked against the learner's key: news for whoever watches the run, never fatal
         (a joiner without the slot's key cannot sign its contributions either, and those
         are what a syncer rejects)."""
-        try:
-            joins = self.store.main.joins(learner, region)
+        seen = self._joined.get(learner, 0)
+        try:  # a listing; the record is read only when it is new
+            newest = self.store.main.newest_join(learner, region, after=seen)
         except (OSError, ValueError) as exc:
             self.log.warning("cannot read the join records of %s: %s", learner, exc)
             return
-        seen = self._joined.get(learner, 0)
-        self._joined[learner] = len(joins)
-        if len(joins) <= seen:
+        if newest is None:
             return
-        record = joins[-1]
+        self._joined[learner], record = newest
         key = self.store.keys.verifying_key(learner)
         if key is not None and not record_verifies(record, key):
             self.log.error("join record %s of %s does not verify with its key: written by "

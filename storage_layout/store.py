@@ -484,6 +484,20 @@ class RunStore:
                 out.append(record)
         return out
 
+    def newest_join(
+        self, learner: str, region: str | None = None, after: int = 0
+    ) -> tuple[int, dict[str, Any]] | None:
+        """``learner``'s newest join record and its number, read only if that number is
+        above ``after`` (one listing otherwise); None if there is none (newer). As stored:
+        check its signature (``auth.record_verifies``)."""
+        prefix = self.layout.join_commits(learner)
+        bucket = self.bucket(region or self.client_region)
+        numbers = self._numbers(bucket, prefix, "s")
+        if not numbers or numbers[-1] <= after:
+            return None
+        record = _read_json(bucket, f"{prefix}/s{number(numbers[-1])}.json")
+        return (numbers[-1], record) if isinstance(record, dict) else None
+
     def newest_generation(self, learner: str) -> int:
         taken = self._numbers(self.home, self.layout.lease_commits(learner), "s")
         return taken[-1] if taken else 0
