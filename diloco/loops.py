@@ -354,6 +354,7 @@ class LearnerLoop:
                 yield from self._wait_for_room()
                 known = look()
                 if self._finished(known):  # the others trained the budget meanwhile
+                    self.send_pending()
                     self.transport.save_checkpoint(lrn.checkpoint())
                     return
             yield STEP
@@ -371,6 +372,8 @@ class LearnerLoop:
                 self.send(p, loss)
             known = look()
             done = self._finished(known)  # once: a shared budget's end may come at any moment
+            if done:  # the steps no send has carried yet go too, not lost with the end
+                self.send_pending()
             if lrn.step % self.cfg.pipeline.checkpoint_every == 0 or done:
                 self.transport.save_checkpoint(lrn.checkpoint())
             if done:
@@ -379,8 +382,8 @@ class LearnerLoop:
                 yield from self._wait_for_answers()
 
     def send_pending(self) -> list[int]:
-        """Before this learner leaves (preempted): send every fragment holding steps that
-        no send has carried yet, so that nothing it trained is lost; a rejoining learner
+        """Before this learner leaves (preempted, or its budget done): send every fragment
+        holding steps that no send has carried yet, so that nothing it trained is lost; a rejoining learner
         starts after them (``start``: the newest committed send's step). Returns the
         fragments sent. Sends from one anchor are cumulative: the syncer merges only what
         a fragment's earlier send from that anchor did not carry."""

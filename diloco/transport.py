@@ -399,7 +399,16 @@ class SimulatedNetwork:
         return transfer_seconds(self.global_bytes[fragment], self.sim)
 
     def learners_finished(self, budget_spent: bool = False) -> bool:
-        return self.finished(budget_spent) and self.last_arrival <= self.clock.now()
+        """Every learner is done and its every send has arrived. Done with sends still in
+        flight: every syncer is woken when the last lands (news goes only to a fragment's
+        owner, and the last send may be another's)."""
+        if not self.finished(budget_spent):
+            return False
+        if self.last_arrival > self.clock.now():
+            for syncer in sorted({self.owner(p) for p in range(len(self.global_bytes))}):
+                self.notify(syncer, self.last_arrival)
+            return False
+        return True
 
     def members(self) -> Collection[str]:
         """The scheduler's learners that are not down (``members``; all by default)."""

@@ -126,11 +126,12 @@ def test_a_preemption_with_notice_loses_no_step():
     assert len(last) == load_config("tiny").topology.fragments
 
 
-@pytest.mark.parametrize("mode", ["diloco", "decoupled"])
-def test_the_quorum_follows_the_members_while_a_learner_is_down(mode):
-    """Quorum K = M: while learner 1 is down the other three are the members, so their
-    versions go on without it (it used to hold every merge until it came back); once it
-    rejoins, its contributions are merged again."""
+def test_the_quorum_follows_the_members_while_a_learner_is_down():
+    """Synchronous DiLoCo (K = M): while learner 1 is down the other three are the
+    members, so their versions go on without it (it used to hold every merge until it
+    came back); once it rejoins, its contributions are merged again. (Decoupled mode:
+    ``test_learners_join_vacant_slots_and_leave_and_the_quorum_follows``.)"""
+    mode = "diloco"
     over = [
         "budget.tokens=160000",
         "sim.eval_points=2",
