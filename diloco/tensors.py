@@ -111,13 +111,16 @@ class SpilledParams(Mapping[str, np.ndarray]):
         return {n: shape for n, (_, shape) in self._index.items()}
 
     def piece(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Values ``[start, stop)`` of ``name``, mapped from the file (read-only): a copy
+        of them (onto a device, into a sum) reads the file once, and the pages go with
+        the array."""
         offset, _ = self._index[name]
-        with open(self.path, "rb") as f:
-            f.seek(4 * (offset + start))
-            data = f.read(4 * (stop - start))
-        if len(data) != 4 * (stop - start):
-            raise OSError(f"{self.path} ends before {name}[{start}:{stop}] (truncated?)")
-        return np.frombuffer(bytearray(data), dtype=np.float32)
+        if stop <= start:
+            return np.empty(0, np.float32)
+        try:
+            return np.memmap(self.path, np.float32, "r", 4 * (offset + start), (stop - start,))
+        except ValueError as exc:  # the file is shorter than the index says
+            raise OSError(f"{self.path} ends before {name}[{start}:{stop}] (truncated?)") from exc
 
     def __getitem__(self, name: str) -> np.ndarray:
         _, shape = self._index[name]

@@ -23,8 +23,10 @@ measured on the same device, the practical ceiling. Memory: the device allocator
 
     python bench/learner/gpu.py [--configs llama-150m:16 llama-1b:8] [--steps 30]
 
-A configuration is ``PRESET:BATCH[:remat|:noremat][:auto|:xla|:cudnn]``; the preset's
-own values where left out. Writes ``results-gpu.md`` and ``results-gpu.json`` into
+A configuration is ``PRESET:BATCH[:remat|:noremat][:auto|:xla|:cudnn][:spill]``; the
+preset's own values where left out. ``spill``: the answers are read from local files
+tensor by tensor (``SpilledParams``), as a pipeline learner holds its global versions,
+not from host arrays. ``host_peak_bytes`` is the process's peak resident memory. Writes ``results-gpu.md`` and ``results-gpu.json`` into
 ``--out`` (this folder by default), after each configuration, so a run cut short keeps
 what it measured.
 """
@@ -33,9 +35,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,6 +56,8 @@ def parse(spec: str) -> tuple[str, list[str]]:
     preset, *rest = spec.split(":")
     overrides = []
     for part in rest:
+        if part == "spill":
+            continue  # measure_one's
         if part.isdigit():
             overrides.append(f"data.batch_size={part}")
         elif part in ("remat", "noremat"):
@@ -158,8 +164,10 @@ def measure_one(spec: str, steps: int) -> dict:
     from diloco.loops import STEP, GlobalView, LearnerLoop, WallClock
     from diloco.memory import learner_memory, model_flops_per_token
     from diloco.model import ParamCodec
+    from diloco.tensors import SpilledParams
 
     preset, overrides = parse(spec)
+    spill = "spill" in spec.split(":")[1:]
     cfg = load_config(preset, overrides=overrides)
     m, topo = cfg.model, cfg.topology
     device = jax.devices()[0]
@@ -197,10 +205,18 @@ def measure_one(spec: str, steps: int) -> dict:
     # The learner loop: ``steps``, or more to hold a send and its answer, after a
     # warm-up that sends every fragment and applies its answer once (compiling each
     # tensor's outer gradient, quantization and blend).
-    views = {
-        p: GlobalView(p, 0, {n: np.asarray(init[n], np.float32) for n in names})
-        for p, names in enumerate(plan)
-    }
+    if spill:  # each fragment in a local file, read back tensor by tensor when applied
+        folder = tempfile.mkdtemp(prefix="gpu-bench-views-")
+        views = {
+            p: GlobalView(p, 0, SpilledParams.write(f"{folder}/f{p}.f32",
+                                                    ((n, init[n]) for n in names)))
+            for p, names in enumerate(plan)
+        }  # fmt: skip
+    else:
+        views = {
+            p: GlobalView(p, 0, {n: np.asarray(init[n], np.float32) for n in names})
+            for p, names in enumerate(plan)
+        }
     echo = Echo(views)
     learner = Learner("bench", trainer, plan, topo, init, Batches(*shape))
     loop = LearnerLoop(learner, cfg, echo, WallClock())
@@ -254,6 +270,8 @@ def measure_one(spec: str, steps: int) -> dict:
         "mfu_learner": learner_tps * flops / peak_flops if peak_flops else None,
         "peak_bytes_bare": bare_peak,
         "peak_bytes": peak(),
+        "spill": spill,
+        "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "estimate_bytes": learner_memory(cfg, codec.num_params, platform=device.platform).total,
     }
 
@@ -261,13 +279,14 @@ def measure_one(spec: str, steps: int) -> dict:
 def table(rows: list[dict], ceiling: float | None) -> str:
     head = (
         "| config | params | attention | tokens/s bare | tokens/s learner | learner / bare "
-        "| MFU bare | MFU learner | of the matmul rate | step (s) | peak memory | estimate |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| MFU bare | MFU learner | of the matmul rate | step (s) | peak memory | estimate "
+        "| host peak |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['config']} | failed: {r['error']} |" + " |" * 10)
+            lines.append(f"| {r['config']} | failed: {r['error']} |" + " |" * 11)
             continue
         pct = lambda x: f"{100 * x:.1f} %" if x is not None else "n/a"  # noqa: E731
         of_ceiling = (
@@ -279,7 +298,7 @@ def table(rows: list[dict], ceiling: float | None) -> str:
             f"| {r['bare_tokens_per_s']:,.0f} | {r['learner_tokens_per_s']:,.0f} "
             f"| {r['learner_over_bare']:.3f} | {pct(r['mfu_bare'])} | **{pct(r['mfu_learner'])}** "
             f"| {pct(of_ceiling)} | {r['learner_step_seconds']:.3f} | {gb(r['peak_bytes'])} "
-            f"| {gb(r['estimate_bytes'])} |"
+            f"| {gb(r['estimate_bytes'])} | {gb(r.get('host_peak_bytes'))} |"
         )
     return head + "\n".join(lines) + "\n"
 
