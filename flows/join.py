@@ -26,16 +26,21 @@ default).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from diloco.topology import learner_index
+from prefect import flow
+
+from diloco.topology import learner_id, learner_index
 from flows.run import absence
 from flows.spares import WORKER_COMMAND
 from storage_layout.auth import (
@@ -188,6 +193,34 @@ def _devices() -> str:
     """What this machine would train on, named without starting JAX (it is the worker's
     to start): the platform JAX is told to use, else what it finds."""
     return os.environ.get("JAX_PLATFORMS") or os.environ.get("CUDA_VISIBLE_DEVICES") or "auto"
+
+
+@flow(name="join", log_prints=True)
+def join_flow(
+    run: str,
+    region: str,
+    bucket: str,
+    slot: str | None = None,
+    speed: float | None = None,
+    pipeline: dict[str, Any] | None = None,
+) -> str:
+    """``diloco join`` as a Prefect flow (the ``join/REGION`` deployments of prefect.yaml):
+    takes a vacant learner slot of ``run`` from ``bucket`` (the region's) and runs the
+    slot's learner worker as a child process until it ends; returns the slot. A refused
+    joiner fails the flow run, naming why (``JoinRefused``); a worker that fails fails it
+    with its exit status. A SIGTERM to the flow run's process (a cancelled flow run, a
+    spot notice) is passed on to the worker: its preemption notice. The key comes from
+    the work pool's environment (``DILOCO_JOIN_TOKEN`` or ``DILOCO_RUN_SECRET``), never
+    from a parameter: Prefect records those."""
+    command, env = join(bucket, run, region, slot, pipeline, speed=speed)
+    lid = learner_id(int(command[command.index("--index") + 1]))
+    worker = subprocess.Popen(command, env=env)
+    with contextlib.suppress(ValueError):  # a flow run off the main thread forwards none
+        signal.signal(signal.SIGTERM, lambda signum, frame: worker.send_signal(signum))
+    code = worker.wait()
+    if code:
+        raise RuntimeError(f"the learner worker of {lid} in run {run!r} exited with {code}")
+    return lid
 
 
 def become(command: list[str], env: Mapping[str, str]) -> None:

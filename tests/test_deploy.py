@@ -72,7 +72,7 @@ def test_prefect_yaml_deploys_a_train_deployment_that_starts_a_run(deployed):
         found = {
             f"{client.read_flow(d.flow_id).name}/{d.name}": d for d in client.read_deployments()
         }
-    expected = {f"{role}/{pool}" for role in ("learner", "syncer") for pool in POOLS}
+    expected = {f"{role}/{pool}" for role in ("learner", "syncer", "join") for pool in POOLS}
     assert expected | {"train/us-east"} <= set(found)
     for entry in spec["deployments"]:
         flow = load_flow_from_entrypoint(entry["entrypoint"])

@@ -17,13 +17,14 @@ import pytest
 
 from diloco.config import load_config
 from flows.cli import main as cli_main
-from flows.join import join, slot_state
+from flows.join import join, join_flow, slot_state
 from flows.launcher import child_env
 from flows.run import initialize_run
 from storage_layout.audit import audit_run
 from storage_layout.auth import (
     JOIN_TOKEN_ENV,
     RUN_SECRET_ENV,
+    JoinRefused,
     join_token,
     learner_key,
     new_run_secret,
@@ -118,7 +119,7 @@ def _finish(proc: subprocess.Popen, log: Path) -> str:
 
 @pytest.mark.slow
 def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
-    tmp_path, prefect_api
+    tmp_path, prefect_api, monkeypatch
 ):
     """`diloco train` with three learner slots, of which it starts one
     (pipeline.learners_started=1). Once learner-0's first contribution is committed, a
@@ -127,8 +128,8 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     learner-1 from the bucket alone, and the syncer merges its contributions,
     authenticated by the token's key. Slot 2 stays vacant: once the shared budget is
     spent it does not hold the run's end. The run ends with both learners done and a
-    clean audit; then no slot the token covers is vacant and a further joiner is
-    refused, naming each slot's state."""
+    clean audit; then no slot the token covers is vacant and a further joiner (the
+    `join` flow of the `join/REGION` deployments) is refused, naming each slot's state."""
     run = "open"
     proc, url = _train(tmp_path, run, 60_000)
     store = RunStore(run, {REGION: url}, REGION)
@@ -173,11 +174,13 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     assert report.learners["learner-2"]["tokens"]["merged"] == 0  # never started
     assert [j["took"] for j in report.learners["learner-1"]["joins"]] == ["never started"]
     assert report.learners["learner-0"]["joins"] == []  # started by diloco train
-    # Nothing is vacant now: a further joiner is refused, each slot named with its state.
-    env[JOIN_TOKEN_ENV] = join_token(secret, run, ["learner-0", "learner-1"])
-    again = _join(url, run, env, timeout=120)
-    assert again.returncode == 2, again.stdout + again.stderr
-    said = " ".join((again.stdout + again.stderr).split())
+    # Nothing is vacant now: a further joiner, here the `join` flow, fails its flow run
+    # naming each slot with its state.
+    monkeypatch.delenv(RUN_SECRET_ENV, raising=False)
+    monkeypatch.setenv(JOIN_TOKEN_ENV, join_token(secret, run, ["learner-0", "learner-1"]))
+    with pytest.raises(JoinRefused) as refused:
+        join_flow(run=run, region=REGION, bucket=url)
+    said = " ".join(str(refused.value).split())
     assert "no vacant learner slot" in said and "learner-1: done" in said, said
     assert "learner-2: the join token does not cover it" in said, said
     assert len(store.joins("learner-1")) == 1
