@@ -891,9 +891,10 @@ def report(data: dict) -> str:
         "it); `next`: versions 2..N in one process that keeps its loop (the steady state). "
         "Version 0 is written through the syncer's `StreamedVersion` and each learner's "
         "contribution through `RunStore.put_contribution_stream`, the values made and "
-        "quantized a piece at a time (their making is not counted), so no step holds a "
-        "whole fragment but the learner's download (`BucketStore.read_global`, the "
-        "learner view decoded whole, as a learner applies it today).",
+        "quantized a piece at a time (their making is not counted); a learner's download "
+        "(`BucketStore.read_global`) decodes each tensor into a local file as a learner "
+        "does (`SpilledParams`, since 82cbde8; before, the fragment decoded whole), so no "
+        "step holds a whole fragment.",
         *[f"{n}" for n in notes[1:]],
         "",
     ]
