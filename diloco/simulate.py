@@ -41,7 +41,7 @@ from diloco.model import ParamCodec
 from diloco.outer import FlatParams
 from diloco.quantize import payload_bytes
 from diloco.tensors import materialize
-from diloco.topology import learner_ids, shard_count, shard_fragments, shard_of
+from diloco.topology import learner_ids, shard_count, shard_fragments, shard_of, syncer_id
 from diloco.transport import MemoryStore, SimulatedNetwork, Store, transfer_seconds
 
 Progress = Callable[[int, int, float | None], None]  # tokens done, token budget, last eval loss
@@ -485,14 +485,14 @@ def _simulate_loops(
     fleet = _Fleet(run, plan, readers, sched, clock)
     fleet.net = net = SimulatedNetwork(
         store, clock, sim, global_bytes, ids,
-        owner=lambda p: f"syncer-{shard_of(p, shards)}",
+        owner=lambda p: syncer_id(shard_of(p, shards)),
         notify=sched.notify,
         finished=fleet.finished,
         members=fleet.members,
     )  # fmt: skip
     emit = run.metrics.append
     syncers = {
-        f"syncer-{s}": SyncerLoop(cfg, shard_fragments(s, shards, len(plan)), ids, net, clock, emit)
+        syncer_id(s): SyncerLoop(cfg, shard_fragments(s, shards, len(plan)), ids, net, clock, emit)
         for s in range(shards)
     }
     fleet.syncers = list(syncers)

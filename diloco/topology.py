@@ -22,6 +22,11 @@ def learner_ids(count: int) -> list[str]:
     return [learner_id(i) for i in range(count)]
 
 
+def syncer_id(shard: int) -> str:
+    """Syncer shard ``shard``'s writer id (its status object, its metrics)."""
+    return f"syncer-{shard}"
+
+
 def learner_index(learner: str) -> int:
     """``"learner-3"`` -> 3; a clear error for anything else."""
     number = learner.removeprefix(LEARNER_PREFIX)

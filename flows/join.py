@@ -41,8 +41,8 @@ from typing import Any
 from prefect import flow
 
 from diloco.topology import learner_id, learner_index
+from flows import workers
 from flows.run import absence
-from flows.spares import WORKER_COMMAND
 from storage_layout.auth import (
     JOIN_TOKEN_ENV,
     LEARNER_KEY_ENV,
@@ -184,9 +184,8 @@ def join(
     env.pop(JOIN_TOKEN_ENV, None)
     print(f"joining run {run} as {lid} in {region} (join {n}; the slot: {taken.why})",
           flush=True)  # fmt: skip
-    command = [*WORKER_COMMAND, "learner", "--run", run, "--bucket", url, "--region", region,
-               "--index", str(learner_index(lid)), "--pipeline", json.dumps(dict(pipeline or {}))]  # fmt: skip
-    return command, env
+    worker = workers.learner(run, url, region, learner_index(lid), cfg, pipeline or {})
+    return worker.argv(), env
 
 
 def _devices() -> str:

@@ -54,9 +54,6 @@ from diloco.config import (
 from diloco.topology import (
     LEARNER_PREFIX,
     home_region,
-    learner_index,
-    shard_count,
-    shard_fragments,
 )
 from flows import memory
 from flows.display import Display
@@ -78,8 +75,9 @@ from flows.observe import (
 )
 from flows.run import initialize_run, worker_done
 from flows.run_lock import RunLock, RunTakenOver, held
-from flows.spares import WORKER_COMMAND, Spares
+from flows.spares import Spares
 from flows.worker import API_DOWN, PARENT_ENV, prefect_api_reachable
+from flows.workers import Status, run_workers
 from infra.chaos import Chaos, ChaosPlan, kill_to_rejoin, percentiles, read_actions
 from infra.processes import read_pids, stop_leftovers, write_pids
 from storage_layout import faults
@@ -90,7 +88,6 @@ from storage_layout.store import RunStore
 log = logging.getLogger(__name__)
 
 STOPPING = threading.Event()  # set on Ctrl-C: exits are then expected, not retried
-Status = tuple[str, str, list[int]]  # (status writer, its region, fragments a syncer owns)
 _children: set[subprocess.Popen] = set()
 _workers: dict[str, subprocess.Popen] = {}  # writer id -> its live process (for chaos)
 _starts: Counter[str] = Counter()  # writer id -> processes started
@@ -480,29 +477,6 @@ def cancel_flow_runs() -> None:
             client.set_flow_run_state(flow_run_id, Cancelling(), force=True)
 
 
-def deployment_calls(
-    run: str, regions: dict[str, str], cfg: RunConfig, spec: dict[str, Any]
-) -> list[tuple[str, str, dict[str, Any], list[str], Status]]:
-    """(name, deployment, parameters, tags, status) per worker; the
-    deployments are ``learner/REGION`` and ``syncer/REGION`` (see prefect.yaml)."""
-    pipeline = cfg.pipeline.model_dump()
-    home = home_region(regions)
-    shards = shard_count(cfg.pipeline.syncer_shards, cfg.topology.fragments)
-    out = []
-    for shard in range(shards):
-        params = {"run": run, "regions": regions, "home": home, "shard": shard,
-                  "shards": shards, "pipeline": pipeline}  # fmt: skip
-        out.append((f"syncer {home}/{shard}", f"syncer/{home}", params,
-                    [f"run:{run}", f"region:{home}", "syncer"], (f"syncer-{shard}", home, shard_fragments(shard, shards, cfg.topology.fragments))))  # fmt: skip
-    for learner in cfg.started_learners(list(spec["learners"])):  # the others: joiners'
-        region, index = spec["learners"][learner], learner_index(learner)
-        params = {"run": run, "bucket": regions[region], "region": region, "index": index,
-                  "pipeline": pipeline}  # fmt: skip
-        out.append((f"learner {region}/{index}", f"learner/{region}", params,
-                    [f"run:{run}", f"region:{region}", f"learner:{index}"], (learner, region, [])))  # fmt: skip
-    return out
-
-
 def _interrupt_children() -> list[subprocess.Popen]:
     """Mark the run as stopping and send SIGINT to every live worker (each checkpoints)."""
     STOPPING.set()
@@ -555,52 +529,24 @@ def flush_prefect(timeout: float = 10.0) -> None:
         worker.drain_all(timeout=timeout)
 
 
-def worker_commands(
-    run: str, regions: dict[str, str], cfg: RunConfig, spec: dict[str, Any]
-) -> list[tuple[str, list[str], Status]]:
-    """(name, argv, status) per worker process."""
-    pipeline = json.dumps(cfg.pipeline.model_dump())
-    base = WORKER_COMMAND
-    out = []
-    home = home_region(regions)
-    shards = shard_count(cfg.pipeline.syncer_shards, cfg.topology.fragments)
-    for shard in range(shards):
-        argv = [*base, "syncer", "--run", run, "--regions", json.dumps(regions), "--home", home,
-                "--shard", str(shard), "--shards", str(shards), "--pipeline", pipeline]  # fmt: skip
-        owned = shard_fragments(shard, shards, cfg.topology.fragments)
-        out.append((f"syncer {home}/{shard}", argv, (f"syncer-{shard}", home, owned)))
-    for learner in cfg.started_learners(list(spec["learners"])):  # the others: joiners'
-        region, index = spec["learners"][learner], str(learner_index(learner))
-        argv = [*base, "learner", "--run", run, "--bucket", regions[region], "--region", region,
-                "--index", index, "--pipeline", pipeline]  # fmt: skip
-        group = cfg.pipeline.learner_processes
-        if group > 1:  # one learner, N processes, started and restarted together
-            port = cfg.pipeline.learner_coordinator_port
-            where = ["--port", str(port + int(index))] if port else []
-            argv = [WORKER_COMMAND[0], "-m", "flows.hosts", "--processes", str(group), *where,
-                    "--", *argv]  # fmt: skip
-        out.append((f"learner {region}/{index}", argv, (learner, region, [])))
-    return out
-
-
 def _start_workers(
     run: str, regions: dict[str, str], cfg: RunConfig, spec: dict, logs: str, via: str
 ) -> tuple[list[str], list[Any]]:
     """One supervising task per learner and syncer shard: its name and its future."""
     futures, names = [], []
     limit = cfg.pipeline.max_failed_starts
-    if via == "deployments":
-        for name, deployment, params, tags, status in deployment_calls(run, regions, cfg, spec):
-            names.append(name)
-            futures.append(supervise_deployment.submit(name, deployment, params, tags, status,
-                                                       run, regions, limit))  # fmt: skip
-    elif via == "processes":
-        for name, argv, status in worker_commands(run, regions, cfg, spec):
-            names.append(name)
-            path = str(Path(logs) / f"{name.replace(' ', '-').replace('/', '-')}.log")
-            futures.append(supervise.submit(name, argv, path, status, run, regions, limit))
-    else:
+    if via not in ("processes", "deployments"):
         raise ValueError(f"via must be 'processes' or 'deployments', not {via!r}")
+    for w in run_workers(run, regions, cfg, spec):
+        names.append(w.name)
+        if via == "deployments":
+            futures.append(supervise_deployment.submit(
+                w.name, w.deployment, w.params, w.tags(run), w.status, run, regions, limit
+            ))  # fmt: skip
+        else:
+            path = str(Path(logs) / f"{w.name.replace(' ', '-').replace('/', '-')}.log")
+            futures.append(supervise.submit(w.name, w.argv(), path, w.status, run, regions,
+                                            limit))  # fmt: skip
     return names, futures
 
 
@@ -971,8 +917,8 @@ def _launch(
     names, futures = _start_workers(run, regions, cfg, spec, logs, via)
     show_phases(display, monitor.statuses(), first["versions"])
     chaos = start_chaos(chaos_plan, folder, via, log, monitor)
-    syncers = {name: (argv, status) for name, argv, status in worker_commands(run, regions, cfg, spec)
-               if status[2]}  # fmt: skip
+    syncers = {w.name: (w.argv(), w.status) for w in run_workers(run, regions, cfg, spec)
+               if w.role == "syncer"}  # fmt: skip
 
     def stand_by(name: str) -> tuple[str, Any] | None:
         """A second process for a stalled syncer shard: it resumes from the newest

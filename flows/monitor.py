@@ -17,7 +17,7 @@ from typing import Any
 from diloco import records
 from diloco.config import RunConfig
 from diloco.simulate import dp_bytes_per_step
-from diloco.topology import shard_count, shard_fragments
+from diloco.topology import shard_count, shard_fragments, syncer_id
 from flows.observe import train_summary_rows
 from flows.run import build_model, validation
 from storage_layout.commit import CorruptVersion
@@ -294,7 +294,7 @@ class Monitor:
         traffic: dict[str, dict[str, int]] = {}
         writers = [(lid, region) for lid, region in spec["learners"].items()]
         shards = shard_count(self.cfg.pipeline.syncer_shards, self.cfg.topology.fragments)
-        writers += [(f"syncer-{s}", store.client_region) for s in range(shards)]
+        writers += [(syncer_id(s), store.client_region) for s in range(shards)]
         rejected, learner_bytes = 0, 0
         for name, region in writers:
             try:

@@ -34,7 +34,7 @@ from diloco.loops import (
 )
 from diloco.outer import Contribution
 from diloco.syncer import GlobalVersion
-from diloco.topology import shard_fragments
+from diloco.topology import shard_fragments, syncer_id
 from flows.bucket_io import BucketStore
 from flows.observe import artifact_key, run_logger, tag_flow_run, worker_tags
 from flows.run import absence, bucket_store, config_from_spec, worker_done
@@ -291,12 +291,12 @@ class SyncerRuntime:
                  shards: int, pipeline: dict | None = None, clock: Clock | None = None,
                  transport: SyncerTransport | None = None):  # fmt: skip
         self.log = run_logger("diloco.syncer")
-        spec = RunStore(run, regions, home, writer=f"syncer-{shard}").read_spec()
+        spec = RunStore(run, regions, home, writer=syncer_id(shard)).read_spec()
         self.cfg = config_from_spec(spec, pipeline)
         self.run, self.home, self.shard = run, home, shard
         self.label = f"{home}/{shard}"
         self.fragments = shard_fragments(shard, shards, len(spec["fragments"]))
-        store = bucket_store(run, regions, spec, self.cfg, f"syncer-{shard}", home=home)
+        store = bucket_store(run, regions, spec, self.cfg, syncer_id(shard), home=home)
         self.transport = PipelineSyncerTransport(
             store, self.fragments, self.cfg.pipeline.keep_versions or self.cfg.kept_versions,
             self.cfg.outer.max_staleness, self.log, self.cfg.budget.tokens,
@@ -346,7 +346,7 @@ class SyncerRuntime:
         would otherwise wait for the end of a flow run (``versions_per_flow_run``
         publishes). News, not state: a failed write is logged and the shard goes on."""
         try:
-            self.store.write_metrics(f"syncer-{self.shard}", self.status("running"))
+            self.store.write_metrics(syncer_id(self.shard), self.status("running"))
         except (OSError, ValueError) as exc:
             self.log.warning("cannot write the status of syncer %s: %s", self.label, exc)
 
@@ -409,7 +409,7 @@ def syncer_flow(
 
     done = drive(rt.loop.run(), opts.poll_seconds, stop=enough)
     new = rt.records[first:]
-    rt.store.write_metrics(f"syncer-{shard}", rt.status("done" if done else "paused"))
+    rt.store.write_metrics(syncer_id(shard), rt.status("done" if done else "paused"))
     rows = [version_row(r) for r in records.of(new, "version")]
     if rows:
         create_table_artifact(

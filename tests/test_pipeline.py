@@ -42,7 +42,6 @@ from flows import bucket_io
 from flows.bucket_io import SEQ_BLOCK, contribution_meta
 from flows.cli import main as cli_main
 from flows.launcher import (
-    WORKER_COMMAND,
     Spares,
     _watch,
     child_env,
@@ -52,6 +51,7 @@ from flows.launcher import (
 )
 from flows.monitor import Monitor, cross_region_bytes
 from flows.run import bucket_store, build_model, config_from_spec, initialize_run
+from flows.spares import WORKER_COMMAND
 from flows.syncer import SyncerRuntime
 from infra.chaos import read_actions
 from storage_layout.audit import audit_run
