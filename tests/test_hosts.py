@@ -32,7 +32,7 @@ from flows.run import initialize_run
 from storage_layout.audit import audit_run
 from storage_layout.store import RunStore
 
-STEPS = 8  # inner steps of the learner: fragments 0 and 1 are sent 2 times each, then 0
+STEPS = 8  # inner steps of the learner: fragments 0 and 1 are sent in turn, then 0 again
 OVERRIDES = [
     f"budget.tokens={STEPS * 8 * 64}",  # tiny: 8 sequences of 64 tokens a step
     "budget.shared=false",
@@ -127,11 +127,16 @@ def test_a_learner_over_two_processes_sends_what_one_process_sends(tmp_path, mon
         ckpts[name] = _checkpoint(name, bucket, lid)
     two, four, one = found["p2d2"], found["p1d4"], found["p1d1"]
     sharded = found["p2d2f4"]
-    assert sorted(two) == sorted(four) == sorted(one) == sorted(sharded)
-    # Sent at steps 2, 4, 6, 8 in turn; at the end, fragment 0's steps 7 and 8 (seq 5).
-    assert sorted(two) == [(0, 1), (0, 3), (0, 5), (1, 2), (1, 4)]
+    # Sent at steps 2, 4, 6, 8 in turn; at the end, fragment 0's steps since (seq 5). No
+    # global answers them (no syncer), so a fragment's sends are cumulative from version
+    # 0: an upload whose turn comes while a newer one of its fragment waits is skipped
+    # (that one carries its steps), which the upload thread's pace decides. Every
+    # variant holds each fragment's newest send, and those it has in common are compared.
+    for variant in (two, four, one, sharded):
+        assert {(0, 5), (1, 4)} <= set(variant) <= {(0, 1), (0, 3), (0, 5), (1, 2), (1, 4)}
+    common = set(two) & set(four) & set(one) & set(sharded)
     largest = 0.0
-    for key in two:
+    for key in common:
         for other in (four, one, sharded):
             assert other[key]["step"] == two[key]["step"]
             for n, value in two[key].items():
