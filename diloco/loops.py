@@ -382,11 +382,12 @@ class LearnerLoop:
                 yield from self._wait_for_answers()
 
     def send_pending(self) -> list[int]:
-        """Before this learner leaves (preempted, or its budget done): send every fragment
-        holding steps that no send has carried yet, so that nothing it trained is lost; a rejoining learner
-        starts after them (``start``: the newest committed send's step). Returns the
-        fragments sent. Sends from one anchor are cumulative: the syncer merges only what
-        a fragment's earlier send from that anchor did not carry."""
+        """Before this learner leaves (preempted, or its budget done): send every
+        fragment holding steps that no send has carried yet, so that nothing it trained
+        is lost; a rejoining learner starts after them (``start``: the newest committed
+        send's step). Returns the fragments sent. Sends from one anchor are cumulative:
+        the syncer merges only what a fragment's earlier send from that anchor did not
+        carry."""
         lrn, sent = self.learner, []
         loss = self.losses[-1] if self.losses else float("nan")
         for p, frag in enumerate(lrn.fragments):

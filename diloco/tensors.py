@@ -20,11 +20,8 @@ values in the same order, bit for bit.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -79,71 +76,10 @@ class ArrayTensors(dict):
         return self[name].reshape(-1)[start:stop]
 
 
-class SpilledParams(Mapping[str, np.ndarray]):
-    """Named float32 tensors kept in one local file and read back a tensor (or a piece)
-    at a time, so a process can hold a whole fragment without it in memory: a learner's
-    newest global versions wait here until it applies them, tensor by tensor, onto its
-    devices. Also ``Tensors``. Written once (``write``); the file is deleted by
-    ``close`` or when the object is garbage collected. A value is read from the file on
-    every access (the page cache keeps a hot one cheap)."""
-
-    def __init__(self, path: str, index: Mapping[str, tuple[int, tuple[int, ...]]]):
-        self.path = path
-        self._index = dict(index)  # name -> (offset in values, shape)
-        self._cleanup = weakref.finalize(self, _remove, path)
-
-    @classmethod
-    def write(cls, path: str, items: Iterable[tuple[str, np.ndarray]]) -> SpilledParams:
-        """Each ``(name, values)`` appended as float32 in the order given, one at a time
-        (what is held is the one being written)."""
-        index, offset = {}, 0
-        with open(path, "wb") as f:
-            for name, values in items:
-                a = np.ascontiguousarray(values, dtype=np.float32)
-                f.write(memoryview(a.reshape(-1)).cast("B"))
-                index[name] = (offset, tuple(a.shape))
-                offset += a.size
-                del a
-        return cls(path, index)
-
-    @property
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {n: shape for n, (_, shape) in self._index.items()}
-
-    def piece(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Values ``[start, stop)`` of ``name``, mapped from the file (read-only): a copy
-        of them (onto a device, into a sum) reads the file once, and the pages go with
-        the array."""
-        offset, _ = self._index[name]
-        if stop <= start:
-            return np.empty(0, np.float32)
-        try:
-            return np.memmap(self.path, np.float32, "r", 4 * (offset + start), (stop - start,))
-        except ValueError as exc:  # the file is shorter than the index says
-            raise OSError(f"{self.path} ends before {name}[{start}:{stop}] (truncated?)") from exc
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        _, shape = self._index[name]
-        return self.piece(name, 0, math.prod(shape)).reshape(shape)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._index)
-
-    def __len__(self) -> int:
-        return len(self._index)
-
-    def close(self) -> None:
-        self._cleanup()
-
-
-def _remove(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(path)
-
-
 def sizes(values: Mapping[str, Any]) -> dict[str, int]:
-    """Each tensor's number of values, without reading a ``SpilledParams``'s."""
-    if isinstance(values, SpilledParams):
+    """Each tensor's number of values, from its shape where the mapping tells it (a
+    ``Tensors``, such as a version kept in a local file) rather than by reading it."""
+    if isinstance(values, Tensors):
         return {n: math.prod(s) for n, s in values.shapes.items()}
     return {n: int(np.size(v)) for n, v in values.items()}
 
@@ -155,7 +91,7 @@ def full_bytes(params: Mapping[str, Any], wire_dtype: str) -> int:
 
 def as_tensors(values: Tensors | Mapping[str, Any]) -> Tensors:
     """``values`` as ``Tensors``: a mapping of arrays becomes float32 ``ArrayTensors``."""
-    if isinstance(values, ArrayTensors | SpilledParams) or not isinstance(values, Mapping):
+    if isinstance(values, Tensors) or not isinstance(values, Mapping):
         return values
     return ArrayTensors({n: np.asarray(v, dtype=np.float32) for n, v in values.items()})
 

@@ -15,12 +15,9 @@ they take to travel.
 
 from __future__ import annotations
 
-import itertools
-import os
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
@@ -32,9 +29,12 @@ from diloco.outer import Contribution, FlatParams
 from diloco.quantize import QuantizedTensor, dequantize, payload_bytes, quantize
 from diloco.records import Record
 from diloco.syncer import GlobalVersion
-from diloco.tensors import SpilledParams, full_bytes, sizes
+from diloco.tensors import full_bytes, sizes
 
-_SPILLS = itertools.count()  # a spilled version's file is named apart from its predecessors
+# What a version's tensors are gathered into as they come, ``(name, float32 values)`` one
+# at a time: a dict by default; a learner's pipeline keeps them in a local file instead
+# (``storage_layout.spill``), so it never holds a whole fragment.
+Collect = Callable[[Iterator[tuple[str, np.ndarray]]], FlatParams]
 
 
 class Store(Protocol):
@@ -59,10 +59,10 @@ class Store(Protocol):
         """Newest version of ``fragment`` in ``learner``'s region (None: the syncers')."""
 
     def read_global(
-        self, learner: str, fragment: int, version: int, spill_to: str | None = None
+        self, learner: str, fragment: int, version: int, collect: Collect | None = None
     ) -> GlobalView:
-        """Version ``version`` of ``fragment`` as ``learner`` reads it; with ``spill_to``,
-        its values kept in that local file (``SpilledParams``), never all in memory."""
+        """Version ``version`` of ``fragment`` as ``learner`` reads it; with ``collect``,
+        its tensors handed to it one at a time and its result the version's values."""
 
     def read_delta(self, learner: str, fragment: int, version: int) -> GlobalDelta | None:
         """The compact update that makes ``version`` from the version before it, as
@@ -124,11 +124,11 @@ def apply_delta(
     wire: FlatParams,
     delta: Delta,
     wire_dtype: str,
-    collect: Callable[[Iterator[tuple[str, np.ndarray]]], FlatParams] = dict,
+    collect: Collect = dict,
 ) -> FlatParams:
     """The learners' copy of a version from their copy of its base and the compact
     update (``learners_copy``, tensor by tensor), in float32, each tensor handed to
-    ``collect`` as it is made (a ``SpilledParams`` file, or a dict)."""
+    ``collect`` as it is made."""
     return collect((n, dequantize(learners_copy(wire[n], delta[n], wire_dtype))) for n in wire)
 
 
@@ -214,11 +214,11 @@ class MemoryStore:
         return max(self.versions[fragment])
 
     def read_global(
-        self, learner: str, fragment: int, version: int, spill_to: str | None = None
+        self, learner: str, fragment: int, version: int, collect: Collect | None = None
     ) -> GlobalView:
         _, _, record, wire, _ = self.versions[fragment][version]
-        if spill_to is not None:
-            wire = SpilledParams.write(spill_to, wire.items())
+        if collect is not None:
+            wire = collect(iter(wire.items()))
         return GlobalView(fragment, version, wire, record)
 
     def read_delta(self, learner: str, fragment: int, version: int) -> GlobalDelta | None:
@@ -246,14 +246,16 @@ class StoreLearnerView:
     (``topology.downlink``) while that moves fewer bytes than the full copy; otherwise,
     or when an update is missing or unreadable, the full copy is read.
 
-    With ``spill_dir`` (a local folder), the versions held are kept in files there
-    (``SpilledParams``), read back a tensor at a time as the learner applies them, so
-    the host holds no whole fragment: a version's file is deleted once no one holds it."""
+    ``keep(fragment, version)``, where given, makes the ``Collect`` each version read is
+    gathered into (the pipeline's learner: a local file, ``storage_layout.spill``, read
+    back a tensor at a time as it applies the version; by default a dict in memory)."""
 
-    def __init__(self, store: Store, learner: str, spill_dir: str | None = None):
+    def __init__(
+        self, store: Store, learner: str, keep: Callable[[int, int], Collect] | None = None
+    ):
         self.store = store
         self.learner = learner
-        self.spill_dir = spill_dir
+        self.keep = keep
         self.cache: dict[int, GlobalView] = {}
 
     def send(self, c: Contribution) -> None:
@@ -274,19 +276,10 @@ class StoreLearnerView:
         if held is None or held.version != version:
             newer = self._through_deltas(held, version) if held is not None else None
             if newer is None:
-                spill = self._spill_path(fragment, version)
-                newer = self.store.read_global(self.learner, fragment, version, spill_to=spill)
+                collect = None if self.keep is None else self.keep(fragment, version)
+                newer = self.store.read_global(self.learner, fragment, version, collect)
             held = self.cache[fragment] = newer
         return held
-
-    def _spill_path(self, fragment: int, version: int) -> str | None:
-        if self.spill_dir is None:
-            return None
-        return os.path.join(self.spill_dir, f"f{fragment}-v{version}-{next(_SPILLS)}.f32")
-
-    def _collect(self, fragment: int, version: int) -> Callable[..., FlatParams]:
-        path = self._spill_path(fragment, version)
-        return dict if path is None else partial(SpilledParams.write, path)
 
     def _through_deltas(self, held: GlobalView, version: int) -> GlobalView | None:
         """``version`` rebuilt from ``held`` by the updates in between, or None when that
@@ -309,8 +302,8 @@ class StoreLearnerView:
             if d is None or d.base != view.version:
                 return None
             moved += delta_bytes(d.delta)
-            params = apply_delta(view.params, d.delta, store.wire_dtype,
-                                 self._collect(held.fragment, v))  # fmt: skip
+            collect = dict if self.keep is None else self.keep(held.fragment, v)
+            params = apply_delta(view.params, d.delta, store.wire_dtype, collect)
             view = GlobalView(held.fragment, v, params, d.meta, moved)
         return view
 
@@ -333,9 +326,9 @@ class SimulatedNetwork:
 
     ``notify(process, time)`` tells the scheduler when something will arrive for a
     process (a contribution for the syncer that owns its fragment, a global version for
-    every learner), so a waiting loop is woken then. ``finished(budget_spent)`` is the scheduler's
-    word that every learner's loop has ended (once the budget is spent, a vacant slot's
-    excepted).
+    every learner), so a waiting loop is woken then. ``finished(budget_spent)`` is the
+    scheduler's word that every learner's loop has ended (once the budget is spent, a
+    vacant slot's excepted).
     """
 
     def __init__(

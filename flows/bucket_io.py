@@ -21,7 +21,7 @@ import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from functools import lru_cache, partial
+from functools import lru_cache
 from typing import Any
 
 import jax
@@ -35,8 +35,8 @@ from diloco.loops import GlobalView, StoredFragment, Unreadable
 from diloco.outer import Contribution, outer_optimizer
 from diloco.records import Record
 from diloco.syncer import GlobalVersion
-from diloco.tensors import SpilledParams, Tensors, materialize, pieces
-from diloco.transport import GlobalDelta, downlink_update
+from diloco.tensors import Tensors, materialize, pieces
+from diloco.transport import Collect, GlobalDelta, downlink_update
 from diloco.validate import Scan, scan_payload
 from flows.version_stream import (
     ReaderPayload,
@@ -526,9 +526,8 @@ class BucketStore:
         return store.latest_global(fragment, region)
 
     def read_global(
-        self, learner: str, fragment: int, version: int, spill_to: str | None = None
+        self, learner: str, fragment: int, version: int, collect: Collect | None = None
     ) -> GlobalView:
-        collect = None if spill_to is None else partial(SpilledParams.write, spill_to)
         state = self.writer_for(learner).get_global(
             fragment, version, learner_view=True, collect=collect
         )

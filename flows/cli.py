@@ -286,9 +286,9 @@ def cmd_join(args: argparse.Namespace) -> int:
         pipeline = json.loads(args.pipeline)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"--pipeline is not a JSON object: {exc}") from exc
-    command, env = join(_bucket_url(args.url), args.run, args.region, args.slot, pipeline,
-                        speed=args.speed)  # fmt: skip
-    become(command, env)
+    worker, env = join(_bucket_url(args.url), args.run, args.region, args.slot, pipeline,
+                       speed=args.speed)  # fmt: skip
+    become(worker.argv(), env)
     return 1  # not reached: the learner worker runs in this process's place
 
 

@@ -40,7 +40,7 @@ from typing import Any
 
 from prefect import flow
 
-from diloco.topology import learner_id, learner_index
+from diloco.topology import learner_index
 from flows import workers
 from flows.run import absence
 from storage_layout.auth import (
@@ -137,9 +137,9 @@ def join(
     pipeline: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
     speed: float | None = None,
-) -> tuple[list[str], dict[str, str]]:
-    """Pick the slot, write its signed join record and return the learner worker's
-    command line (``become`` runs it in place of this process) with the environment to
+) -> tuple[workers.Worker, dict[str, str]]:
+    """Pick the slot, write its signed join record and return the slot's learner worker
+    (``become`` runs its command line in place of this process) with the environment to
     run it in. ``JoinRefused`` (a ``ValueError``) names why a joiner may not join."""
     from flows.run import config_from_spec
 
@@ -184,8 +184,7 @@ def join(
     env.pop(JOIN_TOKEN_ENV, None)
     print(f"joining run {run} as {lid} in {region} (join {n}; the slot: {taken.why})",
           flush=True)  # fmt: skip
-    worker = workers.learner(run, url, region, learner_index(lid), cfg, pipeline or {})
-    return worker.argv(), env
+    return workers.learner(run, url, region, learner_index(lid), cfg, pipeline or {}), env
 
 
 def _devices() -> str:
@@ -211,15 +210,15 @@ def join_flow(
     spot notice) is passed on to the worker: its preemption notice. The key comes from
     the work pool's environment (``DILOCO_JOIN_TOKEN`` or ``DILOCO_RUN_SECRET``), never
     from a parameter: Prefect records those."""
-    command, env = join(bucket, run, region, slot, pipeline, speed=speed)
-    lid = learner_id(int(command[command.index("--index") + 1]))
-    worker = subprocess.Popen(command, env=env)
+    worker, env = join(bucket, run, region, slot, pipeline, speed=speed)
+    proc = subprocess.Popen(worker.argv(), env=env)
     with contextlib.suppress(ValueError):  # a flow run off the main thread forwards none
-        signal.signal(signal.SIGTERM, lambda signum, frame: worker.send_signal(signum))
-    code = worker.wait()
+        signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
+    code = proc.wait()
     if code:
-        raise RuntimeError(f"the learner worker of {lid} in run {run!r} exited with {code}")
-    return lid
+        raise RuntimeError(f"the learner worker of {worker.writer} in run {run!r} exited "
+                           f"with {code}")  # fmt: skip
+    return worker.writer
 
 
 def become(command: list[str], env: Mapping[str, str]) -> None:

@@ -49,6 +49,7 @@ from flows.run import bucket_store, build_model, config_from_spec, reader
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV
 from storage_layout.bucket import PartialFailure
 from storage_layout.commit import CommitConflict
+from storage_layout.spill import SpillFolder
 from storage_layout.store import RunStore, SeqNotReserved
 from storage_layout.stream import process_folder
 
@@ -458,7 +459,8 @@ class LearnerRuntime:
         # several, the leader hands each whole to the others, ``hosts.ReplicatedTransport``).
         self.spill_dir = process_folder("global-views") if self.processes == 1 else None
         opts = self.cfg.pipeline
-        view = StoreLearnerView(self.store, learner, self.spill_dir)
+        keep = SpillFolder(self.spill_dir) if self.spill_dir else None
+        view = StoreLearnerView(self.store, learner, keep)
         io = io or (lambda view: BackgroundIO(view, len(self.model.plan), opts.poll_seconds,
                                               opts.upload_retries, self.log,
                                               opts.stall_seconds))  # fmt: skip

@@ -749,7 +749,7 @@ class RunStore:
         (what a learner applies), not the fp32 master copy and the optimizer state; with
         ``collect``, they are handed to it as ``(name, float32 values)`` one tensor at a
         time, and its result is the version's parameters (a learner spills them to a local
-        file: ``diloco.tensors.SpilledParams``), so the process never holds them all."""
+        file: ``storage_layout.spill``), so the process never holds them all."""
         bucket = self.bucket(region or self.client_region)
         key = self.layout.global_marker(fragment, version)
         marker = read_marker(bucket, key)

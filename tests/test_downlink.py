@@ -14,7 +14,6 @@ from diloco.loops import GlobalView
 from diloco.quantize import dequantize, quantize
 from diloco.simulate import simulate
 from diloco.syncer import GlobalVersion
-from diloco.tensors import SpilledParams
 from diloco.transport import (
     MemoryStore,
     StoreLearnerView,
@@ -26,6 +25,7 @@ from diloco.transport import (
 )
 from flows.bucket_io import BucketStore
 from flows.run import simulation_store
+from storage_layout.spill import SpilledParams, SpillFolder
 from storage_layout.store import RunStore
 
 SHAPES = {"w": (64, 48), "b": (48,)}
@@ -132,7 +132,7 @@ def test_the_bucket_store_publishes_the_same_bits_and_falls_back_to_whole(tmp_pa
     assert got.nbytes is not None
     # A learner that keeps the versions it holds in local files reads the same bits.
     (tmp_path / "spill").mkdir()
-    spilled = StoreLearnerView(learner, "learner-0", str(tmp_path / "spill"))
+    spilled = StoreLearnerView(learner, "learner-0", SpillFolder(str(tmp_path / "spill")))
     first = spilled.read(0, 0)
     assert isinstance(first.params, SpilledParams)
     kept = spilled.read(0, 2)
@@ -196,7 +196,8 @@ def test_a_learner_holding_its_versions_in_local_files_never_holds_one_whole(tmp
     def peak(spill_dir):
         tracemalloc.start()
         try:
-            view = StoreLearnerView(learner, "learner-0", spill_dir).read(0, 0)
+            keep = SpillFolder(spill_dir) if spill_dir else None
+            view = StoreLearnerView(learner, "learner-0", keep).read(0, 0)
             return view, tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()

@@ -164,7 +164,7 @@ def measure_one(spec: str, steps: int) -> dict:
     from diloco.loops import STEP, GlobalView, LearnerLoop, WallClock
     from diloco.memory import learner_memory, model_flops_per_token
     from diloco.model import ParamCodec
-    from diloco.tensors import SpilledParams
+    from storage_layout.spill import SpilledParams
 
     preset, overrides = parse(spec)
     spill = "spill" in spec.split(":")[1:]

@@ -337,13 +337,14 @@ def step_download(ctx: Ctx) -> dict:
     version = store.newest_version(learner, ctx.fragment)
     if version != ctx.a["version"]:
         raise RuntimeError(f"{learner} sees version {version}, expected {ctx.a['version']}")
+    from storage_layout.spill import SpillFolder
     from storage_layout.stream import process_folder
 
     # As a learner reads it: into its spill folder, a tensor at a time (flows.learner).
     folder = process_folder("global-views")
-    spill = os.path.join(folder, "v.f32")
     start = time.perf_counter()
-    view = store.read_global(learner, ctx.fragment, version, spill_to=spill)
+    view = store.read_global(learner, ctx.fragment, version,
+                             SpillFolder(folder)(ctx.fragment, version))  # fmt: skip
     seconds = time.perf_counter() - start
     if sorted(view.params) != sorted(ctx.names):
         raise RuntimeError(f"version {version} holds {sorted(view.params)[:3]}...")
