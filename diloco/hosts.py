@@ -4,12 +4,13 @@ JAX's multi-controller model runs the same program in every process: each runs t
 jitted computations in the same order over a mesh of all processes' devices. The
 learner's loop makes decisions from what its transport answers (which global version to
 apply, whether the uploads are backed up, where to resume), so those answers must agree.
-Process 0, the leader, owns the bucket transport; ``ReplicatedTransport`` gives every
-process, the leader included, what the leader read, broadcast over the devices
-(``multihost_utils.broadcast_one_to_all``), and writes (contributions, checkpoints) go
-through the leader only. To the syncers the N processes are one learner: one id, one
-stream of contributions, one checkpoint, one generation claim (``docs/architecture.md``,
-"A learner over several hosts").
+Process 0, the leader, decides: ``ReplicatedTransport`` broadcasts its answers over the
+devices (``multihost_utils.broadcast_one_to_all``), small values only. The data they name
+each process reads from the bucket itself (a global version; its own slices of a
+checkpoint), and each writes its own part of a checkpoint, which the leader commits as
+one; contributions go through the leader only. To the syncers the N processes are one
+learner: one id, one stream of contributions, one checkpoint, one generation claim
+(``docs/architecture.md``, "A learner over several hosts").
 
 With one process every call here is a plain pass-through: the single-process learner
 runs no collective it did not run before.
@@ -18,11 +19,12 @@ runs no collective it did not run before.
 from __future__ import annotations
 
 import pickle
+import secrets
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
-import optax
 
 from diloco.learner import LearnerCheckpoint
 from diloco.loops import GlobalView, LearnerTransport
@@ -63,87 +65,78 @@ def broadcast_object(value: Any = None) -> Any:
     return value if leader else pickle.loads(buf[:size].tobytes())
 
 
-def host_tree(tree: Any) -> Any:
-    """``tree``'s arrays as NumPy on every process (replicated or sharded over the
-    processes: ``inner.to_host``), in one order on all of them."""
-    from diloco.inner import to_host
-
-    return jax.tree.map(to_host, tree)
-
-
 class ReplicatedTransport:
     """A learner transport that answers alike in every process of one learner.
 
-    ``inner`` is the leader's transport (``BackgroundIO`` over the bucket) and None in
-    the other processes. Every call is made by every process in the same order (the
-    loop is the same program everywhere); an answer is read by the leader and
-    broadcast. A global version travels once per new version: each call broadcasts only
-    the version number, and the parameters when the number is one this process has not
-    cached. ``place`` puts a host optimizer state on the learner's mesh (the
-    checkpoint's state is broadcast as host arrays and placed by each process)."""
+    ``own`` is this process's transport over the bucket (``BackgroundIO``): every process
+    has one. Every call is made by every process in the same order (the loop is the
+    same program everywhere). Decisions are the leader's, broadcast: what it sent, whether
+    its uploads are backed up, which version of a fragment is newest, which checkpoint
+    to resume from. Data is not broadcast: each process reads what the leader named
+    from the bucket itself, so no host holds more than it would alone.
 
-    def __init__(self, inner: LearnerTransport | None, place: Any):
-        self.inner = inner
-        self.place = place
+    - ``read(fragment, version)``: this process's own read of a global version (the
+      leader's comes from its poller);
+    - ``load(step)``: this process's own read of the checkpoint at ``step``, each leaf
+      placed on its devices from the parts that overlap them;
+    - ``part(state, write_id)``: this process's part of a checkpoint of ``state`` (its
+      shards), which ``own`` writes; the leader's also commits the whole once every
+      part is written. ``write_id`` names the checkpoint's write, the same in all.
+
+    Only the leader sends contributions and polls for versions."""
+
+    def __init__(
+        self,
+        own: LearnerTransport,
+        read: Callable[[int, int], GlobalView],
+        load: Callable[[int], LearnerCheckpoint | None],
+        part: Callable[[Any, str], Any],
+    ):
+        self.own, self.read, self.load, self.part = own, read, load, part
         self.leader = is_leader()
-        if self.leader != (inner is not None):
-            raise ValueError("the leader (process 0) and only it holds the bucket transport")
-        self.cache: dict[int, GlobalView | None] = {}
 
-    def __getattr__(self, name: str) -> Any:  # counters the runtime reports (leader's)
-        if name in ("inner", "place", "leader", "cache"):
+    def __getattr__(self, name: str) -> Any:  # counters the runtime reports (this process's)
+        if name in ("own", "read", "load", "part", "leader"):
             raise AttributeError(name)
-        if self.inner is not None:
-            return getattr(self.inner, name)
-        return None if name == "fenced" else 0
+        return getattr(self.own, name)
 
     def send(self, c: Contribution) -> None:
-        if self.inner is not None:
-            self.inner.send(c)
+        if self.leader:
+            self.own.send(c)
 
     def want(self, fragment: int, above: int) -> None:
-        if self.inner is not None:
-            self.inner.want(fragment, above)
+        if self.leader:
+            self.own.want(fragment, above)
 
     def backed_up(self) -> bool:
-        return bool(broadcast_object(self.inner.backed_up() if self.inner else None))
+        return bool(broadcast_object(self.own.backed_up() if self.leader else None))
 
     def latest_global(self, fragment: int) -> GlobalView | None:
-        view = self.inner.latest_global(fragment) if self.inner else None
+        view = self.own.latest_global(fragment) if self.leader else None
         version = broadcast_object(view.version if view is not None else None)
-        held = self.cache.get(fragment)
         if version is None:
             return None
-        if held is None or held.version != version:  # alike in every process
-            self.cache[fragment] = held = broadcast_object(view)
-        return held
+        return view if view is not None else self.read(fragment, version)
 
     def save_checkpoint(self, ckpt: LearnerCheckpoint) -> None:
-        # Brought to the host here, by every process in the loop's order (a state sharded
-        # over processes is gathered by a collective): the leader's upload thread then
-        # writes host arrays only.
-        host = LearnerCheckpoint(step=ckpt.step, seq=ckpt.seq, opt_state=host_tree(ckpt.opt_state))
-        if self.inner is not None:
-            self.inner.save_checkpoint(host)
+        write_id = broadcast_object(secrets.token_hex(8) if self.leader else None)
+        part = self.part(ckpt.opt_state, write_id)
+        self.own.save_checkpoint(LearnerCheckpoint(step=ckpt.step, seq=ckpt.seq, opt_state=part))
 
     def load_checkpoint(self) -> LearnerCheckpoint | None:
-        ckpt = self.inner.load_checkpoint() if self.inner else None
-        if ckpt is not None:
-            ckpt = LearnerCheckpoint(ckpt.step, ckpt.seq, host_tree(ckpt.opt_state))
-        ckpt = broadcast_object(ckpt)
-        if ckpt is None:
-            return None
-        opt: optax.OptState = self.place(ckpt.opt_state)
-        return LearnerCheckpoint(step=ckpt.step, seq=ckpt.seq, opt_state=opt)
+        ckpt = self.own.load_checkpoint() if self.leader else None
+        step = broadcast_object(ckpt.step if ckpt is not None else None)
+        if step is None or ckpt is not None:
+            return ckpt
+        return self.load(step)
 
     def sent_so_far(self) -> tuple[int, int]:
-        return tuple(broadcast_object(self.inner.sent_so_far() if self.inner else None))
+        return tuple(broadcast_object(self.own.sent_so_far() if self.leader else None))
 
     def flush(self, timeout: float | None = None) -> bool:
-        """The leader waits for its writes; the others have none (no collective here: a
-        process may flush alone, on its way out)."""
-        return self.inner.flush(timeout) if self.inner is not None else True
+        """Wait for this process's writes (the leader's uploads and checkpoints, another's
+        checkpoint parts); no collective here: a process may flush alone, on its way out."""
+        return self.own.flush(timeout)
 
     def close(self, wait: bool = True) -> None:
-        if self.inner is not None:
-            self.inner.close(wait)
+        self.own.close(wait)

@@ -21,6 +21,7 @@ transfer of the learner's arrays to the host goes through ``to_host``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -46,9 +47,30 @@ def to_host(array: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
-def to_device(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """A host array onto ``sharding``: each device receives only its own slice."""
-    host = np.asarray(host)
+class Boxes(Protocol):
+    """A tensor kept elsewhere in parts (a checkpoint's leaf, written by several hosts):
+    its ``shape`` and ``dtype``, and ``box[index]`` (a tuple of slices) reads only the
+    parts that overlap ``index``."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray: ...
+
+
+def _is_boxes(value: object) -> bool:
+    return (
+        not isinstance(value, np.ndarray | np.generic)
+        and hasattr(value, "shape")
+        and (hasattr(value, "__getitem__"))
+    )
+
+
+def to_device(host: np.ndarray | Boxes, sharding: NamedSharding) -> jax.Array:
+    """A host array onto ``sharding``: each device receives only its own slice (of a
+    ``Boxes``, only the parts its slice overlaps are read)."""
+    if not _is_boxes(host):
+        host = np.asarray(host)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
@@ -153,6 +175,8 @@ class InnerTrainer:
         sharding = self.sharding(np.shape(value))
         if isinstance(value, jax.Array):
             return jax.device_put(value, sharding)
+        if _is_boxes(value):
+            return to_device(value, sharding)  # ``Boxes``: read where it is placed
         host = np.asarray(value)
         return to_device(host.astype(jax.dtypes.canonicalize_dtype(host.dtype)), sharding)
 

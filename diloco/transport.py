@@ -51,7 +51,8 @@ class Store(Protocol):
 
     def save_checkpoint(self, learner: str, ckpt: LearnerCheckpoint) -> None: ...
 
-    def load_checkpoint(self, learner: str) -> LearnerCheckpoint | None: ...
+    def load_checkpoint(self, learner: str, step: int | None = None) -> LearnerCheckpoint | None:
+        """The newest readable checkpoint of ``learner``, or the one at ``step``."""
 
     def publish(self, gv: GlobalVersion, opt_leaves: list[Any], record: Record) -> bool: ...
 
@@ -192,8 +193,9 @@ class MemoryStore:
     def save_checkpoint(self, learner: str, ckpt: LearnerCheckpoint) -> None:
         self.checkpoints[learner] = ckpt
 
-    def load_checkpoint(self, learner: str) -> LearnerCheckpoint | None:
-        return self.checkpoints.get(learner)
+    def load_checkpoint(self, learner: str, step: int | None = None) -> LearnerCheckpoint | None:
+        held = self.checkpoints.get(learner)
+        return held if step is None or (held is not None and held.step == step) else None
 
     def publish(self, gv: GlobalVersion, opt_leaves: list[Any], record: Record) -> bool:
         held = self.versions[gv.fragment]

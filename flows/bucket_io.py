@@ -213,11 +213,121 @@ def optimizer_state(
             f"{len(names)} (missing {missing[:3]})"
         )
     placed = [  # a leaf at a time: ``place`` shards it over this learner's mesh, whatever
-        # mesh wrote it (a checkpoint stores the logical arrays)
-        place({n: np.asarray(leaves[n], dtype=t.dtype).reshape(t.shape)})[n]
+        # mesh wrote it (a checkpoint stores the logical arrays, whole or in boxes)
+        place({n: _as_leaf(leaves[n], tuple(t.shape), t.dtype)})[n]
         for n, (_, t) in zip(names, flat, strict=True)
     ]
     return jax.tree_util.tree_unflatten(treedef, placed)
+
+
+def _as_leaf(value: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+    if isinstance(value, _LeafBoxes):
+        return value.checked(shape, dtype)
+    return np.asarray(value, dtype=dtype).reshape(shape)
+
+
+class _LeafBoxes:
+    """One optimizer-state leaf of a checkpoint written in parts (one per host of the
+    learner): the boxes of it that the parts hold, read only where they are asked for
+    (``inner.Boxes``): placed on this learner's mesh, each device's slice reads the
+    boxes it overlaps, so no host gathers a leaf its devices do not hold."""
+
+    def __init__(self, name: str, key: str):
+        self.name, self.key = name, key
+        self.boxes: list[tuple[tuple[tuple[int, int], ...], ReaderTensors, str]] = []
+        self.shape: tuple[int, ...] = ()
+        self.dtype: Any = np.float32
+
+    def checked(self, shape: tuple[int, ...], dtype: Any) -> _LeafBoxes:
+        """These boxes as a leaf of ``shape``: each inside it, of its stored size, and
+        together covering it exactly once (``CorruptVersion`` naming the leaf if not)."""
+        total = 0
+        for box, tensors, tname in self.boxes:
+            extent = tuple(b - a for a, b in box)
+            if len(box) != len(shape) or any(not 0 <= a < b <= n for (a, b), n in
+                                              zip(box, shape, strict=False)):  # fmt: skip
+                raise CorruptVersion(f"{self.key}: a box {box} of {self.name} is outside {shape}")
+            if int(np.prod(tensors.shapes[tname])) != int(np.prod(extent)):
+                raise CorruptVersion(f"{self.key}: box {box} of {self.name} holds "
+                                     f"{tensors.shapes[tname]} values")  # fmt: skip
+            total += int(np.prod(extent))
+        overlap = any(_overlap(a[0], b[0]) for i, a in enumerate(self.boxes)
+                      for b in self.boxes[i + 1:])  # fmt: skip
+        if overlap or total != int(np.prod(shape)):
+            raise CorruptVersion(f"{self.key}: the parts' boxes of {self.name} do not tile "
+                                 f"its shape {shape} ({len(self.boxes)} boxes)")  # fmt: skip
+        self.shape, self.dtype = shape, dtype
+        return self
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        want = [sl.indices(n)[:2] for sl, n in zip(index, self.shape, strict=True)]
+        out = np.empty([b - a for a, b in want], dtype=self.dtype)
+        for box, tensors, tname in self.boxes:
+            cut = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(want, box, strict=True)]
+            if any(a >= b for a, b in cut):
+                continue
+            values = tensors.piece(tname, 0, int(np.prod(tensors.shapes[tname])))
+            values = values.reshape([b - a for a, b in box])
+            src = tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(cut, box, strict=True))
+            dst = tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(cut, want, strict=True))
+            out[dst] = values[src]
+        return out
+
+
+def _overlap(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> bool:
+    return all(max(x0, y0) < min(x1, y1) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
+
+
+def _stored_parts(reader: VersionReader, parts: Any, key: str) -> dict[str, _LeafBoxes]:
+    """A parted checkpoint's leaves (``RunStore.commit_checkpoint_parts``: its meta maps
+    each part's group to ``{tensor: {"leaf", "index"}}``), as boxes to read."""
+    leaves: dict[str, _LeafBoxes] = {}
+    if not isinstance(parts, Mapping):
+        raise CorruptVersion(f"{key}: its parts are not a mapping of groups")
+    try:
+        for gname, boxes in parts.items():
+            tensors = ReaderTensors(reader, str(gname))
+            for tname, box in boxes.items():
+                if tname not in tensors.shapes:
+                    raise CorruptVersion(f"{key}: part {gname} lacks tensor {tname!r}")
+                name = str(box["leaf"])
+                index = tuple((int(a), int(b)) for a, b in box["index"])
+                leaves.setdefault(name, _LeafBoxes(name, key)).boxes.append((index, tensors, tname))
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise CorruptVersion(f"{key}: its parts' boxes are malformed: {exc!r}") from exc
+    return leaves
+
+
+class HostPart:
+    """This host's part of a learner's optimizer state, for a checkpoint written in parts
+    (a learner over several processes whose state is sharded over them): of each leaf,
+    the shards this process holds that no other writes (``replica_id`` 0), as
+    ``Tensors`` named ``{leaf}#{k}`` (a shard comes to the host when it is read, one at a
+    time), and each one's box in its leaf. ``write_id`` is the checkpoint's write, the
+    same in every process; ``index`` and ``count`` this process's place among them."""
+
+    def __init__(self, state: optax.OptState, write_id: str, index: int, count: int):
+        self.write_id, self.index, self.count = write_id, index, count
+        self._shards: dict[str, jax.Array] = {}
+        self.slices: dict[str, dict[str, Any]] = {}
+        for name, leaf in zip(leaf_names(state), jax.tree_util.tree_leaves(state), strict=True):
+            own = [s for s in leaf.addressable_shards if s.replica_id == 0]
+            for k, shard in enumerate(own):
+                tname = f"{name}#{k}"
+                self._shards[tname] = shard.data
+                box = [sl.indices(n)[:2] for sl, n in zip(shard.index, leaf.shape, strict=True)]
+                self.slices[tname] = {"leaf": name, "index": [list(b) for b in box]}
+        self._held: tuple[str, np.ndarray] | None = None
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(v.shape) for n, v in self._shards.items()}
+
+    def piece(self, name: str, start: int, stop: int) -> np.ndarray:
+        if self._held is None or self._held[0] != name:
+            self._held = None
+            self._held = (name, np.asarray(jax.device_get(self._shards[name]), np.float32).ravel())
+        return self._held[1][start:stop]
 
 
 class _StoredLeaves(Mapping[str, np.ndarray]):
@@ -252,7 +362,10 @@ def read_checkpoint(
     key = store.layout.checkpoint_marker(learner, step)
     marker = read_marker(store.home, key)
     reader = VersionReader(store.home, marker, key, cache=1)
-    leaves = _StoredLeaves(ReaderTensors(reader, "opt"))
+    if "parts" in marker.meta:  # written in parts, one per host (``HostPart``)
+        leaves: Mapping[str, Any] = _stored_parts(reader, marker.meta["parts"], key)
+    else:
+        leaves = _StoredLeaves(ReaderTensors(reader, "opt"))
     return optimizer_state(leaves, template, place), dict(marker.meta)
 
 
@@ -486,34 +599,51 @@ class BucketStore:
             return leaves
 
     def save_checkpoint(self, learner: str, ckpt: LearnerCheckpoint) -> None:
+        """Commit ``ckpt``; one whose state is a ``HostPart`` (a learner over several
+        processes) writes this host's part, and the leader (part 0) commits once every
+        part is written (``RunStore.commit_checkpoint_parts``)."""
         store = self.writer_for(learner, checkpoints=True)
         if ckpt.step in store.checkpoint_steps(learner):
             return  # this step is saved already (a flow run ended right after one)
         meta = {"seq": ckpt.seq, "data_position": ckpt.step}
+        part = ckpt.opt_state if isinstance(ckpt.opt_state, HostPart) else None
+        if part is not None:
+            store.put_checkpoint_part(learner, ckpt.step, part.write_id, part.index, part,
+                                      part.slices)  # fmt: skip
+            if part.index != 0:
+                return
         self.check_newest(learner)  # a superseded process mixes no checkpoint in
         try:
-            store.put_checkpoint(
-                learner, ckpt.step, {"opt": optimizer_leaves(ckpt.opt_state)}, meta
-            )
+            if part is not None:
+                store.commit_checkpoint_parts(learner, ckpt.step, part.write_id, part.count, meta)
+            else:
+                store.put_checkpoint(
+                    learner, ckpt.step, {"opt": optimizer_leaves(ckpt.opt_state)}, meta
+                )
         except CommitConflict as exc:
             log.warning(
                 "checkpoint %s@%d already written by another process: %s", learner, ckpt.step, exc
             )
         prune_checkpoints(store, learner, keep=2)
 
-    def load_checkpoint(self, learner: str) -> LearnerCheckpoint | None:
-        """The newest readable checkpoint (a corrupt one is reported and skipped)."""
+    def load_checkpoint(self, learner: str, step: int | None = None) -> LearnerCheckpoint | None:
+        """The newest readable checkpoint (a corrupt one is reported and skipped), or the
+        one at ``step`` (its damage raised: another process of the learner read it)."""
         if self.place is None or self.opt_template is None:
             raise ValueError(
                 "this store was opened without the trainer; it cannot read checkpoints"
             )
         store = self.writer_for(learner, checkpoints=True)
+
+        def read(step: int) -> LearnerCheckpoint:
+            opt, meta = read_checkpoint(store, learner, step, self.opt_template(), self.place)
+            return LearnerCheckpoint(step=int(meta["step"]), seq=int(meta["seq"]), opt_state=opt)
+
+        if step is not None:
+            return read(step)
         for step in reversed(store.checkpoint_steps(learner)):
             try:
-                opt, meta = read_checkpoint(store, learner, step, self.opt_template(), self.place)
-                return LearnerCheckpoint(
-                    step=int(meta["step"]), seq=int(meta["seq"]), opt_state=opt
-                )
+                return read(step)
             except (CorruptVersion, KeyError, ValueError) as exc:
                 log.error(
                     "checkpoint %s@%d is unreadable, trying an older one: %s", learner, step, exc

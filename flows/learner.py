@@ -43,6 +43,7 @@ from diloco.outer import Contribution
 from diloco.quantize_device import outer_gradient
 from diloco.topology import learner_id, learner_index
 from diloco.transport import StoreLearnerView
+from flows.bucket_io import HostPart
 from flows.hosts import join as join_group
 from flows.observe import artifact_key, run_logger, tag_flow_run, worker_tags
 from flows.run import bucket_store, build_model, config_from_spec, reader
@@ -455,31 +456,21 @@ class LearnerRuntime:
         self.announce("compiling")
         self._compile()
         self.announce("resuming")
-        # The versions it holds wait in a local folder, not in memory (one process: over
-        # several, the leader hands each whole to the others, ``hosts.ReplicatedTransport``).
-        self.spill_dir = process_folder("global-views") if self.processes == 1 else None
+        # The versions it holds wait in a local folder, not in memory (each process of a
+        # learner over several reads its own: ``hosts.ReplicatedTransport``).
+        self.spill_dir = process_folder("global-views")
         opts = self.cfg.pipeline
-        keep = SpillFolder(self.spill_dir) if self.spill_dir else None
-        view = StoreLearnerView(self.store, learner, keep)
+        view = StoreLearnerView(self.store, learner, SpillFolder(self.spill_dir))
         io = io or (lambda view: BackgroundIO(view, len(self.model.plan), opts.poll_seconds,
                                               opts.upload_retries, self.log,
                                               opts.stall_seconds))  # fmt: skip
-        if self.processes == 1:
-            self.io = io(view)
-        else:  # every process sees what the leader's transport answers (diloco.hosts)
-            trainer = self.model.trainer
-
-            def place(tree: Any) -> Any:  # each leaf onto its (FSDP) sharding
-                return jax.tree.map(trainer.place, tree)
-
-            # The leader reads a checkpoint as host arrays (ReplicatedTransport places it
-            # in every process): a computation on the mesh in one process only would wait
-            # for the others forever. The template is made by all, in the same order.
-            template = hosts.host_tree(
-                trainer.init_opt_state(trainer.place_params(self.model.init))
-            )
-            self.store.place, self.store.opt_template = (lambda host: host), (lambda: template)
-            self.io = hosts.ReplicatedTransport(io(view) if self.leader else None, place)
+        self.io = io(view)
+        if self.processes > 1:  # the leader decides, each process reads and writes its part
+            self.io = hosts.ReplicatedTransport(
+                self.io, view.read, lambda step: self.store.load_checkpoint(learner, step),
+                lambda state, write_id: HostPart(state, write_id, jax.process_index(),
+                                                 self.processes),
+            )  # fmt: skip
         self.records: list[records.Record] = []
         self.loop, self.resumed_from = LearnerLoop.start(
             learner, self.model.trainer, self.model.plan, reader(self.cfg, self.index),
@@ -660,8 +651,7 @@ class LearnerRuntime:
 
     def close(self) -> None:
         self.io.close()
-        if self.spill_dir is not None:
-            shutil.rmtree(self.spill_dir, ignore_errors=True)
+        shutil.rmtree(self.spill_dir, ignore_errors=True)
 
 
 _RUNTIMES: dict[tuple[str, str, str], LearnerRuntime] = {}  # this process's learner

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+import jax
 import numpy as np
 
 from diloco import records
@@ -246,7 +247,9 @@ def bucket_store(
     return BucketStore(
         run, regions, home or home_region(regions), spec["learners"], cfg.topology.global_dtype,
         writer, place=trainer.place_params,
-        opt_template=lambda: trainer.init_opt_state(trainer.place_params(model.init)),
+        # The state's structure, shapes and dtypes only: no computation on the mesh (one
+        # process of a learner over several reads a checkpoint alone) and no memory.
+        opt_template=lambda: jax.eval_shape(trainer.tx.init, model.init),
         downlink=cfg.topology.downlink, block_size=cfg.topology.block_size,
         syncer_memory_mb=cfg.pipeline.syncer_memory_mb,
         syncer_spool_mb=cfg.pipeline.syncer_spool_mb,

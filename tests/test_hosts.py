@@ -30,6 +30,8 @@ from diloco.quantize import dequantize
 from flows.hosts import PROCESS_ID_ENV, run_group
 from flows.run import initialize_run
 from storage_layout.audit import audit_run
+from storage_layout.commit import read_marker
+from storage_layout.inspect import inspect_bucket
 from storage_layout.store import RunStore
 
 STEPS = 8  # inner steps of the learner: fragments 0 and 1 are sent in turn, then 0 again
@@ -83,6 +85,17 @@ def _contributions(name: str, bucket: str, lid: str) -> dict[tuple[int, int], di
     return out
 
 
+def _parts(name: str, bucket: str, lid: str) -> dict[str, int] | None:
+    """The values each host's part of the newest checkpoint holds (None: not in parts)."""
+    store = RunStore(name, {"us": bucket}, "us")
+    key = store.layout.checkpoint_marker(lid, store.checkpoint_steps(lid)[-1])
+    meta = read_marker(store.home, key).meta
+    if "parts" not in meta:
+        return None
+    return {group: sum(int(np.prod([b - a for a, b in box["index"]])) for box in boxes.values())
+            for group, boxes in meta["parts"].items()}  # fmt: skip
+
+
 class _Restored:
     def __init__(self, step: int, opt_state):
         import jax
@@ -112,7 +125,7 @@ def test_a_learner_over_two_processes_sends_what_one_process_sends(tmp_path, mon
     and processes differ in their last bits (1.2e-7 at most, seen), against outer
     gradients up to ~8e-3. Followers that trained on other data, or missed an update,
     would differ by far more."""
-    found, ckpts = {}, {}
+    found, ckpts, parts = {}, {}, {}
     for processes, devices, fsdp in ((2, 2, 1), (2, 2, 4), (1, 4, 1), (1, 1, 1)):
         name = f"p{processes}d{devices}" + (f"f{fsdp}" if fsdp > 1 else "")
         bucket, lid, pipeline, _ = _run(tmp_path, name, fsdp)
@@ -125,6 +138,7 @@ def test_a_learner_over_two_processes_sends_what_one_process_sends(tmp_path, mon
             assert RunStore(name, {"us": bucket}, "us").newest_generation(lid) == 2
         found[name] = _contributions(name, bucket, lid)
         ckpts[name] = _checkpoint(name, bucket, lid)
+        parts[name] = _parts(name, bucket, lid)
     two, four, one = found["p2d2"], found["p1d4"], found["p1d1"]
     sharded = found["p2d2f4"]
     # Sent at steps 2, 4, 6, 8 in turn; at the end, fragment 0's steps since (seq 5). No
@@ -153,6 +167,16 @@ def test_a_learner_over_two_processes_sends_what_one_process_sends(tmp_path, mon
     for other in ("p1d4", "p1d1", "p2d2f4"):
         for a, b in zip(ckpts["p2d2"].leaves, ckpts[other].leaves, strict=True):
             np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-4)
+    # Over 2 processes each wrote its own part: with the state sharded over both, each
+    # holds half of every sharded leaf; replicated, process 0 holds it all. One process
+    # writes the whole state as one group.
+    assert parts["p1d4"] is None and parts["p1d1"] is None
+    assert set(parts["p2d2"]) == set(parts["p2d2f4"]) == {"opt.p0000", "opt.p0001"}
+    assert parts["p2d2"]["opt.p0001"] == 0 < parts["p2d2"]["opt.p0000"]
+    assert parts["p2d2f4"]["opt.p0000"] == pytest.approx(parts["p2d2f4"]["opt.p0001"], rel=0.05)
+    # Committed as one checkpoint: every part's objects re-hash against its marker.
+    report = inspect_bucket(f"file://{tmp_path / 'p2d2f4'}", run="p2d2f4", verify=True)
+    assert report["runs"][0]["problems"] == [] and report["runs"][0]["verified_versions"] > 0
 
 
 def _alive(pid: int) -> bool:
