@@ -212,11 +212,14 @@ def optimizer_state(
             f"optimizer state has {len(leaves)} leaves, this model's optimizer "
             f"{len(names)} (missing {missing[:3]})"
         )
-    placed = [  # a leaf at a time: ``place`` shards it over this learner's mesh, whatever
-        # mesh wrote it (a checkpoint stores the logical arrays, whole or in boxes)
-        place({n: _as_leaf(leaves[n], tuple(t.shape), t.dtype)})[n]
-        for n, (_, t) in zip(names, flat, strict=True)
-    ]
+    placed = []
+    for n, (_, t) in zip(names, flat, strict=True):
+        # a leaf at a time: ``place`` shards it over this learner's mesh, whatever mesh
+        # wrote it (a checkpoint stores the logical arrays, whole or in boxes)
+        leaf = _as_leaf(leaves[n], tuple(t.shape), t.dtype)
+        placed.append(place({n: leaf})[n])
+        if isinstance(leaf, _LeafBoxes):
+            leaf.release()
     return jax.tree_util.tree_unflatten(treedef, placed)
 
 
@@ -237,6 +240,7 @@ class _LeafBoxes:
         self.boxes: list[tuple[tuple[tuple[int, int], ...], ReaderTensors, str]] = []
         self.shape: tuple[int, ...] = ()
         self.dtype: Any = np.float32
+        self._held: tuple[tuple[int, str], np.ndarray] | None = None
 
     def checked(self, shape: tuple[int, ...], dtype: Any) -> _LeafBoxes:
         """These boxes as a leaf of ``shape``: each inside it, of its stored size, and
@@ -266,12 +270,24 @@ class _LeafBoxes:
             cut = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(want, box, strict=True)]
             if any(a >= b for a, b in cut):
                 continue
-            values = tensors.piece(tname, 0, int(np.prod(tensors.shapes[tname])))
-            values = values.reshape([b - a for a, b in box])
+            values = self._box(tensors, tname).reshape([b - a for a, b in box])
             src = tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(cut, box, strict=True))
             dst = tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(cut, want, strict=True))
             out[dst] = values[src]
         return out
+
+    def release(self) -> None:
+        """Drop the box kept: the leaf is placed."""
+        self._held = None
+
+    def _box(self, tensors: ReaderTensors, tname: str) -> np.ndarray:
+        """A box's values; the last one read is kept (a process's devices that replicate
+        a slice ask for the same box in turn)."""
+        if self._held is None or self._held[0] != (id(tensors), tname):
+            self._held = None
+            values = tensors.piece(tname, 0, int(np.prod(tensors.shapes[tname])))
+            self._held = ((id(tensors), tname), values)
+        return self._held[1]
 
 
 def _overlap(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> bool:
