@@ -9,7 +9,7 @@ starts the command N times, process i with ``DILOCO_PROCESS_ID=i``,
 ``--port``), and ends when they end. The group lives and dies as one learner: when one
 of its processes ends with an error or a signal, the others are killed at once (their
 collectives would wait on it) and the group ends the way that one did, so the
-launcher's one restart policy (``flows.launcher.supervise``) restarts the whole learner,
+launcher's one restart policy (``flows.supervision.Restarts``) restarts the whole learner,
 which rejoins from the bucket like any other (``LearnerLoop.start``). On several nodes a
 deployment sets the same three variables itself (``docs/deploy.md``); a peer that
 vanishes there is noticed by the coordination service's heartbeat.

@@ -15,6 +15,7 @@ import time
 import urllib.request
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -23,6 +24,9 @@ from diloco.config import ConfigError, RunConfig
 from diloco.topology import home_region
 from flows.display import open_display
 from flows.observe import human_bytes, train_summary_rows
+
+if TYPE_CHECKING:  # (Prefect is imported only once PREFECT_HOME is set)
+    from flows.launcher import Launch
 
 console = Console(stderr=True, soft_wrap=True)
 
@@ -168,26 +172,27 @@ def train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: st
     # One launcher per run, taken before the run's Prefect server starts (two servers
     # must never share its database): a second `diloco train` of a running run is refused.
     store = RunStore(run, regions, home_region(regions), writer="launcher")
+    from flows.launcher import LAUNCH, Launch
+
+    # Another launcher that takes the run over (this one's lease went stale) stops the
+    # workers; the launcher flow then ends naming who took over.
+    launch = Launch()
     try:
-        lock = RunLock(store, on_lost=_taken_over).acquire()
+        lock = RunLock(store, on_lost=lambda who: launch.interrupt()).acquire()
     except RunLocked as exc:
         console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
         return 2
+    token = LAUNCH.set(launch)  # the launcher flow's, its workers' and its handlers'
     try:
-        return _train(run, regions, cfg, root, via)
+        return _train(run, regions, cfg, root, via, launch)
     finally:
+        LAUNCH.reset(token)
         lock.release()
 
 
-def _taken_over(who: str) -> None:
-    """Another launcher took the run over (this one's lease went stale): stop the workers;
-    the launcher flow then ends naming who took over."""
-    from flows import launcher
-
-    launcher._interrupt_children()
-
-
-def _train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: str) -> int:
+def _train(
+    run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: str, launch: Launch
+) -> int:
     prefect_home = root / "prefect"
     os.environ.setdefault("PREFECT_HOME", str(prefect_home.resolve()))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -218,33 +223,31 @@ def _train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: s
             )
             from flows import launcher
             from flows.monitor import StorageUnreachable
+            from flows.worker import prefect_api_reachable
 
             display.adopt_prefect_logging()
-            signal.signal(signal.SIGINT, launcher.on_interrupt)
-            signal.signal(signal.SIGTERM, launcher.on_interrupt)
+            signal.signal(signal.SIGINT, launch.on_signal)
+            signal.signal(signal.SIGTERM, launch.on_signal)
             try:
                 summary = launcher.train_flow(run, regions, cfg.model_dump(mode="json"),
                                               str(root / "logs"), via=via)  # fmt: skip
             except KeyboardInterrupt:
                 console.print("[yellow]interrupted[/]: stopping learners and syncers (they "
                               "checkpoint)")  # fmt: skip
-                launcher.stop_children()
-                if via == "deployments":
-                    launcher.cancel_flow_runs()
+                launch.stop()
                 console.print(f"resume with the same command (run {run!r})")
                 return 130
             except (launcher.RunTakenOver, StorageUnreachable) as exc:
-                launcher.stop_children()
+                launch.stop()
                 console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
                 return 1
             except Exception as exc:
                 # Prefect's engine raises when it cannot record the flow run's end (the
                 # API gone): the run's own outcome still stands.
-                summary = launcher.FINISHED.get(run)
-                interrupted = launcher.STOPPING.is_set()
-                if summary is None and launcher.prefect_api_reachable():
+                summary, interrupted = launch.summary, launch.stopping.is_set()
+                if summary is None and prefect_api_reachable():
                     raise
-                launcher.stop_children()
+                launch.stop()
                 console.print(f"[bold red]error:[/] the Prefect API at {api_url} is unreachable "
                               f"({type(exc).__name__}: {exc}); the launcher's flow run could not "
                               "be recorded", soft_wrap=True)  # fmt: skip

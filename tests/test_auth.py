@@ -17,8 +17,9 @@ from diloco.config import load_config
 from diloco.outer import Contribution
 from diloco.quantize import quantize
 from flows.bucket_io import BucketStore, contribution_meta
-from flows.launcher import _RUN_SECRETS, authenticate, child_env
+from flows.launcher import authenticate
 from flows.run import build_model, initialize_run
+from flows.supervision import child_env
 from flows.syncer import SyncerRuntime
 from storage_layout.auth import (
     ALGORITHM,
@@ -182,8 +183,7 @@ def _bucket_store(tmp_path, run: str) -> RunStore:
 def test_the_launcher_keeps_the_run_secret_out_of_its_log(tmp_path, caplog):
     store = _bucket_store(tmp_path, "auth-run")
     with caplog.at_level(logging.INFO):
-        authenticate("auth-run", tmp_path, "processes", logging.getLogger("t"), store)
-    secret = _RUN_SECRETS.pop("auth-run")
+        secret = authenticate("auth-run", tmp_path, "processes", logging.getLogger("t"), store)
     assert (tmp_path / "run-secret").read_text().strip() == secret
     assert "contributions are signed" in caplog.text and secret not in caplog.text
     stored = (tmp_path / "bucket" / "auth-run" / "secret-fingerprint.json").read_text()
@@ -195,12 +195,11 @@ def test_a_swapped_run_secret_is_refused_at_launch(tmp_path, monkeypatch):
     run-secret file lost, DILOCO_RUN_SECRET changed) is refused by name, instead of
     every genuine contribution being rejected as forged later."""
     store = _bucket_store(tmp_path, "swap")
-    authenticate("swap", tmp_path, "processes", logging.getLogger("t"), store)
-    authenticate("swap", tmp_path, "processes", logging.getLogger("t"), store)  # resumed
+    first = authenticate("swap", tmp_path, "processes", logging.getLogger("t"), store)
+    assert authenticate("swap", tmp_path, "processes", logging.getLogger("t"), store) == first
     monkeypatch.setenv(RUN_SECRET_ENV, SECRET)
     with pytest.raises(SecretMismatch, match=f"from {RUN_SECRET_ENV} is not the one run 'swap'"):
         authenticate("swap", tmp_path, "processes", logging.getLogger("t"), store)
-    _RUN_SECRETS.pop("swap")
 
 
 # --- through the stores and the syncer ----------------------------------------------------

@@ -18,8 +18,8 @@ import pytest
 from diloco.config import load_config
 from flows.cli import main as cli_main
 from flows.join import join, join_flow, slot_state
-from flows.launcher import child_env
 from flows.run import initialize_run
+from flows.supervision import child_env
 from storage_layout.audit import audit_run
 from storage_layout.auth import (
     JOIN_TOKEN_ENV,

@@ -28,10 +28,11 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from diloco.config import load_config
 from flows import run_lock
-from flows.launcher import _watch, stop_predecessors
+from flows.launcher import _watch
 from flows.monitor import Monitor
 from flows.run import initialize_run
 from flows.run_lock import RunLock, RunLocked
+from flows.supervision import stop_predecessors
 from flows.worker import PARENT_ENV
 from infra.local_servers import Forwarder
 from infra.prefect_server import free_port, prefect_server, server_env, wait_healthy

@@ -11,11 +11,11 @@ import pytest
 
 from diloco.config import load_config
 from diloco.memory import learner_memory
-from flows import launcher
-from flows.launcher import OOM_KILLED, learner_phases
+from flows.launcher import learner_phases
 from flows.memory import Watch, match_oom_record, parse_oom_kill, wait
 from flows.monitor import Monitor
 from flows.run import build_model, initialize_run
+from flows.supervision import OOM_KILLED, Processes
 from flows.train import memory_lines
 from storage_layout.store import RunStore
 
@@ -61,31 +61,30 @@ def test_a_worker_killed_from_outside_is_not_called_out_of_memory():
             assert "resident" in why and "available" in why, why
 
 
-def test_a_learner_the_oom_killer_killed_is_shown_so_not_as_compiling(tmp_path, monkeypatch):
+def test_a_learner_the_oom_killer_killed_is_shown_so_not_as_compiling(tmp_path):
     """The dead process's status object still says "compiling"; the launcher's record of
     its death wins until a new process of the learner reports, and the count of OOM
     kills stays in the learners' line after that."""
-    monkeypatch.setattr(launcher, "_deaths", {})
-    monkeypatch.setattr(launcher, "_oom_kills", launcher.Counter())
     cfg = load_config("tiny", overrides=["budget.tokens=20000"])
     regions = {"us-east": f"file://{tmp_path / 'us'}"}
     (tmp_path / "us").mkdir()
+    mode = Processes("oom", regions, 2, tmp_path)
     store = RunStore("oom", regions, "us-east")
     spec = initialize_run(store, cfg)
     writer = RunStore("oom", regions, "us-east", writer="learner-0")
     writer.write_metrics("learner-0", {"state": "compiling", "time": time.time()})
-    monitor = Monitor(store, cfg, spec, deaths=launcher._deaths)
-    launcher._deaths["learner-0"] = (time.time() + 1, OOM_KILLED)
-    launcher._oom_kills["learner-0"] += 3
+    monitor = Monitor(store, cfg, spec, deaths=mode.deaths)
+    mode.deaths["learner-0"] = (time.time() + 1, OOM_KILLED)
+    mode.oom_kills["learner-0"] += 3
     statuses = monitor.statuses()
     assert statuses["learner-0"]["state"] == OOM_KILLED
-    _, text = learner_phases(statuses)
+    _, text = learner_phases(statuses, mode.oom_kills)
     assert "1 killed by the OOM killer" in text and "learner-0 OOM-killed 3x" in text, text
     assert "compiling" not in text
     writer.write_metrics("learner-0", {"state": "compiling", "time": time.time() + 2})
     statuses = monitor.statuses()  # its next process reports: it compiles again
     assert statuses["learner-0"]["state"] == "compiling"
-    assert "learner-0 OOM-killed 3x" in learner_phases(statuses)[1]
+    assert "learner-0 OOM-killed 3x" in learner_phases(statuses, mode.oom_kills)[1]
 
 
 def test_train_estimates_a_learners_memory_and_warns_when_the_machine_is_short():
@@ -115,19 +114,18 @@ def test_train_estimates_a_learners_memory_and_warns_when_the_machine_is_short()
 
 @pytest.mark.slow
 def test_a_supervised_worker_killed_by_a_signal_is_restarted_and_its_death_recorded(
-    tmp_path, prefect_api, monkeypatch
+    tmp_path, prefect_api
 ):
     """The launcher's supervision of a real process that is SIGKILLed once: it is
     restarted at once (a kill from outside is no crash), and the death is recorded with
     what killed it, for the display (not the OOM killer's: the kernel recorded none)."""
     from prefect import flow
 
-    monkeypatch.setattr(launcher, "_deaths", {})
-    monkeypatch.setattr(launcher, "_oom_kills", launcher.Counter())
     cfg = load_config("tiny", overrides=["budget.tokens=20000"])
     regions = {"us-east": f"file://{tmp_path / 'us'}"}
     (tmp_path / "us").mkdir()
     initialize_run(RunStore("sup", regions, "us-east"), cfg)
+    mode = Processes("sup", regions, 2, tmp_path)
     mark = tmp_path / "killed-once"
     code = ("import os, pathlib, signal\n"
             f"mark = pathlib.Path({str(mark)!r})\n"
@@ -139,9 +137,9 @@ def test_a_supervised_worker_killed_by_a_signal_is_restarted_and_its_death_recor
 
     @flow
     def launch() -> int:
-        return launcher.supervise("learner us-east/0", [sys.executable, "-c", code], str(log),
-                                  ("learner-0", "us-east", []), "sup", regions, 2)  # fmt: skip
+        return mode.supervise("learner us-east/0", [sys.executable, "-c", code], str(log),
+                              ("learner-0", "us-east", []))  # fmt: skip
 
     assert launch() == 0
-    assert launcher._deaths["learner-0"][1] == "killed" and launcher._oom_kills["learner-0"] == 0
+    assert mode.deaths["learner-0"][1] == "killed" and mode.oom_kills["learner-0"] == 0
     assert "second start" in log.read_text()

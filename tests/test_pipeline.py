@@ -41,17 +41,11 @@ from diloco.transport import StoreLearnerView
 from flows import bucket_io
 from flows.bucket_io import SEQ_BLOCK, contribution_meta
 from flows.cli import main as cli_main
-from flows.launcher import (
-    Spares,
-    _watch,
-    child_env,
-    give_up,
-    startup_line,
-    supervise,
-)
+from flows.launcher import _watch, startup_line
 from flows.monitor import Monitor, cross_region_bytes
 from flows.run import bucket_store, build_model, config_from_spec, initialize_run
-from flows.spares import WORKER_COMMAND
+from flows.spares import WORKER_COMMAND, Spares
+from flows.supervision import Processes, child_env, give_up
 from flows.syncer import SyncerRuntime
 from infra.chaos import read_actions
 from storage_layout.audit import audit_run
@@ -717,8 +711,8 @@ def test_a_crash_looping_worker_is_given_up_by_name_and_not_waited_for(tmp_path,
 
     @flow
     def launch() -> int:
-        return supervise("learner us-east/0", argv, str(tmp_path / "l0.log"), status, "loop",
-                         regions, 2)  # fmt: skip
+        mode = Processes("loop", regions, 2, tmp_path)
+        return mode.supervise("learner us-east/0", argv, str(tmp_path / "l0.log"), status)
 
     with pytest.raises(RuntimeError, match="2 starts in a row failed without progress") as err:
         launch()

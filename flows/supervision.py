@@ -1,0 +1,506 @@
+"""Keeping a run's workers going: one restart policy and the launch modes.
+
+A launch mode starts each of the run's workers (``flows.workers.Worker``: a learner or a
+syncer shard) as a Prefect task run of the launcher's flow run, and keeps it going until
+its work is done:
+
+- ``Processes``: a process beside the launcher (``python -m flows.worker ...``), each
+  start a nested task run (``start learner us-east/2``);
+- ``Deployments``: flow runs of the region's deployment, one after another, each picked up
+  by the region's work pool.
+
+Both restart a worker under the one policy (``Restarts``) and answer the launcher
+through one interface (``LaunchMode``): ``start`` a worker, start a ``stand_by`` beside a
+stalled syncer, ``interrupt`` every worker (each checkpoints), ``reap`` what is left,
+``close``, and the deaths the monitor shows. A mode holds all of its launch's state (its
+processes, their starts and deaths, the run secret, the spares), none of it at module
+level: two launches in one process never share any, and a new way to launch is one
+class here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.settings import PREFECT_API_URL
+
+from diloco.topology import LEARNER_PREFIX, home_region
+from flows import memory
+from flows.observe import PARENT_FLOW_RUN_ENV, PARENT_TASK_RUN_ENV, parent_env
+from flows.run import worker_done
+from flows.spares import Spares
+from flows.worker import API_DOWN, PARENT_ENV, prefect_api_reachable
+from flows.workers import Status, Worker
+from infra.processes import read_pids, stop_leftovers, write_pids
+from storage_layout import faults
+from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV, learner_key
+from storage_layout.store import RunStore
+
+log = logging.getLogger(__name__)
+
+OOM_KILLED = "killed by the OOM killer"
+STAND_BY = "stand-by"  # the name of a syncer started beside a stalled one ends so
+KILLED_YOUNG = 5.0  # seconds: a process killed sooner is restarted after a pause
+API_PATIENCE = 1800.0  # seconds a worker waits for the Prefect API before it is given up
+STOP_SECONDS = 60.0  # workers asked to stop are killed after this (they checkpoint first)
+
+
+class Killed(RuntimeError):
+    """A worker process ended by a signal (a machine lost, a kill from outside), not by
+    failing on its own: restarted at once, and never counted as a crash loop. ``lived``:
+    seconds it ran."""
+
+    def __init__(self, message: str, lived: float = 0.0):
+        super().__init__(message)
+        self.lived = lived
+
+
+class ApiDown(RuntimeError):
+    """A worker process that failed because the Prefect API was unreachable (its flow
+    runs cannot start or end without it): the API is waited for, and no crash counted."""
+
+
+def child_env(
+    run: str = "",
+    worker: str = "",
+    secret: str | None = None,
+    start: int = 0,
+    fault_env: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """A worker process's environment: the launcher's without any key material, the
+    Prefect API, and what ``worker`` may hold of the run ``secret``: a syncer shard
+    (``syncer-N``) the secret itself, to verify every learner; a learner only its own key
+    (``storage_layout.auth``), so it can sign for no other learner. ``fault_env``: the
+    run's storage fault plan (``DILOCO_FAULTS``), salted per start (a restart must not
+    replay its faults)."""
+    hidden = (RUN_SECRET_ENV, LEARNER_KEY_ENV, faults.ENV_VAR, PARENT_FLOW_RUN_ENV,
+              PARENT_TASK_RUN_ENV)  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in hidden}
+    if fault_env:
+        plan = json.loads(fault_env[faults.ENV_VAR])
+        env[faults.ENV_VAR] = json.dumps({**plan, "salt": f"{worker}/{start}"})
+    env["PYTHONUNBUFFERED"] = "1"
+    env[PARENT_ENV] = str(os.getpid())  # a worker dies with its launcher (flows.worker)
+    url = PREFECT_API_URL.value()
+    if url:
+        env["PREFECT_API_URL"] = url
+    if secret is not None:
+        if worker.startswith("syncer-"):
+            env[RUN_SECRET_ENV] = secret
+        elif worker.startswith(LEARNER_PREFIX):
+            env[LEARNER_KEY_ENV] = learner_key(secret, run, worker).hex()
+    return env
+
+
+def wait_for_api(name: str, log: Any, stopping: threading.Event, pause: float = 2.0) -> bool:
+    """If the Prefect API is unreachable, say so for ``name`` and wait until it answers
+    (or the run stops); True if there was a wait. A restart that needs the API cannot
+    succeed before it is back, and must not count towards giving a worker up. After
+    ``API_PATIENCE`` seconds the wait ends in an error naming the API (the run then ends
+    with its summary rather than waiting for ever)."""
+    url = PREFECT_API_URL.value()
+    if prefect_api_reachable(url):
+        return False
+    log.warning("%s: the Prefect API at %s is unreachable; waiting for it before starting "
+                "%s again (not counted as a crash)", name, url, name)  # fmt: skip
+    down = time.monotonic()
+    while not stopping.wait(pause):
+        if prefect_api_reachable(url):
+            log.warning("%s: the Prefect API answers again after %.0f s; restarting %s", name,
+                        time.monotonic() - down, name)  # fmt: skip
+            break
+        if time.monotonic() - down > API_PATIENCE:
+            raise ApiDown(f"{name}: the Prefect API at {url} has been unreachable for "
+                          f"{API_PATIENCE:.0f} s; giving {name} up")  # fmt: skip
+    return True
+
+
+def worker_progress(store: RunStore, status: Status) -> Any:
+    """What a worker has done so far, as the buckets tell it: a learner's step and its
+    newest contribution of each fragment (a learner killed mid-round has committed work
+    but not yet its status), a syncer shard's newest versions. A crash after progress is
+    a crash, not a crash loop."""
+    writer, region, fragments = status
+    try:
+        if fragments:
+            return [store.latest_global(p) for p in fragments]
+        sent = [(store.contribution_seqs(writer, p, region) or [0])[-1]
+                for p in range(len(store.read_spec()["fragments"]))]  # fmt: skip
+        return (store.read_metrics(writer, region) or {}).get("step"), sent
+    except Exception:  # any storage error (botocore's are no OSError): progress unknown
+        return None
+
+
+def give_up(store: RunStore, writer: str, reason: str) -> None:
+    """Record in the launcher's status object that ``writer`` was given up (syncers read
+    it: a learner given up is not waited for)."""
+    try:
+        status = store.read_metrics("launcher") or {}
+        given_up = {**status.get("given_up", {}), writer: reason[-300:]}
+        store.write_metrics("launcher", {**status, "given_up": given_up})
+    except Exception as exc:  # the launcher's own error names the worker all the same
+        log.error("could not record that %s was given up (%s: %s)", writer,
+                  type(exc).__name__, exc)  # fmt: skip
+
+
+def stop_predecessors(pids: Path, log: Any) -> None:
+    """Stop the workers a launcher of this run left running on this host when it died
+    (its ``pids.json``; each still a ``flows.worker`` process): they would train beside
+    the new ones, unsupervised, until fenced. Only with the run's lock held."""
+    left = read_pids(pids)
+    launcher = left.pop(PARENT_ENV, None)
+    if launcher is None:
+        return
+    found = stop_leftovers(left, "flows.worker", grace=60.0, environ=f"{PARENT_ENV}={launcher}")
+    if found:
+        log.warning("stopped %d worker processes a launcher of this run left running: %s",
+                    len(found), ", ".join(f"{n} (pid {p})" for n, p in sorted(found.items())))  # fmt: skip
+
+
+class Restarts:
+    """The one restart policy of a worker, however it is launched: call ``start()``
+    before each start; a start that ended by a signal is ``lost`` (restarted at once, or
+    after 1 s when it had lived less than ``KILLED_YOUNG`` seconds: no restart faster than
+    once a second, whatever kills it); one that failed on its own is ``crashed`` (backoff
+    2 s doubling to 60 s, reset by progress), and after ``limit`` crashes in a row without
+    progress the worker is given up: recorded for the syncers (``give_up``) and a
+    ``RuntimeError`` naming it. A failure to reach the Prefect API counts as neither: it
+    is waited out (``api_waited``)."""
+
+    def __init__(self, name: str, store: RunStore, status: Status, limit: int, log: Any,
+                 stopping: threading.Event, unit: str = "starts"):  # fmt: skip
+        self.name, self.store, self.status, self.limit, self.log = name, store, status, limit, log
+        self.stopping = stopping
+        self.unit = unit  # what is counted: "starts" of a process, "flow runs"
+        self.failed, self.delay, self.before = 0, 2.0, None
+
+    def start(self) -> None:
+        self.before = worker_progress(self.store, self.status)
+
+    def lost(self, why: str, lived: float) -> None:
+        self.log.warning("%s was killed (%s); restarting it", self.name, why)
+        if lived < KILLED_YOUNG:
+            self.stopping.wait(1.0)
+
+    def api_waited(self, exc: Exception) -> bool:
+        """Whether ``exc`` came of an unreachable Prefect API, now answering again (the
+        worker is given up if it stays unreachable for ``API_PATIENCE``)."""
+        try:
+            return wait_for_api(self.name, self.log, self.stopping) or isinstance(exc, ApiDown)
+        except ApiDown as down:
+            give_up(self.store, self.status[0], str(down))
+            raise
+
+    def crashed(self, why: str, exc: BaseException | None = None, ended: str = "failed") -> None:
+        """Count a failed start (``why``: its first line), then wait the backoff; raises
+        once the worker is given up."""
+        if worker_progress(self.store, self.status) != self.before:
+            self.failed, self.delay = 0, 2.0  # it got somewhere: not a crash loop
+        self.failed += 1
+        if self.failed >= self.limit:
+            reason = f"{self.failed} {self.unit} in a row {ended} without progress; last: {why}"
+            give_up(self.store, self.status[0], reason)
+            raise RuntimeError(f"{self.name}: {reason}") from exc
+        self.log.warning("%s crashed (%s); restart %d in %.0f s", self.name, why, self.failed,
+                         self.delay)  # fmt: skip
+        self.stopping.wait(self.delay)
+        self.delay = min(60.0, self.delay * 2)
+
+
+def _log_name(name: str) -> str:
+    return f"{name.replace(' ', '-').replace('/', '-')}.log"
+
+
+class LaunchMode:
+    """How a launch starts and keeps its workers; see the module docstring. ``stopping``
+    is set once the run stops (Ctrl-C, the run taken over): exits are then expected, not
+    restarted. ``deaths``: writer id -> (when, how) its newest process died by a signal,
+    shown as its state until a new process of it reports (its status object still names
+    the phase the dead one was in); ``oom_kills``: how many times the OOM killer killed
+    it."""
+
+    def __init__(self, run: str, regions: dict[str, str], limit: int,
+                 stopping: threading.Event | None = None):  # fmt: skip
+        self.run, self.regions, self.limit = run, regions, limit
+        self.stopping = stopping or threading.Event()
+        self.deaths: dict[str, tuple[float, str]] = {}
+        self.oom_kills: Counter[str] = Counter()
+        self.lock = threading.Lock()
+
+    def start(self, worker: Worker) -> Any:
+        """Submit the task that keeps ``worker`` going; its future."""
+        raise NotImplementedError
+
+    def stand_by(self, worker: Worker) -> tuple[str, Any] | None:
+        """A second worker beside a stalled syncer shard (its name and future), or None
+        where this mode cannot start one."""
+        return None
+
+    def interrupt(self) -> None:
+        """The run stops: ask every worker to checkpoint and end."""
+        self.stopping.set()
+
+    def reap(self, timeout: float = STOP_SECONDS) -> None:
+        """Wait, at most ``timeout`` seconds, for the workers asked to stop."""
+
+    def stop(self, timeout: float = STOP_SECONDS) -> None:
+        self.interrupt()
+        self.reap(timeout)
+
+    def live(self) -> dict[str, int]:
+        """Writer id -> pid of each live worker process on this machine (for chaos)."""
+        return {}
+
+    def close(self) -> None:
+        """The launch is over: free what the mode holds (spare processes)."""
+
+    def restarts(
+        self, name: str, store: RunStore, status: Status, unit: str = "starts"
+    ) -> Restarts:
+        return Restarts(name, store, status, self.limit, get_run_logger(), self.stopping, unit)
+
+
+class Processes(LaunchMode):
+    """Each worker a process beside the launcher (``Worker.argv``), its output in
+    ``logs/NAME.log``. A process that dies (a crash, a SIGKILL, a region that stays down)
+    fails its ``start`` task run and is started again under ``Restarts``; the new process
+    resumes from the buckets. The learners get their keys from ``secret`` (``child_env``),
+    the workers run under ``fault_env`` if given, and ``spares`` processes wait warm to
+    be taken (``flows.spares``). The pids of the live workers are kept in
+    ``logs/pids.json`` (``stop_predecessors``)."""
+
+    def __init__(
+        self,
+        run: str,
+        regions: dict[str, str],
+        limit: int,
+        logs: Path,
+        stopping: threading.Event | None = None,
+        secret: str | None = None,
+        fault_env: dict[str, str] | None = None,
+        spares: int = 0,
+    ):
+        super().__init__(run, regions, limit, stopping)
+        self.logs, self.secret, self.fault_env = Path(logs), secret, fault_env
+        self.children: set[subprocess.Popen] = set()
+        self.workers: dict[str, subprocess.Popen] = {}  # writer id -> its live process
+        self.starts: Counter[str] = Counter()  # writer id -> processes started
+        self.pids = self.logs / "pids.json"
+        home = next(iter(regions))
+        warm = {"run": run, "bucket": regions[home], "region": home}
+        self.spares = (
+            Spares(spares, self.logs / "spares.log", child_env(), warm) if spares else None
+        )
+        self.supervise = task(name="worker", task_run_name="{name}", cache_policy=NO_CACHE,
+                              persist_result=False)(self._supervise)  # fmt: skip
+        self.run_process = task(name="process", task_run_name="start {name}",
+                                cache_policy=NO_CACHE, persist_result=False)(self._run_process)  # fmt: skip
+
+    def start(self, worker: Worker) -> Any:
+        path = str(self.logs / _log_name(worker.name))
+        return self.supervise.submit(worker.name, worker.argv(), path, worker.status)
+
+    def stand_by(self, worker: Worker) -> tuple[str, Any] | None:
+        label = f"{worker.name} {STAND_BY}"
+        path = str(self.logs / _log_name(label))
+        return label, self.supervise.submit(label, worker.argv(), path, worker.status)
+
+    def _supervise(self, name: str, argv: list[str], log_path: str, status: Status) -> int:
+        """Keep one worker process running until it ends its work, under ``Restarts``."""
+        store = RunStore(self.run, self.regions, home_region(self.regions), writer="launcher")
+        restarts = self.restarts(name, store, status)
+        while not self.stopping.is_set():
+            restarts.start()
+            try:
+                return self.run_process(name, argv, log_path, status[0])
+            except Killed as exc:
+                if self.stopping.is_set():
+                    return 130
+                restarts.lost(str(exc).splitlines()[0], exc.lived)
+            except Exception as exc:
+                if self.stopping.is_set():
+                    return 130
+                if not restarts.api_waited(exc):  # (one that failed on the API goes again)
+                    restarts.crashed(str(exc).splitlines()[0], exc)
+        return 130
+
+    def _run_process(self, name: str, argv: list[str], log_path: str, worker: str) -> int:
+        """Run one worker process (``worker``: its writer id, a learner's or ``syncer-N``)
+        to its end; a non-zero exit fails the task run."""
+        if self.stopping.is_set():
+            return 130
+        key = name if name.endswith(STAND_BY) else worker or name  # (a stand-by: its own)
+        with self.lock:
+            self.starts[key] += 1
+            start = self.starts[key]
+        # parent_env(): the process's flow runs are linked as subflows of this task run
+        env = {**child_env(self.run, worker, self.secret, start, self.fault_env), **parent_env()}
+        proc, warm = (self.spares or Spares(0, log_path, env)).take(argv, log_path, env)
+        started = time.monotonic()
+        watch = memory.Watch(proc.pid, started)  # why it died, should a signal end it
+        get_run_logger().info("%s started (pid %d%s); its output goes to %s", name, proc.pid,
+                              ", a spare" if warm else "", log_path)  # fmt: skip
+        with self.lock:
+            self.children.add(proc)
+            self.workers[key] = proc
+            self._record_pids()
+        try:
+            code = memory.wait(proc, watch)
+        finally:
+            with self.lock:
+                self.children.discard(proc)
+                if self.workers.get(key) is proc:
+                    del self.workers[key]
+        if code == 0 or self.stopping.is_set():
+            return code
+        tail = Path(log_path).read_text(errors="replace")[-800:]
+        if code == API_DOWN:
+            raise ApiDown(f"{name} could not reach the Prefect API (exit status {code}); log "
+                          f"{log_path}:\n{tail}")  # fmt: skip
+        if code < 0:
+            why, oom = watch.death(code)
+            with self.lock:
+                self.deaths[worker or name] = (time.time(), OOM_KILLED if oom else "killed")
+                self.oom_kills[worker or name] += oom
+            if oom:  # it would be again: a crash, so that a loop of them is given up by name
+                raise RuntimeError(f"{name} was {why}; log {log_path}:\n{tail}")
+            raise Killed(f"{name} was {why}; log {log_path}:\n{tail}",
+                         lived=time.monotonic() - started)  # fmt: skip
+        raise RuntimeError(f"{name} exited with status {code}; log {log_path}:\n{tail}")
+
+    def _record_pids(self) -> None:
+        """Keep the pids of the live workers (and the spares' zygote) in ``pids.json``, so
+        that a launcher of the run that starts after this one died can stop what it left
+        (``stop_predecessors``). Called with ``lock`` held."""
+        pids = {name: p.pid for name, p in self.workers.items() if p.poll() is None}
+        if self.spares is not None and self.spares.zygote is not None:
+            pids["zygote"] = self.spares.zygote.proc.pid
+        pids[PARENT_ENV] = os.getpid()  # (each of them has it in its environment)
+        try:
+            write_pids(self.pids, pids)
+        except OSError as exc:
+            log.warning("could not record the workers' pids in %s: %s", self.pids, exc)
+
+    def interrupt(self) -> None:
+        """Send SIGINT to every live worker (each checkpoints and ends)."""
+        self.stopping.set()
+        with self.lock:
+            procs = list(self.children)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                proc.send_signal(signal.SIGCONT)  # one paused by the chaos driver must hear it
+
+    def reap(self, timeout: float = STOP_SECONDS) -> None:
+        """Wait for the workers already asked to stop, ``timeout`` seconds in all, then kill
+        what is left: a worker that has checkpointed may still wait minutes on a Prefect
+        API that is gone to record its flow run's end. (No second SIGINT: it could
+        interrupt a checkpoint being written.)"""
+        with self.lock:
+            procs = list(self.children)
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    def live(self) -> dict[str, int]:
+        with self.lock:
+            return {name: p.pid for name, p in self.workers.items() if p.poll() is None}
+
+    def close(self) -> None:
+        if self.spares is not None:
+            self.spares.close()
+            self.spares = None
+
+
+class Deployments(LaunchMode):
+    """Each worker as flow runs of its region's deployment (``Worker.deployment``, its
+    parameters ``Worker.params``), one after another until the worker's status object in
+    the bucket says ``done``, each resuming from the buckets; a flow run that does not
+    complete is a crash under ``Restarts``. Stopping cancels the flow runs in progress."""
+
+    def __init__(self, run: str, regions: dict[str, str], limit: int,
+                 stopping: threading.Event | None = None):  # fmt: skip
+        super().__init__(run, regions, limit, stopping)
+        self.flow_runs: set[Any] = set()  # ids of the flow runs in progress
+        self.supervise = task(name="deployment", task_run_name="run {name}",
+                              cache_policy=NO_CACHE, persist_result=False)(self._supervise)  # fmt: skip
+
+    def start(self, worker: Worker) -> Any:
+        return self.supervise.submit(worker.name, worker.deployment, worker.params,
+                                     worker.tags(self.run), worker.status)  # fmt: skip
+
+    def _supervise(
+        self, name: str, deployment: str, parameters: dict[str, Any], tags: list[str],
+        status: Status,
+    ) -> int:  # fmt: skip
+        from prefect.deployments import run_deployment
+
+        writer, region, _ = status
+        store = RunStore(self.run, self.regions, region, writer="launcher")
+        home = RunStore(self.run, self.regions, home_region(self.regions), writer="launcher")
+        log = get_run_logger()
+        restarts = self.restarts(name, home, status, unit="flow runs")
+        while not self.stopping.is_set():
+            restarts.start()
+            try:
+                # as_subflow: linked under this task run, in the launcher's flow run
+                flow_run = run_deployment(deployment, parameters=parameters, tags=tags,
+                                          timeout=0, as_subflow=True)  # fmt: skip
+            except Exception:
+                if wait_for_api(name, log, self.stopping):  # (no flow run: nothing counts)
+                    continue
+                raise
+            self.flow_runs.add(flow_run.id)
+            try:
+                state = self._wait_flow_run(flow_run.id, name, log)
+            finally:
+                self.flow_runs.discard(flow_run.id)
+            if worker_done(store, writer):
+                return 0
+            if self.stopping.is_set():
+                return 130
+            if not state.is_completed():
+                restarts.crashed(f"flow run ended {state.name}", ended=f"ended {state.type.value}")
+        return 130
+
+    def _wait_flow_run(self, flow_run_id: Any, name: str, log: Any, poll: float = 2.0) -> Any:
+        """The final state of a flow run; while the API is unreachable, waits for it."""
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            while True:
+                try:
+                    state = client.read_flow_run(flow_run_id).state
+                except Exception:
+                    if wait_for_api(name, log, self.stopping):
+                        continue
+                    raise
+                if state is not None and state.is_final():
+                    return state
+                time.sleep(poll)
+
+    def reap(self, timeout: float = STOP_SECONDS) -> None:
+        """Ask the work pools' workers to cancel the flow runs this launch started (not
+        with the API unreachable: its client would retry for minutes)."""
+        from prefect.client.orchestration import get_client
+        from prefect.states import Cancelling
+
+        if not self.flow_runs or not prefect_api_reachable(PREFECT_API_URL.value()):
+            return
+        with get_client(sync_client=True) as client:
+            for flow_run_id in list(self.flow_runs):
+                client.set_flow_run_state(flow_run_id, Cancelling(), force=True)
