@@ -10,6 +10,7 @@ devices (``SpilledParams``). Named float32 arrays and local files only: no train
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import math
 import os
@@ -39,15 +40,28 @@ class SpilledParams(Mapping[str, np.ndarray]):
     @classmethod
     def write(cls, path: str, items: Items) -> SpilledParams:
         """Each ``(name, values)`` appended as float32 in the order given, one at a time
-        (what is held is the one being written)."""
+        (what is held is the one being written). On any failure the partial file is
+        removed; a full disk is named, with what to do about it."""
         index, offset = {}, 0
-        with open(path, "wb") as f:
-            for name, values in items:
-                a = np.ascontiguousarray(values, dtype=np.float32)
-                f.write(memoryview(a.reshape(-1)).cast("B"))
-                index[name] = (offset, tuple(a.shape))
-                offset += a.size
-                del a
+        try:
+            with open(path, "wb") as f:
+                for name, values in items:
+                    a = np.ascontiguousarray(values, dtype=np.float32)
+                    f.write(memoryview(a.reshape(-1)).cast("B"))
+                    index[name] = (offset, tuple(a.shape))
+                    offset += a.size
+                    del a
+        except BaseException as exc:
+            _remove(path)
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                folder = os.path.dirname(path) or "."
+                raise OSError(errno.ENOSPC, (
+                    f"no space left in {folder} for a version held in a local file "
+                    f"({4 * offset:,} bytes of it written): a learner keeps each version it "
+                    "holds there until it applies it, 4 bytes a parameter; free space there "
+                    "or set TMPDIR to a folder with room"
+                )) from exc  # fmt: skip
+            raise
         return cls(path, index)
 
     @property
@@ -78,11 +92,6 @@ class SpilledParams(Mapping[str, np.ndarray]):
 
     def close(self) -> None:
         self._cleanup()
-
-
-def _remove(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(path)
 
 
 def _remove(path: str) -> None:

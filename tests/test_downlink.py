@@ -223,3 +223,27 @@ def test_spilled_params_read_back_what_was_written_and_name_a_damaged_file(tmp_p
         spilled["a"]
     spilled.close()
     assert not os.path.exists(path)
+
+
+def test_a_version_that_cannot_be_held_in_a_local_file_leaves_no_part_and_a_full_disk_is_named(
+    tmp_path,
+):
+    """A write that fails half way (here the values stop coming; a full disk, as the
+    kernel would say ENOSPC) removes its partial file; a full disk's error names the
+    folder and what to do (free space or TMPDIR)."""
+    import errno
+
+    def values(failure: Exception):
+        yield "a", np.ones(1024, np.float32)
+        raise failure
+
+    path = tmp_path / "v.f32"
+    with pytest.raises(ValueError, match="the source broke"):
+        SpilledParams.write(str(path), values(ValueError("the source broke")))
+    assert not path.exists()
+    with pytest.raises(
+        OSError, match=r"no space left in .*\(4,096 bytes of it written\).* TMPDIR"
+    ) as err:
+        SpilledParams.write(str(path), values(OSError(errno.ENOSPC, "No space left on device")))
+    assert err.value.errno == errno.ENOSPC and str(tmp_path) in str(err.value)
+    assert not path.exists()
