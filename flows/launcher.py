@@ -589,7 +589,7 @@ def _launch(
         if extra is None:
             log.warning("%s: no stand-by syncer (workers run as deployments' flow runs)", name)
         else:
-            log.warning("%s: started a stand-by for fragments %s; the two are fenced by the "
+            log.warning("%s: starting a stand-by for fragments %s; the two are fenced by the "
                         "commit protocol", name, syncers[name].status[2])  # fmt: skip
         return extra
 

@@ -461,10 +461,14 @@ class LearnerRuntime:
         self.spill_dir = process_folder("global-views")
         opts = self.cfg.pipeline
         view = StoreLearnerView(self.store, learner, SpillFolder(self.spill_dir))
-        io = io or (lambda view: BackgroundIO(view, len(self.model.plan), opts.poll_seconds,
-                                              opts.upload_retries, self.log,
-                                              opts.stall_seconds))  # fmt: skip
-        self.io = io(view)
+
+        def background(view: StoreLearnerView, fragments: int = len(self.model.plan)) -> Any:
+            return BackgroundIO(view, fragments, opts.poll_seconds, opts.upload_retries,
+                                self.log, opts.stall_seconds, max_unsent=max(1, 2 * fragments))  # fmt: skip
+
+        # A follower's own transport writes its checkpoint parts only: it neither polls nor
+        # reads the versions to start from (the leader names them; ``view.read`` reads).
+        self.io = (io or background)(view) if self.leader else background(view, 0)
         if self.processes > 1:  # the leader decides, each process reads and writes its part
             self.io = hosts.ReplicatedTransport(
                 self.io, view.read, lambda step: self.store.load_checkpoint(learner, step),

@@ -203,17 +203,19 @@ class Restarts:
             raise
 
     def crashed(self, why: str, exc: BaseException | None = None, ended: str = "failed") -> None:
-        """Count a failed start (``why``: its first line), then wait the backoff; raises
-        once the worker is given up."""
+        """Count a failed start (``why``: what failed; ``exc``: the error, whose whole
+        text, its log's tail included, names a worker given up), then wait the backoff;
+        raises once the worker is given up."""
         if worker_progress(self.store, self.status) != self.before:
             self.failed, self.delay = 0, 2.0  # it got somewhere: not a crash loop
         self.failed += 1
         if self.failed >= self.limit:
-            reason = f"{self.failed} {self.unit} in a row {ended} without progress; last: {why}"
+            last = why if exc is None else str(exc)
+            reason = f"{self.failed} {self.unit} in a row {ended} without progress; last: {last}"
             give_up(self.store, self.status[0], reason)
             raise RuntimeError(f"{self.name}: {reason}") from exc
-        self.log.warning("%s crashed (%s); restart %d in %.0f s", self.name, why, self.failed,
-                         self.delay)  # fmt: skip
+        self.log.warning("%s crashed (%s); restart %d in %.0f s", self.name,
+                         why.splitlines()[0], self.failed, self.delay)  # fmt: skip
         self.stopping.wait(self.delay)
         self.delay = min(60.0, self.delay * 2)
 
@@ -332,7 +334,7 @@ class Processes(LaunchMode):
                 if self.stopping.is_set():
                     return 130
                 if not restarts.api_waited(exc):  # (one that failed on the API goes again)
-                    restarts.crashed(str(exc).splitlines()[0], exc)
+                    restarts.crashed(str(exc), exc)
         return 130
 
     def _run_process(self, name: str, argv: list[str], log_path: str, worker: str) -> int:
