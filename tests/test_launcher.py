@@ -447,3 +447,35 @@ def test_a_syncer_is_called_stalled_only_while_the_learners_train_past_its_versi
                and "while the learners trained 8 steps" in m for m in messages), messages  # fmt: skip
     assert "syncer us-east/0 publishes again (versions f0:v2)" in messages
     assert monitor.stalled == {"syncer us-east/1"}
+
+
+def test_the_one_restart_policy_resets_on_progress_and_gives_a_worker_up_by_name(tmp_path):
+    """``Restarts``, as both launch modes use it (here counting a deployment's flow runs):
+    crashes in a row are counted, progress read from the bucket (a new version of the
+    shard's fragment) starts the count again, and the limit gives the worker up, named
+    with its last failure and recorded for the syncers."""
+    import numpy as np
+
+    from flows.supervision import Restarts
+
+    (tmp_path / "us").mkdir()
+    store = RunStore("r", {"us": f"file://{tmp_path / 'us'}"}, "us", writer="launcher")
+    store.ensure_spec({"learners": {"learner-0": "us"}, "fragments": [["w"]]})
+    stopping = threading.Event()
+    stopping.set()  # (the backoff waits on it: no wait in a test)
+    restarts = Restarts("syncer us/0", store, ("syncer-0", "us", [0]), 3,
+                        logging.getLogger("t"), stopping, unit="flow runs")  # fmt: skip
+    failed = []
+    for attempt in range(4):
+        restarts.start()
+        if attempt == 1:  # this start got somewhere: version 0 of its fragment
+            store.publish_global(0, 0, {"w": np.ones(4, np.float32)}, [], {"weights": {}}, "bf16")
+        try:
+            restarts.crashed(f"flow run {attempt} ended Crashed", ended="ended CRASHED")
+        except RuntimeError as exc:
+            failed.append(str(exc))
+        assert restarts.failed == [1, 1, 2, 3][attempt]
+    assert failed == ["syncer us/0: 3 flow runs in a row ended CRASHED without progress; "
+                      "last: flow run 3 ended Crashed"]  # fmt: skip
+    assert "flow run 3 ended Crashed" in store.read_metrics("launcher")["given_up"]["syncer-0"]
+    assert restarts.delay == 8.0  # 2 s doubling, started again by the progress
