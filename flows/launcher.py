@@ -45,9 +45,7 @@ from diloco.config import (
     parse_override,
     validate_config,
 )
-from diloco.topology import (
-    home_region,
-)
+from diloco.topology import home_region
 from flows.display import Display
 from flows.display import current as current_display
 from flows.metrics import LiveMetrics
@@ -58,10 +56,7 @@ from flows.monitor import (
     loss_plot_png,
     summary_markdown,
 )
-from flows.observe import (
-    artifact_key,
-    tag_flow_run,
-)
+from flows.observe import artifact_key, tag_flow_run
 from flows.run import initialize_run
 from flows.run_lock import RunLock, RunTakenOver, held
 from flows.supervision import (
