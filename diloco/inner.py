@@ -59,11 +59,10 @@ class Boxes(Protocol):
 
 
 def _is_boxes(value: object) -> bool:
-    return (
-        not isinstance(value, np.ndarray | np.generic)
-        and hasattr(value, "shape")
-        and (hasattr(value, "__getitem__"))
-    )
+    """Whether ``value`` is a ``Boxes`` (array-like, read by slice), not host values."""
+    if isinstance(value, np.ndarray | np.generic):
+        return False
+    return hasattr(value, "shape") and hasattr(value, "__getitem__")
 
 
 def to_device(host: np.ndarray | Boxes, sharding: NamedSharding) -> jax.Array:

@@ -18,6 +18,7 @@ secret turns one its learner did not sign into ``Unreadable`` as well.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -108,6 +109,25 @@ def leaf_names(tree: Any) -> list[str]:
     return names
 
 
+class _OneHeld:
+    """``read(key)``, keeping only the value last read: asked for again, it is not read
+    again; asked for another, the one held goes before the next is read (a tensor read
+    a piece at a time comes to the host once, and never two at a time)."""
+
+    def __init__(self, read: Callable[[Any], np.ndarray]):
+        self.read = read
+        self.held: tuple[Any, np.ndarray] | None = None
+
+    def __call__(self, key: Any) -> np.ndarray:
+        if self.held is None or self.held[0] != key:
+            self.held = None
+            self.held = (key, self.read(key))
+        return self.held[1]
+
+    def clear(self) -> None:
+        self.held = None
+
+
 class OptimizerLeaves(Mapping[str, np.ndarray]):
     """An optimizer state's leaves as float32 host arrays named by their path in the tree
     (``leaf_names``), so a checkpoint reads without our code; also ``Tensors``, which
@@ -117,7 +137,7 @@ class OptimizerLeaves(Mapping[str, np.ndarray]):
 
     def __init__(self, state: optax.OptState):
         self._leaves = dict(zip(leaf_names(state), jax.tree_util.tree_leaves(state), strict=True))
-        self._held: tuple[str, np.ndarray] | None = None
+        self._flat = _OneHeld(lambda name: self[name].reshape(-1))
 
     def __getitem__(self, name: str) -> np.ndarray:
         return np.asarray(to_host(self._leaves[name]), dtype=np.float32)
@@ -133,10 +153,7 @@ class OptimizerLeaves(Mapping[str, np.ndarray]):
         return {n: tuple(np.shape(v)) for n, v in self._leaves.items()}
 
     def piece(self, name: str, start: int, stop: int) -> np.ndarray:
-        if self._held is None or self._held[0] != name:
-            self._held = None  # the previous leaf goes before the next one comes
-            self._held = (name, self[name].reshape(-1))
-        return self._held[1][start:stop]
+        return self._flat(name)[start:stop]
 
 
 def optimizer_leaves(state: optax.OptState) -> OptimizerLeaves:
@@ -240,7 +257,9 @@ class _LeafBoxes:
         self.boxes: list[tuple[tuple[tuple[int, int], ...], ReaderTensors, str]] = []
         self.shape: tuple[int, ...] = ()
         self.dtype: Any = np.float32
-        self._held: tuple[tuple[int, str], np.ndarray] | None = None
+        # a box's values; the last one read is kept (a process's devices that replicate a
+        # slice ask for the same box in turn)
+        self._box = _OneHeld(lambda at: at[0].piece(at[1], 0, math.prod(at[0].shapes[at[1]])))
 
     def checked(self, shape: tuple[int, ...], dtype: Any) -> _LeafBoxes:
         """These boxes as a leaf of ``shape``: each inside it, of its stored size, and
@@ -270,7 +289,7 @@ class _LeafBoxes:
             cut = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(want, box, strict=True)]
             if any(a >= b for a, b in cut):
                 continue
-            values = self._box(tensors, tname).reshape([b - a for a, b in box])
+            values = self._box((tensors, tname)).reshape([b - a for a, b in box])
             src = tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(cut, box, strict=True))
             dst = tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(cut, want, strict=True))
             out[dst] = values[src]
@@ -278,16 +297,7 @@ class _LeafBoxes:
 
     def release(self) -> None:
         """Drop the box kept: the leaf is placed."""
-        self._held = None
-
-    def _box(self, tensors: ReaderTensors, tname: str) -> np.ndarray:
-        """A box's values; the last one read is kept (a process's devices that replicate
-        a slice ask for the same box in turn)."""
-        if self._held is None or self._held[0] != (id(tensors), tname):
-            self._held = None
-            values = tensors.piece(tname, 0, int(np.prod(tensors.shapes[tname])))
-            self._held = ((id(tensors), tname), values)
-        return self._held[1]
+        self._box.clear()
 
 
 def _overlap(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> bool:
@@ -333,17 +343,16 @@ class HostPart:
                 self._shards[tname] = shard.data
                 box = [sl.indices(n)[:2] for sl, n in zip(shard.index, leaf.shape, strict=True)]
                 self.slices[tname] = {"leaf": name, "index": [list(b) for b in box]}
-        self._held: tuple[str, np.ndarray] | None = None
+        self._flat = _OneHeld(
+            lambda name: np.asarray(jax.device_get(self._shards[name]), np.float32).ravel()
+        )
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {n: tuple(v.shape) for n, v in self._shards.items()}
 
     def piece(self, name: str, start: int, stop: int) -> np.ndarray:
-        if self._held is None or self._held[0] != name:
-            self._held = None
-            self._held = (name, np.asarray(jax.device_get(self._shards[name]), np.float32).ravel())
-        return self._held[1][start:stop]
+        return self._flat(name)[start:stop]
 
 
 class _StoredLeaves(Mapping[str, np.ndarray]):

@@ -55,6 +55,7 @@ from storage_layout.commit import (
     get_patiently,
     new_write_id,
     patiently,
+    put_patiently,
     read_marker,
     writer_identity,
 )
@@ -996,10 +997,9 @@ class RunStore:
             entries.update(got.objects)
             entries[rel] = entry(raw)
             boxes[checkpoint_part_group(part)] = got.meta["slices"]
-        for rel, blob in root_objects({"kind": "checkpoint"}).items():
-            key = f"{prefix}/{rel}"
-            patiently(lambda: self.home.put(key, blob), key)  # noqa: B023
-            entries[rel] = entry(blob)
+        root = root_objects({"kind": "checkpoint"})
+        put_patiently(self.home, {f"{prefix}/{rel}": blob for rel, blob in root.items()}, prefix)
+        entries.update({rel: entry(blob) for rel, blob in root.items()})
         body = {"learner": learner, "step": step, **meta, "parts": boxes}
         return commit_marker(self.home, self.layout.checkpoint_marker(learner, step), prefix,
                              entries, "checkpoint", body, self.writer, write_id)  # fmt: skip
