@@ -5,7 +5,8 @@ import platform
 from pathlib import Path
 
 
-def machine() -> str:
+def machine(gpu: str | None = None) -> str:
+    """The CPU, its cores, Python, and ``gpu`` (the GPU the benchmark ran on) if any."""
     cpu = "unknown CPU"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -14,4 +15,4 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, no GPU"
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, {gpu or 'no GPU'}"

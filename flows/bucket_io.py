@@ -140,7 +140,10 @@ class OptimizerLeaves(Mapping[str, np.ndarray]):
         self._flat = _OneHeld(lambda name: self[name].reshape(-1))
 
     def __getitem__(self, name: str) -> np.ndarray:
-        return np.asarray(to_host(self._leaves[name]), dtype=np.float32)
+        return np.asarray(to_host(self._leaves[name], held=True), dtype=np.float32)
+
+    def __contains__(self, name: object) -> bool:  # (Mapping's own reads the value)
+        return name in self._leaves
 
     def __iter__(self):
         return iter(self._leaves)
@@ -286,6 +289,9 @@ class _LeafBoxes:
         want = [sl.indices(n)[:2] for sl, n in zip(index, self.shape, strict=True)]
         out = np.empty([b - a for a, b in want], dtype=self.dtype)
         for box, tensors, tname in self.boxes:
+            if list(box) == want:  # one box is the slice (the mesh it was written from)
+                values = self._box((tensors, tname)).reshape(out.shape)
+                return values.astype(self.dtype, copy=False)
             cut = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(want, box, strict=True)]
             if any(a >= b for a, b in cut):
                 continue
@@ -344,7 +350,7 @@ class HostPart:
                 box = [sl.indices(n)[:2] for sl, n in zip(shard.index, leaf.shape, strict=True)]
                 self.slices[tname] = {"leaf": name, "index": [list(b) for b in box]}
         self._flat = _OneHeld(
-            lambda name: np.asarray(jax.device_get(self._shards[name]), np.float32).ravel()
+            lambda name: np.asarray(to_host(self._shards[name], held=True), np.float32).ravel()
         )
 
     @property
@@ -365,6 +371,9 @@ class _StoredLeaves(Mapping[str, np.ndarray]):
     def __getitem__(self, name: str) -> np.ndarray:
         shape = self.tensors.shapes[name]
         return self.tensors.piece(name, 0, int(np.prod(shape))).reshape(shape)
+
+    def __contains__(self, name: object) -> bool:  # (Mapping's own reads the whole leaf)
+        return name in self.tensors.shapes
 
     def __iter__(self):
         return iter(self.tensors.shapes)

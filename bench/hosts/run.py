@@ -3,8 +3,10 @@ a checkpoint, resume from it and take a new global version, per host against thr
 leader.
 
     python bench/hosts/run.py [--preset llama-150m] [--processes 2] [--devices 2]
+    python bench/hosts/run.py --platform gpu --processes 1 --preset llama-1b   # one GPU
 
-One learner of ``--processes`` processes with ``--devices`` CPU devices each, its
+One learner of ``--processes`` processes with ``--devices`` CPU devices each (with
+``--platform gpu``: each process's GPUs, one process a GPU), its
 parameters and inner optimizer state sharded over all of them (``pipeline.fsdp`` = every
 device: FSDP across hosts), on a file:// bucket made by ``initialize_run``. Two methods,
 each in a fresh group of processes and its own run:
@@ -18,7 +20,10 @@ each in a fresh group of processes and its own run:
   every process gathers the whole state to the host (``inner.to_host``, an all-gather)
   and the leader writes it; the leader reads the checkpoint as host arrays and
   broadcasts them (``hosts.broadcast_object``), each process places them; the leader
-  reads each fragment's version into memory and broadcasts it.
+  reads each fragment's version into memory and broadcasts it;
+- ``one-host`` (with ``--processes 1`` only, not run unless named in ``--methods``): a
+  learner of one process, as most are: its ``StoreLearnerView`` alone, the checkpoint
+  written leaf by leaf (``OptimizerLeaves``) and read leaf by leaf onto the devices.
 
 Each phase (save, then load what was saved, then read version 0 of every fragment) runs
 in a fresh group of processes, so that memory an earlier phase freed does not hide a
@@ -35,6 +40,7 @@ import contextlib
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "bench"))
 
 PHASES = ("save", "load", "version")
-METHODS = ("through-leader", "per-host")
+METHODS = ("through-leader", "per-host", "one-host")
 
 
 def _status_kb(field: str) -> int:
@@ -81,7 +87,7 @@ def child(method: str, phase: str, run: str, bucket: str, pipeline: str) -> None
     fragments = len(model.plan)
     rank, count = jax.process_index(), jax.process_count()
     folder = process_folder("bench-hosts")
-    view = StoreLearnerView(store, lid, SpillFolder(folder) if method == "per-host" else None)
+    view = StoreLearnerView(store, lid, SpillFolder(folder) if method != "through-leader" else None)
     rt = hosts.ReplicatedTransport(
         view, view.read, lambda step: store.load_checkpoint(lid, step),
         lambda st, write_id: HostPart(st, write_id, rank, count),
@@ -90,7 +96,9 @@ def child(method: str, phase: str, run: str, bucket: str, pipeline: str) -> None
     leaves = sum(x.size for x in jax.tree.leaves(template))
 
     def save() -> None:
-        if method == "per-host":
+        if method == "one-host":
+            view.save_checkpoint(LearnerCheckpoint(step=1, seq=0, opt_state=state))
+        elif method == "per-host":
             rt.save_checkpoint(LearnerCheckpoint(step=1, seq=0, opt_state=state))
         else:
             host = jax.tree.map(to_host, state)
@@ -98,6 +106,8 @@ def child(method: str, phase: str, run: str, bucket: str, pipeline: str) -> None
                 store.save_checkpoint(lid, LearnerCheckpoint(step=1, seq=0, opt_state=host))
 
     def load() -> object:
+        if method == "one-host":
+            return view.load_checkpoint().opt_state
         if method == "per-host":
             return rt.load_checkpoint().opt_state
         if rank == 0:
@@ -106,6 +116,8 @@ def child(method: str, phase: str, run: str, bucket: str, pipeline: str) -> None
         return jax.tree.map(trainer.place, ckpt.opt_state)
 
     def version() -> object:
+        if method == "one-host":
+            return [view.latest_global(p) for p in range(fragments)]
         if method == "per-host":
             return [rt.latest_global(p) for p in range(fragments)]
         return [hosts.broadcast_object(view.latest_global(p) if rank == 0 else None)
@@ -138,6 +150,8 @@ def _group(
     for i in range(processes):
         penv = {**env, "DILOCO_COORDINATOR": f"127.0.0.1:{port}", "DILOCO_PROCESS_ID": str(i),
                 "DILOCO_PROCESS_COUNT": str(processes)}  # fmt: skip
+        if env["JAX_PLATFORMS"] == "cuda":
+            penv["CUDA_VISIBLE_DEVICES"] = str(i)
         command = [sys.executable, __file__, "--child", method, phase, method, bucket,
                    cfg.pipeline.model_dump_json()]  # fmt: skip
         procs.append(subprocess.Popen(command, env=penv, stdout=subprocess.PIPE, text=True))
@@ -171,6 +185,12 @@ def _watch(procs: list[subprocess.Popen], max_rss_gb: float) -> str | None:
     return None
 
 
+def _gpu_name() -> str:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip()  # fmt: skip
+    return out.splitlines()[0] if out else "a GPU"
+
+
 def _status_kb_of(pid: int, field: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -184,6 +204,8 @@ def main() -> int:
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent)
+    parser.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS[:2]))
     parser.add_argument(
         "--max-rss-gb",
         type=float,
@@ -191,46 +213,61 @@ def main() -> int:
         help="kill a phase whose processes hold more than this together",
     )
     args = parser.parse_args()
+    if "one-host" in args.methods and args.processes != 1:
+        parser.error("--methods one-host is a learner of one process (--processes 1)")
+    # this process only builds the run on its CPU; the learner's processes take the GPUs
+    os.environ["JAX_PLATFORMS"] = "cpu"
     from machine import machine
 
     from diloco.config import load_config
     from flows.run import build_model, initialize_run
     from storage_layout.store import RunStore
 
-    devices = args.processes * args.devices
+    gpu = args.platform == "gpu"
+    devices = args.processes * (1 if gpu else args.devices)
+    where = "GPUs" if gpu else "CPU devices"
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=ROOT).stdout.strip()  # fmt: skip
     cfg = load_config(args.preset, overrides=["topology.learners=1", f"pipeline.fsdp={devices}",
                                               "topology.quantization=fp32"])  # fmt: skip
     params = sum(int(v.size) for v in build_model(cfg).init.values())
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(
+           [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices}"}  # fmt: skip
+    if gpu:  # one GPU a process, its memory allocated as used (not 75 % up front)
+        env.update(JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        env.pop("XLA_FLAGS")
     rows = []
+    args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-hosts-") as tmp:
-        for method in METHODS:
+        for method in args.methods:
             (Path(tmp) / method).mkdir()
             bucket = f"file://{Path(tmp) / method}"
             initialize_run(RunStore(method, {"us": bucket}, "us", writer="launcher"), cfg)
             for phase in PHASES:  # each in fresh processes: a phase's peak is its own
                 rows += _group(args.processes, env, method, phase, bucket, cfg, args.max_rss_gb)
+                print(f"{method} {phase}: {json.dumps(rows[-args.processes :])}", flush=True)
+            shutil.rmtree(Path(tmp) / method)  # (a 1 B run's buckets take tens of GB)
             print(f"{method}: done", flush=True)
+            (args.out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
     state_values = next(r["state_values"] for r in rows if "state_values" in r)
     table = [
         f"# A learner over {args.processes} processes: per host against through the leader",
         "",
         f"`python bench/hosts/run.py --preset {args.preset} --processes {args.processes} "
-        f"--devices {args.devices}` on {machine()}; commit "
+        + ("--platform gpu` " if gpu else f"--devices {args.devices}` ")
+        + f"on {machine(_gpu_name() if gpu else None)}; commit "
         f"{commit}.",
         "",
         f"{args.preset}: {params / 1e6:.0f} M parameters, its inner optimizer state "
         f"{state_values / 1e6:.0f} M values ({state_values * 4 / 2**20:.0f} MiB "
-        f"as float32), sharded over {devices} CPU devices of {args.processes} processes.",
+        f"as float32), sharded over {devices} {where} of {args.processes} processes.",
         "",
         "| phase | method | seconds | peak above start, per process (MiB) |",
         "|---|---|---|---|",
     ]  # fmt: skip
     for phase in PHASES:
-        for method in METHODS:
+        for method in args.methods:
             mine = sorted((r for r in rows if r["phase"] == phase and r["method"] == method),
                           key=lambda r: r["process"])  # fmt: skip
             if "killed" in mine[0]:
@@ -240,9 +277,7 @@ def main() -> int:
             table.append(
                 f"| {phase} | {method} | {max(r['seconds'] for r in mine):.2f} | {peaks} |"
             )
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.md").write_text("\n".join(table) + "\n")
-    (args.out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
     print("\n".join(table))
     return 0
 
