@@ -286,10 +286,15 @@ def cmd_join(args: argparse.Namespace) -> int:
         pipeline = json.loads(args.pipeline)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"--pipeline is not a JSON object: {exc}") from exc
-    worker, env = join(_bucket_url(args.url), args.run, args.region, args.slot, pipeline,
-                       speed=args.speed)  # fmt: skip
-    become(worker.argv(), env)
-    return 1  # not reached: the learner worker runs in this process's place
+    from flows.learner import warm_up
+
+    url = _bucket_url(args.url)
+    # a learner of several processes starts them afresh (``flows.hosts``): nothing to warm
+    several = int(pipeline.get("learner_processes") or 1) > 1
+    worker, env = join(url, args.run, args.region, args.slot, pipeline, speed=args.speed,
+                       warm=None if several else lambda: warm_up(args.run, url, args.region,
+                                                                 pipeline))  # fmt: skip
+    return become(worker.argv(), env)
 
 
 def cmd_join_token(args: argparse.Namespace) -> int:

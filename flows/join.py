@@ -34,7 +34,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,7 @@ from prefect import flow
 from diloco.topology import learner_index
 from flows import workers
 from flows.run import absence
+from flows.spares import WORKER_COMMAND
 from storage_layout.auth import (
     JOIN_TOKEN_ENV,
     LEARNER_KEY_ENV,
@@ -137,10 +138,17 @@ def join(
     pipeline: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
     speed: float | None = None,
+    warm: Callable[[], None] | None = None,
 ) -> tuple[workers.Worker, dict[str, str]]:
     """Pick the slot, write its signed join record and return the slot's learner worker
     (``become`` runs its command line in place of this process) with the environment to
-    run it in. ``JoinRefused`` (a ``ValueError``) names why a joiner may not join."""
+    run it in. ``JoinRefused`` (a ``ValueError``) names why a joiner may not join.
+
+    ``warm`` (``diloco join``: build the model, compile the step, read the corpus in this
+    process) runs once the joiner is known to be let in and a slot is vacant, and before
+    the slot is taken: a slot is not held, nor counted as a member, by a machine that
+    cannot train yet (a tiny learner's start took 20 to 60 s on 2 busy cores,
+    ``bench/elastic``). The slot is chosen again after it (another may have taken it)."""
     from flows.run import config_from_spec
 
     env = dict(os.environ if environ is None else environ)
@@ -160,6 +168,13 @@ def join(
             )
         keys = None  # a run that signs nothing: any slot, its sends unsigned as the others'
     taken = choose_slot(store, spec, region, keys, cfg.pipeline.member_timeout, slot)
+    if warm is not None:
+        began = time.time()
+        print(f"warming up to join run {run} in {region} (the model, its compiled step, "
+              f"the corpus) before taking a slot", flush=True)  # fmt: skip
+        warm()
+        taken = choose_slot(store, spec, region, keys, cfg.pipeline.member_timeout, slot)
+        print(f"warm after {time.time() - began:.1f} s", flush=True)
     lid = taken.learner
     key = None
     if env.get(RUN_SECRET_ENV):
@@ -221,9 +236,17 @@ def join_flow(
     return worker.writer
 
 
-def become(command: list[str], env: Mapping[str, str]) -> None:
-    """Run the learner worker in place of this process (its exit status is the joiner's,
-    and a SIGTERM to this process is the worker's preemption notice)."""
+def become(command: list[str], env: Mapping[str, str]) -> int:
+    """Run the learner worker as this process: its exit status is the joiner's, and a
+    SIGTERM to this process is the worker's preemption notice. A ``flows.worker`` command
+    runs here, in this process's environment made ``env`` (as a spare takes its job), so
+    what the joiner warmed is the worker's; any other replaces this process."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execvpe(command[0], command, dict(env))
+    if command[:3] != WORKER_COMMAND:
+        os.execvpe(command[0], command, dict(env))
+    from flows.worker import main
+
+    os.environ.clear()
+    os.environ.update(env)
+    return main(command[3:])

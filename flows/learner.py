@@ -401,12 +401,12 @@ def compile_step(model: Any, cfg: Any) -> None:
                 got[0].block_until_ready()
 
 
-def warm_up(run: str, bucket: str, region: str) -> None:
+def warm_up(run: str, bucket: str, region: str, pipeline: dict | None = None) -> None:
     """What starting a learner of ``run`` costs whichever learner it is: the model
     (``build_model`` keeps one per process and config), its compiled train step and the
     corpus. A spare does it while it waits, so a learner that takes over from a killed one
-    starts training seconds sooner."""
-    cfg = config_from_spec(RunStore(run, {region: bucket}, region).read_spec())
+    starts training seconds sooner; so does ``diloco join`` before it takes a slot."""
+    cfg = config_from_spec(RunStore(run, {region: bucket}, region).read_spec(), pipeline)
     compile_step(build_model(cfg, learner=True), cfg)
     reader(cfg, 0)  # the corpus, read and split once per process
 

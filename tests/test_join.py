@@ -124,7 +124,8 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     """`diloco train` with three learner slots, of which it starts one
     (pipeline.learners_started=1). Once learner-0's first contribution is committed, a
     machine with a join token for slot 1 (`diloco join-token`) runs `diloco join`: it
-    takes the vacant slot (never started), writes a signed join record, trains as
+    warms up first, then takes the vacant slot (never started), writes a signed join
+    record, trains as
     learner-1 from the bucket alone, and the syncer merges its contributions,
     authenticated by the token's key. Slot 2 stays vacant: once the shared budget is
     spent it does not hold the run's end. The run ends with both learners done and a
@@ -158,9 +159,15 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
                 os.kill(paused, signal.SIGCONT)
         text = _finish(proc, tmp_path / f"{run}.log")
     assert joined.returncode == 0, joined.stdout[-3000:] + joined.stderr[-3000:]
-    assert f"joining run {run} as learner-1 in {REGION}" in joined.stdout, joined.stdout
+    said = joined.stdout
+    assert f"joining run {run} as learner-1 in {REGION}" in said, said
+    # it warmed up (model, compiled step, corpus) before it took the slot, and trained
+    # in the process that warmed up
+    assert -1 < said.find("warming up to join") < said.find("warm after") < said.find(
+        "joining run"), said  # fmt: skip
     (record,) = store.joins("learner-1")
     assert record["learner"] == "learner-1" and record["took"] == "never started"
+    assert record["pid"] == joiner.pid
     secret = (tmp_path / run / "run-secret").read_text().strip()
     assert record_verifies(record, learner_key(secret, run, "learner-1"))
     assert not record_verifies(record, learner_key(secret, run, "learner-0"))

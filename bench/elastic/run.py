@@ -14,8 +14,10 @@ trains), one file:// region, real processes and a real Prefect API:
 
 The table: wall time, final validation loss, goodput (learner seconds whose work was
 merged over the learner seconds present: the permanent learners' whole run and each spot
-learner's life), tokens merged (the audit), the mean number of learners present, joins
-and preemptions, the time from each join to the first version that merged that joiner's
+learner's life, from its process's start), tokens merged (the audit), the mean number
+of learners present, joins and preemptions, the time from a joiner's start to its join
+record (its warm-up: ``diloco join`` builds the model and compiles its step before it
+takes a slot), the time from each join to the first version that merged that joiner's
 work (seconds and in round lengths: the median interval between a permanent learner's
 sends of one fragment) and whether the audit is clean.
 
@@ -74,6 +76,7 @@ class Spot:
         self.procs: dict[str, tuple[subprocess.Popen, float, float]] = {}  # slot -> p, t0, life
         self.joins = self.preemptions = 0
         self.present = 0.0  # spot learner seconds present (process start to end)
+        self.started: dict[int, float] = {}  # a joiner's pid -> when its process started
         self.logs = root / name / "joiners"
         self.logs.mkdir(parents=True, exist_ok=True)
 
@@ -100,6 +103,7 @@ class Spot:
                 proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                         env=self.env)  # fmt: skip
                 self.procs[slot] = (proc, now, self.rng.expovariate(1.0 / a.lifetime))
+                self.started[proc.pid] = now
                 self.joins += 1
 
     def stop(self, end: float) -> None:
@@ -147,15 +151,25 @@ def run(name: str, root: Path, args: argparse.Namespace, sets: list[str], elasti
     out["summary"] = json.loads((root / name / "summary.json").read_text())
     permanent = args.permanent if elastic else args.fixed
     present = permanent * wall + (spot.present if spot else 0.0)
-    out.update(measure(name, root, present / wall if wall else 0.0, present, permanent))
+    out.update(measure(name, root, present / wall if wall else 0.0, present, permanent,
+                       spot.started if spot else {}))  # fmt: skip
     if spot:
         out.update(joins=spot.joins, preemptions=spot.preemptions)
     return out
 
 
-def measure(name: str, root: Path, mean_present: float, present: float, permanent: int) -> dict:
-    """From the buckets: tokens merged and the audit, useful learner seconds, and each
-    join's time to its first merged contribution."""
+def measure(
+    name: str,
+    root: Path,
+    mean_present: float,
+    present: float,
+    permanent: int,
+    started: dict[int, float],
+) -> dict:
+    """From the buckets: tokens merged and the audit, useful learner seconds, each join's
+    time to its first merged contribution, and each joiner's from its process's start to
+    its join record (``started``: pid to start; ``diloco join`` warms up before it joins,
+    in the process that then trains)."""
     from diloco import records
     from diloco.topology import learner_index
     from flows.run import build_model, config_from_spec
@@ -178,20 +192,28 @@ def measure(name: str, root: Path, mean_present: float, present: float, permanen
         merged_seconds.append({"fragment": p, "seconds": newest})
     shares = build_model(config_from_spec(spec)).shares
     useful = records.useful_seconds(merged_seconds, shares)
-    written = {}  # (learner, seq) -> written_at
-    for lid in spec["learners"]:
-        for p in range(fragments):
-            for seq in store.contribution_seqs(lid, p, REGION):
-                meta = store.contribution_head(lid, p, seq, REGION, None).meta
-                written[(lid, seq)] = float(meta.get("written_at", 0.0))
-    sends = sorted(t for (lid, _), t in written.items() if lid == "learner-0")
-    round_length = statistics.median(b - a for a, b in pairwise(sends)) * fragments
-    waits = []
+    # When each contribution was first merged, from the versions alone: retention deletes
+    # merged contributions (their markers and `written_at` with them), so a joiner's
+    # first sends are gone from the bucket by the end of the run.
+    merged: dict[tuple[str, int], float] = {}  # (learner, seq) -> first version's time
+    for vt, _, consumed in versions:
+        for who, seq in consumed:
+            merged[(who, seq)] = min(vt, merged.get((who, seq), vt))
+    # A round: the time between two sends of one fragment, `fragments` sends apart; read
+    # from when a permanent learner's consecutive sends were merged (within a second of
+    # their sending here: bench/elastic/results.md).
+    sends = [t for (lid, _), t in sorted(merged.items()) if lid == "learner-0"]
+    round_length = statistics.median(b - a for a, b in pairwise(sorted(sends))) * fragments
+    waits, warm = [], []
     for lid in [x for x in spec["learners"] if learner_index(x) >= permanent]:  # spot slots
         for record in store.joins(lid):
             t = float(record["time"])
-            firsts = [vt for vt, _, consumed in versions
-                      if any(who == lid and written.get((who, s), 0.0) > t for who, s in consumed)]  # fmt: skip
+            if record.get("pid") in started:
+                warm.append(t - started[record["pid"]])
+            # this join's sends: seqs above any of the slot's merged before it joined
+            before = max((s for (who, s), mt in merged.items() if who == lid and mt <= t),
+                         default=-1)  # fmt: skip
+            firsts = [mt for (who, s), mt in merged.items() if who == lid and s > before]
             if firsts:
                 waits.append(min(firsts) - t)
     return {
@@ -203,13 +225,13 @@ def measure(name: str, root: Path, mean_present: float, present: float, permanen
             for lid, a in report.learners.items() if learner_index(lid) >= permanent),
         "useful_seconds": useful, "present_seconds": present, "goodput": useful / present,
         "mean_present": mean_present, "round_seconds": round_length,
-        "join_to_merge": sorted(waits),
+        "join_to_merge": sorted(waits), "start_to_join": sorted(warm),
     }  # fmt: skip
 
 
 def row(label: str, r: dict) -> str:
     if r.get("exit") != 0:
-        return f"| {label} | failed (exit {r.get('exit')}) |||||||||"
+        return f"| {label} | failed (exit {r.get('exit')}) ||||||||||"
     s, waits = r["summary"], r.get("join_to_merge") or []
     rl = r["round_seconds"]
     join = "–"
@@ -218,10 +240,12 @@ def row(label: str, r: dict) -> str:
         join = (
             f"{med:.1f} s ({med / rl:.1f} rounds); max {max(waits):.1f} s ({max(waits) / rl:.1f})"
         )
+    warm = r.get("start_to_join") or []
+    start = f"{statistics.median(warm):.1f} s; max {max(warm):.1f} s" if warm else "–"
     return (f"| {label} | {r['wall']:.0f} | {s['final_loss']:.4f} | {r['goodput']:.1%} | "
             f"{r['tokens_merged']:,} ({r.get('spot_tokens_merged', 0):,}) | "
             f"{r['mean_present']:.2f} | {r.get('joins', 0)} / "
-            f"{r.get('preemptions', 0)} | {join} | {rl:.1f} | "
+            f"{r.get('preemptions', 0)} | {start} | {join} | {rl:.1f} | "
             f"{'clean' if r['audit_ok'] else 'VIOLATIONS'} |")  # fmt: skip
 
 
@@ -232,8 +256,9 @@ def write(out: Path, args: argparse.Namespace, results: list[tuple[str, dict]]) 
     command = "python bench/elastic/run.py " + " ".join(sys.argv[1:])
     header = ("| run | wall s | final loss | goodput | tokens merged (by spot learners) "
               "| learners present (mean) "
-              "| joins / preemptions | join to first merge (median; max) | round s | audit |\n"
-              "|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+              "| joins / preemptions | start to join record (median; max) "
+              "| join to first merge (median; max) | round s | audit |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     body = "\n".join(row(label, r) for label, r in results)
     (out / "results.md").write_text(
         f"# Learners that come and go (`diloco join`, preemption)\n\n`{command}` on "
