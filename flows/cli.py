@@ -289,11 +289,8 @@ def cmd_join(args: argparse.Namespace) -> int:
     from flows.learner import warm_up
 
     url = _bucket_url(args.url)
-    # a learner of several processes starts them afresh (``flows.hosts``): nothing to warm
-    several = int(pipeline.get("learner_processes") or 1) > 1
     worker, env = join(url, args.run, args.region, args.slot, pipeline, speed=args.speed,
-                       warm=None if several else lambda: warm_up(args.run, url, args.region,
-                                                                 pipeline))  # fmt: skip
+                       warm=lambda settings: warm_up(args.run, url, args.region, settings))  # fmt: skip
     return become(worker.argv(), env)
 
 

@@ -138,15 +138,17 @@ def join(
     pipeline: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
     speed: float | None = None,
-    warm: Callable[[], None] | None = None,
+    warm: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[workers.Worker, dict[str, str]]:
     """Pick the slot, write its signed join record and return the slot's learner worker
     (``become`` runs its command line in place of this process) with the environment to
     run it in. ``JoinRefused`` (a ``ValueError``) names why a joiner may not join.
 
-    ``warm`` (``diloco join``: build the model, compile the step, read the corpus in this
-    process) runs once the joiner is known to be let in and a slot is vacant, and before
-    the slot is taken: a slot is not held, nor counted as a member, by a machine that
+    ``pipeline`` is laid over the run's own settings (``RunStore.read_pipeline``: its
+    newest launch's). ``warm`` (``diloco join``: build the model, compile the step, read
+    the corpus in this process, given those settings) runs once the joiner is known to be
+    let in and a slot is vacant, and before the slot is taken (not for a learner of
+    several processes, which starts them afresh): a slot is not held, nor counted as a member, by a machine that
     cannot train yet (a tiny learner's start took 20 to 60 s on 2 busy cores,
     ``bench/elastic``). The slot is chosen again after it (another may have taken it)."""
     from flows.run import config_from_spec
@@ -157,6 +159,8 @@ def join(
         spec = store.read_spec()
     except FileNotFoundError as exc:
         raise JoinRefused(f"{url} holds no run {run!r} (its spec is missing)") from exc
+    # the run's own pipeline settings (its newest launch's), then what this joiner sets
+    pipeline = {**store.read_pipeline(), **(pipeline or {})}
     cfg = config_from_spec(spec, pipeline)
     keys = join_keys(run, env)
     if keys == {}:
@@ -168,11 +172,11 @@ def join(
             )
         keys = None  # a run that signs nothing: any slot, its sends unsigned as the others'
     taken = choose_slot(store, spec, region, keys, cfg.pipeline.member_timeout, slot)
-    if warm is not None:
+    if warm is not None and cfg.pipeline.learner_processes == 1:
         began = time.time()
         print(f"warming up to join run {run} in {region} (the model, its compiled step, "
               f"the corpus) before taking a slot", flush=True)  # fmt: skip
-        warm()
+        warm(pipeline)
         taken = choose_slot(store, spec, region, keys, cfg.pipeline.member_timeout, slot)
         print(f"warm after {time.time() - began:.1f} s", flush=True)
     lid = taken.learner
@@ -199,7 +203,7 @@ def join(
     env.pop(JOIN_TOKEN_ENV, None)
     print(f"joining run {run} as {lid} in {region} (join {n}; the slot: {taken.why})",
           flush=True)  # fmt: skip
-    return workers.learner(run, url, region, learner_index(lid), cfg, pipeline or {}), env
+    return workers.learner(run, url, region, learner_index(lid), cfg, pipeline), env
 
 
 def _devices() -> str:

@@ -77,6 +77,7 @@ from storage_layout.store import RunStore
 log = logging.getLogger(__name__)
 
 STOP_GRACE = STOP_SECONDS + 5.0  # a reap under way gets this long from a stopping launch
+LAUNCH_ONLY = {"faults", "chaos"}  # pipeline settings a joiner does not take from a launch
 
 
 class Launch:
@@ -489,6 +490,9 @@ def train_flow(
         if lock is None:  # a flow run of the train deployment: one launcher per run here too
             lock = RunLock(store, log, on_lost=lambda who: launch.interrupt()).acquire()
             stack.callback(lock.release)
+        # for machines that join later (``diloco join``): this launch's settings, less
+        # its fault injection
+        store.put_pipeline(cfg.pipeline.model_dump(mode="json", exclude=LAUNCH_ONLY))
         mode = launch.mode = _launch_mode(launch, run, regions, cfg, logs, via, store, log,
                                           fault_plan)  # fmt: skip
         stack.callback(mode.close)

@@ -112,6 +112,12 @@ class RunLayout:
     def budget(self) -> str:
         return f"{self.run}/budget.json"
 
+    @property
+    def pipeline(self) -> str:
+        """The pipeline settings of the run's newest launch (``diloco join`` starts from
+        them); rewritten by each launch, unlike the spec."""
+        return f"{self.run}/pipeline.json"
+
     def metrics(self, writer: str) -> str:
         return f"{self.run}/metrics/{check_name('writer', writer)}.json"
 

@@ -388,6 +388,32 @@ class RunStore:
             bucket = self.bucket(region)
             patiently(lambda b=bucket: b.put(self.layout.budget, body), self.layout.budget)
 
+    def put_pipeline(self, settings: Mapping[str, Any]) -> None:
+        """Record the pipeline settings this launch runs with (``pipeline.*``, which the
+        spec leaves out: they may change between launches) in every region, for machines
+        that join the run later (``read_pipeline``)."""
+        body = json.dumps({"pipeline": dict(settings), "writer": self.writer,
+                           "time": time.time()}, sort_keys=True).encode()  # fmt: skip
+        for region in self.urls:
+            bucket = self.bucket(region)
+            patiently(lambda b=bucket: b.put(self.layout.pipeline, body), self.layout.pipeline)
+
+    def read_pipeline(self, region: str | None = None) -> dict[str, Any]:
+        """The pipeline settings of the run's newest launch ({} if none was recorded: a
+        run launched before they were); ``CorruptVersion`` naming the object if it is
+        not what ``put_pipeline`` writes. What they hold is checked where they are used
+        (``validate_config``), like any settings."""
+        bucket = self.bucket(region or self.client_region)
+        try:
+            body = _read_json(bucket, self.layout.pipeline)
+        except FileNotFoundError:
+            return {}
+        settings = body.get("pipeline") if isinstance(body, dict) else None
+        if not isinstance(settings, dict):
+            raise CorruptVersion(f"{bucket.url}/{self.layout.pipeline} holds no pipeline "
+                                 f"settings: {body!r:.200}")  # fmt: skip
+        return settings
+
     # discovery ----------------------------------------------------------------------
     def _numbers(self, bucket: Bucket, prefix: str, letter: str) -> list[int]:
         out = []

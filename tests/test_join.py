@@ -90,6 +90,28 @@ def test_a_joiner_without_a_token_for_a_vacant_slot_is_refused_by_name(tmp_path,
         assert store.joins(lid) == [] and store.newest_generation(lid) == 0
 
 
+def test_a_joiner_trains_with_the_runs_pipeline_settings_under_its_own(tmp_path):
+    """A joiner starts from the pipeline settings of the run's newest launch (which the
+    spec leaves out) and lays its own ``--pipeline`` over them; settings that cannot be
+    read are named, and nothing is written for that joiner."""
+    from storage_layout.commit import CorruptVersion
+
+    url, _, store, _, secret = _run(tmp_path, "settings")
+    env = {RUN_SECRET_ENV: secret}
+    store.put_pipeline({"round_steps": 7, "eval_seconds": 3.0, "checkpoint_every": 11})
+    worker, _ = join(url, "settings", REGION, "learner-0", {"eval_seconds": 9.0}, environ=env)
+    given = worker.params["pipeline"]
+    assert (given["round_steps"], given["checkpoint_every"], given["eval_seconds"]) == (7, 11, 9.0)
+    store.home.put(store.layout.pipeline, b'["not", "settings"]')
+    with pytest.raises(CorruptVersion, match=re.escape("pipeline.json holds no pipeline settings")):
+        join(url, "settings", REGION, "learner-1", environ=env)
+    assert store.joins("learner-1") == [] and store.newest_generation("learner-1") == 0
+    store.home.put(store.layout.pipeline, json.dumps({"pipeline": {"round_steps": -1}}).encode())
+    with pytest.raises(ValueError, match="round_steps"):
+        join(url, "settings", REGION, "learner-1", environ=env)
+    assert store.joins("learner-1") == []
+
+
 def _train(tmp_path: Path, run: str, tokens: int, *sets: str) -> tuple[subprocess.Popen, str]:
     """`diloco train` of ``run`` on one file:// region, in the background (its log in
     tmp_path/RUN.log); returns the process and the region's URL."""
@@ -149,6 +171,11 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
         env = {**child_env(), JOIN_TOKEN_ENV: token.stdout.strip()}
         joiner = _join(url, run, env, wait=False)
         _wait(lambda: _sent(store, "learner-1"), 600, "the joiner's first contribution", proc)
+        # and until the syncer has counted it (it reads who is a member every 5 s): a warm
+        # joiner can train the budget's rest within seconds, and the syncer ends with it
+        syncer_log = tmp_path / run / "logs" / f"syncer-{REGION}-0.log"
+        _wait(lambda: "learner learner-1 joined from host" in syncer_log.read_text(), 600,
+              "the syncer's note of the join", proc)  # fmt: skip
         os.kill(paused, signal.SIGCONT)
         paused = None
         out, err = joiner.communicate(timeout=900)
@@ -168,11 +195,12 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     (record,) = store.joins("learner-1")
     assert record["learner"] == "learner-1" and record["took"] == "never started"
     assert record["pid"] == joiner.pid
+    settings = store.read_pipeline()  # the launch's, for joiners; less its fault injection
+    assert settings["round_steps"] == 20 and "faults" not in settings, settings
     secret = (tmp_path / run / "run-secret").read_text().strip()
     assert record_verifies(record, learner_key(secret, run, "learner-1"))
     assert not record_verifies(record, learner_key(secret, run, "learner-0"))
-    syncer_log = (tmp_path / run / "logs" / f"syncer-{REGION}-0.log").read_text()
-    assert "learner learner-1 joined from host" in syncer_log, text[-3000:]
+    assert "learner learner-1 joined from host" in syncer_log.read_text(), text[-3000:]
     report = audit_run(run, {REGION: url})
     assert report.ok, dict(report.violations)
     merged = {lid: acc["tokens"]["merged"] for lid, acc in report.learners.items()}
