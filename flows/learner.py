@@ -126,7 +126,8 @@ class BackgroundIO:
       runs past a shared budget with steps no one else can see.
     - ``poller``: every ``poll_seconds``, the newest version of each fragment the learner
       waits on, fetched into ``inbox``. A version that cannot be read is logged once and
-      skipped; a newer one is taken when it comes.
+      skipped; a newer one is taken when it comes. None for no ``fragments`` (a follower
+      of a learner over several processes, whose transport writes its checkpoint parts).
 
     An upload that finds another process running as this learner (its seq taken, or reserved
     by a newer process) sets ``fenced``: no later upload or checkpoint of this process is
@@ -167,8 +168,10 @@ class BackgroundIO:
             if first is not None:
                 self.inbox[p] = first
         self.stop = threading.Event()
-        self.poller = threading.Thread(target=self._poll, name="globals", daemon=True)
-        self.poller.start()
+        self.poller: threading.Thread | None = None
+        if fragments:
+            self.poller = threading.Thread(target=self._poll, name="globals", daemon=True)
+            self.poller.start()
 
     def _first_version(self, p: int, patience: float = 60.0) -> GlobalView | None:
         """The newest readable version of fragment ``p`` to start from, asked again while
@@ -372,7 +375,8 @@ class BackgroundIO:
         learner past its deadline: what they would write is named in its log)."""
         self.stop.set()
         self.jobs.shutdown(wait=wait, cancel_futures=not wait)
-        self.poller.join(timeout=5)
+        if self.poller is not None:
+            self.poller.join(timeout=5)
 
 
 _COMPILING = threading.Lock()  # a spare's warm-up and the learner it becomes compile once

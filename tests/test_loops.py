@@ -277,6 +277,24 @@ def test_background_io_survives_a_corrupt_global_version(tiny_run, caplog):
         io.close()
 
 
+def test_a_transport_that_waits_on_no_fragment_runs_no_poller(tiny_run):
+    """A follower of a learner over several processes writes its checkpoint parts only:
+    its transport (no fragments) starts no thread that polls for versions."""
+    import threading
+
+    cfg, regions, spec, _ = tiny_run
+    store = bucket_store("r", regions, spec, cfg, "learner-0", home="us")
+    before = {t.name for t in threading.enumerate()}
+    io = BackgroundIO(
+        StoreLearnerView(store, "learner-0"), 0, 0.02, 0, logging.getLogger("t"), max_unsent=1
+    )
+    try:
+        assert io.poller is None and io.latest_global(0) is None
+        assert "globals" not in {t.name for t in threading.enumerate()} - before
+    finally:
+        io.close()
+
+
 def test_a_queued_upload_a_newer_send_supersedes_is_skipped(tiny_run):
     """When uploads fall behind (a slow store), a queued send from an anchor that a newer
     queued send from the same anchor carries is never written: the queue drains instead of

@@ -27,8 +27,9 @@ A configuration is ``PRESET:BATCH[:remat|:noremat][:auto|:xla|:cudnn][:spill]``;
 preset's own values where left out. ``spill``: the answers are read from local files
 tensor by tensor (``SpilledParams``), as a pipeline learner holds its global versions,
 not from host arrays. ``host_peak_bytes`` is the process's peak resident memory. Writes ``results-gpu.md`` and ``results-gpu.json`` into
-``--out`` (this folder by default), after each configuration, so a run cut short keeps
-what it measured.
+``--out`` (by default ``bench-learner-gpu`` in the temporary folder: this folder's
+results-gpu.md is several runs' tables merged by hand, with what was learned from them),
+after each configuration, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -328,7 +329,8 @@ def main() -> int:
     parser.add_argument("--configs", nargs="+", default=["llama-150m:16", "llama-1b:8"])
     parser.add_argument("--steps", type=int, default=30, help="timed steps of the bare loop")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per configuration")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent)
+    parser.add_argument("--out", type=Path,
+                        default=Path(tempfile.gettempdir()) / "bench-learner-gpu")  # fmt: skip
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
