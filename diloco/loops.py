@@ -41,6 +41,7 @@ from diloco.syncer import (
     estimate_step_seconds,
     grace_window,
 )
+from diloco.syncer import budget_spent as _budget_spent
 from diloco.syncer import quorum_met as _quorum_met
 from diloco.tensors import as_tensors, full_bytes
 
@@ -730,10 +731,8 @@ class SyncerLoop:
     def budget_spent(self) -> bool:
         """Sharing the budget, whether the steps the versions of this syncer's fragments
         report merged (``FragmentSyncer.progress``, all learners) reach the run's budget."""
-        if not self.cfg.shared_budget:
-            return False
-        merged = [sum(s.progress.values()) for s in self.syncers.values()]
-        return bool(merged) and max(merged) >= self.cfg.budget_steps
+        return _budget_spent(self.cfg.shared_budget, self.cfg.budget_steps,
+                             (s.progress for s in self.syncers.values()))  # fmt: skip
 
     def next_deadline(self) -> float:
         """Seconds until the earliest pending merge (inf when none is scheduled)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -57,6 +57,17 @@ from diloco.tensors import (
 from diloco.validate import ContributionRejected, check_contribution
 
 NORM_WINDOW, NORM_MIN = 32, 4  # recent accepted norms kept; needed before the check
+
+
+def budget_spent(shared: bool, budget_steps: int, progresses: Iterable[Mapping[str, int]]) -> bool:
+    """Sharing the budget (``shared``), whether the inner steps the versions report merged
+    reach it: each fragment's ``progress`` (every learner's newest merged step,
+    ``FragmentSyncer.progress``) summed, the furthest fragment's sum against
+    ``budget_steps``. The syncers end on it; a joiner is refused by it."""
+    if not shared:
+        return False
+    merged = [sum(int(step) for step in progress.values()) for progress in progresses]
+    return bool(merged) and max(merged) >= budget_steps
 
 
 def quorum_met(learners_present: Collection[str], quorum: int) -> bool:

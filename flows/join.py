@@ -40,6 +40,7 @@ from typing import Any
 
 from prefect import flow
 
+from diloco.syncer import budget_spent
 from diloco.topology import learner_index
 from flows import workers
 from flows.run import absence
@@ -171,6 +172,9 @@ def join(
                 f"the run secret in {RUN_SECRET_ENV}"
             )
         keys = None  # a run that signs nothing: any slot, its sends unsigned as the others'
+    if _budget_spent(store, cfg, len(spec.get("fragments") or [])):
+        raise JoinRefused(f"run {run!r} has trained its budget ({cfg.budget.tokens:,} tokens, "
+                          "shared by its learners): there is nothing left to join for")  # fmt: skip
     taken = choose_slot(store, spec, region, keys, cfg.pipeline.member_timeout, slot)
     if warm is not None and cfg.pipeline.learner_processes == 1:
         began = time.time()
@@ -204,6 +208,23 @@ def join(
     print(f"joining run {run} as {lid} in {region} (join {n}; the slot: {taken.why})",
           flush=True)  # fmt: skip
     return workers.learner(run, url, region, learner_index(lid), cfg, pipeline), env
+
+
+def _budget_spent(store: RunStore, cfg: Any, fragments: int) -> bool:
+    """Whether the newest versions in this region report the run's shared budget merged
+    (``diloco.syncer.budget_spent``, the syncers' own rule). A version whose progress is
+    not a mapping of steps counts as none: the learner's start decides then."""
+    progresses = []
+    for p in range(fragments):
+        version = store.latest_global(p)
+        if version is None:
+            continue
+        progress = store.global_marker(p, version).meta.get("progress")
+        try:
+            progresses.append({str(k): int(v) for k, v in dict(progress or {}).items()})
+        except (TypeError, ValueError):
+            continue
+    return budget_spent(cfg.shared_budget, cfg.budget_steps, progresses)
 
 
 def _devices() -> str:

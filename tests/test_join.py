@@ -17,7 +17,7 @@ import pytest
 
 from diloco.config import load_config
 from flows.cli import main as cli_main
-from flows.join import join, join_flow, slot_state
+from flows.join import choose_slot, join, join_flow, slot_state
 from flows.run import initialize_run
 from flows.supervision import child_env
 from storage_layout.audit import audit_run
@@ -28,6 +28,7 @@ from storage_layout.auth import (
     join_token,
     learner_key,
     new_run_secret,
+    parse_join_token,
     record_verifies,
 )
 from storage_layout.store import RunStore
@@ -209,12 +210,16 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     assert report.learners["learner-2"]["tokens"]["merged"] == 0  # never started
     assert [j["took"] for j in report.learners["learner-1"]["joins"]] == ["never started"]
     assert report.learners["learner-0"]["joins"] == []  # started by diloco train
-    # Nothing is vacant now: a further joiner, here the `join` flow, fails its flow run
-    # naming each slot with its state.
+    # The budget is trained: a further joiner, here the `join` flow, fails its flow run
+    # saying so, before it warms up or looks for a slot; and no slot the token covers is
+    # vacant, each named with its state.
     monkeypatch.delenv(RUN_SECRET_ENV, raising=False)
-    monkeypatch.setenv(JOIN_TOKEN_ENV, join_token(secret, run, ["learner-0", "learner-1"]))
-    with pytest.raises(JoinRefused) as refused:
+    token = join_token(secret, run, ["learner-0", "learner-1"])
+    monkeypatch.setenv(JOIN_TOKEN_ENV, token)
+    with pytest.raises(JoinRefused, match="has trained its budget"):
         join_flow(run=run, region=REGION, bucket=url)
+    with pytest.raises(JoinRefused) as refused:
+        choose_slot(store, store.read_spec(), REGION, parse_join_token(token, run), 600.0)
     said = " ".join(str(refused.value).split())
     assert "no vacant learner slot" in said and "learner-1: done" in said, said
     assert "learner-2: the join token does not cover it" in said, said

@@ -11,7 +11,13 @@ from diloco.learner import Learner
 from diloco.model import ParamCodec, is_embedding
 from diloco.outer import Contribution
 from diloco.quantize import quantize
-from diloco.syncer import FragmentSyncer, estimate_step_seconds, grace_window, quorum_met
+from diloco.syncer import (
+    FragmentSyncer,
+    budget_spent,
+    estimate_step_seconds,
+    grace_window,
+    quorum_met,
+)
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +187,14 @@ def test_outcomes_no_merge_carries_are_sealed_into_a_last_version():
     assert [r[:2] for r in sealed.rejected] == [("a", 2)] and sealed.cursor == {"a": 2}
     np.testing.assert_array_equal(sealed.params["w"], np.ones(2))
     assert syncer.seal() is None
+
+
+def test_a_shared_budget_is_spent_when_one_fragments_merged_steps_reach_it():
+    """The syncers' rule, which a joiner uses too: the furthest fragment's sum of each
+    learner's newest merged step against the budget; never for a budget not shared."""
+    progress = [{"l0": 40, "l1": 30}, {"l0": 50, "l1": 45}]
+    assert budget_spent(True, 95, progress) and not budget_spent(True, 96, progress)
+    assert not budget_spent(False, 1, progress) and not budget_spent(True, 1, [])
 
 
 def test_quorum_and_grace_window():
