@@ -172,27 +172,28 @@ def train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: st
     # One launcher per run, taken before the run's Prefect server starts (two servers
     # must never share its database): a second `diloco train` of a running run is refused.
     store = RunStore(run, regions, home_region(regions), writer="launcher")
-    from flows.launcher import LAUNCH, Launch
-
     # Another launcher that takes the run over (this one's lease went stale) stops the
-    # workers; the launcher flow then ends naming who took over.
-    launch = Launch()
+    # workers; the launcher flow then ends naming who took over. The launch is made once
+    # the run's Prefect API is up (``_train``): Prefect reads its settings when it is
+    # first imported, and one imported before PREFECT_HOME and PREFECT_API_URL point at
+    # the run started an ephemeral server of its own on the run's database (a second
+    # server on one SQLite file, left running by a launcher that was killed).
+    launches: list[Launch] = []
     try:
-        lock = RunLock(store, on_lost=lambda who: launch.interrupt()).acquire()
+        lock = RunLock(store, on_lost=lambda who: [x.interrupt() for x in launches]).acquire()
     except RunLocked as exc:
         console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
         return 2
-    token = LAUNCH.set(launch)  # the launcher flow's, its workers' and its handlers'
     try:
-        return _train(run, regions, cfg, root, via, launch)
+        return _train(run, regions, cfg, root, via, launches)
     finally:
-        LAUNCH.reset(token)
         lock.release()
 
 
 def _train(
-    run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: str, launch: Launch
-) -> int:
+    run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: str,
+    launches: list[Launch],
+) -> int:  # fmt: skip
     prefect_home = root / "prefect"
     os.environ.setdefault("PREFECT_HOME", str(prefect_home.resolve()))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -221,9 +222,13 @@ def _train(
             console.print(
                 f"Prefect API {api_url}" + ("" if external else f" (home {prefect_home})")
             )
-            from flows import launcher
+            from flows import launcher  # (Prefect: its settings are the run's from here)
             from flows.monitor import StorageUnreachable
             from flows.worker import prefect_api_reachable
+
+            launch = launcher.Launch()
+            launches.append(launch)
+            token = launcher.LAUNCH.set(launch)  # the launcher flow's, its workers' and handlers'
 
             display.adopt_prefect_logging()
             signal.signal(signal.SIGINT, launch.on_signal)
@@ -257,6 +262,7 @@ def _train(
                     return 130 if interrupted else 1
             finally:
                 launcher.flush_prefect()
+                launcher.LAUNCH.reset(token)
     wall = time.perf_counter() - started
     root.mkdir(parents=True, exist_ok=True)
     (root / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))

@@ -36,7 +36,7 @@ from flows.supervision import stop_predecessors
 from flows.worker import PARENT_ENV
 from infra.local_servers import Forwarder
 from infra.prefect_server import free_port, prefect_server, server_env, wait_healthy
-from infra.processes import command_line, write_pids
+from infra.processes import command_line, environment_holds, write_pids
 from storage_layout.audit import audit_run
 from storage_layout.store import RunStore
 
@@ -347,6 +347,13 @@ def test_two_launchers_of_one_run_and_a_killed_launchers_workers(tmp_path):
         winner.wait()
         until(lambda: not any(command_line(pid) for pid in left),
               "the killed launcher's workers and server to die with it", timeout=120)  # fmt: skip
+        # nor any other process of the run's Prefect home: the launcher's own Prefect used
+        # to start an ephemeral server of its own on the run's database, which outlived it
+        home = f"PREFECT_HOME={(root / run / 'prefect').resolve()}"
+        mine = [int(d) for d in os.listdir("/proc") if d.isdigit()
+                and int(d) != os.getpid() and environment_holds(int(d), home)]  # fmt: skip
+        left += mine
+        assert not [command_line(pid) for pid in mine if command_line(pid)]
         relaunch = _train(root, run, 200_000, env, root / "c.log")
         procs["c"] = relaunch
         code = relaunch.wait(timeout=600)
