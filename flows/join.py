@@ -149,9 +149,10 @@ def join(
     newest launch's). ``warm`` (``diloco join``: build the model, compile the step, read
     the corpus in this process, given those settings) runs once the joiner is known to be
     let in and a slot is vacant, and before the slot is taken (not for a learner of
-    several processes, which starts them afresh): a slot is not held, nor counted as a member, by a machine that
-    cannot train yet (a tiny learner's start took 20 to 60 s on 2 busy cores,
-    ``bench/elastic``). The slot is chosen again after it (another may have taken it)."""
+    several processes, which starts them afresh): a slot is not held, nor counted as a
+    member, by a machine that cannot train yet (a tiny learner's start took 20 to 60 s on
+    2 busy cores, ``bench/elastic``). The slot is chosen again after it (another may have
+    taken it)."""
     from flows.run import config_from_spec
 
     env = dict(os.environ if environ is None else environ)

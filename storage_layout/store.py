@@ -384,9 +384,13 @@ class RunStore:
         budget, which ``read_spec`` reports from then on (a smaller one is never read)."""
         body = json.dumps({"tokens": tokens, "previous": previous, "writer": self.writer,
                            "time": time.time()}, sort_keys=True).encode()  # fmt: skip
+        self._put_everywhere(self.layout.budget, body)
+
+    def _put_everywhere(self, key: str, body: bytes) -> None:
+        """``body`` at ``key`` in every region's bucket (overwritten), each put patiently."""
         for region in self.urls:
             bucket = self.bucket(region)
-            patiently(lambda b=bucket: b.put(self.layout.budget, body), self.layout.budget)
+            patiently(lambda b=bucket: b.put(key, body), key)
 
     def put_pipeline(self, settings: Mapping[str, Any]) -> None:
         """Record the pipeline settings this launch runs with (``pipeline.*``, which the
@@ -394,9 +398,7 @@ class RunStore:
         that join the run later (``read_pipeline``)."""
         body = json.dumps({"pipeline": dict(settings), "writer": self.writer,
                            "time": time.time()}, sort_keys=True).encode()  # fmt: skip
-        for region in self.urls:
-            bucket = self.bucket(region)
-            patiently(lambda b=bucket: b.put(self.layout.pipeline, body), self.layout.pipeline)
+        self._put_everywhere(self.layout.pipeline, body)
 
     def read_pipeline(self, region: str | None = None) -> dict[str, Any]:
         """The pipeline settings of the run's newest launch ({} if none was recorded: a
@@ -678,8 +680,8 @@ class RunStore:
         """Upload what ``write(put)`` puts under ``prefix`` (``ObjectSink``, a chunk at a
         time), then commit the marker; ``hashed``: what a first pass recorded, which
         the upload must match."""
-        # Not ObjectSink's context manager: its abort deletes the data prefix, and this
-        # one may hold an earlier attempt's committed objects (the id names the content).
+        # Not ObjectSink's context manager: its abort deletes the data prefix, and one a
+        # content id names may hold an earlier attempt's committed objects.
         sink = ObjectSink(self.home, prefix)
         try:
             write(sink.put)

@@ -202,8 +202,8 @@ def measure(
     # A round: the time between two sends of one fragment, `fragments` sends apart; read
     # from when a permanent learner's consecutive sends were merged (within a second of
     # their sending here: bench/elastic/results.md).
-    sends = [t for (lid, _), t in sorted(merged.items()) if lid == "learner-0"]
-    round_length = statistics.median(b - a for a, b in pairwise(sorted(sends))) * fragments
+    sends = sorted(t for (lid, _), t in merged.items() if lid == "learner-0")
+    round_length = statistics.median(b - a for a, b in pairwise(sends)) * fragments
     waits, warm = [], []
     for lid in [x for x in spec["learners"] if learner_index(x) >= permanent]:  # spot slots
         for record in store.joins(lid):
