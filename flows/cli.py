@@ -280,18 +280,14 @@ def config_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
-    from flows.join import become, join
+    from flows.join import join_and_train
 
     try:
         pipeline = json.loads(args.pipeline)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"--pipeline is not a JSON object: {exc}") from exc
-    from flows.learner import warm_up
-
     url = _bucket_url(args.url)
-    worker, env = join(url, args.run, args.region, args.slot, pipeline, speed=args.speed,
-                       warm=lambda settings: warm_up(args.run, url, args.region, settings))  # fmt: skip
-    return become(worker.argv(), env)
+    return join_and_train(url, args.run, args.region, args.slot, pipeline, args.speed)[1]
 
 
 def cmd_join_token(args: argparse.Namespace) -> int:

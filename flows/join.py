@@ -33,6 +33,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -146,7 +147,7 @@ def join(
     run it in. ``JoinRefused`` (a ``ValueError``) names why a joiner may not join.
 
     ``pipeline`` is laid over the run's own settings (``RunStore.read_pipeline``: its
-    newest launch's). ``warm`` (``diloco join``: build the model, compile the step, read
+    newest launch's). ``warm`` (``join_and_train``: build the model, compile the step, read
     the corpus in this process, given those settings) runs once the joiner is known to be
     let in and a slot is vacant, and before the slot is taken (not for a learner of
     several processes, which starts them afresh): a slot is not held, nor counted as a
@@ -234,6 +235,25 @@ def _devices() -> str:
     return os.environ.get("JAX_PLATFORMS") or os.environ.get("CUDA_VISIBLE_DEVICES") or "auto"
 
 
+def join_and_train(
+    url: str,
+    run: str,
+    region: str,
+    slot: str | None = None,
+    pipeline: dict[str, Any] | None = None,
+    speed: float | None = None,
+    replace: bool = True,
+) -> tuple[str, int]:
+    """``diloco join`` and the ``join`` flow: warm up, take a vacant slot (``join``) and
+    train as its learner (``become``) until it ends; returns the slot and the worker's
+    exit status. ``replace``: see ``become``."""
+    from flows.learner import warm_up
+
+    worker, env = join(url, run, region, slot, pipeline, speed=speed,
+                       warm=lambda settings: warm_up(run, url, region, settings))  # fmt: skip
+    return worker.writer, become(worker.argv(), env, replace)
+
+
 @flow(name="join", log_prints=True)
 def join_flow(
     run: str,
@@ -244,35 +264,40 @@ def join_flow(
     pipeline: dict[str, Any] | None = None,
 ) -> str:
     """``diloco join`` as a Prefect flow (the ``join/REGION`` deployments of prefect.yaml):
-    takes a vacant learner slot of ``run`` from ``bucket`` (the region's) and runs the
-    slot's learner worker as a child process until it ends; returns the slot. A refused
-    joiner fails the flow run, naming why (``JoinRefused``); a worker that fails fails it
-    with its exit status. A SIGTERM to the flow run's process (a cancelled flow run, a
-    spot notice) is passed on to the worker: its preemption notice. The key comes from
-    the work pool's environment (``DILOCO_JOIN_TOKEN`` or ``DILOCO_RUN_SECRET``), never
-    from a parameter: Prefect records those."""
-    worker, env = join(bucket, run, region, slot, pipeline, speed=speed)
-    proc = subprocess.Popen(worker.argv(), env=env)
-    with contextlib.suppress(ValueError):  # a flow run off the main thread forwards none
-        signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
-    code = proc.wait()
+    warms up, takes a vacant learner slot of ``run`` from ``bucket`` (the region's) and
+    trains as the slot's learner in the flow run's process (its learner flow runs are
+    this flow run's subflows) until it ends; returns the slot. A refused joiner fails the
+    flow run, naming why (``JoinRefused``); a worker that fails fails it with its exit
+    status. A SIGTERM to the flow run's process (a cancelled flow run, a spot notice) is
+    the learner's preemption notice. The key comes from the work pool's environment
+    (``DILOCO_JOIN_TOKEN`` or ``DILOCO_RUN_SECRET``), never from a parameter: Prefect
+    records those."""
+    lid, code = join_and_train(bucket, run, region, slot, pipeline, speed, replace=False)
     if code:
-        raise RuntimeError(f"the learner worker of {worker.writer} in run {run!r} exited "
-                           f"with {code}")  # fmt: skip
-    return worker.writer
+        raise RuntimeError(f"the learner worker of {lid} in run {run!r} exited with {code}")
+    return lid
 
 
-def become(command: list[str], env: Mapping[str, str]) -> int:
+def become(command: list[str], env: Mapping[str, str], replace: bool = True) -> int:
     """Run the learner worker as this process: its exit status is the joiner's, and a
     SIGTERM to this process is the worker's preemption notice. A ``flows.worker`` command
     runs here, in this process's environment made ``env`` (as a spare takes its job), so
-    what the joiner warmed is the worker's; any other replaces this process."""
+    what the joiner warmed is the worker's. Any other (a learner of several processes,
+    ``flows.hosts`` starting them), or any off the main thread (where no signal handler
+    can be set), replaces this process, or, not ``replace`` (a flow run, which must see
+    its own end), runs as its child with a SIGTERM to this process passed on."""
     sys.stdout.flush()
     sys.stderr.flush()
-    if command[:3] != WORKER_COMMAND:
-        os.execvpe(command[0], command, dict(env))
-    from flows.worker import main
+    here = threading.current_thread() is threading.main_thread()
+    if command[:3] == WORKER_COMMAND and here:
+        from flows.worker import main
 
-    os.environ.clear()
-    os.environ.update(env)
-    return main(command[3:])
+        os.environ.clear()
+        os.environ.update(env)
+        return main(command[3:])
+    if replace:
+        os.execvpe(command[0], command, dict(env))
+    proc = subprocess.Popen(command, env=dict(env))
+    with contextlib.suppress(ValueError):  # off the main thread: none is passed on
+        signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
+    return proc.wait()

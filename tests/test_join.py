@@ -49,14 +49,15 @@ def _run(tmp_path: Path, name: str, tokens: int = 20_000):
     return url, cfg, store, spec, secret
 
 
-def _join(url: str, run: str, env: dict[str, str], timeout: float = 600, wait: bool = True):
-    """`diloco join` as a process: its result, or (``wait`` False) the running process."""
-    argv = [sys.executable, "-m", "flows.cli", "join", url, "--run", run, "--region", REGION,
-            "--pipeline", json.dumps({"round_steps": 20, "poll_seconds": 0.05})]  # fmt: skip
-    if not wait:
-        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env)  # fmt: skip
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+def _join_flow(url: str, run: str, env: dict[str, str], log: Path) -> subprocess.Popen:
+    """The `join` flow (what a `join/REGION` deployment's flow run calls; `diloco join`
+    runs the same function, ``join_and_train``) in a process of its own, running, its
+    output into ``log`` (a pipe read only at its end could fill and stall it)."""
+    call = (f"from flows.join import join_flow; join_flow(run={run!r}, region={REGION!r}, "
+            f"bucket={url!r}, pipeline={{'round_steps': 20, 'poll_seconds': 0.05}})")  # fmt: skip
+    with log.open("w") as out:
+        return subprocess.Popen([sys.executable, "-c", call], stdout=out,
+                                stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
 
 
 def test_a_joiner_without_a_token_for_a_vacant_slot_is_refused_by_name(tmp_path, monkeypatch):
@@ -146,10 +147,11 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
 ):
     """`diloco train` with three learner slots, of which it starts one
     (pipeline.learners_started=1). Once learner-0's first contribution is committed, a
-    machine with a join token for slot 1 (`diloco join-token`) runs `diloco join`: it
-    warms up first, then takes the vacant slot (never started), writes a signed join
-    record, trains as
-    learner-1 from the bucket alone, and the syncer merges its contributions,
+    machine with a join token for slot 1 (`diloco join-token`) runs the `join` flow (as
+    `diloco join` does): it warms up first, then takes the vacant slot (never started),
+    writes a signed join record, trains as learner-1 in the flow run's process (its
+    learner flow runs are subflows), from the bucket alone, and the syncer merges its
+    contributions,
     authenticated by the token's key. Slot 2 stays vacant: once the shared budget is
     spent it does not hold the run's end. The run ends with both learners done and a
     clean audit; then no slot the token covers is vacant and a further joiner (the
@@ -157,7 +159,7 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     run = "open"
     proc, url = _train(tmp_path, run, 60_000)
     store = RunStore(run, {REGION: url}, REGION)
-    paused = None
+    paused = joiner = None
     try:
         _wait(lambda: _sent(store, "learner-0"), 600, "learner-0's first contribution", proc)
         # Learner 0 waits (SIGSTOP) from here until the joiner has sent, so that the
@@ -170,7 +172,7 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
             capture_output=True, text=True, timeout=120, env=child_env())  # fmt: skip
         assert token.returncode == 0, token.stderr
         env = {**child_env(), JOIN_TOKEN_ENV: token.stdout.strip()}
-        joiner = _join(url, run, env, wait=False)
+        joiner = _join_flow(url, run, env, tmp_path / "joiner.log")
         _wait(lambda: _sent(store, "learner-1"), 600, "the joiner's first contribution", proc)
         # and until the syncer has counted it (it reads who is a member every 5 s): a warm
         # joiner can train the budget's rest within seconds, and the syncer ends with it
@@ -179,15 +181,16 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
               "the syncer's note of the join", proc)  # fmt: skip
         os.kill(paused, signal.SIGCONT)
         paused = None
-        out, err = joiner.communicate(timeout=900)
-        joined = subprocess.CompletedProcess(joiner.args, joiner.returncode, out, err)
+        joiner.wait(timeout=900)
+        said = (tmp_path / "joiner.log").read_text()
     finally:
         if paused is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(paused, signal.SIGCONT)
+        if joiner is not None and joiner.poll() is None:  # the test failed: leave nothing
+            joiner.kill()
         text = _finish(proc, tmp_path / f"{run}.log")
-    assert joined.returncode == 0, joined.stdout[-3000:] + joined.stderr[-3000:]
-    said = joined.stdout
+    assert joiner.returncode == 0, said[-6000:]
     assert f"joining run {run} as learner-1 in {REGION}" in said, said
     # it warmed up (model, compiled step, corpus) before it took the slot, and trained
     # in the process that warmed up
@@ -196,6 +199,7 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     (record,) = store.joins("learner-1")
     assert record["learner"] == "learner-1" and record["took"] == "never started"
     assert record["pid"] == joiner.pid
+    _assert_subflows_of_the_join_flow(run, "learner us-east/1")
     settings = store.read_pipeline()  # the launch's, for joiners; less its fault injection
     assert settings["round_steps"] == 20 and "faults" not in settings, settings
     secret = (tmp_path / run / "run-secret").read_text().strip()
@@ -224,6 +228,27 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     assert "no vacant learner slot" in said and "learner-1: done" in said, said
     assert "learner-2: the join token does not cover it" in said, said
     assert len(store.joins("learner-1")) == 1
+
+
+def _assert_subflows_of_the_join_flow(run: str, name: str) -> None:
+    """Each flow run ``name`` of ``run`` is a subflow of a `join` flow run (one)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    with get_client(sync_client=True) as client:
+        tagged = FlowRunFilter(tags=FlowRunFilterTags(all_=[f"run:{run}"]))
+        runs = [f for f in client.read_flow_runs(flow_run_filter=tagged, limit=200)
+                if f.name == name]  # fmt: skip
+        assert runs, f"no flow run {name!r} of run {run!r}"
+        parents = set()
+        for flow_run in runs:
+            assert flow_run.parent_task_run_id is not None, flow_run.name
+            parent = client.read_flow_run(
+                client.read_task_run(flow_run.parent_task_run_id).flow_run_id
+            )
+            assert client.read_flow(parent.flow_id).name == "join", parent.name
+            parents.add(parent.id)
+        assert len(parents) == 1, parents
 
 
 def _sent(store: RunStore, lid: str) -> bool:
