@@ -396,7 +396,8 @@ def compile_step(model: Any, cfg: Any) -> None:
         params = trainer.place_params(model.init)
         shapes = {}  # taken first: the step consumes ``params``
         for value in params.values():
-            shapes.setdefault((value.shape, value.sharding), own(value))
+            if (value.shape, value.sharding) not in shapes:
+                shapes[(value.shape, value.sharding)] = own(value)
         batch = np.zeros((cfg.data.batch_size, cfg.model.context + 1), dtype=np.int32)
         trainer.step(params, trainer.init_opt_state(params), batch, 0)[2].block_until_ready()
         for value in shapes.values():
