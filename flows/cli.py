@@ -221,8 +221,12 @@ INSPECT_LEGEND = """\
 columns:
   fragments  newest: newest global version in the bucket given; per region: each
              region's newest; kept: versions held there; size: bytes of the newest
-             version; consumed, tokens: contributions and tokens it merged
-  learners   newest seq: the learner's newest committed contribution to the fragment;
+             version; consumed, tokens: contributions and tokens it merged;
+             quorum / members: the quorum it merged under, of the learners the
+             syncer counted as members then
+  learners   state: what its status object says, and how long ago (never started:
+             none yet); joins: times the slot was taken by `diloco join`;
+             newest seq: the learner's newest committed contribution to the fragment;
              stored: its contributions still held; base: the global version that one
              started from; staleness: newest version - base; size: its payload bytes;
              checkpoint: inner step of its newest checkpoint
@@ -923,28 +927,31 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 f"[bold]run {run['run']}[/]  regions: "
                 + ", ".join(f"{k}={v}" for k, v in run["regions"].items())
             )
-            frag = Table("fragment", "newest", "per region", "kept", "size", "consumed", "tokens")
+            frag = Table("fragment", "newest", "per region", "kept", "size", "consumed", "tokens",
+                         "quorum / members")  # fmt: skip
             for f in run["fragments"]:
                 regions = " ".join(f"{r}:{v}" for r, v in f["versions"].items())
+                quorum = "-" if f.get("quorum") is None else f"{f['quorum']} / {len(f['members'])}"
                 frag.add_row(str(f["fragment"]), str(f.get("newest", "-")), regions, str(f.get("kept", 0)),
-                             human_bytes(f.get("bytes", 0)), str(f.get("consumed", "-")), str(f.get("tokens", "-")))  # fmt: skip
+                             human_bytes(f.get("bytes", 0)), str(f.get("consumed", "-")), str(f.get("tokens", "-")),
+                             quorum)  # fmt: skip
             out.print(frag)
-            lrn = Table(
-                "learner",
-                "region",
-                "fragment",
-                "newest seq",
-                "stored",
-                "base",
-                "staleness",
-                "size",
-                "checkpoint",
-            )
+            lrn = Table("learner", "region", "state", "joins", "fragment", "newest seq", "stored",
+                        "base", "staleness", "size", "checkpoint")  # fmt: skip
             for row in run["learners"]:
-                for p, info in sorted(row["fragments"].items()):
-                    lrn.add_row(row["learner"], row["region"], str(p), str(info["newest_seq"]), str(info["stored"]),
+                state = row.get("state") or ("never started" if "joins" in row else "-")
+                if row.get("status_age_s") is not None:
+                    state += f", {row['status_age_s']:.0f} s ago"
+                head = [row["learner"], row["region"], state, str(row.get("joins", "-"))]
+                step = row.get("checkpoint_step")
+                ckpt = "-" if step is None else str(step)
+                for p, info in sorted(row["fragments"].items()) or [(None, None)]:
+                    if info is None:  # nothing sent: the slot still shows
+                        lrn.add_row(*head, *["-"] * 6, ckpt)
+                        continue
+                    lrn.add_row(*head, str(p), str(info["newest_seq"]), str(info["stored"]),
                                 str(info["base_version"]), str(info["staleness"]), human_bytes(info["bytes"]),
-                                str(row.get("checkpoint_step")))  # fmt: skip
+                                ckpt)  # fmt: skip
             out.print(lrn)
             if run["traffic"]:
                 tr = Table("source -> destination", "bytes", "requests")

@@ -8,6 +8,7 @@ The run's other regions are read from the URLs in its spec.
 from __future__ import annotations
 
 import json
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -110,6 +111,9 @@ def _fragment_rows(store: RunStore, fragments: int, reachable: list[str]) -> lis
                     bytes=marker.size,
                     consumed=len(marker.meta.get("consumed", [])),
                     tokens=marker.meta.get("tokens"),
+                    # who the syncer counted, and the quorum it merged under (records.version)
+                    members=list(marker.meta.get("members") or []),
+                    quorum=marker.meta.get("quorum"),
                 )
         rows.append(row)
     return rows
@@ -119,10 +123,21 @@ def _learner_row(
     store: RunStore, learner: str, region: str, fragments: int, newest: dict[int, int],
     reachable: bool,
 ) -> dict[str, Any]:  # fmt: skip
-    """A learner's newest contribution per fragment (its staleness) and checkpoint."""
+    """A learner's newest contribution per fragment (its staleness) and checkpoint, what
+    its status object says (``state``: training, preempted, done...; None: it has written
+    none, the slot never started) and how long ago by this machine's clock, and how many
+    times the slot was taken by ``diloco join``."""
     row: dict[str, Any] = {"learner": learner, "region": region, "fragments": {}}
     if not reachable:
         return row
+    status = store.read_metrics(learner, region) or {}
+    row["state"] = status.get("state")
+    if isinstance(status.get("time"), int | float):
+        row["status_age_s"] = round(max(0.0, time.time() - status["time"]), 1)
+    try:
+        row["joins"] = len(store.joins(learner, region))
+    except CorruptVersion as exc:  # a damaged record: --audit names it
+        row["joins"] = f"? ({exc})"
     lb = store.bucket(region)
     for p in range(fragments):
         seqs = store.contribution_seqs(learner, p, region)

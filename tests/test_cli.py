@@ -2,8 +2,11 @@
 inspect legend, and the hints that the CLI and the local stack print."""
 
 import importlib.metadata
+import json
 import os
+import re
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -78,13 +81,25 @@ def test_set_help_says_where_the_keys_are(command, capsys):
 def test_inspect_explains_its_columns(tmp_path, capsys):
     url = f"file://{tmp_path}"
     store = RunStore("r", {"us": url}, "us", writer="syncer")
-    store.ensure_spec({"regions": {"us": url}, "learners": {"l0": "us"}, "fragments": [["w"]]})
-    store.publish_global(0, 0, {"w": np.zeros(3, np.float32)}, [], {"consumed": []}, "bf16")
+    spec = {"regions": {"us": url}, "learners": {"l0": "us", "l1": "us"}, "fragments": [["w"]]}
+    store.ensure_spec(spec)
+    store.publish_global(0, 0, {"w": np.zeros(3, np.float32)}, [],
+                         {"consumed": [], "members": ["l0"], "quorum": 1}, "bf16")  # fmt: skip
+    # l0 took its slot by `diloco join` and trains; l1's slot never started
+    RunStore("r", {"us": url}, "us", writer="l0").write_metrics(
+        "l0", {"state": "training", "time": time.time() - 30}
+    )
+    store.put_join("l0", lambda n: json.dumps({"learner": "l0", "join": n}).encode())
     assert main(["inspect", url]) == 0
     out = capsys.readouterr().out
-    for column in ("newest", "per region", "kept", "consumed", "newest seq", "staleness",
-                   "checkpoint", "bytes and requests"):  # fmt: skip
+    for column in ("newest", "per region", "kept", "consumed", "quorum / members", "state",
+                   "joins", "newest seq", "staleness", "checkpoint", "bytes and requests"):  # fmt: skip
         assert column in out and column in INSPECT_LEGEND
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if "│" in line}
+    assert "1 / 1" in rows["0"]  # fragment 0: merged under quorum 1 of the 1 member
+    l0, l1 = [c.strip() for c in rows["l0"].split("│")], [c.strip() for c in rows["l1"].split("│")]
+    assert re.fullmatch(r"training, (29|3\d) s ago", l0[3]) and l0[4] == "1", l0
+    assert l1[3:5] == ["never started", "0"], l1
     assert INSPECT_LEGEND.splitlines()[1].strip() in out
     with pytest.raises(SystemExit):
         main(["inspect", "--help"])
