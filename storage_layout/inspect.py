@@ -134,10 +134,7 @@ def _learner_row(
     row["state"] = status.get("state")
     if isinstance(status.get("time"), int | float):
         row["status_age_s"] = round(max(0.0, time.time() - status["time"]), 1)
-    try:
-        row["joins"] = len(store.joins(learner, region))
-    except CorruptVersion as exc:  # a damaged record: --audit names it
-        row["joins"] = f"? ({exc})"
+    row["joins"] = store.join_count(learner, region)
     lb = store.bucket(region)
     for p in range(fragments):
         seqs = store.contribution_seqs(learner, p, region)

@@ -561,6 +561,12 @@ class RunStore:
                 out.append(record)
         return out
 
+    def join_count(self, learner: str, region: str | None = None) -> int:
+        """How many join records ``learner``'s slot holds in ``region`` (a listing, no
+        record read)."""
+        prefix = self.layout.join_commits(learner)
+        return len(self._numbers(self.bucket(region or self.client_region), prefix, "s"))
+
     def newest_join(
         self, learner: str, region: str | None = None, after: int = 0
     ) -> tuple[int, dict[str, Any]] | None:
