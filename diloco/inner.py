@@ -56,15 +56,6 @@ def to_host(array: jax.Array, *, held: bool = False) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
-def own(array: jax.Array) -> jax.Array:
-    """A copy of ``array`` on its devices, with its sharding, that nothing else holds.
-
-    A train step consumes the parameters and optimizer state it is given (donated: their
-    buffers become the new state's), so whatever must outlive a step (an anchor, the
-    values at a send, a checkpoint being written) is its own copy, made here."""
-    return jnp.copy(array)
-
-
 class Boxes(Protocol):
     """A tensor kept elsewhere in parts (a checkpoint's leaf, written by several hosts):
     its ``shape`` and ``dtype``, and ``box[index]`` (a tuple of slices) reads only the
@@ -179,10 +170,7 @@ class InnerTrainer:
             params = jax.tree.map(keep, optax.apply_updates(params, updates))
             return params, jax.tree.map(keep, opt_state), loss
 
-        # The parameters and optimizer state are donated: the step writes the new ones
-        # into their buffers, where it would otherwise hold both (12 bytes a parameter
-        # more at the step's peak: 2.0 GB at 150 M on CPU, ``bench/learner/donation.md``).
-        self._train_step = jax.jit(train_step, donate_argnums=(0, 1))
+        self._train_step = jax.jit(train_step)
         self._loss = jax.jit(loss_fn)
 
     def sharding(self, shape: Sequence[int]) -> NamedSharding:
@@ -228,9 +216,7 @@ class InnerTrainer:
     ) -> tuple[JaxParams, optax.OptState, float]:
         """One inner step at ``position`` on the decay schedule (in inner steps: the
         learner's own step, or the run's steps per learner). Returns new params, new
-        optimizer state and the batch loss. ``params`` and ``opt_state`` are consumed
-        (donated): their arrays are deleted, so the caller keeps nothing of them that it
-        has not copied (``own``)."""
+        optimizer state and the batch loss."""
         params, opt_state, loss = self._train_step(
             params, opt_state, self.place_batch(batch), np.float32(position)
         )

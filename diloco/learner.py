@@ -23,7 +23,7 @@ import optax
 from diloco.config import TopologyConfig
 from diloco.data import ShardReader
 from diloco.fragments import FragmentPlan, due_fragment
-from diloco.inner import InnerTrainer, own, to_host
+from diloco.inner import InnerTrainer, to_host
 from diloco.outer import Contribution, FlatParams
 from diloco.quantize import QuantizedTensor
 from diloco.quantize_device import outer_gradient
@@ -70,8 +70,8 @@ class FragmentState:
 class LearnerCheckpoint:
     """What a rejoining learner takes from its checkpoint (``LearnerLoop.start``): the
     inner optimizer state and its position. Parameters come from the newest global
-    versions instead, and the data position is the step (one batch per step). The state
-    is the learner's copy (``Learner.checkpoint``): its own is consumed by the next step."""
+    versions instead, and the data position is the step (one batch per step). JAX arrays
+    are immutable: taking one costs no copy."""
 
     step: int
     seq: int
@@ -79,10 +79,6 @@ class LearnerCheckpoint:
 
 
 class Learner:
-    """One learner's model copy on its devices. Its ``params`` and ``opt_state`` are its
-    own: each train step consumes them (``InnerTrainer.step``), so anything that outlives
-    a step (anchors, the values at a send, a checkpoint) holds a copy (``inner.own``)."""
-
     def __init__(
         self,
         learner_id: str,
@@ -97,13 +93,13 @@ class Learner:
         self.plan = plan
         self.topology = topology
         self.reader = reader
-        placed = trainer.place_params(init)  # the anchors (``init``'s, if placed there)
-        self.params = {n: own(v) for n, v in placed.items()}
+        self.params = trainer.place_params(init)
         self.opt_state = trainer.init_opt_state(self.params)
         self.step = 0
         self.seq = 0
-        self.fragments = [
-            FragmentState(anchor={n: placed[n] for n in names}, base_version=0) for names in plan
+        self.fragments = [  # arrays are immutable: the anchor shares the placed values
+            FragmentState(anchor={n: self.params[n] for n in names}, base_version=0)
+            for names in plan
         ]
 
     @property
@@ -159,7 +155,7 @@ class Learner:
         self.seq += 1
         frag.sent_at_step = self.step
         if self.topology.keep_unsent:
-            frag.sent_values = {n: own(self.params[n]) for n in self.plan[p]}
+            frag.sent_values = {n: self.params[n] for n in self.plan[p]}
         return Contribution(
             learner=self.id,
             fragment=p,
@@ -222,20 +218,14 @@ class Learner:
                     for n in names
                 }
             )
-            new = {n: self.trainer.place(v) for n, v in new.items()}
             state = FragmentState(
                 anchor=new, base_version=version, carry=carry, anchor_seq=self.seq
             )
-            new = {n: own(v) for n, v in new.items()}  # the anchor keeps its own
         self.params = {**self.params, **{n: self.trainer.place(v) for n, v in new.items()}}
         self.fragments[p] = state
 
     def checkpoint(self) -> LearnerCheckpoint:
-        """The state to write, copied on the devices: it is written while training goes
-        on, and the next step consumes the learner's own (for the write's duration the
-        devices hold the optimizer state twice, 8 bytes a parameter)."""
-        state = jax.tree.map(own, self.opt_state)
-        return LearnerCheckpoint(step=self.step, seq=self.seq, opt_state=state)
+        return LearnerCheckpoint(step=self.step, seq=self.seq, opt_state=self.opt_state)
 
     def resume(self, step: int, seq: int, opt_state: optax.OptState | None) -> None:
         """Continue at inner step ``step`` (the data position follows it) with sequence
@@ -243,5 +233,5 @@ class Learner:
         self.step = step
         self.reader.position = step
         self.seq = seq
-        if opt_state is not None:  # a copy: the store may hand the same state out again
-            self.opt_state = jax.tree.map(own, opt_state)
+        if opt_state is not None:
+            self.opt_state = opt_state

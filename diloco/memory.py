@@ -10,10 +10,7 @@ learner's outer gradients are taken against) are float32, 4 bytes a value each. 
 ``devices`` devices the learner shards all four (FSDP), so each device holds
 ``1 / devices`` of them; the batch is split over the devices too, and so are the
 activations. A Llama computing in bf16 also keeps bf16 copies of its weights for the
-backward pass (2 bytes a value, sharded likewise). The train step donates the parameters
-and moments it is given, so the new ones take the old ones' place; a checkpoint being
-written holds a copy of the moments for its duration (8 bytes a value, not counted
-here: ``bench/learner/donation.md``).
+backward pass (2 bytes a value, sharded likewise).
 
 Activations are those a step keeps for its backward pass, per token:
 

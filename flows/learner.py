@@ -37,7 +37,6 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from diloco import hosts, records
-from diloco.inner import own
 from diloco.learner import LearnerCheckpoint
 from diloco.loops import Clock, GlobalView, LearnerLoop, WallClock, drive
 from diloco.outer import Contribution
@@ -394,12 +393,11 @@ def compile_step(model: Any, cfg: Any) -> None:
     top = cfg.topology
     with _COMPILING:
         params = trainer.place_params(model.init)
-        shapes = {}  # taken first: the step consumes ``params``
-        for value in params.values():
-            if (value.shape, value.sharding) not in shapes:
-                shapes[(value.shape, value.sharding)] = own(value)
         batch = np.zeros((cfg.data.batch_size, cfg.model.context + 1), dtype=np.int32)
         trainer.step(params, trainer.init_opt_state(params), batch, 0)[2].block_until_ready()
+        shapes = {}
+        for value in params.values():
+            shapes.setdefault((value.shape, value.sharding), value)
         for value in shapes.values():
             carries = (None, value) if top.error_feedback else (None,)
             for carry in carries:  # the first send has none, the later ones their residual

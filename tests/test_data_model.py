@@ -5,7 +5,7 @@ import pytest
 
 from diloco.config import InnerConfig, load_config
 from diloco.data import DataError, ShardReader, list_files, load_corpus, validation_batches
-from diloco.inner import InnerTrainer, inner_lr, own
+from diloco.inner import InnerTrainer, inner_lr
 from diloco.model import ParamCodec
 from flows.bucket_io import optimizer_leaves, optimizer_state
 
@@ -91,13 +91,12 @@ def test_inner_rate_warms_up_on_the_state_and_decays_on_the_position(corpus):
     tiny = load_config("tiny", overrides=["inner.warmup_steps=0"])
     codec, state = ParamCodec.create(tiny.model, 0)
     trainer = InnerTrainer(codec, tiny.inner, total_steps=100)
-    start = codec.to_flat(state)
+    params = trainer.place_params(codec.to_flat(state))
     batch = ShardReader(corpus.train_shards[0], 8, tiny.model.context, 0, 0).next_batch()
     moved = {}
     for position in (0.0, 100.0):
-        params = trainer.place_params(start)  # the step consumes it
         new, opt, _ = trainer.step(params, trainer.init_opt_state(params), batch, position)
-        moved[position] = sum(float(np.abs(np.asarray(new[n]) - start[n]).sum()) for n in start)
+        moved[position] = sum(float(np.abs(new[n] - params[n]).sum()) for n in params)
         assert trainer.lr(opt, position) == pytest.approx(
             float(inner_lr(tiny.inner, 100, 1, position))
         )
@@ -120,8 +119,7 @@ def test_train_step_sharded_over_two_devices_and_loss_falls(corpus):
     # restored from a checkpoint: a restarted learner's first round compiles nothing.
     restored = optimizer_state(optimizer_leaves(opt), trainer.init_opt_state(params),
                                trainer.place_params)  # fmt: skip
-    copies = {n: own(v) for n, v in params.items()}  # the step consumes what it is given
-    trainer.step(copies, restored, reader.next_batch(), 40.5)
+    trainer.step(params, restored, reader.next_batch(), 40.5)
     assert trainer._train_step._cache_size() == 1
     batch = trainer.place_batch(reader.next_batch())
     assert len(batch.sharding.device_set) == 2

@@ -1,6 +1,5 @@
 """The learner and syncer state machines, driven by hand."""
 
-import jax
 import numpy as np
 import pytest
 
@@ -71,31 +70,6 @@ def test_tau_delays_application_and_alpha_zero_overwrites(setup):
     assert lrn.fragments[1].base_version == 3
 
 
-@pytest.mark.parametrize("keep_unsent", [False, True])
-def test_a_step_consumes_the_state_and_spares_what_outlives_it(setup, keep_unsent):
-    """The train step writes the new state into the old one's buffers (donation: 12 bytes
-    a parameter less at its peak); anchors, the values at a send and a checkpoint being
-    written are the learner's copies and stay readable."""
-    _, _, init, _, plan, _ = setup
-    lrn = make_learner(setup, keep_unsent=keep_unsent)
-    params, opt = lrn.params, jax.tree.leaves(lrn.opt_state)
-    lrn.train_step()
-    assert all(v.is_deleted() for v in params.values()) and all(x.is_deleted() for x in opt)
-    lrn.contribute(0)
-    ckpt = lrn.checkpoint()
-    held = [np.asarray(x) for x in jax.tree.leaves(ckpt.opt_state)]
-    lrn.apply_global(0, 1, {n: init[n] + 1.0 for n in plan[0]})
-    for _ in range(3):
-        lrn.train_step()
-    frag = lrn.fragments[0]
-    kept = [*frag.anchor.values(), *frag.sent_values.values(), *lrn.fragments[1].anchor.values()]
-    assert not any(v.is_deleted() for v in kept)
-    np.testing.assert_array_equal(np.asarray(frag.anchor[plan[0][0]]), init[plan[0][0]] + 1.0)
-    assert all(map(np.array_equal, map(np.asarray, jax.tree.leaves(ckpt.opt_state)), held))
-    c = lrn.contribute(0)  # against the anchor, after the steps since it was taken
-    assert (c.base_version, c.steps) == (1, 3)
-
-
 def test_resume_continues_at_a_step_after_the_sent_sequence_numbers(setup):
     lrn = make_learner(setup)
     lrn.train_step()
@@ -103,15 +77,10 @@ def test_resume_continues_at_a_step_after_the_sent_sequence_numbers(setup):
     assert (ckpt.step, ckpt.seq) == (1, 0)
     again = make_learner(setup)
     again.resume(5, 3, ckpt.opt_state)  # seq 3 was sent at step 5, after the checkpoint
-    assert again.step == 5 and again.reader.position == 5
-    saved = [np.asarray(x) for x in jax.tree.leaves(ckpt.opt_state)]
-    assert all(map(np.array_equal, map(np.asarray, jax.tree.leaves(again.opt_state)), saved))
+    assert again.step == 5 and again.reader.position == 5 and again.opt_state is ckpt.opt_state
     again.train_step()
     c = again.contribute(0)
     assert (c.seq, c.step) == (4, 6)
-    # The step consumed the learner's state, not the checkpoint's: it resumes again.
-    assert all(map(np.array_equal, map(np.asarray, jax.tree.leaves(ckpt.opt_state)), saved))
-    make_learner(setup).resume(5, 3, ckpt.opt_state)
 
 
 def contribution(learner, seq, base, value, shapes, tokens=100, steps=10, anchor_seq=0):
