@@ -10,7 +10,9 @@ learner's outer gradients are taken against) are float32, 4 bytes a value each. 
 ``devices`` devices the learner shards all four (FSDP), so each device holds
 ``1 / devices`` of them; the batch is split over the devices too, and so are the
 activations. A Llama computing in bf16 also keeps bf16 copies of its weights for the
-backward pass (2 bytes a value, sharded likewise).
+backward pass (2 bytes a value, sharded likewise). The train step does not donate what it
+is given (``InnerTrainer.step``), so while it runs the new parameters and moments it
+returns are beside the old ones: 12 bytes a value more (sharded likewise).
 
 Activations are those a step keeps for its backward pass, per token:
 
@@ -31,11 +33,12 @@ Activations are those a step keeps for its backward pass, per token:
 - both: the output logits, their softmax and its gradient, ``3 * vocab_size`` float32
   values.
 
-Checked against the peak resident memory (VmHWM) of one compiled train step on CPU:
-``base`` 2.75 GB at batch 4 and 8.0 GB at batch 16, where this says 2.7 and 7.8 GB;
-``llama-tiny`` (float32, 1.26 M parameters) 0.67 GB at batch 8 and 1.50 GB at batch
-64, where this says 0.66 and 1.44 GB (the slope: 0.84 GB per 56 x 128 more tokens
-measured, 0.78 estimated). The measurement, on one CPU device:
+Checked against the peak resident memory (VmHWM) of one compiled train step on CPU
+(2026-11-28, JAX 0.10.2): ``base`` (25.6 M parameters) 3.06 GB at batch 4, where this
+says 3.03 GB; ``llama-tiny`` (float32, 1.26 M parameters) 0.66 GB at batch 8 and 1.48 GB
+at batch 64, where this says 0.68 and 1.45 GB; ``llama-150m`` at batch 1 x 256 (bf16
+compute) 6.10 GB, where this says 6.26 GB (``bench/learner/donation.md`` in commit
+77c7412; without the step's new state it said 4.35). The measurement, on one CPU device:
 ``python -m diloco.memory --measure llama-tiny 8``. A model of one's own
 (``model.factory``) is estimated as if it were the built-in one of the same shape:
 roughly.
@@ -64,11 +67,13 @@ class MemoryEstimate:
     activations: int  # what one step keeps for its backward pass
     runtime: int  # the interpreter and libraries
     compute_copies: int = 0  # bf16 weights a bf16 model keeps for its backward pass
+    step_state: int = 0  # the new parameters and moments a step returns beside the old
 
     @property
     def total(self) -> int:
         return (self.parameters + self.optimizer + self.gradients + self.copies
-                + self.compute_copies + self.activations + self.runtime)  # fmt: skip
+                + self.compute_copies + self.step_state + self.activations
+                + self.runtime)  # fmt: skip
 
     def parts(self) -> list[tuple[str, int]]:
         out = [
@@ -79,6 +84,8 @@ class MemoryEstimate:
         ]
         if self.compute_copies:
             out.append(("bf16 weights", self.compute_copies))
+        if self.step_state:
+            out.append(("step's new state", self.step_state))
         return [*out, ("activations", self.activations), ("runtime", self.runtime)]
 
 
@@ -150,6 +157,7 @@ def learner_memory(
         activations=tokens * activation_bytes_per_token(m, remat, platform),
         runtime=RUNTIME_BYTES,
         compute_copies=weights // 2 if bf16 else 0,
+        step_state=3 * weights,
     )
 
 
