@@ -11,8 +11,11 @@ learner's outer gradients are taken against) are float32, 4 bytes a value each. 
 ``1 / devices`` of them; the batch is split over the devices too, and so are the
 activations. A Llama computing in bf16 also keeps bf16 copies of its weights for the
 backward pass (2 bytes a value, sharded likewise). The train step does not donate what it
-is given (``InnerTrainer.step``), so while it runs the new parameters and moments it
-returns are beside the old ones: 12 bytes a value more (sharded likewise).
+is given (``InnerTrainer.step``), so while it updates, the new parameters and moments it
+returns are beside the old ones: 12 bytes a value more (sharded likewise). The backward
+pass's activations are gone by then, so the total counts the larger of the two, not both:
+with a small batch (or remat) the update is the step's peak, with a large one the
+backward pass.
 
 Activations are those a step keeps for its backward pass, per token:
 
@@ -35,10 +38,13 @@ Activations are those a step keeps for its backward pass, per token:
 
 Checked against the peak resident memory (VmHWM) of one compiled train step on CPU
 (2026-11-28, JAX 0.10.2): ``base`` (25.6 M parameters) 3.06 GB at batch 4, where this
-says 3.03 GB; ``llama-tiny`` (float32, 1.26 M parameters) 0.66 GB at batch 8 and 1.48 GB
-at batch 64, where this says 0.68 and 1.45 GB; ``llama-150m`` at batch 1 x 256 (bf16
-compute) 6.10 GB, where this says 6.26 GB (``bench/learner/donation.md`` in commit
-77c7412; without the step's new state it said 4.35). The measurement, on one CPU device:
+says 2.72 GB; ``llama-tiny`` (float32, 1.26 M parameters) 0.66 GB at batch 8 and 1.48 GB
+at batch 64, where this says 0.66 and 1.44 GB; ``llama-150m`` at batch 1 x 256 (bf16
+compute) 6.10 GB, where this says 5.95 GB (``bench/learner/donation.md`` in commit
+77c7412; without the step's new state it said 4.35). And the device allocator's peak of
+a learner on an H100 (``bench/learner/results-gpu.md``): ``llama-1b`` at batch 8 x 2048,
+remat, 56.4 GB, where this says 55.7 GB (the backward pass is its peak; counting the
+step's new state on top would say 70.5). The measurement, on one CPU device:
 ``python -m diloco.memory --measure llama-tiny 8``. A model of one's own
 (``model.factory``) is estimated as if it were the built-in one of the same shape:
 roughly.
@@ -67,12 +73,14 @@ class MemoryEstimate:
     activations: int  # what one step keeps for its backward pass
     runtime: int  # the interpreter and libraries
     compute_copies: int = 0  # bf16 weights a bf16 model keeps for its backward pass
-    step_state: int = 0  # the new parameters and moments a step returns beside the old
+    # The new parameters and moments a step returns beside the old, once its activations
+    # are freed: the total counts the larger of the two.
+    step_state: int = 0
 
     @property
     def total(self) -> int:
         return (self.parameters + self.optimizer + self.gradients + self.copies
-                + self.compute_copies + self.step_state + self.activations
+                + self.compute_copies + max(self.activations, self.step_state)
                 + self.runtime)  # fmt: skip
 
     def parts(self) -> list[tuple[str, int]]:
@@ -85,7 +93,7 @@ class MemoryEstimate:
         if self.compute_copies:
             out.append(("bf16 weights", self.compute_copies))
         if self.step_state:
-            out.append(("step's new state", self.step_state))
+            out.append(("new state at the update", self.step_state))
         return [*out, ("activations", self.activations), ("runtime", self.runtime)]
 
 

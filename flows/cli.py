@@ -800,7 +800,9 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
     stdout_console().print(table)
     console.print("parameters, gradients, AdamW state and anchors sharded over the devices "
                   "(FSDP), the batch split over them; float32 but for bf16 compute's weight "
-                  "copies and activations (diloco/memory.py)")  # fmt: skip
+                  "copies and activations; the total counts the larger of the activations "
+                  "and the new state at the update, which are not held together "
+                  "(diloco/memory.py)")  # fmt: skip
     return 0
 
 
