@@ -197,6 +197,14 @@ class DataConfig(_Strict):
         description="the field of each JSON lines record (.jsonl, .jsonl.gz), or the column "
         "of a Parquet file (.parquet), that holds a document's text",
     )
+    assign: Literal["slots", "units"] = Field(
+        "slots",
+        description="how a prepared data set's chunks reach learners: 'slots', dealt to "
+        "the topology.learners slots once (a slot no one holds leaves its share "
+        "untrained); 'units', taken in units as learners need them, and given back by "
+        "a learner that leaves, so none is trained twice or skipped in an epoch whoever "
+        "comes and goes (diloco/units.py; the simulator only, for now)",
+    )
 
 
 class InnerConfig(_Strict):

@@ -345,25 +345,103 @@ def assignment(chunks: list[Chunk], index: int, learners: int) -> list[Chunk]:
 
 
 @dataclass
-class _Group:
-    """Some consecutive chunks of an epoch's order, read, with their shuffled windows."""
+class Group:
+    """Some chunks, read, with their windows in shuffled order."""
 
     arrays: list[np.ndarray]
     windows: np.ndarray  # [n, 2]: (array, start) in shuffled order
 
+    def window(self, i: int, context: int) -> np.ndarray:
+        a, s = self.windows[i]
+        return self.arrays[a][s : s + context + 1]
 
-class TokenReader:
+
+def read_group(
+    dataset: Dataset, chunks: list[Chunk], per_chunk: np.ndarray, picked: np.ndarray,
+    context: int, shuffle: tuple[int, ...],
+) -> Group:  # fmt: skip
+    """Chunks ``picked`` (indices into ``chunks``, each holding ``per_chunk`` windows)
+    read and cut into windows of ``context + 1`` tokens (stride ``context``, so every
+    token but a chunk's first is a target once; none crosses a chunk's end), in an order
+    shuffled by the seed ``shuffle``."""
+    arrays = [dataset.read_chunk(chunks[i]) for i in picked]
+    windows = np.concatenate(
+        [
+            np.stack([np.full(n, a), np.arange(n) * context], axis=1)
+            for a, n in enumerate(per_chunk[picked])
+        ]
+    )
+    rng = np.random.default_rng(shuffle)
+    return Group(arrays, windows[rng.permutation(len(windows))])
+
+
+class WindowReader:
+    """What the readers of a prepared data set share: a stream of windows (``window``,
+    the subclass's), served ``batch_size`` at a time (batch ``b`` is windows
+    ``b * batch_size ...``), ``position`` (batches served) its state; and groups read
+    ahead by one background thread (at most two held, a few chunks), whose read errors
+    are raised in the learner's thread, by the ``next_batch`` that needs the group."""
+
+    batch_size: int
+    context: int
+
+    def __init__(self, read: Callable[..., Group], name: str, position: int):
+        self._read = read
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._groups: OrderedDict[tuple[int, int], Future[Group]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.position = position
+
+    @property
+    def position(self) -> int:
+        return self._position
+
+    @position.setter
+    def position(self, value: int) -> None:  # a resume: the subclass may look again
+        self._position = value
+        self._moved()
+
+    def _moved(self) -> None:
+        pass
+
+    def window(self, w: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def group(self, key: tuple[int, int]) -> Group:
+        with self._lock:
+            if key not in self._groups:
+                self._groups[key] = self._pool.submit(self._read, *key)
+            future = self._groups[key]
+            self._groups.move_to_end(key)
+            while len(self._groups) > 2:
+                self._groups.popitem(last=False)
+        return future.result()  # a read's error is raised here, in the learner's thread
+
+    def prefetch(self, key: tuple[int, int]) -> None:
+        with self._lock:
+            if key not in self._groups:
+                self._groups[key] = self._pool.submit(self._read, *key)
+
+    def next_batch(self) -> np.ndarray:
+        first = self._position * self.batch_size
+        out = np.stack([self.window(first + i) for i in range(self.batch_size)])
+        self._position += 1
+        return out.astype(np.int32)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class TokenReader(WindowReader):
     """A learner's reader over its chunks of a prepared data set (the ``ShardReader``
     interface); ``position`` (batches served) is its whole state.
 
     The learner's window stream is a pure function of the seed, its assignment and the
     window's index: epoch ``e`` visits the learner's chunks in an order shuffled by
     ``(seed, index, e)``; each group of ``shuffle_chunks`` consecutive chunks of that
-    order is cut into windows of ``context + 1`` tokens (stride ``context``, so every
-    token but a chunk's first is a target once an epoch), shuffled within the group. Batch
-    ``b`` is windows ``b * batch_size`` to ``(b + 1) * batch_size`` of the stream. A
-    background thread reads the next group while this one is served (at most two groups,
-    a few chunks, are held); its errors are raised by ``next_batch``.
+    order is cut into windows, shuffled within the group (``read_group``). Batch ``b`` is
+    windows ``b * batch_size`` to ``(b + 1) * batch_size`` of the stream. A background
+    thread reads the next group while this one is served (``WindowReader``).
     """
 
     def __init__(
@@ -380,7 +458,6 @@ class TokenReader:
         self.dataset = dataset
         self.index, self.learners = index, learners
         self.batch_size, self.context, self.seed = batch_size, context, seed
-        self.position = position
         self.shuffle_chunks = shuffle_chunks
         self.chunks = assignment(dataset.chunks("train"), index, learners)
         self.per_chunk = np.array([max(0, (c.tokens - 1) // context) for c in self.chunks])
@@ -389,10 +466,8 @@ class TokenReader:
             raise DataError(
                 f"learner {index}'s chunks of {dataset.url} hold no window of {context + 1} tokens"
             )
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"token-reader-{index}")
-        self._groups: OrderedDict[tuple[int, int], Future[_Group]] = OrderedDict()
-        self._lock = threading.Lock()
         self._epoch_order: tuple[int, Any] = (-1, None)
+        super().__init__(self._read_group, f"token-reader-{index}", position)
 
     def _order(self, epoch: int) -> tuple[np.ndarray, list[int]]:
         """The epoch's chunk order and each group's first window in the epoch (the last
@@ -406,53 +481,21 @@ class TokenReader:
             self._epoch_order = (epoch, (order, [0, *np.cumsum(sums).tolist()]))
         return self._epoch_order[1]
 
-    def _read_group(self, epoch: int, group: int) -> _Group:
+    def _read_group(self, epoch: int, group: int) -> Group:
         order, _ = self._order(epoch)
         picked = order[group * self.shuffle_chunks : (group + 1) * self.shuffle_chunks]
-        arrays = [self.dataset.read_chunk(self.chunks[i]) for i in picked]
-        windows = np.concatenate(
-            [
-                np.stack([np.full(n, a), np.arange(n) * self.context], axis=1)
-                for a, n in enumerate(self.per_chunk[picked])
-            ]
-        )
-        rng = np.random.default_rng((self.seed, self.index, epoch, group))
-        return _Group(arrays, windows[rng.permutation(len(windows))])
-
-    def _group(self, key: tuple[int, int]) -> _Group:
-        with self._lock:
-            if key not in self._groups:
-                self._groups[key] = self._pool.submit(self._read_group, *key)
-            future = self._groups[key]
-            self._groups.move_to_end(key)
-            while len(self._groups) > 2:
-                self._groups.popitem(last=False)
-        return future.result()  # a read's error is raised here, in the learner's thread
-
-    def _prefetch(self, key: tuple[int, int]) -> None:
-        with self._lock:
-            if key not in self._groups:
-                self._groups[key] = self._pool.submit(self._read_group, *key)
+        return read_group(self.dataset, self.chunks, self.per_chunk, picked, self.context,
+                          (self.seed, self.index, epoch, group))  # fmt: skip
 
     def window(self, w: int) -> np.ndarray:
         """Window ``w`` of this learner's stream: ``context + 1`` tokens."""
         epoch, offset = divmod(w, self.epoch_windows)
         _, starts = self._order(epoch)
         g = bisect.bisect_right(starts, offset) - 1
-        group = self._group((epoch, g))
-        a, s = group.windows[offset - starts[g]]
+        group = self.group((epoch, g))
         after = (epoch, g + 1) if g + 2 < len(starts) else (epoch + 1, 0)
-        self._prefetch(after)
-        return group.arrays[a][s : s + self.context + 1]
-
-    def next_batch(self) -> np.ndarray:
-        first = self.position * self.batch_size
-        out = np.stack([self.window(first + i) for i in range(self.batch_size)])
-        self.position += 1
-        return out.astype(np.int32)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.prefetch(after)
+        return group.window(offset - starts[g], self.context)
 
 
 def validation_batches(

@@ -229,6 +229,12 @@ def _nothing(record: records.Record) -> None:
     pass
 
 
+def resume_step(ckpt: LearnerCheckpoint | None, sent_step: int) -> int:
+    """Where a learner (re)starts: the later of its checkpoint's step and its newest
+    committed send's (``LearnerLoop.start``); its data position too."""
+    return max(ckpt.step if ckpt else 0, sent_step)
+
+
 class LearnerLoop:
     """One learner: inner steps, a contribution when a fragment is due, global versions
     taken in answer to its own sends (after tau steps), checkpoints every
@@ -288,7 +294,7 @@ class LearnerLoop:
         # Read as placed, a tensor at a time (a spilled version is never whole in memory).
         init = ChainMap(*[g.params for g in reversed(newest.values())])
         learner = Learner(learner_id, trainer, plan, cfg.topology, init, reader)
-        step = max(ckpt.step if ckpt else 0, sent_step)
+        step = resume_step(ckpt, sent_step)
         learner.resume(step, max(seq, ckpt.seq if ckpt else 0), ckpt.opt_state if ckpt else None)
         for p, g in newest.items():  # new anchors: nothing before the failure continues
             learner.fragments[p].base_version = g.version

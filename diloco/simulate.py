@@ -25,7 +25,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -33,16 +33,17 @@ import numpy as np
 
 from diloco import dataset, records
 from diloco.config import RunConfig, sim_events
-from diloco.data import Corpus, ShardReader, load_corpus, validation_batches
+from diloco.data import Corpus, DataError, ShardReader, load_corpus, validation_batches
 from diloco.fragments import FragmentPlan, fragment_sizes, plan_fragments
 from diloco.inner import InnerTrainer
-from diloco.loops import STEP, LearnerLoop, Request, SyncerLoop, Wait
+from diloco.loops import STEP, LearnerLoop, Request, SyncerLoop, Wait, resume_step
 from diloco.model import ParamCodec
 from diloco.outer import FlatParams
 from diloco.quantize import payload_bytes
 from diloco.tensors import materialize
 from diloco.topology import learner_ids, shard_count, shard_fragments, shard_of, syncer_id
 from diloco.transport import MemoryStore, SimulatedNetwork, Store, transfer_seconds
+from diloco.units import MemoryLedger, UnitLedger, UnitPlan, UnitReader
 
 Progress = Callable[[int, int, float | None], None]  # tokens done, token budget, last eval loss
 
@@ -70,16 +71,27 @@ def check_data(cfg: RunConfig) -> None:
     prepared = cfg.data.source and cached_dataset(cfg.data.source)
     if prepared:
         prepared.check(cfg.model.vocab_size, cfg.topology.learners, cfg.model.context)
+    elif cfg.data.assign == "units":
+        raise DataError(
+            "data.assign = 'units' takes a prepared data set (diloco data prepare); "
+            f"data.source {cfg.data.source or 'None (the standard library)'} is text"
+        )
     else:
         d = cfg.data
         cached_corpus(d.source, cfg.topology.learners, d.val_percent, d.text_field)
 
 
-def make_reader(cfg: RunConfig, index: int) -> ShardReader | dataset.TokenReader:
-    """Learner ``index``'s reader: its chunks of a prepared data set, or its shard of the
-    byte corpus."""
+def make_reader(
+    cfg: RunConfig, index: int, ledger: UnitLedger | None = None
+) -> ShardReader | dataset.TokenReader | UnitReader:
+    """Learner ``index``'s reader: its chunks of a prepared data set (with ``data.assign
+    = "units"``, the spans it takes from ``ledger``), or its shard of the byte corpus."""
     d, m = cfg.data, cfg.topology.learners
     prepared = d.source and cached_dataset(d.source)
+    if prepared and d.assign == "units":
+        if ledger is None:
+            raise ValueError("data.assign = 'units' reads through a ledger; none was given")
+        return UnitReader(ledger.plan, learner_ids(m)[index], ledger, d.batch_size)
     if prepared:
         return dataset.TokenReader(prepared, index, m, d.batch_size, cfg.model.context, cfg.seed)
     corpus = cached_corpus(d.source, m, d.val_percent, d.text_field)
@@ -163,7 +175,11 @@ def simulate(
     init = codec.to_flat(state)
     trainer = InnerTrainer(codec, cfg.inner, cfg.steps_per_learner)
     val = make_validation(cfg)
-    readers = [make_reader(cfg, i) for i in range(m)]
+    ledger = None
+    if cfg.data.assign == "units":
+        plan = UnitPlan(cached_dataset(cfg.data.source), cfg.model.context, cfg.seed)
+        ledger = MemoryLedger(plan)
+    readers = [make_reader(cfg, i, ledger) for i in range(m)]
     run = _Run(cfg, trainer, val, progress)
     if cfg.mode == "dp":
         end = _simulate_dp(run, codec, init, readers)
@@ -192,6 +208,11 @@ def simulate(
         "versions": sum(1 for e in run.metrics if e["event"] == "version"),
         "rejected": sum(1 for e in run.metrics if e["event"] == "rejected"),
     }
+    if ledger is not None:  # who holds which data (``diloco.units``), and what was given back
+        summary["data_spans"] = {
+            lid: [astuple(s) for s in ledger.spans(lid)] for lid in learner_ids(m)
+        }
+        summary["data_returned"] = [astuple(s) for s in ledger.returned]
     return SimResult(cfg, run.metrics, summary)
 
 
@@ -407,10 +428,16 @@ class _Fleet:
         self._members_changed()
 
     def leave(self, i: int, notice: bool = False) -> None:
-        """Learner ``i`` goes (``fail``) and its slot is vacant until a learner joins it."""
+        """Learner ``i`` goes (``fail``) and its slot is vacant until a learner joins it.
+        Taking data in units, it gives back its stream from where its slot resumes."""
         self.fail(i, notice)
         if self.down.pop(i, None) is not None:
             self.vacant[i] = self.clock.now()
+            reader = self.readers[i]
+            if isinstance(reader, UnitReader):
+                view = self.net.learner_view(self.ids[i])
+                step = resume_step(view.load_checkpoint(), view.sent_so_far()[1])
+                reader.ledger.release(self.ids[i], step * reader.batch_size)
 
     def rejoin(self, i: int) -> None:
         if i not in self.down:

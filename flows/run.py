@@ -155,6 +155,12 @@ def initialize_run(store: RunStore, cfg: RunConfig) -> dict[str, Any]:
     fragment (the initial parameters) if the run has none yet. Safe to repeat and to race."""
     if cfg.mode == "dp":
         raise ValueError("mode 'dp' is the simulator's baseline; a run is diloco or decoupled")
+    if cfg.data.assign == "units":
+        raise ValueError(
+            "data.assign = 'units' runs in the simulator only for now (its ledger of "
+            "units is kept in memory; the run's bucket does not keep one yet): give "
+            "data.assign = 'slots' to train through the buckets"
+        )
     corpus(cfg)  # a missing, empty or binary source, a bad data set: before any commit
     if cfg.pipeline.probe_exclusive:
         for region in store.urls:

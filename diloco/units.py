@@ -1,0 +1,181 @@
+"""Data in units taken as learners need them (``data.assign = "units"``), so that a run's
+learners may come and go without a document trained twice in an epoch or one skipped.
+
+With ``data.assign = "slots"`` (the default) a prepared data set's chunks are dealt to
+the run's ``topology.learners`` slots once and for all (``dataset.assignment``): a slot
+no one holds leaves its share untrained. Here the training chunks are instead cut, every
+epoch, into **units** of ``shuffle_chunks`` consecutive chunks of an order shuffled by
+``(seed, epoch)`` (the whole data set, not one learner's share), and each unit's windows
+are shuffled by ``(seed, epoch, unit)``: which windows a unit holds, and in what order,
+is the same for everyone. A learner's stream of windows is the concatenation of the
+**spans** it took from a **ledger**, in the order it took them: a span is a unit's
+windows ``[start, end)``. Batch ``b`` is windows ``b * batch_size ...`` of that stream,
+as with the dealt reader, so the learner's step is still its data position.
+
+The ledger hands out spans one at a time, each to one learner: first what departed
+learners gave back (oldest epoch first), then the next unit no one has had. A learner
+that leaves gives back its stream from the window it would resume from (its checkpoint's
+or its newest committed send's step, whichever is later): the rest of the unit it was in
+and any unit it took beyond. What it trained past that point was never merged, so the
+windows given back are trained once, by whoever takes them; its slot, if someone joins
+it later, resumes at the same point and takes new spans from there. The simulator keeps
+the ledger in memory (``MemoryLedger``); a ledger in the run's bucket is the pipeline's.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from diloco.dataset import SHUFFLE_CHUNKS, DataError, Dataset, Group, WindowReader, read_group
+
+
+@dataclass(frozen=True, order=True)
+class Span:
+    """Windows ``[start, end)`` of unit ``unit`` of epoch ``epoch``."""
+
+    epoch: int
+    unit: int
+    start: int
+    end: int
+
+    @property
+    def windows(self) -> int:
+        return self.end - self.start
+
+
+def cut(spans: list[Span], at: int) -> tuple[list[Span], list[Span]]:
+    """A stream of ``spans`` cut at window ``at``: the spans (or part of one) before it,
+    and those from it on (what a learner that resumes at ``at`` gives back)."""
+    kept, back, seen = [], [], 0
+    for span in spans:
+        if seen + span.windows <= at:
+            kept.append(span)
+        elif seen >= at:
+            back.append(span)
+        else:
+            split = span.start + at - seen
+            kept.append(Span(span.epoch, span.unit, span.start, split))
+            back.append(Span(span.epoch, span.unit, split, span.end))
+        seen += span.windows
+    return kept, back
+
+
+class UnitPlan:
+    """The units of a prepared data set's training chunks: their chunks and windows per
+    epoch, and a unit read (its chunks, and its windows in their shuffled order)."""
+
+    def __init__(self, dataset: Dataset, context: int, seed: int,
+                 shuffle_chunks: int = SHUFFLE_CHUNKS):  # fmt: skip
+        self.dataset, self.context, self.seed = dataset, context, seed
+        self.shuffle_chunks = shuffle_chunks
+        self.chunks = dataset.chunks("train")
+        self.per_chunk = np.array([max(0, (c.tokens - 1) // context) for c in self.chunks])
+        if not self.per_chunk.sum():
+            raise DataError(f"{dataset.url} holds no training window of {context + 1} tokens")
+        self.units = -(-len(self.chunks) // shuffle_chunks)
+        self._order: tuple[int, np.ndarray | None] = (-1, None)
+        self._lock = threading.Lock()
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The epoch's chunk order (the newest epoch's kept: it is linear in the chunks)."""
+        with self._lock:
+            if self._order[0] != epoch:
+                rng = np.random.default_rng((self.seed, epoch, 0x756E6974))  # "unit"
+                self._order = (epoch, rng.permutation(len(self.chunks)))
+            return self._order[1]
+
+    def unit_chunks(self, epoch: int, unit: int) -> np.ndarray:
+        s = self.shuffle_chunks
+        return self.order(epoch)[unit * s : (unit + 1) * s]
+
+    def windows(self, epoch: int, unit: int) -> int:
+        return int(self.per_chunk[self.unit_chunks(epoch, unit)].sum())
+
+    def read(self, epoch: int, unit: int) -> Group:
+        """The unit's chunks and its windows in the order every holder of it follows."""
+        return read_group(self.dataset, self.chunks, self.per_chunk,
+                          self.unit_chunks(epoch, unit), self.context,
+                          (self.seed, epoch, unit, 0x756E6974))  # fmt: skip
+
+
+class UnitLedger(Protocol):
+    """Who holds which spans: ``spans(learner)`` in the order it took them; ``take``
+    gives it the next span no one holds; ``release`` takes back its stream from window
+    ``at`` on (``cut``). ``plan``: the units it hands out."""
+
+    plan: UnitPlan
+
+    def spans(self, learner: str) -> list[Span]: ...
+
+    def take(self, learner: str) -> Span: ...
+
+    def release(self, learner: str, at: int) -> None: ...
+
+
+class MemoryLedger:
+    """The simulator's ledger (one process holds every learner)."""
+
+    def __init__(self, plan: UnitPlan):
+        self.plan = plan
+        self.fresh = 0  # units handed out so far, over all epochs
+        self.returned: list[Span] = []  # given back, oldest epoch first
+        self.held: dict[str, list[Span]] = {}
+
+    def spans(self, learner: str) -> list[Span]:
+        return list(self.held.get(learner, []))
+
+    def take(self, learner: str) -> Span:
+        if self.returned:
+            span = self.returned.pop(0)
+        else:
+            span = Span(0, 0, 0, 0)
+            while not span.windows:  # a unit of chunks shorter than a window holds none
+                epoch, unit = divmod(self.fresh, self.plan.units)
+                self.fresh += 1
+                span = Span(epoch, unit, 0, self.plan.windows(epoch, unit))
+        self.held.setdefault(learner, []).append(span)
+        return span
+
+    def release(self, learner: str, at: int) -> None:
+        kept, back = cut(self.held.get(learner, []), at)
+        self.held[learner] = kept
+        self.returned = sorted(self.returned + back)
+
+
+class UnitReader(WindowReader):
+    """A learner's reader over the spans it takes from ``ledger`` (the ``ShardReader``
+    interface: ``position``, batches served, is its state, with the ledger's spans).
+
+    Setting ``position`` (a resume) reads the learner's spans again: a release may have
+    cut them. A span is taken only when the stream reaches it; the unit of the next span
+    already held is read ahead (``WindowReader``)."""
+
+    def __init__(self, plan: UnitPlan, learner: str, ledger: UnitLedger, batch_size: int,
+                 position: int = 0):  # fmt: skip
+        self.plan, self.learner, self.ledger = plan, learner, ledger
+        self.batch_size, self.context = batch_size, plan.context
+        super().__init__(plan.read, f"unit-reader-{learner}", position)
+
+    def _moved(self) -> None:
+        self._spans: list[Span] = self.ledger.spans(self.learner)
+        self._starts = [0]
+        for span in self._spans:
+            self._starts.append(self._starts[-1] + span.windows)
+
+    def window(self, w: int) -> np.ndarray:
+        """Window ``w`` of this learner's stream: ``context + 1`` tokens."""
+        while w >= self._starts[-1]:
+            span = self.ledger.take(self.learner)
+            self._spans.append(span)
+            self._starts.append(self._starts[-1] + span.windows)
+        i = bisect.bisect_right(self._starts, w) - 1
+        span = self._spans[i]
+        unit = self.group((span.epoch, span.unit))
+        if i + 1 < len(self._spans):
+            self.prefetch((self._spans[i + 1].epoch, self._spans[i + 1].unit))
+        return unit.window(span.start + w - self._starts[i], self.context)

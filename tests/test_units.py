@@ -1,0 +1,163 @@
+"""Data taken in units (``data.assign = "units"``, ``diloco/units.py``): learners that
+come and go train every window of an epoch once, none twice and none skipped."""
+
+from collections import Counter
+from dataclasses import astuple
+
+import numpy as np
+import pytest
+
+from diloco.config import load_config
+from diloco.dataset import open_dataset, prepare
+from diloco.units import MemoryLedger, Span, UnitPlan, UnitReader, cut
+from tests.test_dataset import STDLIB
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> str:
+    """About 230 KB of real text (two standard library packages), tokenized."""
+    root = tmp_path_factory.mktemp("units")
+    for name in ("json", "logging"):
+        for f in sorted((STDLIB / name).glob("*.py")):
+            (root / "text" / name).mkdir(parents=True, exist_ok=True)
+            (root / "text" / name / f.name).write_text(f.read_text())
+    out = str(root / "tokens")
+    prepare(str(root / "text"), out, vocab_size=512, chunk_tokens=2048, shard_chunks=8)
+    return out
+
+
+def _covered(spans) -> Counter:
+    """How often each (epoch, unit, window) is in ``spans``."""
+    rows = (astuple(s) if isinstance(s, Span) else tuple(s) for s in spans)
+    return Counter((e, u, w) for e, u, a, b in rows for w in range(a, b))
+
+
+def _epoch(plan: UnitPlan, epoch: int) -> Counter:
+    return Counter((epoch, u, w) for u in range(plan.units) for w in range(plan.windows(epoch, u)))
+
+
+def test_a_stream_cut_gives_back_the_rest_of_its_unit_and_the_units_after():
+    spans = [Span(0, 3, 0, 10), Span(0, 5, 4, 12), Span(1, 0, 0, 6)]
+    assert cut(spans, 0) == ([], spans)
+    assert cut(spans, 10) == ([spans[0]], spans[1:])
+    kept, back = cut(spans, 13)
+    assert kept == [Span(0, 3, 0, 10), Span(0, 5, 4, 7)]
+    assert back == [Span(0, 5, 7, 12), Span(1, 0, 0, 6)]
+    assert cut(spans, 100) == (spans, [])
+
+
+def test_learners_that_leave_and_join_read_every_window_of_an_epoch_once(prepared):
+    """Three readers share a ledger: one leaves mid-unit (its slot resumes later at the
+    same point), one leaves for good with a unit taken beyond where it resumes; what they
+    gave back is read by the others first, and the readers' windows are the units'
+    windows, in the order every holder follows."""
+    ds = open_dataset(prepared)
+    plan = UnitPlan(ds, context=64, seed=3, shuffle_chunks=2)
+    ledger = MemoryLedger(plan)
+    batch = 4
+    a, b, c = (UnitReader(plan, lid, ledger, batch) for lid in ("a", "b", "c"))
+    per_epoch = sum(_epoch(plan, 0).values())
+    assert plan.units >= 8 and per_epoch > 40 * batch  # several units, many batches
+
+    def read(reader, n):
+        """``n`` batches of ``reader``, each window checked against its span's unit: the
+        windows a learner reads are the units' own, in the order every holder follows."""
+        for _ in range(n):
+            first = reader.position * batch
+            out = reader.next_batch()
+            spans = ledger.spans(reader.learner)
+            starts = np.cumsum([0] + [s.windows for s in spans])
+            for i in range(batch):
+                j = int(np.searchsorted(starts, first + i, side="right") - 1)
+                span = spans[j]
+                unit = plan.read(span.epoch, span.unit)
+                k, s = unit.windows[span.start + first + i - starts[j]]
+                np.testing.assert_array_equal(out[i], unit.arrays[k][s : s + 65])
+
+    read(a, 7)
+    read(b, 5)
+    read(c, 9)
+    # a is preempted at step 5 (its newest send); it trained 7: steps 5 and 6 never merged
+    ledger.release("a", 5 * batch)
+    read(b, 12)  # takes what a gave back before any new unit
+    assert ledger.spans("b")[-1].epoch == 0
+    # c vanishes and its slot is never held again: it resumes (nowhere) at step 4
+    ledger.release("c", 4 * batch)
+    a.position = 5  # a's slot is joined again: it goes on from its resume point
+    read(a, 3)
+
+    def in_epoch0(reader) -> bool:  # reading a span of epoch 0, or one still to come
+        return any(s.epoch == 0 for s in cut(ledger.spans(reader.learner),
+                                             reader.position * batch)[1])  # fmt: skip
+
+    for _ in range(per_epoch):  # on into the next epoch, until both are out of epoch 0
+        if ledger.spans("b")[-1].epoch == 1 and not in_epoch0(a) and not in_epoch0(b):
+            break
+        read(b, 10)
+        read(a, 10)
+    trained = {r.learner: cut(ledger.spans(r.learner), r.position * batch)[0] for r in (a, b, c)}
+    trained["c"] = cut(ledger.spans("c"), 4 * batch)[0]
+    covered = _covered(s for spans in trained.values() for s in spans)
+    assert max(covered.values()) == 1  # no window twice
+    epoch0 = {k: n for k, n in covered.items() if k[0] == 0}
+    assert epoch0 == _epoch(plan, 0)  # none skipped: returns are taken before new units
+
+
+def test_a_simulated_run_whose_learners_come_and_go_trains_each_window_once(prepared):
+    """`data.assign = "units"` in the simulator: a slot starts vacant and is joined, a
+    learner is preempted (with notice) and its slot joined again, another leaves with
+    no notice for good; over more than an epoch every window of the first is trained
+    once, none twice anywhere."""
+    from diloco.simulate import simulate
+
+    over = [
+        f"data.source={prepared}", "model.vocab_size=512", "data.assign=units",
+        "budget.tokens=120000", "sim.eval_points=2", "topology.tau=1",
+        "pipeline.learners_started=3",
+        'sim.joins=[{"learner": 3, "at": 0.2}, {"learner": 1, "at": 0.5}]',
+        'sim.failures=[{"learner": 1, "at": 0.3, "notice": true}, {"learner": 2, "at": 0.6}]',
+    ]  # fmt: skip
+    cfg = load_config("tiny", mode="decoupled", overrides=over)
+    result = simulate(cfg)
+    # Each learner's merged data is its stream up to its newest send (its final sends
+    # carry every step it trained; one that left unannounced lost the steps after).
+    sent: dict[str, int] = {}
+    for e in result.metrics:
+        if e["event"] == "sent":
+            sent[e["learner"]] = max(sent.get(e["learner"], 0), e["step"])
+    last = {e["learner"]: e["event"] for e in result.metrics
+            if e["event"] in ("failure", "join", "rejoin")}  # fmt: skip
+    vacant = {lid for lid, event in last.items() if event == "failure"}
+    assert vacant == {"learner-2"}, last
+    merged, pending = Counter(), _covered(result.summary["data_returned"])
+    for lid, held in result.summary["data_spans"].items():
+        done, rest = cut([Span(*s) for s in held], sent.get(lid, 0) * cfg.data.batch_size)
+        merged += _covered(done)
+        if lid in vacant:  # nobody holds the slot: what it held past its sends is lost
+            assert rest == [], f"{lid} left holding {rest}: given back to no one"
+        else:  # the rest of the unit it was in when the budget ran out
+            pending += _covered(rest)
+    assert merged and max(merged.values()) == 1  # no window trained twice
+    assert not set(pending) & set(merged) and max(pending.values(), default=1) == 1
+    plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
+    assert any(e == 1 for e, _, _ in merged), "the run did not pass its first epoch"
+    # None skipped: what of the first epoch is not merged is still to be trained.
+    assert {k: n for k, n in (merged + pending).items() if k[0] == 0} == _epoch(plan, 0)
+    assert sum(merged.values()) >= cfg.budget_steps * cfg.data.batch_size
+
+
+def test_units_take_a_prepared_data_set_and_the_pipeline_says_it_cannot_yet(tmp_path):
+    from diloco.data import DataError
+    from diloco.simulate import check_data
+
+    with pytest.raises(DataError, match=r"data.assign = 'units' takes a prepared data set"):
+        check_data(load_config("tiny", overrides=["data.assign=units"]))
+    from flows.run import initialize_run
+    from storage_layout.store import RunStore
+
+    (tmp_path / "us").mkdir()
+    store = RunStore("u", {"us": f"file://{tmp_path / 'us'}"}, "us")
+    cfg = load_config("tiny", overrides=["data.assign=units"])
+    with pytest.raises(ValueError, match=r"data.assign = 'units' runs in the simulator only"):
+        initialize_run(store, cfg)
+    assert not list((tmp_path / "us").iterdir())  # nothing written
