@@ -157,9 +157,9 @@ def initialize_run(store: RunStore, cfg: RunConfig) -> dict[str, Any]:
         raise ValueError("mode 'dp' is the simulator's baseline; a run is diloco or decoupled")
     if cfg.data.assign == "units":
         raise ValueError(
-            "data.assign = 'units' runs in the simulator only for now (its ledger of "
-            "units is kept in memory; the run's bucket does not keep one yet): give "
-            "data.assign = 'slots' to train through the buckets"
+            "data.assign = 'units' keeps its ledger of units in memory for now: "
+            "`diloco simulate` without --store runs it; a run through buckets (diloco "
+            "train, simulate --store) takes data.assign = 'slots' until the bucket keeps one"
         )
     corpus(cfg)  # a missing, empty or binary source, a bad data set: before any commit
     if cfg.pipeline.probe_exclusive:

@@ -158,6 +158,8 @@ def test_units_take_a_prepared_data_set_and_the_pipeline_says_it_cannot_yet(tmp_
     (tmp_path / "us").mkdir()
     store = RunStore("u", {"us": f"file://{tmp_path / 'us'}"}, "us")
     cfg = load_config("tiny", overrides=["data.assign=units"])
-    with pytest.raises(ValueError, match=r"data.assign = 'units' runs in the simulator only"):
+    with pytest.raises(
+        ValueError, match=r"data.assign = 'units' keeps its ledger of units in memory for now"
+    ):
         initialize_run(store, cfg)
     assert not list((tmp_path / "us").iterdir())  # nothing written
