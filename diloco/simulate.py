@@ -175,16 +175,16 @@ def simulate(
     init = codec.to_flat(state)
     trainer = InnerTrainer(codec, cfg.inner, cfg.steps_per_learner)
     val = make_validation(cfg)
-    ledger = None
+    units = None
     if cfg.data.assign == "units":
-        plan = UnitPlan(cached_dataset(cfg.data.source), cfg.model.context, cfg.seed)
-        ledger = MemoryLedger(plan)
-    readers = [make_reader(cfg, i, ledger) for i in range(m)]
+        units = UnitPlan(cached_dataset(cfg.data.source), cfg.model.context, cfg.seed)
     run = _Run(cfg, trainer, val, progress)
     if cfg.mode == "dp":
-        end = _simulate_dp(run, codec, init, readers)
+        ledger = MemoryLedger(units) if units else None
+        end = _simulate_dp(run, codec, init, [make_reader(cfg, i, ledger) for i in range(m)])
     else:
-        end = _simulate_loops(run, codec, init, readers, store)
+        # The readers are made once the store is there: with units, it keeps the ledger.
+        end, ledger = _simulate_loops(run, codec, init, units, store)
 
     dp_bytes = dp_bytes_per_step(codec.num_params, m) * (run.tokens // (m * cfg.tokens_per_step))
     moved = run.bytes_up + run.bytes_down
@@ -212,7 +212,7 @@ def simulate(
         summary["data_spans"] = {
             lid: [astuple(s) for s in ledger.spans(lid)] for lid in learner_ids(m)
         }
-        summary["data_returned"] = [astuple(s) for s in ledger.returned]
+        summary["data_returned"] = [astuple(s) for s in ledger.given_back()]
     return SimResult(cfg, run.metrics, summary)
 
 
@@ -486,10 +486,11 @@ def _simulate_loops(
     run: _Run,
     codec: ParamCodec,
     init: FlatParams,
-    readers: list[ShardReader],
+    units: UnitPlan | None,
     make_store: StoreFactory | None,
-) -> float:
-    """Decoupled or synchronous DiLoCo: the pipeline's loops under the scheduler."""
+) -> tuple[float, UnitLedger | None]:
+    """Decoupled or synchronous DiLoCo: the pipeline's loops under the scheduler. Returns
+    the end's time and, with ``units``, the store's data ledger."""
     cfg, sim, topo = run.cfg, run.cfg.sim, run.cfg.topology
     speeds = cfg.speeds
     plan = plan_fragments(codec.sizes, topo.fragments, topo.fragment_strategy)
@@ -507,6 +508,8 @@ def _simulate_loops(
         initial = [{n: init[n] for n in names} for names in plan]
         store = MemoryStore(initial, topo.global_dtype, cfg.outer.max_staleness, topo.downlink,
                             topo.block_size)  # fmt: skip
+    ledger = store.ledger(units) if units else None
+    readers = [make_reader(cfg, i, ledger) for i in range(topo.learners)]
     clock = VirtualClock()
     sched = Scheduler(clock, lambda name: speeds[ids.index(name)] * sim.step_seconds)
     fleet = _Fleet(run, plan, readers, sched, clock)
@@ -551,7 +554,7 @@ def _simulate_loops(
     shares = [s / codec.num_params for s in sizes]
     versions = records.of(run.metrics, "version")
     run.goodput = records.goodput(versions, shares, sum(run.finished.values()))
-    return end
+    return end, ledger
 
 
 def time_to_loss(evals: list[dict[str, Any]], target: float) -> float:

@@ -30,6 +30,7 @@ from diloco.quantize import QuantizedTensor, dequantize, payload_bytes, quantize
 from diloco.records import Record
 from diloco.syncer import GlobalVersion
 from diloco.tensors import full_bytes, sizes
+from diloco.units import MemoryLedger, UnitLedger, UnitPlan
 
 # What a version's tensors are gathered into as they come, ``(name, float32 values)`` one
 # at a time: a dict by default; a learner's pipeline keeps them in a local file instead
@@ -70,6 +71,9 @@ class Store(Protocol):
         ``learner`` reads it (None: this version was published whole only)."""
 
     def load_fragment(self, fragment: int, window: int) -> StoredFragment: ...
+
+    def ledger(self, plan: UnitPlan) -> UnitLedger:
+        """Who takes which data, with ``data.assign = "units"`` (``diloco.units``)."""
 
     def close(self, summary: dict[str, Any]) -> None:
         """The run is over (the simulator's summary, for stores that keep one)."""
@@ -235,6 +239,9 @@ class MemoryStore:
         params, opt, record = held[newest][:3]
         history = {v: held[v][0] for v in held if newest - window <= v < newest}
         return StoredFragment(newest, params, opt, record, history)
+
+    def ledger(self, plan: UnitPlan) -> UnitLedger:
+        return MemoryLedger(plan)
 
     def close(self, summary: dict[str, Any]) -> None:
         pass

@@ -19,7 +19,8 @@ or its newest committed send's step, whichever is later): the rest of the unit i
 and any unit it took beyond. What it trained past that point was never merged, so the
 windows given back are trained once, by whoever takes them; its slot, if someone joins
 it later, resumes at the same point and takes new spans from there. The simulator keeps
-the ledger in memory (``MemoryLedger``); a ledger in the run's bucket is the pipeline's.
+the ledger in memory (``MemoryLedger``), or, through buckets, in the run's home bucket
+(``flows.ledger.BucketLedger``).
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ class UnitPlan:
 class UnitLedger(Protocol):
     """Who holds which spans: ``spans(learner)`` in the order it took them; ``take``
     gives it the next span no one holds; ``release`` takes back its stream from window
-    ``at`` on (``cut``). ``plan``: the units it hands out."""
+    ``at`` on (``cut``); ``given_back`` lists what was given back and not taken yet.
+    ``plan``: the units it hands out."""
 
     plan: UnitPlan
 
@@ -115,6 +117,8 @@ class UnitLedger(Protocol):
     def take(self, learner: str) -> Span: ...
 
     def release(self, learner: str, at: int) -> None: ...
+
+    def given_back(self) -> list[Span]: ...
 
 
 class MemoryLedger:
@@ -145,6 +149,9 @@ class MemoryLedger:
         kept, back = cut(self.held.get(learner, []), at)
         self.held[learner] = kept
         self.returned = sorted(self.returned + back)
+
+    def given_back(self) -> list[Span]:
+        return list(self.returned)
 
 
 class UnitReader(WindowReader):

@@ -38,7 +38,9 @@ from diloco.records import Record
 from diloco.syncer import GlobalVersion
 from diloco.tensors import Tensors, materialize, pieces
 from diloco.transport import Collect, GlobalDelta, downlink_update
+from diloco.units import UnitPlan
 from diloco.validate import Scan, scan_payload
+from flows.ledger import BucketLedger
 from flows.version_stream import (
     ReaderPayload,
     ReaderTensors,
@@ -913,6 +915,10 @@ class BucketStore:
             params = ReaderTensors(reader, "params")
             slots = [ReaderTensors(reader, "opt", s.names) for s in slots]
         return params, slots, dict(marker.meta)
+
+    def ledger(self, plan: UnitPlan) -> BucketLedger:
+        """The data ledger in the run's home bucket (``flows.ledger``)."""
+        return BucketLedger(self.main, plan, list(self.learners))
 
     def close(self, summary: dict[str, Any]) -> None:
         """Record the simulation's summary and the traffic of every writer it drove."""

@@ -132,7 +132,9 @@ def build_model(cfg: RunConfig, learner: bool = False) -> Model:
     trainer is sharded over its devices as ``pipeline.fsdp`` says; everyone else (the
     launcher, syncers, tools) keeps parameters whole, whatever devices it has."""
     with _BUILDING:
-        run = cfg.model_copy(update={"pipeline": type(cfg.pipeline)()})
+        # Neither the launch settings nor the simulated events change the model (and a
+        # join into a slot vacant by pipeline.learners_started is valid only with it).
+        run = cfg.model_copy(update={"pipeline": type(cfg.pipeline)(), "sim": type(cfg.sim)()})
         fsdp = cfg.pipeline.fsdp if learner else 1  # the mesh is operational
         return _model(run.model_dump_json(), fsdp)
 
@@ -150,16 +152,17 @@ def validation(cfg: RunConfig) -> list[np.ndarray]:
     return make_validation(cfg)
 
 
-def initialize_run(store: RunStore, cfg: RunConfig) -> dict[str, Any]:
+def initialize_run(store: RunStore, cfg: RunConfig, pipeline: bool = True) -> dict[str, Any]:
     """Write the spec (or check it against the stored one) and publish version 0 of every
-    fragment (the initial parameters) if the run has none yet. Safe to repeat and to race."""
+    fragment (the initial parameters) if the run has none yet. Safe to repeat and to race.
+    ``pipeline``: for learner and syncer processes (not ``diloco simulate --store``)."""
     if cfg.mode == "dp":
         raise ValueError("mode 'dp' is the simulator's baseline; a run is diloco or decoupled")
-    if cfg.data.assign == "units":
+    if pipeline and cfg.data.assign == "units":
         raise ValueError(
-            "data.assign = 'units' keeps its ledger of units in memory for now: "
-            "`diloco simulate` without --store runs it; a run through buckets (diloco "
-            "train, simulate --store) takes data.assign = 'slots' until the bucket keeps one"
+            "data.assign = 'units' runs in `diloco simulate` (with or without --store) "
+            "for now: the learner processes of `diloco train` do not read through the "
+            "bucket's data ledger yet; give data.assign = 'slots'"
         )
     corpus(cfg)  # a missing, empty or binary source, a bad data set: before any commit
     if cfg.pipeline.probe_exclusive:
@@ -275,7 +278,7 @@ def simulation_store(run: str, regions: Mapping[str, str]) -> StoreFactory:
                 f"run {run!r} in {regions[home_region(regions)]} already holds global versions "
                 "from an earlier simulation; pass another --run name or remove that run"
             )
-        initialize_run(store, cfg)
+        initialize_run(store, cfg, pipeline=False)
         return bucket_store(run, regions, spec, cfg, writer="syncer")
 
     return make

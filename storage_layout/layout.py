@@ -166,6 +166,21 @@ class RunLayout:
         learner's key): who took the slot, from where, with what (``diloco join``)."""
         return f"{self.run}/learners/{check_name('learner', learner)}/joins"
 
+    # data units (``data.assign = "units"``, diloco/units.py) --------------------------
+    def unit_records(self, learner: str) -> str:
+        """A learner's data ledger (``s{N}.json``, each written once): the spans it took
+        and the streams it gave back, in order."""
+        return f"{self.run}/learners/{check_name('learner', learner)}/units"
+
+    def units_fresh(self) -> str:
+        """Claims of units no one had (``s{N}.json``: unit N - 1 over all epochs)."""
+        return f"{self.run}/units/fresh"
+
+    def units_returned(self, claim: str) -> str:
+        """The claim of a span given back (``claim``: the record that gave it back and the
+        span's place in it), written once by the learner that takes it."""
+        return f"{self.run}/units/returned/{check_name('claim', claim)}.json"
+
     def checkpoint_commits(self, learner: str) -> str:
         return f"{self.run}/learners/{check_name('learner', learner)}/checkpoints/commits"
 

@@ -581,6 +581,50 @@ class RunStore:
         record = _read_json(bucket, f"{prefix}/s{number(numbers[-1])}.json")
         return (numbers[-1], record) if isinstance(record, dict) else None
 
+    # data units ------------------------------------------------------------------
+    def _record(self, fields: Mapping[str, Any]) -> bytes:
+        return json.dumps({**fields, "writer": self.writer, "host": socket.gethostname(),
+                           "pid": os.getpid(), "time": time.time()}).encode()  # fmt: skip
+
+    def put_unit_record(self, learner: str, record: Mapping[str, Any]) -> int:
+        """Add ``record`` (a span taken, or a stream given back) to ``learner``'s data
+        ledger at home, written once; returns its number."""
+        return self.put_next(self.layout.unit_records(learner), lambda n: self._record(record))
+
+    def unit_records(self, learner: str, after: int = 0) -> list[tuple[int, Any]]:
+        """``learner``'s data ledger records numbered above ``after``, oldest first, as
+        stored (JSON: check them)."""
+        prefix = self.layout.unit_records(learner)
+        return [(n, _read_json(self.home, f"{prefix}/s{number(n)}.json"))
+                for n in self._numbers(self.home, prefix, "s") if n > after]  # fmt: skip
+
+    def claim_fresh_unit(self, learner: str, after: int | None = None) -> int:
+        """Claim the next unit no one had (an exclusive create: each unit once); returns
+        its claim's number N (unit N - 1 over all epochs). ``after``: the newest claim
+        number the caller saw, to try the next without a listing."""
+        return self.put_next(self.layout.units_fresh(), lambda n: self._record({"learner": learner}),
+                             after)  # fmt: skip
+
+    def fresh_claims(self) -> list[int]:
+        """The numbers of the fresh units' claims (one listing)."""
+        return self._numbers(self.home, self.layout.units_fresh(), "s")
+
+    def claim_returned(self, claim: str, learner: str) -> bool:
+        """Claim span ``claim`` that someone gave back (an exclusive create); False when
+        another learner claimed it first."""
+        key, data = self.layout.units_returned(claim), self._record({"learner": learner})
+        try:
+            patiently(lambda: self.home.put_exclusive(key, data), key)
+            return True
+        except FileExistsError:
+            return self._holds(key, data)
+
+    def returned_claims(self) -> set[str]:
+        """The claims of spans given back, taken so far (one listing)."""
+        prefix = self.layout.units_returned("x").rsplit("/", 1)[0]
+        names = patiently(lambda: self.home.list(prefix), f"listing {prefix}")
+        return {n.removesuffix(".json") for n in names if n.endswith(".json")}
+
     def newest_generation(self, learner: str) -> int:
         taken = self._numbers(self.home, self.layout.lease_commits(learner), "s")
         return taken[-1] if taken else 0

@@ -103,12 +103,20 @@ def test_learners_that_leave_and_join_read_every_window_of_an_epoch_once(prepare
     assert epoch0 == _epoch(plan, 0)  # none skipped: returns are taken before new units
 
 
-def test_a_simulated_run_whose_learners_come_and_go_trains_each_window_once(prepared):
+@pytest.mark.parametrize("through", ["memory", "bucket"])
+def test_a_simulated_run_whose_learners_come_and_go_trains_each_window_once(
+    prepared, through, tmp_path
+):
     """`data.assign = "units"` in the simulator: a slot starts vacant and is joined, a
     learner is preempted (with notice) and its slot joined again, another leaves with
     no notice for good; over more than an epoch every window of the first is trained
-    once, none twice anywhere."""
+    once, none twice anywhere. Through a bucket (``diloco simulate --store``), the
+    ledger is the bucket's records: read back by another process's ledger they give the
+    same spans, and no claim is left that no learner took."""
     from diloco.simulate import simulate
+    from flows.ledger import BucketLedger
+    from flows.run import simulation_store
+    from storage_layout.store import RunStore
 
     over = [
         f"data.source={prepared}", "model.vocab_size=512", "data.assign=units",
@@ -118,7 +126,19 @@ def test_a_simulated_run_whose_learners_come_and_go_trains_each_window_once(prep
         'sim.failures=[{"learner": 1, "at": 0.3, "notice": true}, {"learner": 2, "at": 0.6}]',
     ]  # fmt: skip
     cfg = load_config("tiny", mode="decoupled", overrides=over)
-    result = simulate(cfg)
+    regions = {"us": f"file://{tmp_path / 'us'}"}
+    (tmp_path / "us").mkdir()
+    result = simulate(cfg, store=simulation_store("u", regions) if through == "bucket" else None)
+    if through == "bucket":
+        plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
+        again = BucketLedger(RunStore("u", regions, "us"), plan, list(result.summary["data_spans"]))
+        for lid, spans in result.summary["data_spans"].items():
+            assert [astuple(s) for s in again.spans(lid)] == [tuple(s) for s in spans], lid
+        assert again.orphans() == []
+        from storage_layout.audit import audit_run
+
+        report = audit_run("u", regions)  # the ledger's records are the layout's own
+        assert report.ok, report.violations
     # Each learner's merged data is its stream up to its newest send (its final sends
     # carry every step it trained; one that left unannounced lost the steps after).
     sent: dict[str, int] = {}
@@ -146,6 +166,50 @@ def test_a_simulated_run_whose_learners_come_and_go_trains_each_window_once(prep
     assert sum(merged.values()) >= cfg.budget_steps * cfg.data.batch_size
 
 
+def test_learners_racing_for_units_through_a_bucket_each_get_their_own(prepared, tmp_path):
+    """Four learners' ledgers, each over its own store (as separate processes are), take
+    units at the same time: no unit is handed out twice, and a span one gives back is
+    taken by exactly one of the others."""
+    import threading
+
+    from flows.ledger import BucketLedger
+    from storage_layout.store import RunStore
+
+    regions = {"us": f"file://{tmp_path / 'us'}"}
+    (tmp_path / "us").mkdir()
+    plan = UnitPlan(open_dataset(prepared), context=64, seed=0)
+    ids = [f"learner-{i}" for i in range(4)]
+    ledgers = {lid: BucketLedger(RunStore("race", regions, "us", writer=lid), plan, ids)
+               for lid in ids}  # fmt: skip
+    barrier = threading.Barrier(len(ids))
+
+    def take(lid, n):
+        barrier.wait()
+        for _ in range(n):
+            ledgers[lid].take(lid)
+
+    threads = [threading.Thread(target=take, args=(lid, 6)) for lid in ids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    held = [astuple(s)[:2] for lid in ids for s in ledgers[lid].spans(lid)]
+    assert len(held) == 24 and len(set(held)) == 24  # each (epoch, unit) once
+    ledgers["learner-0"].release("learner-0", 0)  # gives back all six
+    back = ledgers["learner-1"].given_back()
+    assert len(back) == 6
+    barrier = threading.Barrier(3)
+    threads = [threading.Thread(target=take, args=(lid, 3)) for lid in ids[1:]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    taken = [s for lid in ids[1:] for s in ledgers[lid].spans(lid)[6:]]
+    assert sorted(taken)[:6] == sorted(back) and len(set(taken)) == 9  # the returns first
+    assert ledgers["learner-2"].given_back() == []
+    assert ledgers["learner-3"].orphans() == []
+
+
 def test_units_take_a_prepared_data_set_and_the_pipeline_says_it_cannot_yet(tmp_path):
     from diloco.data import DataError
     from diloco.simulate import check_data
@@ -159,7 +223,8 @@ def test_units_take_a_prepared_data_set_and_the_pipeline_says_it_cannot_yet(tmp_
     store = RunStore("u", {"us": f"file://{tmp_path / 'us'}"}, "us")
     cfg = load_config("tiny", overrides=["data.assign=units"])
     with pytest.raises(
-        ValueError, match=r"data.assign = 'units' keeps its ledger of units in memory for now"
+        ValueError,
+        match=r"data.assign = 'units' runs in `diloco simulate` \(with or without --store\)",
     ):
         initialize_run(store, cfg)
     assert not list((tmp_path / "us").iterdir())  # nothing written
