@@ -203,7 +203,7 @@ class DataConfig(_Strict):
         "the topology.learners slots once (a slot no one holds leaves its share "
         "untrained); 'units', taken in units as learners need them, and given back by "
         "a learner that leaves, so none is trained twice or skipped in an epoch whoever "
-        "comes and goes (diloco/units.py; for now `diloco simulate` only, not `diloco train`)",
+        "comes and goes (diloco/units.py; docs/data.md)",
     )
 
 

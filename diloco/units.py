@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -121,11 +122,20 @@ class UnitLedger(Protocol):
     def given_back(self) -> list[Span]: ...
 
 
-class MemoryLedger:
-    """The simulator's ledger (one process holds every learner)."""
+def pool_unit(k: int, pool: tuple[int, int], units: int) -> tuple[int, int]:
+    """The epoch and unit of the ``k``-th fresh unit (from 0) of pool ``(i, n)``: pool
+    ``i`` of ``n`` has every ``n``-th unit of the run's sequence (epoch after epoch), so
+    pools never share a unit. A pipeline run has a pool per region (a learner reads and
+    writes its own region's bucket only), the simulator in memory one."""
+    i, n = pool
+    return divmod(k * n + i, units)
 
-    def __init__(self, plan: UnitPlan):
-        self.plan = plan
+
+class MemoryLedger:
+    """The simulator's ledger (one process holds every learner): one pool."""
+
+    def __init__(self, plan: UnitPlan, pool: tuple[int, int] = (0, 1)):
+        self.plan, self.pool = plan, pool
         self.fresh = 0  # units handed out so far, over all epochs
         self.returned: list[Span] = []  # given back, oldest epoch first
         self.held: dict[str, list[Span]] = {}
@@ -139,7 +149,7 @@ class MemoryLedger:
         else:
             span = Span(0, 0, 0, 0)
             while not span.windows:  # a unit of chunks shorter than a window holds none
-                epoch, unit = divmod(self.fresh, self.plan.units)
+                epoch, unit = pool_unit(self.fresh, self.pool, self.plan.units)
                 self.fresh += 1
                 span = Span(epoch, unit, 0, self.plan.windows(epoch, unit))
         self.held.setdefault(learner, []).append(span)
@@ -152,6 +162,29 @@ class MemoryLedger:
 
     def given_back(self) -> list[Span]:
         return list(self.returned)
+
+
+class RegionalLedger:
+    """One ledger per region's pool, each learner taking from its own region's."""
+
+    def __init__(self, ledgers: Mapping[str, UnitLedger], region_of: Mapping[str, str]):
+        self.ledgers, self.region_of = dict(ledgers), dict(region_of)
+        self.plan = next(iter(self.ledgers.values())).plan
+
+    def _of(self, learner: str) -> UnitLedger:
+        return self.ledgers[self.region_of[learner]]
+
+    def spans(self, learner: str) -> list[Span]:
+        return self._of(learner).spans(learner)
+
+    def take(self, learner: str) -> Span:
+        return self._of(learner).take(learner)
+
+    def release(self, learner: str, at: int) -> None:
+        self._of(learner).release(learner, at)
+
+    def given_back(self) -> list[Span]:
+        return sorted(s for ledger in self.ledgers.values() for s in ledger.given_back())
 
 
 class UnitReader(WindowReader):

@@ -38,9 +38,9 @@ from diloco.records import Record
 from diloco.syncer import GlobalVersion
 from diloco.tensors import Tensors, materialize, pieces
 from diloco.transport import Collect, GlobalDelta, downlink_update
-from diloco.units import UnitPlan
+from diloco.units import RegionalLedger, UnitPlan
 from diloco.validate import Scan, scan_payload
-from flows.ledger import BucketLedger
+from flows.ledger import region_ledger
 from flows.version_stream import (
     ReaderPayload,
     ReaderTensors,
@@ -916,9 +916,14 @@ class BucketStore:
             slots = [ReaderTensors(reader, "opt", s.names) for s in slots]
         return params, slots, dict(marker.meta)
 
-    def ledger(self, plan: UnitPlan) -> BucketLedger:
-        """The data ledger in the run's home bucket (``flows.ledger``)."""
-        return BucketLedger(self.main, plan, list(self.learners))
+    def ledger(self, plan: UnitPlan) -> RegionalLedger:
+        """The data ledger: each region's pool in its own bucket (``flows.ledger``)."""
+        return RegionalLedger(
+            {r: region_ledger(RunStore(self.run, {r: self.regions[r]}, r, writer=self.main.writer,
+                                       traffic=self.traffic), plan, self.learners, r)
+             for r in set(self.learners.values())},
+            self.learners,
+        )  # fmt: skip
 
     def close(self, summary: dict[str, Any]) -> None:
         """Record the simulation's summary and the traffic of every writer it drove."""

@@ -41,10 +41,13 @@ from diloco.learner import LearnerCheckpoint
 from diloco.loops import Clock, GlobalView, LearnerLoop, WallClock, drive
 from diloco.outer import Contribution
 from diloco.quantize_device import outer_gradient
+from diloco.simulate import cached_dataset
 from diloco.topology import learner_id, learner_index
 from diloco.transport import StoreLearnerView
+from diloco.units import UnitPlan, UnitReader
 from flows.bucket_io import HostPart
 from flows.hosts import join as join_group
+from flows.ledger import BucketLedger, region_ledger
 from flows.observe import artifact_key, run_logger, tag_flow_run, worker_tags
 from flows.run import bucket_store, build_model, config_from_spec, reader
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV
@@ -412,7 +415,10 @@ def warm_up(run: str, bucket: str, region: str, pipeline: dict | None = None) ->
     starts training seconds sooner; so does ``diloco join`` before it takes a slot."""
     cfg = config_from_spec(RunStore(run, {region: bucket}, region).read_spec(), pipeline)
     compile_step(build_model(cfg, learner=True), cfg)
-    reader(cfg, 0)  # the corpus, read and split once per process
+    if cfg.data.assign == "units":  # the data set's manifest (a learner's units: its own)
+        cached_dataset(cfg.data.source)
+    else:
+        reader(cfg, 0)  # the corpus, read and split once per process
 
 
 class LearnerRuntime:
@@ -434,6 +440,7 @@ class LearnerRuntime:
         io: Callable[[StoreLearnerView], Any] | None = None,
     ):
         self.log = run_logger("diloco.learner")
+        self.ledger: BucketLedger | None = None  # with data.assign = "units"
         opened = time.time()
         spec = RunStore(run, {region: bucket}, region, writer=learner).read_spec()
         if spec["learners"].get(learner) != region:
@@ -481,7 +488,7 @@ class LearnerRuntime:
             )  # fmt: skip
         self.records: list[records.Record] = []
         self.loop, self.resumed_from = LearnerLoop.start(
-            learner, self.model.trainer, self.model.plan, reader(self.cfg, self.index),
+            learner, self.model.trainer, self.model.plan, self._reader(spec),
             self.cfg, self.io, clock or WallClock(self.cfg.slowdown(self.index)),
             self.records.append, self.log,
         )  # fmt: skip
@@ -490,6 +497,23 @@ class LearnerRuntime:
         # up to the first step; training is the rounds themselves.
         self.startup_seconds = time.time() - opened
         self.train_seconds = 0.0
+
+    def _reader(self, spec: dict[str, Any]) -> Any:
+        """The learner's data: its dealt share, or (``data.assign = "units"``) the spans
+        it takes from its region's pool in its own bucket (``flows.ledger``)."""
+        if self.cfg.data.assign != "units":
+            return reader(self.cfg, self.index)
+        if self.processes > 1:
+            raise ValueError(
+                "data.assign = 'units' is not yet read by a learner of several processes "
+                f"(pipeline.learner_processes={self.processes}): its followers would have "
+                "to follow the spans process 0 takes; give data.assign = 'slots'"
+            )
+        units = UnitPlan(cached_dataset(self.cfg.data.source), self.cfg.model.context,
+                         self.cfg.seed)  # fmt: skip
+        self.ledger = region_ledger(self.store.writer_for(self.id), units, spec["learners"],
+                                    self.region)  # fmt: skip
+        return UnitReader(units, self.id, self.ledger, self.cfg.data.batch_size)
 
     def _compile(self) -> None:
         """Compile the train step before reading the newest globals: compiling takes
@@ -610,6 +634,12 @@ class LearnerRuntime:
                 "unwritten is abandoned and a restart resumes after its newest committed "
                 "send", self.label, sent, self.step, self.cfg.pipeline.preempt_seconds,
             )  # fmt: skip
+        if written and self.ledger is not None:  # its data from here on, to the others
+            try:
+                self.ledger.release(self.id, self.step * self.cfg.data.batch_size)
+            except OSError as exc:  # its slot keeps the spans: a rejoin trains them
+                self.log.error("preempted: learner %s could not give its data back (%s); "
+                               "its slot keeps it", self.label, exc)  # fmt: skip
         self.write_status("preempted")
         self.io.close(wait=written)
         return {"step": self.step, "sent": sent, "written": written, "seconds": seconds}

@@ -2,8 +2,10 @@
 run's home bucket: who took which span of which unit, and what departed learners gave
 back, as write-once records (docs/data.md "Units").
 
-- ``units/fresh/s{N}.json``: the claim of unit ``N - 1`` over all epochs (epoch ``(N -
-  1) // units``), an exclusive create, so each unit is handed out once;
+- ``units/fresh/s{N}.json``: the claim of the region pool's unit ``N - 1``
+  (``diloco.units.pool_unit``: each region has its own pool of units, as a learner
+  reads and writes its own region's bucket only), an exclusive create, so each unit is
+  handed out once;
 - ``learners/{id}/units/s{N}.json``: a learner's ledger, in order: ``{"take": [epoch,
   unit, start, end], "claim": ...}`` for a span it took, ``{"release": at, "returned":
   [[epoch, unit, start, end], ...]}`` for its stream from window ``at`` on, given back;
@@ -20,18 +22,37 @@ dies between the two leaves a unit claimed that no one trains (``orphans`` names
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import astuple
 from typing import Any
 
 from diloco.data import DataError
-from diloco.units import Span, UnitPlan, cut
+from diloco.units import Span, UnitPlan, cut, pool_unit
 from storage_layout.store import RunStore
 
 
+def region_pools(learners: Mapping[str, str]) -> dict[str, tuple[int, int]]:
+    """Each region's pool of units (``diloco.units.pool_unit``): the regions that have
+    learners, in sorted order."""
+    regions = sorted(set(learners.values()))
+    return {r: (i, len(regions)) for i, r in enumerate(regions)}
+
+
+def region_ledger(store: RunStore, plan: UnitPlan, learners: Mapping[str, str],
+                  region: str) -> BucketLedger:  # fmt: skip
+    """The ledger of ``region``'s pool, in ``store`` (a store of that region's bucket)."""
+    mine = [lid for lid, r in learners.items() if r == region]
+    return BucketLedger(store, plan, mine, region_pools(learners)[region])
+
+
 class BucketLedger:
-    def __init__(self, store: RunStore, plan: UnitPlan, learners: Sequence[str]):
+    """The ledger of one pool (a region's) in ``store``'s home bucket (the region's own),
+    for its ``learners``."""
+
+    def __init__(self, store: RunStore, plan: UnitPlan, learners: Sequence[str],
+                 pool: tuple[int, int] = (0, 1)):  # fmt: skip
         self.store, self.plan, self.learners = store, plan, list(learners)
+        self.pool = pool
         # learner -> (newest record read, spans held, [(claim, span) given back])
         self._read: dict[str, tuple[int, list[Span], list[tuple[str, Span]]]] = {}
         self._fresh = 0  # the newest fresh claim number seen
@@ -86,7 +107,7 @@ class BucketLedger:
                 return self._took(learner, span, claim)
         while True:
             self._fresh = self.store.claim_fresh_unit(learner, self._fresh or None)
-            epoch, unit = divmod(self._fresh - 1, self.plan.units)
+            epoch, unit = pool_unit(self._fresh - 1, self.pool, self.plan.units)
             span = Span(epoch, unit, 0, self.plan.windows(epoch, unit))
             if span.windows:  # a unit of chunks shorter than a window holds none
                 return self._took(learner, span, f"fresh-{self._fresh}")

@@ -152,18 +152,11 @@ def validation(cfg: RunConfig) -> list[np.ndarray]:
     return make_validation(cfg)
 
 
-def initialize_run(store: RunStore, cfg: RunConfig, pipeline: bool = True) -> dict[str, Any]:
+def initialize_run(store: RunStore, cfg: RunConfig) -> dict[str, Any]:
     """Write the spec (or check it against the stored one) and publish version 0 of every
-    fragment (the initial parameters) if the run has none yet. Safe to repeat and to race.
-    ``pipeline``: for learner and syncer processes (not ``diloco simulate --store``)."""
+    fragment (the initial parameters) if the run has none yet. Safe to repeat and to race."""
     if cfg.mode == "dp":
         raise ValueError("mode 'dp' is the simulator's baseline; a run is diloco or decoupled")
-    if pipeline and cfg.data.assign == "units":
-        raise ValueError(
-            "data.assign = 'units' runs in `diloco simulate` (with or without --store) "
-            "for now: the learner processes of `diloco train` do not read through the "
-            "bucket's data ledger yet; give data.assign = 'slots'"
-        )
     corpus(cfg)  # a missing, empty or binary source, a bad data set: before any commit
     if cfg.pipeline.probe_exclusive:
         for region in store.urls:
@@ -278,7 +271,7 @@ def simulation_store(run: str, regions: Mapping[str, str]) -> StoreFactory:
                 f"run {run!r} in {regions[home_region(regions)]} already holds global versions "
                 "from an earlier simulation; pass another --run name or remove that run"
             )
-        initialize_run(store, cfg, pipeline=False)
+        initialize_run(store, cfg)
         return bucket_store(run, regions, spec, cfg, writer="syncer")
 
     return make

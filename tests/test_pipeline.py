@@ -728,6 +728,33 @@ def test_a_crash_looping_worker_is_given_up_by_name_and_not_waited_for(tmp_path,
 
 
 @pytest.mark.slow
+def preempted_worker(store: RunStore, cfg, lid: str, log: Path) -> str:
+    """Run learner ``lid`` of ``store``'s run (one region) as a worker process; once its
+    first send commits (the run's own progress), SIGTERM it. Returns its output, after
+    checking it left as a preempted worker does (exit status 128 + SIGTERM)."""
+    ((region, bucket),) = store.urls.items()
+    pipeline = json.dumps({**cfg.pipeline.model_dump(), "preempt_seconds": 60})
+    argv = [*WORKER_COMMAND, "learner", "--run", store.run, "--bucket", bucket,
+            "--region", region, "--index", str(learner_index(lid)), "--pipeline", pipeline]  # fmt: skip
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=child_env())
+    try:
+        deadline = time.monotonic() + 300  # a guard against a hang, not a measure
+        plan = range(cfg.topology.fragments)
+        while not any(store.contribution_seqs(lid, p, region) for p in plan):
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert code == 128 + signal.SIGTERM, text[-3000:]
+    return text
+
+
 def test_a_learner_worker_told_it_is_preempted_sends_checkpoints_and_leaves(tmp_path, prefect_api):
     """SIGTERM to a learner's worker process (a spot notice, a pod deleted): it finishes
     its step, sends every fragment's unsent steps, checkpoints at that step, says
@@ -739,26 +766,7 @@ def test_a_learner_worker_told_it_is_preempted_sends_checkpoints_and_leaves(tmp_
     store = RunStore("pre", regions, "us-east")
     spec = initialize_run(store, cfg)
     lid = next(iter(spec["learners"]))
-    pipeline = json.dumps({**cfg.pipeline.model_dump(), "preempt_seconds": 60})
-    argv = [*WORKER_COMMAND, "learner", "--run", "pre", "--bucket", regions["us-east"],
-            "--region", "us-east", "--index", str(learner_index(lid)), "--pipeline", pipeline]  # fmt: skip
-    log = tmp_path / "learner.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=child_env())
-    try:
-        deadline = time.monotonic() + 300  # a guard against a hang, not a measure
-        plan = range(cfg.topology.fragments)
-        while not any(store.contribution_seqs(lid, p, "us-east") for p in plan):
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = log.read_text()
-    assert code == 128 + signal.SIGTERM, text[-3000:]
+    text = preempted_worker(store, cfg, lid, tmp_path / "learner.log")
     status = store.read_metrics(lid)
     assert status["state"] == "preempted", status
     step = status["step"]

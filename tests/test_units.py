@@ -109,12 +109,13 @@ def test_a_simulated_run_whose_learners_come_and_go_trains_each_window_once(
 ):
     """`data.assign = "units"` in the simulator: a slot starts vacant and is joined, a
     learner is preempted (with notice) and its slot joined again, another leaves with
-    no notice for good; over more than an epoch every window of the first is trained
-    once, none twice anywhere. Through a bucket (``diloco simulate --store``), the
-    ledger is the bucket's records: read back by another process's ledger they give the
-    same spans, and no claim is left that no learner took."""
+    no notice for good; over more than an epoch no window is trained twice, and every
+    unit handed out is trained whole or still held or given back. In memory (one pool)
+    that is every window of the first epoch. Through buckets of two regions (``diloco
+    simulate --store``), each region's pool in its own bucket: another process's ledgers
+    read the same spans back, and no claim is left that no learner took."""
     from diloco.simulate import simulate
-    from flows.ledger import BucketLedger
+    from flows.ledger import region_ledger
     from flows.run import simulation_store
     from storage_layout.store import RunStore
 
@@ -126,17 +127,24 @@ def test_a_simulated_run_whose_learners_come_and_go_trains_each_window_once(
         'sim.failures=[{"learner": 1, "at": 0.3, "notice": true}, {"learner": 2, "at": 0.6}]',
     ]  # fmt: skip
     cfg = load_config("tiny", mode="decoupled", overrides=over)
-    regions = {"us": f"file://{tmp_path / 'us'}"}
-    (tmp_path / "us").mkdir()
-    result = simulate(cfg, store=simulation_store("u", regions) if through == "bucket" else None)
+    plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
+    regions = {r: f"file://{tmp_path / r}" for r in ("us", "eu")}
+    store = None
     if through == "bucket":
-        plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
-        again = BucketLedger(RunStore("u", regions, "us"), plan, list(result.summary["data_spans"]))
-        for lid, spans in result.summary["data_spans"].items():
-            assert [astuple(s) for s in again.spans(lid)] == [tuple(s) for s in spans], lid
-        assert again.orphans() == []
+        for r in regions:
+            (tmp_path / r).mkdir()
+        store = simulation_store("u", regions)
+    result = simulate(cfg, store=store)
+    if through == "bucket":
         from storage_layout.audit import audit_run
 
+        learners = RunStore("u", regions, "us").read_spec()["learners"]
+        assert set(learners.values()) == {"us", "eu"}
+        for lid, spans in result.summary["data_spans"].items():
+            r = learners[lid]
+            again = region_ledger(RunStore("u", {r: regions[r]}, r), plan, learners, r)
+            assert [astuple(s) for s in again.spans(lid)] == [tuple(s) for s in spans], lid
+            assert again.orphans() == []
         report = audit_run("u", regions)  # the ledger's records are the layout's own
         assert report.ok, report.violations
     # Each learner's merged data is its stream up to its newest send (its final sends
@@ -159,10 +167,14 @@ def test_a_simulated_run_whose_learners_come_and_go_trains_each_window_once(
             pending += _covered(rest)
     assert merged and max(merged.values()) == 1  # no window trained twice
     assert not set(pending) & set(merged) and max(pending.values(), default=1) == 1
-    plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
     assert any(e == 1 for e, _, _ in merged), "the run did not pass its first epoch"
-    # None skipped: what of the first epoch is not merged is still to be trained.
-    assert {k: n for k, n in (merged + pending).items() if k[0] == 0} == _epoch(plan, 0)
+    # None skipped: a unit handed out is merged whole, or what is not is still to train.
+    accounted = merged + pending
+    for e, u in {(e, u) for e, u, _ in accounted}:
+        assert {w for (e2, u2, w), n in accounted.items() if (e2, u2) == (e, u)} == set(
+            range(plan.windows(e, u))), (e, u)  # fmt: skip
+    if through == "memory":  # one pool: every unit of the first epoch was handed out
+        assert {k: n for k, n in accounted.items() if k[0] == 0} == _epoch(plan, 0)
     assert sum(merged.values()) >= cfg.budget_steps * cfg.data.batch_size
 
 
@@ -210,21 +222,66 @@ def test_learners_racing_for_units_through_a_bucket_each_get_their_own(prepared,
     assert ledgers["learner-3"].orphans() == []
 
 
-def test_units_take_a_prepared_data_set_and_the_pipeline_says_it_cannot_yet(tmp_path):
-    from diloco.data import DataError
-    from diloco.simulate import check_data
+def test_a_learner_worker_takes_units_from_its_regions_bucket_and_gives_back_as_it_leaves(
+    prepared, tmp_path, prefect_api
+):
+    """A pipeline learner (a worker process) with `data.assign = "units"`: it takes
+    spans through its region's bucket as it trains; told it is preempted (SIGTERM, once
+    its first send commits) it sends, checkpoints and gives back its stream from that
+    step: the rest of its unit is offered to the next learner of its region."""
+    from flows.ledger import region_ledger
+    from flows.run import initialize_run
+    from storage_layout.store import RunStore
+    from tests.test_pipeline import preempted_worker
 
-    with pytest.raises(DataError, match=r"data.assign = 'units' takes a prepared data set"):
-        check_data(load_config("tiny", overrides=["data.assign=units"]))
+    cfg = load_config("tiny", overrides=[
+        f"data.source={prepared}", "model.vocab_size=512", "data.assign=units",
+        "budget.tokens=50000000", "topology.learners=2", "pipeline.round_steps=20",
+        "pipeline.checkpoint_every=20", "pipeline.poll_seconds=0.05",
+    ])  # fmt: skip
+    regions = {"us-east": f"file://{tmp_path / 'us'}"}
+    (tmp_path / "us").mkdir()
+    store = RunStore("pu", regions, "us-east")
+    spec = initialize_run(store, cfg)
+    lid = next(iter(spec["learners"]))
+    preempted_worker(store, cfg, lid, tmp_path / "learner.log")
+    step = store.read_metrics(lid)["step"]
+    plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
+    ledger = region_ledger(store, plan, spec["learners"], "us-east")
+    held = ledger.spans(lid)
+    assert held and sum(s.windows for s in held) == step * cfg.data.batch_size, (held, step)
+    back = ledger.given_back()
+    assert back, "the rest of its unit was not given back"
+    assert _covered(back).keys().isdisjoint(_covered(held).keys())
+    other = next(x for x in spec["learners"] if x != lid)
+    assert ledger.take(other) == back[0]  # the next learner of the region takes it first
+    assert ledger.orphans() == []
+
+
+def test_units_take_a_prepared_data_set_and_a_bad_ledger_record_is_named(prepared, tmp_path):
+    """Units of a text source are refused before anything is written; a ledger record
+    that names no span of the data set's units (damaged, forged) is an error naming its
+    key, and so is a release that gives back what its learner did not hold."""
+    from diloco.data import DataError
+    from flows.ledger import BucketLedger
     from flows.run import initialize_run
     from storage_layout.store import RunStore
 
     (tmp_path / "us").mkdir()
     store = RunStore("u", {"us": f"file://{tmp_path / 'us'}"}, "us")
-    cfg = load_config("tiny", overrides=["data.assign=units"])
-    with pytest.raises(
-        ValueError,
-        match=r"data.assign = 'units' runs in `diloco simulate` \(with or without --store\)",
-    ):
-        initialize_run(store, cfg)
+    with pytest.raises(DataError, match=r"data.assign = 'units' takes a prepared data set"):
+        initialize_run(store, load_config("tiny", overrides=["data.assign=units"]))
     assert not list((tmp_path / "us").iterdir())  # nothing written
+    plan = UnitPlan(open_dataset(prepared), context=64, seed=0)
+    ledger = BucketLedger(store, plan, ["learner-0"])
+    span = ledger.take("learner-0")
+    store.put_unit_record("learner-0", {"take": [0, plan.units, 0, 5], "claim": "x"})
+    with pytest.raises(DataError, match=r"learner-0/units/s000000000002.json: \[0, \d+, 0, 5\] "
+                       "is not a span of a unit of this data set"):  # fmt: skip
+        BucketLedger(store, plan, ["learner-0"]).spans("learner-0")
+    other = RunStore("v", {"us": f"file://{tmp_path / 'us'}"}, "us")
+    ledger = BucketLedger(other, plan, ["learner-0"])
+    span = ledger.take("learner-0")
+    other.put_unit_record("learner-0", {"release": 0, "returned": [[0, span.unit, 0, 1]]})
+    with pytest.raises(DataError, match="not what learner-0 held from window 0 on"):
+        BucketLedger(other, plan, ["learner-0"]).spans("learner-0")
