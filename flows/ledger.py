@@ -1,6 +1,6 @@
-"""The data ledger of ``data.assign = "units"`` (``diloco.units.UnitLedger``) in the
-run's home bucket: who took which span of which unit, and what departed learners gave
-back, as write-once records (docs/data.md "Units").
+"""The data ledger of ``data.assign = "units"`` (``diloco.units.UnitLedger``), a pool per
+region in that region's bucket: who took which span of which unit, and what departed
+learners gave back, as write-once records (docs/data.md "Units").
 
 - ``units/fresh/s{N}.json``: the claim of the region pool's unit ``N - 1``
   (``diloco.units.pool_unit``: each region has its own pool of units, as a learner
@@ -127,7 +127,9 @@ class BucketLedger:
                     taken.add(record.get("claim"))
                 elif not isinstance(record, dict):
                     raise DataError(f"{prefix}/s{n:012d}.json is not a record")
-        fresh = [f"fresh-{n}" for n in self.store.fresh_claims()]
+        units = self.plan.units
+        fresh = [f"fresh-{n}" for n in self.store.fresh_claims()  # an empty unit: no take
+                 if self.plan.windows(*pool_unit(n - 1, self.pool, units))]  # fmt: skip
         returned = sorted(self.store.returned_claims())
         return [c for c in fresh + returned if c not in taken]
 
