@@ -356,6 +356,11 @@ class Group:
         return self.arrays[a][s : s + context + 1]
 
 
+def chunk_windows(chunks: list[Chunk], context: int) -> np.ndarray:
+    """How many windows of ``context + 1`` tokens (stride ``context``) each chunk holds."""
+    return np.array([max(0, (c.tokens - 1) // context) for c in chunks])
+
+
 def read_group(
     dataset: Dataset, chunks: list[Chunk], per_chunk: np.ndarray, picked: np.ndarray,
     context: int, shuffle: tuple[int, ...],
@@ -460,7 +465,7 @@ class TokenReader(WindowReader):
         self.batch_size, self.context, self.seed = batch_size, context, seed
         self.shuffle_chunks = shuffle_chunks
         self.chunks = assignment(dataset.chunks("train"), index, learners)
-        self.per_chunk = np.array([max(0, (c.tokens - 1) // context) for c in self.chunks])
+        self.per_chunk = chunk_windows(self.chunks, context)
         self.epoch_windows = int(self.per_chunk.sum())
         if self.epoch_windows == 0:
             raise DataError(

@@ -98,6 +98,11 @@ def make_reader(
     return ShardReader(corpus.train_shards[index], d.batch_size, cfg.model.context, cfg.seed, index)
 
 
+def unit_plan(cfg: RunConfig) -> UnitPlan:
+    """The units of ``cfg``'s prepared data set (``data.assign = "units"``)."""
+    return UnitPlan(cached_dataset(cfg.data.source), cfg.model.context, cfg.seed)
+
+
 def make_validation(cfg: RunConfig) -> list[np.ndarray]:
     """The fixed held-out batches, the same for every learner and syncer."""
     d = cfg.data
@@ -177,7 +182,7 @@ def simulate(
     val = make_validation(cfg)
     units = None
     if cfg.data.assign == "units":
-        units = UnitPlan(cached_dataset(cfg.data.source), cfg.model.context, cfg.seed)
+        units = unit_plan(cfg)
     run = _Run(cfg, trainer, val, progress)
     if cfg.mode == "dp":
         ledger = MemoryLedger(units) if units else None

@@ -33,7 +33,17 @@ from typing import Protocol
 
 import numpy as np
 
-from diloco.dataset import SHUFFLE_CHUNKS, DataError, Dataset, Group, WindowReader, read_group
+from diloco.dataset import (
+    SHUFFLE_CHUNKS,
+    DataError,
+    Dataset,
+    Group,
+    WindowReader,
+    chunk_windows,
+    read_group,
+)
+
+UNIT_SEED = 0x756E6974  # "unit": the units' shuffles are not any dealt reader's
 
 
 @dataclass(frozen=True, order=True)
@@ -76,7 +86,7 @@ class UnitPlan:
         self.dataset, self.context, self.seed = dataset, context, seed
         self.shuffle_chunks = shuffle_chunks
         self.chunks = dataset.chunks("train")
-        self.per_chunk = np.array([max(0, (c.tokens - 1) // context) for c in self.chunks])
+        self.per_chunk = chunk_windows(self.chunks, context)
         if not self.per_chunk.sum():
             raise DataError(f"{dataset.url} holds no training window of {context + 1} tokens")
         self.units = -(-len(self.chunks) // shuffle_chunks)
@@ -87,7 +97,7 @@ class UnitPlan:
         """The epoch's chunk order (the newest epoch's kept: it is linear in the chunks)."""
         with self._lock:
             if self._order[0] != epoch:
-                rng = np.random.default_rng((self.seed, epoch, 0x756E6974))  # "unit"
+                rng = np.random.default_rng((self.seed, epoch, UNIT_SEED))
                 self._order = (epoch, rng.permutation(len(self.chunks)))
             return self._order[1]
 
@@ -98,11 +108,17 @@ class UnitPlan:
     def windows(self, epoch: int, unit: int) -> int:
         return int(self.per_chunk[self.unit_chunks(epoch, unit)].sum())
 
+    def fresh(self, k: int, pool: tuple[int, int]) -> Span:
+        """The whole of pool ``pool``'s ``k``-th fresh unit (``pool_unit``); it holds no
+        window when its chunks are all shorter than one (a ledger skips it)."""
+        epoch, unit = pool_unit(k, pool, self.units)
+        return Span(epoch, unit, 0, self.windows(epoch, unit))
+
     def read(self, epoch: int, unit: int) -> Group:
         """The unit's chunks and its windows in the order every holder of it follows."""
         return read_group(self.dataset, self.chunks, self.per_chunk,
                           self.unit_chunks(epoch, unit), self.context,
-                          (self.seed, epoch, unit, 0x756E6974))  # fmt: skip
+                          (self.seed, epoch, unit, UNIT_SEED))  # fmt: skip
 
 
 class UnitLedger(Protocol):
@@ -149,9 +165,8 @@ class MemoryLedger:
         else:
             span = Span(0, 0, 0, 0)
             while not span.windows:  # a unit of chunks shorter than a window holds none
-                epoch, unit = pool_unit(self.fresh, self.pool, self.plan.units)
+                span = self.plan.fresh(self.fresh, self.pool)
                 self.fresh += 1
-                span = Span(epoch, unit, 0, self.plan.windows(epoch, unit))
         self.held.setdefault(learner, []).append(span)
         return span
 

@@ -41,10 +41,10 @@ from diloco.learner import LearnerCheckpoint
 from diloco.loops import Clock, GlobalView, LearnerLoop, WallClock, drive
 from diloco.outer import Contribution
 from diloco.quantize_device import outer_gradient
-from diloco.simulate import cached_dataset
+from diloco.simulate import cached_dataset, unit_plan
 from diloco.topology import learner_id, learner_index
 from diloco.transport import StoreLearnerView
-from diloco.units import UnitPlan, UnitReader
+from diloco.units import UnitReader
 from flows.bucket_io import HostPart
 from flows.hosts import join as join_group
 from flows.ledger import BucketLedger, region_ledger
@@ -503,14 +503,7 @@ class LearnerRuntime:
         it takes from its region's pool in its own bucket (``flows.ledger``)."""
         if self.cfg.data.assign != "units":
             return reader(self.cfg, self.index)
-        if self.processes > 1:
-            raise ValueError(
-                "data.assign = 'units' is not yet read by a learner of several processes "
-                f"(pipeline.learner_processes={self.processes}): its followers would have "
-                "to follow the spans process 0 takes; give data.assign = 'slots'"
-            )
-        units = UnitPlan(cached_dataset(self.cfg.data.source), self.cfg.model.context,
-                         self.cfg.seed)  # fmt: skip
+        units = unit_plan(self.cfg)  # one process (the config refuses several)
         self.ledger = region_ledger(self.store.writer_for(self.id), units, spec["learners"],
                                     self.region)  # fmt: skip
         return UnitReader(units, self.id, self.ledger, self.cfg.data.batch_size)
@@ -637,7 +630,7 @@ class LearnerRuntime:
         if written and self.ledger is not None:  # its data from here on, to the others
             try:
                 self.ledger.release(self.id, self.step * self.cfg.data.batch_size)
-            except OSError as exc:  # its slot keeps the spans: a rejoin trains them
+            except (OSError, ValueError) as exc:  # its slot keeps them: a rejoin trains them
                 self.log.error("preempted: learner %s could not give its data back (%s); "
                                "its slot keeps it", self.label, exc)  # fmt: skip
         self.write_status("preempted")

@@ -27,7 +27,7 @@ from dataclasses import astuple
 from typing import Any
 
 from diloco.data import DataError
-from diloco.units import Span, UnitPlan, cut, pool_unit
+from diloco.units import Span, UnitPlan, cut
 from storage_layout.store import RunStore
 
 
@@ -107,8 +107,7 @@ class BucketLedger:
                 return self._took(learner, span, claim)
         while True:
             self._fresh = self.store.claim_fresh_unit(learner, self._fresh or None)
-            epoch, unit = pool_unit(self._fresh - 1, self.pool, self.plan.units)
-            span = Span(epoch, unit, 0, self.plan.windows(epoch, unit))
+            span = self.plan.fresh(self._fresh - 1, self.pool)
             if span.windows:  # a unit of chunks shorter than a window holds none
                 return self._took(learner, span, f"fresh-{self._fresh}")
 
@@ -127,9 +126,8 @@ class BucketLedger:
                     taken.add(record.get("claim"))
                 elif not isinstance(record, dict):
                     raise DataError(f"{prefix}/s{n:012d}.json is not a record")
-        units = self.plan.units
         fresh = [f"fresh-{n}" for n in self.store.fresh_claims()  # an empty unit: no take
-                 if self.plan.windows(*pool_unit(n - 1, self.pool, units))]  # fmt: skip
+                 if self.plan.fresh(n - 1, self.pool).windows]  # fmt: skip
         returned = sorted(self.store.returned_claims())
         return [c for c in fresh + returned if c not in taken]
 

@@ -176,10 +176,13 @@ class RunLayout:
         """Claims of units no one had (``s{N}.json``: unit N - 1 over all epochs)."""
         return f"{self.run}/units/fresh"
 
+    def units_returned_folder(self) -> str:
+        return f"{self.run}/units/returned"
+
     def units_returned(self, claim: str) -> str:
         """The claim of a span given back (``claim``: the record that gave it back and the
         span's place in it), written once by the learner that takes it."""
-        return f"{self.run}/units/returned/{check_name('claim', claim)}.json"
+        return f"{self.units_returned_folder()}/{check_name('claim', claim)}.json"
 
     def checkpoint_commits(self, learner: str) -> str:
         return f"{self.run}/learners/{check_name('learner', learner)}/checkpoints/commits"

@@ -471,13 +471,17 @@ class RunStore:
         )
 
     # learner generations -------------------------------------------------------------
+    def _record(self, fields: Mapping[str, Any]) -> bytes:
+        """``fields`` as a write-once record: with who wrote it, from where, and when (a
+        retried write finds its own bytes: ``put_next``, ``_holds``)."""
+        return json.dumps({**fields, "writer": self.writer, "host": socket.gethostname(),
+                           "pid": os.getpid(), "time": time.time()}).encode()  # fmt: skip
+
     def claim_generation(self, learner: str) -> int:
         """Claim the next generation of ``learner`` in its home region (an exclusive
         create, so two starters never share one). A process holding an older generation
         is fenced off: it must stop once it sees a newer one."""
-        claim = {"writer": self.writer, "host": socket.gethostname(), "pid": os.getpid(),
-                 "time": time.time()}  # fmt: skip
-        return self.put_next(self.layout.lease_commits(learner), json.dumps(claim).encode())
+        return self.put_next(self.layout.lease_commits(learner), self._record({}))
 
     def put_next(
         self, prefix: str, body: bytes | Callable[[int], bytes], after: int | None = None
@@ -538,8 +542,7 @@ class RunStore:
                 before = _read_json(self.home, f"{prefix}/s{number(n - 1)}.json")
                 first = max(first, int(before["end"]))
             block.update(first=first, end=first + count)
-            return json.dumps({**block, "writer": self.writer, "host": socket.gethostname(),
-                               "pid": os.getpid(), "time": time.time()}).encode()  # fmt: skip
+            return self._record(block)
 
         n = self.put_next(prefix, claim, after)
         return n, block["first"], block["end"]
@@ -582,13 +585,9 @@ class RunStore:
         return (numbers[-1], record) if isinstance(record, dict) else None
 
     # data units ------------------------------------------------------------------
-    def _record(self, fields: Mapping[str, Any]) -> bytes:
-        return json.dumps({**fields, "writer": self.writer, "host": socket.gethostname(),
-                           "pid": os.getpid(), "time": time.time()}).encode()  # fmt: skip
-
     def put_unit_record(self, learner: str, record: Mapping[str, Any]) -> int:
         """Add ``record`` (a span taken, or a stream given back) to ``learner``'s data
-        ledger at home, written once; returns its number."""
+        ledger in this store's home (its region's bucket), written once; its number."""
         return self.put_next(self.layout.unit_records(learner), lambda n: self._record(record))
 
     def unit_records(self, learner: str, after: int = 0) -> list[tuple[int, Any]]:
@@ -600,8 +599,9 @@ class RunStore:
 
     def claim_fresh_unit(self, learner: str, after: int | None = None) -> int:
         """Claim the next unit no one had (an exclusive create: each unit once); returns
-        its claim's number N (unit N - 1 over all epochs). ``after``: the newest claim
-        number the caller saw, to try the next without a listing."""
+        its claim's number N (the pool's unit N - 1, ``diloco.units.pool_unit``).
+        ``after``: the newest claim number the caller saw, to try the next without a
+        listing."""
         return self.put_next(self.layout.units_fresh(), lambda n: self._record({"learner": learner}),
                              after)  # fmt: skip
 
@@ -621,7 +621,7 @@ class RunStore:
 
     def returned_claims(self) -> set[str]:
         """The claims of spans given back, taken so far (one listing)."""
-        prefix = self.layout.units_returned("x").rsplit("/", 1)[0]
+        prefix = self.layout.units_returned_folder()
         names = patiently(lambda: self.home.list(prefix), f"listing {prefix}")
         return {n.removesuffix(".json") for n in names if n.endswith(".json")}
 

@@ -272,6 +272,10 @@ def test_units_take_a_prepared_data_set_and_a_bad_ledger_record_is_named(prepare
     with pytest.raises(DataError, match=r"data.assign = 'units' takes a prepared data set"):
         initialize_run(store, load_config("tiny", overrides=["data.assign=units"]))
     assert not list((tmp_path / "us").iterdir())  # nothing written
+    from diloco.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"not yet read by a learner of several processes"):
+        load_config("tiny", overrides=["data.assign=units", "pipeline.learner_processes=2"])
     plan = UnitPlan(open_dataset(prepared), context=64, seed=0)
     ledger = BucketLedger(store, plan, ["learner-0"])
     span = ledger.take("learner-0")
