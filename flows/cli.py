@@ -863,11 +863,13 @@ def audited_regions(run: str, items: list[str]) -> dict[str, str]:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
+    from flows.ledger import audit_units
     from storage_layout.audit import INVARIANTS, audit_run
 
     if not args.run:
         raise ConfigError("--audit needs --run NAME (the run whose invariants to check)")
     report = audit_run(args.run, audited_regions(args.run, args.url))
+    audit_units(report)
     if args.json:
         print(json.dumps(report.as_dict(), indent=1, sort_keys=True))
         return 0 if report.ok else 1
@@ -890,6 +892,13 @@ def cmd_audit(args: argparse.Namespace) -> int:
     for learner, spans in sorted(report.data.items()):
         ranges = ", ".join(f"{lo}-{hi}" for lo, hi in spans)
         out.print(f"data merged from {learner} (its batches, [from, to)): {ranges}")
+    for region, pool in sorted(report.units.items()):
+        back = pool["given_back_waiting"]
+        windows = sum(end - start for _, _, start, end in back)
+        orphans = ", ".join(pool["orphan_claims"]) or "none"
+        out.print(f"data units of {region}'s pool: {pool['units_handed_out']} handed out, "
+                  f"{len(back)} spans ({windows} windows) given back and not taken yet, "
+                  f"claims no learner recorded: {orphans}")  # fmt: skip
     for learner, acc in sorted(report.learners.items()):
         tokens = ", ".join(f"{k} {v:,}" for k, v in acc["tokens"].items() if v)
         unsent = "" if acc.get("unsent") is None else f", unsent {acc['unsent']}"

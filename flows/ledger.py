@@ -28,6 +28,7 @@ from typing import Any
 
 from diloco.data import DataError
 from diloco.units import Span, UnitPlan, cut
+from storage_layout.audit import AuditReport
 from storage_layout.store import RunStore
 
 
@@ -56,6 +57,8 @@ class BucketLedger:
         # learner -> (newest record read, spans held, [(claim, span) given back])
         self._read: dict[str, tuple[int, list[Span], list[tuple[str, Span]]]] = {}
         self._fresh = 0  # the newest fresh claim number seen
+        # learner -> its own claims with no record (``_orphans_of``), looked for once
+        self._owed: dict[str, list[tuple[Span, str]]] = {}
 
     def _span(self, value: Any, where: str) -> Span:
         ok = isinstance(value, list) and len(value) == 4
@@ -102,6 +105,10 @@ class BucketLedger:
         return [span for span, _ in self._pool()]
 
     def take(self, learner: str) -> Span:
+        if learner not in self._owed:  # once a process: its own claims with no record
+            self._owed[learner] = self._orphans_of(learner)
+        if self._owed[learner]:
+            return self._took(learner, *self._owed[learner].pop(0))
         for span, claim in self._pool():  # given back first, oldest epoch first
             if self.store.claim_returned(claim, learner):
                 return self._took(learner, span, claim)
@@ -115,9 +122,27 @@ class BucketLedger:
         self.store.put_unit_record(learner, {"take": list(astuple(span)), "claim": claim})
         return span
 
+    def _orphans_of(self, learner: str) -> list[tuple[Span, str]]:
+        """The spans ``learner`` claimed and recorded no take of (its process died
+        between the two), with their claims: it takes them again before anything else, so
+        no unit is left claimed and trained by no one. Only the claim's own learner may,
+        as only one process of a learner trains (its generation): another learner's
+        orphan might be a take still under way."""
+        back = {claim: span for lid in self.learners for claim, span in self._replay(lid)[1]}
+        out = []
+        for claim in self.orphans():
+            record = self.store.unit_claim(claim)
+            if isinstance(record, dict) and record.get("learner") == learner:
+                if claim.startswith("fresh-"):
+                    out.append((self.plan.fresh(int(claim[6:]) - 1, self.pool), claim))
+                elif claim in back:
+                    out.append((back[claim], claim))
+        return sorted(out)
+
     def orphans(self) -> list[str]:
         """Claims no learner's ledger took: a take that died between its claim and its
-        record (its span is trained by no one)."""
+        record (its span is trained by no one, until its learner takes again:
+        ``_orphans_of``)."""
         taken = set()
         for lid in self.learners:
             prefix = self.store.layout.unit_records(lid)
@@ -136,3 +161,51 @@ class BucketLedger:
         if back:
             returned = [list(astuple(s)) for s in back]
             self.store.put_unit_record(learner, {"release": at, "returned": returned})
+
+
+def audit_units(report: AuditReport) -> None:
+    """The audit's ``data-once`` across learners when the run takes its data in units
+    (``storage_layout.audit`` checks each learner's own): the windows that each
+    learner's merged batches (``report.data``, positions of its stream) read, through
+    its region's ledger, are read by no other learner's; and each region's pool goes
+    into ``report.units``. A ledger record that does not check (a forged span, a release
+    that gives back what its learner did not hold) fails the invariant by its key."""
+    from diloco.config import validate_config
+    from diloco.simulate import unit_plan
+
+    urls, run = report.regions, report.run
+    spec = RunStore(run, urls, next(iter(urls)), writer="audit").read_spec()
+    cfg = validate_config({**spec["config"], "pipeline": {}})
+    if cfg.data.assign != "units":
+        return
+    plan, learners, batch = unit_plan(cfg), dict(spec["learners"]), cfg.data.batch_size
+    merged: dict[tuple[int, int], list[tuple[int, int, str]]] = {}
+    for region in region_pools(learners):
+        store = RunStore(run, urls, region, writer="audit")
+        ledger = region_ledger(store, plan, learners, region)
+        try:
+            for lid in ledger.learners:
+                stream = ledger.spans(lid)
+                for lo, hi in report.data.get(lid, []):
+                    read = cut(cut(stream, hi * batch)[0], lo * batch)[1]
+                    if sum(s.windows for s in read) < (hi - lo) * batch:
+                        report.fail("data-once", f"{lid} merged batches {lo}-{hi}, past the "
+                                    f"{sum(s.windows for s in stream)} windows its data "
+                                    f"ledger holds")  # fmt: skip
+                    for s in read:
+                        merged.setdefault((s.epoch, s.unit), []).append((s.start, s.end, lid))
+            report.units[region] = {
+                "units_handed_out": len(store.fresh_claims()),
+                "given_back_waiting": [list(astuple(s)) for s in ledger.given_back()],
+                "orphan_claims": ledger.orphans(),
+            }
+        except DataError as exc:
+            report.fail("data-once", f"{region}: {exc}")
+    for (epoch, unit), parts in sorted(merged.items()):
+        end, by = -1, ""
+        for start, stop, lid in sorted(parts):
+            if start < end:
+                report.fail("data-once", f"epoch {epoch} unit {unit}: windows {start}-"
+                            f"{min(end, stop)} merged from {by} and from {lid}")  # fmt: skip
+            if stop > end:
+                end, by = stop, lid

@@ -36,7 +36,11 @@ The audit reads them and checks, naming the objects that break each invariant:
 - ``data-once``: the data a learner's merged contributions to one fragment trained (their
   ``data`` positions, [from, to) of the learner's batches) do not overlap between
   anchors: no batch of a learner reached a fragment twice, also across its restarts
-  (sends from one anchor are cumulative, so they overlap each other by design);
+  (sends from one anchor are cumulative, so they overlap each other by design); with
+  ``data.assign = "units"`` also across learners: the windows of the spans each
+  learner's merged batches read (its data ledger) are apart from every other learner's
+  (``flows.ledger.audit_units``, which ``diloco inspect --audit`` runs after this one:
+  the data set's units are a training type);
 - ``tokens-balance``: the tokens the versions say they merged equal the new tokens of
   the contributions merged or superseded (a send from an anchor carries all its steps so
   far, so each one's new tokens are its count less its predecessor's from that anchor);
@@ -132,6 +136,10 @@ class AuditReport:
     # sent (batches), unsent, and tokens by outcome (each fragment's sends carry all of
     # the learner's steps: the mean over fragments).
     learners: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Per region, its data ledger's pool (``data.assign = "units"``, filled by
+    # ``flows.ledger.audit_units``): units handed out, spans given back and waiting,
+    # claims no learner recorded.
+    units: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Per learner and fragment, the end of the data its committed sends carry.
     _sent_to: dict[str, dict[int, int]] = field(default_factory=dict, repr=False)
 
@@ -149,7 +157,7 @@ class AuditReport:
             "lagging": self.lagging, "outcomes": self.outcomes, "tokens": self.tokens,
             "versions": self.versions, "objects_verified": self.objects,
             "rejections": self.rejections, "unread_damage": self.unread_damage,
-            "data": self.data, "learners": self.learners,
+            "data": self.data, "learners": self.learners, "units": self.units,
         }  # fmt: skip
 
 

@@ -609,6 +609,16 @@ class RunStore:
         """The numbers of the fresh units' claims (one listing)."""
         return self._numbers(self.home, self.layout.units_fresh(), "s")
 
+    def unit_claim(self, claim: str) -> Any:
+        """The record of a unit's claim as stored (JSON: check it): ``fresh-N`` (fresh
+        claim N) or the name of a span given back (``units_returned``)."""
+        fresh = claim.removeprefix("fresh-")
+        if fresh != claim and fresh.isdigit():
+            key = f"{self.layout.units_fresh()}/s{number(int(fresh))}.json"
+        else:
+            key = self.layout.units_returned(claim)
+        return _read_json(self.home, key)
+
     def claim_returned(self, claim: str, learner: str) -> bool:
         """Claim span ``claim`` that someone gave back (an exclusive create); False when
         another learner claimed it first."""

@@ -136,6 +136,7 @@ def test_a_simulated_run_whose_learners_come_and_go_trains_each_window_once(
         store = simulation_store("u", regions)
     result = simulate(cfg, store=store)
     if through == "bucket":
+        from flows.ledger import audit_units
         from storage_layout.audit import audit_run
 
         learners = RunStore("u", regions, "us").read_spec()["learners"]
@@ -146,7 +147,22 @@ def test_a_simulated_run_whose_learners_come_and_go_trains_each_window_once(
             assert [astuple(s) for s in again.spans(lid)] == [tuple(s) for s in spans], lid
             assert again.orphans() == []
         report = audit_run("u", regions)  # the ledger's records are the layout's own
+        audit_units(report)  # no window merged from two learners
         assert report.ok, report.violations
+        assert set(report.units) == {"us", "eu"}
+        assert all(pool["orphan_claims"] == [] for pool in report.units.values())
+        # A take record rewritten to name another learner's first span: the audit names
+        # the windows both merged.
+        a, b = "learner-0", "learner-3"
+        assert report.data[a][0][0] == report.data[b][0][0] == 0, report.data
+        first = {lid: tmp_path / learners[lid] / "u" / "learners" / lid / "units" /
+                 "s000000000001.json" for lid in (a, b)}  # fmt: skip
+        first[b].write_bytes(first[a].read_bytes())
+        forged = audit_run("u", regions)
+        audit_units(forged)
+        found = forged.violations["data-once"]
+        assert any(f"merged from {a} and from {b}" in v or f"merged from {b} and from {a}" in v
+                   for v in found), found  # fmt: skip
     # Each learner's merged data is its stream up to its newest send (its final sends
     # carry every step it trained; one that left unannounced lost the steps after).
     sent: dict[str, int] = {}
@@ -220,6 +236,41 @@ def test_learners_racing_for_units_through_a_bucket_each_get_their_own(prepared,
     assert sorted(taken)[:6] == sorted(back) and len(set(taken)) == 9  # the returns first
     assert ledgers["learner-2"].given_back() == []
     assert ledgers["learner-3"].orphans() == []
+
+
+def test_a_take_that_died_between_its_claim_and_its_record_is_taken_again_by_its_learner(
+    prepared, tmp_path
+):
+    """A learner process killed after it claimed a span and before it recorded the take
+    leaves a claim that no one trains (an orphan): the next process of that learner takes
+    it first; another learner's ledger leaves it alone (it may be a take under way)."""
+    from flows.ledger import BucketLedger
+    from storage_layout.store import RunStore
+
+    regions = {"us": f"file://{tmp_path / 'us'}"}
+    (tmp_path / "us").mkdir()
+    plan = UnitPlan(open_dataset(prepared), context=64, seed=0)
+    ids = ["learner-0", "learner-1", "learner-2"]
+
+    def ledger(lid):  # a new process's ledger
+        return BucketLedger(RunStore("o", regions, "us", writer=lid), plan, ids)
+
+    ledger("learner-1").take("learner-1")
+    ledger("learner-1").release("learner-1", 5)  # gives back the rest of its unit
+    dying = RunStore("o", regions, "us", writer="learner-0")
+    fresh = dying.claim_fresh_unit("learner-0")  # ... and the process dies here
+    back = "learner-1-s2-0"  # span 0 that learner-1's record 2 gave back
+    assert dying.claim_returned(back, "learner-0")  # (another of its lives)
+    assert sorted(ledger("learner-2").orphans()) == sorted([f"fresh-{fresh}", back])
+    other = ledger("learner-2").take("learner-2")
+    assert other == plan.fresh(fresh, (0, 1))  # the next unit: not an orphan of another
+    again = ledger("learner-0")
+    took = [again.take("learner-0"), again.take("learner-0"), again.take("learner-0")]
+    first = plan.fresh(0, (0, 1))  # learner-1's unit, from window 5 on
+    returned = Span(first.epoch, first.unit, 5, first.end)
+    assert sorted(took[:2]) == sorted([plan.fresh(fresh - 1, (0, 1)), returned])
+    assert took[2] == plan.fresh(fresh + 1, (0, 1))  # then on as before
+    assert again.orphans() == []
 
 
 def test_a_learner_worker_takes_units_from_its_regions_bucket_and_gives_back_as_it_leaves(
