@@ -618,13 +618,6 @@ class RunConfig(_Strict):
             )
         if self.topology.quorum is not None and self.topology.quorum > m:
             raise ValueError(f"topology.quorum {self.topology.quorum} exceeds learners {m}")
-        if self.data.assign == "units" and self.pipeline.learner_processes > 1:
-            raise ValueError(
-                "data.assign = 'units' is not yet read by a learner of several processes "
-                f"(pipeline.learner_processes={self.pipeline.learner_processes}): its "
-                "followers would have to follow the spans process 0 takes; give "
-                "data.assign = 'slots'"
-            )
         if self.topology.quorum_share is not None:
             if self.topology.quorum is not None:
                 raise ValueError(

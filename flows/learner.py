@@ -47,7 +47,7 @@ from diloco.transport import StoreLearnerView
 from diloco.units import UnitReader
 from flows.bucket_io import HostPart
 from flows.hosts import join as join_group
-from flows.ledger import BucketLedger, region_ledger
+from flows.ledger import BucketLedger, FollowedLedger, region_ledger
 from flows.observe import artifact_key, run_logger, tag_flow_run, worker_tags
 from flows.run import bucket_store, build_model, config_from_spec, reader
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV
@@ -440,7 +440,7 @@ class LearnerRuntime:
         io: Callable[[StoreLearnerView], Any] | None = None,
     ):
         self.log = run_logger("diloco.learner")
-        self.ledger: BucketLedger | None = None  # with data.assign = "units"
+        self.ledger: BucketLedger | FollowedLedger | None = None  # data.assign = "units"
         opened = time.time()
         spec = RunStore(run, {region: bucket}, region, writer=learner).read_spec()
         if spec["learners"].get(learner) != region:
@@ -503,9 +503,12 @@ class LearnerRuntime:
         it takes from its region's pool in its own bucket (``flows.ledger``)."""
         if self.cfg.data.assign != "units":
             return reader(self.cfg, self.index)
-        units = unit_plan(self.cfg)  # one process (the config refuses several)
-        self.ledger = region_ledger(self.store.writer_for(self.id), units, spec["learners"],
-                                    self.region)  # fmt: skip
+        units = unit_plan(self.cfg)
+        ledger = region_ledger(self.store.writer_for(self.id), units, spec["learners"],
+                               self.region)  # fmt: skip
+        # Over several processes, process 0 takes; the others follow its records.
+        self.ledger = ledger if self.leader else FollowedLedger(
+            ledger, self.cfg.pipeline.poll_seconds, self.log)  # fmt: skip
         return UnitReader(units, self.id, self.ledger, self.cfg.data.batch_size)
 
     def _compile(self) -> None:

@@ -22,6 +22,7 @@ dies between the two leaves a unit claimed that no one trains (``orphans`` names
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import astuple
 from typing import Any
@@ -209,3 +210,40 @@ def audit_units(report: AuditReport) -> None:
                             f"{min(end, stop)} merged from {by} and from {lid}")  # fmt: skip
             if stop > end:
                 end, by = stop, lid
+
+
+class FollowedLedger:
+    """A learner's ledger as a follower process of it sees it (a learner of several
+    processes, ``pipeline.learner_processes > 1``: every process reads the same batches).
+    Process 0 takes and gives back; a follower reads process 0's records, so its stream
+    is the same spans in the same order. A take waits until process 0 has recorded it:
+    process 0 records a take before it reads the span, and the processes step together.
+    A follower never writes to the ledger."""
+
+    def __init__(self, ledger: BucketLedger, poll: float = 0.05, log: Any = None):
+        self.ledger, self.plan, self.poll, self.log = ledger, ledger.plan, poll, log
+        self._next = 0  # the next span of the stream this process reads
+
+    def spans(self, learner: str) -> list[Span]:
+        held = self.ledger.spans(learner)
+        self._next = len(held)
+        return held
+
+    def take(self, learner: str) -> Span:
+        started = last = time.monotonic()
+        while True:
+            held = self.ledger.spans(learner)
+            if len(held) > self._next:
+                self._next += 1
+                return held[self._next - 1]
+            if self.log is not None and time.monotonic() - last > 60:
+                last = time.monotonic()
+                self.log.warning("waiting %.0f s for process 0 of %s to take span %d of "
+                                 "its data", last - started, learner, self._next)  # fmt: skip
+            time.sleep(self.poll)
+
+    def release(self, learner: str, at: int) -> None:
+        """Nothing: process 0 gives the learner's stream back."""
+
+    def given_back(self) -> list[Span]:
+        return self.ledger.given_back()

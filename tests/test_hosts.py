@@ -60,8 +60,11 @@ rt.close()
 """
 
 
-def _run(tmp_path: Path, name: str, fsdp: int = 1) -> tuple[str, str, str, dict]:
-    cfg = load_config("tiny", overrides=[*OVERRIDES, f"pipeline.fsdp={fsdp}"])
+def _run(tmp_path: Path, name: str, fsdp: int = 1, units: str | None = None
+         ) -> tuple[str, str, str, dict]:  # fmt: skip
+    """A run of one learner; ``units``: a prepared data set it takes in units."""
+    data = [f"data.source={units}", "model.vocab_size=512", "data.assign=units"] if units else []
+    cfg = load_config("tiny", overrides=[*OVERRIDES, f"pipeline.fsdp={fsdp}", *data])
     (tmp_path / name).mkdir()
     bucket = f"file://{tmp_path / name}"
     spec = initialize_run(RunStore(name, {"us": bucket}, "us", writer="launcher"), cfg)
@@ -96,6 +99,12 @@ def _parts(name: str, bucket: str, lid: str) -> dict[str, int] | None:
             for group, boxes in meta["parts"].items()}  # fmt: skip
 
 
+def _takes(name: str, bucket: str, lid: str) -> list:
+    """The spans the learner's data ledger records it took, in order."""
+    store = RunStore(name, {"us": bucket}, "us")
+    return [r["take"] for _, r in store.unit_records(lid) if "take" in r]
+
+
 class _Restored:
     def __init__(self, step: int, opt_state):
         import jax
@@ -124,11 +133,18 @@ def test_a_learner_over_two_processes_sends_what_one_process_sends(tmp_path, mon
     agrees to 1e-6 absolute: float32 sums over a batch split differently between devices
     and processes differ in their last bits (1.2e-7 at most, seen), against outer
     gradients up to ~8e-3. Followers that trained on other data, or missed an update,
-    would differ by far more."""
-    found, ckpts, parts = {}, {}, {}
+    would differ by far more. The data is taken in units (``data.assign = "units"``)
+    small enough that the run takes several: process 0 takes them, the other process
+    follows its records (``flows.ledger.FollowedLedger``), and every process reads the
+    same stream."""
+    from tests.test_units import prepare_stdlib
+
+    (tmp_path / "data").mkdir()
+    units = prepare_stdlib(tmp_path / "data", chunk_tokens=256)
+    found, ckpts, parts, takes = {}, {}, {}, {}
     for processes, devices, fsdp in ((2, 2, 1), (2, 2, 4), (1, 4, 1), (1, 1, 1)):
         name = f"p{processes}d{devices}" + (f"f{fsdp}" if fsdp > 1 else "")
-        bucket, lid, pipeline, _ = _run(tmp_path, name, fsdp)
+        bucket, lid, pipeline, _ = _run(tmp_path, name, fsdp, units)
         command = [sys.executable, "-c", DRIVER, name, bucket, "us", lid, pipeline]
         for key, value in _env(devices).items():
             monkeypatch.setenv(key, value)
@@ -137,6 +153,7 @@ def test_a_learner_over_two_processes_sends_what_one_process_sends(tmp_path, mon
             assert run_group(command, processes) == 0, name
             assert RunStore(name, {"us": bucket}, "us").newest_generation(lid) == 2
         found[name] = _contributions(name, bucket, lid)
+        takes[name] = _takes(name, bucket, lid)
         ckpts[name] = _checkpoint(name, bucket, lid)
         parts[name] = _parts(name, bucket, lid)
     two, four, one = found["p2d2"], found["p1d4"], found["p1d1"]
@@ -158,6 +175,8 @@ def test_a_learner_over_two_processes_sends_what_one_process_sends(tmp_path, mon
                     np.testing.assert_allclose(value, other[key][n], atol=1e-6, rtol=0)
                     largest = max(largest, float(np.abs(value).max()))
     assert largest > 1e-3  # they trained: the gradients are far above the tolerance
+    # Each took the same spans, several, and recorded each once (process 0 only).
+    assert len(takes["p1d1"]) > 2 and all(t == takes["p1d1"] for t in takes.values()), takes
     # The checkpoints written over 4 devices (2 processes, or 1) restore in this process,
     # on fewer devices, and hold one optimizer state.
     import jax

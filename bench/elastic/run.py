@@ -22,6 +22,12 @@ work (seconds and in round lengths: the median interval between a permanent lear
 sends of one fragment) and whether the audit is clean.
 
     python bench/elastic/run.py [--tokens 2000000] [--fixed 4] [--slots 6] [--permanent 2]
+        [--data PREPARED --vocab 512 --assign units]
+
+With ``--data`` (a data set of ``diloco data prepare``) both runs train on it, its chunks
+reaching learners as ``--assign`` says: ``units`` (``data.assign = "units"``: taken as
+learners need them, given back by one that is preempted; the audit also checks that no
+window was merged from two learners) or ``slots`` (dealt to the slots once).
 
 Writes bench/elastic/results.md and results.json. A benchmark, on the wall clock: the
 schedule is seeded, the machine's speed is not.
@@ -61,6 +67,9 @@ COMMON = [
 def train_argv(name: str, root: Path, args: argparse.Namespace, sets: list[str]) -> list[str]:
     url = f"file://{root / name / 'bucket'}"
     sets = [f"budget.tokens={args.tokens}", f"seed={args.seed}", *COMMON, *sets]
+    if args.data:
+        sets += [f"data.source={args.data}", f"model.vocab_size={args.vocab}",
+                 f"data.assign={args.assign}"]  # fmt: skip
     return [sys.executable, "-m", "flows.cli", "train", "--run", name, "--dir", str(root),
             "--mode", "decoupled", "--create-buckets", "--region", f"{REGION}={url}",
             *[x for s in sets for x in ("--set", s)]]  # fmt: skip
@@ -172,6 +181,7 @@ def measure(
     in the process that then trains)."""
     from diloco import records
     from diloco.topology import learner_index
+    from flows.ledger import audit_units
     from flows.run import build_model, config_from_spec
     from storage_layout.audit import audit_run
     from storage_layout.store import RunStore
@@ -180,6 +190,7 @@ def measure(
     store = RunStore(name, {REGION: url}, REGION)
     spec = store.read_spec()
     report = audit_run(name, {REGION: url})
+    audit_units(report)  # with data.assign = "units": no window merged from two learners
     fragments = len(spec["fragments"])
     versions: list[tuple[float, int, set]] = []  # (time, fragment, consumed (learner, seq))
     merged_seconds = []
@@ -278,6 +289,10 @@ def main() -> None:
     parser.add_argument("--lifetime", type=float, default=40.0,
                         help="mean seconds a spot learner lives before its preemption")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data", help="a prepared data set (diloco data prepare) to train on")
+    parser.add_argument("--vocab", type=int, default=4096, help="its vocabulary")
+    parser.add_argument("--assign", choices=("units", "slots"), default="units",
+                        help="with --data: how its chunks reach learners (data.assign)")  # fmt: skip
     parser.add_argument("--out", default=str(ROOT / "bench" / "elastic"))
     parser.add_argument("--root", help="where the runs' buckets and logs go (kept)")
     args = parser.parse_args()
