@@ -229,10 +229,10 @@ def _nothing(record: records.Record) -> None:
     pass
 
 
-def resume_step(ckpt: LearnerCheckpoint | None, sent_step: int) -> int:
-    """Where a learner (re)starts: the later of its checkpoint's step and its newest
-    committed send's (``LearnerLoop.start``); its data position too."""
-    return max(ckpt.step if ckpt else 0, sent_step)
+def resume_step(checkpoint_step: int, sent_step: int) -> int:
+    """Where a learner (re)starts: the later of its newest checkpoint's step (0: none)
+    and its newest committed send's (``LearnerLoop.start``); its data position too."""
+    return max(checkpoint_step, sent_step)
 
 
 class LearnerLoop:
@@ -294,7 +294,7 @@ class LearnerLoop:
         # Read as placed, a tensor at a time (a spilled version is never whole in memory).
         init = ChainMap(*[g.params for g in reversed(newest.values())])
         learner = Learner(learner_id, trainer, plan, cfg.topology, init, reader)
-        step = resume_step(ckpt, sent_step)
+        step = resume_step(ckpt.step if ckpt else 0, sent_step)
         learner.resume(step, max(seq, ckpt.seq if ckpt else 0), ckpt.opt_state if ckpt else None)
         for p, g in newest.items():  # new anchors: nothing before the failure continues
             learner.fragments[p].base_version = g.version

@@ -441,7 +441,8 @@ class _Fleet:
             reader = self.readers[i]
             if isinstance(reader, UnitReader):
                 view = self.net.learner_view(self.ids[i])
-                step = resume_step(view.load_checkpoint(), view.sent_so_far()[1])
+                ckpt = view.load_checkpoint()
+                step = resume_step(ckpt.step if ckpt else 0, view.sent_so_far()[1])
                 reader.ledger.release(self.ids[i], step * reader.batch_size)
 
     def rejoin(self, i: int) -> None:

@@ -505,7 +505,7 @@ class LearnerRuntime:
             return reader(self.cfg, self.index)
         units = unit_plan(self.cfg)
         ledger = region_ledger(self.store.writer_for(self.id), units, spec["learners"],
-                               self.region)  # fmt: skip
+                               self.region, self._may_take)  # fmt: skip
         # Over several processes, process 0 takes; the others follow its records.
         self.ledger = ledger if self.leader else FollowedLedger(
             ledger, self.cfg.pipeline.poll_seconds, self.log)  # fmt: skip
@@ -540,14 +540,26 @@ class LearnerRuntime:
         if reason is not None:
             raise Fenced(reason)
 
+    def _may_take(self) -> None:
+        """Before process 0 takes a span of data: ``Fenced`` if it may no longer write
+        as its learner (a data take of a fenced process would hold a span no one trains)."""
+        reason = self._fenced()
+        if reason is not None:
+            raise Fenced(reason)
+
     def _fenced(self) -> str | None:
-        refused = getattr(self.io, "fenced", None)
-        if refused is not None:
-            return f"{self.id}: another process runs as this learner: {refused}"
-        newest = self.store.writer_for(self.id).newest_generation(self.id)
+        own = self.store.writer_for(self.id)
+        newest = own.newest_generation(self.id)
         if newest > self.generation:
+            record = own.generation(self.id, newest)
+            if isinstance(record, dict) and "fence" in record:  # flows.ledger.SilentReleases
+                return (f"{self.id}: fenced off by {record.get('writer')} (generation "
+                        f"{newest}: {record['fence']}), its data given back; this one stops")  # fmt: skip
             return (f"{self.id}: another process took over as generation {newest} (this "
                     f"one is generation {self.generation}); this one stops")  # fmt: skip
+        refused = getattr(self.io, "fenced", None)  # a newer block of seqs
+        if refused is not None:
+            return f"{self.id}: another process runs as this learner: {refused}"
         return None
 
     def train_round(self) -> dict[str, Any]:

@@ -23,11 +23,12 @@ dies between the two leaves a unit claimed that no one trains (``orphans`` names
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import astuple
 from typing import Any
 
 from diloco.data import DataError
+from diloco.loops import resume_step
 from diloco.units import Span, UnitPlan, cut
 from storage_layout.audit import AuditReport
 from storage_layout.store import RunStore
@@ -41,10 +42,10 @@ def region_pools(learners: Mapping[str, str]) -> dict[str, tuple[int, int]]:
 
 
 def region_ledger(store: RunStore, plan: UnitPlan, learners: Mapping[str, str],
-                  region: str) -> BucketLedger:  # fmt: skip
+                  region: str, fenced: Callable[[], None] | None = None) -> BucketLedger:  # fmt: skip
     """The ledger of ``region``'s pool, in ``store`` (a store of that region's bucket)."""
     mine = [lid for lid, r in learners.items() if r == region]
-    return BucketLedger(store, plan, mine, region_pools(learners)[region])
+    return BucketLedger(store, plan, mine, region_pools(learners)[region], fenced)
 
 
 class BucketLedger:
@@ -52,9 +53,13 @@ class BucketLedger:
     for its ``learners``."""
 
     def __init__(self, store: RunStore, plan: UnitPlan, learners: Sequence[str],
-                 pool: tuple[int, int] = (0, 1)):  # fmt: skip
+                 pool: tuple[int, int] = (0, 1),
+                 fenced: Callable[[], None] | None = None):  # fmt: skip
         self.store, self.plan, self.learners = store, plan, list(learners)
         self.pool = pool
+        # Raises if this process may no longer write as its learner (a newer generation:
+        # a restart, or a fence, ``SilentReleases``): checked before each take.
+        self.fenced = fenced
         # learner -> (newest record read, spans held, [(claim, span) given back])
         self._read: dict[str, tuple[int, list[Span], list[tuple[str, Span]]]] = {}
         self._fresh = 0  # the newest fresh claim number seen
@@ -106,6 +111,8 @@ class BucketLedger:
         return [span for span, _ in self._pool()]
 
     def take(self, learner: str) -> Span:
+        if self.fenced is not None:
+            self.fenced()
         if learner not in self._owed:  # once a process: its own claims with no record
             self._owed[learner] = self._orphans_of(learner)
         if self._owed[learner]:
@@ -247,3 +254,69 @@ class FollowedLedger:
 
     def given_back(self) -> list[Span]:
         return self.ledger.given_back()
+
+
+class SilentReleases:
+    """Gives back the data of a learner silent past ``pipeline.member_timeout``
+    (``data.assign = "units"``), which a syncer has dropped from the quorum: without it,
+    its spans would wait for its slot's next learner (a restart or a joiner), and an epoch
+    would go on without them. Run by the syncers (``PipelineSyncerTransport.members``),
+    in two looks at least ``grace`` seconds apart:
+
+    1. **fence**: claim the learner's next generation for no process
+       (``RunStore.fence``, an exclusive create of exactly that number), so that its
+       process, if it is only cut off, commits nothing more; one syncer wins, and none
+       acts when the learner's newest generation is already a fence, or when the learner
+       never wrote a status or holds no span;
+    2. **release**, ``grace`` seconds later (a commit that passed the process's last
+       check lands by then): its stream from where its slot resumes (``resume_step`` of
+       its newest checkpoint and newest committed send, as a restart reads them) is
+       given back, as a preempted learner gives it back itself.
+
+    A learner heard from again is left alone; one silent again is fenced again."""
+
+    def __init__(self, store: Any, plan: UnitPlan, batch: int, log: Any, grace: float = 10.0):
+        self.store, self.plan, self.batch, self.log, self.grace = store, plan, batch, log, grace
+        self._fenced: dict[str, tuple[Any, float]] = {}  # learner -> (its status, when)
+        self._settled: dict[str, Any] = {}  # learner -> the status it was dealt with at
+
+    def tend(self, learner: str, region: str, status: Any, now: float) -> None:
+        """One look at ``learner``, silent with ``status`` (its state, time, step) at
+        ``now`` (the syncer's clock); errors are logged, and the next look tries again."""
+        if self._settled.get(learner) == status:
+            return
+        try:
+            fenced = self._fenced.get(learner)
+            if fenced is None or fenced[0] != status:
+                if self._fence(learner, region):
+                    self._fenced[learner] = (status, now)
+                else:
+                    self._settled[learner] = status
+            elif now - fenced[1] >= self.grace:
+                self._release(learner, region)
+                self._settled[learner] = status
+        except (OSError, ValueError) as exc:  # DataError is a ValueError
+            self.log.error("cannot give back the data of %s, silent: %s", learner, exc)
+
+    def _fence(self, learner: str, region: str) -> bool:
+        own = self.store.writer_for(learner)
+        newest = own.newest_generation(learner)
+        if newest == 0:
+            return False  # never started: it holds nothing (and its slot stays vacant)
+        record = own.generation(learner, newest)
+        if isinstance(record, dict) and "fence" in record:
+            return False  # given back on its behalf already, nobody started since
+        if not region_ledger(own, self.plan, self.store.learners, region).spans(learner):
+            return False
+        return own.fence(learner, newest, "silent past pipeline.member_timeout")
+
+    def _release(self, learner: str, region: str) -> None:
+        own = self.store.writer_for(learner)
+        steps = own.checkpoint_steps(learner)
+        step = resume_step(steps[-1] if steps else 0, self.store.sent_so_far(learner)[1])
+        ledger = region_ledger(own, self.plan, self.store.learners, region)
+        back = cut(ledger.spans(learner), step * self.batch)[1]
+        ledger.release(learner, step * self.batch)
+        self.log.warning("learner %s is silent: its data from step %d on (%d windows) is "
+                         "given back to the learners of %s", learner, step,
+                         sum(s.windows for s in back), region)  # fmt: skip

@@ -33,9 +33,11 @@ from diloco.loops import (
     drive,
 )
 from diloco.outer import Contribution
+from diloco.simulate import unit_plan
 from diloco.syncer import GlobalVersion
 from diloco.topology import shard_fragments, syncer_id
 from flows.bucket_io import BucketStore
+from flows.ledger import SilentReleases
 from flows.observe import artifact_key, run_logger, tag_flow_run, worker_tags
 from flows.run import absence, bucket_store, config_from_spec, worker_done
 from storage_layout.auth import RUN_SECRET_ENV, UNAUTHENTICATED, record_verifies
@@ -63,6 +65,8 @@ class PipelineSyncerTransport:
         self._members_read = -math.inf
         self._joined: dict[str, int] = {}  # the newest join record seen, per learner
         self._heard: dict[str, tuple[Any, float]] = {}  # learner -> (its status, first seen)
+        # Set by the runtime with data.assign = "units": gives back a silent one's data.
+        self.releases: SilentReleases | None = None
         # Retention's own cadence (``pipeline.retention_seconds``): a pass after a
         # publish once this long has gone by since the last (or the start), whatever
         # keep_versions is, so its LIST requests do not grow with the publish rate.
@@ -171,6 +175,9 @@ class PipelineSyncerTransport:
                 self.log.warning("learner %s is counted towards the quorum again", learner)
             if gone is None:  # a join record since the last look: say who took the slot
                 self._note_join(learner, region)
+            status = self._heard.get(learner, ((None,), 0.0))[0]
+            if gone is not None and self.releases and status[0] not in (None, "preempted"):
+                self.releases.tend(learner, region, status, now)  # silent, once it started
         self._members = members
         return members
 
@@ -303,6 +310,9 @@ class SyncerRuntime:
             self.cfg.pipeline.retention_seconds, member_timeout=self.cfg.pipeline.member_timeout,
         )  # fmt: skip
         self.transport.on_published = self.report
+        if self.cfg.data.assign == "units":
+            self.transport.releases = SilentReleases(
+                store, unit_plan(self.cfg), self.cfg.data.batch_size, self.log)  # fmt: skip
         self.records: list[records.Record] = []
         self.loop = SyncerLoop(self.cfg, self.fragments, list(spec["learners"]),
                                transport or self.transport, clock or WallClock(),

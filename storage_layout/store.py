@@ -639,6 +639,24 @@ class RunStore:
         taken = self._numbers(self.home, self.layout.lease_commits(learner), "s")
         return taken[-1] if taken else 0
 
+    def generation(self, learner: str, n: int) -> Any:
+        """The record of ``learner``'s generation ``n`` as stored (JSON: check it)."""
+        return _read_json(self.home, f"{self.layout.lease_commits(learner)}/s{number(n)}.json")
+
+    def fence(self, learner: str, newest: int, why: str) -> bool:
+        """Claim generation ``newest + 1`` of ``learner`` for no process (an exclusive
+        create of exactly that number, ``{"fence": why}``): a process holding ``newest``
+        (silent, perhaps only cut off) commits nothing more (``check_newest`` reads the
+        next number before each commit). False when someone claimed it first: a process
+        that started as the learner, or another fence."""
+        key = f"{self.layout.lease_commits(learner)}/s{number(newest + 1)}.json"
+        data = self._record({"fence": why})
+        try:
+            patiently(lambda: self.home.put_exclusive(key, data), key)
+            return True
+        except FileExistsError:
+            return self._holds(key, data)
+
     # contributions ------------------------------------------------------------------
     def put_contribution(
         self,

@@ -416,7 +416,7 @@ def test_a_superseded_process_commits_nothing_even_inside_its_own_block(tiny_run
         written = RunStore("r", regions, "us")
         assert written.contribution_seqs("learner-2", 0, "us") == []
         assert written.checkpoint_steps("learner-2") == []
-        with pytest.raises(Fenced, match="another process runs as this learner"):
+        with pytest.raises(Fenced, match="another process took over as generation 2"):
             old.train_round()
     finally:
         old.close()

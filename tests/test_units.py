@@ -1,6 +1,7 @@
 """Data taken in units (``data.assign = "units"``, ``diloco/units.py``): learners that
 come and go train every window of an epoch once, none twice and none skipped."""
 
+import time
 from collections import Counter
 from dataclasses import astuple
 
@@ -278,17 +279,11 @@ def test_a_take_that_died_between_its_claim_and_its_record_is_taken_again_by_its
     assert again.orphans() == []
 
 
-def test_a_learner_worker_takes_units_from_its_regions_bucket_and_gives_back_as_it_leaves(
-    prepared, tmp_path, prefect_api
-):
-    """A pipeline learner (a worker process) with `data.assign = "units"`: it takes
-    spans through its region's bucket as it trains; told it is preempted (SIGTERM, once
-    its first send commits) it sends, checkpoints and gives back its stream from that
-    step: the rest of its unit is offered to the next learner of its region."""
-    from flows.ledger import region_ledger
+def _worker_run(prepared, tmp_path, run):
+    """A run of two learner slots in one region on units, its learners far from done:
+    (config, regions, store, spec, the first learner's id)."""
     from flows.run import initialize_run
     from storage_layout.store import RunStore
-    from tests.test_pipeline import preempted_worker
 
     cfg = load_config("tiny", overrides=[
         f"data.source={prepared}", "model.vocab_size=512", "data.assign=units",
@@ -297,9 +292,22 @@ def test_a_learner_worker_takes_units_from_its_regions_bucket_and_gives_back_as_
     ])  # fmt: skip
     regions = {"us-east": f"file://{tmp_path / 'us'}"}
     (tmp_path / "us").mkdir()
-    store = RunStore("pu", regions, "us-east")
+    store = RunStore(run, regions, "us-east")
     spec = initialize_run(store, cfg)
-    lid = next(iter(spec["learners"]))
+    return cfg, regions, store, spec, next(iter(spec["learners"]))
+
+
+def test_a_learner_worker_takes_units_from_its_regions_bucket_and_gives_back_as_it_leaves(
+    prepared, tmp_path, prefect_api
+):
+    """A pipeline learner (a worker process) with `data.assign = "units"`: it takes
+    spans through its region's bucket as it trains; told it is preempted (SIGTERM, once
+    its first send commits) it sends, checkpoints and gives back its stream from that
+    step: the rest of its unit is offered to the next learner of its region."""
+    from flows.ledger import region_ledger
+    from tests.test_pipeline import preempted_worker
+
+    cfg, _regions, store, spec, lid = _worker_run(prepared, tmp_path, "pu")
     preempted_worker(store, cfg, lid, tmp_path / "learner.log")
     step = store.read_metrics(lid)["step"]
     plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
@@ -341,3 +349,84 @@ def test_units_take_a_prepared_data_set_and_a_bad_ledger_record_is_named(prepare
     other.put_unit_record("learner-0", {"release": 0, "returned": [[0, span.unit, 0, 1]]})
     with pytest.raises(DataError, match="not what learner-0 held from window 0 on"):
         BucketLedger(other, plan, ["learner-0"]).spans("learner-0")
+
+
+def test_a_silent_learner_is_fenced_and_its_data_given_back_by_the_syncers(
+    prepared, tmp_path, prefect_api
+):
+    """A learner worker on units stopped (SIGSTOP) once its first send commits, at a
+    point where it holds windows past where its slot resumes: silent past
+    `pipeline.member_timeout` on the syncer's clock, the syncer's transport fences it
+    (claims its next generation) and, a grace later, gives back its stream from where a
+    restart would resume. Woken (SIGCONT), the learner commits nothing more and stops."""
+    import logging
+    import signal
+    import subprocess
+
+    from diloco.loops import resume_step
+    from diloco.topology import learner_index
+    from flows.ledger import SilentReleases, region_ledger
+    from flows.run import bucket_store
+    from flows.spares import WORKER_COMMAND
+    from flows.supervision import child_env
+    from flows.syncer import PipelineSyncerTransport
+
+    cfg, regions, store, spec, lid = _worker_run(prepared, tmp_path, "si")
+    plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
+    ledger = region_ledger(store, plan, spec["learners"], "us-east")
+    syncer_store = bucket_store("si", regions, spec, cfg, "syncer-0", home="us-east")
+    batch = cfg.data.batch_size
+
+    def resumes_at() -> int:  # where a restart of the learner would resume (windows)
+        steps = store.checkpoint_steps(lid)
+        return resume_step(steps[-1] if steps else 0, syncer_store.sent_so_far(lid)[1]) * batch
+
+    argv = [*WORKER_COMMAND, "learner", "--run", "si", "--bucket", regions["us-east"],
+            "--region", "us-east", "--index", str(learner_index(lid)),
+            "--pipeline", cfg.pipeline.model_dump_json()]  # fmt: skip
+    log = tmp_path / "learner.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=child_env())
+    try:
+        deadline = time.monotonic() + 300  # a guard against a hang, not a measure
+        while True:  # stopped after its first send, holding windows past its resume point
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            if any(store.contribution_seqs(lid, p, "us-east") for p in range(2)):
+                proc.send_signal(signal.SIGSTOP)
+                at = resumes_at()
+                held = ledger.spans(lid)
+                if sum(s.windows for s in held) > at:
+                    break
+                proc.send_signal(signal.SIGCONT)
+            time.sleep(0.1)
+        now = [0.0]
+        transport = PipelineSyncerTransport(syncer_store, [0, 1], 100, 4, logging.getLogger(),
+                                            clock=lambda: now[0], member_timeout=5.0)  # fmt: skip
+        transport.releases = SilentReleases(syncer_store, plan, batch, logging.getLogger())
+        generation = store.newest_generation(lid)
+        for t in (0.0, 6.0):  # heard, then silent past the timeout: fenced
+            now[0] = t
+            assert lid in transport.members() or t > 0
+        assert lid not in transport.members()
+        assert store.newest_generation(lid) == generation + 1
+        assert "fence" in store.generation(lid, generation + 1)
+        assert ledger.given_back() == []  # not yet: a commit under way lands first
+        for t in (12.0, 18.0):
+            now[0] = t
+            transport.members()
+        kept, back = cut(held, at)
+        assert ledger.spans(lid) == kept and ledger.given_back() == back and back
+        now[0] = 30.0
+        transport.members()  # silent still: nothing more to do
+        assert store.newest_generation(lid) == generation + 1
+        sent = {p: store.contribution_seqs(lid, p, "us-east") for p in range(2)}
+        proc.send_signal(signal.SIGCONT)
+        proc.wait(timeout=300)  # a guard against a hang
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert "fenced off by" in text and "its data given back" in text, text[-3000:]
+    assert {p: store.contribution_seqs(lid, p, "us-east") for p in range(2)} == sent
+    other = next(x for x in spec["learners"] if x != lid)
+    assert ledger.take(other) == back[0]  # the region's next learner takes it first

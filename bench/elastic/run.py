@@ -10,7 +10,8 @@ trains), one file:// region, real processes and a real Prefect API:
   (`diloco join --slot`, with a join token from `diloco join-token`) with probability
   `--join-rate * tick`, and each spot learner is preempted (SIGTERM: it sends what it
   trained, checkpoints and leaves) once it has lived a lifetime drawn from an
-  exponential of mean `--lifetime` seconds; its slot can then be joined again.
+  exponential of mean `--lifetime` seconds (from its process's start, or with
+  `--life-from-join` from its join); its slot can then be joined again.
 
 The table: wall time, final validation loss, goodput (learner seconds whose work was
 merged over the learner seconds present: the permanent learners' whole run and each spot
@@ -95,10 +96,15 @@ class Spot:
             held = self.procs.get(slot)
             if held is not None:
                 proc, t0, life = held
+                if a.life_from_join and not hasattr(proc, "joined"):
+                    log = self.logs / f"{slot}-{proc.number}.log"  # type: ignore[attr-defined]
+                    if "joining run " in log.read_text(errors="replace"):
+                        proc.joined = now  # type: ignore[attr-defined]
+                born = getattr(proc, "joined", None if a.life_from_join else t0)
                 if proc.poll() is not None:
                     self.present += now - t0
                     del self.procs[slot]
-                elif now - t0 > life and not getattr(proc, "told", False):
+                elif born is not None and now - born > life and not getattr(proc, "told", False):
                     proc.send_signal(signal.SIGTERM)  # a spot notice: send, checkpoint, leave
                     proc.told = True  # type: ignore[attr-defined]
                     self.preemptions += 1
@@ -111,6 +117,7 @@ class Spot:
                 log = (self.logs / f"{slot}-{self.joins}.log").open("w")
                 proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                         env=self.env)  # fmt: skip
+                proc.number = self.joins  # type: ignore[attr-defined]
                 self.procs[slot] = (proc, now, self.rng.expovariate(1.0 / a.lifetime))
                 self.started[proc.pid] = now
                 self.joins += 1
@@ -289,6 +296,9 @@ def main() -> None:
     parser.add_argument("--lifetime", type=float, default=40.0,
                         help="mean seconds a spot learner lives before its preemption")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--life-from-join", action="store_true",
+                        help="a spot learner's lifetime counts from its join record, not "
+                        "from its process's start (its warm-up is never preempted)")  # fmt: skip
     parser.add_argument("--data", help="a prepared data set (diloco data prepare) to train on")
     parser.add_argument("--vocab", type=int, default=4096, help="its vocabulary")
     parser.add_argument("--assign", choices=("units", "slots"), default="units",
