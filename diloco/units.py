@@ -207,8 +207,9 @@ class UnitReader(WindowReader):
     interface: ``position``, batches served, is its state, with the ledger's spans).
 
     Setting ``position`` (a resume) reads the learner's spans again: a release may have
-    cut them. A span is taken only when the stream reaches it; the unit of the next span
-    already held is read ahead (``WindowReader``)."""
+    cut them. A span is taken when the stream reaches the one before it (one span
+    ahead), so that its unit is read while the one before is served (``WindowReader``):
+    no unit read stops training, whatever the storage's latency."""
 
     def __init__(self, plan: UnitPlan, learner: str, ledger: UnitLedger, batch_size: int,
                  position: int = 0):  # fmt: skip
@@ -222,13 +223,18 @@ class UnitReader(WindowReader):
         for span in self._spans:
             self._starts.append(self._starts[-1] + span.windows)
 
+    def _take(self) -> None:
+        span = self.ledger.take(self.learner)
+        self._spans.append(span)
+        self._starts.append(self._starts[-1] + span.windows)
+
     def window(self, w: int) -> np.ndarray:
         """Window ``w`` of this learner's stream: ``context + 1`` tokens."""
         while w >= self._starts[-1]:
-            span = self.ledger.take(self.learner)
-            self._spans.append(span)
-            self._starts.append(self._starts[-1] + span.windows)
+            self._take()
         i = bisect.bisect_right(self._starts, w) - 1
+        if i + 1 == len(self._spans):  # the last span held: the next one, ahead
+            self._take()
         span = self._spans[i]
         unit = self.group((span.epoch, span.unit))
         if i + 1 < len(self._spans):

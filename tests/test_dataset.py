@@ -346,9 +346,12 @@ def test_diloco_train_on_prepared_tokens_learns_and_a_killed_learner_skips_and_r
     """`diloco data prepare` on about 2 MB of text, then `diloco train` on its tokens with
     the CPU Llama preset (llama-tiny, its vocabulary cut to the data set's 1024) and a learner SIGKILLed mid-run (once it has a checkpoint, while the other trains; the
     other is stopped until the killed one is back, so that it finds work whatever a
-    restart costs here). The run learns (validation loss falls by 1.0 at least from about
-    ln 1024 = 6.9) and the audit finds each learner's merged data one run of its batches
-    from 0: nothing merged twice (data-once), nothing skipped."""
+    restart costs here). The data is taken in units (``data.assign = "units"``), each
+    region's pool in its bucket; the killed learner's restart reads its slot's spans
+    again. The run learns (validation loss falls by 1.0 at least from about ln 1024 =
+    6.9) and the audit finds each learner's merged data one run of its batches from 0,
+    no window merged from two learners and no claim that no learner recorded: nothing
+    merged twice (data-once), nothing skipped."""
     import contextlib
     import os
     import signal
@@ -356,6 +359,7 @@ def test_diloco_train_on_prepared_tokens_learns_and_a_killed_learner_skips_and_r
     import sys
 
     from diloco.topology import learner_index
+    from flows.ledger import audit_units
     from flows.run import config_from_spec
     from storage_layout.audit import audit_run
     from storage_layout.store import RunStore
@@ -376,6 +380,7 @@ def test_diloco_train_on_prepared_tokens_learns_and_a_killed_learner_skips_and_r
             "--tokens", "300000", "--create-buckets", "--preset", "llama-tiny",
             f"--set=data.source={tokens}",
             "--set=model.vocab_size=1024", "--set=topology.learners=2",
+            "--set=data.assign=units",
             "--set=topology.keep_unsent=true", "--set=pipeline.keep_versions=1000"]  # fmt: skip
     argv += [f"--region={r}={u}" for r, u in regions.items()]
     argv += [f"--set=pipeline.{k}={v}" for k, v in {
@@ -430,10 +435,13 @@ def test_diloco_train_on_prepared_tokens_learns_and_a_killed_learner_skips_and_r
     summary = json.loads((root / run / "summary.json").read_text())
     assert summary["final_loss"] < summary["initial_loss"] - 1.0, summary["curve"]
     report = audit_run(run, regions)
+    audit_units(report)
     assert report.ok, dict(report.violations)
     assert sorted(report.data) == sorted(store.read_spec()["learners"]), report.data
     for learner, spans in report.data.items():
         assert len(spans) == 1 and spans[0][0] == 0, (learner, spans)
+    assert sorted(report.units) == sorted(regions), report.units  # a pool per region
+    assert all(pool["orphan_claims"] == [] for pool in report.units.values()), report.units
 
 
 def test_a_missing_shard_is_named(prepared, tmp_path):
