@@ -257,10 +257,12 @@ class FollowedLedger:
 
 
 class SilentReleases:
-    """Gives back the data of a learner silent past ``pipeline.member_timeout``
-    (``data.assign = "units"``), which a syncer has dropped from the quorum: without it,
-    its spans would wait for its slot's next learner (a restart or a joiner), and an epoch
-    would go on without them. Run by the syncers (``PipelineSyncerTransport.members``),
+    """Gives back the data of a learner silent past ``pipeline.member_timeout`` while it
+    trained (its newest status says "training": not one compiling or resuming, which may
+    take long, nor one paused between flow runs, preempted or done) with ``data.assign =
+    "units"``, which a syncer has dropped from the quorum: without it, its spans would
+    wait for its slot's next learner (a restart or a joiner), and an epoch would go on
+    without them. Run by the syncers (``PipelineSyncerTransport.members``),
     in two looks at least ``grace`` seconds apart:
 
     1. **fence**: claim the learner's next generation for no process

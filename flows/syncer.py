@@ -176,8 +176,8 @@ class PipelineSyncerTransport:
             if gone is None:  # a join record since the last look: say who took the slot
                 self._note_join(learner, region)
             status = self._heard.get(learner, ((None,), 0.0))[0]
-            if gone is not None and self.releases and status[0] not in (None, "preempted"):
-                self.releases.tend(learner, region, status, now)  # silent, once it started
+            if gone is not None and self.releases and status[0] == "training":
+                self.releases.tend(learner, region, status, now)  # silent as it trained
         self._members = members
         return members
 

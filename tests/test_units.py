@@ -354,8 +354,8 @@ def test_units_take_a_prepared_data_set_and_a_bad_ledger_record_is_named(prepare
 def test_a_silent_learner_is_fenced_and_its_data_given_back_by_the_syncers(
     prepared, tmp_path, prefect_api
 ):
-    """A learner worker on units stopped (SIGSTOP) once its first send commits, at a
-    point where it holds windows past where its slot resumes: silent past
+    """A learner worker on units stopped (SIGSTOP) as it trains, once its first send
+    commits, at a point where it holds windows past where its slot resumes: silent past
     `pipeline.member_timeout` on the syncer's clock, the syncer's transport fences it
     (claims its next generation) and, a grace later, gives back its stream from where a
     restart would resume. Woken (SIGCONT), the learner commits nothing more and stops."""
@@ -389,9 +389,11 @@ def test_a_silent_learner_is_fenced_and_its_data_given_back_by_the_syncers(
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=child_env())
     try:
         deadline = time.monotonic() + 300  # a guard against a hang, not a measure
-        while True:  # stopped after its first send, holding windows past its resume point
+        while True:  # stopped training, past its first send and holding windows past
+            # where it resumes (a learner compiling or resuming may be slow, not gone)
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            if any(store.contribution_seqs(lid, p, "us-east") for p in range(2)):
+            training = (store.read_metrics(lid) or {}).get("state") == "training"
+            if training and any(store.contribution_seqs(lid, p, "us-east") for p in range(2)):
                 proc.send_signal(signal.SIGSTOP)
                 at = resumes_at()
                 held = ledger.spans(lid)
@@ -419,6 +421,8 @@ def test_a_silent_learner_is_fenced_and_its_data_given_back_by_the_syncers(
         now[0] = 30.0
         transport.members()  # silent still: nothing more to do
         assert store.newest_generation(lid) == generation + 1
+        other = next(x for x in spec["learners"] if x != lid)
+        assert store.newest_generation(other) == 0  # never started: not fenced, vacant
         sent = {p: store.contribution_seqs(lid, p, "us-east") for p in range(2)}
         proc.send_signal(signal.SIGCONT)
         proc.wait(timeout=300)  # a guard against a hang
@@ -428,5 +432,34 @@ def test_a_silent_learner_is_fenced_and_its_data_given_back_by_the_syncers(
     text = log.read_text()
     assert "fenced off by" in text and "its data given back" in text, text[-3000:]
     assert {p: store.contribution_seqs(lid, p, "us-east") for p in range(2)} == sent
-    other = next(x for x in spec["learners"] if x != lid)
     assert ledger.take(other) == back[0]  # the region's next learner takes it first
+
+
+def test_only_a_learner_silent_as_it_trained_is_fenced(prepared, tmp_path):
+    """The syncers fence and give back the data of a learner whose newest status says it
+    was training; one silent while compiling or resuming (slow, perhaps, not gone) keeps
+    its slot and its spans. Statuses written by hand, the syncer's clock a fake one."""
+    import logging
+
+    from flows.ledger import SilentReleases, region_ledger
+    from flows.run import bucket_store
+    from flows.syncer import PipelineSyncerTransport
+
+    cfg, regions, store, spec, lid = _worker_run(prepared, tmp_path, "gate")
+    plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
+    store.claim_generation(lid)  # it started ...
+    region_ledger(store, plan, spec["learners"], "us-east").take(lid)  # ... and took data
+    syncer_store = bucket_store("gate", regions, spec, cfg, "syncer-0", home="us-east")
+    now = [0.0]
+    transport = PipelineSyncerTransport(syncer_store, [0, 1], 100, 4, logging.getLogger(),
+                                        clock=lambda: now[0], member_timeout=5.0)  # fmt: skip
+    transport.releases = SilentReleases(syncer_store, plan, cfg.data.batch_size,
+                                        logging.getLogger(), grace=0.0)  # fmt: skip
+    for t, state in enumerate(("compiling", "resuming", "training")):
+        store.write_metrics(lid, {"state": state, "time": t, "step": 0})
+        for dt in (0.0, 6.0, 12.0):  # heard, silent past the timeout, and a grace later
+            now[0] = 100.0 * t + dt
+            transport.members()
+        fenced = store.newest_generation(lid) == 2
+        assert fenced == (state == "training"), state
+    assert region_ledger(store, plan, spec["learners"], "us-east").spans(lid) == []
