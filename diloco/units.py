@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -155,28 +156,33 @@ class MemoryLedger:
         self.fresh = 0  # units handed out so far, over all epochs
         self.returned: list[Span] = []  # given back, oldest epoch first
         self.held: dict[str, list[Span]] = {}
+        self._lock = threading.Lock()  # readers may take in their own threads
 
     def spans(self, learner: str) -> list[Span]:
-        return list(self.held.get(learner, []))
+        with self._lock:
+            return list(self.held.get(learner, []))
 
     def take(self, learner: str) -> Span:
-        if self.returned:
-            span = self.returned.pop(0)
-        else:
-            span = Span(0, 0, 0, 0)
-            while not span.windows:  # a unit of chunks shorter than a window holds none
-                span = self.plan.fresh(self.fresh, self.pool)
-                self.fresh += 1
-        self.held.setdefault(learner, []).append(span)
-        return span
+        with self._lock:
+            if self.returned:
+                span = self.returned.pop(0)
+            else:
+                span = Span(0, 0, 0, 0)
+                while not span.windows:  # a unit of chunks shorter than a window: none
+                    span = self.plan.fresh(self.fresh, self.pool)
+                    self.fresh += 1
+            self.held.setdefault(learner, []).append(span)
+            return span
 
     def release(self, learner: str, at: int) -> None:
-        kept, back = cut(self.held.get(learner, []), at)
-        self.held[learner] = kept
-        self.returned = sorted(self.returned + back)
+        with self._lock:
+            kept, back = cut(self.held.get(learner, []), at)
+            self.held[learner] = kept
+            self.returned = sorted(self.returned + back)
 
     def given_back(self) -> list[Span]:
-        return list(self.returned)
+        with self._lock:
+            return list(self.returned)
 
 
 class RegionalLedger:
@@ -209,32 +215,56 @@ class UnitReader(WindowReader):
     Setting ``position`` (a resume) reads the learner's spans again: a release may have
     cut them. A span is taken when the stream reaches the one before it (one span
     ahead), so that its unit is read while the one before is served (``WindowReader``):
-    no unit read stops training, whatever the storage's latency."""
+    no unit read stops training, whatever the storage's latency. ``background``: the
+    take too is made in the reader's thread (a learner over a bucket, where a take is a
+    few requests); the simulator takes in its own thread, in its own order, so that a
+    run is the same whenever it is simulated. ``settle`` waits for a take under way
+    (before the ledger is read or written from another thread: a release)."""
 
     def __init__(self, plan: UnitPlan, learner: str, ledger: UnitLedger, batch_size: int,
-                 position: int = 0):  # fmt: skip
+                 position: int = 0, background: bool = False):  # fmt: skip
         self.plan, self.learner, self.ledger = plan, learner, ledger
         self.batch_size, self.context = batch_size, plan.context
+        self.background = background
+        self._ahead: Future[Span] | None = None  # the take under way (background)
         super().__init__(plan.read, f"unit-reader-{learner}", position)
 
+    def settle(self) -> None:
+        """Wait for the take under way, if any: its span is then in the ledger (its
+        error, if it failed, is raised here)."""
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            self._append(ahead.result())
+
     def _moved(self) -> None:
+        self.settle()
         self._spans: list[Span] = self.ledger.spans(self.learner)
         self._starts = [0]
         for span in self._spans:
             self._starts.append(self._starts[-1] + span.windows)
 
-    def _take(self) -> None:
-        span = self.ledger.take(self.learner)
+    def _append(self, span: Span) -> None:
         self._spans.append(span)
         self._starts.append(self._starts[-1] + span.windows)
+
+    def _take_ahead(self) -> Span:  # in the reader's thread: the take, then its unit
+        span = self.ledger.take(self.learner)
+        self.prefetch((span.epoch, span.unit))
+        return span
 
     def window(self, w: int) -> np.ndarray:
         """Window ``w`` of this learner's stream: ``context + 1`` tokens."""
         while w >= self._starts[-1]:
-            self._take()
+            if self._ahead is not None:
+                self.settle()
+            else:
+                self._append(self.ledger.take(self.learner))
         i = bisect.bisect_right(self._starts, w) - 1
-        if i + 1 == len(self._spans):  # the last span held: the next one, ahead
-            self._take()
+        if i + 1 == len(self._spans) and self._ahead is None:  # the next span, ahead
+            if self.background:
+                self._ahead = self._pool.submit(self._take_ahead)
+            else:
+                self._append(self.ledger.take(self.learner))
         span = self._spans[i]
         unit = self.group((span.epoch, span.unit))
         if i + 1 < len(self._spans):

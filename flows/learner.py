@@ -509,7 +509,9 @@ class LearnerRuntime:
         # Over several processes, process 0 takes; the others follow its records.
         self.ledger = ledger if self.leader else FollowedLedger(
             ledger, self.cfg.pipeline.poll_seconds, self.log)  # fmt: skip
-        return UnitReader(units, self.id, self.ledger, self.cfg.data.batch_size)
+        return UnitReader(
+            units, self.id, self.ledger, self.cfg.data.batch_size, background=True
+        )  # a take is a few requests: not in a step
 
     def _compile(self) -> None:
         """Compile the train step before reading the newest globals: compiling takes
@@ -644,8 +646,9 @@ class LearnerRuntime:
             )  # fmt: skip
         if written and self.ledger is not None:  # its data from here on, to the others
             try:
+                self.loop.learner.reader.settle()  # a take under way is given back too
                 self.ledger.release(self.id, self.step * self.cfg.data.batch_size)
-            except (OSError, ValueError) as exc:  # its slot keeps them: a rejoin trains them
+            except (OSError, ValueError, RuntimeError) as exc:  # its slot keeps them
                 self.log.error("preempted: learner %s could not give its data back (%s); "
                                "its slot keeps it", self.label, exc)  # fmt: skip
         self.write_status("preempted")

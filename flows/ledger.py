@@ -62,6 +62,7 @@ class BucketLedger:
         self.fenced = fenced
         # learner -> (newest record read, spans held, [(claim, span) given back])
         self._read: dict[str, tuple[int, list[Span], list[tuple[str, Span]]]] = {}
+        self._taken: set[str] = set()  # the claims of the takes read so far, all learners
         self._fresh = 0  # the newest fresh claim number seen
         # learner -> its own claims with no record (``_orphans_of``), looked for once
         self._owed: dict[str, list[tuple[Span, str]]] = {}
@@ -85,6 +86,7 @@ class BucketLedger:
             where = f"{prefix}/s{n:012d}.json"
             if isinstance(record, dict) and "take" in record:
                 held.append(self._span(record["take"], where))
+                self._taken.add(str(record.get("claim")))
             elif isinstance(record, dict) and isinstance(record.get("release"), int):
                 kept, gone = cut(held, record["release"])
                 given = [self._span(v, where) for v in record.get("returned") or []]
@@ -127,7 +129,9 @@ class BucketLedger:
                 return self._took(learner, span, f"fresh-{self._fresh}")
 
     def _took(self, learner: str, span: Span, claim: str) -> Span:
-        self.store.put_unit_record(learner, {"take": list(astuple(span)), "claim": claim})
+        newest = self._read.get(learner, (0,))[0]  # replayed by the take: no listing
+        self.store.put_unit_record(learner, {"take": list(astuple(span)), "claim": claim},
+                                   newest or None)  # fmt: skip
         return span
 
     def _orphans_of(self, learner: str) -> list[tuple[Span, str]]:
@@ -151,14 +155,9 @@ class BucketLedger:
         """Claims no learner's ledger took: a take that died between its claim and its
         record (its span is trained by no one, until its learner takes again:
         ``_orphans_of``)."""
-        taken = set()
-        for lid in self.learners:
-            prefix = self.store.layout.unit_records(lid)
-            for n, record in self.store.unit_records(lid):
-                if isinstance(record, dict) and "take" in record:
-                    taken.add(record.get("claim"))
-                elif not isinstance(record, dict):
-                    raise DataError(f"{prefix}/s{n:012d}.json is not a record")
+        for lid in self.learners:  # each learner's new records (checked as they are read)
+            self._replay(lid)
+        taken = self._taken
         fresh = [f"fresh-{n}" for n in self.store.fresh_claims()  # an empty unit: no take
                  if self.plan.fresh(n - 1, self.pool).windows]  # fmt: skip
         returned = sorted(self.store.returned_claims())

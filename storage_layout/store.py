@@ -585,17 +585,21 @@ class RunStore:
         return (numbers[-1], record) if isinstance(record, dict) else None
 
     # data units ------------------------------------------------------------------
-    def put_unit_record(self, learner: str, record: Mapping[str, Any]) -> int:
+    def put_unit_record(self, learner: str, record: Mapping[str, Any],
+                        after: int | None = None) -> int:  # fmt: skip
         """Add ``record`` (a span taken, or a stream given back) to ``learner``'s data
-        ledger in this store's home (its region's bucket), written once; its number."""
-        return self.put_next(self.layout.unit_records(learner), lambda n: self._record(record))
+        ledger in this store's home (its region's bucket), written once; its number.
+        ``after``: the newest record number the caller saw (no listing then)."""
+        return self.put_next(self.layout.unit_records(learner), lambda n: self._record(record),
+                             after)  # fmt: skip
 
     def unit_records(self, learner: str, after: int = 0) -> list[tuple[int, Any]]:
         """``learner``'s data ledger records numbered above ``after``, oldest first, as
         stored (JSON: check them)."""
         prefix = self.layout.unit_records(learner)
-        return [(n, _read_json(self.home, f"{prefix}/s{number(n)}.json"))
-                for n in self._numbers(self.home, prefix, "s") if n > after]  # fmt: skip
+        numbers = [n for n in self._numbers(self.home, prefix, "s") if n > after]
+        return list(zip(numbers, _read_jsons(self.home, [f"{prefix}/s{number(n)}.json"
+                                                         for n in numbers]), strict=True))  # fmt: skip
 
     def claim_fresh_unit(self, learner: str, after: int | None = None) -> int:
         """Claim the next unit no one had (an exclusive create: each unit once); returns
@@ -1310,6 +1314,22 @@ def _read_json(bucket: Bucket, key: str) -> Any:
             raise CorruptVersion(f"{bucket.url}/{key} is not JSON: {exc}") from exc
 
     return patiently(read, key)
+
+
+def _read_jsons(bucket: Bucket, keys: list[str], batch: int = 64) -> list[Any]:
+    """JSON objects, read ``batch`` at a time concurrently (``Bucket.get_many``: one
+    round trip each, not one per object, over S3 or GCS); one that does not parse is
+    read again alone (``_read_json``), and named if it stays bad."""
+    out = []
+    for i in range(0, len(keys), batch):
+        part = keys[i : i + batch]
+        got = get_patiently(bucket, part, f"{len(part)} objects from {part[0]}")
+        for key in part:
+            try:
+                out.append(json.loads(got[key]))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                out.append(_read_json(bucket, key))
+    return out
 
 
 def poll(

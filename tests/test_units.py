@@ -52,16 +52,19 @@ def test_a_stream_cut_gives_back_the_rest_of_its_unit_and_the_units_after():
     assert cut(spans, 100) == (spans, [])
 
 
-def test_learners_that_leave_and_join_read_every_window_of_an_epoch_once(prepared):
+@pytest.mark.parametrize("background", [False, True])
+def test_learners_that_leave_and_join_read_every_window_of_an_epoch_once(prepared, background):
     """Three readers share a ledger: one leaves mid-unit (its slot resumes later at the
     same point), one leaves for good with a unit taken beyond where it resumes; what they
     gave back is read by the others first, and the readers' windows are the units'
-    windows, in the order every holder follows."""
+    windows, in the order every holder follows. ``background``: each reader takes its
+    next span in its own thread (as a learner over a bucket does)."""
     ds = open_dataset(prepared)
     plan = UnitPlan(ds, context=64, seed=3, shuffle_chunks=2)
     ledger = MemoryLedger(plan)
     batch = 4
-    a, b, c = (UnitReader(plan, lid, ledger, batch) for lid in ("a", "b", "c"))
+    a, b, c = (UnitReader(plan, lid, ledger, batch, background=background)
+               for lid in ("a", "b", "c"))  # fmt: skip
     per_epoch = sum(_epoch(plan, 0).values())
     assert plan.units >= 8 and per_epoch > 40 * batch  # several units, many batches
 
@@ -84,10 +87,12 @@ def test_learners_that_leave_and_join_read_every_window_of_an_epoch_once(prepare
     read(b, 5)
     read(c, 9)
     # a is preempted at step 5 (its newest send); it trained 7: steps 5 and 6 never merged
+    a.settle()  # its take under way is given back too
     ledger.release("a", 5 * batch)
     read(b, 12)  # takes what a gave back before any new unit
     assert ledger.spans("b")[-1].epoch == 0
     # c vanishes and its slot is never held again: it resumes (nowhere) at step 4
+    c.settle()
     ledger.release("c", 4 * batch)
     a.position = 5  # a's slot is joined again: it goes on from its resume point
     read(a, 3)
