@@ -508,7 +508,8 @@ class LearnerRuntime:
                                self.region, self._may_take)  # fmt: skip
         # Over several processes, process 0 takes; the others follow its records.
         self.ledger = ledger if self.leader else FollowedLedger(
-            ledger, self.cfg.pipeline.poll_seconds, self.log)  # fmt: skip
+            ledger, self.cfg.pipeline.poll_seconds, self.log,
+            self.cfg.pipeline.member_timeout)  # fmt: skip
         return UnitReader(
             units, self.id, self.ledger, self.cfg.data.batch_size, background=True
         )  # a take is a few requests: not in a step
@@ -699,6 +700,8 @@ class LearnerRuntime:
             self.log.warning("cannot write status: %s", exc)
 
     def close(self) -> None:
+        if isinstance(self.ledger, FollowedLedger):  # a take it waits for ends now
+            self.ledger.stop.set()
         self.io.close()
         shutil.rmtree(self.spill_dir, ignore_errors=True)
 

@@ -22,6 +22,7 @@ dies between the two leaves a unit claimed that no one trains (``orphans`` names
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import astuple
@@ -224,10 +225,15 @@ class FollowedLedger:
     Process 0 takes and gives back; a follower reads process 0's records, so its stream
     is the same spans in the same order. A take waits until process 0 has recorded it:
     process 0 records a take before it reads the span, and the processes step together.
-    A follower never writes to the ledger."""
+    A follower never writes to the ledger. A take that process 0 does not record within
+    ``patience`` seconds (its own take failed), or once ``stop`` is set (the learner
+    closes), raises: a follower's reader thread never waits for ever."""
 
-    def __init__(self, ledger: BucketLedger, poll: float = 0.05, log: Any = None):
+    def __init__(self, ledger: BucketLedger, poll: float = 0.05, log: Any = None,
+                 patience: float = 600.0):  # fmt: skip
         self.ledger, self.plan, self.poll, self.log = ledger, ledger.plan, poll, log
+        self.patience = patience
+        self.stop = threading.Event()
         self._next = 0  # the next span of the stream this process reads
 
     def spans(self, learner: str) -> list[Span]:
@@ -242,11 +248,17 @@ class FollowedLedger:
             if len(held) > self._next:
                 self._next += 1
                 return held[self._next - 1]
+            waited = time.monotonic() - started
+            what = f"process 0 of {learner} recorded no take of span {self._next} of its data"
+            if self.stop.is_set():
+                raise DataError(f"{what}: the learner is closing")
+            if waited > self.patience:
+                raise DataError(f"{what} in {waited:.0f} s")
             if self.log is not None and time.monotonic() - last > 60:
                 last = time.monotonic()
                 self.log.warning("waiting %.0f s for process 0 of %s to take span %d of "
-                                 "its data", last - started, learner, self._next)  # fmt: skip
-            time.sleep(self.poll)
+                                 "its data", waited, learner, self._next)  # fmt: skip
+            self.stop.wait(self.poll)
 
     def release(self, learner: str, at: int) -> None:
         """Nothing: process 0 gives the learner's stream back."""

@@ -468,3 +468,33 @@ def test_only_a_learner_silent_as_it_trained_is_fenced(prepared, tmp_path):
         fenced = store.newest_generation(lid) == 2
         assert fenced == (state == "training"), state
     assert region_ledger(store, plan, spec["learners"], "us-east").spans(lid) == []
+
+
+def test_a_follower_reads_the_spans_process_0_took_and_never_waits_for_ever(prepared, tmp_path):
+    """A learner's follower process (``FollowedLedger``) gets the spans its process 0
+    recorded, in order, and writes nothing; a take process 0 never records ends in an
+    error naming it after ``patience``, or at once when the learner closes."""
+    from diloco.data import DataError
+    from flows.ledger import BucketLedger, FollowedLedger
+    from storage_layout.store import RunStore
+
+    regions = {"us": f"file://{tmp_path / 'us'}"}
+    (tmp_path / "us").mkdir()
+    plan = UnitPlan(open_dataset(prepared), context=64, seed=0)
+    leader = BucketLedger(RunStore("f", regions, "us"), plan, ["learner-0"])
+    follower = FollowedLedger(BucketLedger(RunStore("f", regions, "us"), plan, ["learner-0"]),
+                              poll=0.01, patience=0.3)  # fmt: skip
+    took = [leader.take("learner-0"), leader.take("learner-0")]
+    assert follower.spans("learner-0") == took  # a resume: what process 0 holds
+    follower.release("learner-0", 0)  # nothing: process 0 gives back
+    assert leader.spans("learner-0") == took
+    with pytest.raises(DataError, match=r"process 0 of learner-0 recorded no take of span 2 "
+                       r"of its data in \d+ s"):  # fmt: skip
+        follower.take("learner-0")
+    follower.patience = 3600.0
+    follower.stop.set()
+    with pytest.raises(DataError, match=r"recorded no take .*: the learner is closing"):
+        follower.take("learner-0")
+    took.append(leader.take("learner-0"))
+    follower.stop.clear()
+    assert follower.take("learner-0") == took[2]
