@@ -964,6 +964,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                                 str(info["base_version"]), str(info["staleness"]), human_bytes(info["bytes"]),
                                 ckpt)  # fmt: skip
             out.print(lrn)
+            for region, pool in sorted(run.get("units", {}).items()):
+                out.print(f"data units of {region}'s pool: {pool['handed_out']} handed out, "
+                          f"{pool['returns_taken']} spans given back and taken again "
+                          "(--audit checks the ledger)")  # fmt: skip
             if run["traffic"]:
                 tr = Table("source -> destination", "bytes", "requests")
                 for pair, t in run["traffic"].items():

@@ -86,6 +86,8 @@ def inspect_run(
         for learner, region in sorted(learners.items())
     ]
     out["traffic"] = _traffic(store, reachable, out["problems"])
+    if (spec.get("config") or {}).get("data", {}).get("assign") == "units":
+        out["units"] = {r: _units(store, r) for r in reachable}
     if verify:  # the buckets given, never the spec's URLs in their place
         out["verified"] = {r: regions[r] for r in given if r in reachable}
         out["verified_versions"] = sum(
@@ -93,6 +95,14 @@ def inspect_run(
             for region in out["verified"]
         )
     return out
+
+
+def _units(store: RunStore, region: str) -> dict[str, int]:
+    """A region's pool of data units (``data.assign = "units"``): the units handed out
+    (fresh claims) and the spans given back that a learner took again (their claims).
+    Counted from two listings; ``diloco inspect --audit`` reads and checks the records."""
+    here = RunStore(store.run, store.urls, region, writer="inspect")
+    return {"handed_out": len(here.fresh_claims()), "returns_taken": len(here.returned_claims())}
 
 
 def _fragment_rows(store: RunStore, fragments: int, reachable: list[str]) -> list[dict]:

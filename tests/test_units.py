@@ -162,6 +162,11 @@ def test_a_simulated_run_whose_learners_come_and_go_trains_each_window_once(
         assert report.ok, report.violations
         assert set(report.units) == {"us", "eu"}
         assert all(pool["orphan_claims"] == [] for pool in report.units.values())
+        from storage_layout.inspect import inspect_bucket
+
+        (shown,) = inspect_bucket(regions["us"], run="u")["runs"]  # each pool, by listings
+        assert {r: p["handed_out"] for r, p in shown["units"].items()} == {
+            r: p["units_handed_out"] for r, p in report.units.items()}  # fmt: skip
         # A take record rewritten to name another learner's first span: the audit names
         # the windows both merged.
         a, b = "learner-0", "learner-3"
