@@ -303,11 +303,30 @@ def faulty_run(prefect_api, tmp_path_factory):
         status = {lid: store.read_metrics(lid, reg) or {} for lid, reg in learners.items()}
         return learners, status, config_from_spec(spec).budget_steps
 
+    syncer_log = root / run / "logs" / "syncer-us-east-0.log"
+    held: list[int] = []  # learners stopped until syncer shard 0 is up
+
+    def hold_learners_until_syncer_0_is_up() -> bool:
+        """Syncer 0 may start late (a spare still warming up on a busy machine: 41 s
+        once): the learners wait for it (SIGSTOP), or they could spend three quarters of
+        the budget before fragment 0 has a version to kill it at. True once it is up."""
+        if syncer_log.exists() and "owns fragments" in syncer_log.read_text(errors="replace"):
+            while held:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(held.pop(), signal.SIGCONT)
+            return True
+        for k, p in _workers(root / "train.log").items():
+            if k.startswith("learner") and p not in held:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGSTOP)
+                    held.append(p)
+        return False
+
     try:
 
         def learner_mid_run():
             seen = statuses()
-            if seen is None:
+            if seen is None or not hold_learners_until_syncer_0_is_up():
                 return None
             learners, status, budget = seen
             training = {lid for lid, s in status.items() if s.get("state") == "training"}
@@ -366,6 +385,9 @@ def faulty_run(prefect_api, tmp_path_factory):
         os.kill(pid, signal.SIGKILL)
         code = proc.wait(timeout=900)  # a guard against a hang, not a measure
     finally:
+        for p in held:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGCONT)
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=90)
