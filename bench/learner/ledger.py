@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench.learner.s3 import local_s3  # noqa: E402
 from bench.machine import machine  # noqa: E402
 
 
@@ -65,18 +65,9 @@ def main() -> None:
     parser.add_argument("--takes", type=int, default=600)
     parser.add_argument("--out", default=str(ROOT / "bench" / "learner"))
     args = parser.parse_args()
-    import fsspec
-
-    from infra.local_servers import LocalS3
-
-    s3 = LocalS3().start()
-    os.environ.update(AWS_ENDPOINT_URL=s3.url, AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="x")
-    try:
-        fsspec.filesystem("s3", skip_instance_cache=True).mkdir("ledger")
+    with local_s3("ledger"):
         rows = [measure(u, args.data, args.takes)
                 for u in ("s3://ledger", f"file://{tempfile.mkdtemp()}")]  # fmt: skip
-    finally:
-        s3.stop()
     out = Path(args.out)
     (out / "ledger.json").write_text(json.dumps({"args": vars(args), "machine": machine(),
                                                  "rows": rows}, indent=1))  # fmt: skip

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -26,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.learner.loader import synthesize  # noqa: E402
+from bench.learner.s3 import local_s3  # noqa: E402
 from bench.machine import machine  # noqa: E402
 
 
@@ -62,21 +62,11 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=5.0)
     parser.add_argument("--out", default=str(ROOT / "bench" / "learner"))
     args = parser.parse_args()
-    import fsspec
-
-    from infra.local_servers import LocalS3
-
-    s3 = LocalS3().start()
-    os.environ.update(AWS_ENDPOINT_URL=s3.url, AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="x")
-    try:
-        fs = fsspec.filesystem("s3", skip_instance_cache=True)
-        fs.mkdir("units")
+    with local_s3("units") as fs:
         with tempfile.TemporaryDirectory() as tmp:
             local = synthesize(Path(tmp) / "tokens", args.mb)
             fs.put(local, "units/tokens", recursive=True)
         rows = [measure("s3://units", f"r{int(bg)}", bg, args) for bg in (False, True)]
-    finally:
-        s3.stop()
     out = Path(args.out)
     (out / "units.json").write_text(json.dumps({"args": vars(args), "machine": machine(),
                                                 "rows": rows}, indent=1))  # fmt: skip
