@@ -43,7 +43,7 @@ from diloco.quantize import payload_bytes
 from diloco.tensors import materialize
 from diloco.topology import learner_ids, shard_count, shard_fragments, shard_of, syncer_id
 from diloco.transport import MemoryStore, SimulatedNetwork, Store, transfer_seconds
-from diloco.units import MemoryLedger, UnitLedger, UnitPlan, UnitReader
+from diloco.units import MemoryLedger, RegionalLedger, UnitLedger, UnitPlan, UnitReader
 
 Progress = Callable[[int, int, float | None], None]  # tokens done, token budget, last eval loss
 
@@ -524,7 +524,10 @@ def _simulate_loops(
         owner=lambda p: syncer_id(shard_of(p, shards)),
         notify=sched.notify,
         finished=fleet.finished,
-        members=fleet.members,
+        # Through buckets, each region's data pool is tended at each look at the members
+        # (a region with none: its pool offered to the others), as the syncers do.
+        members=(lambda: ledger.tend(fleet.members())) if isinstance(ledger, RegionalLedger)
+        else fleet.members,
     )  # fmt: skip
     emit = run.metrics.append
     syncers = {

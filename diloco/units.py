@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
@@ -186,11 +186,22 @@ class MemoryLedger:
 
 
 class RegionalLedger:
-    """One ledger per region's pool, each learner taking from its own region's."""
+    """One ledger per region's pool, each learner taking from its own region's.
+    ``offers``: called with the members at each look the syncers take at them (``tend``):
+    it moves the pool of a region no member is in to the others (``flows.ledger.UnitOffers``,
+    as the pipeline's syncers do)."""
 
-    def __init__(self, ledgers: Mapping[str, UnitLedger], region_of: Mapping[str, str]):
+    def __init__(self, ledgers: Mapping[str, UnitLedger], region_of: Mapping[str, str],
+                 offers: Callable[[Collection[str]], object] | None = None):  # fmt: skip
         self.ledgers, self.region_of = dict(ledgers), dict(region_of)
         self.plan = next(iter(self.ledgers.values())).plan
+        self.offers = offers
+
+    def tend(self, members: Collection[str]) -> Collection[str]:
+        """``members``, after the pools were tended for them (``offers``)."""
+        if self.offers is not None:
+            self.offers(members)
+        return members
 
     def _of(self, learner: str) -> UnitLedger:
         return self.ledgers[self.region_of[learner]]

@@ -40,7 +40,7 @@ from diloco.tensors import Tensors, materialize, pieces
 from diloco.transport import Collect, GlobalDelta, downlink_update
 from diloco.units import RegionalLedger, UnitPlan
 from diloco.validate import Scan, scan_payload
-from flows.ledger import region_ledger
+from flows.ledger import UnitOffers, region_ledger
 from flows.version_stream import (
     ReaderPayload,
     ReaderTensors,
@@ -917,12 +917,15 @@ class BucketStore:
         return params, slots, dict(marker.meta)
 
     def ledger(self, plan: UnitPlan) -> RegionalLedger:
-        """The data ledger: each region's pool in its own bucket (``flows.ledger``)."""
+        """The data ledger: each region's pool in its own bucket (``flows.ledger``); the
+        pool of a region with no member is offered to the others as the syncers do."""
+        offers = UnitOffers(self.run, self.regions, self.learners, plan, self.main.writer,
+                            logging.getLogger("diloco.syncer"), self.traffic)  # fmt: skip
         return RegionalLedger(
             {r: region_ledger(RunStore(self.run, {r: self.regions[r]}, r, writer=self.main.writer,
                                        traffic=self.traffic), plan, self.learners, r)
              for r in set(self.learners.values())},
-            self.learners,
+            self.learners, offers.tend,
         )  # fmt: skip
 
     def close(self, summary: dict[str, Any]) -> None:

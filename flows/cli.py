@@ -896,9 +896,11 @@ def cmd_audit(args: argparse.Namespace) -> int:
         back = pool["given_back_waiting"]
         windows = sum(end - start for _, _, start, end in back)
         orphans = ", ".join(pool["orphan_claims"]) or "none"
+        lost = ", ".join(pool.get("moved_not_offered", [])) or "none"
         out.print(f"data units of {region}'s pool: {pool['units_handed_out']} handed out, "
-                  f"{len(back)} spans ({windows} windows) given back and not taken yet, "
-                  f"claims no learner recorded: {orphans}")  # fmt: skip
+                  f"{len(back)} spans ({windows} windows) given back or offered and not "
+                  f"taken yet, claims no learner recorded: {orphans}, {pool['moved_out']} "
+                  f"spans offered to other regions (not offered where they went: {lost})")  # fmt: skip
     for learner, acc in sorted(report.learners.items()):
         tokens = ", ".join(f"{k} {v:,}" for k, v in acc["tokens"].items() if v)
         unsent = "" if acc.get("unsent") is None else f", unsent {acc['unsent']}"
@@ -966,7 +968,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             out.print(lrn)
             for region, pool in sorted(run.get("units", {}).items()):
                 out.print(f"data units of {region}'s pool: {pool['handed_out']} handed out, "
-                          f"{pool['returns_taken']} spans given back and taken again "
+                          f"{pool['offered_here']} spans offered from other regions' pools, "
+                          f"{pool['returns_taken']} spans given back or offered and taken "
                           "(--audit checks the ledger)")  # fmt: skip
             if run["traffic"]:
                 tr = Table("source -> destination", "bytes", "requests")

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import astuple
 from typing import Any
 
 from diloco.data import DataError
 from diloco.loops import resume_step
-from diloco.units import Span, UnitPlan, cut
+from diloco.units import Span, UnitPlan, cut, pool_unit
 from storage_layout.audit import AuditReport
 from storage_layout.store import RunStore
 
@@ -46,18 +46,29 @@ def region_ledger(store: RunStore, plan: UnitPlan, learners: Mapping[str, str],
                   region: str, fenced: Callable[[], None] | None = None) -> BucketLedger:  # fmt: skip
     """The ledger of ``region``'s pool, in ``store`` (a store of that region's bucket)."""
     mine = [lid for lid, r in learners.items() if r == region]
-    return BucketLedger(store, plan, mine, region_pools(learners)[region], fenced)
+    pools = region_pools(learners)
+    return BucketLedger(store, plan, mine, pools[region], fenced, region, pools)
+
+
+def offer_claim(region: str, claim: str) -> str:
+    """The name under which a span claimed as ``claim`` in ``region``'s pool is offered
+    to another region (``UnitOffers``), and claimed there by the learner that takes it."""
+    return f"from-{region}-{claim}"
 
 
 class BucketLedger:
     """The ledger of one pool (a region's) in ``store``'s home bucket (the region's own),
-    for its ``learners``."""
+    for its ``learners``. ``region`` and ``pools`` (every region's pool): to check the
+    spans that syncers offer it from other regions' pools (``UnitOffers``)."""
 
     def __init__(self, store: RunStore, plan: UnitPlan, learners: Sequence[str],
                  pool: tuple[int, int] = (0, 1),
-                 fenced: Callable[[], None] | None = None):  # fmt: skip
+                 fenced: Callable[[], None] | None = None, region: str = "",
+                 pools: Mapping[str, tuple[int, int]] | None = None):  # fmt: skip
         self.store, self.plan, self.learners = store, plan, list(learners)
-        self.pool = pool
+        self.pool, self.region, self.pools = pool, region, dict(pools or {})
+        self._offers: dict[str, tuple[Span, str]] = {}  # offered here: claim -> (span, from)
+        self._claims: dict[str, Any] = {}  # claim records read (written once)
         # Raises if this process may no longer write as its learner (a newer generation:
         # a restart, or a fence, ``SilentReleases``): checked before each take.
         self.fenced = fenced
@@ -105,10 +116,35 @@ class BucketLedger:
     def spans(self, learner: str) -> list[Span]:
         return list(self._replay(learner)[0])
 
+    def _offered(self) -> list[tuple[str, Span]]:
+        """The spans syncers offered this pool from others (checked; one listing)."""
+        for claim, record in self.store.unit_offers(self._offers).items():
+            self._offers[claim] = self._offer(claim, record)
+        return [(claim, span) for claim, (span, _) in self._offers.items()]
+
+    def _offer(self, claim: str, record: Any) -> tuple[Span, str]:
+        where = self.store.layout.units_offered(claim)
+        record = record if isinstance(record, dict) else {}
+        src, given = record.get("from"), record.get("claim")
+        if src not in self.pools or src == self.region or not isinstance(given, str) \
+                or claim != offer_claim(src, given):  # fmt: skip
+            raise DataError(f"{where}: {record!r} is not a span of another region's pool "
+                            f"offered to {self.region}")  # fmt: skip
+        span = self._span(record.get("span"), where)
+        fresh = given.removeprefix("fresh-")
+        if fresh != given and fresh.isdigit() and span != self.plan.fresh(int(fresh) - 1,
+                                                                          self.pools[src]):  # fmt: skip
+            raise DataError(f"{where} offers {span}, not unit {int(fresh) - 1} of the pool of "
+                            f"{src}")  # fmt: skip
+        return span, src
+
     def _pool(self) -> list[tuple[Span, str]]:
+        """What this pool's learners take before a fresh unit: the spans given back and
+        those offered from other regions, not claimed yet, oldest epoch first."""
         claimed = self.store.returned_claims()
-        return sorted((span, claim) for lid in self.learners
-                      for claim, span in self._replay(lid)[1] if claim not in claimed)  # fmt: skip
+        back = [(span, claim) for lid in self.learners for claim, span in self._replay(lid)[1]]
+        back += [(span, claim) for claim, span in self._offered()]
+        return sorted((span, claim) for span, claim in back if claim not in claimed)
 
     def given_back(self) -> list[Span]:
         return [span for span, _ in self._pool()]
@@ -142,6 +178,7 @@ class BucketLedger:
         as only one process of a learner trains (its generation): another learner's
         orphan might be a take still under way."""
         back = {claim: span for lid in self.learners for claim, span in self._replay(lid)[1]}
+        back.update(self._offered())
         out = []
         for claim in self.orphans():
             record = self.store.unit_claim(claim)
@@ -153,22 +190,82 @@ class BucketLedger:
         return sorted(out)
 
     def orphans(self) -> list[str]:
-        """Claims no learner's ledger took: a take that died between its claim and its
-        record (its span is trained by no one, until its learner takes again:
-        ``_orphans_of``)."""
+        """Claims no learner's ledger took, nor a syncer to offer elsewhere: a take that
+        died between its claim and its record (its span is trained by no one, until its
+        learner takes again: ``_orphans_of``)."""
+        moved = self.moved()
+        return [c for c in self._untaken() if c not in moved]
+
+    def _untaken(self) -> list[str]:
         for lid in self.learners:  # each learner's new records (checked as they are read)
             self._replay(lid)
-        taken = self._taken
         fresh = [f"fresh-{n}" for n in self.store.fresh_claims()  # an empty unit: no take
                  if self.plan.fresh(n - 1, self.pool).windows]  # fmt: skip
         returned = sorted(self.store.returned_claims())
-        return [c for c in fresh + returned if c not in taken]
+        return [c for c in fresh + returned if c not in self._taken]
+
+    def moved(self) -> dict[str, tuple[str, Span]]:
+        """The claims of this pool that a syncer made to offer their spans to another
+        region (``UnitOffers``): claim -> (that region, the span). Claim records are read
+        once (the claims no learner here took)."""
+        untaken = self._untaken()
+        new = [c for c in untaken if c not in self._claims]
+        self._claims.update(zip(new, self.store.unit_claims(new), strict=True))
+        back = {claim: span for lid in self.learners for claim, span in self._replay(lid)[1]}
+        back.update(self._offered())
+        out = {}
+        for claim in untaken:
+            record = self._claims[claim]
+            to = record.get("offer") if isinstance(record, dict) else None
+            if to in self.pools and to != self.region:
+                if claim.startswith("fresh-"):
+                    out[claim] = (to, self.plan.fresh(int(claim[6:]) - 1, self.pool))
+                elif claim in back:
+                    out[claim] = (to, back[claim])
+        return out
+
+    def frontier(self) -> int:
+        """The epoch of this pool's next fresh unit (one listing)."""
+        claims = self.store.fresh_claims()
+        return pool_unit(claims[-1] if claims else 0, self.pool, self.plan.units)[0]
+
+    def give(self, to: str, who: str, epoch: int) -> tuple[Span, str] | None:
+        """Claim, for region ``to``'s learners, the span of this pool its own learners
+        would take next (given back or offered first, then a fresh unit), if its epoch is
+        ``epoch`` or older; claimed by ``who`` (a syncer, ``UnitOffers``), naming ``to``.
+        Returns the span and its claim here, or None."""
+        for span, claim in self._pool():
+            if span.epoch > epoch:
+                break
+            if len(offer_claim(self.region, claim)) <= 64 and \
+                    self.store.claim_returned(claim, who, offer=to):  # fmt: skip
+                self._claims[claim] = {"offer": to}
+                return span, claim
+        while True:
+            after = self._fresh or (self.store.fresh_claims() or [0])[-1]
+            if pool_unit(after, self.pool, self.plan.units)[0] > epoch:
+                return None
+            self._fresh = self.store.claim_fresh_unit(who, after, offer=to)
+            self._claims[f"fresh-{self._fresh}"] = {"offer": to}
+            span = self.plan.fresh(self._fresh - 1, self.pool)
+            if span.windows:
+                return span, f"fresh-{self._fresh}"
 
     def release(self, learner: str, at: int) -> None:
-        _, back = cut(self.spans(learner), at)
-        if back:
+        """Give back ``learner``'s stream from window ``at`` on. The record is written as
+        exactly the number after the newest this ledger read (another writer may add to
+        the learner's ledger: a syncer giving back a silent learner's data, the learner's
+        own take under way), and read again and cut again when that number is taken: a
+        release always gives back what its learner held as of the record before it, and
+        two releases never give the same span back twice."""
+        while True:
+            _, back = cut(self.spans(learner), at)
+            if not back:
+                return
             returned = [list(astuple(s)) for s in back]
-            self.store.put_unit_record(learner, {"release": at, "returned": returned})
+            n = self._read[learner][0] + 1
+            if self.store.put_unit_record_at(learner, n, {"release": at, "returned": returned}):
+                return
 
 
 def audit_units(report: AuditReport) -> None:
@@ -188,6 +285,7 @@ def audit_units(report: AuditReport) -> None:
         return
     plan, learners, batch = unit_plan(cfg), dict(spec["learners"]), cfg.data.batch_size
     merged: dict[tuple[int, int], list[tuple[int, int, str]]] = {}
+    offers: dict[tuple[str, str], tuple[str, Span]] = {}  # (to, offer claim) -> (from, span)
     for region in region_pools(learners):
         store = RunStore(run, urls, region, writer="audit")
         ledger = region_ledger(store, plan, learners, region)
@@ -202,13 +300,27 @@ def audit_units(report: AuditReport) -> None:
                                     f"ledger holds")  # fmt: skip
                     for s in read:
                         merged.setdefault((s.epoch, s.unit), []).append((s.start, s.end, lid))
+            moved = ledger.moved()
             report.units[region] = {
                 "units_handed_out": len(store.fresh_claims()),
                 "given_back_waiting": [list(astuple(s)) for s in ledger.given_back()],
                 "orphan_claims": ledger.orphans(),
+                "moved_out": len(moved),  # offered to the learners of other regions
             }
+            for claim, (to, span) in moved.items():
+                offers[(to, offer_claim(region, claim))] = (region, span)
         except DataError as exc:
             report.fail("data-once", f"{region}: {exc}")
+    for to in sorted({to for to, _ in offers}):  # a span moved out is offered where it went: one
+        try:  # that is not is trained by no one (a syncer died between claim and offer)
+            there = dict(region_ledger(RunStore(run, urls, to, writer="audit"), plan, learners,
+                                       to)._offered())  # fmt: skip
+        except DataError as exc:
+            report.fail("data-once", f"{to}: {exc}")
+            continue
+        for (dest, claim), (region, span) in offers.items():
+            if dest == to and there.get(claim) != span:
+                report.units[region].setdefault("moved_not_offered", []).append(claim)
     for (epoch, unit), parts in sorted(merged.items()):
         end, by = -1, ""
         for start, stop, lid in sorted(parts):
@@ -278,13 +390,16 @@ class SilentReleases:
 
     1. **fence**: claim the learner's next generation for no process
        (``RunStore.fence``, an exclusive create of exactly that number), so that its
-       process, if it is only cut off, commits nothing more; one syncer wins, and none
-       acts when the learner's newest generation is already a fence, or when the learner
-       never wrote a status or holds no span;
-    2. **release**, ``grace`` seconds later (a commit that passed the process's last
-       check lands by then): its stream from where its slot resumes (``resume_step`` of
-       its newest checkpoint and newest committed send, as a restart reads them) is
-       given back, as a preempted learner gives it back itself.
+       process, if it is only cut off, commits nothing more; one syncer wins; none acts
+       when the learner never wrote a status or holds no span;
+    2. **release**, ``grace`` seconds after this syncer first saw the fence (its own or
+       another syncer's: one that died before its release leaves it to the others; a
+       commit that passed the process's last check lands by then): its stream from where
+       its slot resumes (``resume_step`` of its newest checkpoint and newest committed
+       send, as a restart reads them) is given back, as a preempted learner gives it
+       back itself. Two syncers releasing at once give nothing back twice: a release is
+       written as exactly the ledger's next record (``BucketLedger.release``), and once
+       one has landed there is nothing past that point left to give.
 
     A learner heard from again is left alone; one silent again is fenced again."""
 
@@ -316,11 +431,11 @@ class SilentReleases:
         newest = own.newest_generation(learner)
         if newest == 0:
             return False  # never started: it holds nothing (and its slot stays vacant)
-        record = own.generation(learner, newest)
-        if isinstance(record, dict) and "fence" in record:
-            return False  # given back on its behalf already, nobody started since
         if not region_ledger(own, self.plan, self.store.learners, region).spans(learner):
             return False
+        record = own.generation(learner, newest)
+        if isinstance(record, dict) and "fence" in record:
+            return True  # fenced by a syncer, nobody started since: released, or to be
         return own.fence(learner, newest, "silent past pipeline.member_timeout")
 
     def _release(self, learner: str, region: str) -> None:
@@ -329,7 +444,97 @@ class SilentReleases:
         step = resume_step(steps[-1] if steps else 0, self.store.sent_so_far(learner)[1])
         ledger = region_ledger(own, self.plan, self.store.learners, region)
         back = cut(ledger.spans(learner), step * self.batch)[1]
+        if not back:
+            return  # given back already (by another syncer)
         ledger.release(learner, step * self.batch)
         self.log.warning("learner %s is silent: its data from step %d on (%d windows) is "
                          "given back to the learners of %s", learner, step,
                          sum(s.windows for s in back), region)  # fmt: skip
+
+
+class UnitOffers:
+    """Offers the data of a region no learner is in to the regions whose learners train
+    (``data.assign = "units"``). Each region has its own pool of units in its own bucket,
+    as a learner reads and writes its own region's bucket only; when every learner of a
+    region has left (preempted, silent past ``pipeline.member_timeout``, given up, or
+    never started), its pool would wait for them and an epoch would go on without it.
+    Syncers write to every region, so one moves that pool's spans: it claims the span the
+    region's own learners would take next (``BucketLedger.give``: given back first, then
+    a fresh unit), the claim naming the region it goes to, and then offers it there
+    (``RunStore.offer_unit``), where learners take it like a span given back. A span is
+    claimed once in its pool and offered once, so it is trained once.
+
+    Run by the syncers at each look at the members (``tend``), it keeps as many spans
+    waiting in each region with learners as that region has learners, and offers no span
+    of an epoch after the one that region's own pool is in: the run goes through an
+    epoch's units, all pools together, before the next. A claim made here whose offer
+    was not written (the syncer died between the two) is offered at the next look. The
+    learners of the empty region, when they come back, take from their pool where the
+    moves left it; spans already offered stay with the region they were offered to."""
+
+    def __init__(self, run: str, regions: Mapping[str, str], learners: Mapping[str, str],
+                 plan: UnitPlan, who: str, log: Any, traffic: Any = None):  # fmt: skip
+        self.run, self.regions, self.learners = run, dict(regions), dict(learners)
+        self.plan, self.who, self.log, self.traffic = plan, who, log, traffic
+        self.pools = region_pools(self.learners)
+        self._ledgers: dict[str, BucketLedger] = {}
+        self._repair = True  # look for claims without their offer (at the start, after an error)
+        self._turn = 0  # the empty region whose spans go first: they take turns
+
+    def ledger(self, region: str) -> BucketLedger:
+        if region not in self._ledgers:
+            store = RunStore(self.run, {region: self.regions[region]}, region,
+                             writer=self.who, traffic=self.traffic)  # fmt: skip
+            self._ledgers[region] = region_ledger(store, self.plan, self.learners, region)
+        return self._ledgers[region]
+
+    def tend(self, members: Collection[str]) -> int:
+        """One look, with the learners counted as ``members`` now; returns the spans
+        offered. Errors are logged; the next look tries again."""
+        live = {r: sum(self.learners.get(m) == r for m in members) for r in self.pools}
+        empty = [r for r, n in live.items() if not n]
+        if not empty or len(empty) == len(live):
+            return 0
+        offered = 0
+        try:
+            if self._repair:
+                offered += self._offer_moved(empty)
+                self._repair = False
+            for to in (r for r, n in live.items() if n):
+                ledger = self.ledger(to)
+                want, epoch = live[to] - len(ledger.given_back()), ledger.frontier()
+                while want > 0 and self._move(empty, to, epoch):
+                    want, offered = want - 1, offered + 1
+        except (OSError, ValueError) as exc:  # DataError, LayoutError are ValueErrors
+            self._repair = True
+            self.log.error("cannot offer the data of %s to the learners of other regions: "
+                           "%s", ", ".join(empty), exc)  # fmt: skip
+        return offered
+
+    def _move(self, empty: list[str], to: str, epoch: int) -> bool:
+        for k in range(len(empty)):
+            src = empty[(self._turn + k) % len(empty)]
+            got = self.ledger(src).give(to, self.who, epoch)
+            if got is not None:
+                self._turn = (self._turn + k + 1) % len(empty)
+                self._offer(src, to, *got)
+                return True
+        return False
+
+    def _offer(self, src: str, to: str, span: Span, claim: str) -> None:
+        record = {"from": src, "claim": claim, "span": list(astuple(span))}
+        if self.ledger(to).store.offer_unit(offer_claim(src, claim), record):
+            self.log.info("no learner is in %s: epoch %d unit %d (windows %d-%d) of its "
+                          "data offered to the learners of %s", src, span.epoch, span.unit,
+                          span.start, span.end, to)  # fmt: skip
+
+    def _offer_moved(self, empty: list[str]) -> int:
+        """Offer what a claim names but was not offered (a look cut short)."""
+        count = 0
+        for src in empty:
+            for claim, (to, span) in self.ledger(src).moved().items():
+                offered = dict(self.ledger(to)._offered())
+                if offer_claim(src, claim) not in offered:
+                    self._offer(src, to, span, claim)
+                    count += 1
+        return count

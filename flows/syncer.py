@@ -37,7 +37,7 @@ from diloco.simulate import unit_plan
 from diloco.syncer import GlobalVersion
 from diloco.topology import shard_fragments, syncer_id
 from flows.bucket_io import BucketStore
-from flows.ledger import SilentReleases
+from flows.ledger import SilentReleases, UnitOffers
 from flows.observe import artifact_key, run_logger, tag_flow_run, worker_tags
 from flows.run import absence, bucket_store, config_from_spec, worker_done
 from storage_layout.auth import RUN_SECRET_ENV, UNAUTHENTICATED, record_verifies
@@ -67,6 +67,8 @@ class PipelineSyncerTransport:
         self._heard: dict[str, tuple[Any, float]] = {}  # learner -> (its status, first seen)
         # Set by the runtime with data.assign = "units": gives back a silent one's data.
         self.releases: SilentReleases | None = None
+        # And offers the data of a region no member is in to the others' learners.
+        self.offers: UnitOffers | None = None
         # Retention's own cadence (``pipeline.retention_seconds``): a pass after a
         # publish once this long has gone by since the last (or the start), whatever
         # keep_versions is, so its LIST requests do not grow with the publish rate.
@@ -179,6 +181,8 @@ class PipelineSyncerTransport:
             if gone is not None and self.releases and status[0] == "training":
                 self.releases.tend(learner, region, status, now)  # silent as it trained
         self._members = members
+        if self.offers is not None:
+            self.offers.tend(members)
         return members
 
     def _note_join(self, learner: str, region: str) -> None:
@@ -311,8 +315,11 @@ class SyncerRuntime:
         )  # fmt: skip
         self.transport.on_published = self.report
         if self.cfg.data.assign == "units":
-            self.transport.releases = SilentReleases(
-                store, unit_plan(self.cfg), self.cfg.data.batch_size, self.log)  # fmt: skip
+            units = unit_plan(self.cfg)
+            self.transport.releases = SilentReleases(store, units, self.cfg.data.batch_size,
+                                                     self.log)  # fmt: skip
+            self.transport.offers = UnitOffers(run, store.regions, spec["learners"], units,
+                                               syncer_id(shard), self.log, store.traffic)  # fmt: skip
         self.records: list[records.Record] = []
         self.loop = SyncerLoop(self.cfg, self.fragments, list(spec["learners"]),
                                transport or self.transport, clock or WallClock(),

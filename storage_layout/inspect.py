@@ -99,10 +99,13 @@ def inspect_run(
 
 def _units(store: RunStore, region: str) -> dict[str, int]:
     """A region's pool of data units (``data.assign = "units"``): the units handed out
-    (fresh claims) and the spans given back that a learner took again (their claims).
-    Counted from two listings; ``diloco inspect --audit`` reads and checks the records."""
+    (fresh claims), the spans given back or offered from other regions' pools that a
+    learner took (their claims), and the spans offered here (by the syncers, from a region
+    no learner was in). Counted from three listings; ``diloco inspect --audit`` reads and
+    checks the records."""
     here = RunStore(store.run, store.urls, region, writer="inspect")
-    return {"handed_out": len(here.fresh_claims()), "returns_taken": len(here.returned_claims())}
+    return {"handed_out": len(here.fresh_claims()), "returns_taken": len(here.returned_claims()),
+            "offered_here": len(here.offered_claims())}  # fmt: skip
 
 
 def _fragment_rows(store: RunStore, fragments: int, reachable: list[str]) -> list[dict]:

@@ -184,6 +184,16 @@ class RunLayout:
         span's place in it), written once by the learner that takes it."""
         return f"{self.units_returned_folder()}/{check_name('claim', claim)}.json"
 
+    def units_offered_folder(self) -> str:
+        return f"{self.run}/units/offered"
+
+    def units_offered(self, claim: str) -> str:
+        """A span of another region's pool offered to this region's learners by a syncer
+        (that region had no learner in it: ``flows.ledger.UnitOffers``), written once;
+        ``claim``, ``from-{region}-{its claim there}``, is taken like a span given back
+        (``units_returned``)."""
+        return f"{self.units_offered_folder()}/{check_name('claim', claim)}.json"
+
     def checkpoint_commits(self, learner: str) -> str:
         return f"{self.run}/learners/{check_name('learner', learner)}/checkpoints/commits"
 

@@ -24,7 +24,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -510,6 +510,16 @@ class RunStore:
                 taken = self._numbers(self.home, prefix, "s")
                 n = max(n + 1, (taken[-1] if taken else 0) + 1)
 
+    def _create(self, key: str, data: bytes) -> bool:
+        """Create ``key`` at home holding ``data`` (an exclusive create); False when another
+        writer's object is there (one holding exactly ``data`` is this write's own, its
+        answer lost: ``_holds``)."""
+        try:
+            patiently(lambda: self.home.put_exclusive(key, data), key)
+            return True
+        except FileExistsError:
+            return self._holds(key, data)
+
     def _holds(self, key: str, data: bytes, reads: int = 3) -> bool:
         """Whether ``key`` at home holds exactly ``data``: read up to ``reads`` times, as a
         read can come back damaged (one that matches cannot be a damaged one)."""
@@ -593,6 +603,14 @@ class RunStore:
         return self.put_next(self.layout.unit_records(learner), lambda n: self._record(record),
                              after)  # fmt: skip
 
+    def put_unit_record_at(self, learner: str, n: int, record: Mapping[str, Any]) -> bool:
+        """Write ``record`` as exactly record ``n`` of ``learner``'s data ledger (an
+        exclusive create); False when another writer holds that number: a record whose
+        meaning depends on the ones before it (a stream given back) is never written
+        after one its writer did not read."""
+        key = f"{self.layout.unit_records(learner)}/s{number(n)}.json"
+        return self._create(key, self._record(record))
+
     def unit_records(self, learner: str, after: int = 0) -> list[tuple[int, Any]]:
         """``learner``'s data ledger records numbered above ``after``, oldest first, as
         stored (JSON: check them)."""
@@ -601,13 +619,15 @@ class RunStore:
         return list(zip(numbers, _read_jsons(self.home, [f"{prefix}/s{number(n)}.json"
                                                          for n in numbers]), strict=True))  # fmt: skip
 
-    def claim_fresh_unit(self, learner: str, after: int | None = None) -> int:
+    def claim_fresh_unit(self, learner: str, after: int | None = None,
+                         offer: str | None = None) -> int:  # fmt: skip
         """Claim the next unit no one had (an exclusive create: each unit once); returns
         its claim's number N (the pool's unit N - 1, ``diloco.units.pool_unit``).
         ``after``: the newest claim number the caller saw, to try the next without a
-        listing."""
-        return self.put_next(self.layout.units_fresh(), lambda n: self._record({"learner": learner}),
-                             after)  # fmt: skip
+        listing. ``offer``: claimed by a syncer to offer it to that region's learners
+        (``offer_unit``), not by ``learner`` to train it."""
+        fields = {"learner": learner, **({"offer": offer} if offer else {})}
+        return self.put_next(self.layout.units_fresh(), lambda n: self._record(fields), after)
 
     def fresh_claims(self) -> list[int]:
         """The numbers of the fresh units' claims (one listing)."""
@@ -616,26 +636,46 @@ class RunStore:
     def unit_claim(self, claim: str) -> Any:
         """The record of a unit's claim as stored (JSON: check it): ``fresh-N`` (fresh
         claim N) or the name of a span given back (``units_returned``)."""
+        return _read_json(self.home, self._claim_key(claim))
+
+    def _claim_key(self, claim: str) -> str:
         fresh = claim.removeprefix("fresh-")
         if fresh != claim and fresh.isdigit():
-            key = f"{self.layout.units_fresh()}/s{number(int(fresh))}.json"
-        else:
-            key = self.layout.units_returned(claim)
-        return _read_json(self.home, key)
+            return f"{self.layout.units_fresh()}/s{number(int(fresh))}.json"
+        return self.layout.units_returned(claim)
 
-    def claim_returned(self, claim: str, learner: str) -> bool:
-        """Claim span ``claim`` that someone gave back (an exclusive create); False when
-        another learner claimed it first."""
-        key, data = self.layout.units_returned(claim), self._record({"learner": learner})
-        try:
-            patiently(lambda: self.home.put_exclusive(key, data), key)
-            return True
-        except FileExistsError:
-            return self._holds(key, data)
+    def claim_returned(self, claim: str, learner: str, offer: str | None = None) -> bool:
+        """Claim span ``claim`` that someone gave back, or that a syncer offered here
+        (an exclusive create); False when another learner claimed it first. ``offer``: as
+        in ``claim_fresh_unit``."""
+        fields = {"learner": learner, **({"offer": offer} if offer else {})}
+        return self._create(self.layout.units_returned(claim), self._record(fields))
 
     def returned_claims(self) -> set[str]:
         """The claims of spans given back, taken so far (one listing)."""
         prefix = self.layout.units_returned_folder()
+        names = patiently(lambda: self.home.list(prefix), f"listing {prefix}")
+        return {n.removesuffix(".json") for n in names if n.endswith(".json")}
+
+    def unit_claims(self, claims: list[str]) -> list[Any]:
+        """The records of ``claims`` (as ``unit_claim``), read 64 at a time."""
+        return _read_jsons(self.home, [self._claim_key(c) for c in claims])
+
+    def offer_unit(self, claim: str, record: Mapping[str, Any]) -> bool:
+        """Offer a span of another region's pool to this region's learners
+        (``units_offered``, an exclusive create); False if it is offered already."""
+        return self._create(self.layout.units_offered(claim), self._record(record))
+
+    def unit_offers(self, known: Collection[str] = ()) -> dict[str, Any]:
+        """The spans offered to this region (claim -> record as stored: check it), but
+        those in ``known`` (records are written once: a caller keeps what it read)."""
+        claims = sorted(self.offered_claims() - set(known))
+        keys = [self.layout.units_offered(c) for c in claims]
+        return dict(zip(claims, _read_jsons(self.home, keys), strict=True))
+
+    def offered_claims(self) -> set[str]:
+        """The names of the spans offered to this region (one listing)."""
+        prefix = self.layout.units_offered_folder()
         names = patiently(lambda: self.home.list(prefix), f"listing {prefix}")
         return {n.removesuffix(".json") for n in names if n.endswith(".json")}
 
@@ -654,12 +694,7 @@ class RunStore:
         next number before each commit). False when someone claimed it first: a process
         that started as the learner, or another fence."""
         key = f"{self.layout.lease_commits(learner)}/s{number(newest + 1)}.json"
-        data = self._record({"fence": why})
-        try:
-            patiently(lambda: self.home.put_exclusive(key, data), key)
-            return True
-        except FileExistsError:
-            return self._holds(key, data)
+        return self._create(key, self._record({"fence": why}))
 
     # contributions ------------------------------------------------------------------
     def put_contribution(

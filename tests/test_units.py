@@ -179,6 +179,15 @@ def test_a_simulated_run_whose_learners_come_and_go_trains_each_window_once(
         found = forged.violations["data-once"]
         assert any(f"merged from {a} and from {b}" in v or f"merged from {b} and from {a}" in v
                    for v in found), found  # fmt: skip
+    accounted = _trained_once(result, cfg, plan, {"learner-2"})
+    if through == "memory":  # one pool: every unit of the first epoch was handed out
+        assert {k: n for k, n in accounted.items() if k[0] == 0} == _epoch(plan, 0)
+
+
+def _trained_once(result, cfg, plan: UnitPlan, vacant: set[str]) -> Counter:
+    """Checks that a simulated run on units trained no window twice and left none of a
+    unit it handed out behind (``vacant``: the slots left empty at the end), past its
+    first epoch; returns how often each window was merged or is still to train."""
     # Each learner's merged data is its stream up to its newest send (its final sends
     # carry every step it trained; one that left unannounced lost the steps after).
     sent: dict[str, int] = {}
@@ -187,8 +196,7 @@ def test_a_simulated_run_whose_learners_come_and_go_trains_each_window_once(
             sent[e["learner"]] = max(sent.get(e["learner"], 0), e["step"])
     last = {e["learner"]: e["event"] for e in result.metrics
             if e["event"] in ("failure", "join", "rejoin")}  # fmt: skip
-    vacant = {lid for lid, event in last.items() if event == "failure"}
-    assert vacant == {"learner-2"}, last
+    assert {lid for lid, event in last.items() if event == "failure"} == vacant, last
     merged, pending = Counter(), _covered(result.summary["data_returned"])
     for lid, held in result.summary["data_spans"].items():
         done, rest = cut([Span(*s) for s in held], sent.get(lid, 0) * cfg.data.batch_size)
@@ -205,9 +213,51 @@ def test_a_simulated_run_whose_learners_come_and_go_trains_each_window_once(
     for e, u in {(e, u) for e, u, _ in accounted}:
         assert {w for (e2, u2, w), n in accounted.items() if (e2, u2) == (e, u)} == set(
             range(plan.windows(e, u))), (e, u)  # fmt: skip
-    if through == "memory":  # one pool: every unit of the first epoch was handed out
-        assert {k: n for k, n in accounted.items() if k[0] == 0} == _epoch(plan, 0)
     assert sum(merged.values()) >= cfg.budget_steps * cfg.data.batch_size
+    return accounted
+
+
+def test_a_simulated_region_whose_learners_all_leave_leaves_no_data_of_an_epoch_behind(
+    prepared, tmp_path
+):
+    """Through buckets of two regions, both learners of ``eu`` leave early for good (no
+    notice): the syncers offer eu's pool to the learners of ``us`` (``UnitOffers``, at
+    their looks at the members, as in the pipeline), so every window of the first epoch
+    is trained once, none twice, and the audit's data check is clean."""
+    from diloco.simulate import simulate
+    from flows.ledger import audit_units
+    from flows.run import simulation_store
+    from storage_layout.audit import audit_run
+    from storage_layout.inspect import inspect_bucket
+
+    over = [
+        f"data.source={prepared}", "model.vocab_size=512", "data.assign=units",
+        "budget.tokens=120000", "sim.eval_points=2", "topology.tau=1",
+        'sim.failures=[{"learner": 1, "at": 0.1}, {"learner": 3, "at": 0.15}]',
+    ]  # fmt: skip
+    cfg = load_config("tiny", mode="decoupled", overrides=over)
+    plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
+    regions = {r: f"file://{tmp_path / r}" for r in ("us", "eu")}
+    for r in regions:
+        (tmp_path / r).mkdir()
+    result = simulate(cfg, store=simulation_store("r", regions))
+    accounted = _trained_once(result, cfg, plan, {"learner-1", "learner-3"})
+    assert {k: n for k, n in accounted.items() if k[0] == 0} == _epoch(plan, 0)
+    report = audit_run("r", regions)
+    audit_units(report)
+    assert report.ok, report.violations
+    assert report.units["eu"]["moved_out"] > 0 and report.units["us"]["moved_out"] == 0
+    assert all(pool["orphan_claims"] == [] for pool in report.units.values())
+    assert all("moved_not_offered" not in pool for pool in report.units.values())
+    (shown,) = inspect_bucket(regions["us"], run="r")["runs"]  # by listings
+    assert shown["units"]["us"]["offered_here"] == report.units["eu"]["moved_out"]
+    # A claim moved out whose offer is gone (a syncer died between the two, and no
+    # other looked since) is named: its span is trained by no one.
+    lost = next(iter((tmp_path / "us" / "r" / "units" / "offered").iterdir()))
+    lost.unlink()
+    report = audit_run("r", regions)
+    audit_units(report)
+    assert report.units["eu"]["moved_not_offered"] == [lost.name.removesuffix(".json")]
 
 
 def test_learners_racing_for_units_through_a_bucket_each_get_their_own(prepared, tmp_path):
@@ -445,34 +495,142 @@ def test_a_silent_learner_is_fenced_and_its_data_given_back_by_the_syncers(
     assert ledger.take(other) == back[0]  # the region's next learner takes it first
 
 
+def _syncer_looks(run, regions, spec, cfg, plan, grace: float):
+    """A syncer's look at the members of a one-region run (``PipelineSyncerTransport``,
+    its silent learners' data given back after ``grace``, `member_timeout` 5 s), at a
+    time of a fake clock: ``look(t)``."""
+    import logging
+
+    from flows.ledger import SilentReleases
+    from flows.run import bucket_store
+    from flows.syncer import PipelineSyncerTransport
+
+    store = bucket_store(run, regions, spec, cfg, "syncer-0", home="us-east")
+    now = [0.0]
+    transport = PipelineSyncerTransport(store, [0, 1], 100, 4, logging.getLogger(),
+                                        clock=lambda: now[0], member_timeout=5.0)  # fmt: skip
+    transport.releases = SilentReleases(store, plan, cfg.data.batch_size, logging.getLogger(),
+                                        grace=grace)  # fmt: skip
+
+    def look(t: float) -> list[str]:
+        now[0] = t
+        transport._members_read = -float("inf")  # a look now, not 5 s after the last
+        return transport.members()
+
+    return look
+
+
 def test_only_a_learner_silent_as_it_trained_is_fenced(prepared, tmp_path):
     """The syncers fence and give back the data of a learner whose newest status says it
     was training; one silent while compiling or resuming (slow, perhaps, not gone) keeps
     its slot and its spans. Statuses written by hand, the syncer's clock a fake one."""
-    import logging
 
-    from flows.ledger import SilentReleases, region_ledger
-    from flows.run import bucket_store
-    from flows.syncer import PipelineSyncerTransport
+    from flows.ledger import region_ledger
 
     cfg, regions, store, spec, lid = _worker_run(prepared, tmp_path, "gate")
     plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
     store.claim_generation(lid)  # it started ...
     region_ledger(store, plan, spec["learners"], "us-east").take(lid)  # ... and took data
-    syncer_store = bucket_store("gate", regions, spec, cfg, "syncer-0", home="us-east")
-    now = [0.0]
-    transport = PipelineSyncerTransport(syncer_store, [0, 1], 100, 4, logging.getLogger(),
-                                        clock=lambda: now[0], member_timeout=5.0)  # fmt: skip
-    transport.releases = SilentReleases(syncer_store, plan, cfg.data.batch_size,
-                                        logging.getLogger(), grace=0.0)  # fmt: skip
+    look = _syncer_looks("gate", regions, spec, cfg, plan, grace=0.0)
     for t, state in enumerate(("compiling", "resuming", "training")):
         store.write_metrics(lid, {"state": state, "time": t, "step": 0})
         for dt in (0.0, 6.0, 12.0):  # heard, silent past the timeout, and a grace later
-            now[0] = 100.0 * t + dt
-            transport.members()
+            look(100.0 * t + dt)
         fenced = store.newest_generation(lid) == 2
         assert fenced == (state == "training"), state
     assert region_ledger(store, plan, spec["learners"], "us-east").spans(lid) == []
+
+
+def test_a_release_never_gives_a_span_back_twice_nor_misses_a_take_under_way(prepared, tmp_path):
+    """A stream is given back by the learner itself or, silent, by the syncers: two
+    syncers releasing at once write one release; a take that lands between a syncer's
+    read of the ledger and its release is given back too (the release is written as
+    exactly the next record, and read again when that number is taken), so the ledger
+    reads back whole. A fence whose syncer died before its release is released by another
+    syncer."""
+
+    from flows.ledger import region_ledger
+    from storage_layout.store import RunStore
+
+    cfg, regions, store, spec, lid = _worker_run(prepared, tmp_path, "rel")
+    plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
+
+    def ledger(writer):  # a new process's view
+        return region_ledger(RunStore("rel", regions, "us-east", writer=writer), plan,
+                             spec["learners"], "us-east")  # fmt: skip
+
+    def first(view, act):  # ``act`` runs once, just before ``view`` writes a record
+        put, todo = view.store.home.put_exclusive, [act]
+
+        def put_after(key, data):
+            if "/units/s" in key and todo:
+                todo.pop()()
+            return put(key, data)
+
+        view.store.home.put_exclusive = put_after
+
+    learner = ledger(lid)
+    learner.take(lid)
+    took = []
+    a = ledger("syncer-0")
+    first(a, lambda: took.append(learner.take(lid)))  # lands between a's read and write
+    a.release(lid, 3)
+    learner.take(lid)
+    b, c = ledger("syncer-1"), ledger("syncer-2")
+    first(b, lambda: c.release(lid, 3))  # another syncer releases between b's read and write
+    b.release(lid, 3)
+    again = ledger("audit")
+    kept = again.spans(lid)  # reads back: no release gives back what was not held
+    assert sum(s.windows for s in kept) == 3 and took[0] in again.given_back()
+    assert len(store.unit_records(lid)) == 5  # three takes, two releases
+
+    # A fence whose syncer died before releasing: another syncer releases it.
+    other = next(x for x in spec["learners"] if x != lid)
+    store.claim_generation(other)
+    learner.take(other)
+    store.write_metrics(other, {"state": "training", "time": 0, "step": 0})
+    assert store.fence(other, 1, "silent past pipeline.member_timeout")  # ... and died
+    look = _syncer_looks("rel", regions, spec, cfg, plan, grace=5.0)
+    for t in (0.0, 6.0, 12.0):  # heard, silent past the timeout, and a grace later
+        look(t)
+    assert ledger("audit").spans(other) == [] and store.newest_generation(other) == 2
+
+
+def test_a_syncer_offers_the_pool_of_a_region_no_member_is_in(prepared, tmp_path):
+    """The pipeline's syncer (``SyncerRuntime``) tends the pools at its look at the
+    members: the learners of ``eu`` never started (silent past `pipeline.member_timeout`
+    on the syncer's clock), those of ``us`` train (statuses written by hand), so eu's units
+    are offered in us's bucket and us's learners take them."""
+    from flows.ledger import region_ledger
+    from flows.run import initialize_run
+    from flows.syncer import SyncerRuntime
+    from storage_layout.store import RunStore
+
+    cfg = load_config("tiny", overrides=[
+        f"data.source={prepared}", "model.vocab_size=512", "data.assign=units",
+        "topology.learners=4", "pipeline.member_timeout=5",
+    ])  # fmt: skip
+    regions = {r: f"file://{tmp_path / r}" for r in ("us", "eu")}
+    for r in regions:
+        (tmp_path / r).mkdir()
+    spec = initialize_run(RunStore("off", regions, "us"), cfg)
+    us = [lid for lid, r in spec["learners"].items() if r == "us"]
+    runtime = SyncerRuntime("off", regions, "us", 0, 1, cfg.pipeline.model_dump())
+    now = [0.0]
+    runtime.transport.clock = lambda: now[0]
+    plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
+    store = RunStore("off", {"us": regions["us"]}, "us")
+    ledger = region_ledger(store, plan, spec["learners"], "us")
+    for t in (0.0, 6.0):  # first heard, then eu silent past the timeout
+        now[0] = t
+        for lid in us:
+            store.write_metrics(lid, {"state": "training", "time": t, "step": 0})
+        runtime.transport._members_read = -float("inf")  # a look now, not 5 s later
+        runtime.transport.members()
+    offered = ledger.given_back()
+    assert len(offered) == len(us) and store.offered_claims()
+    assert all(s.epoch == 0 and s.start == 0 for s in offered)
+    assert {ledger.take(lid) for lid in us} == set(offered)
 
 
 def test_a_follower_reads_the_spans_process_0_took_and_never_waits_for_ever(prepared, tmp_path):
@@ -503,3 +661,80 @@ def test_a_follower_reads_the_spans_process_0_took_and_never_waits_for_ever(prep
     took.append(leader.take("learner-0"))
     follower.stop.clear()
     assert follower.take("learner-0") == took[2]
+
+
+def test_the_pool_of_a_region_its_learners_all_left_is_offered_to_the_others(
+    prepared, tmp_path, caplog
+):
+    """Each region's pool is in its own bucket; when every learner of one has left, the
+    syncers (``UnitOffers``) offer its spans to the learners of the others: what it gave
+    back, then its next units, in epoch order. The run goes through every window of the
+    first epoch once before any of the second; a learner back in the emptied region takes
+    on from its pool where the moves left it; a claim whose offer was never written (the
+    syncer died between the two) is offered by the next syncer; a forged offer is named."""
+    from diloco.dataset import DataError
+    from flows.ledger import UnitOffers, offer_claim, region_ledger
+    from storage_layout.store import RunStore
+
+    regions = {r: f"file://{tmp_path / r}" for r in ("us", "eu")}
+    for r in regions:
+        (tmp_path / r).mkdir()
+    plan = UnitPlan(open_dataset(prepared), context=64, seed=0)
+    learners = {"learner-0": "us", "learner-1": "eu", "learner-2": "us", "learner-3": "eu"}
+
+    def ledger(lid, region=None):  # a new process's ledger
+        r = region or learners[lid]
+        return region_ledger(RunStore("p", {r: regions[r]}, r, writer=lid), plan, learners, r)
+
+    def offers():  # a new syncer process's
+        import logging
+
+        return UnitOffers("p", regions, learners, plan, "syncer-0", logging.getLogger("t"))
+
+    own = {lid: ledger(lid) for lid in learners}
+    for lid in learners:
+        own[lid].take(lid)
+    syncer = offers()
+    assert syncer.tend(list(learners)) == 0  # every region has members: nothing moves
+    gone = cut(own["learner-1"].spans("learner-1"), 5)[1] + own["learner-3"].spans("learner-3")
+    own["learner-1"].release("learner-1", 5)  # eu's learners leave: the rest of a unit
+    own["learner-3"].release("learner-3", 0)  # and a whole one come back to eu's pool
+    us = ["learner-0", "learner-2"]
+    assert syncer.tend(us) == 2  # as many waiting as us has learners
+    assert syncer.tend(us) == 0
+    assert own["learner-0"].given_back() == sorted(gone)  # what eu gave back goes first
+    took, k = [], 0
+    while not took or took[-1].epoch == 0:
+        syncer.tend(us)
+        lid = us[k % 2]
+        took.append(own[lid].take(lid))
+        k += 1
+    held = [s for lid in learners for s in own[lid].spans(lid)]
+    first = [s for s in held if s.epoch == 0]
+    assert _covered(first) == _epoch(plan, 0)  # the whole first epoch once, both pools
+    assert len([s for s in held if s.epoch == 1]) == 1  # before any of the second
+    eu = ledger("learner-1")  # eu's pool: what was moved is not an orphan
+    assert eu.orphans() == [] and eu.given_back() == []
+    assert {to for to, _ in eu.moved().values()} == {"us"}
+    assert len(eu.moved()) == sum(s.epoch == 0 for s in took)
+    back = eu.take("learner-1")  # a learner back in eu: its pool from where the moves left it
+    assert back.epoch == 1 and back.start == 0
+    everyone = [s for lid in learners for s in ledger(lid).spans(lid)]
+    assert max(_covered(everyone).values()) == 1
+
+    # A syncer that died between its claim and its offer: the next one offers it.
+    dying = offers().ledger("eu")
+    span, claim = dying.give("us", "syncer-1", epoch=5)
+    assert offer_claim("eu", claim) not in dict(own["learner-0"]._offered())
+    assert offers().tend(us) >= 1
+    assert (span, offer_claim("eu", claim)) in [(s, c) for c, s in ledger("learner-0")._offered()]
+    taken = {lid: ledger(lid).take(lid) for lid in us}
+    assert span in taken.values() or span in ledger("learner-0").given_back()
+
+    # A forged offer (a span of another unit than the claim it names) is named.
+    forged = RunStore("p", {"us": regions["us"]}, "us", writer="mallory")
+    fake = plan.fresh(40, (1, 2))
+    forged.offer_unit(offer_claim("eu", "fresh-999"), {"from": "eu", "claim": "fresh-999",
+                                                        "span": list(astuple(fake))})  # fmt: skip
+    with pytest.raises(DataError, match=r"from-eu-fresh-999\.json offers .* not unit 998"):
+        ledger("learner-2").given_back()
