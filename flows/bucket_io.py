@@ -510,11 +510,12 @@ class BucketStore:
         must lie in a block this process reserved (``SeqNotReserved`` if another process of
         the learner holds the numbers above it)."""
         self._reserved(c.learner, c.seq)
-        self.check_newest(c.learner)
-        key = self.keys.signing_key(c.learner)
+        self.check_newest(c.learner)  # before the upload, and again just before the marker:
+        key = self.keys.signing_key(c.learner)  # a process fenced meanwhile commits nothing
         self.writer_for(c.learner).put_contribution(
-            c.learner, c.fragment, c.seq, c.payload, contribution_meta(c), key=key
-        )
+            c.learner, c.fragment, c.seq, c.payload, contribution_meta(c), key=key,
+            check=lambda: self.check_newest(c.learner),
+        )  # fmt: skip
 
     def claim_generation(self, learner: str) -> int:
         """Claim the next generation of ``learner`` for this process (``RunStore.

@@ -452,6 +452,9 @@ class SilentReleases:
                          sum(s.windows for s in back), region)  # fmt: skip
 
 
+MOST_WAITING = 256  # spans ``UnitOffers`` keeps waiting in a region at most
+
+
 class UnitOffers:
     """Offers the data of a region no learner is in to the regions whose learners train
     (``data.assign = "units"``). Each region has its own pool of units in its own bucket,
@@ -464,10 +467,12 @@ class UnitOffers:
     (``RunStore.offer_unit``), where learners take it like a span given back. A span is
     claimed once in its pool and offered once, so it is trained once.
 
-    Run by the syncers at each look at the members (``tend``), it keeps as many spans
-    waiting in each region with learners as that region has learners, and offers no span
-    of an epoch after the one that region's own pool is in: the run goes through an
-    epoch's units, all pools together, before the next. A claim made here whose offer
+    Run by the syncers at each look at the members (``tend``), it keeps spans waiting in
+    each region with learners: as many as it has learners at first, twice as many each
+    time a look finds that they took every span left waiting at the last (they train a
+    unit faster than the syncers look), up to ``MOST_WAITING``; and it offers no span of
+    an epoch after the one that region's own pool is in: the run goes through an epoch's
+    units, all pools together, before the next. A claim made here whose offer
     was not written (the syncer died between the two) is offered at the next look. The
     learners of the empty region, when they come back, take from their pool where the
     moves left it; spans already offered stay with the region they were offered to."""
@@ -480,6 +485,8 @@ class UnitOffers:
         self._ledgers: dict[str, BucketLedger] = {}
         self._repair = True  # look for claims without their offer (at the start, after an error)
         self._turn = 0  # the empty region whose spans go first: they take turns
+        self.waiting: dict[str, int] = {}  # region -> how many spans to keep waiting there
+        self._left: dict[str, int] = {}  # region -> spans waiting there after the last look
 
     def ledger(self, region: str) -> BucketLedger:
         if region not in self._ledgers:
@@ -502,9 +509,14 @@ class UnitOffers:
                 self._repair = False
             for to in (r for r, n in live.items() if n):
                 ledger = self.ledger(to)
-                want, epoch = live[to] - len(ledger.given_back()), ledger.frontier()
-                while want > 0 and self._move(empty, to, epoch):
-                    want, offered = want - 1, offered + 1
+                waiting, epoch = len(ledger.given_back()), ledger.frontier()
+                keep = max(live[to], self.waiting.get(to, 0))
+                if not waiting and self._left.get(to):  # all taken: they outrun the looks
+                    keep = min(2 * keep, MOST_WAITING)
+                self.waiting[to] = keep
+                while keep > waiting and self._move(empty, to, epoch):
+                    waiting, offered = waiting + 1, offered + 1
+                self._left[to] = waiting
         except (OSError, ValueError) as exc:  # DataError, LayoutError are ValueErrors
             self._repair = True
             self.log.error("cannot offer the data of %s to the learners of other regions: "

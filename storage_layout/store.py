@@ -705,12 +705,14 @@ class RunStore:
         tensors: Mapping[str, QuantizedTensor],
         meta: Mapping[str, Any],
         key: bytes | None = None,
+        check: Callable[[], None] | None = None,
     ) -> CommitMarker:
         """Commit contribution ``seq`` of ``learner``'s ``fragment`` (its tensors and JSON
         meta) in this store's region, the learner's own; its marker is signed with ``key``
         (the learner's, ``storage_layout.auth``) if one is given. The objects are those
         ``encode`` makes of ``{"delta": tensors}``, written as ``put_contribution_stream``
-        writes them (each tensor one piece)."""
+        writes them (each tensor one piece). ``check``: called once the objects are up,
+        just before the marker is written (it raises if the writer may commit no more)."""
         kind, block_size = group_kind("delta", tensors)
 
         def whole() -> Iterator[tuple[str, QuantizedTensor]]:
@@ -720,7 +722,7 @@ class RunStore:
 
         shapes = {name: q.shape for name, q in tensors.items()}
         return self.put_contribution_stream(
-            learner, fragment, seq, shapes, kind, block_size, whole, meta, key
+            learner, fragment, seq, shapes, kind, block_size, whole, meta, key, check
         )
 
     def put_contribution_stream(
@@ -734,6 +736,7 @@ class RunStore:
         pieces: Callable[[], Iterable[tuple[str, QuantizedTensor]]],
         meta: Mapping[str, Any],
         key: bytes | None = None,
+        check: Callable[[], None] | None = None,
     ) -> CommitMarker:
         """``put_contribution`` of tensors of ``shapes`` given a piece at a time, so the
         learner never holds its whole payload encoded: ``pieces()`` yields ``(name, flat
@@ -749,7 +752,9 @@ class RunStore:
         def write(put: Callable[[str, bytes], None]) -> None:
             payload[0] = _write_delta(put, shapes, kind, block_size, pieces)
 
-        def body() -> dict[str, Any]:
+        def body() -> dict[str, Any]:  # made once the objects are up, for the marker
+            if check is not None:
+                check()
             return {**meta, "learner": learner, "fragment": fragment, "seq": seq,
                     "payload_bytes": payload[0], "written_at": time.time()}  # fmt: skip
 

@@ -1,6 +1,7 @@
 """Data taken in units (``data.assign = "units"``, ``diloco/units.py``): learners that
 come and go train every window of an epoch once, none twice and none skipped."""
 
+import os
 import time
 from collections import Counter
 from dataclasses import astuple
@@ -10,7 +11,7 @@ import pytest
 
 from diloco.config import load_config
 from diloco.dataset import open_dataset, prepare
-from diloco.units import MemoryLedger, Span, UnitPlan, UnitReader, cut
+from diloco.units import MemoryLedger, Span, UnitPlan, UnitReader, cut, pool_unit
 from tests.test_dataset import STDLIB
 
 
@@ -439,12 +440,28 @@ def test_a_silent_learner_is_fenced_and_its_data_given_back_by_the_syncers(
 
     def resumes_at() -> int:  # where a restart of the learner would resume (windows)
         steps = store.checkpoint_steps(lid)
-        return resume_step(steps[-1] if steps else 0, syncer_store.sent_so_far(lid)[1]) * batch
+        # (as ``sent_so_far`` reads it, which also reserves seqs: the learner would stop)
+        seqs = [(s, p) for p in range(2) for s in store.contribution_seqs(lid, p, "us-east")]
+        sent, step = max(seqs, default=None), 0
+        if sent is not None:
+            step = int(store.contribution_head(lid, sent[1], sent[0], "us-east").meta["step"])
+        return resume_step(steps[-1] if steps else 0, step) * batch
 
     argv = [*WORKER_COMMAND, "learner", "--run", "si", "--bucket", regions["us-east"],
             "--region", "us-east", "--index", str(learner_index(lid)),
             "--pipeline", cfg.pipeline.model_dump_json()]  # fmt: skip
     log = tmp_path / "learner.log"
+
+    def uploading() -> bool:
+        """A send's objects are up and its marker is not: it may be past its last check
+        (just before the marker), which no fence written after can stop (docs/data.md)."""
+        for p in range(2):
+            data = tmp_path / "us" / os.path.dirname(store.layout.contribution_data(lid, p, 0, "x"))
+            up = {int(n.name[1:13]) for n in data.glob("s*")} if data.exists() else set()
+            if up - set(store.contribution_seqs(lid, p, "us-east")):
+                return True
+        return False
+
     with log.open("w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=child_env())
     try:
@@ -457,7 +474,7 @@ def test_a_silent_learner_is_fenced_and_its_data_given_back_by_the_syncers(
                 proc.send_signal(signal.SIGSTOP)
                 at = resumes_at()
                 held = ledger.spans(lid)
-                if sum(s.windows for s in held) > at:
+                if sum(s.windows for s in held) > at and not uploading():
                     break
                 proc.send_signal(signal.SIGCONT)
             time.sleep(0.1)
@@ -491,7 +508,7 @@ def test_a_silent_learner_is_fenced_and_its_data_given_back_by_the_syncers(
             proc.kill()
     text = log.read_text()
     assert "fenced off by" in text and "its data given back" in text, text[-3000:]
-    assert {p: store.contribution_seqs(lid, p, "us-east") for p in range(2)} == sent
+    assert {p: store.contribution_seqs(lid, p, "us-east") for p in range(2)} == sent, text[-6000:]
     assert ledger.take(other) == back[0]  # the region's next learner takes it first
 
 
@@ -703,7 +720,12 @@ def test_the_pool_of_a_region_its_learners_all_left_is_offered_to_the_others(
     assert syncer.tend(us) == 2  # as many waiting as us has learners
     assert syncer.tend(us) == 0
     assert own["learner-0"].given_back() == sorted(gone)  # what eu gave back goes first
-    took, k = [], 0
+    took, k = [own[lid].take(lid) for lid in us], 0  # both taken before the next look:
+    assert sorted(took) == sorted(gone)
+    eu = own["learner-1"].pool
+    left = sum(pool_unit(k, eu, plan.units)[0] == 0 for k in range(plan.units)) - 2
+    assert left > 2  # eu's pool's units of the first epoch no one has had yet
+    assert syncer.tend(us) == min(4, left) and syncer.waiting["us"] == 4  # twice as many
     while not took or took[-1].epoch == 0:
         syncer.tend(us)
         lid = us[k % 2]
@@ -713,12 +735,17 @@ def test_the_pool_of_a_region_its_learners_all_left_is_offered_to_the_others(
     first = [s for s in held if s.epoch == 0]
     assert _covered(first) == _epoch(plan, 0)  # the whole first epoch once, both pools
     assert len([s for s in held if s.epoch == 1]) == 1  # before any of the second
-    eu = ledger("learner-1")  # eu's pool: what was moved is not an orphan
-    assert eu.orphans() == [] and eu.given_back() == []
-    assert {to for to, _ in eu.moved().values()} == {"us"}
-    assert len(eu.moved()) == sum(s.epoch == 0 for s in took)
-    back = eu.take("learner-1")  # a learner back in eu: its pool from where the moves left it
-    assert back.epoch == 1 and back.start == 0
+    pool = ledger("learner-1")  # eu's pool: what was moved is not an orphan
+    assert pool.orphans() == [] and pool.given_back() == []
+    assert {to for to, _ in pool.moved().values()} == {"us"}
+    # Everything moved is with us's learners, taken or waiting, and nothing else of eu's.
+    eus = {pool_unit(k, eu, plan.units) for k in range(2 * plan.units)}
+    at_us = [s for lid in us for s in own[lid].spans(lid)] + own["learner-0"].given_back()
+    assert sorted(span for _, span in pool.moved().values()) == sorted(
+        s for s in at_us if (s.epoch, s.unit) in eus)  # fmt: skip
+    moved = max(int(c.removeprefix("fresh-")) for c in pool.moved() if c.startswith("fresh-"))
+    back = pool.take("learner-1")  # a learner back in eu: its pool from where the moves left it
+    assert back == plan.fresh(moved, eu) and back.epoch >= 1
     everyone = [s for lid in learners for s in ledger(lid).spans(lid)]
     assert max(_covered(everyone).values()) == 1
 
@@ -733,7 +760,7 @@ def test_the_pool_of_a_region_its_learners_all_left_is_offered_to_the_others(
 
     # A forged offer (a span of another unit than the claim it names) is named.
     forged = RunStore("p", {"us": regions["us"]}, "us", writer="mallory")
-    fake = plan.fresh(40, (1, 2))
+    fake = plan.fresh(40, eu)
     forged.offer_unit(offer_claim("eu", "fresh-999"), {"from": "eu", "claim": "fresh-999",
                                                         "span": list(astuple(fake))})  # fmt: skip
     with pytest.raises(DataError, match=r"from-eu-fresh-999\.json offers .* not unit 998"):
