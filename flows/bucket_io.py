@@ -51,7 +51,7 @@ from flows.version_stream import (
 )
 from storage_layout.auth import Keys, Unauthenticated
 from storage_layout.bucket import Traffic
-from storage_layout.commit import CommitConflict, CorruptVersion, patiently, read_marker
+from storage_layout.commit import CommitConflict, CorruptVersion, Revoked, patiently, read_marker
 from storage_layout.layout import number
 from storage_layout.retention import prune_checkpoints
 from storage_layout.store import PublishReport, RunStore, SeqNotReserved
@@ -474,6 +474,9 @@ class BucketStore:
         self._seqs: dict[str, tuple[int | None, int, int]] = {}
         # learner -> the generation this process claimed as it (``claim_generation``)
         self._generations: dict[str, int] = {}
+        self._revoked: set[tuple[str, int, int]] = (
+            set()
+        )  # (learner, fragment, seq): no contribution
         self.learners = dict(learners)
         if keys is None:
             keys = Keys.from_env(run, writer if writer in self.learners else None)
@@ -596,6 +599,24 @@ class BucketStore:
                         return first - 1, int(meta.get("step", 0))
         return first - 1, step
 
+    def revoke_unsent(self, learner: str, why: str) -> int:
+        """Hold the keys of ``learner``'s reserved seqs that hold no contribution, in every
+        fragment (its newest two blocks: a process commits only inside the blocks it
+        holds), so that a commit still under way in a fenced process of it lands nowhere
+        (``RunStore.revoke_contribution``): what is committed once this returns is all
+        that ever will be. Returns how many keys it held."""
+        region = self.region_of(learner)
+        store = RunStore(self.run, {region: self.regions[region]}, region,
+                         writer=self.main.writer, traffic=self.traffic)  # fmt: skip
+        fragments = range(self._fragments())
+        sent = {s for p in fragments for s in store.contribution_seqs(learner, p, region)}
+        held = 0
+        for first, end in store.seq_blocks(learner, newest=2):
+            for seq in range(first, end):
+                if seq not in sent:
+                    held += sum(store.revoke_contribution(learner, p, seq, why) for p in fragments)
+        return held
+
     def _own(self, learner: str, fragment: int, seq: int) -> dict[str, Any] | None:
         """The meta of ``learner``'s contribution ``seq`` if its marker reads and is signed
         with the learner's key (when this process holds it); None (and a warning) if not."""
@@ -607,6 +628,8 @@ class BucketStore:
                 f"{learner} fragment {fragment} seq {seq}",
                 READ_ATTEMPTS,
             )
+        except Revoked:
+            return None  # held by a syncer: never sent
         except (Unauthenticated, CorruptVersion, FileNotFoundError, KeyError, ValueError) as exc:
             log.warning("%s: not counting contribution %d of fragment %d as its own: %s",
                         learner, seq, fragment, exc)  # fmt: skip
@@ -720,7 +743,7 @@ class BucketStore:
             del heads[seq]  # settled: listed, read or passed over
         out: list[Contribution | Unreadable] = []
         for seq in self.main.contribution_seqs(learner, fragment, region):
-            if seq <= after:
+            if seq <= after or (learner, fragment, seq) in self._revoked:
                 continue
             try:
                 marker = heads.get(seq) or patiently(
@@ -730,6 +753,8 @@ class BucketStore:
                 )
                 heads[seq] = marker
                 out.append(contribution_from(learner, fragment, seq, None, marker.meta))
+            except Revoked:  # no contribution there, ever (``SilentReleases``)
+                self._revoked.add((learner, fragment, seq))
             except Unauthenticated as exc:
                 out.append(Unreadable(learner, fragment, seq, f"not authentic: {exc}", True))
             except (CorruptVersion, KeyError, ValueError, TypeError) as exc:

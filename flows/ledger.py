@@ -393,11 +393,13 @@ class SilentReleases:
        process, if it is only cut off, commits nothing more; one syncer wins; none acts
        when the learner never wrote a status or holds no span;
     2. **release**, ``grace`` seconds after this syncer first saw the fence (its own or
-       another syncer's: one that died before its release leaves it to the others; a
-       commit that passed the process's last check lands by then): its stream from where
-       its slot resumes (``resume_step`` of its newest checkpoint and newest committed
-       send, as a restart reads them) is given back, as a preempted learner gives it
-       back itself. Two syncers releasing at once give nothing back twice: a release is
+       another syncer's: one that died before its release leaves it to the others): the
+       keys of the seqs it reserved and did not commit are held first (``BucketStore.
+       revoke_unsent``), so a commit that passed the process's last check and is paused
+       (a frozen machine) lands nowhere when it wakes; then its stream from where its
+       slot resumes (``resume_step`` of its newest checkpoint and newest committed send,
+       as a restart reads them) is given back, as a preempted learner gives it back
+       itself. Two syncers releasing at once give nothing back twice: a release is
        written as exactly the ledger's next record (``BucketLedger.release``), and once
        one has landed there is nothing past that point left to give.
 
@@ -440,6 +442,11 @@ class SilentReleases:
 
     def _release(self, learner: str, region: str) -> None:
         own = self.store.writer_for(learner)
+        # First hold the keys of the seqs it has not committed: a commit of it still
+        # under way (its process paused past its last check) then lands nowhere, so the
+        # resume point read next counts every contribution it will ever have sent.
+        self.store.revoke_unsent(learner, "its data given back: silent past "
+                                          "pipeline.member_timeout")  # fmt: skip
         steps = own.checkpoint_steps(learner)
         step = resume_step(steps[-1] if steps else 0, self.store.sent_so_far(learner)[1])
         ledger = region_ledger(own, self.plan, self.store.learners, region)

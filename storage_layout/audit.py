@@ -69,7 +69,7 @@ from itertools import pairwise
 from typing import Any
 
 from storage_layout.bucket import BucketError
-from storage_layout.commit import CorruptVersion, read_marker
+from storage_layout.commit import REVOKED, CorruptVersion, read_marker
 from storage_layout.retention import read_ledger
 from storage_layout.store import RunStore, spec_home
 from storage_layout.stream import verify_version
@@ -349,6 +349,8 @@ def _contributions(
                 marker = read_marker(bucket, key)
             except (CorruptVersion, FileNotFoundError) as exc:
                 report.fail("objects-verify", f"{region}: {exc}")
+                continue
+            if marker.kind == REVOKED:  # a key a syncer held: no contribution was sent there
                 continue
             c = sent[(learner, seq)] = sent_from_meta(learner, seq, marker.meta, marker.write_id)
             try:

@@ -65,6 +65,16 @@ class CorruptVersion(ValueError):
     """A committed version whose marker or objects do not check out; the message says how."""
 
 
+# The kind of a marker that holds a contribution's key so that no commit can land there:
+# written by a syncer that gives back a fenced learner's data (``RunStore.revoke_contribution``).
+REVOKED = "revoked"
+
+
+class Revoked(ValueError):
+    """A contribution's key held by a ``REVOKED`` marker: there is no contribution there,
+    and never will be (its readers skip it)."""
+
+
 # Failures that are answers, not accidents: asking again gives the same one.
 _DEFINITE = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
              NotADirectoryError)  # fmt: skip

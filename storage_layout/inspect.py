@@ -13,7 +13,7 @@ from collections import defaultdict
 from typing import Any
 
 from storage_layout.bucket import Bucket, BucketError
-from storage_layout.commit import CorruptVersion, read_marker
+from storage_layout.commit import REVOKED, CorruptVersion, read_marker
 from storage_layout.layout import RunLayout, parse_marker_name
 from storage_layout.store import RunStore
 from storage_layout.stream import verify_version
@@ -151,12 +151,15 @@ def _learner_row(
     lb = store.bucket(region)
     for p in range(fragments):
         seqs = store.contribution_seqs(learner, p, region)
-        if not seqs:
+        markers = (read_marker(lb, store.layout.contribution_marker(learner, p, s))
+                   for s in reversed(seqs))  # fmt: skip
+        marker = next((m for m in markers if m.kind != REVOKED), None)  # held by a syncer
+        if marker is None:
             continue
-        meta = read_marker(lb, store.layout.contribution_marker(learner, p, seqs[-1])).meta
+        meta = marker.meta
         base = int(meta.get("base_version", 0))
         row["fragments"][p] = {
-            "newest_seq": seqs[-1],
+            "newest_seq": int(meta.get("seq", seqs[-1])),
             "stored": len(seqs),
             "base_version": base,
             "staleness": newest.get(p, base) - base,

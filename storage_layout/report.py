@@ -31,7 +31,7 @@ from typing import Any
 
 from storage_layout.audit import OUTCOMES, AuditReport, decide_outcomes, sent_from_meta
 from storage_layout.bucket import Bucket, BucketError
-from storage_layout.commit import CorruptVersion, read_marker
+from storage_layout.commit import REVOKED, CorruptVersion, read_marker
 from storage_layout.inspect import find_runs
 from storage_layout.layout import RunLayout, parse_marker_name
 from storage_layout.retention import read_ledger
@@ -270,6 +270,8 @@ def contributions(
             keys = [store.layout.contribution_marker(learner, p, s)
                     for s in store.contribution_seqs(learner, p, region)]  # fmt: skip
             for marker in _markers(bucket, keys, run.problems).values():
+                if marker.kind == REVOKED:  # a key a syncer held: nothing was sent
+                    continue
                 m = dict(marker.meta)
                 held[(learner, int(m["seq"]))] = {**m, "write_id": marker.write_id,
                                                    "source": "marker"}  # fmt: skip

@@ -47,7 +47,7 @@ from typing import Any
 
 from storage_layout.auth import Keys, verify
 from storage_layout.bucket import Bucket
-from storage_layout.commit import CommitMarker, CorruptVersion, read_marker
+from storage_layout.commit import REVOKED, CommitMarker, CorruptVersion, read_marker
 from storage_layout.layout import RunLayout, parse_marker_name
 from storage_layout.store import RunStore
 
@@ -219,6 +219,8 @@ def _plan_contributions(
             key = layout.contribution_marker(learner, p, seq)
             try:
                 marker = read_marker(bucket, key)
+                if marker.kind == REVOKED:  # holds a key, no contribution: kept (a few bytes)
+                    continue
                 if signing is not None:
                     verify(marker, signing, learner, key)
                 sound.append((seq, key, marker, int(marker.meta["base_version"])))

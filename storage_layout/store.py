@@ -45,9 +45,11 @@ from storage_layout.codec import (
     write_group,
 )
 from storage_layout.commit import (
+    REVOKED,
     CommitConflict,
     CommitMarker,
     CorruptVersion,
+    Revoked,
     commit_marker,
     commit_version,
     content_write_id_of,
@@ -64,6 +66,7 @@ from storage_layout.layout import (
     FORMAT_VERSION,
     RunLayout,
     check_name,
+    data_prefix_of,
     number,
     parse_marker_name,
 )
@@ -557,6 +560,20 @@ class RunStore:
         n = self.put_next(prefix, claim, after)
         return n, block["first"], block["end"]
 
+    def seq_blocks(self, learner: str, newest: int = 2) -> list[tuple[int, int]]:
+        """The ``newest`` blocks of seqs reserved for ``learner`` (``reserve_seqs``), as
+        ``(first, end)``, oldest first (a listing and one read each)."""
+        prefix = self.layout.seq_claims(learner)
+        claims = self._numbers(self.home, prefix, "s")[-newest:] if newest > 0 else []
+        out = []
+        for n in claims:
+            record = _read_json(self.home, f"{prefix}/s{number(n)}.json")
+            if isinstance(record, dict) and all(
+                isinstance(record.get(k), int) for k in ("first", "end")
+            ):
+                out.append((record["first"], record["end"]))
+        return out
+
     def put_join(self, learner: str, record: Callable[[int], bytes]) -> int:
         """Add a join record of ``learner`` (``record(N)``: its signed JSON as join N) in
         this store's region, the learner's own, written once; returns N."""
@@ -822,6 +839,20 @@ class RunStore:
         return commit_marker(self.home, marker_key, prefix, entries, kind, body(),
                              self.writer, write_id, sign=sign)  # fmt: skip
 
+    def revoke_contribution(self, learner: str, fragment: int, seq: int, why: str) -> bool:
+        """Hold contribution ``seq`` of ``learner``'s ``fragment`` in this store's home (the
+        learner's region) with a ``REVOKED`` marker, an exclusive create, so that a commit
+        of it still under way in a fenced process fails (``commit_marker`` finds the key
+        held); False when a contribution was committed there first. Every reader of
+        contribution markers skips a revoked one (``contribution_head`` raises
+        ``Revoked``)."""
+        key = self.layout.contribution_marker(learner, fragment, seq)
+        write_id = new_write_id()
+        marker = CommitMarker(REVOKED, data_prefix_of(key, write_id), {}, self.writer, write_id,
+                              {"learner": learner, "fragment": fragment, "seq": seq, "why": why,
+                               "time": time.time()})  # fmt: skip
+        return self._create(key, marker.to_json()) or read_marker(self.home, key).kind == REVOKED
+
     def get_contribution(
         self, learner: str, fragment: int, seq: int, region: str, key: bytes | None = None
     ) -> tuple[dict[str, QuantizedTensor], dict[str, Any]]:
@@ -840,6 +871,8 @@ class RunStore:
         not read this one's data at all."""
         where = self.layout.contribution_marker(learner, fragment, seq)
         marker = read_marker(self.bucket(region), where)
+        if marker.kind == REVOKED:
+            raise Revoked(f"{where}: revoked by {marker.writer} ({marker.meta.get('why')})")
         if key is not None:
             verify(marker, key, learner, where)
         m = marker.meta

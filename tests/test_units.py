@@ -1,7 +1,6 @@
 """Data taken in units (``data.assign = "units"``, ``diloco/units.py``): learners that
 come and go train every window of an epoch once, none twice and none skipped."""
 
-import os
 import time
 from collections import Counter
 from dataclasses import astuple
@@ -452,16 +451,6 @@ def test_a_silent_learner_is_fenced_and_its_data_given_back_by_the_syncers(
             "--pipeline", cfg.pipeline.model_dump_json()]  # fmt: skip
     log = tmp_path / "learner.log"
 
-    def uploading() -> bool:
-        """A send's objects are up and its marker is not: it may be past its last check
-        (just before the marker), which no fence written after can stop (docs/data.md)."""
-        for p in range(2):
-            data = tmp_path / "us" / os.path.dirname(store.layout.contribution_data(lid, p, 0, "x"))
-            up = {int(n.name[1:13]) for n in data.glob("s*")} if data.exists() else set()
-            if up - set(store.contribution_seqs(lid, p, "us-east")):
-                return True
-        return False
-
     with log.open("w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=child_env())
     try:
@@ -474,7 +463,7 @@ def test_a_silent_learner_is_fenced_and_its_data_given_back_by_the_syncers(
                 proc.send_signal(signal.SIGSTOP)
                 at = resumes_at()
                 held = ledger.spans(lid)
-                if sum(s.windows for s in held) > at and not uploading():
+                if sum(s.windows for s in held) > at:
                     break
                 proc.send_signal(signal.SIGCONT)
             time.sleep(0.1)
@@ -611,6 +600,72 @@ def test_a_release_never_gives_a_span_back_twice_nor_misses_a_take_under_way(pre
     for t in (0.0, 6.0, 12.0):  # heard, silent past the timeout, and a grace later
         look(t)
     assert ledger("audit").spans(other) == [] and store.newest_generation(other) == 2
+
+
+def test_a_send_under_way_in_a_fenced_learner_lands_nowhere_once_its_data_is_given_back(
+    prepared, tmp_path
+):
+    """The one window no check closes: a learner process paused after the last check of
+    a send and before its marker (a frozen VM) while the syncers fence it and give its
+    data back. The releasing syncer first holds the keys of the seqs it has not committed
+    (revoked markers), so the marker's write fails when it wakes, and the release counts
+    exactly what was committed: nothing is trained twice. The syncers, a restart's
+    ``sent_so_far``, retention and inspect read past the revoked key."""
+    from diloco.loops import resume_step
+    from diloco.outer import Contribution
+    from diloco.quantize import quantize
+    from flows.ledger import region_ledger
+    from flows.run import bucket_store, build_model
+    from storage_layout.commit import CommitConflict, Revoked
+    from storage_layout.inspect import inspect_bucket
+    from storage_layout.retention import collect_garbage
+    from storage_layout.store import RunStore
+
+    cfg, regions, store, spec, lid = _worker_run(prepared, tmp_path, "fly")
+    plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
+    model = build_model(cfg)
+    learner = bucket_store("fly", regions, spec, cfg, lid, home="us-east")  # its process
+    learner.claim_generation(lid)
+    learner.sent_so_far(lid)  # reserves its first block of seqs
+    ledger = region_ledger(learner.writer_for(lid), plan, spec["learners"], "us-east")
+    held = [ledger.take(lid), ledger.take(lid)]
+    store.write_metrics(lid, {"state": "training", "time": 0, "step": 0})
+    first = learner._seqs[lid][1]
+
+    def send(seq: int, step: int) -> None:
+        payload = {n: quantize(np.full(model.init[n].shape, 1e-3, np.float32), "int4", 128)
+                   for n in model.plan[0]}  # fmt: skip
+        learner.put_contribution(Contribution(lid, 0, seq, 0, 512, step, 0.1, payload, step=step))
+
+    send(first, 2)
+    look = _syncer_looks("fly", regions, spec, cfg, plan, grace=0.0)
+    check, checks = learner.check_newest, []
+
+    def paused_after_check(who: str) -> None:
+        check(who)
+        checks.append(who)
+        if len(checks) == 2:  # past the last check before the marker: asleep while ...
+            for t in (0.0, 6.0, 12.0):  # ... the syncers fence it and give its data back
+                look(t)
+
+    learner.check_newest = paused_after_check
+    with pytest.raises(CommitConflict):  # woken, its marker's key is held
+        send(first + 1, 4)
+    with pytest.raises(Revoked, match="revoked by syncer-0"):
+        store.contribution_head(lid, 0, first + 1, "us-east")
+    batch = cfg.data.batch_size
+    back = cut(held, resume_step(0, 2) * batch)[1]
+    again = region_ledger(store, plan, spec["learners"], "us-east")
+    assert again.given_back() == back  # from the step of what was committed, no later
+    syncer = bucket_store("fly", regions, spec, cfg, "syncer-1", home="us-east")
+    assert [c.seq for c in syncer.contributions(lid, 0, 0)] == [first]  # the held key skipped
+    assert syncer.sent_so_far(lid)[1] == 2  # a restart resumes after the committed send
+    report = collect_garbage(RunStore("fly", regions, "us-east", writer="gc"),
+                             len(spec["fragments"]), spec["learners"], window=4)  # fmt: skip
+    assert not any("revoked" in p or f"s{first + 1:012d}" in p for p in report.problems)
+    (shown,) = inspect_bucket(regions["us-east"], run="fly")["runs"]
+    row = next(r for r in shown["learners"] if r["learner"] == lid)
+    assert row["fragments"][0]["newest_seq"] == first
 
 
 def test_a_syncer_offers_the_pool_of_a_region_no_member_is_in(prepared, tmp_path):
