@@ -63,6 +63,7 @@ READ_ATTEMPTS = 3  # reads of a contribution before it is rejected as corrupt
 # Seqs a learner process reserves at a time (``RunStore.reserve_seqs``): one small write
 # per this many sends; a restart skips at most this many numbers.
 SEQ_BLOCK = 8
+REVOKED_BLOCKS = 4  # the newest blocks of seqs ``revoke_unsent`` holds
 # Contribution fields kept in the marker's meta (the tensors are the payload).
 _COUNTERS = ("base_version", "anchor_seq", "step", "tokens", "steps", "seconds")
 
@@ -601,8 +602,9 @@ class BucketStore:
 
     def revoke_unsent(self, learner: str, why: str) -> int:
         """Hold the keys of ``learner``'s reserved seqs that hold no contribution, in every
-        fragment (its newest two blocks: a process commits only inside the blocks it
-        holds), so that a commit still under way in a fenced process of it lands nowhere
+        fragment (its newest ``REVOKED_BLOCKS`` blocks: a process commits only inside the
+        blocks it holds, and each syncer that gives the learner's data back reserves one
+        more, ``sent_so_far``), so that a commit still under way in a fenced process lands nowhere
         (``RunStore.revoke_contribution``): what is committed once this returns is all
         that ever will be. Returns how many keys it held."""
         region = self.region_of(learner)
@@ -611,7 +613,7 @@ class BucketStore:
         fragments = range(self._fragments())
         sent = {s for p in fragments for s in store.contribution_seqs(learner, p, region)}
         held = 0
-        for first, end in store.seq_blocks(learner, newest=2):
+        for first, end in store.seq_blocks(learner, newest=REVOKED_BLOCKS):
             for seq in range(first, end):
                 if seq not in sent:
                     held += sum(store.revoke_contribution(learner, p, seq, why) for p in fragments)
