@@ -549,11 +549,12 @@ class UnitOffers:
 
     def _offer_moved(self, empty: list[str]) -> int:
         """Offer what a claim names but was not offered (a look cut short)."""
-        count = 0
+        count, offered = 0, {}
         for src in empty:
             for claim, (to, span) in self.ledger(src).moved().items():
-                offered = dict(self.ledger(to)._offered())
-                if offer_claim(src, claim) not in offered:
+                if to not in offered:  # read once a look
+                    offered[to] = dict(self.ledger(to)._offered())
+                if offer_claim(src, claim) not in offered[to]:
                     self._offer(src, to, span, claim)
                     count += 1
         return count
