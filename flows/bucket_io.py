@@ -475,9 +475,8 @@ class BucketStore:
         self._seqs: dict[str, tuple[int | None, int, int]] = {}
         # learner -> the generation this process claimed as it (``claim_generation``)
         self._generations: dict[str, int] = {}
-        self._revoked: set[tuple[str, int, int]] = (
-            set()
-        )  # (learner, fragment, seq): no contribution
+        # (learner, fragment, seq) held by a revoked marker: no contribution there, ever
+        self._revoked: set[tuple[str, int, int]] = set()
         self.learners = dict(learners)
         if keys is None:
             keys = Keys.from_env(run, writer if writer in self.learners else None)
@@ -604,9 +603,9 @@ class BucketStore:
         """Hold the keys of ``learner``'s reserved seqs that hold no contribution, in every
         fragment (its newest ``REVOKED_BLOCKS`` blocks: a process commits only inside the
         blocks it holds, and each syncer that gives the learner's data back reserves one
-        more, ``sent_so_far``), so that a commit still under way in a fenced process lands nowhere
-        (``RunStore.revoke_contribution``): what is committed once this returns is all
-        that ever will be. Returns how many keys it held."""
+        more, ``sent_so_far``), so that a commit still under way in a fenced process
+        lands nowhere (``RunStore.revoke_contribution``): what is committed once this
+        returns is all that ever will be. Returns how many keys it held."""
         region = self.region_of(learner)
         store = RunStore(self.run, {region: self.regions[region]}, region,
                          writer=self.main.writer, traffic=self.traffic)  # fmt: skip
