@@ -138,6 +138,12 @@ class BucketLedger:
                             f"{src}")  # fmt: skip
         return span, src
 
+    def _returned_and_offered(self) -> dict[str, Span]:
+        """Every span given back here or offered here, by its claim's name."""
+        back = {claim: span for lid in self.learners for claim, span in self._replay(lid)[1]}
+        back.update(self._offered())
+        return back
+
     def _pool(self) -> list[tuple[Span, str]]:
         """What this pool's learners take before a fresh unit: the spans given back and
         those offered from other regions, not claimed yet, oldest epoch first."""
@@ -177,8 +183,7 @@ class BucketLedger:
         no unit is left claimed and trained by no one. Only the claim's own learner may,
         as only one process of a learner trains (its generation): another learner's
         orphan might be a take still under way."""
-        back = {claim: span for lid in self.learners for claim, span in self._replay(lid)[1]}
-        back.update(self._offered())
+        back = self._returned_and_offered()
         out = []
         for claim in self.orphans():
             record = self.store.unit_claim(claim)
@@ -211,8 +216,7 @@ class BucketLedger:
         untaken = self._untaken()
         new = [c for c in untaken if c not in self._claims]
         self._claims.update(zip(new, self.store.unit_claims(new), strict=True))
-        back = {claim: span for lid in self.learners for claim, span in self._replay(lid)[1]}
-        back.update(self._offered())
+        back = self._returned_and_offered()
         out = {}
         for claim in untaken:
             record = self._claims[claim]
