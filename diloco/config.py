@@ -401,7 +401,9 @@ class SimConfig(_Strict):
     joins: tuple[Join, ...] = Field(
         (),
         description='learners joining vacant slots: [{"learner": 3, "at": 0.2}] (a slot '
-        "pipeline.learners_started leaves vacant, or one a failure with no duration left)",
+        "pipeline.learners_started leaves vacant, or one a failure with no duration left), or "
+        "added beyond the run's slots (index topology.learners, then the next: data.assign = "
+        "'units' only; speed 1.0)",
     )
     bandwidth_gbps: PositiveFloat = Field(
         1.0, description="per learner, between its region and the syncer"
@@ -595,10 +597,6 @@ class RunConfig(_Strict):
             raise ValueError(
                 f"pipeline.speeds has {len(speeds)} entries for {m} learners (one factor each)"
             )
-        for f in (*self.sim.failures, *self.sim.joins):
-            if f.learner >= m:
-                what = "sim.failures" if isinstance(f, Failure) else "sim.joins"
-                raise ValueError(f"{what} names learner {f.learner}, run has {m}")
         leaves = [f.learner for f in self.sim.failures if f.duration is None]
         if leaves and not self.shared_budget:
             raise ValueError(
@@ -634,19 +632,31 @@ class RunConfig(_Strict):
 
     def _check_slots(self) -> None:
         """Each ``sim.joins`` entry finds its slot vacant (never started, or left and not
-        joined since); each failure finds its learner there."""
-        n = self.pipeline.learners_started
-        vacant = set(range(self.topology.learners)) - set(range(n or self.topology.learners))
+        joined since), or adds the next learner beyond the run's slots (as ``diloco join``
+        does when none is vacant: only a run that takes its data in units, which no slot
+        owns); each failure finds its learner there."""
+        m, n = self.topology.learners, self.pipeline.learners_started
+        vacant = set(range(m)) - set(range(n or m))
         down: set[int] = set()
+        added = m  # the index the next learner added takes
         for at, _, kind, i, _ in sim_events(self.sim):
-            if kind == "join":
+            if kind == "join" and i == added:
+                if self.data.assign != "units":
+                    raise ValueError(
+                        f"sim.joins: learner {i} is beyond the run's {m} slots: learners are "
+                        "added only to a run that takes its data in units (data.assign = "
+                        "'units'); a slot's dealt share cannot grow"
+                    )
+                added += 1
+            elif kind == "join":
                 if i not in vacant:
-                    why = "down, to come back" if i in down else "held"
+                    why = ("down, to come back" if i in down else "held" if i < added
+                           else f"beyond the slots; the next one added is {added}")  # fmt: skip
                     raise ValueError(f"sim.joins: slot {i} is not vacant at {at:g} ({why})")
                 vacant.discard(i)
             elif kind == "back":
                 down.discard(i)
-            elif i in vacant or i in down:
+            elif i in vacant or i in down or i >= added:
                 raise ValueError(f"sim.failures: learner {i} is not there at {at:g}")
             else:
                 (vacant if kind == "leave" else down).add(i)
@@ -666,7 +676,12 @@ class RunConfig(_Strict):
         """How many times its own measured compute a step of ``learner`` takes on the wall
         clock: its factor relative to the fastest learner's (real hardware can be slowed,
         not sped up, so the fastest runs as it is and ``[0.5, 1]`` means ``[1, 2]``)."""
-        return self.speeds[learner] / min(self.speeds)
+        return self.speed(learner) / min(self.speeds)
+
+    def speed(self, learner: int) -> float:
+        """Learner ``learner``'s step-time factor: ``speeds``, 1.0 for one added beyond
+        the run's slots (``diloco join``, ``sim.joins``)."""
+        return self.speeds[learner] if learner < len(self.speeds) else 1.0
 
     @property
     def kept_versions(self) -> int:

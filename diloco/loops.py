@@ -561,8 +561,22 @@ class SyncerLoop:
     def versions(self) -> dict[int, int]:
         return {p: s.version for p, s in self.syncers.items()}
 
+    def admit(self, learner: str) -> None:
+        """Take ``learner``'s contributions from now on: a learner the transport counts as
+        a member that the run's spec does not list (a slot a joiner added, ``diloco
+        join``), merged from the next version on like any other."""
+        self.learners.append(learner)
+        for p, syncer in self.syncers.items():
+            syncer.learners = syncer.learners | {learner}
+            self.seen[(learner, p)] = syncer.cursor.get(learner, 0)
+        self.log.warning("learner %s is admitted: its contributions are merged from the "
+                         "next version on", learner)  # fmt: skip
+
     def collect(self) -> int:
         """Offer every new contribution; returns how many were read."""
+        for learner in self.transport.members():
+            if learner not in self.learners:
+                self.admit(learner)
         for p in sorted(self.unloaded):
             try:
                 self.load(p)

@@ -41,7 +41,15 @@ from diloco.model import ParamCodec
 from diloco.outer import FlatParams
 from diloco.quantize import payload_bytes
 from diloco.tensors import materialize
-from diloco.topology import learner_ids, shard_count, shard_fragments, shard_of, syncer_id
+from diloco.topology import (
+    learner_id,
+    learner_ids,
+    learner_index,
+    shard_count,
+    shard_fragments,
+    shard_of,
+    syncer_id,
+)
 from diloco.transport import MemoryStore, SimulatedNetwork, Store, transfer_seconds
 from diloco.units import MemoryLedger, RegionalLedger, UnitLedger, UnitPlan, UnitReader
 
@@ -91,7 +99,7 @@ def make_reader(
     if prepared and d.assign == "units":
         if ledger is None:
             raise ValueError("data.assign = 'units' reads through a ledger; none was given")
-        return UnitReader(ledger.plan, learner_ids(m)[index], ledger, d.batch_size)
+        return UnitReader(ledger.plan, learner_id(index), ledger, d.batch_size)
     if prepared:
         return dataset.TokenReader(prepared, index, m, d.batch_size, cfg.model.context, cfg.seed)
     corpus = cached_corpus(d.source, m, d.val_percent, d.text_field)
@@ -214,9 +222,8 @@ def simulate(
         "rejected": sum(1 for e in run.metrics if e["event"] == "rejected"),
     }
     if ledger is not None:  # who holds which data (``diloco.units``), and what was given back
-        summary["data_spans"] = {
-            lid: [astuple(s) for s in ledger.spans(lid)] for lid in learner_ids(m)
-        }
+        learners = sorted({*learner_ids(m), *run.finished}, key=learner_index)  # with added
+        summary["data_spans"] = {lid: [astuple(s) for s in ledger.spans(lid)] for lid in learners}
         summary["data_returned"] = [astuple(s) for s in ledger.given_back()]
     return SimResult(cfg, run.metrics, summary)
 
@@ -386,6 +393,7 @@ class _Fleet:
         self.sched, self.clock = sched, clock
         self.ids = learner_ids(run.cfg.topology.learners)
         self.net: SimulatedNetwork | None = None  # set once the network exists
+        self.ledger: UnitLedger | None = None  # data.assign = "units": the store's
         self.loops: dict[str, LearnerLoop] = {}
         self.ended: dict[str, float] = {}  # learner -> when its loop ended
         self.down: dict[int, int] = {}  # learner index -> its step when it failed
@@ -454,9 +462,23 @@ class _Fleet:
         record = records.rejoin(self.ids[i], step, before - step, source, self.clock.now())
         self.run.metrics.append(record)
 
+    def add(self, i: int) -> None:
+        """Slot ``i``, the next beyond the run's (taking data in units), added vacant
+        since the start (as ``diloco join`` adds one when none is vacant): the store
+        takes its learner (``Store.add_learner``: a bucket holds its member record)."""
+        lid = learner_id(i)
+        self.net.store.add_learner(lid)
+        self.ids.append(lid)
+        self.net.learners.append(lid)  # told of new versions
+        self.readers.append(make_reader(self.run.cfg, i, self.ledger))
+        self.vacant[i], self.vacant_seconds[i] = 0.0, 0.0
+
     def join(self, i: int) -> None:
         """A learner takes vacant slot ``i``: the slot's checkpoint and data position, the
-        newest global versions (``LearnerLoop.start``, as ``diloco join``)."""
+        newest global versions (``LearnerLoop.start``, as ``diloco join``); ``i`` the next
+        index beyond the slots: a slot added (``add``)."""
+        if i == len(self.ids):
+            self.add(i)
         since = self.vacant.pop(i, None)
         if since is None:
             return
@@ -498,7 +520,6 @@ def _simulate_loops(
     """Decoupled or synchronous DiLoCo: the pipeline's loops under the scheduler. Returns
     the end's time and, with ``units``, the store's data ledger."""
     cfg, sim, topo = run.cfg, run.cfg.sim, run.cfg.topology
-    speeds = cfg.speeds
     plan = plan_fragments(codec.sizes, topo.fragments, topo.fragment_strategy)
     sizes = fragment_sizes(plan, codec.sizes)
     # How long a new version takes to reach learners: its compact update where there is
@@ -517,8 +538,9 @@ def _simulate_loops(
     ledger = store.ledger(units) if units else None
     readers = [make_reader(cfg, i, ledger) for i in range(topo.learners)]
     clock = VirtualClock()
-    sched = Scheduler(clock, lambda name: speeds[ids.index(name)] * sim.step_seconds)
+    sched = Scheduler(clock, lambda name: cfg.speed(learner_index(name)) * sim.step_seconds)
     fleet = _Fleet(run, plan, readers, sched, clock)
+    fleet.ledger = ledger
     fleet.net = net = SimulatedNetwork(
         store, clock, sim, global_bytes, ids,
         owner=lambda p: syncer_id(shard_of(p, shards)),

@@ -8,8 +8,9 @@ spells an id or deals learners itself.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 LEARNER_PREFIX = "learner-"
 
@@ -41,6 +42,28 @@ def deal_learners(count: int, regions: Sequence[str] | Mapping[str, str]) -> dic
     if not names:
         raise ValueError("a run needs at least one region")
     return {lid: names[i % len(names)] for i, lid in enumerate(learner_ids(count))}
+
+
+def learner_region(learner: str, dealt: Mapping[str, str]) -> str:
+    """The region ``learner`` trains in, given the run's ``dealt`` learners (the spec's,
+    ``learner-0`` .. ``learner-{M-1}``): its own, or, for one added beyond them
+    (``diloco join`` when no slot is vacant), that of the dealt learner its index falls
+    on (index mod M). So each region adds learners as its share of the slots has it, and
+    two regions never add the same id."""
+    if learner in dealt:
+        return dealt[learner]
+    if not dealt:
+        raise ValueError("a run needs at least one learner")
+    return dealt[learner_id(learner_index(learner) % len(dealt))]
+
+
+def added_learners(dealt: Mapping[str, str], region: str) -> Iterator[str]:
+    """The ids a joiner in ``region`` may add beyond the run's ``dealt`` learners, in the
+    order it tries them (``learner_region``)."""
+    if region not in dealt.values():
+        raise ValueError(f"no learner of the run is dealt to region {region!r}")
+    ids = map(learner_id, itertools.count(len(dealt)))
+    return (lid for lid in ids if learner_region(lid, dealt) == region)
 
 
 def home_region(regions: Sequence[str] | Mapping[str, str]) -> str:

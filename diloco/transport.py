@@ -75,6 +75,10 @@ class Store(Protocol):
     def ledger(self, plan: UnitPlan) -> UnitLedger:
         """Who takes which data, with ``data.assign = "units"`` (``diloco.units``)."""
 
+    def add_learner(self, learner: str) -> None:
+        """``learner`` is added beyond the run's slots (``sim.joins``; ``diloco join`` in
+        the pipeline): its region's bucket holds its member record from now on."""
+
     def close(self, summary: dict[str, Any]) -> None:
         """The run is over (the simulator's summary, for stores that keep one)."""
 
@@ -185,6 +189,9 @@ class MemoryStore:
 
     def read(self, c: Contribution) -> Contribution:
         return c  # held whole
+
+    def add_learner(self, learner: str) -> None:
+        pass  # any learner's contributions are held
 
     def settle(self, learner: str, fragment: int, cursor: int) -> None:
         """Forget contributions a committed version has processed (memory stays flat)."""

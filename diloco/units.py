@@ -193,7 +193,8 @@ class RegionalLedger:
 
     def __init__(self, ledgers: Mapping[str, UnitLedger], region_of: Mapping[str, str],
                  offers: Callable[[Collection[str]], object] | None = None):  # fmt: skip
-        self.ledgers, self.region_of = dict(ledgers), dict(region_of)
+        # ``region_of`` as given, not a copy: the store adds the learners joiners add
+        self.ledgers, self.region_of = dict(ledgers), region_of
         self.plan = next(iter(self.ledgers.values())).plan
         self.offers = offers
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import lru_cache
@@ -37,6 +38,7 @@ from diloco.outer import Contribution, outer_optimizer
 from diloco.records import Record
 from diloco.syncer import GlobalVersion
 from diloco.tensors import Tensors, materialize, pieces
+from diloco.topology import learner_region
 from diloco.transport import Collect, GlobalDelta, downlink_update
 from diloco.units import RegionalLedger, UnitPlan
 from diloco.validate import Scan, scan_payload
@@ -950,10 +952,21 @@ class BucketStore:
                             logging.getLogger("diloco.syncer"), self.traffic)  # fmt: skip
         return RegionalLedger(
             {r: region_ledger(RunStore(self.run, {r: self.regions[r]}, r, writer=self.main.writer,
-                                       traffic=self.traffic), plan, self.learners, r)
+                                       traffic=self.traffic), plan, self.learners, r,
+                              members=lambda: self.learners)
              for r in set(self.learners.values())},
             self.learners, offers.tend,
         )  # fmt: skip
+
+    def add_learner(self, learner: str) -> None:
+        """Add ``learner`` beyond the run's slots in its region (``learner_region``), as
+        ``diloco join`` does: its member record, signed with its key where this process
+        holds one, then its contributions are the run's (``RunStore.run_learners``)."""
+        region = learner_region(learner, self.main.read_spec()["learners"])
+        self.learners[learner] = region
+        record = {"learner": learner, "region": region, "host": "simulator", "time": time.time()}
+        if not self.writer_for(learner).put_member(learner, record, self.keys.signing_key(learner)):
+            raise FileExistsError(f"{learner} is added to run {self.run!r} already")
 
     def close(self, summary: dict[str, Any]) -> None:
         """Record the simulation's summary and the traffic of every writer it drove."""

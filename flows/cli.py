@@ -823,7 +823,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
         raise ConfigError(f"{url} is none of run {args.run!r}'s regions: {regions}")
     window = max(args.keep, int(spec["config"]["outer"]["max_staleness"]) + 2)
     store = RunStore(args.run, regions, home, writer="gc")
-    report = collect_garbage(store, len(spec["fragments"]), spec["learners"], window,
+    learners = store.run_learners(spec, Keys.from_env(args.run).verifying_key).regions
+    report = collect_garbage(store, len(spec["fragments"]), learners, window,
                              orphan_age=args.orphan_age, keys=Keys.from_env(args.run))  # fmt: skip
     stdout_console().print(
         f"run {args.run}: deleted {report.contributions_deleted} contributions, "

@@ -1,7 +1,7 @@
-"""``diloco join``: a machine takes a vacant learner slot of a running run, from its
-region's bucket alone.
+"""``diloco join``: a machine takes a vacant learner slot of a running run, or adds one,
+from its region's bucket alone.
 
-A run has a fixed number of learner slots (``topology.learners``), each with its id, its
+A run starts with ``topology.learners`` slots (the spec's), each with its id, its
 region, its share of the data (its stream of batches) and its checkpoints in the bucket.
 A slot is **vacant** when its learner takes no part in the run now (``flows.run.absence``:
 preempted, or silent past ``pipeline.member_timeout``) or never started; a **done** slot
@@ -11,7 +11,24 @@ region that it holds a key for, writes a signed join record (write-once, under t
 at the slot's data position, so no batch of the slot is skipped or trained twice whoever
 trains it, and it needs no live donor, only the bucket. Several joiners may start at
 once: each start claims the slot's next generation (an exclusive create), and a process
-whose generation is no longer the newest stops, so one joiner per slot trains on.
+whose generation is no longer the newest stops, so one joiner per slot trains on. A slot
+whose join record is younger than the timeout and that has not started yet is not
+vacant: its joiner is on its way.
+
+**A run grows** when a joiner finds no vacant slot in its region and the run takes its
+data in units (``data.assign = "units"``: no slot owns a share of the data, each learner
+takes units from its region's pool): it adds a slot beyond the spec's ``topology.learners``
+by writing a signed **member record** (``members/{learner}.json`` in its region's bucket,
+an exclusive create: two joiners never add the same one), under the first id its region
+may add (``diloco.topology.learner_region``: index mod M falls on one of the region's
+dealt slots, so two regions never add the same id) that it holds a key for. The syncers
+read every region's member records at each look at the members (``RunStore.run_learners``,
+each checked against its learner's key) and merge the added learner's contributions from
+the next version on; the audit, ``diloco inspect`` and the launcher's display know it
+from the same records. An added slot is then a slot like the others: vacant when its
+learner leaves, taken again by the next joiner. The run secret covers every id; a join
+token covers the ids it names (``diloco join-token --learners 16`` opens learner-0 ..
+learner-15, those beyond the spec's slots included).
 
 Who may join: with the run secret (``DILOCO_RUN_SECRET``) any slot; with a join token
 (``DILOCO_JOIN_TOKEN``, from ``diloco join-token``, which holds the keys of the slots the
@@ -29,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -42,7 +60,7 @@ from typing import Any
 from prefect import flow
 
 from diloco.syncer import budget_spent
-from diloco.topology import learner_index
+from diloco.topology import LEARNER_PREFIX, added_learners, learner_index, learner_region
 from flows import workers
 from flows.run import absence
 from flows.spares import WORKER_COMMAND
@@ -58,12 +76,16 @@ from storage_layout.auth import (
 )
 from storage_layout.store import RunStore
 
+ADD_TRIES = 8  # slots a joiner tries to add, each time another joiner adds it first
+LEARNER_ID = re.compile(rf"{LEARNER_PREFIX}\d+")  # a token may name anything
+
 
 @dataclass(frozen=True)
 class Slot:
     learner: str
     vacant: bool
     why: str  # why it is vacant, or what it is doing
+    added: bool = False  # a slot this joiner adds to the run (none was vacant)
 
 
 def slot_state(
@@ -73,9 +95,13 @@ def slot_state(
     now = time.time() if now is None else now
     status = store.read_metrics(learner, region)
     if status is None:
-        if store.newest_generation(learner) == 0:
-            return Slot(learner, True, "never started")
-        return Slot(learner, False, "starting (it has claimed the slot, no status yet)")
+        if store.newest_generation(learner) != 0:
+            return Slot(learner, False, "starting (it has claimed the slot, no status yet)")
+        joined = store.newest_join(learner, region)  # a joiner on its way to its start
+        at = joined[1].get("time") if joined else None
+        if isinstance(at, (int, float)) and now - at < timeout:
+            return Slot(learner, False, f"joining (joined {now - at:.0f} s ago, not started)")
+        return Slot(learner, True, "never started")
     state = status.get("state", "?")
     if state == "done":
         return Slot(learner, False, "done: it has trained its budget")
@@ -103,13 +129,21 @@ def choose_slot(
     keys: dict[str, bytes] | None,
     timeout: float,
     wanted: str | None = None,
+    grow: bool = False,
 ) -> Slot:
     """The slot a joiner in ``region`` takes (``wanted``, or the first vacant one it
-    holds a key for); ``JoinRefused`` naming each slot and why it is not to be taken."""
-    learners = dict(spec.get("learners") or {})
-    if region not in (spec.get("regions") or {}):
+    holds a key for, among the spec's and those joiners added in this region); with
+    ``grow`` (the run takes its data in units, which no slot owns) and none vacant, a new
+    one (``Slot.added``: ``added_learners``' first id it holds a key for and no one
+    added). ``JoinRefused`` naming each slot and why it is not to be taken."""
+    regions = list(spec.get("regions") or {})
+    if region not in regions:
         raise JoinRefused(f"run {store.run!r} has no region {region!r}; its regions are "
-                          f"{sorted(spec.get('regions') or {})}")  # fmt: skip
+                          f"{sorted(regions)}")  # fmt: skip
+    if region not in (spec.get("learners") or {}).values():  # it has no pool of data either
+        raise JoinRefused(f"run {store.run!r} has no learner slot in region {region!r}")
+    key_of = None if keys is None else keys.get
+    learners = store.run_learners(spec, key_of).regions
     here = sorted((lid for lid, r in learners.items() if r == region), key=learner_index)
     if wanted is not None:
         if wanted not in learners:
@@ -117,8 +151,6 @@ def choose_slot(
         if learners[wanted] != region:
             raise JoinRefused(f"{wanted} trains in region {learners[wanted]!r}, not {region!r}")
         here = [wanted]
-    if not here:
-        raise JoinRefused(f"run {store.run!r} has no learner slot in region {region!r}")
     seen = []
     for lid in here:
         if keys is not None and lid not in keys:
@@ -128,6 +160,18 @@ def choose_slot(
         if slot.vacant:
             return slot
         seen.append(f"{lid}: {slot.why}")
+    if grow and wanted is None:
+        dealt = dict(spec.get("learners") or {})
+        if keys is None:
+            new = next(lid for lid in added_learners(dealt, region) if lid not in learners)
+            return Slot(new, True, "added to the run (no slot was vacant)", added=True)
+        ids = [lid for lid in keys if LEARNER_ID.fullmatch(lid) and lid not in learners]
+        for lid in sorted(ids, key=learner_index):
+            if learner_region(lid, dealt) == region:
+                return Slot(lid, True, "added to the run (no slot was vacant)", added=True)
+        seen.append("no slot to add: the join token covers none this region may add")
+    elif not grow and wanted is None:
+        seen.append("a run that deals its data to its slots (data.assign = 'slots') adds none")
     raise JoinRefused(f"no vacant learner slot in region {region!r} of run {store.run!r}: "
                       + "; ".join(seen))  # fmt: skip
 
@@ -177,23 +221,33 @@ def join(
     if _budget_spent(store, cfg, len(spec.get("fragments") or [])):
         raise JoinRefused(f"run {run!r} has trained its budget ({cfg.budget.tokens:,} tokens, "
                           "shared by its learners): there is nothing left to join for")  # fmt: skip
-    taken = choose_slot(store, spec, region, keys, cfg.pipeline.member_timeout, slot)
+    grow = cfg.data.assign == "units"  # no slot owns data: a slot may be added
+
+    def choose() -> Slot:
+        return choose_slot(store, spec, region, keys, cfg.pipeline.member_timeout, slot, grow)
+
+    taken = choose()
     if warm is not None and cfg.pipeline.learner_processes == 1:
         began = time.time()
         print(f"warming up to join run {run} in {region} (the model, its compiled step, "
               f"the corpus) before taking a slot", flush=True)  # fmt: skip
         warm(pipeline)
-        taken = choose_slot(store, spec, region, keys, cfg.pipeline.member_timeout, slot)
+        taken = choose()
         print(f"warm after {time.time() - began:.1f} s", flush=True)
-    lid = taken.learner
-    key = None
-    if env.get(RUN_SECRET_ENV):
-        key = learner_key(env[RUN_SECRET_ENV], run, lid)
-    elif keys:
-        key = keys[lid]
-    record = {"learner": lid, "region": region, "host": socket.gethostname(),
-              "pid": os.getpid(), "time": time.time(), "took": taken.why,
+    record = {"region": region, "host": socket.gethostname(), "pid": os.getpid(),
               "devices": _devices(), "speed": speed}  # fmt: skip
+    for _ in range(ADD_TRIES):  # an added slot: its member record, written once
+        key = _key(env, keys, run, taken.learner)
+        if not taken.added or store.put_member(
+            taken.learner, {**record, "learner": taken.learner, "time": time.time()}, key
+        ):
+            break
+        taken = choose()  # another joiner added that one first
+    else:
+        raise JoinRefused(f"{ADD_TRIES} slots added in region {region!r} of run {run!r} were "
+                          "each taken by another joiner first")  # fmt: skip
+    lid = taken.learner
+    record.update(learner=lid, time=time.time(), took=taken.why)
     writer = RunStore(run, {region: url}, region, writer=lid)
 
     def body(n: int) -> bytes:
@@ -210,6 +264,14 @@ def join(
     print(f"joining run {run} as {lid} in {region} (join {n}; the slot: {taken.why})",
           flush=True)  # fmt: skip
     return workers.learner(run, url, region, learner_index(lid), cfg, pipeline), env
+
+
+def _key(env: Mapping[str, str], keys: dict[str, bytes] | None, run: str, lid: str) -> bytes | None:
+    """``lid``'s key: from the run secret, or the join token; None in a run that signs
+    nothing."""
+    if env.get(RUN_SECRET_ENV):
+        return learner_key(env[RUN_SECRET_ENV], run, lid)
+    return keys[lid] if keys else None
 
 
 def _budget_spent(store: RunStore, cfg: Any, fragments: int) -> bool:

@@ -442,11 +442,14 @@ class LearnerRuntime:
         self.log = run_logger("diloco.learner")
         self.ledger: BucketLedger | FollowedLedger | None = None  # data.assign = "units"
         opened = time.time()
-        spec = RunStore(run, {region: bucket}, region, writer=learner).read_spec()
-        if spec["learners"].get(learner) != region:
+        opening = RunStore(run, {region: bucket}, region, writer=learner)
+        spec = opening.read_spec()
+        # the spec's slots and those joiners added in this region (``diloco join``)
+        learners = opening.run_learners(spec).regions
+        if learners.get(learner) != region:
             raise ValueError(
                 f"learner {learner!r} is not in region {region!r} in run {run!r}; "
-                f"the run has {spec['learners']}"
+                f"the run has {learners}"
             )
         self.cfg = config_from_spec(spec, pipeline)
         self.model = build_model(self.cfg, learner=True)
@@ -454,7 +457,7 @@ class LearnerRuntime:
         self.index = learner_index(learner)
         self.label = f"{region}/{self.index}"
         self.store = bucket_store(run, {region: bucket}, spec, self.cfg, learner, home=region,
-                                  model=self.model)  # fmt: skip
+                                  model=self.model, learners=learners)  # fmt: skip
         # Over several processes (diloco.hosts) process 0 leads: it alone writes to the
         # bucket, and the others take what it read.
         self.leader, self.processes = hosts.is_leader(), hosts.process_count()
@@ -504,8 +507,9 @@ class LearnerRuntime:
         if self.cfg.data.assign != "units":
             return reader(self.cfg, self.index)
         units = unit_plan(self.cfg)
-        ledger = region_ledger(self.store.writer_for(self.id), units, spec["learners"],
-                               self.region, self._may_take)  # fmt: skip
+        own = self.store.writer_for(self.id)
+        ledger = region_ledger(own, units, self.store.learners, self.region, self._may_take,
+                               lambda: own.run_learners(spec).regions)  # fmt: skip
         # Over several processes, process 0 takes; the others follow its records.
         self.ledger = ledger if self.leader else FollowedLedger(
             ledger, self.cfg.pipeline.poll_seconds, self.log,

@@ -43,11 +43,14 @@ def region_pools(learners: Mapping[str, str]) -> dict[str, tuple[int, int]]:
 
 
 def region_ledger(store: RunStore, plan: UnitPlan, learners: Mapping[str, str],
-                  region: str, fenced: Callable[[], None] | None = None) -> BucketLedger:  # fmt: skip
-    """The ledger of ``region``'s pool, in ``store`` (a store of that region's bucket)."""
+                  region: str, fenced: Callable[[], None] | None = None,
+                  members: Callable[[], Mapping[str, str]] | None = None) -> BucketLedger:  # fmt: skip
+    """The ledger of ``region``'s pool, in ``store`` (a store of that region's bucket).
+    ``members``: the run's learners now (with those joiners added), read before each
+    take."""
     mine = [lid for lid, r in learners.items() if r == region]
     pools = region_pools(learners)
-    return BucketLedger(store, plan, mine, pools[region], fenced, region, pools)
+    return BucketLedger(store, plan, mine, pools[region], fenced, region, pools, members)
 
 
 def offer_claim(region: str, claim: str) -> str:
@@ -59,13 +62,17 @@ def offer_claim(region: str, claim: str) -> str:
 class BucketLedger:
     """The ledger of one pool (a region's) in ``store``'s home bucket (the region's own),
     for its ``learners``. ``region`` and ``pools`` (every region's pool): to check the
-    spans that syncers offer it from other regions' pools (``UnitOffers``)."""
+    spans that syncers offer it from other regions' pools (``UnitOffers``). ``members``
+    (learner -> region, the run's learners now): the learners joiners added to the
+    region since, read before each take (their takes and what they gave back count)."""
 
     def __init__(self, store: RunStore, plan: UnitPlan, learners: Sequence[str],
                  pool: tuple[int, int] = (0, 1),
                  fenced: Callable[[], None] | None = None, region: str = "",
-                 pools: Mapping[str, tuple[int, int]] | None = None):  # fmt: skip
+                 pools: Mapping[str, tuple[int, int]] | None = None,
+                 members: Callable[[], Mapping[str, str]] | None = None):  # fmt: skip
         self.store, self.plan, self.learners = store, plan, list(learners)
+        self.members = members
         self.pool, self.region, self.pools = pool, region, dict(pools or {})
         self._offers: dict[str, tuple[Span, str]] = {}  # offered here: claim -> (span, from)
         self._claims: dict[str, Any] = {}  # claim records read (written once)
@@ -153,11 +160,20 @@ class BucketLedger:
         return sorted((span, claim) for span, claim in back if claim not in claimed)
 
     def given_back(self) -> list[Span]:
+        self._admit()
         return [span for span, _ in self._pool()]
+
+    def _admit(self) -> None:
+        """Add the learners joiners added to this region since the last look."""
+        if self.members is not None:
+            for lid, region in self.members().items():
+                if region == self.region and lid not in self.learners:
+                    self.learners.append(lid)
 
     def take(self, learner: str) -> Span:
         if self.fenced is not None:
             self.fenced()
+        self._admit()
         if learner not in self._owed:  # once a process: its own claims with no record
             self._owed[learner] = self._orphans_of(learner)
         if self._owed[learner]:
@@ -202,6 +218,7 @@ class BucketLedger:
         return [c for c in self._untaken() if c not in moved]
 
     def _untaken(self) -> list[str]:
+        self._admit()
         for lid in self.learners:  # each learner's new records (checked as they are read)
             self._replay(lid)
         fresh = [f"fresh-{n}" for n in self.store.fresh_claims()  # an empty unit: no take
@@ -283,11 +300,13 @@ def audit_units(report: AuditReport) -> None:
     from diloco.simulate import unit_plan
 
     urls, run = report.regions, report.run
-    spec = RunStore(run, urls, next(iter(urls)), writer="audit").read_spec()
+    first = RunStore(run, urls, next(iter(urls)), writer="audit")
+    spec = first.read_spec()
     cfg = validate_config({**spec["config"], "pipeline": {}})
     if cfg.data.assign != "units":
         return
-    plan, learners, batch = unit_plan(cfg), dict(spec["learners"]), cfg.data.batch_size
+    # the spec's learners and those joiners added (a refused one is the audit's stranger)
+    plan, learners, batch = unit_plan(cfg), first.run_learners(spec).regions, cfg.data.batch_size
     merged: dict[tuple[int, int], list[tuple[int, int, str]]] = {}
     offers: dict[tuple[str, str], tuple[str, Span]] = {}  # (to, offer claim) -> (from, span)
     for region in region_pools(learners):
@@ -490,7 +509,8 @@ class UnitOffers:
 
     def __init__(self, run: str, regions: Mapping[str, str], learners: Mapping[str, str],
                  plan: UnitPlan, who: str, log: Any, traffic: Any = None):  # fmt: skip
-        self.run, self.regions, self.learners = run, dict(regions), dict(learners)
+        # ``learners`` as given, not a copy: the syncer's store adds those joiners add
+        self.run, self.regions, self.learners = run, dict(regions), learners
         self.plan, self.who, self.log, self.traffic = plan, who, log, traffic
         self.pools = region_pools(self.learners)
         self._ledgers: dict[str, BucketLedger] = {}
@@ -503,7 +523,8 @@ class UnitOffers:
         if region not in self._ledgers:
             store = RunStore(self.run, {region: self.regions[region]}, region,
                              writer=self.who, traffic=self.traffic)  # fmt: skip
-            self._ledgers[region] = region_ledger(store, self.plan, self.learners, region)
+            self._ledgers[region] = region_ledger(store, self.plan, self.learners, region,
+                                                  members=lambda: self.learners)  # fmt: skip
         return self._ledgers[region]
 
     def tend(self, members: Collection[str]) -> int:

@@ -107,6 +107,12 @@ class LiveMetrics:
         """Each learner's rounds not read yet (one LIST per learner, one read per new
         round); a damaged one is asked for again at the next ticks, a few times."""
         new: dict[str, list[dict[str, Any]]] = {}
+        try:  # and the learners joiners added since (``diloco join``)
+            for lid, region in self.store.run_learners(self.spec).regions.items():
+                if lid not in self.learners:
+                    self.learners[lid], self.rounds[lid] = region, {}
+        except (OSError, ValueError) as exc:
+            self._warn("added learners", f"cannot read the learners added to the run: {exc}")
         for lid, region in self.learners.items():
             held = self.rounds[lid]
             try:

@@ -54,6 +54,7 @@ class Monitor:
         self.store, self.cfg, self.spec, self.log = store, cfg, spec, log
         self.deaths = {} if deaths is None else deaths
         self.launched = set(cfg.started_learners(list(spec["learners"])))  # others: joiners'
+        self._learners: dict[str, str] = dict(spec["learners"])
         self.unreadable: set[tuple[int, int]] = set()  # reported once each
         self.errors = 0  # storage errors while watching, in all
         self.down_since: float | None = None  # monotonic time of the first error of an outage
@@ -145,6 +146,15 @@ class Monitor:
                                    "older one: %s", p, v, exc)  # fmt: skip
         return None
 
+    def learners(self) -> dict[str, str]:
+        """The run's learners: the spec's, and those joiners added (``diloco join``); the
+        last ones read on a storage error."""
+        try:
+            self._learners = self.store.run_learners(self.spec).regions
+        except Exception as exc:
+            self.storage_error("reading the learners added to the run", exc)
+        return self._learners
+
     def statuses(self) -> dict[str, dict[str, Any]]:
         """Every learner's status object; on a storage error, the last one read (or
         ``unreachable``) for it and for the learners after it in this look. A learner
@@ -152,7 +162,7 @@ class Monitor:
         ``killed by the OOM killer``) until its next process reports, not in the phase
         the dead one had reached."""
         out, failed = {}, False
-        for learner, region in self.spec["learners"].items():
+        for learner, region in self.learners().items():
             if not failed:
                 try:
                     out[learner] = self.store.read_metrics(learner, region) or {}
@@ -290,9 +300,10 @@ class Monitor:
     def traffic(self) -> tuple[dict[str, dict[str, int]], int, int]:
         """Bytes and requests per region pair summed over every writer's metrics, the
         learners' bytes up and down, and the rejected contributions."""
-        store, spec = self.store, self.spec
+        store = self.store
         traffic: dict[str, dict[str, int]] = {}
-        writers = [(lid, region) for lid, region in spec["learners"].items()]
+        learners = self.learners()
+        writers = list(learners.items())
         shards = shard_count(self.cfg.pipeline.syncer_shards, self.cfg.topology.fragments)
         writers += [(syncer_id(s), store.client_region) for s in range(shards)]
         rejected, learner_bytes = 0, 0
@@ -303,7 +314,7 @@ class Monitor:
                 self.storage_error(f"reading {name}'s metrics", exc)
                 record = {}
             rejected += len(record.get("rejected", []))
-            if name in spec["learners"]:
+            if name in learners:
                 learner_bytes += record.get("bytes_up", 0) + record.get("bytes_down", 0)
             for pair, t in record.get("traffic", {}).items():
                 acc = traffic.setdefault(pair, {"bytes": 0, "requests": 0})

@@ -241,13 +241,17 @@ def bucket_store(
     writer: str,
     home: str | None = None,
     model: Model | None = None,
+    learners: Mapping[str, str] | None = None,
 ) -> BucketStore:
     """The run's store as ``writer`` sees it from ``home`` (default: the syncers'); a
-    learner passes its ``model``, whose trainer places what it reads on its mesh."""
+    learner passes its ``model``, whose trainer places what it reads on its mesh.
+    ``learners``: the run's learners as read (``RunStore.run_learners``; the spec's by
+    default)."""
     model = model or build_model(cfg)
     trainer = model.trainer
+    learners = spec["learners"] if learners is None else learners
     return BucketStore(
-        run, regions, home or home_region(regions), spec["learners"], cfg.topology.global_dtype,
+        run, regions, home or home_region(regions), learners, cfg.topology.global_dtype,
         writer, place=trainer.place_params,
         # The state's structure, shapes and dtypes only: no computation on the mesh (one
         # process of a learner over several reads a checkpoint alone) and no memory.

@@ -81,6 +81,10 @@ class PipelineSyncerTransport:
         self.lagging: set[int] = set()
         self._lagging_since: dict[int, float] = {}
         self._catch_up_at, self._catch_up_delay = -math.inf, CATCH_UP_BACKOFF[0]
+        # Set by the runtime: the run's spec, whose learners and those joiners added in
+        # any region (``RunStore.run_learners``, checked at each look) are the run's.
+        self.spec: Mapping[str, Any] | None = None
+        self._refused: set[str] = set()  # added learners' records refused, said once each
         self.done: set[str] = set()  # learners whose status says they are done
         self.given_up: set[str] = set()  # learners the launcher gave up
         self._given_up_read = -math.inf
@@ -164,6 +168,7 @@ class PipelineSyncerTransport:
         if now - self._members_read < 5.0:
             return self._members
         self._members_read = now
+        self._admit()
         members = []
         for learner, region in self.store.learners.items():
             gone = self._gone(learner, region, now)
@@ -184,6 +189,29 @@ class PipelineSyncerTransport:
         if self.offers is not None:
             self.offers.tend(members)
         return members
+
+    def _admit(self) -> None:
+        """Take the learner slots joiners added to the run (``RunStore.run_learners``:
+        each region's bucket, each record checked, signed with its learner's key when the
+        run signs); a refused record is said once. A region that cannot be read is
+        looked at again at the next look."""
+        if self.spec is None:
+            return
+        for region in self.store.regions:
+            try:
+                found = self.store.main.run_learners(self.spec, self.store.keys.verifying_key,
+                                                     [region])  # fmt: skip
+            except (OSError, ValueError) as exc:
+                self.log.warning("cannot read the learners added in %s: %s", region, exc)
+                continue
+            for problem in sorted(set(found.refused) - self._refused):
+                self.log.error("refusing a learner added to the run: %s", problem)
+                self._refused.add(problem)
+            for lid, record in found.added.items():
+                if lid not in self.store.learners:
+                    self.store.learners[lid] = region
+                    self.log.warning("learner %s was added to the run in %s (host %s)", lid,
+                                     region, record.get("host"))  # fmt: skip
 
     def _note_join(self, learner: str, region: str) -> None:
         """Log who took ``learner``'s slot by ``diloco join`` (its newest join record),
@@ -314,11 +342,12 @@ class SyncerRuntime:
             self.cfg.pipeline.retention_seconds, member_timeout=self.cfg.pipeline.member_timeout,
         )  # fmt: skip
         self.transport.on_published = self.report
+        self.transport.spec = spec  # to admit the learners joiners add
         if self.cfg.data.assign == "units":
             units = unit_plan(self.cfg)
             self.transport.releases = SilentReleases(store, units, self.cfg.data.batch_size,
                                                      self.log)  # fmt: skip
-            self.transport.offers = UnitOffers(run, store.regions, spec["learners"], units,
+            self.transport.offers = UnitOffers(run, store.regions, store.learners, units,
                                                syncer_id(shard), self.log, store.traffic)  # fmt: skip
         self.records: list[records.Record] = []
         self.loop = SyncerLoop(self.cfg, self.fragments, list(spec["learners"]),

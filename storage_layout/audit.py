@@ -30,9 +30,11 @@ The audit reads them and checks, naming the objects that break each invariant:
   copy (the fp32 parameters and the outer optimizer state a syncer resumes from), and
   it verifies: a run whose master copies are gone cannot go on, however sound every
   other copy is;
-- ``no-strangers``: contributions lie only under the learners dealt to each region (the
-  syncer never reads others: one under an unknown learner, or a learner of another
-  region, was written by someone else, and is named here);
+- ``no-strangers``: contributions lie only under the learners dealt to each region, or
+  added to it by a joiner (``members/``, ``RunStore.run_learners``; the syncer never
+  reads others: one under an unknown learner, or a learner of another region, was
+  written by someone else, and is named here, as is an added learner's record out of
+  place);
 - ``data-once``: the data a learner's merged contributions to one fragment trained (their
   ``data`` positions, [from, to) of the learner's batches) do not overlap between
   anchors: no batch of a learner reached a fragment twice, also across its restarts
@@ -179,12 +181,19 @@ def audit_run(run: str, buckets: Mapping[str, str]) -> AuditReport:
             store.bucket(region)
         except BucketError as exc:
             raise BucketError(f"cannot audit run {run!r}: {exc}") from exc
-    learners: dict[str, str] = dict(spec.get("learners") or {})
+    # the spec's learners and those joiners added (their records as stored: the audit
+    # holds no key; a record out of place is a stranger's)
+    found = store.run_learners(spec)
+    learners = found.regions
     fragments = len(spec.get("fragments") or [])
     for p in range(fragments):
         _audit_fragment(store, p, learners, report)
     _strangers(store, learners, report)
+    for problem in found.refused:
+        report.fail("no-strangers", f"a learner added to the run is refused: {problem}")
     _account(store, learners, fragments, report)
+    for lid in found.added:
+        report.learners[lid]["added"] = True
     return report
 
 

@@ -95,6 +95,6 @@ def global_versions(
 def read_history(store: RunStore) -> History:
     """The whole run's history: every learner's rounds and every fragment's versions."""
     spec = store.read_spec()
-    rounds = learner_rounds(store, spec["learners"])
+    rounds = learner_rounds(store, store.run_learners(spec).regions)  # with those added
     versions = global_versions(store, len(spec["fragments"]))
     return History(rounds.rounds, versions.versions, rounds.damaged + versions.damaged)

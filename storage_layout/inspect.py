@@ -67,7 +67,6 @@ def inspect_run(
             f"of one, name the region it holds: --run {run} REGION={bucket.url}"
         )
     regions.update(given)
-    learners: dict[str, str] = spec.get("learners") or {}
     fragments = len(spec.get("fragments") or [])
     home = bucket.region if bucket.region in regions else next(iter(regions))
     store = RunStore(run, regions, home, writer="inspect")
@@ -81,6 +80,9 @@ def inspect_run(
             out["problems"].append(str(exc))
     out["fragments"] = _fragment_rows(store, fragments, reachable)
     newest = {row["fragment"]: row["newest"] for row in out["fragments"] if "newest" in row}
+    found = store.run_learners(spec, regions=reachable)  # with those joiners added
+    learners = found.regions
+    out["problems"] += [f"a learner added to the run is refused: {p}" for p in found.refused]
     out["learners"] = [
         _learner_row(store, learner, region, fragments, newest, region in reachable)
         for learner, region in sorted(learners.items())

@@ -166,6 +166,16 @@ class RunLayout:
         learner's key): who took the slot, from where, with what (``diloco join``)."""
         return f"{self.run}/learners/{check_name('learner', learner)}/joins"
 
+    # members beyond the spec's learner slots (``diloco join`` growing the run) ----------
+    def members_folder(self) -> str:
+        return f"{self.run}/members"
+
+    def member(self, learner: str) -> str:
+        """The record of a learner slot a joiner added to the run (beyond the spec's
+        ``learners``), in its region's bucket: written once (exclusive create), signed
+        with the learner's key (``flows.join``; ``RunStore.run_learners`` reads them)."""
+        return f"{self.members_folder()}/{check_name('learner', learner)}.json"
+
     # data units (``data.assign = "units"``, diloco/units.py) --------------------------
     def unit_records(self, learner: str) -> str:
         """A learner's data ledger (``s{N}.json``, each written once): the spans it took

@@ -21,6 +21,7 @@ Results are plain dicts and lists (no pandas), so a notebook cell only plots the
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -54,9 +55,14 @@ class Run:
     reachable: list[str]
     problems: list[str]
 
-    @property
+    @functools.cached_property
     def learners(self) -> dict[str, str]:
-        return dict(self.spec.get("learners") or {})
+        """The spec's learners and those joiners added (``RunStore.run_learners``)."""
+        try:
+            return self.store.run_learners(self.spec, regions=self.reachable).regions
+        except (OSError, ValueError) as exc:
+            self.problems.append(f"cannot read the learners added to the run: {exc}")
+            return dict(self.spec.get("learners") or {})
 
     @property
     def fragments(self) -> int:

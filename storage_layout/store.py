@@ -33,7 +33,15 @@ from typing import Any
 import numpy as np
 
 from diloco.quantize import QuantizedTensor, dequantize, quantize
-from storage_layout.auth import SecretMismatch, secret_fingerprint, signer, verify
+from diloco.topology import learner_index, learner_region
+from storage_layout.auth import (
+    SecretMismatch,
+    record_verifies,
+    secret_fingerprint,
+    sign_record,
+    signer,
+    verify,
+)
 from storage_layout.bucket import Bucket, BucketError, Traffic
 from storage_layout.codec import (
     CHUNK,
@@ -279,6 +287,7 @@ class RunStore:
         self._unsafe = allow_unsafe_overwrite
         self._buckets: dict[str, Bucket] = {}
         self._metrics_base: dict[str, dict[str, Any]] = {}  # as stored before our first write
+        self._members: dict[tuple[str, str], Any] = {}  # member records read (written once)
 
     def bucket(self, region: str) -> Bucket:
         """The region's bucket, opened on first use; ``RegionDown`` if it cannot be reached."""
@@ -573,6 +582,56 @@ class RunStore:
             ):
                 out.append((record["first"], record["end"]))
         return out
+
+    # learners beyond the spec's slots ------------------------------------------------
+    def put_member(self, learner: str, record: Mapping[str, Any], key: bytes | None) -> bool:
+        """Add learner slot ``learner`` to the run in this store's region (a joiner that
+        found no vacant slot, ``flows.join``): ``record`` signed with ``key`` (if any),
+        written once; False when another joiner's record holds that id."""
+        body = sign_record(record, key) if key is not None else dict(record)
+        return self._create(self.layout.member(learner), json.dumps(body, sort_keys=True).encode())
+
+    def run_learners(
+        self, spec: Mapping[str, Any], key_of: Callable[[str], bytes | None] | None = None,
+        regions: Iterable[str] | None = None,
+    ) -> RunLearners:  # fmt: skip
+        """The run's learners: the spec's slots, then the slots joiners added
+        (``put_member``) in ``regions`` (this store's, by default), each record checked:
+        named after its learner, a learner id (``learner-N``) the spec does not hold, in
+        the bucket of the region it names, which is that id's (``learner_region``: no two
+        regions add the same id), and, with ``key_of``
+        (learner -> its key, None where nothing is signed), signed with its learner's
+        key. A record that is not is refused (``RunLearners.refused`` names its key and
+        why), never taken: its learner's contributions are then a stranger's."""
+        dealt = dict(spec.get("learners") or {})
+        found: dict[str, tuple[str, dict[str, Any]]] = {}
+        refused: list[str] = []
+        folder = self.layout.members_folder()
+        for region in self.urls if regions is None else regions:
+            bucket = self.bucket(region)
+            listed = patiently(partial(bucket.list, folder), f"listing {folder}")
+            for name in sorted(listed):
+                where = f"{bucket.url}/{folder}/{name}"
+                record = self._members.get((region, name))  # written once: read once
+                try:
+                    record = record or _read_json(bucket, f"{folder}/{name}")
+                except FileNotFoundError:
+                    continue
+                except CorruptVersion as exc:
+                    refused.append(f"{where}: {exc}")
+                    continue
+                self._members[(region, name)] = record
+                lid = name.removesuffix(".json")
+                why = _member_problem(lid, name, region, record, dealt, key_of)
+                if why is not None:
+                    refused.append(f"{where}: {why}")
+                    continue
+                found[lid] = (region, record)
+        added = {lid: found[lid] for lid in sorted(found, key=learner_index)}
+        return RunLearners(
+            {**dealt, **{lid: region for lid, (region, _) in added.items()}},
+            {lid: record for lid, (_, record) in added.items()}, refused,
+        )  # fmt: skip
 
     def put_join(self, learner: str, record: Callable[[int], bytes]) -> int:
         """Add a join record of ``learner`` (``record(N)``: its signed JSON as join N) in
@@ -1374,6 +1433,43 @@ def _named_damage(key: str) -> Iterator[None]:
         if isinstance(exc, CorruptVersion):
             raise
         raise CorruptVersion(f"{key}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class RunLearners:
+    """``RunStore.run_learners``: learner id -> region (the spec's slots first, then the
+    added ones by index), the added slots' records, and the records refused, each named."""
+
+    regions: dict[str, str]
+    added: dict[str, dict[str, Any]]
+    refused: list[str]
+
+
+def _member_problem(
+    lid: str, name: str, region: str, record: Any, dealt: Mapping[str, str],
+    key_of: Callable[[str], bytes | None] | None,
+) -> str | None:  # fmt: skip
+    """Why a member record (``RunStore.run_learners``) is not to be taken, or None."""
+    try:
+        learner_index(lid)
+        check_name("learner", lid)
+    except ValueError as exc:
+        return f"{name} does not name a learner ({exc})"
+    if not name.endswith(".json"):
+        return f"{name} is not a member record (LEARNER.json)"
+    if not isinstance(record, dict):
+        return f"not a member record: {record!r:.120}"
+    if record.get("learner") != lid or record.get("region") != region:
+        return (f"it names learner {record.get('learner')!r} in region "
+                f"{record.get('region')!r}, not {lid!r} in {region!r} where it lies")  # fmt: skip
+    if lid in dealt:
+        return f"{lid} is a slot of the run's spec (in region {dealt[lid]!r})"
+    if dealt and learner_region(lid, dealt) != region:
+        return f"{lid} is a learner of region {learner_region(lid, dealt)!r}, not {region!r}"
+    key = key_of(lid) if key_of is not None else None
+    if key is not None and not record_verifies(record, key):
+        return f"it is not signed with {lid}'s key (forged, or the key of another run)"
+    return None
 
 
 def _read_json(bucket: Bucket, key: str) -> Any:

@@ -41,7 +41,10 @@ def test_json_file(tmp_path):
         ("pipeline.speeds=[1,2,3]", "pipeline.speeds has 3 entries for 4 learners"),
         ("pipeline.speeds=[1,0,1,1]", "config field 'pipeline.speeds.1': Input should be greater"),
         ("pipeline.speeds=[1,1,-2,1]", "config field 'pipeline.speeds.2': Input should be greater"),
-        ('sim.failures=[{"learner": 7, "at": 0.1, "duration": 0.1}]', "names learner 7"),
+        (
+            'sim.failures=[{"learner": 7, "at": 0.1, "duration": 0.1}]',
+            "sim.failures: learner 7 is not there at 0.1",
+        ),
         ("mode=fast", "config field 'mode'"),
         ("pipeline.learners_started=5", "pipeline.learners_started 5 exceeds the 4 learner slots"),
         ("pipeline.learners_started=0", "config field 'pipeline.learners_started'"),

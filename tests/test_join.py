@@ -30,6 +30,7 @@ from storage_layout.auth import (
     new_run_secret,
     parse_join_token,
     record_verifies,
+    sign_record,
 )
 from storage_layout.store import RunStore
 from tests.test_pipeline import _wait, _workers
@@ -37,11 +38,12 @@ from tests.test_pipeline import _wait, _workers
 REGION = "us-east"
 
 
-def _run(tmp_path: Path, name: str, tokens: int = 20_000):
-    (tmp_path / "us").mkdir(exist_ok=True)
+def _run(tmp_path: Path, name: str, tokens: int = 20_000, *sets: str):
+    (tmp_path / "us").mkdir(parents=True, exist_ok=True)
     url = f"file://{tmp_path / 'us'}"
     cfg = load_config("tiny", overrides=[f"budget.tokens={tokens}", "topology.learners=2",
-                                         "topology.quorum=1", "pipeline.round_steps=20"])  # fmt: skip
+                                         "topology.quorum=1", "pipeline.round_steps=20",
+                                         *sets])  # fmt: skip
     store = RunStore(name, {REGION: url}, REGION, writer="launcher")
     spec = initialize_run(store, cfg)
     secret = new_run_secret()
@@ -146,29 +148,37 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     tmp_path, prefect_api, monkeypatch
 ):
     """`diloco train` with three learner slots, of which it starts one
-    (pipeline.learners_started=1). Once learner-0's first contribution is committed, a
-    machine with a join token for slot 1 (`diloco join-token`) runs the `join` flow (as
-    `diloco join` does): it warms up first, then takes the vacant slot (never started),
-    writes a signed join record, trains as learner-1 in the flow run's process (its
-    learner flow runs are subflows), from the bucket alone, and the syncer merges its
-    contributions,
-    authenticated by the token's key. Slot 2 stays vacant: once the shared budget is
-    spent it does not hold the run's end. The run ends with both learners done and a
-    clean audit; then no slot the token covers is vacant and a further joiner (the
-    `join` flow of the `join/REGION` deployments) is refused, naming each slot's state."""
+    (pipeline.learners_started=1), taking its data in units. Once learner-0's first
+    contribution is committed, a machine with a join token for learner-1 and learner-3
+    (`diloco join-token`) runs the `join` flow (as `diloco join` does): it warms up
+    first, then takes the vacant slot 1 (never started), writes a signed join record,
+    trains as learner-1 in the flow run's process (its learner flow runs are subflows),
+    from the bucket alone, and the syncer merges its contributions, authenticated by the
+    token's key. A second machine with that token runs `diloco join`: slot 1 is held and
+    the token does not cover slot 2, so it adds learner-3 beyond the run's slots (its
+    signed member record), the syncer admits it and merges its work. Slot 2 stays
+    vacant: once the shared budget is spent it does not hold the run's end. The run ends
+    with the three learners done and a clean audit; then no slot the token covers is
+    vacant, none is left to add, and a further joiner (the `join` flow of the
+    `join/REGION` deployments) is refused, naming each slot's state."""
+    from tests.test_units import prepare_stdlib
+
     run = "open"
-    proc, url = _train(tmp_path, run, 60_000)
+    units = ("data.assign=units", f"data.source={prepare_stdlib(tmp_path / 'data', 2048)}",
+             "model.vocab_size=512")  # fmt: skip
+    proc, url = _train(tmp_path, run, 60_000, *units)
     store = RunStore(run, {REGION: url}, REGION)
-    paused = joiner = None
+    paused: list[int] = []
+    joiner = adder = None
     try:
         _wait(lambda: _sent(store, "learner-0"), 600, "learner-0's first contribution", proc)
-        # Learner 0 waits (SIGSTOP) from here until the joiner has sent, so that the
-        # joiner finds budget left however long its start takes on this machine.
-        paused = _workers(tmp_path / f"{run}.log")["learner 0"]
-        os.kill(paused, signal.SIGSTOP)
+        # Learner 0 waits (SIGSTOP) from here until the joiners have sent, so that they
+        # find budget left however long their starts take on this machine.
+        paused.append(_workers(tmp_path / f"{run}.log")["learner 0"])
+        os.kill(paused[-1], signal.SIGSTOP)
         token = subprocess.run(
             [sys.executable, "-m", "flows.cli", "join-token", "--run", run, "--dir",
-             str(tmp_path), "--learner", "learner-1"],
+             str(tmp_path), "--learner", "learner-1", "--learner", "learner-3"],
             capture_output=True, text=True, timeout=120, env=child_env())  # fmt: skip
         assert token.returncode == 0, token.stderr
         env = {**child_env(), JOIN_TOKEN_ENV: token.stdout.strip()}
@@ -179,18 +189,38 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
         syncer_log = tmp_path / run / "logs" / f"syncer-{REGION}-0.log"
         _wait(lambda: "learner learner-1 joined from host" in syncer_log.read_text(), 600,
               "the syncer's note of the join", proc)  # fmt: skip
-        os.kill(paused, signal.SIGCONT)
-        paused = None
+        paused.append(joiner.pid)  # the learner-1 worker runs in the flow's process
+        os.kill(paused[-1], signal.SIGSTOP)
+        with (tmp_path / "adder.log").open("w") as out:
+            adder = subprocess.Popen(
+                [sys.executable, "-m", "flows.cli", "join", url, "--run", run, "--region",
+                 REGION, "--pipeline", '{"round_steps": 20, "poll_seconds": 0.05}'],
+                stdout=out, stderr=subprocess.STDOUT, env=env)  # fmt: skip
+        _wait(lambda: _sent(store, "learner-3"), 600, "the added learner's first send", proc)
+        _wait(lambda: "learner learner-3 was added to the run" in syncer_log.read_text(), 600,
+              "the syncer's note of the learner added", proc)  # fmt: skip
+        while paused:
+            os.kill(paused.pop(), signal.SIGCONT)
         joiner.wait(timeout=900)
+        adder.wait(timeout=900)
         said = (tmp_path / "joiner.log").read_text()
     finally:
-        if paused is not None:
+        for pid in paused:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(paused, signal.SIGCONT)
-        if joiner is not None and joiner.poll() is None:  # the test failed: leave nothing
-            joiner.kill()
+                os.kill(pid, signal.SIGCONT)
+        for p in (joiner, adder):
+            if p is not None and p.poll() is None:  # the test failed: leave nothing
+                p.kill()
         text = _finish(proc, tmp_path / f"{run}.log")
     assert joiner.returncode == 0, said[-6000:]
+    added = (tmp_path / "adder.log").read_text()
+    assert adder.returncode == 0, added[-6000:]
+    assert f"joining run {run} as learner-3 in {REGION}" in added, added[-3000:]
+    (record,) = store.joins("learner-3")
+    assert record["took"] == "added to the run (no slot was vacant)"
+    member = json.loads((tmp_path / run / "us" / run / "members" / "learner-3.json").read_text())
+    secret = (tmp_path / run / "run-secret").read_text().strip()
+    assert record_verifies(member, learner_key(secret, run, "learner-3"))
     assert f"joining run {run} as learner-1 in {REGION}" in said, said
     # it warmed up (model, compiled step, corpus) before it took the slot, and trained
     # in the process that warmed up
@@ -202,15 +232,16 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     _assert_subflows_of_the_join_flow(run, "learner us-east/1")
     settings = store.read_pipeline()  # the launch's, for joiners; less its fault injection
     assert settings["round_steps"] == 20 and "faults" not in settings, settings
-    secret = (tmp_path / run / "run-secret").read_text().strip()
     assert record_verifies(record, learner_key(secret, run, "learner-1"))
     assert not record_verifies(record, learner_key(secret, run, "learner-0"))
     assert "learner learner-1 joined from host" in syncer_log.read_text(), text[-3000:]
     report = audit_run(run, {REGION: url})
     assert report.ok, dict(report.violations)
     merged = {lid: acc["tokens"]["merged"] for lid, acc in report.learners.items()}
-    assert merged["learner-1"] > 0 and merged["learner-0"] > 0, merged
-    assert [report.learners[f"learner-{i}"]["state"] for i in range(3)] == ["done", "done", None]
+    assert merged["learner-1"] > 0 and merged["learner-0"] > 0 and merged["learner-3"] > 0, merged
+    assert [report.learners[f"learner-{i}"]["state"] for i in range(4)] == [
+        "done", "done", None, "done"]  # fmt: skip
+    assert report.learners["learner-3"]["added"] and "added" not in report.learners["learner-1"]
     assert report.learners["learner-2"]["tokens"]["merged"] == 0  # never started
     assert [j["took"] for j in report.learners["learner-1"]["joins"]] == ["never started"]
     assert report.learners["learner-0"]["joins"] == []  # started by diloco train
@@ -223,10 +254,12 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     with pytest.raises(JoinRefused, match="has trained its budget"):
         join_flow(run=run, region=REGION, bucket=url)
     with pytest.raises(JoinRefused) as refused:
-        choose_slot(store, store.read_spec(), REGION, parse_join_token(token, run), 600.0)
+        choose_slot(store, store.read_spec(), REGION, parse_join_token(token, run), 600.0,
+                    grow=True)  # fmt: skip
     said = " ".join(str(refused.value).split())
     assert "no vacant learner slot" in said and "learner-1: done" in said, said
     assert "learner-2: the join token does not cover it" in said, said
+    assert "the join token covers none this region may add" in said, said
     assert len(store.joins("learner-1")) == 1
 
 
@@ -257,6 +290,77 @@ def _sent(store: RunStore, lid: str) -> bool:
         return any(store.contribution_seqs(lid, p, REGION) for p in range(fragments))
     except (OSError, ValueError):
         return False
+
+
+def test_a_joiner_that_finds_no_slot_vacant_adds_one_to_a_run_taking_its_data_in_units(
+    tmp_path, monkeypatch
+):
+    from tests.test_units import prepare_stdlib
+
+    """Both slots of a run that takes its data in units are training: a joiner adds
+    learner-2 (its signed member record, then its join record) and is that learner's
+    worker; a second, seeing learner-2 on its way (a join record, no start yet), adds
+    learner-3. A join token adds only the ids it covers. A run whose data is dealt to its
+    slots adds none, and says why. A member record that is forged, out of place or not a
+    learner's is refused by name, never counted as a slot."""
+    for name in (RUN_SECRET_ENV, JOIN_TOKEN_ENV):
+        monkeypatch.delenv(name, raising=False)
+    units = ("data.assign=units", f"data.source={prepare_stdlib(tmp_path / 'data', 2048)}",
+             "model.vocab_size=512")  # fmt: skip
+    url, _, store, spec, secret = _run(tmp_path, "grow", 20_000, *units)
+    now = time.time()
+    for lid in spec["learners"]:
+        writer = RunStore("grow", {REGION: url}, REGION, writer=lid)
+        writer.write_metrics(lid, {"state": "training", "time": now, "step": 3})
+    env = {RUN_SECRET_ENV: secret}
+    worker, given = join(url, "grow", REGION, environ=env)
+    assert worker.writer == "learner-2" and RUN_SECRET_ENV not in given
+    members = tmp_path / "us" / "grow" / "members"
+    record = json.loads((members / "learner-2.json").read_text())
+    assert record["learner"] == "learner-2" and record["region"] == REGION
+    assert record_verifies(record, learner_key(secret, "grow", "learner-2"))
+    (joined,) = store.joins("learner-2")
+    assert joined["took"] == "added to the run (no slot was vacant)"
+    assert store.run_learners(spec).regions == {**spec["learners"], "learner-2": REGION}
+    assert "joining" in slot_state(store, "learner-2", REGION, 600).why
+    worker, _ = join(url, "grow", REGION, environ=env)
+    assert worker.writer == "learner-3"
+    # a token covering learner-4 adds it; one covering only taken ids adds nothing
+    token = {JOIN_TOKEN_ENV: join_token(secret, "grow", ["learner-3", "learner-4"])}
+    assert join(url, "grow", REGION, environ=token)[0].writer == "learner-4"
+    with pytest.raises(JoinRefused, match="the join token covers none this region may add"):
+        join(url, "grow", REGION, environ=token)
+    assert sorted(p.name for p in members.iterdir()) == [f"learner-{i}.json" for i in (2, 3, 4)]
+    # a run whose data is dealt to its slots cannot give an added one any
+    url2, _, _, spec2, secret2 = _run(tmp_path / "dealt", "dealt")
+    for lid in spec2["learners"]:
+        RunStore("dealt", {REGION: url2}, REGION, writer=lid).write_metrics(
+            lid, {"state": "training", "time": now, "step": 3})  # fmt: skip
+    with pytest.raises(JoinRefused, match=re.escape("(data.assign = 'slots') adds none")):
+        join(url2, "dealt", REGION, environ={RUN_SECRET_ENV: secret2})
+    assert not (tmp_path / "dealt" / "us" / "dealt" / "members").exists()
+    # member records that are not to be taken: each named, none a slot
+    bad = {
+        "learner-7": {"learner": "learner-7", "region": REGION},  # not signed
+        "learner-8": {"learner": "learner-9", "region": REGION},  # not its own name
+        "learner-0": {"learner": "learner-0", "region": REGION},  # a slot of the spec
+        "syncer-0": {"learner": "syncer-0", "region": REGION},  # not a learner id
+    }
+    for lid, body in bad.items():
+        signed = sign_record(body, learner_key(secret, "grow", lid))
+        (members / f"{lid}.json").write_text(json.dumps(body if lid == "learner-7" else signed))
+    found = store.run_learners(spec, lambda lid: learner_key(secret, "grow", lid))
+    assert sorted(found.added) == ["learner-2", "learner-3", "learner-4"]
+    said = "\n".join(found.refused)
+    for expected in ("learner-7.json: it is not signed with learner-7's key",
+                     "learner-8.json: it names learner 'learner-9' in region 'us-east', not 'learner-8'",
+                     "learner-0.json: learner-0 is a slot of the run's spec",
+                     "syncer-0.json does not name a learner"):  # fmt: skip
+        assert expected in said, said
+    # the audit holds no key (the syncers do): it refuses the three out of place
+    report = audit_run("grow", {REGION: url})
+    assert len(report.violations["no-strangers"]) == 3, report.violations
+    assert all(report.learners[f"learner-{i}"]["added"] for i in (2, 3, 4, 7))
 
 
 def test_slot_states_follow_the_statuses(tmp_path):

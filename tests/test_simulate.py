@@ -221,6 +221,13 @@ def test_learners_join_vacant_slots_and_leave_and_the_quorum_follows():
         (['sim.failures=[{"learner": 1, "at": 0.2}, {"learner": 1, "at": 0.4}]'],
          "learner 1 is not there at 0.4"),
         (["topology.quorum_share=0.5", "topology.quorum=2"], "not both"),
+        (['sim.joins=[{"learner": 4, "at": 0.2}]'],
+         "learner 4 is beyond the run's 4 slots: learners are added only to a run that takes "
+         "its data in units"),
+        (['sim.joins=[{"learner": 5, "at": 0.2}]', "data.assign=units"],
+         "slot 5 is not vacant at 0.2 (beyond the slots; the next one added is 4)"),
+        (['sim.joins=[{"learner": 4, "at": 0.2}]', "data.assign=units",
+          'sim.failures=[{"learner": 4, "at": 0.1}]'], "learner 4 is not there at 0.1"),
     ],
 )  # fmt: skip
 def test_a_membership_schedule_that_cannot_happen_is_refused_by_name(overrides, message):

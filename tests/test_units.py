@@ -1,6 +1,7 @@
 """Data taken in units (``data.assign = "units"``, ``diloco/units.py``): learners that
 come and go train every window of an epoch once, none twice and none skipped."""
 
+import json
 import time
 from collections import Counter
 from dataclasses import astuple
@@ -217,6 +218,24 @@ def _trained_once(result, cfg, plan: UnitPlan, vacant: set[str]) -> Counter:
     return accounted
 
 
+def _simulate_two_regions(prepared: str, tmp_path, run: str, *events: str):
+    """`simulate --store` of ``tiny`` on units over two file:// regions (us, eu) with the
+    membership ``events`` (``sim.*`` overrides): its config, unit plan, regions, result."""
+    from diloco.simulate import simulate
+    from flows.run import simulation_store
+
+    over = [
+        f"data.source={prepared}", "model.vocab_size=512", "data.assign=units",
+        "budget.tokens=120000", "sim.eval_points=2", "topology.tau=1", *events,
+    ]  # fmt: skip
+    cfg = load_config("tiny", mode="decoupled", overrides=over)
+    plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
+    regions = {r: f"file://{tmp_path / r}" for r in ("us", "eu")}
+    for r in regions:
+        (tmp_path / r).mkdir()
+    return cfg, plan, regions, simulate(cfg, store=simulation_store(run, regions))
+
+
 def test_a_simulated_region_whose_learners_all_leave_leaves_no_data_of_an_epoch_behind(
     prepared, tmp_path
 ):
@@ -224,23 +243,13 @@ def test_a_simulated_region_whose_learners_all_leave_leaves_no_data_of_an_epoch_
     notice): the syncers offer eu's pool to the learners of ``us`` (``UnitOffers``, at
     their looks at the members, as in the pipeline), so every window of the first epoch
     is trained once, none twice, and the audit's data check is clean."""
-    from diloco.simulate import simulate
     from flows.ledger import audit_units
-    from flows.run import simulation_store
     from storage_layout.audit import audit_run
     from storage_layout.inspect import inspect_bucket
 
-    over = [
-        f"data.source={prepared}", "model.vocab_size=512", "data.assign=units",
-        "budget.tokens=120000", "sim.eval_points=2", "topology.tau=1",
-        'sim.failures=[{"learner": 1, "at": 0.1}, {"learner": 3, "at": 0.15}]',
-    ]  # fmt: skip
-    cfg = load_config("tiny", mode="decoupled", overrides=over)
-    plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
-    regions = {r: f"file://{tmp_path / r}" for r in ("us", "eu")}
-    for r in regions:
-        (tmp_path / r).mkdir()
-    result = simulate(cfg, store=simulation_store("r", regions))
+    cfg, plan, regions, result = _simulate_two_regions(
+        prepared, tmp_path, "r",
+        'sim.failures=[{"learner": 1, "at": 0.1}, {"learner": 3, "at": 0.15}]')  # fmt: skip
     accounted = _trained_once(result, cfg, plan, {"learner-1", "learner-3"})
     assert {k: n for k, n in accounted.items() if k[0] == 0} == _epoch(plan, 0)
     report = audit_run("r", regions)
@@ -258,6 +267,40 @@ def test_a_simulated_region_whose_learners_all_leave_leaves_no_data_of_an_epoch_
     report = audit_run("r", regions)
     audit_units(report)
     assert report.units["eu"]["moved_not_offered"] == [lost.name.removesuffix(".json")]
+
+
+def test_a_simulated_run_adds_learners_beyond_its_slots_and_merges_their_work(prepared, tmp_path):
+    """Through buckets of two regions, learners 4 and 5 join a run of four slots
+    (``sim.joins`` beyond them, as ``diloco join`` adds a slot when none is vacant), and
+    learner 4 leaves for good later. Each is added in the region its index falls on (its
+    member record there), the syncers admit it (``SyncerLoop.admit``, the pipeline's
+    loop) and merge its work, the versions record it among their members while it is
+    there, no window is trained twice, and the audit is clean and knows them as added."""
+    from diloco import records
+    from flows.ledger import audit_units
+    from storage_layout.audit import audit_run
+    from storage_layout.inspect import inspect_bucket
+
+    cfg, plan, regions, result = _simulate_two_regions(
+        prepared, tmp_path, "g", 'sim.joins=[{"learner": 4, "at": 0.2}, {"learner": 5, "at": 0.3}]',
+        'sim.failures=[{"learner": 4, "at": 0.6}]')  # fmt: skip
+    _trained_once(result, cfg, plan, {"learner-4"})
+    for lid, region in (("learner-4", "us"), ("learner-5", "eu")):  # index mod 4's region
+        record = json.loads((tmp_path / region / "g" / "members" / f"{lid}.json").read_text())
+        assert (record["learner"], record["region"]) == (lid, region)
+    assert [e["learner"] for e in result.metrics if e["event"] == "join"] == [
+        "learner-4", "learner-5"]  # fmt: skip
+    versions = records.of(result.metrics, "version")
+    assert any({"learner-4", "learner-5"} <= set(v["members"]) for v in versions)
+    assert versions[-1]["members"] == ["learner-0", "learner-1", "learner-2", "learner-3",
+                                       "learner-5"]  # fmt: skip
+    report = audit_run("g", regions)
+    audit_units(report)
+    assert report.ok, report.violations
+    for lid in ("learner-4", "learner-5"):
+        assert report.learners[lid]["added"] and report.learners[lid]["tokens"]["merged"] > 0
+    (shown,) = inspect_bucket(regions["eu"], run="g")["runs"]
+    assert {row["learner"] for row in shown["learners"]} >= {"learner-4", "learner-5"}
 
 
 def test_learners_racing_for_units_through_a_bucket_each_get_their_own(prepared, tmp_path):

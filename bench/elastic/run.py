@@ -12,6 +12,11 @@ trains), one file:// region, real processes and a real Prefect API:
   trained, checkpoints and leaves) once it has lived a lifetime drawn from an
   exponential of mean `--lifetime` seconds (from its process's start, or with
   `--life-from-join` from its join); its slot can then be joined again.
+- **elastic, grown** (``--grow``, data in units only): `topology.learners = --permanent`,
+  all started by `diloco train`, and no slot reserved for spot capacity: up to
+  ``--slots - --permanent`` spot joiners at a time run `diloco join` without a slot, so
+  each adds one beyond the run's (its member record) or takes one an earlier spot
+  learner left, on the same seeded schedule.
 
 The table: wall time, final validation loss, goodput (learner seconds whose work was
 merged over the learner seconds present: the permanent learners' whole run and each spot
@@ -82,6 +87,7 @@ class Spot:
     def __init__(self, name: str, root: Path, args: argparse.Namespace, env: dict[str, str]):
         self.name, self.root, self.args, self.env = name, root, args, env
         self.rng = random.Random(args.seed)
+        # the spot slots (--grow: places for joiners, each adding or taking a slot itself)
         self.slots = [f"learner-{i}" for i in range(args.permanent, args.slots)]
         self.procs: dict[str, tuple[subprocess.Popen, float, float]] = {}  # slot -> p, t0, life
         self.joins = self.preemptions = 0
@@ -112,7 +118,7 @@ class Spot:
             if self.rng.random() < a.join_rate * a.tick:
                 url = f"file://{self.root / self.name / 'bucket'}"
                 argv = [sys.executable, "-m", "flows.cli", "join", url, "--run", self.name,
-                        "--region", REGION, "--slot", slot,
+                        "--region", REGION, *([] if a.grow else ["--slot", slot]),
                         "--pipeline", json.dumps({"eval_seconds": 20})]  # fmt: skip
                 log = (self.logs / f"{slot}-{self.joins}.log").open("w")
                 proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
@@ -151,7 +157,8 @@ def run(name: str, root: Path, args: argparse.Namespace, sets: list[str], elasti
         env["PREFECT_API_URL"] = api or ""
         token = subprocess.run(
             [sys.executable, "-m", "flows.cli", "join-token", "--run", name, "--dir", str(root),
-             "--learners", str(args.slots)], cwd=ROOT, capture_output=True, text=True, check=True
+             "--learners", str(args.slots * (8 if args.grow else 1))], cwd=ROOT,
+            capture_output=True, text=True, check=True
         ).stdout.strip()  # fmt: skip
         spot = Spot(name, root, args, {**env, "DILOCO_JOIN_TOKEN": token})
         while proc.poll() is None:
@@ -196,6 +203,7 @@ def measure(
     url = f"file://{root / name / 'bucket'}"
     store = RunStore(name, {REGION: url}, REGION)
     spec = store.read_spec()
+    learners = store.run_learners(spec).regions  # with those joiners added (--grow)
     report = audit_run(name, {REGION: url})
     audit_units(report)  # with data.assign = "units": no window merged from two learners
     fragments = len(spec["fragments"])
@@ -223,7 +231,7 @@ def measure(
     sends = sorted(t for (lid, _), t in merged.items() if lid == "learner-0")
     round_length = statistics.median(b - a for a, b in pairwise(sends)) * fragments
     waits, warm = [], []
-    for lid in [x for x in spec["learners"] if learner_index(x) >= permanent]:  # spot slots
+    for lid in [x for x in learners if learner_index(x) >= permanent]:  # spot slots
         for record in store.joins(lid):
             t = float(record["time"])
             if record.get("pid") in started:
@@ -303,6 +311,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=4096, help="its vocabulary")
     parser.add_argument("--assign", choices=("units", "slots"), default="units",
                         help="with --data: how its chunks reach learners (data.assign)")  # fmt: skip
+    parser.add_argument("--grow", action="store_true",
+                        help="no slot reserved for spot learners: each adds one beyond the "
+                        "run's --permanent, or takes one a spot learner left (units only)")  # fmt: skip
     parser.add_argument("--out", default=str(ROOT / "bench" / "elastic"))
     parser.add_argument("--root", help="where the runs' buckets and logs go (kept)")
     args = parser.parse_args()
@@ -317,6 +328,12 @@ def main() -> None:
          "elastic", [f"topology.learners={args.slots}",
                      f"pipeline.learners_started={args.permanent}"], True),
     ]  # fmt: skip
+    if args.grow:  # the spot learners add their slots themselves
+        if not args.data or args.assign != "units":
+            parser.error("--grow needs --data and --assign units (added slots own no data)")
+        plans[1] = (f"elastic, {args.permanent} permanent + up to "
+                    f"{args.slots - args.permanent} spot, slots added by joiners", "elastic",
+                    [f"topology.learners={args.permanent}"], True)  # fmt: skip
     for label, name, sets, elastic in plans:
         r = run(name, root, args, sets, elastic)
         results.append((label, r))
