@@ -226,6 +226,7 @@ columns:
              syncer counted as members then
   learners   state: what its status object says, and how long ago (never started:
              none yet); joins: times the slot was taken by `diloco join`;
+             (added): a slot a joiner added beyond the run's (`members/`);
              newest seq: the learner's newest committed contribution to the fragment;
              stored: its contributions still held; base: the global version that one
              started from; staleness: newest version - base; size: its payload bytes;
@@ -907,7 +908,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
         unsent = "" if acc.get("unsent") is None else f", unsent {acc['unsent']}"
         if acc.get("joins"):
             unsent += f", joined {len(acc['joins'])}x (last from {acc['joins'][-1]['host']})"
-        out.print(f"learner {learner} ({acc.get('region')}): {acc.get('state') or 'no status'}; "
+        where = f"{acc.get('region')}, added" if acc.get("added") else acc.get("region")
+        out.print(f"learner {learner} ({where}): {acc.get('state') or 'no status'}; "
                   f"batches trained {acc.get('trained')}, sent {acc.get('sent')}{unsent}; "
                   f"tokens {tokens or 'none'}")  # fmt: skip
     for damage in report.unread_damage:
@@ -956,7 +958,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 state = row.get("state") or ("never started" if "joins" in row else "-")
                 if row.get("status_age_s") is not None:
                     state += f", {row['status_age_s']:.0f} s ago"
-                head = [row["learner"], row["region"], state, str(row.get("joins", "-"))]
+                name = row["learner"] + (" (added)" if row.get("added") else "")
+                head = [name, row["region"], state, str(row.get("joins", "-"))]
                 step = row.get("checkpoint_step")
                 ckpt = "-" if step is None else str(step)
                 for p, info in sorted(row["fragments"].items()) or [(None, None)]:

@@ -85,6 +85,7 @@ def inspect_run(
     out["problems"] += [f"a learner added to the run is refused: {p}" for p in found.refused]
     out["learners"] = [
         _learner_row(store, learner, region, fragments, newest, region in reachable)
+        | ({"added": True} if learner in found.added else {})
         for learner, region in sorted(learners.items())
     ]
     out["traffic"] = _traffic(store, reachable, out["problems"])
