@@ -350,7 +350,10 @@ class Join(_Strict):
     """A learner joins slot ``learner`` at ``at`` (a share of the run's nominal time), as
     ``diloco join`` does in the pipeline: from the newest global versions and the slot's
     data position. The slot must be vacant then: never started
-    (``pipeline.learners_started``) or left (a ``sim.failures`` entry with no duration)."""
+    (``pipeline.learners_started``) or left (a ``sim.failures`` entry with no duration);
+    or, taking the data in units, ``learner`` is the next index beyond the run's slots
+    (``topology.learners``, then the next): a learner added, as ``diloco join`` adds one
+    when no slot is vacant (at speed 1.0)."""
 
     learner: Annotated[int, Field(ge=0)] = Field(description="the slot's index (0-based)")
     at: Fraction = Field(description="when it joins, as a share of the run's tokens")

@@ -166,7 +166,7 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     run = "open"
     units = ("data.assign=units", f"data.source={prepare_stdlib(tmp_path / 'data', 2048)}",
              "model.vocab_size=512")  # fmt: skip
-    proc, url = _train(tmp_path, run, 60_000, *units)
+    proc, url = _train(tmp_path, run, 90_000, *units)
     store = RunStore(run, {REGION: url}, REGION)
     paused: list[int] = []
     joiner = adder = None
@@ -184,13 +184,15 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
         env = {**child_env(), JOIN_TOKEN_ENV: token.stdout.strip()}
         joiner = _join_flow(url, run, env, tmp_path / "joiner.log")
         _wait(lambda: _sent(store, "learner-1"), 600, "the joiner's first contribution", proc)
-        # and until the syncer has counted it (it reads who is a member every 5 s): a warm
-        # joiner can train the budget's rest within seconds, and the syncer ends with it
+        # Learner 1 waits too, from its first send (a warm joiner can train the budget's
+        # rest within seconds), until the second joiner has sent; the learner-1 worker
+        # runs in the flow's process
+        paused.append(joiner.pid)
+        os.kill(paused[-1], signal.SIGSTOP)
+        # and the syncer counts it (it reads who is a member every 5 s)
         syncer_log = tmp_path / run / "logs" / f"syncer-{REGION}-0.log"
         _wait(lambda: "learner learner-1 joined from host" in syncer_log.read_text(), 600,
               "the syncer's note of the join", proc)  # fmt: skip
-        paused.append(joiner.pid)  # the learner-1 worker runs in the flow's process
-        os.kill(paused[-1], signal.SIGSTOP)
         with (tmp_path / "adder.log").open("w") as out:
             adder = subprocess.Popen(
                 [sys.executable, "-m", "flows.cli", "join", url, "--run", run, "--region",

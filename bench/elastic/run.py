@@ -72,7 +72,7 @@ COMMON = [
 
 def train_argv(name: str, root: Path, args: argparse.Namespace, sets: list[str]) -> list[str]:
     url = f"file://{root / name / 'bucket'}"
-    sets = [f"budget.tokens={args.tokens}", f"seed={args.seed}", *COMMON, *sets]
+    sets = [f"budget.tokens={args.tokens}", f"seed={args.seed}", *COMMON, *args.set, *sets]
     if args.data:
         sets += [f"data.source={args.data}", f"model.vocab_size={args.vocab}",
                  f"data.assign={args.assign}"]  # fmt: skip
@@ -314,6 +314,8 @@ def main() -> None:
     parser.add_argument("--grow", action="store_true",
                         help="no slot reserved for spot learners: each adds one beyond the "
                         "run's --permanent, or takes one a spot learner left (units only)")  # fmt: skip
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config field for both runs, as `diloco train --set`")  # fmt: skip
     parser.add_argument("--out", default=str(ROOT / "bench" / "elastic"))
     parser.add_argument("--root", help="where the runs' buckets and logs go (kept)")
     args = parser.parse_args()
