@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
+from storage_layout.auth import Keys
 from storage_layout.bucket import BucketError
 from storage_layout.commit import REVOKED, CorruptVersion, read_marker
 from storage_layout.retention import read_ledger
@@ -181,9 +182,10 @@ def audit_run(run: str, buckets: Mapping[str, str]) -> AuditReport:
             store.bucket(region)
         except BucketError as exc:
             raise BucketError(f"cannot audit run {run!r}: {exc}") from exc
-    # the spec's learners and those joiners added (their records as stored: the audit
-    # holds no key; a record out of place is a stranger's)
-    found = store.run_learners(spec)
+    # the spec's learners and those joiners added (a record out of place is a stranger's;
+    # with the run secret in DILOCO_RUN_SECRET, as is one not signed with its learner's
+    # key: without it, the records as stored, the syncers check them)
+    found = store.run_learners(spec, Keys.from_env(run).verifying_key)
     learners = found.regions
     fragments = len(spec.get("fragments") or [])
     for p in range(fragments):

@@ -359,10 +359,16 @@ def test_a_joiner_that_finds_no_slot_vacant_adds_one_to_a_run_taking_its_data_in
                      "learner-0.json: learner-0 is a slot of the run's spec",
                      "syncer-0.json does not name a learner"):  # fmt: skip
         assert expected in said, said
-    # the audit holds no key (the syncers do): it refuses the three out of place
+    # the audit without the run secret refuses the three out of place; with it, the
+    # unsigned one too
     report = audit_run("grow", {REGION: url})
     assert len(report.violations["no-strangers"]) == 3, report.violations
     assert all(report.learners[f"learner-{i}"]["added"] for i in (2, 3, 4, 7))
+    monkeypatch.setenv(RUN_SECRET_ENV, secret)
+    report = audit_run("grow", {REGION: url})
+    assert len(report.violations["no-strangers"]) == 4, report.violations
+    assert "learner-7" not in report.learners
+    assert all(report.learners[f"learner-{i}"]["added"] for i in (2, 3, 4))
 
 
 def test_slot_states_follow_the_statuses(tmp_path):
