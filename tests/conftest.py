@@ -6,10 +6,13 @@
   moto's S3 server and fake-gcs-server. ``bucket_url`` gives each test a fresh, empty
   bucket on the backend it is parametrized with.
 - ``prefect_api``: one Prefect server per session (Prefect's test harness).
+- A failing test that ran processes shows the tails of their logs (every ``*.log``
+  under its ``tmp_path``) in its report: a CI failure can be read from CI's output.
 """
 
 import os
 import uuid
+from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -24,6 +27,22 @@ import pytest
 from infra.local_servers import LocalGCS, LocalS3
 
 BACKENDS = ["file", "memory", "s3", "gcs"]
+LOG_TAIL_LINES = 40  # per log file
+LOG_FILES = 12  # at most, per failing test
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    tmp = item.funcargs.get("tmp_path") if hasattr(item, "funcargs") else None
+    if report.when == "call" and report.failed and isinstance(tmp, Path):
+        logs = sorted(tmp.rglob("*.log"), key=lambda f: str(f))
+        for log in logs[:LOG_FILES]:
+            lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+            report.sections.append((f"log tail {log.relative_to(tmp)}", "\n".join(lines)))
+        if len(logs) > LOG_FILES:
+            report.sections.append(("logs left out", "\n".join(map(str, logs[LOG_FILES:]))))
+    return report
 
 
 @pytest.fixture(scope="session")
