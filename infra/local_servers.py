@@ -12,6 +12,7 @@ Each ``start`` sets the environment the clients read (``AWS_*``/``AWS_ENDPOINT_U
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -23,7 +24,13 @@ from dataclasses import dataclass, field
 # gcsfs otherwise probes a gRPC endpoint for every new bucket (60 s each on an emulator).
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
-_S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")
+_S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL",
+           "FSSPEC_S3")  # fmt: skip
+# botocore waits 60 s for a connection or an answer before it asks again. A loopback
+# server answers in well under a second, or the request was lost (once in CI a syncer sat
+# a minute on one request at start-up and its fragment missed the run): ask again sooner.
+# A timeout here is between bytes, not for a whole transfer: big objects are unaffected.
+S3_CLIENT = {"config_kwargs": {"connect_timeout": 5, "read_timeout": 15}}
 
 
 @dataclass
@@ -57,6 +64,7 @@ class LocalS3:
                     raise RuntimeError("moto's S3 server did not start") from None
                 time.sleep(0.1)
         os.environ.update(self.environment())
+        fsspec_conf().setdefault("s3", {}).update(S3_CLIENT)  # read at import: this process
         return self
 
     def environment(self) -> dict[str, str]:
@@ -66,6 +74,7 @@ class LocalS3:
             "AWS_SECRET_ACCESS_KEY": "local",
             "AWS_DEFAULT_REGION": "us-east-1",
             "AWS_ENDPOINT_URL": self.url,
+            "FSSPEC_S3": json.dumps(S3_CLIENT),  # read by fsspec when it is imported
         }
 
     def stop(self) -> None:
@@ -73,11 +82,20 @@ class LocalS3:
             self._process.terminate()
             self._process.wait(timeout=10)
             self._process = None
+        for key in S3_CLIENT:
+            fsspec_conf().get("s3", {}).pop(key, None)
         for key, value in self._saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def fsspec_conf() -> dict:
+    """fsspec's per-protocol defaults in this process (``FSSPEC_<PROTOCOL>``, read once)."""
+    import fsspec.config
+
+    return fsspec.config.conf
 
 
 @dataclass
