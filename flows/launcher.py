@@ -424,14 +424,18 @@ def default_run_dir(run: str) -> Path:
 
 
 def launch_config(
-    config: dict | None, preset: str = "tiny", overrides: list[str] | None = None
+    config: RunConfig | None, preset: str = "tiny", overrides: list[str] | None = None
 ) -> RunConfig:
-    """The run's config: ``config`` (a whole ``RunConfig`` as a dict) or else ``preset``,
-    then ``overrides`` (``KEY=VALUE``, as ``--set``); a wrong field fails naming it."""
+    """The run's config: ``config`` as it came (validated once, where it was made: by
+    ``diloco train``, or by the flow's parameter check from a deployment's JSON) or else
+    ``preset``, then ``overrides`` (``KEY=VALUE``, as ``--set``) laid over it; a wrong
+    field fails naming it."""
     if config is None:
         return load_config(preset, overrides=overrides or [])
-    raw = dict(config)
-    for text in overrides or []:
+    if not overrides:
+        return config
+    raw = config.model_dump(mode="json")
+    for text in overrides:
         raw = deep_merge(raw, parse_override(text))
     return validate_config(raw)
 
@@ -445,7 +449,7 @@ def launch_config(
 def train_flow(
     run: str,
     regions: dict[str, str],
-    config: dict | None = None,
+    config: RunConfig | None = None,
     logs: str | None = None,
     via: Literal["processes", "deployments"] = "processes",
     preset: str = "tiny",
@@ -459,8 +463,9 @@ def train_flow(
     Args:
         run: the run's name (letters, digits, dashes)
         regions: region -> bucket URL (s3://, gs://, file://); the first is the syncers' home
-        config: a whole RunConfig as a dict (what `diloco train` passes); if not given,
-            the preset with the overrides
+        config: a whole RunConfig (what `diloco train` passes; from a deployment or the
+            UI, its JSON, checked field by field once); if not given, the preset with the
+            overrides
         logs: a folder for the worker processes' output (default
             $DILOCO_DIR/RUN/logs, DILOCO_DIR defaulting to ~/diloco-runs)
         via: "processes" starts the learners and syncers as processes beside this flow

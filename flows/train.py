@@ -234,8 +234,7 @@ def _train(
             signal.signal(signal.SIGINT, launch.on_signal)
             signal.signal(signal.SIGTERM, launch.on_signal)
             try:
-                summary = launcher.train_flow(run, regions, cfg.model_dump(mode="json"),
-                                              str(root / "logs"), via=via)  # fmt: skip
+                summary = launcher.train_flow(run, regions, cfg, str(root / "logs"), via=via)
             except KeyboardInterrupt:
                 console.print("[yellow]interrupted[/]: stopping learners and syncers (they "
                               "checkpoint)")  # fmt: skip

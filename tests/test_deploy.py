@@ -111,6 +111,13 @@ def test_prefect_yaml_deploys_a_train_deployment_that_starts_a_run(deployed):
         client.delete_flow_run(flow_run.id)  # no worker in this test: never started
     out = _prefect("deployment", "run", "train/us-east", "--param", "via=boats", env=deployed)
     assert out.returncode != 0 and "'boats' is not one of" in out.stdout + out.stderr
+    # The whole config is one parameter, its fields described (the UI's form for it), and
+    # checked once, field by field, before anything runs.
+    fields = train.parameter_openapi_schema["definitions"]
+    assert "tau steps after sending" in fields["TopologyConfig"]["properties"]["tau"]["description"]
+    out = _prefect("deployment", "run", "train/us-east", "--param", f"run={run}-2",
+                   "--param", 'config={"topology": {"tau": "soon"}}', env=deployed)  # fmt: skip
+    assert out.returncode != 0 and "'soon' is not of type 'integer'" in out.stdout + out.stderr
 
 
 def test_credentials_come_from_a_secret_block(deployed, monkeypatch, tmp_path):

@@ -488,3 +488,18 @@ def test_the_one_restart_policy_resets_on_progress_and_gives_a_worker_up_by_name
                       "last: flow run 3 ended Crashed"]  # fmt: skip
     assert "flow run 3 ended Crashed" in store.read_metrics("launcher")["given_up"]["syncer-0"]
     assert restarts.delay == 8.0  # 2 s doubling, started again by the progress
+
+
+def test_the_launch_config_is_validated_once_and_overrides_are_laid_over_it():
+    """`diloco train` hands the launcher the config it validated: carried as it is; a
+    deployment's `overrides` are laid over it (and over a preset) and checked by name."""
+    from diloco.config import ConfigError
+    from flows.launcher import launch_config
+
+    cfg = load_config("tiny", overrides=["topology.tau=3"])
+    assert launch_config(cfg) is cfg
+    laid = launch_config(cfg, overrides=["budget.tokens=1000"])
+    assert (laid.budget.tokens, laid.topology.tau) == (1000, 3)
+    assert launch_config(None, "small", ["topology.tau=1"]).topology.inner_steps == 40
+    with pytest.raises(ConfigError, match="topology.tau"):
+        launch_config(cfg, overrides=["topology.tau=soon"])

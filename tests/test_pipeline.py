@@ -93,7 +93,7 @@ def test_two_region_run_on_s3_and_gcs(prefect_api, s3_server, gcs_server, tmp_pa
     regions = {"us-east": f"s3://{_new('s3')}", "eu-west": f"gs://{_new('gs')}"}
     run = f"e2e-{uuid.uuid4().hex[:6]}"
     cfg = tiny(160_000)
-    summary = train_flow(run, regions, cfg.model_dump(mode="json"), str(tmp_path / "logs"))
+    summary = train_flow(run, regions, cfg, str(tmp_path / "logs"))  # as `diloco train` does
 
     assert summary["failed"] == [], summary["failed"]
     assert set(summary["learner_states"].values()) == {"done"}, summary["learner_states"]

@@ -186,7 +186,7 @@ def main() -> int:
         store = RunStore("bench", regions, "us-east")
         initialize_run(store, cfg)
         started = time.time()
-        summary = train_flow("bench", regions, cfg.model_dump(mode="json"), str(work / "logs"))
+        summary = train_flow("bench", regions, cfg, str(work / "logs"))
         flush_prefect()
         rows = round_tables(api, "bench", args.learners)
         by_round = {(r["learner"], r["round"]): r["seconds"] for r in rows}
