@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import math
+import os
 import shutil
 import signal
 import sys
@@ -48,6 +49,7 @@ from diloco.units import UnitReader
 from flows.bucket_io import HostPart
 from flows.hosts import join as join_group
 from flows.ledger import BucketLedger, FollowedLedger, region_ledger
+from flows.notice import NOTICE_ENV, NoticeWatcher, notice_source
 from flows.observe import artifact_key, run_logger, tag_flow_run, worker_tags
 from flows.run import bucket_store, build_model, config_from_spec, reader
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV
@@ -717,10 +719,12 @@ PREEMPTED = threading.Event()
 
 
 def take_sigterm() -> None:
-    """Take a first SIGTERM as a preemption notice (a spot notice, a pod deleted, the
-    launcher gone): set ``PREEMPTED``, so the learner finishes its step, sends what it
-    trained, checkpoints and leaves (``LearnerRuntime.leave``). A second SIGTERM stops it
-    at once: a ``KeyboardInterrupt``, on which the learner flow checkpoints and ends.
+    """Take a first SIGTERM as a preemption notice (a spot VM shut down, a pod deleted,
+    the launcher gone), as the cloud's own notice where one is named
+    (``watch_preemption_notice``): set ``PREEMPTED``, so the learner finishes its step,
+    sends what it trained, checkpoints and leaves (``LearnerRuntime.leave``). A second
+    SIGTERM stops it at once: a ``KeyboardInterrupt``, on which the learner flow
+    checkpoints and ends.
 
     Called by the worker and again at the start of each learner flow run: Prefect's flow
     engine installs its own SIGTERM handler for the run (and restores the one before it
@@ -736,6 +740,31 @@ def take_sigterm() -> None:
 
     with contextlib.suppress(ValueError):  # not the main thread: not ours to take
         signal.signal(signal.SIGTERM, notice)
+    watch_preemption_notice()
+
+
+_WATCHING: list[NoticeWatcher] = []  # this process's watch (one at most), as PREEMPTED
+
+
+def watch_preemption_notice() -> None:
+    """Watch this machine's preemption notice (``DILOCO_PREEMPTION_NOTICE``, see
+    ``flows.notice``), once per process: a notice sets ``PREEMPTED`` as a first SIGTERM
+    does, with the notice's lead time (two minutes on AWS) to send and checkpoint. A
+    value that names no source is an error naming it, before the learner starts."""
+    source = notice_source(os.environ.get(NOTICE_ENV))
+    if source is None or _WATCHING:
+        return
+
+    def noticed(text: str) -> None:
+        PREEMPTED.set()
+        print(f"preemption notice ({source}): {text}: the learner sends what it trained, "
+              "checkpoints and leaves", file=sys.stderr, flush=True)  # fmt: skip
+
+    watcher = NoticeWatcher(source, noticed)
+    _WATCHING.append(watcher)
+    watcher.start()
+    print(f"watching for a preemption notice ({source}) every {watcher.every:g} s",
+          file=sys.stderr, flush=True)  # fmt: skip
 
 
 def runtime(

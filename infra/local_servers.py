@@ -187,3 +187,89 @@ def _pipe(src: socket.socket, dst: socket.socket) -> None:
     for s in (src, dst):
         with contextlib.suppress(OSError):
             s.shutdown(socket.SHUT_RDWR)
+
+
+class LocalMetadata:
+    """A cloud's instance metadata service on loopback that can announce a preemption
+    (``flows.notice``): AWS's IMDSv2 (``PUT /latest/api/token`` gives a session token;
+    ``GET /latest/meta-data/spot/instance-action`` with it answers 404, then the
+    interruption notice's JSON), GCE's (``GET /computeMetadata/v1/instance/preempted``
+    with ``Metadata-Flavor: Google`` answers ``FALSE``, then ``TRUE``) and a plain
+    ``/notice`` (404, then 200). Each refuses what the real one refuses: no token 401, no
+    header 403. ``failing``: every request answers 500 (a service that blinks)."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.notice: dict | None = None
+        self.failing = False
+        self.answered = 0  # requests answered with anything but 500
+        self._tokens: set[str] = set()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _answer(self, code: int, body: str = "") -> None:
+                if code != 500:
+                    outer.answered += 1
+                data = body.encode()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_PUT(self) -> None:
+                if outer.failing:
+                    return self._answer(500)
+                if self.path != "/latest/api/token":
+                    return self._answer(404)
+                if not self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
+                    return self._answer(400, "a token's TTL is required")
+                token = os.urandom(8).hex()
+                outer._tokens.add(token)
+                self._answer(200, token)
+
+            def do_GET(self) -> None:
+                notice = outer.notice
+                if outer.failing:
+                    return self._answer(500)
+                if self.path == "/latest/meta-data/spot/instance-action":
+                    if self.headers.get("X-aws-ec2-metadata-token") not in outer._tokens:
+                        return self._answer(401)
+                    return (
+                        self._answer(404)
+                        if notice is None
+                        else self._answer(200, json.dumps(notice))
+                    )
+                if self.path == "/computeMetadata/v1/instance/preempted":
+                    if self.headers.get("Metadata-Flavor") != "Google":
+                        return self._answer(403)
+                    return self._answer(200, "FALSE" if notice is None else "TRUE")
+                if self.path == "/notice":
+                    return (
+                        self._answer(404)
+                        if notice is None
+                        else self._answer(200, json.dumps(notice))
+                    )
+                self._answer(404)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def start(self) -> LocalMetadata:
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self
+
+    def announce(self, action: str = "terminate") -> None:
+        """Post the preemption notice: from now on every look finds it."""
+        self.notice = {
+            "action": action,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 120)),
+        }
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -43,11 +43,13 @@ from flows.bucket_io import SEQ_BLOCK, contribution_meta
 from flows.cli import main as cli_main
 from flows.launcher import _watch, startup_line
 from flows.monitor import Monitor, cross_region_bytes
+from flows.notice import NOTICE_ENV
 from flows.run import bucket_store, build_model, config_from_spec, initialize_run
 from flows.spares import WORKER_COMMAND, Spares
 from flows.supervision import Processes, child_env, give_up
 from flows.syncer import SyncerRuntime
 from infra.chaos import read_actions
+from infra.local_servers import LocalMetadata
 from storage_layout.audit import audit_run
 from storage_layout.auth import RUN_SECRET_ENV, learner_key, sign_record
 from storage_layout.commit import read_marker
@@ -749,17 +751,23 @@ def test_a_crash_looping_worker_is_given_up_by_name_and_not_waited_for(tmp_path,
     assert syncer.transport.learners_finished()
 
 
-@pytest.mark.slow
-def preempted_worker(store: RunStore, cfg, lid: str, log: Path) -> str:
+def preempted_worker(
+    store: RunStore, cfg, lid: str, log: Path, notice: LocalMetadata | None = None
+) -> str:
     """Run learner ``lid`` of ``store``'s run (one region) as a worker process; once its
-    first send commits (the run's own progress), SIGTERM it. Returns its output, after
-    checking it left as a preempted worker does (exit status 128 + SIGTERM)."""
+    first send commits (the run's own progress), SIGTERM it, or, given a metadata
+    service (``notice``, which the worker is told to watch as AWS's), post its
+    interruption notice. Returns its output, after checking it left as a preempted
+    worker does (exit status 128 + SIGTERM)."""
     ((region, bucket),) = store.urls.items()
     pipeline = json.dumps({**cfg.pipeline.model_dump(), "preempt_seconds": 60})
     argv = [*WORKER_COMMAND, "learner", "--run", store.run, "--bucket", bucket,
             "--region", region, "--index", str(learner_index(lid)), "--pipeline", pipeline]  # fmt: skip
+    env = child_env()
+    if notice is not None:
+        env[NOTICE_ENV] = f"aws={notice.url}"
     with log.open("w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=child_env())
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 300  # a guard against a hang, not a measure
         plan = range(cfg.topology.fragments)
@@ -767,7 +775,10 @@ def preempted_worker(store: RunStore, cfg, lid: str, log: Path) -> str:
             assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
+        if notice is None:
+            proc.send_signal(signal.SIGTERM)
+        else:
+            notice.announce("terminate")
         code = proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
@@ -777,18 +788,31 @@ def preempted_worker(store: RunStore, cfg, lid: str, log: Path) -> str:
     return text
 
 
-def test_a_learner_worker_told_it_is_preempted_sends_checkpoints_and_leaves(tmp_path, prefect_api):
-    """SIGTERM to a learner's worker process (a spot notice, a pod deleted): it finishes
-    its step, sends every fragment's unsent steps, checkpoints at that step, says
-    "preempted" and exits with 128 + SIGTERM; a second process would resume there. The
-    notice comes from the run's own progress: once the learner's first send commits."""
+@pytest.mark.parametrize("told_by", ["sigterm", "aws notice"])
+def test_a_learner_worker_told_it_is_preempted_sends_checkpoints_and_leaves(
+    tmp_path, prefect_api, told_by
+):
+    """SIGTERM to a learner's worker process (a spot VM shut down, a pod deleted), or the
+    cloud's interruption notice where the machine names it (DILOCO_PREEMPTION_NOTICE;
+    here AWS's IMDSv2 on loopback): it finishes its step, sends every fragment's unsent
+    steps, checkpoints at that step, says "preempted" and exits with 128 + SIGTERM; a
+    second process would resume there. The notice comes from the run's own progress:
+    once the learner's first send commits."""
     cfg = tiny(50_000_000)  # far more than the test trains: it never finishes
     regions = {"us-east": f"file://{tmp_path / 'us'}"}
     (tmp_path / "us").mkdir()
     store = RunStore("pre", regions, "us-east")
     spec = initialize_run(store, cfg)
     lid = next(iter(spec["learners"]))
-    text = preempted_worker(store, cfg, lid, tmp_path / "learner.log")
+    with contextlib.ExitStack() as stack:
+        notice = None
+        if told_by == "aws notice":
+            notice = LocalMetadata().start()
+            stack.callback(notice.stop)
+        text = preempted_worker(store, cfg, lid, tmp_path / "learner.log", notice)
+    if notice is not None:
+        assert f"watching for a preemption notice (aws at {notice.url})" in text, text[-3000:]
+        assert f"preemption notice (aws at {notice.url}): terminate at" in text, text[-3000:]
     status = store.read_metrics(lid)
     assert status["state"] == "preempted", status
     step = status["step"]
