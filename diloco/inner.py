@@ -38,8 +38,13 @@ JaxParams = dict[str, jax.Array]
 def to_host(array: jax.Array, *, held: bool = False) -> np.ndarray:
     """The one way the learner's device arrays reach the host (a contribution's codes, a
     fragment's values, a checkpoint's leaf): a single tensor at a time, never a tree.
-    One that spans several processes (a learner over several hosts) is gathered from
-    all of them (a collective: every process calls it at the same point).
+    One that spans several processes (a learner over several hosts) is put together from
+    this process's own shards when every process holds all of it (sharded within a host,
+    replicated across hosts: the ``(data, fsdp)`` mesh with ``pipeline.fsdp`` no larger
+    than a host's devices), with no traffic between hosts; else (FSDP across hosts) it
+    is gathered from all of them. Every process calls it at the same point (the gather
+    is a collective), and every process takes the same path: it is decided by the
+    array's sharding alone (``held_by_every_process``).
 
     ``held``: the array outlives the call (a leaf of the state a checkpoint holds while
     it is written). A ``jax.Array`` keeps the host copy it makes for as long as it lives
@@ -51,9 +56,35 @@ def to_host(array: jax.Array, *, held: bool = False) -> np.ndarray:
         if held and isinstance(array, jax.Array):
             array = jnp.copy(array)
         return np.asarray(jax.device_get(array))
+    if held_by_every_process(array):
+        if held:  # (its shards' host copies would stay with it)
+            array = jnp.copy(array)
+        out = np.empty(array.shape, array.dtype)
+        done = set()
+        for shard in array.addressable_shards:  # each part once (the others: replicas)
+            if (key := _box(shard.index)) not in done:
+                done.add(key)
+                out[shard.index] = np.asarray(shard.data)
+        return out
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+def _box(index: tuple[slice, ...]) -> tuple[tuple[int | None, ...], ...]:
+    return tuple((s.start, s.stop, s.step) for s in index)
+
+
+def held_by_every_process(array: jax.Array) -> bool:
+    """Whether each process's own devices hold every part of ``array`` (sharded within
+    processes, replicated across them). From the sharding alone, which every process
+    knows whole: all of them answer alike."""
+    where = array.sharding.devices_indices_map(tuple(array.shape))
+    parts = {_box(index) for index in where.values()}
+    held: dict[int, set] = {}
+    for device, index in where.items():
+        held.setdefault(device.process_index, set()).add(_box(index))
+    return all(mine == parts for mine in held.values())
 
 
 class Boxes(Protocol):

@@ -47,9 +47,17 @@ OVERRIDES = [
 ]
 
 DRIVER = """
-import json, sys
+import json, os, sys
 from flows.hosts import join
 join()  # before any JAX computation
+if os.environ.get("NO_GATHER"):  # every process holds every tensor: to_host gathers none
+    from jax.experimental import multihost_utils
+    gather = multihost_utils.process_allgather
+    def refused(*args, **kwargs):
+        if sys._getframe(1).f_code.co_name == "to_host":
+            raise AssertionError("to_host gathered a tensor across processes")
+        return gather(*args, **kwargs)  # (JAX's own checks gather too)
+    multihost_utils.process_allgather = refused
 from flows.learner import LearnerRuntime
 run, bucket, region, lid, pipeline = sys.argv[1:]
 rt = LearnerRuntime(run, bucket, region, lid, json.loads(pipeline))
@@ -127,8 +135,10 @@ def _checkpoint(name: str, bucket: str, lid: str) -> _Restored:
 @pytest.mark.slow
 def test_a_learner_over_two_processes_sends_what_one_process_sends(tmp_path, monkeypatch):
     """The same run trained by one learner as 2 processes x 2 devices (parameters
-    replicated, and sharded over all 4 devices of both processes: FSDP across hosts),
-    1 x 4 and 1 x 1:
+    replicated; sharded over each process's 2 devices, replicated across processes, so
+    that a tensor comes to the host from the process's own devices, never gathered
+    across processes; and sharded over all 4 devices of both processes: FSDP across
+    hosts), 1 x 4 and 1 x 1:
     every contribution (fragment, seq, step) is there in each, and its outer gradient
     agrees to 1e-6 absolute: float32 sums over a batch split differently between devices
     and processes differ in their last bits (1.2e-7 at most, seen), against outer
@@ -142,12 +152,13 @@ def test_a_learner_over_two_processes_sends_what_one_process_sends(tmp_path, mon
     (tmp_path / "data").mkdir()
     units = prepare_stdlib(tmp_path / "data", chunk_tokens=256)
     found, ckpts, parts, takes = {}, {}, {}, {}
-    for processes, devices, fsdp in ((2, 2, 1), (2, 2, 4), (1, 4, 1), (1, 1, 1)):
+    for processes, devices, fsdp in ((2, 2, 1), (2, 2, 2), (2, 2, 4), (1, 4, 1), (1, 1, 1)):
         name = f"p{processes}d{devices}" + (f"f{fsdp}" if fsdp > 1 else "")
         bucket, lid, pipeline, _ = _run(tmp_path, name, fsdp, units)
         command = [sys.executable, "-c", DRIVER, name, bucket, "us", lid, pipeline]
         for key, value in _env(devices).items():
             monkeypatch.setenv(key, value)
+        monkeypatch.setenv("NO_GATHER", "1" if fsdp == 2 else "")
         assert run_group(command, processes) == 0, name
         if processes > 1:  # started again, it restores its checkpoint (and is done)
             assert run_group(command, processes) == 0, name
@@ -157,18 +168,18 @@ def test_a_learner_over_two_processes_sends_what_one_process_sends(tmp_path, mon
         ckpts[name] = _checkpoint(name, bucket, lid)
         parts[name] = _parts(name, bucket, lid)
     two, four, one = found["p2d2"], found["p1d4"], found["p1d1"]
-    sharded = found["p2d2f4"]
+    sharded, within = found["p2d2f4"], found["p2d2f2"]
     # Sent at steps 2, 4, 6, 8 in turn; at the end, fragment 0's steps since (seq 5). No
     # global answers them (no syncer), so a fragment's sends are cumulative from version
     # 0: an upload whose turn comes while a newer one of its fragment waits is skipped
     # (that one carries its steps), which the upload thread's pace decides. Every
     # variant holds each fragment's newest send, and those it has in common are compared.
-    for variant in (two, four, one, sharded):
+    for variant in (two, four, one, sharded, within):
         assert {(0, 5), (1, 4)} <= set(variant) <= {(0, 1), (0, 3), (0, 5), (1, 2), (1, 4)}
-    common = set(two) & set(four) & set(one) & set(sharded)
+    common = set(two) & set(four) & set(one) & set(sharded) & set(within)
     largest = 0.0
     for key in common:
-        for other in (four, one, sharded):
+        for other in (four, one, sharded, within):
             assert other[key]["step"] == two[key]["step"]
             for n, value in two[key].items():
                 if n != "step":
@@ -183,7 +194,7 @@ def test_a_learner_over_two_processes_sends_what_one_process_sends(tmp_path, mon
 
     assert jax.device_count() < 4
     assert {c.step for c in ckpts.values()} == {STEPS}
-    for other in ("p1d4", "p1d1", "p2d2f4"):
+    for other in ("p1d4", "p1d1", "p2d2f4", "p2d2f2"):
         for a, b in zip(ckpts["p2d2"].leaves, ckpts[other].leaves, strict=True):
             np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-4)
     # Over 2 processes each wrote its own part: with the state sharded over both, each

@@ -501,5 +501,5 @@ def test_the_launch_config_is_validated_once_and_overrides_are_laid_over_it():
     laid = launch_config(cfg, overrides=["budget.tokens=1000"])
     assert (laid.budget.tokens, laid.topology.tau) == (1000, 3)
     assert launch_config(None, "small", ["topology.tau=1"]).topology.inner_steps == 40
-    with pytest.raises(ConfigError, match="topology.tau"):
+    with pytest.raises(ConfigError, match=r"topology\.tau"):
         launch_config(cfg, overrides=["topology.tau=soon"])
