@@ -342,7 +342,8 @@ def join_flow(
 
 def become(command: list[str], env: Mapping[str, str], replace: bool = True) -> int:
     """Run the learner worker as this process: its exit status is the joiner's, and a
-    SIGTERM to this process is the worker's preemption notice. A ``flows.worker`` command
+    SIGTERM or a first Ctrl-C to this process is the worker's preemption notice (it
+    leaves: ``flows.learner.leave_on_interrupt``). A ``flows.worker`` command
     runs here, in this process's environment made ``env`` (as a spare takes its job), so
     what the joiner warmed is the worker's. Any other (a learner of several processes,
     ``flows.hosts`` starting them), or any off the main thread (where no signal handler
@@ -352,8 +353,10 @@ def become(command: list[str], env: Mapping[str, str], replace: bool = True) -> 
     sys.stderr.flush()
     here = threading.current_thread() is threading.main_thread()
     if command[:3] == WORKER_COMMAND and here:
+        from flows.learner import leave_on_interrupt
         from flows.worker import main
 
+        leave_on_interrupt()  # the Ctrl-C of whoever lent this machine: a leave
         os.environ.clear()
         os.environ.update(env)
         return main(command[3:])

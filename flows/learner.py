@@ -735,12 +735,28 @@ def take_sigterm() -> None:
         if PREEMPTED.is_set():
             raise KeyboardInterrupt
         PREEMPTED.set()
-        print("SIGTERM: the learner sends what it trained, checkpoints and leaves "
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"{name}: the learner sends what it trained, checkpoints and leaves "
               "(again: stop at once)", file=sys.stderr, flush=True)  # fmt: skip
 
     with contextlib.suppress(ValueError):  # not the main thread: not ours to take
-        signal.signal(signal.SIGTERM, notice)
+        for signum in _NOTICES:
+            signal.signal(signum, notice)
     watch_preemption_notice()
+
+
+_NOTICES = [signal.SIGTERM]  # the signals this process takes as a preemption notice
+
+
+def leave_on_interrupt() -> None:
+    """Take Ctrl-C (SIGINT) as SIGTERM is taken, in this process: for ``diloco join``,
+    whose machine was lent by whoever runs it, and whose Ctrl-C gives it back. The
+    learner leaves as a preempted one does (its work sent, a checkpoint, its status
+    ``preempted``, its data given back): the syncers stop counting it at once, not after
+    ``pipeline.member_timeout``. A second Ctrl-C stops it at once. (A worker the launcher
+    started keeps Python's own: the launcher's Ctrl-C stops the whole run.)"""
+    if signal.SIGINT not in _NOTICES:
+        _NOTICES.append(signal.SIGINT)
 
 
 _WATCHING: list[NoticeWatcher] = []  # this process's watch (one at most), as PREEMPTED

@@ -386,3 +386,33 @@ def test_slot_states_follow_the_statuses(tmp_path):
         writer.write_metrics(lid, {"state": state, "time": at, "step": 3})
         got = slot_state(store, lid, REGION, 600, now)
         assert got.vacant is vacant, (state, at, got)
+
+
+def test_a_joiner_stopped_with_ctrl_c_leaves_the_run_as_a_preempted_learner(tmp_path, prefect_api):
+    """Ctrl-C to `diloco join` (SIGINT: whoever lent the machine takes it back) is a
+    leave, not a silence: the learner sends what it trained, checkpoints at that step,
+    says "preempted" and exits with 128 + SIGTERM, so the syncers stop counting it at once
+    (not after pipeline.member_timeout). Sent once its first send commits (the run's own
+    progress)."""
+    url, _, store, spec, secret = _run(tmp_path, "lent", 50_000_000)  # never finishes
+    argv = [sys.executable, "-m", "flows.cli", "join", url, "--run", "lent", "--region", REGION,
+            "--pipeline", json.dumps({"poll_seconds": 0.05, "preempt_seconds": 60})]  # fmt: skip
+    log = tmp_path / "join.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                env={**child_env(), RUN_SECRET_ENV: secret})  # fmt: skip
+    try:
+        lid = _wait(lambda: next((lid for lid in spec["learners"] if _sent(store, lid)), None),
+                    300, "the joiner's first send", proc)  # fmt: skip
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert code == 128 + signal.SIGTERM, text[-3000:]
+    assert "Ctrl-C: the learner sends what it trained, checkpoints and leaves" in text
+    status = store.read_metrics(lid)
+    assert status["state"] == "preempted", status
+    assert store.checkpoint_steps(lid)[-1] == status["step"] > 0, text[-3000:]
+    assert f"checkpointed at step {status['step']}" in text
