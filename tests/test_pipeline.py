@@ -540,6 +540,53 @@ def _local_run(tmp_path: Path, run: str, only_region: str | None = None):
     return cfg, regions, model, sent
 
 
+def test_a_syncer_looks_at_a_learners_sends_at_the_pace_they_come(tmp_path):
+    """Each look LISTs a learner's fragment: with rounds a minute long, looking every poll
+    would pay for hundreds of LISTs per send. A pair whose sends came 100 s apart is
+    looked at every 5 s (PACE_MOST; 1/20 of the gap, at most); one whose sends come
+    under 20 s apart at every poll, as before; once every learner is done, every pair at
+    every look. Its clock is the syncer's own (here, the test's)."""
+    from flows.syncer import PACE_MOST
+
+    _, regions, model, sent = _local_run(tmp_path, "pace", only_region="us-east")
+    lid = sent[0]
+    transport = SyncerRuntime("pace", regions, "us-east", 0, 1, {}).transport
+    now = [0.0]
+    transport.clock = lambda: now[0]
+    writer, rng = RunStore("pace", regions, "us-east", writer=lid), np.random.default_rng(1)
+
+    def send(seq: int) -> None:
+        c = _contribution(model, 0, lid, seq, rng)
+        writer.put_contribution(lid, 0, seq, c.payload, contribution_meta(c))
+
+    def look(at: float, after: int) -> list[int]:
+        now[0] = at
+        return [c.seq for c in transport.contributions(lid, 0, after)]
+
+    assert look(0.0, 0) == [1]  # the first send
+    assert look(0.2, 1) == []  # no gap known yet: looked at, at every poll
+    assert transport.lists == 2
+    send(2)
+    assert look(100.0, 1) == [2]  # 100 s after the first: the pair's pace is 5 s
+    send(3)
+    assert look(100.2, 2) == [] and look(100.0 + PACE_MOST - 0.1, 2) == []
+    assert transport.lists == 3  # neither of those listed
+    assert look(100.0 + PACE_MOST, 2) == [3]  # seen 5 s late at most
+    # Sends a round of 10 s apart (under 20 s): every poll again.
+    send(4)
+    assert look(110.0 + PACE_MOST, 3) == [4]
+    lists = transport.lists
+    assert look(110.2 + PACE_MOST, 4) == [] and transport.lists == lists + 1
+    # The pace of 5 s again, then the run's end: every look lists.
+    send(5)
+    assert look(400.0, 4) == [5]
+    send(6)
+    for other, region in RunStore("pace", regions, "us-east").read_spec()["learners"].items():
+        RunStore("pace", regions, region, writer=other).write_metrics(
+            other, {"state": "done", "budget_tokens": 10**12})  # fmt: skip
+    assert transport.learners_finished() and look(400.2, 5) == [6]
+
+
 def test_a_syncer_reads_only_the_newest_send_of_each_anchor(tmp_path, monkeypatch):
     """Sends from one anchor are cumulative: the syncer reads the newest one's data and
     passes over the older ones unread (superseded: under a faulty store, reading each
