@@ -116,10 +116,9 @@ def notice_source(value: str | None) -> NoticeSource | None:
 
 class NoticeWatcher(threading.Thread):
     """Asks ``source`` every ``every`` seconds until a notice is out, then calls
-    ``on_notice(text)`` once and ends. A failed look is said once (``say``) until a look
-    works again, and never ends the watch: a metadata service that blinks must not
-    leave a learner deaf to its notice. Anything else that goes wrong is said too, and
-    the watch goes on."""
+    ``on_notice(text)`` once and ends. A failed look (the service down, or anything
+    else) is said once (``say``) until a look works again, and never ends the watch: a
+    metadata service that blinks must not leave a learner deaf to its notice."""
 
     def __init__(self, source: NoticeSource, on_notice: Callable[[str], None],
                  every: float = POLL_SECONDS, say: Callable[[str], None] | None = None):  # fmt: skip
@@ -141,13 +140,12 @@ class NoticeWatcher(threading.Thread):
                 if text is not None:
                     self.on_notice(_brief(text))
                     return
-            except OSError as exc:
+            except Exception as exc:  # a thread never dies silently, nor says it each look
                 if not failing:
-                    self.say(f"cannot read the preemption notice ({self.source}): {exc}; "
+                    why = exc if isinstance(exc, OSError) else repr(exc)
+                    self.say(f"cannot read the preemption notice ({self.source}): {why}; "
                              f"asking again every {self.every:g} s")  # fmt: skip
                 failing = True
-            except Exception as exc:  # a thread never dies silently
-                self.say(f"the preemption notice watch failed a look ({self.source}): {exc!r}")
             self.stopped.wait(self.every)
 
     def stop(self) -> None:
