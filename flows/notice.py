@@ -63,21 +63,24 @@ class NoticeSource:
 
     def _aws(self, timeout: float) -> str | None:
         path = f"{self.url}/latest/meta-data/spot/instance-action"
-        for attempt in range(2):
-            if self._token is None:
-                request = urllib.request.Request(
-                    f"{self.url}/latest/api/token", method="PUT",
-                    headers={"X-aws-ec2-metadata-token-ttl-seconds": TOKEN_TTL},
-                )  # fmt: skip
-                with urllib.request.urlopen(request, timeout=timeout) as answer:
-                    self._token = answer.read().decode()
-            try:
-                return self._get(path, {"X-aws-ec2-metadata-token": self._token}, timeout)
-            except urllib.error.HTTPError as exc:
-                if exc.code != 401 or attempt:
-                    raise
-                self._token = None  # expired: a new session token, once
-        return None
+        try:
+            return self._get(path, self._aws_session(timeout), timeout)
+        except urllib.error.HTTPError as exc:
+            if exc.code != 401:
+                raise
+            self._token = None  # expired: a new session token, once
+            return self._get(path, self._aws_session(timeout), timeout)
+
+    def _aws_session(self, timeout: float) -> dict[str, str]:
+        """IMDSv2's header: a session token, asked for once and kept until refused."""
+        if self._token is None:
+            request = urllib.request.Request(
+                f"{self.url}/latest/api/token", method="PUT",
+                headers={"X-aws-ec2-metadata-token-ttl-seconds": TOKEN_TTL},
+            )  # fmt: skip
+            with urllib.request.urlopen(request, timeout=timeout) as answer:
+                self._token = answer.read().decode()
+        return {"X-aws-ec2-metadata-token": self._token}
 
     @staticmethod
     def _get(url: str, headers: dict[str, str], timeout: float) -> str | None:

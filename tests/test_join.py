@@ -33,7 +33,7 @@ from storage_layout.auth import (
     sign_record,
 )
 from storage_layout.store import RunStore
-from tests.test_pipeline import _wait, _workers
+from tests.test_pipeline import _wait, _workers, told_to_leave
 
 REGION = "us-east"
 
@@ -397,20 +397,11 @@ def test_a_joiner_stopped_with_ctrl_c_leaves_the_run_as_a_preempted_learner(tmp_
     url, _, store, spec, secret = _run(tmp_path, "lent", 50_000_000)  # never finishes
     argv = [sys.executable, "-m", "flows.cli", "join", url, "--run", "lent", "--region", REGION,
             "--pipeline", json.dumps({"poll_seconds": 0.05, "preempt_seconds": 60})]  # fmt: skip
-    log = tmp_path / "join.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                env={**child_env(), RUN_SECRET_ENV: secret})  # fmt: skip
-    try:
-        lid = _wait(lambda: next((lid for lid in spec["learners"] if _sent(store, lid)), None),
-                    300, "the joiner's first send", proc)  # fmt: skip
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = log.read_text()
-    assert code == 128 + signal.SIGTERM, text[-3000:]
+    lid, text = told_to_leave(
+        argv, {**child_env(), RUN_SECRET_ENV: secret}, tmp_path / "join.log",
+        lambda: next((lid for lid in spec["learners"] if _sent(store, lid)), None),
+        lambda proc: proc.send_signal(signal.SIGINT),
+    )  # fmt: skip
     assert "Ctrl-C: the learner sends what it trained, checkpoints and leaves" in text
     status = store.read_metrics(lid)
     assert status["state"] == "preempted", status

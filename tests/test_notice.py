@@ -32,7 +32,8 @@ def _until(what: str, done) -> None:
 def test_a_watcher_reports_the_notice_once_it_is_out_and_not_before(metadata, kind):
     """No notice: looks go on and nothing is reported; once the service announces one,
     the next look reports it, once, and the watch ends. The AWS look goes through an
-    IMDSv2 session token (the server refuses one without), GCE's with its header."""
+    IMDSv2 session token (the server refuses one without, or one expired), GCE's with
+    its header."""
     value = f"{metadata.url}/notice" if kind == "url" else f"{kind}={metadata.url}"
     source = notice_source(value)
     notices: list[str] = []
@@ -41,6 +42,7 @@ def test_a_watcher_reports_the_notice_once_it_is_out_and_not_before(metadata, ki
     watcher.start()
     _until("three looks", lambda: watcher.looks >= 3)
     assert notices == [] and said == []
+    metadata._tokens.clear()  # (aws) the session expired: the next look asks a new one
     metadata.announce("terminate")
     watcher.join(timeout=60)
     assert not watcher.is_alive()

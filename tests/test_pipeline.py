@@ -798,14 +798,32 @@ def test_a_crash_looping_worker_is_given_up_by_name_and_not_waited_for(tmp_path,
     assert syncer.transport.learners_finished()
 
 
+def told_to_leave(argv: list[str], env: dict[str, str], log: Path, sent, tell) -> tuple:
+    """Run ``argv`` (a learner's worker, or `diloco join`) with its output in ``log``;
+    once ``sent()`` finds its first send committed (the run's own progress), ``tell(proc)``
+    it to leave. Returns what ``sent()`` found and the output, after checking it left as a
+    preempted learner does (exit status 128 + SIGTERM)."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        found = _wait(sent, 300, "the learner's first send", proc)
+        tell(proc)
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert code == 128 + signal.SIGTERM, text[-3000:]
+    return found, text
+
+
 def preempted_worker(
     store: RunStore, cfg, lid: str, log: Path, notice: LocalMetadata | None = None
 ) -> str:
     """Run learner ``lid`` of ``store``'s run (one region) as a worker process; once its
     first send commits (the run's own progress), SIGTERM it, or, given a metadata
     service (``notice``, which the worker is told to watch as AWS's), post its
-    interruption notice. Returns its output, after checking it left as a preempted
-    worker does (exit status 128 + SIGTERM)."""
+    interruption notice. Returns its output (``told_to_leave``)."""
     ((region, bucket),) = store.urls.items()
     pipeline = json.dumps({**cfg.pipeline.model_dump(), "preempt_seconds": 60})
     argv = [*WORKER_COMMAND, "learner", "--run", store.run, "--bucket", bucket,
@@ -813,26 +831,18 @@ def preempted_worker(
     env = child_env()
     if notice is not None:
         env[NOTICE_ENV] = f"aws={notice.url}"
-    with log.open("w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 300  # a guard against a hang, not a measure
-        plan = range(cfg.topology.fragments)
-        while not any(store.contribution_seqs(lid, p, region) for p in plan):
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
+    plan = range(cfg.topology.fragments)
+
+    def sent() -> bool:
+        return any(store.contribution_seqs(lid, p, region) for p in plan)
+
+    def tell(proc: subprocess.Popen) -> None:
         if notice is None:
             proc.send_signal(signal.SIGTERM)
         else:
             notice.announce("terminate")
-        code = proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = log.read_text()
-    assert code == 128 + signal.SIGTERM, text[-3000:]
-    return text
+
+    return told_to_leave(argv, env, log, sent, tell)[1]
 
 
 @pytest.mark.parametrize("told_by", ["sigterm", "aws notice"])
