@@ -5,7 +5,9 @@ jitted computations in the same order over a mesh of all processes' devices. The
 learner's loop makes decisions from what its transport answers (which global version to
 apply, whether the uploads are backed up, where to resume), so those answers must agree.
 Process 0, the leader, decides: ``ReplicatedTransport`` broadcasts its answers over the
-devices (``multihost_utils.broadcast_one_to_all``), small values only. The data they name
+devices (``multihost_utils.broadcast_one_to_all``), small values only. What one host
+alone may be told (its machine's preemption notice) is gathered instead: the group acts
+when any process was (``any_process``). The data they name
 each process reads from the bucket itself (a global version; its own slices of a
 checkpoint), and each writes its own part of a checkpoint, which the leader commits as
 one; contributions go through the leader only. To the syncers the N processes are one
@@ -63,6 +65,19 @@ def broadcast_object(value: Any = None) -> Any:
         buf[:size] = np.frombuffer(data, dtype=np.uint8)
     buf = np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=leader))
     return value if leader else pickle.loads(buf[:size].tobytes())
+
+
+def any_process(flag: bool) -> bool:
+    """Whether ``flag`` is true in any process of the group (each process's own flag,
+    gathered to all): what one host alone was told, such as its machine's preemption
+    notice, the whole group acts on at the same point. Every process must call it at
+    the same point of the program."""
+    if process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    flags = multihost_utils.process_allgather(np.array([flag], dtype=np.int32))
+    return bool(np.asarray(flags).any())
 
 
 class ReplicatedTransport:

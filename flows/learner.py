@@ -623,10 +623,10 @@ class LearnerRuntime:
 
     def preempting(self) -> bool:
         """Whether this learner was told it will be preempted (``PREEMPTED``: SIGTERM to a
-        worker); over several processes, as process 0 was told: the group leaves as one."""
-        if self.processes == 1:
-            return PREEMPTED.is_set()
-        return bool(hosts.broadcast_object(PREEMPTED.is_set() if self.leader else None))
+        worker, or its machine's notice); over several processes, whether any of them was
+        (each host has its own notice, and a spot VM that goes takes the group with it):
+        the group leaves as one."""
+        return hosts.any_process(PREEMPTED.is_set())
 
     def leave(self) -> dict[str, Any]:
         """Preempted: send every fragment's unsent steps (``LearnerLoop.send_pending``),

@@ -12,7 +12,6 @@ processes joined by ``jax.distributed`` on loopback, each with its own CPU devic
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -27,12 +26,13 @@ import pytest
 
 from diloco.config import load_config
 from diloco.quantize import dequantize
-from flows.hosts import PROCESS_ID_ENV, run_group
+from flows.hosts import run_group
 from flows.run import initialize_run
 from storage_layout.audit import audit_run
 from storage_layout.commit import read_marker
 from storage_layout.inspect import inspect_bucket
 from storage_layout.store import RunStore
+from tests.test_pipeline import group_members
 
 STEPS = 8  # inner steps of the learner: fragments 0 and 1 are sent in turn, then 0 again
 OVERRIDES = [
@@ -209,31 +209,6 @@ def test_a_learner_over_two_processes_sends_what_one_process_sends(tmp_path, mon
     assert report["runs"][0]["problems"] == [] and report["runs"][0]["verified_versions"] > 0
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] not in "ZX"
-    except (OSError, IndexError):
-        return False
-
-
-def _members(group: int) -> dict[int, int]:
-    """The live processes of the learner group ``group`` (a ``flows.hosts`` pid), by
-    their ``DILOCO_PROCESS_ID``."""
-    out = {}
-    try:
-        children = Path(f"/proc/{group}/task/{group}/children").read_text().split()
-    except OSError:
-        return out
-    for pid in map(int, children):
-        if _alive(pid):
-            with contextlib.suppress(OSError):
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                for entry in env:
-                    if entry.startswith(f"{PROCESS_ID_ENV}=".encode()):
-                        out[int(entry.split(b"=", 1)[1])] = pid
-    return out
-
-
 def _wait(predicate, what: str, proc: subprocess.Popen, timeout: float = 600):
     """``predicate()``'s first truthy value; fails if the run ends first. The timeout only
     guards against a hang: what is waited for is a point of the run's own progress."""
@@ -279,7 +254,7 @@ def test_a_learner_of_two_processes_restarts_as_a_whole_when_one_is_killed(prefe
                 return None
             text = (tmp_path / "train.log").read_text(errors="replace")
             groups = re.findall(r"learner us/0 started \(pid (\d+)", text)
-            members = _members(int(groups[-1])) if groups else {}
+            members = group_members(int(groups[-1])) if groups else {}
             return (lid, members[1]) if 1 in members else None
 
         lid, pid = _wait(first_send, "the learner's first committed contribution", proc)

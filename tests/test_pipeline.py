@@ -38,9 +38,10 @@ from diloco.quantize import quantize
 from diloco.tensors import materialize
 from diloco.topology import learner_index
 from diloco.transport import StoreLearnerView
-from flows import bucket_io
+from flows import bucket_io, workers
 from flows.bucket_io import SEQ_BLOCK, contribution_meta
 from flows.cli import main as cli_main
+from flows.hosts import PROCESS_ID_ENV
 from flows.launcher import _watch, startup_line
 from flows.monitor import Monitor, cross_region_bytes
 from flows.notice import NOTICE_ENV
@@ -255,6 +256,24 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] not in "ZX"
     except (OSError, IndexError):
         return False
+
+
+def group_members(group: int) -> dict[int, int]:
+    """The live processes of the learner group ``group`` (a ``flows.hosts`` pid), by
+    their ``DILOCO_PROCESS_ID``."""
+    out = {}
+    try:
+        children = Path(f"/proc/{group}/task/{group}/children").read_text().split()
+    except OSError:
+        return out
+    for pid in map(int, children):
+        if _alive(pid):
+            with contextlib.suppress(OSError):
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                for entry in env:
+                    if entry.startswith(f"{PROCESS_ID_ENV}=".encode()):
+                        out[int(entry.split(b"=", 1)[1])] = pid
+    return out
 
 
 def _wait(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
@@ -818,16 +837,18 @@ def told_to_leave(argv: list[str], env: dict[str, str], log: Path, sent, tell) -
 
 
 def preempted_worker(
-    store: RunStore, cfg, lid: str, log: Path, notice: LocalMetadata | None = None
-) -> str:
-    """Run learner ``lid`` of ``store``'s run (one region) as a worker process; once its
-    first send commits (the run's own progress), SIGTERM it, or, given a metadata
-    service (``notice``, which the worker is told to watch as AWS's), post its
+    store: RunStore, cfg, lid: str, log: Path, notice: LocalMetadata | None = None,
+    processes: int = 1,
+) -> str:  # fmt: skip
+    """Run learner ``lid`` of ``store``'s run (one region) as a worker process (a group of
+    ``processes``, ``flows.hosts``); once its first send commits (the run's own
+    progress), SIGTERM it (a group: its last process alone, not the leader), or, given a
+    metadata service (``notice``, which the worker is told to watch as AWS's), post its
     interruption notice. Returns its output (``told_to_leave``)."""
     ((region, bucket),) = store.urls.items()
-    pipeline = json.dumps({**cfg.pipeline.model_dump(), "preempt_seconds": 60})
-    argv = [*WORKER_COMMAND, "learner", "--run", store.run, "--bucket", bucket,
-            "--region", region, "--index", str(learner_index(lid)), "--pipeline", pipeline]  # fmt: skip
+    opts = cfg.pipeline.model_copy(update={"preempt_seconds": 60, "learner_processes": processes})
+    cfg = cfg.model_copy(update={"pipeline": opts})
+    argv = workers.learner(store.run, bucket, region, learner_index(lid), cfg).argv()
     env = child_env()
     if notice is not None:
         env[NOTICE_ENV] = f"aws={notice.url}"
@@ -837,15 +858,18 @@ def preempted_worker(
         return any(store.contribution_seqs(lid, p, region) for p in plan)
 
     def tell(proc: subprocess.Popen) -> None:
-        if notice is None:
-            proc.send_signal(signal.SIGTERM)
-        else:
+        if notice is not None:
             notice.announce("terminate")
+        elif processes > 1:  # one host's notice: the group leaves as one
+            os.kill(_wait(lambda: group_members(proc.pid).get(processes - 1), 60,
+                          "the group's last process", proc), signal.SIGTERM)  # fmt: skip
+        else:
+            proc.send_signal(signal.SIGTERM)
 
     return told_to_leave(argv, env, log, sent, tell)[1]
 
 
-@pytest.mark.parametrize("told_by", ["sigterm", "aws notice"])
+@pytest.mark.parametrize("told_by", ["sigterm", "aws notice", "sigterm to process 1 of 2"])
 def test_a_learner_worker_told_it_is_preempted_sends_checkpoints_and_leaves(
     tmp_path, prefect_api, told_by
 ):
@@ -854,7 +878,9 @@ def test_a_learner_worker_told_it_is_preempted_sends_checkpoints_and_leaves(
     here AWS's IMDSv2 on loopback): it finishes its step, sends every fragment's unsent
     steps, checkpoints at that step, says "preempted" and exits with 128 + SIGTERM; a
     second process would resume there. The notice comes from the run's own progress:
-    once the learner's first send commits."""
+    once the learner's first send commits. A learner of two processes (two hosts) whose
+    process 1 alone is told (its host's notice) leaves as one: the leader sends, and the
+    checkpoint it commits holds both processes' parts."""
     cfg = tiny(50_000_000)  # far more than the test trains: it never finishes
     regions = {"us-east": f"file://{tmp_path / 'us'}"}
     (tmp_path / "us").mkdir()
@@ -866,7 +892,8 @@ def test_a_learner_worker_told_it_is_preempted_sends_checkpoints_and_leaves(
         if told_by == "aws notice":
             notice = LocalMetadata().start()
             stack.callback(notice.stop)
-        text = preempted_worker(store, cfg, lid, tmp_path / "learner.log", notice)
+        processes = 2 if "of 2" in told_by else 1
+        text = preempted_worker(store, cfg, lid, tmp_path / "learner.log", notice, processes)
     if notice is not None:
         assert f"watching for a preemption notice (aws at {notice.url})" in text, text[-3000:]
         assert f"preemption notice (aws at {notice.url}): terminate at" in text, text[-3000:]
@@ -875,6 +902,9 @@ def test_a_learner_worker_told_it_is_preempted_sends_checkpoints_and_leaves(
     step = status["step"]
     assert store.checkpoint_steps(lid)[-1] == step, text[-3000:]
     assert f"checkpointed at step {step}" in text and "preempted: learner" in text
+    marker = read_marker(store.home, store.layout.checkpoint_marker(lid, step))
+    assert sorted(marker.meta.get("parts", {})) == [f"opt.p{i:04d}" for i in range(processes)
+                                                    if processes > 1]  # fmt: skip
     # Every fragment's newest send was made at that step: nothing it trained is lost.
     view = StoreLearnerView(bucket_store("pre", regions, spec, cfg, lid, home="us-east"), lid)
     assert view.sent_so_far()[1] == step
