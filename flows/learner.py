@@ -51,6 +51,7 @@ from flows.hosts import join as join_group
 from flows.ledger import BucketLedger, FollowedLedger, region_ledger
 from flows.notice import NOTICE_ENV, NoticeWatcher, notice_source
 from flows.observe import artifact_key, run_logger, tag_flow_run, worker_tags
+from flows.pace import Pace
 from flows.run import bucket_store, build_model, config_from_spec, reader
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV
 from storage_layout.bucket import PartialFailure
@@ -166,6 +167,8 @@ class BackgroundIO:
         self.queued: dict[tuple[int, Any], int] = {}  # (fragment, anchor) -> newest seq
         self.lock = threading.Lock()
         self.wanted: dict[int, int] = {}
+        self.pace, self.clock = Pace(), time.monotonic  # when each fragment is next listed
+        self.listed: dict[int, int] = {}  # fragment -> the newest version its looks found
         self.reported: dict[tuple[int, int], float] = {}  # (fragment, version) -> failed at
         self.inbox: dict[int, GlobalView] = {}
         for p in range(fragments):  # the start reads the newest of every fragment
@@ -319,28 +322,43 @@ class BackgroundIO:
 
     def _poll(self) -> None:
         while not self.stop.wait(self.poll_seconds):
-            with self.lock:
-                wanted = dict(self.wanted)
-            for p, above in wanted.items():
-                try:
-                    newest = self.view.store.newest_version(self.view.learner, p)
-                    held = self.inbox.get(p)
-                    if newest is None or newest <= max(above, held.version if held else -1):
-                        continue
-                    if time.monotonic() - self.reported.get((p, newest), -math.inf) < 2.0:
-                        continue  # it failed a moment ago: give it a little time
-                    got = self.view.read(p, newest)
-                except Exception as exc:  # a corrupt version, a region down: skip, go on
-                    if (p, newest) not in self.reported:
-                        self.log.warning(
-                            "cannot read version %s of fragment %d (will try again): %r",
-                            newest, p, exc,
-                        )  # fmt: skip
-                    self.reported[(p, newest)] = time.monotonic()
+            self.look()
+
+    def look(self) -> None:
+        """Fetch the newest version of each fragment waited on whose pace says a look is
+        due (``flows.pace``: versions come about a round apart, and each look LISTs the
+        bucket; one is seen at most 1/20 of a round late) into ``inbox``."""
+        with self.lock:
+            wanted = dict(self.wanted)
+        now = self.clock()
+        for p, above in wanted.items():
+            if not self.pace.due(p, now):
+                continue
+            newest = None
+            try:
+                newest = self.view.store.newest_version(self.view.learner, p)
+                self.reported.pop((p, None), None)  # listed: the next failure is said again
+                news = newest is not None and newest > self.listed.get(p, -1)
+                self.pace.looked(p, now, news)
+                if news:
+                    self.listed[p] = newest
+                held = self.inbox.get(p)
+                if newest is None or newest <= max(above, held.version if held else -1):
                     continue
-                with self.lock:
-                    self.inbox[p] = got
-            self._watch_stalls(wanted)
+                if time.monotonic() - self.reported.get((p, newest), -math.inf) < 2.0:
+                    continue  # it failed a moment ago: give it a little time
+                got = self.view.read(p, newest)
+            except Exception as exc:  # a corrupt version, a region down: skip, go on
+                if (p, newest) not in self.reported:
+                    what = ("list the versions" if newest is None
+                            else f"read version {newest}")  # fmt: skip
+                    self.log.warning("cannot %s of fragment %d (will try again): %r",
+                                     what, p, exc)  # fmt: skip
+                self.reported[(p, newest)] = time.monotonic()
+                continue
+            with self.lock:
+                self.inbox[p] = got
+        self._watch_stalls(wanted)
 
     def _watch_stalls(self, wanted: dict[int, int]) -> None:
         """Say so when the versions a learner waits on stop coming (its syncer is down, or

@@ -39,6 +39,7 @@ from diloco.topology import shard_fragments, syncer_id
 from flows.bucket_io import BucketStore
 from flows.ledger import SilentReleases, UnitOffers
 from flows.observe import artifact_key, run_logger, tag_flow_run, worker_tags
+from flows.pace import Pace
 from flows.run import absence, bucket_store, config_from_spec, worker_done
 from storage_layout.auth import RUN_SECRET_ENV, UNAUTHENTICATED, record_verifies
 from storage_layout.retention import ORPHAN_AGE, collect_garbage
@@ -47,15 +48,6 @@ from storage_layout.store import RunStore
 # Seconds between two tries to catch a lagging region up (a region down, a full disk):
 # the first, doubling up to the longest; a try that catches every fragment up resets it.
 CATCH_UP_BACKOFF = (0.5, 10.0)
-# A learner's sends of one fragment come a round apart (H steps: seconds on `tiny`, a
-# minute or more on a real model), but every look LISTs each learner's every fragment:
-# at pipeline.poll_seconds (0.2 s), 5 LIST requests a second per pair, which the bucket's
-# owner pays for. So a pair is looked at LOOKS_PER_ROUND times per its last gap between
-# two sends, at most every PACE_MOST seconds apart, and at every poll while that would
-# be under PACE_FROM (short rounds: as before). What it costs: a send is seen at most
-# 1/LOOKS_PER_ROUND of a round (PACE_MOST) later; at the run's end every pair is listed.
-LOOKS_PER_ROUND = 20
-PACE_FROM, PACE_MOST = 1.0, 5.0
 
 
 class PipelineSyncerTransport:
@@ -96,10 +88,7 @@ class PipelineSyncerTransport:
         self._refused: set[str] = set()  # added learners' records refused, said once each
         self.done: set[str] = set()  # learners whose status says they are done
         self.finishing = False  # every learner is done: every pair is listed at each look
-        self._found_at: dict[tuple[str, int], float] = {}  # a look last found a send
-        self._gap: dict[tuple[str, int], float] = {}  # between the last two sends found
-        self._look_at: dict[tuple[str, int], float] = {}  # the pair's next look
-        self.lists = 0  # contribution listings made (what the pacing saves)
+        self.pace = Pace()  # when each (learner, fragment) is next listed (flows.pace)
         self.given_up: set[str] = set()  # learners the launcher gave up
         self._given_up_read = -math.inf
         self.published = 0
@@ -112,18 +101,13 @@ class PipelineSyncerTransport:
         self, learner: str, fragment: int, after: int
     ) -> list[Contribution | Unreadable]:
         """``learner``'s new sends of ``fragment``, listed when the pair's pace says a look
-        is due (``LOOKS_PER_ROUND``), else none yet."""
+        is due (``flows.pace``: a send is seen at most 1/20 of a round late), else none
+        yet; once every learner is done, at every look (nothing is left unlisted)."""
         pair, now = (learner, fragment), self.clock()
-        if not self.finishing and now < self._look_at.get(pair, -math.inf):
+        if not self.finishing and not self.pace.due(pair, now):
             return []
-        self.lists += 1
         found = self.store.contributions(learner, fragment, after)
-        if found:
-            if pair in self._found_at:
-                self._gap[pair] = now - self._found_at[pair]
-            self._found_at[pair] = now
-        wait = self._gap.get(pair, 0.0) / LOOKS_PER_ROUND
-        self._look_at[pair] = now + (min(wait, PACE_MOST) if wait >= PACE_FROM else 0.0)
+        self.pace.looked(pair, now, bool(found))
         return found
 
     def read(self, c: Contribution) -> Contribution | Unreadable:

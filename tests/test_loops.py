@@ -277,6 +277,64 @@ def test_background_io_survives_a_corrupt_global_version(tiny_run, caplog):
         io.close()
 
 
+def test_a_learner_looks_for_global_versions_at_the_pace_they_come(tiny_run, caplog):
+    """Each look LISTs a fragment's versions: versions that came 100 s apart are looked
+    for every 5 s (``flows.pace``: 1/20 of the gap, at most 5 s), so one is taken at most
+    5 s late; versions 10 s apart, at every poll. A look that fails (the region does not
+    answer) is said and made again at the next poll; the poller goes on. The clock is
+    the test's, the looks its own calls (the thread polls once an hour here)."""
+    from flows.pace import PACE_MOST
+
+    cfg, regions, spec, model = tiny_run
+    syncer = RunStore("r", regions, "us", writer="syncer")
+
+    def publish(version: int) -> None:
+        params = {n: np.full_like(model.init[n], version) for n in model.plan[0]}
+        syncer.publish_global(0, version, params, [], {"weights": {}}, "bf16")
+
+    store = bucket_store("r", regions, spec, cfg, "learner-0", home="us")
+    io = BackgroundIO(StoreLearnerView(store, "learner-0"), len(model.plan), 3600, 0,
+                      logging.getLogger("test"))  # fmt: skip
+    now = [0.0]
+    io.clock = lambda: now[0]
+
+    def look(at: float) -> int:
+        now[0] = at
+        io.look()
+        return io.latest_global(0).version
+
+    try:
+        io.want(0, 0)
+        assert look(0.0) == 0 and look(0.2) == 0 and io.pace.looks == 2  # no gap known
+        publish(1)
+        assert look(0.4) == 1
+        publish(2)
+        assert look(100.4) == 2  # 100 s after the last: looked for every 5 s from here
+        publish(3)
+        looks = io.pace.looks
+        assert look(100.6) == 2 and look(100.4 + PACE_MOST - 0.1) == 2
+        assert io.pace.looks == looks  # neither of those listed
+        assert look(100.4 + PACE_MOST) == 3  # taken 5 s late at most
+        publish(4)
+        assert look(110.4 + PACE_MOST) == 4  # 10 s apart: at every poll again
+        looks = io.pace.looks
+        assert look(110.6 + PACE_MOST) == 4 and io.pace.looks == looks + 1
+
+        # A region that does not answer: said, and asked again at the next poll.
+        def down(*args):
+            raise OSError("the region does not answer")
+
+        store.newest_version = down
+        with caplog.at_level(logging.WARNING, logger="test"):
+            assert look(110.8 + PACE_MOST) == 4 and look(111.0 + PACE_MOST) == 4
+        assert caplog.text.count("cannot list the versions of fragment 0") == 1, caplog.text
+        del store.newest_version  # it answers again
+        publish(5)
+        assert look(111.2 + PACE_MOST) == 5 and io.poller.is_alive()
+    finally:
+        io.close()
+
+
 def test_a_transport_that_waits_on_no_fragment_runs_no_poller(tiny_run):
     """A follower of a learner over several processes writes its checkpoint parts only:
     its transport (no fragments) starts no thread that polls for versions."""

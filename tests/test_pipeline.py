@@ -565,7 +565,7 @@ def test_a_syncer_looks_at_a_learners_sends_at_the_pace_they_come(tmp_path):
     looked at every 5 s (PACE_MOST; 1/20 of the gap, at most); one whose sends come
     under 20 s apart at every poll, as before; once every learner is done, every pair at
     every look. Its clock is the syncer's own (here, the test's)."""
-    from flows.syncer import PACE_MOST
+    from flows.pace import PACE_MOST
 
     _, regions, model, sent = _local_run(tmp_path, "pace", only_region="us-east")
     lid = sent[0]
@@ -584,18 +584,18 @@ def test_a_syncer_looks_at_a_learners_sends_at_the_pace_they_come(tmp_path):
 
     assert look(0.0, 0) == [1]  # the first send
     assert look(0.2, 1) == []  # no gap known yet: looked at, at every poll
-    assert transport.lists == 2
+    assert transport.pace.looks == 2
     send(2)
     assert look(100.0, 1) == [2]  # 100 s after the first: the pair's pace is 5 s
     send(3)
     assert look(100.2, 2) == [] and look(100.0 + PACE_MOST - 0.1, 2) == []
-    assert transport.lists == 3  # neither of those listed
+    assert transport.pace.looks == 3  # neither of those listed
     assert look(100.0 + PACE_MOST, 2) == [3]  # seen 5 s late at most
     # Sends a round of 10 s apart (under 20 s): every poll again.
     send(4)
     assert look(110.0 + PACE_MOST, 3) == [4]
-    lists = transport.lists
-    assert look(110.2 + PACE_MOST, 4) == [] and transport.lists == lists + 1
+    lists = transport.pace.looks
+    assert look(110.2 + PACE_MOST, 4) == [] and transport.pace.looks == lists + 1
     # The pace of 5 s again, then the run's end: every look lists.
     send(5)
     assert look(400.0, 4) == [5]
