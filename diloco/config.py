@@ -197,13 +197,16 @@ class DataConfig(_Strict):
         description="the field of each JSON lines record (.jsonl, .jsonl.gz), or the column "
         "of a Parquet file (.parquet), that holds a document's text",
     )
-    assign: Literal["slots", "units"] = Field(
-        "slots",
-        description="how a prepared data set's chunks reach learners: 'slots', dealt to "
-        "the topology.learners slots once (a slot no one holds leaves its share "
-        "untrained); 'units', taken in units as learners need them, and given back by "
-        "a learner that leaves, so none is trained twice or skipped in an epoch whoever "
-        "comes and goes (diloco/units.py; docs/data.md)",
+    assign: Literal["auto", "slots", "units"] = Field(
+        "auto",
+        description="how a prepared data set's chunks reach learners: 'units', taken in "
+        "units as learners need them, and given back by a learner that leaves, so none "
+        "is trained twice or skipped in an epoch whoever comes and goes, and learners "
+        "may join beyond the run's slots (diloco/units.py; docs/data.md); 'slots', dealt "
+        "to the topology.learners slots once (a slot no one holds leaves its share "
+        "untrained; text, which the byte reader shards, always is); 'auto': units for a "
+        "prepared data set, slots for text, and for a run already started what its spec "
+        "records",
     )
 
 
@@ -644,7 +647,7 @@ class RunConfig(_Strict):
         added = m  # the index the next learner added takes
         for at, _, kind, i, _ in sim_events(self.sim):
             if kind == "join" and i == added:
-                if self.data.assign != "units":
+                if self.data.assign == "slots":  # ('auto' is settled with the data)
                     raise ValueError(
                         f"sim.joins: learner {i} is beyond the run's {m} slots: learners are "
                         "added only to a run that takes its data in units (data.assign = "

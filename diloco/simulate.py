@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from diloco import dataset, records
-from diloco.config import RunConfig, sim_events
+from diloco.config import RunConfig, sim_events, validate_config
 from diloco.data import Corpus, DataError, ShardReader, load_corpus, validation_batches
 from diloco.fragments import FragmentPlan, fragment_sizes, plan_fragments
 from diloco.inner import InnerTrainer
@@ -71,6 +71,21 @@ def cached_corpus(
 def cached_dataset(source: str) -> dataset.Dataset | None:
     """The prepared data set at ``source``; None: ``source`` is text (the byte reader's)."""
     return dataset.open_dataset(source) if dataset.is_prepared(source) else None
+
+
+def settle_assign(cfg: RunConfig, stored: str | None = None) -> RunConfig:
+    """``cfg`` with ``data.assign = "auto"`` made what it means: for a run already
+    started, what its spec records (``stored``); else units for a prepared data set (no
+    slot owns data: learners come, go and join beyond the slots) and slots for text
+    (the byte reader's shards are dealt to slots). Checked again as a whole (a join
+    beyond the slots of a run on slots is refused by name)."""
+    if cfg.data.assign != "auto":
+        return cfg
+    prepared = cfg.data.source and cached_dataset(cfg.data.source)
+    assign = stored or ("units" if prepared else "slots")
+    raw = cfg.model_dump()
+    raw["data"]["assign"] = assign
+    return validate_config(raw)
 
 
 def check_data(cfg: RunConfig) -> None:
@@ -182,6 +197,7 @@ def simulate(
     progress: Progress | None = None,
     store: StoreFactory | None = None,
 ) -> SimResult:
+    cfg = settle_assign(cfg)
     m = cfg.topology.learners
     check_data(cfg)
     codec, state = ParamCodec.create(cfg.model, cfg.seed)

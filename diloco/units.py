@@ -1,9 +1,10 @@
 """Data in units taken as learners need them (``data.assign = "units"``), so that a run's
 learners may come and go without a document trained twice in an epoch or one skipped.
 
-With ``data.assign = "slots"`` (the default) a prepared data set's chunks are dealt to
-the run's ``topology.learners`` slots once and for all (``dataset.assignment``): a slot
-no one holds leaves its share untrained. Here the training chunks are instead cut, every
+With ``data.assign = "slots"`` a prepared data set's chunks are dealt to the run's
+``topology.learners`` slots once and for all (``dataset.assignment``): a slot no one
+holds leaves its share untrained. (Units are the default for a new run on a prepared
+data set; text, and runs started on slots, are dealt: ``simulate.settle_assign``.) Here the training chunks are instead cut, every
 epoch, into **units** of ``shuffle_chunks`` consecutive chunks of an order shuffled by
 ``(seed, epoch)`` (the whole data set, not one learner's share), and each unit's windows
 are shuffled by ``(seed, epoch, unit)``: which windows a unit holds, and in what order,

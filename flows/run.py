@@ -26,7 +26,7 @@ from diloco.dataset import TokenReader
 from diloco.fragments import FragmentPlan, plan_fragments
 from diloco.inner import InnerTrainer
 from diloco.model import ParamCodec
-from diloco.simulate import StoreFactory, check_data, make_reader, make_validation
+from diloco.simulate import StoreFactory, check_data, make_reader, make_validation, settle_assign
 from diloco.syncer import FragmentSyncer
 from diloco.tensors import pieces
 from diloco.topology import deal_learners, home_region
@@ -59,6 +59,7 @@ def spec_defaults(regions: Mapping[str, str] | None = None) -> dict[str, Any]:
     the config key's default, and as home the first region given (as the syncers always
     took it), so such a run resumes under newer code."""
     out: dict[str, Any] = {"config": RunConfig().model_dump(mode="json", exclude=NOT_IN_SPEC)}
+    out["config"]["data"]["assign"] = OLD_ASSIGN
     if regions:
         out["home"] = home_region(regions)
     return out
@@ -94,7 +95,23 @@ def absence(status: Mapping[str, Any], silent: float, timeout: float) -> str | N
 def config_from_spec(
     spec: Mapping[str, Any], pipeline: Mapping[str, Any] | None = None
 ) -> RunConfig:
-    return validate_config({**spec["config"], "pipeline": dict(pipeline or {})})
+    config = dict(spec["config"])
+    config["data"] = {"assign": OLD_ASSIGN, **config.get("data", {})}
+    return validate_config({**config, "pipeline": dict(pipeline or {})})
+
+
+# What a spec that names no ``data.assign`` (one written before it existed) took: slots.
+# A new spec always names "units" or "slots" (``settle_assign``), never "auto".
+OLD_ASSIGN = "slots"
+
+
+def stored_assign(store: RunStore) -> str | None:
+    """How the run in ``store`` takes its data, as its spec records it (None: no run)."""
+    try:
+        spec = store.read_spec()
+    except FileNotFoundError:
+        return None
+    return spec["config"].get("data", {}).get("assign", OLD_ASSIGN)
 
 
 @dataclass(frozen=True)
@@ -157,6 +174,7 @@ def initialize_run(store: RunStore, cfg: RunConfig) -> dict[str, Any]:
     fragment (the initial parameters) if the run has none yet. Safe to repeat and to race."""
     if cfg.mode == "dp":
         raise ValueError("mode 'dp' is the simulator's baseline; a run is diloco or decoupled")
+    cfg = settle_assign(cfg, stored_assign(store))  # the spec records units or slots
     corpus(cfg)  # a missing, empty or binary source, a bad data set: before any commit
     if cfg.pipeline.probe_exclusive:
         for region in store.urls:

@@ -221,7 +221,7 @@ def test_learners_join_vacant_slots_and_leave_and_the_quorum_follows():
         (['sim.failures=[{"learner": 1, "at": 0.2}, {"learner": 1, "at": 0.4}]'],
          "learner 1 is not there at 0.4"),
         (["topology.quorum_share=0.5", "topology.quorum=2"], "not both"),
-        (['sim.joins=[{"learner": 4, "at": 0.2}]'],
+        (['sim.joins=[{"learner": 4, "at": 0.2}]', "data.assign=slots"],
          "learner 4 is beyond the run's 4 slots: learners are added only to a run that takes "
          "its data in units"),
         (['sim.joins=[{"learner": 5, "at": 0.2}]', "data.assign=units"],
@@ -233,6 +233,15 @@ def test_learners_join_vacant_slots_and_leave_and_the_quorum_follows():
 def test_a_membership_schedule_that_cannot_happen_is_refused_by_name(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         load_config("tiny", mode="decoupled", overrides=overrides)
+
+
+def test_a_join_beyond_the_slots_of_a_run_on_text_is_refused_when_its_data_is_settled():
+    """``data.assign = "auto"`` (the default) is settled with the data: text is dealt to
+    slots, so a learner added beyond them is refused by name before the simulation."""
+    cfg = load_config("tiny", mode="decoupled", overrides=['sim.joins=[{"learner": 4, "at": 0.2}]'])
+    assert cfg.data.assign == "auto"
+    with pytest.raises(ValueError, match=re.escape("learner 4 is beyond the run's 4 slots")):
+        simulate(cfg)
 
 
 def test_a_quorum_share_follows_the_members_down_to_its_floor():

@@ -427,6 +427,46 @@ def test_a_learner_worker_takes_units_from_its_regions_bucket_and_gives_back_as_
     assert ledger.orphans() == []
 
 
+def test_a_new_run_takes_a_prepared_data_set_in_units_and_a_started_one_keeps_its_way(
+    prepared, tmp_path
+):
+    """``data.assign = "auto"``, the default: a new run on a prepared data set takes it
+    in units (its spec records "units", so joiners may add learners), one on text deals
+    it to slots; a run started on slots, or before the spec recorded the key at all,
+    resumes with the default config on slots (no spec mismatch, the same data order),
+    and asking for units there is refused by name."""
+    from flows.run import config_from_spec, initialize_run
+    from storage_layout.store import RunStore, SpecMismatch
+
+    (tmp_path / "us").mkdir()
+    bucket = f"file://{tmp_path / 'us'}"
+    on = [f"data.source={prepared}", "model.vocab_size=512"]
+    default = load_config("tiny", overrides=on)
+    assert default.data.assign == "auto"
+
+    def started(run: str, cfg) -> str:
+        spec = initialize_run(RunStore(run, {"us": bucket}, "us"), cfg)
+        return spec["config"]["data"]["assign"]
+
+    assert started("new", default) == "units" and started("new", default) == "units"
+    assert started("text", load_config("tiny")) == "slots"
+    assert started("old", load_config("tiny", overrides=[*on, "data.assign=slots"])) == "slots"
+    assert started("old", default) == "slots"  # resumed as it began
+    with pytest.raises(SpecMismatch, match=r"data.assign: stored 'slots', given 'units'"):
+        started("old", load_config("tiny", overrides=[*on, "data.assign=units"]))
+    # A spec written before data.assign existed: it took slots, and resumes so.
+    path = tmp_path / "us" / RunStore("older", {"us": bucket}, "us").layout.spec
+    started("older", load_config("tiny", overrides=[*on, "data.assign=slots"]))
+    spec = json.loads(path.read_text())
+    del spec["config"]["data"]["assign"]
+    path.chmod(0o644)
+    path.write_text(json.dumps(spec))
+    assert started("older", default) == "slots"
+    assert config_from_spec(RunStore("older", {"us": bucket}, "us").read_spec()).data.assign == (
+        "slots"
+    )
+
+
 def test_units_take_a_prepared_data_set_and_a_bad_ledger_record_is_named(prepared, tmp_path):
     """Units of a text source are refused before anything is written; a ledger record
     that names no span of the data set's units (damaged, forged) is an error naming its
