@@ -171,7 +171,11 @@ def choose_slot(
                 return Slot(lid, True, "added to the run (no slot was vacant)", added=True)
         seen.append("no slot to add: the join token covers none this region may add")
     elif not grow and wanted is None:
-        seen.append("a run that deals its data to its slots (data.assign = 'slots') adds none")
+        seen.append(
+            "a run that deals its data to its slots (data.assign = 'slots') adds none "
+            "(a run on a prepared data set, `diloco data prepare`, takes it in units "
+            "and grows)"
+        )
     raise JoinRefused(f"no vacant learner slot in region {region!r} of run {store.run!r}: "
                       + "; ".join(seen))  # fmt: skip
 
