@@ -148,7 +148,8 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     tmp_path, prefect_api, monkeypatch
 ):
     """`diloco train` with three learner slots, of which it starts one
-    (pipeline.learners_started=1), taking its data in units. Once learner-0's first
+    (pipeline.learners_started=1), on a prepared data set, which it takes in units (the
+    default: no data.assign is set). Once learner-0's first
     contribution is committed, a machine with a join token for learner-1 and learner-3
     (`diloco join-token`) runs the `join` flow (as `diloco join` does): it warms up
     first, then takes the vacant slot 1 (never started), writes a signed join record,
@@ -164,8 +165,8 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     from tests.test_units import prepare_stdlib
 
     run = "open"
-    units = ("data.assign=units", f"data.source={prepare_stdlib(tmp_path / 'data', 2048)}",
-             "model.vocab_size=512")  # fmt: skip
+    # (a prepared data set: taken in units by default, data.assign = "auto", so it grows)
+    units = (f"data.source={prepare_stdlib(tmp_path / 'data', 2048)}", "model.vocab_size=512")
     proc, url = _train(tmp_path, run, 90_000, *units)
     store = RunStore(run, {REGION: url}, REGION)
     paused: list[int] = []
