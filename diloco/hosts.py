@@ -7,10 +7,10 @@ apply, whether the uploads are backed up, where to resume), so those answers mus
 Process 0, the leader, decides: ``ReplicatedTransport`` broadcasts its answers over the
 devices (``multihost_utils.broadcast_one_to_all``), small values only. What one host
 alone may be told (its machine's preemption notice) is gathered instead: the group acts
-when any process was (``any_process``). The data they name
-each process reads from the bucket itself (a global version; its own slices of a
-checkpoint), and each writes its own part of a checkpoint, which the leader commits as
-one; contributions go through the leader only. To the syncers the N processes are one
+when any process was (``any_process``). The data they name each process reads from the
+bucket itself (a global version; its own slices of a checkpoint), and each writes its
+own part of a checkpoint, which the leader commits as one; contributions go through the
+leader only. To the syncers the N processes are one
 learner: one id, one stream of contributions, one checkpoint, one generation claim
 (``docs/architecture.md``, "A learner over several hosts").
 

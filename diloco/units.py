@@ -4,11 +4,12 @@ learners may come and go without a document trained twice in an epoch or one ski
 With ``data.assign = "slots"`` a prepared data set's chunks are dealt to the run's
 ``topology.learners`` slots once and for all (``dataset.assignment``): a slot no one
 holds leaves its share untrained. (Units are the default for a new run on a prepared
-data set; text, and runs started on slots, are dealt: ``simulate.settle_assign``.) Here the training chunks are instead cut, every
-epoch, into **units** of ``shuffle_chunks`` consecutive chunks of an order shuffled by
-``(seed, epoch)`` (the whole data set, not one learner's share), and each unit's windows
-are shuffled by ``(seed, epoch, unit)``: which windows a unit holds, and in what order,
-is the same for everyone. A learner's stream of windows is the concatenation of the
+data set; text, and runs started on slots, are dealt: ``simulate.settle_assign``.)
+Here the training chunks are instead cut, every epoch, into **units** of
+``shuffle_chunks`` consecutive chunks of an order shuffled by ``(seed, epoch)`` (the
+whole data set, not one learner's share), and each unit's windows are shuffled by
+``(seed, epoch, unit)``: which windows a unit holds, and in what order, is the same for
+everyone. A learner's stream of windows is the concatenation of the
 **spans** it took from a **ledger**, in the order it took them: a span is a unit's
 windows ``[start, end)``. Batch ``b`` is windows ``b * batch_size ...`` of that stream,
 as with the dealt reader, so the learner's step is still its data position.
