@@ -45,7 +45,6 @@ from diloco.config import (
     parse_override,
     validate_config,
 )
-from diloco.simulate import settle_assign
 from diloco.topology import home_region
 from flows.display import Display
 from flows.display import current as current_display
@@ -58,7 +57,7 @@ from flows.monitor import (
     summary_markdown,
 )
 from flows.observe import artifact_key, tag_flow_run
-from flows.run import initialize_run, stored_assign
+from flows.run import initialize_run, settled
 from flows.run_lock import RunLock, RunTakenOver, held
 from flows.supervision import (
     STAND_BY,
@@ -490,7 +489,7 @@ def train_flow(
     chaos_plan = ChaosPlan(**cfg.pipeline.chaos)
     store = RunStore(run, regions, home_region(regions), writer="launcher")
     current_display().phase("spec", "running", "writing the run spec and version 0, evaluating it")
-    cfg = settle_assign(cfg, stored_assign(store))  # as the spec will record it
+    cfg = settled(store, cfg)  # as the spec will record it
     spec = initialize_run(store, cfg)
     lock = held(run)  # `diloco train` took it before starting its Prefect server
     with contextlib.ExitStack() as stack:

@@ -105,13 +105,16 @@ def config_from_spec(
 OLD_ASSIGN = "slots"
 
 
-def stored_assign(store: RunStore) -> str | None:
-    """How the run in ``store`` takes its data, as its spec records it (None: no run)."""
+def settled(store: RunStore, cfg: RunConfig) -> RunConfig:
+    """``cfg`` with ``data.assign = "auto"`` settled for the run in ``store``
+    (``settle_assign``): what its spec records if it has one (read only then)."""
+    if cfg.data.assign != "auto":
+        return cfg
     try:
-        spec = store.read_spec()
+        stored = config_from_spec(store.read_spec()).data.assign
     except FileNotFoundError:
-        return None
-    return spec["config"].get("data", {}).get("assign", OLD_ASSIGN)
+        stored = None  # a new run
+    return settle_assign(cfg, stored)
 
 
 @dataclass(frozen=True)
@@ -174,7 +177,7 @@ def initialize_run(store: RunStore, cfg: RunConfig) -> dict[str, Any]:
     fragment (the initial parameters) if the run has none yet. Safe to repeat and to race."""
     if cfg.mode == "dp":
         raise ValueError("mode 'dp' is the simulator's baseline; a run is diloco or decoupled")
-    cfg = settle_assign(cfg, stored_assign(store))  # the spec records units or slots
+    cfg = settled(store, cfg)  # the spec records units or slots
     corpus(cfg)  # a missing, empty or binary source, a bad data set: before any commit
     if cfg.pipeline.probe_exclusive:
         for region in store.urls:
