@@ -226,7 +226,7 @@ columns:
              syncer counted as members then
   learners   state: what its status object says, and how long ago (never started:
              none yet); joins: times the slot was taken by `diloco join`;
-             (added): a slot a joiner added beyond the run's (`members/`);
+             (added by HOST): a slot a joiner on HOST added beyond the run's (`members/`);
              newest seq: the learner's newest committed contribution to the fragment;
              stored: its contributions still held; base: the global version that one
              started from; staleness: newest version - base; size: its payload bytes;
@@ -958,7 +958,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 state = row.get("state") or ("never started" if "joins" in row else "-")
                 if row.get("status_age_s") is not None:
                     state += f", {row['status_age_s']:.0f} s ago"
-                name = row["learner"] + (" (added)" if row.get("added") else "")
+                added = f" (added by {row.get('host')})" if row.get("added") else ""
+                name = row["learner"] + added
                 head = [name, row["region"], state, str(row.get("joins", "-"))]
                 step = row.get("checkpoint_step")
                 ckpt = "-" if step is None else str(step)

@@ -629,6 +629,7 @@ def _launch(
     now = time.time()
     wall = now - started
     monitor.wait_for_storage()
+    monitor.learners(fresh=True)  # every learner a joiner added, to the last
     # Allocated learner time: each learner from the launch until its worker ended.
     allocated = sum(ended.get(n, now) - started for n in names if n.startswith("learner"))
     try:

@@ -19,6 +19,7 @@ from diloco.config import RunConfig
 from diloco.simulate import dp_bytes_per_step
 from diloco.topology import shard_count, shard_fragments, syncer_id
 from flows.observe import train_summary_rows
+from flows.pace import MEMBERS_EVERY
 from flows.run import build_model, validation
 from storage_layout.commit import CorruptVersion
 from storage_layout.store import RunStore
@@ -50,11 +51,14 @@ class Monitor:
         spec: dict[str, Any],
         log: Any = log,
         deaths: Mapping[str, tuple[float, str]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.store, self.cfg, self.spec, self.log = store, cfg, spec, log
+        self.clock = clock  # paces the reads of the members
         self.deaths = {} if deaths is None else deaths
         self.launched = set(cfg.started_learners(list(spec["learners"])))  # others: joiners'
         self._learners: dict[str, str] = dict(spec["learners"])
+        self._learners_read = -math.inf
         self.unreadable: set[tuple[int, int]] = set()  # reported once each
         self.errors = 0  # storage errors while watching, in all
         self.down_since: float | None = None  # monotonic time of the first error of an outage
@@ -146,9 +150,14 @@ class Monitor:
                                    "older one: %s", p, v, exc)  # fmt: skip
         return None
 
-    def learners(self) -> dict[str, str]:
-        """The run's learners: the spec's, and those joiners added (``diloco join``); the
-        last ones read on a storage error."""
+    def learners(self, fresh: bool = False) -> dict[str, str]:
+        """The run's learners: the spec's, and those joiners added (``diloco join``), read
+        at most every ``MEMBERS_EVERY`` seconds (``fresh``: now); the last ones read on a
+        storage error."""
+        now = self.clock()
+        if not fresh and now - self._learners_read < MEMBERS_EVERY:
+            return self._learners
+        self._learners_read = now
         try:
             self._learners = self.store.run_learners(self.spec).regions
         except Exception as exc:

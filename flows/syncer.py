@@ -39,7 +39,7 @@ from diloco.topology import shard_fragments, syncer_id
 from flows.bucket_io import BucketStore
 from flows.ledger import SilentReleases, UnitOffers
 from flows.observe import artifact_key, run_logger, tag_flow_run, worker_tags
-from flows.pace import Pace
+from flows.pace import MEMBERS_EVERY, Pace
 from flows.run import absence, bucket_store, config_from_spec, worker_done
 from storage_layout.auth import RUN_SECRET_ENV, UNAUTHENTICATED, record_verifies
 from storage_layout.retention import ORPHAN_AGE, collect_garbage
@@ -177,7 +177,7 @@ class PipelineSyncerTransport:
         and one the launcher gave up. A status that cannot be read leaves its learner
         counted: a storage hiccup drops nobody."""
         now = self.clock()
-        if now - self._members_read < 5.0:
+        if now - self._members_read < MEMBERS_EVERY:
             return self._members
         self._members_read = now
         self._admit()
@@ -222,8 +222,9 @@ class PipelineSyncerTransport:
             for lid, record in found.added.items():
                 if lid not in self.store.learners:
                     self.store.learners[lid] = region
-                    self.log.warning("learner %s was added to the run in %s (host %s)", lid,
-                                     region, record.get("host"))  # fmt: skip
+                    # (the loop says that it is admitted; `diloco inspect` shows its host)
+                    self.log.debug("learner %s was added to the run in %s (host %s)", lid,
+                                   region, record.get("host"))  # fmt: skip
 
     def _note_join(self, learner: str, region: str) -> None:
         """Log who took ``learner``'s slot by ``diloco join`` (its newest join record),

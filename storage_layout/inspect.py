@@ -83,9 +83,12 @@ def inspect_run(
     found = store.run_learners(spec, regions=reachable)  # with those joiners added
     learners = found.regions
     out["problems"] += [f"a learner added to the run is refused: {p}" for p in found.refused]
+    added = {
+        lid: {"added": True, "host": str(r.get("host") or "?")} for lid, r in found.added.items()
+    }
     out["learners"] = [
         _learner_row(store, learner, region, fragments, newest, region in reachable)
-        | ({"added": True} if learner in found.added else {})
+        | added.get(learner, {})
         for learner, region in sorted(learners.items())
     ]
     out["traffic"] = _traffic(store, reachable, out["problems"])

@@ -200,7 +200,7 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
                  REGION, "--pipeline", '{"round_steps": 20, "poll_seconds": 0.05}'],
                 stdout=out, stderr=subprocess.STDOUT, env=env)  # fmt: skip
         _wait(lambda: _sent(store, "learner-3"), 600, "the added learner's first send", proc)
-        _wait(lambda: "learner learner-3 was added to the run" in syncer_log.read_text(), 600,
+        _wait(lambda: "learner learner-3 is admitted" in syncer_log.read_text(), 600,
               "the syncer's note of the learner added", proc)  # fmt: skip
         while paused:
             os.kill(paused.pop(), signal.SIGCONT)

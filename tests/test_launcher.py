@@ -30,6 +30,7 @@ from diloco.config import load_config
 from flows import run_lock
 from flows.launcher import _watch
 from flows.monitor import Monitor
+from flows.pace import MEMBERS_EVERY
 from flows.run import initialize_run
 from flows.run_lock import RunLock, RunLocked
 from flows.supervision import stop_predecessors
@@ -503,3 +504,29 @@ def test_the_launch_config_is_validated_once_and_overrides_are_laid_over_it():
     assert launch_config(None, "small", ["topology.tau=1"]).topology.inner_steps == 40
     with pytest.raises(ConfigError, match=r"topology\.tau"):
         launch_config(cfg, overrides=["topology.tau=soon"])
+
+
+def test_the_monitor_reads_the_members_at_most_every_few_seconds_and_at_the_end(tmp_path):
+    """Each look at the statuses (a live display: every second) LISTed ``members/`` in
+    every region; the members change only when a joiner adds one, so they are read at
+    most every ``MEMBERS_EVERY`` seconds of the monitor's clock, and once more, fresh,
+    for the run's summary (a learner added at the end is in it)."""
+    store = _lock_run(tmp_path, "paced")
+    cfg = load_config("tiny", overrides=["budget.tokens=20000"])
+    now, reads = [0.0], []
+    listed = store.run_learners
+    store.run_learners = lambda *a, **k: reads.append(now[0]) or listed(*a, **k)
+    monitor = Monitor(store, cfg, store.read_spec(), clock=lambda: now[0])  # (reads them)
+    spec_learners = set(store.read_spec()["learners"])
+    added = f"learner-{len(spec_learners)}"  # the id us-east adds first
+    assert set(monitor.statuses()) == spec_learners
+    assert store.put_member(added, {"learner": added, "region": "us-east"}, None)
+    for t in (1.0, 2.0, MEMBERS_EVERY - 0.5):
+        now[0] = t
+        assert set(monitor.statuses()) == spec_learners  # not looked at again yet
+    assert reads == [0.0]
+    now[0] = MEMBERS_EVERY
+    assert set(monitor.statuses()) == spec_learners | {added}
+    assert reads == [0.0, MEMBERS_EVERY]
+    monitor.learners(fresh=True)
+    assert reads == [0.0, MEMBERS_EVERY, MEMBERS_EVERY]

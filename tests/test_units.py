@@ -300,8 +300,8 @@ def test_a_simulated_run_adds_learners_beyond_its_slots_and_merges_their_work(pr
     for lid in ("learner-4", "learner-5"):
         assert report.learners[lid]["added"] and report.learners[lid]["tokens"]["merged"] > 0
     (shown,) = inspect_bucket(regions["eu"], run="g")["runs"]
-    assert {row["learner"] for row in shown["learners"] if row.get("added")} == {
-        "learner-4", "learner-5"}  # fmt: skip
+    assert {row["learner"]: row["host"] for row in shown["learners"] if row.get("added")} == {
+        "learner-4": "simulator", "learner-5": "simulator"}  # fmt: skip
     assert len(shown["learners"]) == 6
 
 
