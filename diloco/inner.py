@@ -216,8 +216,9 @@ class InnerTrainer:
             return jax.device_put(value, sharding)
         if _is_boxes(value):
             return to_device(value, sharding)  # ``Boxes``: read where it is placed
-        host = np.asarray(value)
-        return to_device(host.astype(jax.dtypes.canonicalize_dtype(host.dtype)), sharding)
+        host = np.asarray(value)  # (a copy only where JAX's dtype differs: float64)
+        dtype = jax.dtypes.canonicalize_dtype(host.dtype)
+        return to_device(host.astype(dtype, copy=False), sharding)
 
     def place_params(self, flat: Mapping[str, np.ndarray]) -> JaxParams:
         """Host arrays -> sharded device arrays (all tensors, or a fragment's subset; any

@@ -79,11 +79,13 @@ def quantize(x: np.ndarray, kind: str, block_size: int = 128) -> QuantizedTensor
     return QuantizedTensor(kind, shape, packed, scales.astype(np.float32), block_size)
 
 
-def dequantize(q: QuantizedTensor) -> np.ndarray:
-    """Back to float32 of the original shape."""
+def dequantize(q: QuantizedTensor, owned: bool = False) -> np.ndarray:
+    """Back to float32 of the original shape: a new array, or, ``owned`` (``q`` is the
+    caller's to give away: a tensor just read from storage), an fp32 tensor's own data,
+    not copied (a restore held one more copy of its largest leaf)."""
     n = q.size
     if q.kind == "fp32":
-        return q.data.astype(np.float32).reshape(q.shape)
+        return q.data.astype(np.float32, copy=not owned).reshape(q.shape)
     if q.kind == "bf16":
         return q.data.view(ml_dtypes.bfloat16).astype(np.float32).reshape(q.shape)
     if q.kind == "int8":

@@ -92,7 +92,8 @@ class ReaderTensors:
         return self._shapes
 
     def piece(self, name: str, start: int, stop: int) -> np.ndarray:
-        return dequantize(self.reader.read(self.gname, self.names[name], start, stop)).reshape(-1)
+        q = self.reader.read(self.gname, self.names[name], start, stop)  # (read here: ours)
+        return dequantize(q, owned=True).reshape(-1)
 
 
 class ReaderPayload:

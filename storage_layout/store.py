@@ -1421,7 +1421,7 @@ def decoded_each(
     lie in the group (``VersionReader.each``): the caller holds one at a time."""
     with _named_damage(key):
         for name, q in (reader or VersionReader(bucket, marker, key)).each(group):
-            yield name, dequantize(q)
+            yield name, dequantize(q, owned=True)  # (read here: ours to give away)
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import logging
 import math
 import os
@@ -527,7 +528,9 @@ class VersionReader:
         # piece of a tensor read in order starts in the last one.
         last = (stop - 1) // arr.chunk
         keep = {}
-        for i, values in [*self._arrived(arr, arrived), *self._fetch_chunks(arr, missing)]:
+        # (one chunk at a time as it comes: a list of them held every chunk of the range)
+        for i, values in itertools.chain(self._arrived(arr, arrived),
+                                         self._fetch_chunks(arr, missing)):  # fmt: skip
             place(i, values)
             if i > last - self.cache:
                 keep[i] = values

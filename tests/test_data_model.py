@@ -127,3 +127,57 @@ def test_train_step_sharded_over_two_devices_and_loss_falls(corpus):
     assert trainer.evaluate(params, val) < before - 1.0
     with pytest.raises(ValueError, match="does not split over 2 devices"):
         trainer.place_batch(np.zeros((3, 9), np.int32))
+
+
+def test_placing_a_tensor_on_the_devices_makes_no_host_copy_of_it():
+    """A restored checkpoint's leaf, a global version's tensor: each is placed from the
+    host array it was read into, with no second host copy (an ``astype`` that copied
+    even to the same dtype held one more largest-leaf on the host of every restore)."""
+    import tracemalloc
+
+    cfg = load_config("tiny")
+    codec, _ = ParamCodec.create(cfg.model, 0)
+    leaf = np.arange(4096 * 1024, dtype=np.float32).reshape(4096, 1024)  # 16 MiB
+    for devices in (1, 2):
+        trainer = InnerTrainer(codec, cfg.inner, 100, jax.devices()[:devices])
+        trainer.place(leaf[:8])  # (what the first call sets up is not the leaf's)
+        tracemalloc.start()
+        try:
+            placed = trainer.place(leaf)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < leaf.nbytes / 4, (devices, peak)
+        np.testing.assert_array_equal(np.asarray(placed), leaf)
+
+
+def test_a_restored_leaf_is_held_once_on_the_host_beside_the_chunks_in_flight(tmp_path):
+    """A checkpoint's leaf is read, decoded and placed with one host copy of it and the
+    chunks fetched at once (``PARALLEL``, and the one being placed and the one kept), not
+    more: the chunks of a range were all held before the first was placed, the float32
+    decode of an fp32 leaf copied it, and placing it copied it again."""
+    import tracemalloc
+
+    from flows.bucket_io import leaf_names, read_checkpoint
+    from storage_layout.codec import CHUNK
+    from storage_layout.store import RunStore
+    from storage_layout.stream import PARALLEL
+
+    cfg = load_config("tiny")
+    codec, _ = ParamCodec.create(cfg.model, 0)
+    trainer = InnerTrainer(codec, cfg.inner, 100, jax.devices()[:1])
+    side = 4096  # 64 MiB: 16 chunks of 4 MiB, twice as many as are fetched at once
+    template = {"w": jax.numpy.zeros((side, side), np.float32)}
+    (name,) = leaf_names(template)
+    leaf = np.arange(side * side, dtype=np.float32).reshape(side, side)
+    store = RunStore("r", {"us": f"file://{tmp_path}"}, "us")
+    store.put_checkpoint("l0", 1, {"opt": {name: leaf}}, {})
+    tracemalloc.start()
+    try:
+        state, _ = read_checkpoint(store, "l0", 1, template, trainer.place_params)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert leaf.size >= 2 * PARALLEL * CHUNK
+    assert peak < leaf.nbytes + (PARALLEL + 4) * CHUNK * 4, peak / leaf.nbytes
+    np.testing.assert_array_equal(np.asarray(state["w"]), leaf)
