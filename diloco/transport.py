@@ -34,7 +34,8 @@ from diloco.units import MemoryLedger, UnitLedger, UnitPlan
 
 # What a version's tensors are gathered into as they come, ``(name, float32 values)`` one
 # at a time: a dict by default; a learner's pipeline keeps them in a local file instead
-# (``storage_layout.spill``), so it never holds a whole fragment.
+# (``storage_layout.spill``), so it never holds a whole fragment (from a bucket the values
+# come in pieces, ``storage_layout.store.TensorPieces``: nor a whole tensor).
 Collect = Callable[[Iterator[tuple[str, np.ndarray]]], FlatParams]
 
 

@@ -40,17 +40,26 @@ class SpilledParams(Mapping[str, np.ndarray]):
     @classmethod
     def write(cls, path: str, items: Items) -> SpilledParams:
         """Each ``(name, values)`` appended as float32 in the order given, one at a time
-        (what is held is the one being written). On any failure the partial file is
-        removed; a full disk is named, with what to do about it."""
+        (what is held is the one being written, or, for values read in pieces, such as
+        ``store.TensorPieces``, with ``shape`` and ``pieces()``, the piece being written).
+        On any failure the partial file is removed; a full disk is named, with what to do
+        about it."""
         index, offset = {}, 0
         try:
             with open(path, "wb") as f:
                 for name, values in items:
-                    a = np.ascontiguousarray(values, dtype=np.float32)
-                    f.write(memoryview(a.reshape(-1)).cast("B"))
-                    index[name] = (offset, tuple(a.shape))
-                    offset += a.size
-                    del a
+                    shape = tuple(np.shape(values))
+                    pieces = values.pieces() if hasattr(values, "pieces") else [values]
+                    size = 0
+                    for piece in pieces:
+                        a = np.ascontiguousarray(piece, dtype=np.float32).reshape(-1)
+                        f.write(memoryview(a).cast("B"))
+                        size += a.size
+                        del a
+                    if size != math.prod(shape):
+                        raise ValueError(f"{name}: {size} values in its pieces, not {shape}")
+                    index[name] = (offset, shape)
+                    offset += size
         except BaseException as exc:
             _remove(path)
             if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:

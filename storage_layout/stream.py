@@ -485,6 +485,12 @@ class VersionReader:
         got = dict(self.each(gname))
         return {name: got[name] for name in self.index(gname)}
 
+    def in_order(self, gname: str) -> list[str]:
+        """Group ``gname``'s tensors in the order they lie in its arrays (what read ahead
+        fetches next)."""
+        index = self._group(gname).tensors
+        return sorted(index, key=lambda n: index[n].data[0])
+
     def each(self, gname: str) -> Iterator[tuple[str, QuantizedTensor]]:
         """(name, tensor) of every tensor of group ``gname``, whole and shaped, in the
         order they lie in the group's arrays. Each read fetches the ``parallel`` chunks
@@ -494,7 +500,7 @@ class VersionReader:
         index = self._group(gname).tensors
         ahead, self.ahead = self.ahead, max(self.ahead, self.parallel)
         try:
-            for name in sorted(index, key=lambda n: index[n].data[0]):
+            for name in self.in_order(gname):
                 got = self.read(gname, name)
                 yield name, dataclasses.replace(got, shape=index[name].info.shape)
         finally:

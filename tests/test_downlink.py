@@ -247,3 +247,37 @@ def test_a_version_that_cannot_be_held_in_a_local_file_leaves_no_part_and_a_full
         SpilledParams.write(str(path), values(OSError(errno.ENOSPC, "No space left on device")))
     assert err.value.errno == errno.ENOSPC and str(tmp_path) in str(err.value)
     assert not path.exists()
+
+
+def test_a_learner_takes_a_version_into_its_file_a_piece_of_a_tensor_at_a_time(
+    tmp_path, monkeypatch
+):
+    """A learner's download of a global version into its spill file holds a piece of a
+    tensor at a time (``store.TensorPieces``: ``PIECE_VALUES`` values, their bf16 read and
+    float32 decode) and the chunks in flight, not the tensor: its whole bf16 read beside
+    its whole float32 decode held 1.6 times its float32 size. The file holds the version
+    bit for bit."""
+    import ml_dtypes
+
+    import storage_layout.store as store_module
+    from storage_layout.codec import CHUNK
+    from storage_layout.stream import PARALLEL
+
+    monkeypatch.setattr(store_module, "PIECE_VALUES", CHUNK)  # 16 pieces of the tensor
+    (tmp_path / "b").mkdir()
+    w = np.arange(4096 * 4096, dtype=np.float32).reshape(4096, 4096) / 7  # 64 MiB
+    store = RunStore("r", {"us": f"file://{tmp_path / 'b'}"}, "us")
+    store.publish_global(0, 1, {"w": w, "b": np.ones(5, np.float32)}, [], {}, "bf16")
+    tracemalloc.start()
+    try:
+        state = store.get_global(0, 1, learner_view=True,
+                                 collect=SpillFolder(str(tmp_path))(0, 1))  # fmt: skip
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # a piece's bf16 and float32 (6 bytes a value), and bf16 chunks read ahead and in flight
+    assert peak < 6 * CHUNK + 2 * 2 * PARALLEL * CHUNK + (4 << 20), peak / w.nbytes
+    assert isinstance(state.params, SpilledParams)
+    want = w.astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(state.params["w"]), want)
+    np.testing.assert_array_equal(np.asarray(state.params["b"]), np.ones(5, np.float32))
