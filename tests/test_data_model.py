@@ -1,3 +1,5 @@
+import math
+
 import jax
 import numpy as np
 import optax
@@ -153,8 +155,7 @@ def test_placing_a_tensor_on_the_devices_makes_no_host_copy_of_it():
 
 def test_a_restored_leaf_is_held_once_on_the_host_beside_the_chunks_in_flight(tmp_path):
     """A checkpoint's leaf is read, decoded and placed with one host copy of it and the
-    chunks fetched at once (``PARALLEL``, and the one being placed and the one kept), not
-    more: the chunks of a range were all held before the first was placed, the float32
+    chunks fetched at once (``PARALLEL``), not more: the chunks of a range were all held before the first was placed, the float32
     decode of an fp32 leaf copied it, and placing it copied it again."""
     import tracemalloc
 
@@ -166,10 +167,10 @@ def test_a_restored_leaf_is_held_once_on_the_host_beside_the_chunks_in_flight(tm
     cfg = load_config("tiny")
     codec, _ = ParamCodec.create(cfg.model, 0)
     trainer = InnerTrainer(codec, cfg.inner, 100, jax.devices()[:1])
-    side = 4096  # 64 MiB: 16 chunks of 4 MiB, twice as many as are fetched at once
-    template = {"w": jax.numpy.zeros((side, side), np.float32)}
+    shape = (8192, 4096)  # 128 MiB: 32 chunks of 4 MiB, four times as many as fetched at once
+    template = {"w": jax.numpy.zeros(shape, np.float32)}
     (name,) = leaf_names(template)
-    leaf = np.arange(side * side, dtype=np.float32).reshape(side, side)
+    leaf = np.arange(math.prod(shape), dtype=np.float32).reshape(shape)
     store = RunStore("r", {"us": f"file://{tmp_path}"}, "us")
     store.put_checkpoint("l0", 1, {"opt": {name: leaf}}, {})
     tracemalloc.start()
@@ -178,6 +179,9 @@ def test_a_restored_leaf_is_held_once_on_the_host_beside_the_chunks_in_flight(tm
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert leaf.size >= 2 * PARALLEL * CHUNK
-    assert peak < leaf.nbytes + (PARALLEL + 4) * CHUNK * 4, peak / leaf.nbytes
+    # Each chunk in flight may be held twice while it is read (the file's bytes, then the
+    # object's), and the thread pool's timing decides how many overlap: at most the
+    # leaf and 2 x PARALLEL chunks and a few, against twice the leaf before.
+    assert leaf.size >= 4 * PARALLEL * CHUNK
+    assert peak < leaf.nbytes + (2 * PARALLEL + 4) * CHUNK * 4, peak / leaf.nbytes
     np.testing.assert_array_equal(np.asarray(state["w"]), leaf)
