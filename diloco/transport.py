@@ -15,6 +15,8 @@ they take to travel.
 
 from __future__ import annotations
 
+import logging
+import math
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,11 +28,28 @@ from diloco.config import SimConfig
 from diloco.learner import LearnerCheckpoint
 from diloco.loops import Clock, GlobalView, StoredFragment, Unreadable
 from diloco.outer import Contribution, FlatParams
-from diloco.quantize import QuantizedTensor, dequantize, payload_bytes, quantize
+from diloco.quantize import (
+    Pieces,
+    QuantizedTensor,
+    dequantize,
+    payload_bytes,
+    piece_step,
+    quantize,
+)
 from diloco.records import Record
 from diloco.syncer import GlobalVersion
-from diloco.tensors import full_bytes, sizes
+from diloco.tensors import (
+    Payload,
+    TensorMeta,
+    Tensors,
+    as_tensors,
+    full_bytes,
+    payload_view,
+    sizes,
+)
 from diloco.units import MemoryLedger, UnitLedger, UnitPlan
+
+log = logging.getLogger(__name__)
 
 # What a version's tensors are gathered into as they come, ``(name, float32 values)`` one
 # at a time: a dict by default; a learner's pipeline keeps them in a local file instead
@@ -99,7 +118,7 @@ class GlobalDelta:
 
     version: int
     base: int
-    delta: Delta
+    delta: Payload | Delta  # read a piece at a time (``Payload``) or held (the simulator)
     meta: Mapping[str, Any]
 
 
@@ -130,16 +149,46 @@ def downlink_piece(
     return learners_copy(base, delta, wire_dtype), delta
 
 
+class UpdatedTensor(Pieces):
+    """Tensor ``name`` of a version, the learners' copy of its base plus the compact
+    update (``learners_copy``), made a piece at a time (``diloco.quantize.Pieces``): the
+    base's piece, the update's piece as stored, and their sum in float32."""
+
+    def __init__(self, base: Tensors, update: Payload, name: str, meta: TensorMeta,
+                 wire_dtype: str):  # fmt: skip
+        self.base, self.update, self.name, self.wire_dtype = base, update, name, wire_dtype
+        self.shape, self.step = meta.shape, piece_step(meta.block_size)
+
+    def pieces(self) -> Iterator[np.ndarray]:
+        n = math.prod(self.shape)
+        for a in range(0, n, self.step):
+            b = min(n, a + self.step)
+            piece = self.base.piece(self.name, a, b)
+            copy = learners_copy(piece, self.update.read(self.name, a, b), self.wire_dtype)
+            yield dequantize(copy, owned=True).reshape(-1)
+
+
 def apply_delta(
-    wire: FlatParams,
-    delta: Delta,
+    wire: Tensors | FlatParams,
+    delta: Payload | Delta,
     wire_dtype: str,
-    collect: Collect = dict,
+    collect: Collect | None = None,
 ) -> FlatParams:
-    """The learners' copy of a version from their copy of its base and the compact
-    update (``learners_copy``, tensor by tensor), in float32, each tensor handed to
-    ``collect`` as it is made."""
-    return collect((n, dequantize(learners_copy(wire[n], delta[n], wire_dtype))) for n in wire)
+    """The learners' copy of a version from their copy of its base and the compact update
+    (``learners_copy``), in float32: each tensor handed to ``collect`` as it is made, a
+    piece at a time (``UpdatedTensor``: a learner's spill file writes it without holding
+    it), in the order the update's tensors lie; without ``collect``, whole arrays. An
+    update whose tensors are not the base's (names or shapes) is a ``ValueError``."""
+    base, update = as_tensors(wire), payload_view(delta)
+    index = update.index()
+    shapes = {n: tuple(s) for n, s in base.shapes.items()}
+    if shapes != {n: tuple(m.shape) for n, m in index.items()}:
+        theirs = {n: tuple(m.shape) for n, m in index.items()}
+        raise ValueError(f"the update's tensors {theirs} are not the held version's {shapes}")
+    items = ((n, UpdatedTensor(base, update, n, m, wire_dtype)) for n, m in index.items())
+    if collect is None:
+        return {n: np.asarray(t) for n, t in items}
+    return collect(items)
 
 
 def downlink_update(
@@ -155,8 +204,10 @@ def downlink_update(
     return {n: dequantize(w) for n, (w, _) in out.items()}, {n: d for n, (_, d) in out.items()}
 
 
-def delta_bytes(delta: Delta) -> int:
-    return sum(q.nbytes for q in delta.values())
+def delta_bytes(delta: Payload | Delta) -> int:
+    """The bytes of a compact update as stored (its values are not read)."""
+    index = payload_view(delta).index().values()
+    return sum(payload_bytes(m.size, m.kind, m.block_size) for m in index)
 
 
 class MemoryStore:
@@ -312,15 +363,17 @@ class StoreLearnerView:
             return None
         moved, view = 0, held
         for v in range(held.version + 1, version + 1):
+            collect = None if self.keep is None else self.keep(held.fragment, v)
             try:
                 d = store.read_delta(self.learner, held.fragment, v)
-            except (ValueError, LookupError, FileNotFoundError):  # corrupt or gone: whole
-                return None
-            if d is None or d.base != view.version:
+                if d is None or d.base != view.version:
+                    return None
+                params = apply_delta(view.params, d.delta, store.wire_dtype, collect)
+            except (ValueError, LookupError, FileNotFoundError) as exc:  # corrupt or gone
+                log.warning("fragment %d version %d: reading it whole, as its update "
+                            "cannot be applied: %s", held.fragment, v, exc)  # fmt: skip
                 return None
             moved += delta_bytes(d.delta)
-            collect = dict if self.keep is None else self.keep(held.fragment, v)
-            params = apply_delta(view.params, d.delta, store.wire_dtype, collect)
             view = GlobalView(held.fragment, v, params, d.meta, moved)
         return view
 

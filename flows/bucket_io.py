@@ -728,7 +728,10 @@ class BucketStore:
 
     def read_delta(self, learner: str, fragment: int, version: int) -> GlobalDelta | None:
         got = self.writer_for(learner).get_global_delta(fragment, version)
-        return None if got is None else GlobalDelta(version, *got)
+        if got is None:
+            return None
+        base, reader, meta = got
+        return GlobalDelta(version, base, ReaderPayload(reader, "delta"), meta)
 
     # syncer side ----------------------------------------------------------------------
     def contributions(

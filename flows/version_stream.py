@@ -97,14 +97,18 @@ class ReaderTensors:
 
 
 class ReaderPayload:
-    """A contribution's ``delta`` group as a ``diloco.tensors.Payload``."""
+    """A version's group of quantized tensors (a contribution's, a global version's
+    compact update: ``delta``) as a ``diloco.tensors.Payload``."""
 
     def __init__(self, reader: VersionReader, gname: str = "delta"):
         self.reader, self.gname = reader, gname
 
     def index(self) -> dict[str, TensorMeta]:
-        return {n: TensorMeta(i.kind, tuple(i.shape), i.block_size)
-                for n, i in self.reader.index(self.gname).items()}  # fmt: skip
+        """Tensor by tensor, in the order they lie in the group (what read ahead fetches
+        next)."""
+        index = self.reader.index(self.gname)
+        return {n: TensorMeta(index[n].kind, tuple(index[n].shape), index[n].block_size)
+                for n in self.reader.in_order(self.gname)}  # fmt: skip
 
     def read(self, name: str, start: int, stop: int) -> QuantizedTensor:
         return self.reader.read(self.gname, name, start, stop)

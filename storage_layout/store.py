@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from diloco.quantize import QuantizedTensor, dequantize, quantize
+from diloco.quantize import Pieces, QuantizedTensor, dequantize, piece_step, quantize
 from diloco.topology import learner_index, learner_region
 from storage_layout.auth import (
     SecretMismatch,
@@ -1079,20 +1079,25 @@ class RunStore:
 
     def get_global_delta(
         self, fragment: int, version: int, region: str | None = None
-    ) -> tuple[int, dict[str, QuantizedTensor], dict] | None:
-        """A version's compact update as learners read it: (the version it applies to, the
-        quantized tensors, the marker's meta), verified; None if it was published whole
-        only."""
+    ) -> tuple[int, VersionReader, dict] | None:
+        """A version's compact update as learners read it: (the version it applies to, a
+        reader of its ``delta`` group, the marker's meta); None if it was published whole
+        only. The marker and the group's index are checked here; the values are read (and
+        each chunk checked) as the caller asks for them, a range at a time, the next chunks
+        read ahead meanwhile."""
         bucket = self.bucket(region or self.client_region)
         key = self.layout.global_marker(fragment, version)
         marker = read_marker(bucket, key)
         if "delta/zarr.json" not in marker.objects or "delta_base" not in marker.meta:
             return None
-        delta = read_groups(bucket, marker, key, ("delta",))["delta"]
-        try:
-            return int(marker.meta["delta_base"]), delta, dict(marker.meta)
-        except (KeyError, ValueError, TypeError) as exc:
-            raise CorruptVersion(f"{key}: {exc}") from exc
+        with _named_damage(key):
+            reader = VersionReader(bucket, marker, key)
+            reader.index("delta")
+            reader.ahead = max(reader.ahead, reader.parallel)
+            base = marker.meta["delta_base"]
+            if not isinstance(base, int) or isinstance(base, bool):
+                raise ValueError(f"delta_base is {base!r}, not a version number")
+        return base, reader, dict(marker.meta)
 
     def point_latest(self, region: str, fragment: int, version: int, write_id: str) -> None:
         """Overwrite the advisory ``globals/f{P}/latest.json`` in ``region`` after ``version``
@@ -1427,25 +1432,15 @@ def decoded_each(
             yield name, dequantize(q, owned=True)  # (read here: ours to give away)
 
 
-# Values of a tensor read and decoded at a time when a learner takes a version into its
-# spill file (``TensorPieces``): 32 MiB of float32, the chunks one whole-tensor read
-# fetches at once (``PARALLEL`` x ``codec.CHUNK``).
-PIECE_VALUES = 8 << 20
-
-
-class TensorPieces:
+class TensorPieces(Pieces):
     """Tensor ``name`` of group ``group`` of a version, read and decoded to float32 a
-    piece of at most ``PIECE_VALUES`` at a time: a whole tensor's read and its float32
-    decode held 1.5 (bf16) to 2 times it at once, 3.8 GB for a 12 B model's embedding.
-    ``shape``; ``pieces()`` gives its flat float32 pieces in order; ``np.asarray`` reads
-    it whole. A damaged object is ``CorruptVersion`` naming the version's key."""
+    piece of at most ``PIECE_VALUES`` at a time (``diloco.quantize.Pieces``). A damaged
+    object is ``CorruptVersion`` naming the version's key."""
 
     def __init__(self, reader: VersionReader, key: str, group: str, name: str,
                  shape: tuple[int, ...], block: int):  # fmt: skip
         self.reader, self.key, self.group, self.name = reader, key, group, name
-        self.shape, self.dtype = shape, np.dtype(np.float32)
-        step = math.lcm(max(block, 1), 2)  # a range starts on a block (and an int4 byte)
-        self.step = max(step, PIECE_VALUES // step * step)
+        self.shape, self.step = shape, piece_step(block)
 
     def pieces(self) -> Iterator[np.ndarray]:
         n = math.prod(self.shape)
@@ -1453,14 +1448,6 @@ class TensorPieces:
             for start in range(0, n, self.step):
                 q = self.reader.read(self.group, self.name, start, min(n, start + self.step))
                 yield dequantize(q, owned=True).reshape(-1)  # (read here: ours)
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        out = np.empty(math.prod(self.shape), np.float32)
-        at = 0
-        for piece in self.pieces():
-            out[at : at + piece.size] = piece
-            at += piece.size
-        return out.reshape(self.shape) if dtype is None else out.reshape(self.shape).astype(dtype)
 
 
 def decoded_pieces(

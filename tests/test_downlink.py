@@ -259,11 +259,11 @@ def test_a_learner_takes_a_version_into_its_file_a_piece_of_a_tensor_at_a_time(
     bit for bit."""
     import ml_dtypes
 
-    import storage_layout.store as store_module
+    import diloco.quantize as quantize_module
     from storage_layout.codec import CHUNK
     from storage_layout.stream import PARALLEL
 
-    monkeypatch.setattr(store_module, "PIECE_VALUES", CHUNK)  # 16 pieces of the tensor
+    monkeypatch.setattr(quantize_module, "PIECE_VALUES", CHUNK)  # 16 pieces of the tensor
     (tmp_path / "b").mkdir()
     w = np.arange(4096 * 4096, dtype=np.float32).reshape(4096, 4096) / 7  # 64 MiB
     store = RunStore("r", {"us": f"file://{tmp_path / 'b'}"}, "us")
@@ -282,3 +282,79 @@ def test_a_learner_takes_a_version_into_its_file_a_piece_of_a_tensor_at_a_time(
     want = w.astype(ml_dtypes.bfloat16).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(state.params["w"]), want)
     np.testing.assert_array_equal(np.asarray(state.params["b"]), np.ones(5, np.float32))
+
+
+def test_a_learner_applies_an_update_into_its_file_a_piece_of_a_tensor_at_a_time(
+    tmp_path, monkeypatch
+):
+    """A learner that holds a version in its spill file and reads the next one as a compact
+    update (``downlink`` int4) makes the new copy a piece at a time (``UpdatedTensor``:
+    the held piece, the update's piece, their sum) with the update's chunks in flight,
+    not the tensor: the update read whole and applied whole held three times the tensor's
+    float32 size. The file holds the bits of the version read whole."""
+    import diloco.quantize as quantize_module
+    from storage_layout.codec import CHUNK
+    from storage_layout.stream import PARALLEL
+
+    monkeypatch.setattr(quantize_module, "PIECE_VALUES", CHUNK)  # 16 pieces of the tensor
+    for folder in ("us", "spill"):
+        (tmp_path / folder).mkdir()
+    regions = {"us": f"file://{tmp_path / 'us'}"}
+    rng = np.random.default_rng(0)
+    before = {"w": rng.normal(0, 0.05, (4096, 4096)).astype(np.float32),  # 64 MiB
+              "b": np.ones(5, np.float32)}  # fmt: skip
+    after = {n: v + rng.normal(0, 2e-3, v.shape).astype(np.float32) for n, v in before.items()}
+    main = RunStore("run", regions, "us", writer="syncer")
+    main.ensure_spec({"learners": {"learner-0": "us"}, "fragments": [sorted(before)]})
+    base, _ = downlink_update(before, None, "bf16", "full", 128)
+    wire, delta = downlink_update(after, base, "bf16", "int4", 128)
+    main.publish_global(0, 0, before, [], {}, "bf16")
+    main.publish_global(0, 1, after, [], {}, "bf16", wire=wire, delta=delta, delta_base=0)
+    del before, after, base, delta
+    learner = BucketStore("run", regions, "us", {"learner-0": "us"}, "bf16", "learner-0",
+                          downlink="int4", block_size=128)  # fmt: skip
+    view = StoreLearnerView(learner, "learner-0", SpillFolder(str(tmp_path / "spill")))
+    view.read(0, 0)
+    tracemalloc.start()
+    try:
+        got = view.read(0, 1)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert got.nbytes is not None and isinstance(got.params, SpilledParams)  # the update
+    # a piece's update, sum and rounding in float32 (a few times 4 bytes a value), and
+    # the update's chunks read ahead and in flight, each held twice at most while read
+    assert peak < 24 * CHUNK + 2 * (2 * PARALLEL * CHUNK) + (4 << 20), peak / (64 << 20)
+    for n in wire:
+        assert got.params[n].tobytes() == wire[n].tobytes()
+
+
+def test_a_damaged_update_is_read_whole_instead_and_leaves_no_part_of_a_file(tmp_path, caplog):
+    """An update whose chunk is damaged fails while it is being applied (its values are
+    read as they are used): the learner reads the version whole instead, says why, and
+    keeps no part of the file it was writing."""
+    for folder in ("us", "spill"):
+        (tmp_path / folder).mkdir()
+    regions = {"us": f"file://{tmp_path / 'us'}"}
+    versions = walk(1)
+    main = RunStore("run", regions, "us", writer="syncer")
+    main.ensure_spec({"learners": {"learner-0": "us"}, "fragments": [list(SHAPES)]})
+    base, _ = downlink_update(versions[0], None, "bf16", "full", 128)
+    wire, delta = downlink_update(versions[1], base, "bf16", "int4", 128)
+    main.publish_global(0, 0, versions[0], [], {}, "bf16")
+    main.publish_global(0, 1, versions[1], [], {}, "bf16", wire=wire, delta=delta, delta_base=0)
+    marker = main.global_marker(0, 1)
+    damaged = next(k for k in marker.objects if k.startswith("delta/data/c/"))
+    path = tmp_path / "us" / marker.data_prefix / damaged
+    path.write_bytes(bytes([path.read_bytes()[0] ^ 1]) + path.read_bytes()[1:])
+    learner = BucketStore("run", regions, "us", {"learner-0": "us"}, "bf16", "learner-0",
+                          downlink="int4", block_size=128)  # fmt: skip
+    view = StoreLearnerView(learner, "learner-0", SpillFolder(str(tmp_path / "spill")))
+    held = view.read(0, 0)
+    got = view.read(0, 1)
+    assert got.nbytes is None and got.version == 1  # read whole
+    assert "reading it whole" in caplog.text and damaged in caplog.text
+    files = sorted(p.name for p in (tmp_path / "spill").iterdir())
+    assert files == sorted(os.path.basename(v.params.path) for v in (held, got))
+    for n in SHAPES:
+        assert got.params[n].tobytes() == wire[n].tobytes()

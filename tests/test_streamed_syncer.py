@@ -88,8 +88,9 @@ def _published(regions) -> dict:
     store = RunStore("r", regions, "us")
     state = store.get_global(0, 1)
     wire = store.get_global(0, 1, region="eu", learner_view=True).params
-    delta = store.get_global_delta(0, 1, region="eu")
-    return {"params": state.params, "opt": state.opt_leaves, "wire": wire, "delta": delta[1]}
+    _, reader, _ = store.get_global_delta(0, 1, region="eu")
+    delta = reader.tensors("delta")
+    return {"params": state.params, "opt": state.opt_leaves, "wire": wire, "delta": delta}
 
 
 def _same_bits(x: dict, y: dict) -> None:
