@@ -145,6 +145,12 @@ def rss_now() -> int:
 
 
 def peak_rss() -> int:
+    """The process's peak resident memory (``VmHWM``: since its start, or since a step
+    reset it, ``/proc/self/clear_refs``, to measure a phase alone)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
 
 
@@ -337,19 +343,29 @@ def step_download(ctx: Ctx) -> dict:
     version = store.newest_version(learner, ctx.fragment)
     if version != ctx.a["version"]:
         raise RuntimeError(f"{learner} sees version {version}, expected {ctx.a['version']}")
+    from diloco.transport import StoreLearnerView
     from storage_layout.spill import SpillFolder
     from storage_layout.stream import process_folder
 
     # As a learner reads it: into its spill folder, a tensor at a time (flows.learner).
     folder = process_folder("global-views")
+    view = StoreLearnerView(store, learner, SpillFolder(folder))
+    through_update = ctx.cfg.topology.downlink != "full"
+    if through_update:  # it holds the version before, and reads the compact update
+        view.read(ctx.fragment, version - 1)
+        Path("/proc/self/clear_refs").write_text("5")  # the peak below is the update's
+        base, downloaded = rss_now(), store.traffic.downloaded
     start = time.perf_counter()
-    view = store.read_global(learner, ctx.fragment, version,
-                             SpillFolder(folder)(ctx.fragment, version))  # fmt: skip
+    got = view.read(ctx.fragment, version)
     seconds = time.perf_counter() - start
-    if sorted(view.params) != sorted(ctx.names):
-        raise RuntimeError(f"version {version} holds {sorted(view.params)[:3]}...")
+    if sorted(got.params) != sorted(ctx.names):
+        raise RuntimeError(f"version {version} holds {sorted(got.params)[:3]}...")
+    if through_update and got.nbytes is None:
+        raise RuntimeError(f"version {version} was read whole, not through its update")
     shutil.rmtree(folder)
-    return {"seconds": seconds, "bytes": store.traffic.downloaded, "rss_imports": base}
+    moved = store.traffic.downloaded - (downloaded if through_update else 0)
+    return {"seconds": seconds, "bytes": moved, "rss_imports": base,
+            "through_update": through_update}  # fmt: skip
 
 
 RAW_BATCH = 32  # objects per fs.pipe / fs.cat call: concurrent on S3, a bounded amount held
@@ -895,7 +911,10 @@ def report(data: dict) -> str:
         "quantized a piece at a time (their making is not counted); a learner's download "
         "(`BucketStore.read_global`) decodes each tensor into a local file as a learner "
         "does (`SpilledParams`, since 82cbde8; before, the fragment decoded whole), so no "
-        "step holds a whole fragment.",
+        "step holds a whole fragment. With `topology.downlink` int4 or int8 the download "
+        "is a learner that holds version 0 (read first, not counted) reading version 1 "
+        "through its compact update; its peak RSS and the RSS in brackets are then from "
+        "the moment version 0 was held (the peak reset, `/proc/self/clear_refs`).",
         *[f"{n}" for n in notes[1:]],
         "",
     ]
