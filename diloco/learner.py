@@ -43,6 +43,14 @@ def _keep_unsent(anchor: jax.Array, current: jax.Array, sent: jax.Array) -> jax.
     return anchor + (current - sent)
 
 
+def compile_apply(value: jax.Array) -> None:
+    """Compile (or load from the JAX cache) what applying a global version runs on a
+    tensor of ``value``'s shape and sharding (the blend, the re-base of ``keep_unsent``),
+    so a learner's first versions do not wait on it (``flows.learner.compile_step``)."""
+    _blend(value, value, np.float32(0.5), np.float32(0.5)).block_until_ready()
+    _keep_unsent(value, value, value).block_until_ready()
+
+
 @dataclass
 class FragmentState:
     """What a learner knows of one fragment since it last received a global version."""

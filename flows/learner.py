@@ -38,7 +38,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from diloco import hosts, records
-from diloco.learner import LearnerCheckpoint
+from diloco.learner import LearnerCheckpoint, compile_apply
 from diloco.loops import Clock, GlobalView, LearnerLoop, WallClock, drive
 from diloco.outer import Contribution
 from diloco.quantize_device import outer_gradient
@@ -406,12 +406,13 @@ _COMPILING = threading.Lock()  # a spare's warm-up and the learner it becomes co
 
 
 def compile_step(model: Any, cfg: Any) -> None:
-    """Run ``model``'s train step once on zeros, and its send (the quantized outer
-    gradient of each tensor shape): both are compiled (or loaded from the JAX cache) for
-    this process; later calls of the same shapes reuse them. Otherwise a learner's first
-    sends wait on their compilation, seconds in which the run's versions move on: a
-    joiner's first contributions came out too stale to merge. One at a time: a second
-    call waits for the first and then finds them compiled."""
+    """Run ``model``'s train step once on zeros, its send (the quantized outer gradient
+    of each tensor shape) and its apply (``diloco.learner.compile_apply``): all are
+    compiled (or loaded from the JAX cache) for this process; later calls of the same
+    shapes reuse them. Otherwise a learner's first sends wait on their compilation,
+    seconds in which the run's versions move on: a joiner's first contributions came out
+    too stale to merge. One at a time: a second call waits for the first and then finds
+    them compiled."""
     trainer = model.trainer
     top = cfg.topology
     with _COMPILING:
@@ -422,6 +423,7 @@ def compile_step(model: Any, cfg: Any) -> None:
         for value in params.values():
             shapes.setdefault((value.shape, value.sharding), value)
         for value in shapes.values():
+            compile_apply(value)
             carries = (None, value) if top.error_feedback else (None,)
             for carry in carries:  # the first send has none, the later ones their residual
                 got = outer_gradient(value, value, carry, top.quantization, top.block_size)

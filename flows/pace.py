@@ -23,6 +23,11 @@ PACE_FROM, PACE_MOST = 1.0, 5.0
 # change when a learner is added by a joiner, rarely: a syncer and the launcher's monitor
 # read them at most this often.
 MEMBERS_EVERY = PACE_MOST
+# Between those looks a syncer LISTs ``members/`` alone (no status is read) this often,
+# so a learner a joiner adds waits at most this long to be admitted, not a whole
+# ``MEMBERS_EVERY``: on short rounds (``tiny``: half a second) that wait was most of the
+# time from a join to its first merged contribution (``bench/elastic``).
+ADMIT_EVERY = PACE_FROM
 
 
 class Pace:

@@ -39,7 +39,7 @@ from diloco.topology import shard_fragments, syncer_id
 from flows.bucket_io import BucketStore
 from flows.ledger import SilentReleases, UnitOffers
 from flows.observe import artifact_key, run_logger, tag_flow_run, worker_tags
-from flows.pace import MEMBERS_EVERY, Pace
+from flows.pace import ADMIT_EVERY, MEMBERS_EVERY, Pace
 from flows.run import absence, bucket_store, config_from_spec, worker_done
 from storage_layout.auth import RUN_SECRET_ENV, UNAUTHENTICATED, record_verifies
 from storage_layout.retention import ORPHAN_AGE, collect_garbage
@@ -63,7 +63,7 @@ class PipelineSyncerTransport:
         self.store, self.fragments = store, fragments
         self.member_timeout = member_timeout
         self._members: list[str] = list(store.learners)
-        self._members_read = -math.inf
+        self._members_read = self._admitted_read = -math.inf
         self._joined: dict[str, int] = {}  # the newest join record seen, per learner
         self._heard: dict[str, tuple[Any, float]] = {}  # learner -> (its status, first seen)
         # Set by the runtime with data.assign = "units": gives back a silent one's data.
@@ -171,16 +171,20 @@ class PipelineSyncerTransport:
 
     def members(self) -> list[str]:
         """The learners counted towards the quorum (``member_quorum``), read at most every
-        5 s: all of the run's but one whose status says it was preempted, one whose status
-        has not changed for ``pipeline.member_timeout`` seconds of this syncer's clock (no
-        clock of another machine is compared; a done learner stays counted, as before),
-        and one the launcher gave up. A status that cannot be read leaves its learner
-        counted: a storage hiccup drops nobody."""
+        ``MEMBERS_EVERY`` (5 s): all of the run's but one whose status says it was
+        preempted, one whose status has not changed for ``pipeline.member_timeout``
+        seconds of this syncer's clock (no clock of another machine is compared; a done
+        learner stays counted, as before), and one the launcher gave up. A status that
+        cannot be read leaves its learner counted: a storage hiccup drops nobody. Between
+        those reads, the learners joiners added are looked for every ``ADMIT_EVERY``
+        (1 s): one that is found makes the read now."""
         now = self.clock()
         if now - self._members_read < MEMBERS_EVERY:
-            return self._members
+            if now - self._admitted_read < ADMIT_EVERY or not self._admit(now):
+                return self._members
+        else:
+            self._admit(now)
         self._members_read = now
-        self._admit()
         members = []
         for learner, region in self.store.learners.items():
             gone = self._gone(learner, region, now)
@@ -202,13 +206,14 @@ class PipelineSyncerTransport:
             self.offers.tend(members)
         return members
 
-    def _admit(self) -> None:
+    def _admit(self, now: float) -> bool:
         """Take the learner slots joiners added to the run (``RunStore.run_learners``:
         each region's bucket, each record checked, signed with its learner's key when the
         run signs); a refused record is said once. A region that cannot be read is
-        looked at again at the next look."""
+        looked at again at the next look. Whether any was taken."""
+        self._admitted_read, added = now, False
         if self.spec is None:
-            return
+            return added
         for region in self.store.regions:
             try:
                 found = self.store.main.run_learners(self.spec, self.store.keys.verifying_key,
@@ -222,9 +227,11 @@ class PipelineSyncerTransport:
             for lid, record in found.added.items():
                 if lid not in self.store.learners:
                     self.store.learners[lid] = region
+                    added = True
                     # (the loop says that it is admitted; `diloco inspect` shows its host)
                     self.log.debug("learner %s was added to the run in %s (host %s)", lid,
                                    region, record.get("host"))  # fmt: skip
+        return added
 
     def _note_join(self, learner: str, region: str) -> None:
         """Log who took ``learner``'s slot by ``diloco join`` (its newest join record),

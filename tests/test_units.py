@@ -611,6 +611,50 @@ def _syncer_looks(run, regions, spec, cfg, plan, grace: float):
     return look
 
 
+def test_a_syncer_admits_an_added_learner_within_a_second_and_reads_statuses_every_five(
+    prepared, tmp_path, monkeypatch
+):
+    """Between its looks at the members (each learner's status, every ``MEMBERS_EVERY``),
+    a syncer lists ``members/`` alone every ``ADMIT_EVERY``: a learner a joiner added is
+    admitted within a second (it waited up to 5 s, most of a join's wait for its first
+    merge on short rounds), and finding one makes the whole look then. The syncer's own
+    clock, a fake one."""
+    import logging
+
+    from flows.pace import ADMIT_EVERY, MEMBERS_EVERY
+    from flows.run import bucket_store
+    from flows.syncer import PipelineSyncerTransport
+
+    cfg, regions, store, spec, _ = _worker_run(prepared, tmp_path, "admit")
+    syncer = bucket_store("admit", regions, spec, cfg, "syncer-0", home="us-east")
+    now, lists, statuses = [0.0], [], []
+    transport = PipelineSyncerTransport(syncer, [0, 1], 100, 4, logging.getLogger(),
+                                        clock=lambda: now[0])  # fmt: skip
+    transport.spec = spec
+    for name, calls in (("run_learners", lists), ("read_metrics", statuses)):
+        real = getattr(syncer.main, name)
+        monkeypatch.setattr(syncer.main, name,
+                            lambda *a, real=real, calls=calls, **k: calls.append(now[0])
+                            or real(*a, **k))  # fmt: skip
+
+    def look(t: float) -> list[str]:
+        now[0] = t
+        return transport.members()
+
+    assert look(0.0) == list(spec["learners"]) and lists == [0.0] and statuses
+    whole = len(statuses)  # the statuses one whole look reads
+    added = "learner-2"
+    assert store.put_member(added, {"learner": added, "region": "us-east"}, None)
+    assert added not in look(ADMIT_EVERY / 2) and lists == [0.0]  # not looked for yet
+    assert len(statuses) == whole
+    assert added in look(ADMIT_EVERY) and lists == [0.0, ADMIT_EVERY]
+    assert len(statuses) > whole  # found: the whole look now, its status read too
+    read = len(statuses)
+    later = 2 * ADMIT_EVERY
+    assert added in look(later) and lists[-1] == later and len(statuses) == read  # LIST only
+    assert added in look(ADMIT_EVERY + MEMBERS_EVERY) and len(statuses) > read
+
+
 def test_only_a_learner_silent_as_it_trained_is_fenced(prepared, tmp_path):
     """The syncers fence and give back the data of a learner whose newest status says it
     was training; one silent while compiling or resuming (slow, perhaps, not gone) keeps
