@@ -198,6 +198,7 @@ def measure(
     from flows.ledger import audit_units
     from flows.run import build_model, config_from_spec
     from storage_layout.audit import audit_run
+    from storage_layout.retention import read_ledger
     from storage_layout.store import RunStore
 
     url = f"file://{root / name / 'bucket'}"
@@ -230,7 +231,19 @@ def measure(
     # their sending here: bench/elastic/results.md).
     sends = sorted(t for (lid, _), t in merged.items() if lid == "learner-0")
     round_length = statistics.median(b - a for a, b in pairwise(sends)) * fragments
-    waits, warm = [], []
+    # When each contribution was written: its marker, or the ledger's row once deleted.
+    written: dict[tuple[str, int], float] = {}
+    for p in range(fragments):
+        for entry in read_ledger(store.home, store.layout, p):
+            for row in entry.get("contributions", []):
+                if isinstance(row.get("written_at"), int | float):
+                    written[(str(row["learner"]), int(row["seq"]))] = float(row["written_at"])
+        for lid, region in learners.items():
+            for seq in store.contribution_seqs(lid, p, region):
+                meta = store.contribution_meta(lid, p, seq, region)
+                if isinstance(meta.get("written_at"), int | float):
+                    written[(lid, seq)] = float(meta["written_at"])
+    waits, warm, sends = [], [], []
     for lid in [x for x in learners if learner_index(x) >= permanent]:  # spot slots
         for record in store.joins(lid):
             t = float(record["time"])
@@ -242,6 +255,9 @@ def measure(
             firsts = [mt for (who, s), mt in merged.items() if who == lid and s > before]
             if firsts:
                 waits.append(min(firsts) - t)
+            out = [w for (who, s), w in written.items() if who == lid and s > before and w > t]
+            if out:
+                sends.append(min(out) - t)
     return {
         "audit_ok": report.ok, "violations": {k: v[:3] for k, v in report.violations.items()},
         "tokens_merged": sum(a["tokens"]["merged"] + a["tokens"]["superseded"]
@@ -252,12 +268,13 @@ def measure(
         "useful_seconds": useful, "present_seconds": present, "goodput": useful / present,
         "mean_present": mean_present, "round_seconds": round_length,
         "join_to_merge": sorted(waits), "start_to_join": sorted(warm),
+        "join_to_send": sorted(sends),
     }  # fmt: skip
 
 
 def row(label: str, r: dict) -> str:
     if r.get("exit") != 0:
-        return f"| {label} | failed (exit {r.get('exit')}) ||||||||||"
+        return f"| {label} | failed (exit {r.get('exit')}) |||||||||||"
     s, waits = r["summary"], r.get("join_to_merge") or []
     rl = r["round_seconds"]
     join = "–"
@@ -268,10 +285,12 @@ def row(label: str, r: dict) -> str:
         )
     warm = r.get("start_to_join") or []
     start = f"{statistics.median(warm):.1f} s; max {max(warm):.1f} s" if warm else "–"
+    out = r.get("join_to_send") or []
+    send = f"{statistics.median(out):.1f} s; max {max(out):.1f} s" if out else "–"
     return (f"| {label} | {r['wall']:.0f} | {s['final_loss']:.4f} | {r['goodput']:.1%} | "
             f"{r['tokens_merged']:,} ({r.get('spot_tokens_merged', 0):,}) | "
             f"{r['mean_present']:.2f} | {r.get('joins', 0)} / "
-            f"{r.get('preemptions', 0)} | {start} | {join} | {rl:.1f} | "
+            f"{r.get('preemptions', 0)} | {start} | {send} | {join} | {rl:.1f} | "
             f"{'clean' if r['audit_ok'] else 'VIOLATIONS'} |")  # fmt: skip
 
 
@@ -283,8 +302,9 @@ def write(out: Path, args: argparse.Namespace, results: list[tuple[str, dict]]) 
     header = ("| run | wall s | final loss | goodput | tokens merged (by spot learners) "
               "| learners present (mean) "
               "| joins / preemptions | start to join record (median; max) "
+              "| join to first send written (median; max) "
               "| join to first merge (median; max) | round s | audit |\n"
-              "|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+              "|---|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     body = "\n".join(row(label, r) for label, r in results)
     (out / "results.md").write_text(
         f"# Learners that come and go (`diloco join`, preemption)\n\n`{command}` on "
