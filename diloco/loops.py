@@ -367,8 +367,8 @@ class LearnerLoop:
             yield STEP
             now = self.clock.now()
             # Time since the previous step started, less any wait: the simulator's step
-            # time exactly; on the wall clock, the dispatch and the device_get of each
-            # contribution keep the sum honest.
+            # time exactly; on the wall clock, the device's time too, as each step waits
+            # for the one before it (``Learner.train_step``: one step in flight).
             seconds, self._mark = now - self._mark, now
             loss = lrn.train_step(seconds, self.position(known))
             self.clock.stepped(now, loss)  # where a slowed learner's wall clock sleeps
