@@ -23,9 +23,10 @@ merged over the learner seconds present: the permanent learners' whole run and e
 learner's life, from its process's start), tokens merged (the audit), the mean number
 of learners present, joins and preemptions, the time from a joiner's start to its join
 record (its warm-up: ``diloco join`` builds the model and compiles its step before it
-takes a slot), the time from each join to the first version that merged that joiner's
-work (seconds and in round lengths: the median interval between a permanent learner's
-sends of one fragment) and whether the audit is clean.
+takes a slot), the time from each join to its first send written (the send's
+``written_at``, from its marker or the retention ledger) and to the first version that
+merged that joiner's work (seconds and in round lengths: the median interval between a
+permanent learner's sends of one fragment), and whether the audit is clean.
 
     python bench/elastic/run.py [--tokens 2000000] [--fixed 4] [--slots 6] [--permanent 2]
         [--data PREPARED --vocab 512 --assign units]
