@@ -92,7 +92,7 @@ class WallClock:
 
     def stepped(self, started: float, result: Any) -> None:
         if self.slowdown <= 1.0:
-            return  # nothing waits: dispatch runs ahead of the device as usual
+            return  # no more waits: the next step is dispatched while this one runs
         ready = getattr(result, "block_until_ready", None)
         if ready is not None:
             ready()  # the step's compute, not only its dispatch
