@@ -894,8 +894,9 @@ def report(data: dict) -> str:
         + (f", {' '.join(overrides)}" if overrides else "")
         + ". One fragment per size and P (the others are the same work). Seconds are the "
         "operation alone (the process's start and imports, and the generation of the "
-        "synthetic tensors, are not counted); peak RSS is the process's `ru_maxrss`, with its "
-        "resident memory right after imports in brackets. Throughput / raw: raw fsspec time "
+        "synthetic tensors, are not counted); peak RSS is the process's `VmHWM` "
+        "(`ru_maxrss`), with its resident memory right after imports in brackets. "
+        "Throughput / raw: raw fsspec time "
         "for the same bytes over the protocol's time, raw requests made "
         f"{RAW_BATCH} objects a call (syncer: objects of the sizes version 1 wrote in both "
         "regions, and the objects the syncer read for it, version 0's master copy and "
