@@ -130,8 +130,7 @@ class Learner:
         self.params, self.opt_state, loss = self.trainer.step(
             self.params, self.opt_state, batch, self.step if position is None else position
         )
-        if self.in_flight is not None:
-            self.in_flight.block_until_ready()
+        self.wait_in_flight()
         self.in_flight = loss
         self.step += 1
         for frag in self.fragments:
@@ -139,6 +138,18 @@ class Learner:
             frag.steps += 1
             frag.seconds += seconds
         return loss
+
+    def wait_in_flight(self) -> None:
+        """Wait for the step dispatched last to finish (nothing is in flight after)."""
+        if self.in_flight is not None:
+            self.in_flight.block_until_ready()
+            self.in_flight = None
+
+    def add_seconds(self, seconds: float) -> None:
+        """Time the steps took beyond what ``train_step`` was told (the device time of the
+        last ones, ``LearnerLoop.run``), on every fragment, as a step's is."""
+        for frag in self.fragments:
+            frag.seconds += seconds
 
     def due(self) -> int | None:
         """The fragment to send after this step, if any (never one with no new steps: a

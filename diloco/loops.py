@@ -259,7 +259,9 @@ class LearnerLoop:
         self.cap = cfg.learner_step_cap  # the most it trains (sharing the budget: all of it)
         self.sync = cfg.mode == "diloco"
         self.losses: list[Any] = []  # device scalars of the current ``run`` call
-        self._mark = 0.0
+        # When the step under way started (its time is measured from there); None when
+        # no ``run`` call's steps are left untimed.
+        self._mark: float | None = None
 
     @classmethod
     def start(
@@ -363,6 +365,7 @@ class LearnerLoop:
                 if self._finished(known):  # the others trained the budget meanwhile
                     self.send_pending()
                     self.transport.save_checkpoint(lrn.checkpoint())
+                    self._mark = None
                     return
             yield STEP
             now = self.clock.now()
@@ -384,9 +387,22 @@ class LearnerLoop:
             if lrn.step % self.cfg.pipeline.checkpoint_every == 0 or done:
                 self.transport.save_checkpoint(lrn.checkpoint())
             if done:
+                self._mark = None
                 return
             if self.sync:
                 yield from self._wait_for_answers()
+        self._settle()
+        self._mark = None  # what comes until the next call is not training
+
+    def _settle(self) -> None:
+        """Wait for the step still in flight and give the time since the last step's start
+        to the fragments: each step is timed at the next one's start, so the device time
+        of a call's last step came after every mark (the simulator's clock: nothing)."""
+        self.learner.wait_in_flight()
+        if self._mark is not None:
+            now = self.clock.now()
+            self.learner.add_seconds(now - self._mark)
+            self._mark = now
 
     def send_pending(self) -> list[int]:
         """Before this learner leaves (preempted, or its budget done): send every
@@ -395,6 +411,7 @@ class LearnerLoop:
         send's step). Returns the fragments sent. Sends from one anchor are cumulative:
         the syncer merges only what a fragment's earlier send from that anchor did not
         carry."""
+        self._settle()  # the last steps' time goes with them
         lrn, sent = self.learner, []
         loss = self.losses[-1] if self.losses else float("nan")
         for p, frag in enumerate(lrn.fragments):

@@ -79,6 +79,58 @@ def test_a_learner_keeps_one_step_in_flight_and_no_more(setup):
         assert waited == list(range(k))  # the steps before this one, each once
 
 
+def test_a_learner_loop_times_its_steps_to_the_end_of_their_device_time(setup):
+    """A fake device runs each dispatched step for 1 s of the loop's clock, one after the
+    other, and a step's loss is ready when its second has passed: the seconds the
+    fragments carry are the device's time of every step of a call, the last ones
+    included (timed at the next step's start, they came after every mark: two of a
+    call's steps were not timed), and what comes after the call is not counted."""
+    from diloco.loops import LearnerLoop
+    from diloco.transport import MemoryStore, StoreLearnerView
+
+    cfg, _, init, trainer, plan, _ = setup
+    lrn = make_learner(setup)
+    now = [0.0]
+    done_at = [0.0]  # when the device finishes what it was given
+
+    class Clock:
+        def now(self):
+            return now[0]
+
+        def stepped(self, started, result):
+            pass
+
+    class Loss:
+        def __init__(self, loss):
+            done_at[0] = max(done_at[0], now[0]) + 1.0
+            self.loss, self.ready_at = loss, done_at[0]
+
+        def block_until_ready(self):
+            now[0] = max(now[0], self.ready_at)
+            return self
+
+        def __float__(self):
+            return float(self.loss)
+
+    class Device:
+        def __getattr__(self, name):
+            return getattr(trainer, name)
+
+        def step(self, *args):
+            params, opt_state, loss = trainer.step(*args)
+            return params, opt_state, Loss(loss)
+
+    lrn.trainer = Device()
+    store = MemoryStore([{n: init[n] for n in names} for names in plan], "fp32", 4)
+    loop = LearnerLoop(lrn, cfg, StoreLearnerView(store, lrn.id), Clock())
+    for _ in loop.run(6):
+        pass
+    assert [f.seconds for f in lrn.fragments] == [6.0] * len(plan)
+    now[0] += 100.0  # between two calls: no step runs
+    loop.send_pending()
+    assert [f.seconds for f in lrn.fragments] == [6.0] * len(plan)
+
+
 def test_tau_delays_application_and_alpha_zero_overwrites(setup):
     _, _, init, _, plan, _ = setup
     lrn = make_learner(setup, keep_unsent=False)

@@ -637,19 +637,29 @@ class _Loss:
 
 class _StubLearner:
     """What ``LearnerLoop.run`` uses of a learner, without a model: reading the batch and
-    dispatching take 0.1 s, the compute is in the loss (``_Loss``)."""
+    dispatching take 0.1 s, the compute is in the loss (``_Loss``); once dispatched, a step
+    waits for the one before it, as ``Learner.train_step`` does."""
 
     id, fragments, tokens_per_step = "learner-0", [], 1
 
     def __init__(self, clock: _FakeTime) -> None:
         self.clock, self.step, self.seconds, self.losses = clock, 0, [], []
+        self.added: list[float] = []  # what the loop gave beyond the steps' own seconds
 
     def train_step(self, seconds: float, position: float | None = None) -> _Loss:
         self.clock.t += 0.1
+        self.wait_in_flight()
         self.step += 1
         self.seconds.append(round(seconds, 9))
         self.losses.append(_Loss(self.clock))
         return self.losses[-1]
+
+    def wait_in_flight(self) -> None:
+        if self.losses:
+            self.losses[-1].block_until_ready()
+
+    def add_seconds(self, seconds: float) -> None:
+        self.added.append(round(seconds, 9))
 
     def due(self) -> None:
         return None
@@ -690,13 +700,17 @@ def test_a_slowed_learner_sleeps_twice_its_step_time_at_factor_3(monkeypatch):
     # The time the loop measures for a step (what contributions carry, what the syncer's
     # grace window and the goodput count) is the slowed one: 3 x 0.6 s.
     assert lrn.seconds[1:] == [1.8] * 3
+    assert lrn.added == [1.8]  # the last step's, given at the end of the call
 
 
-def test_a_learner_at_factor_1_never_sleeps_nor_waits_for_its_steps(monkeypatch):
+def test_a_learner_at_factor_1_never_sleeps_and_keeps_one_step_in_flight(monkeypatch):
     fake, lrn = _slowed_run(monkeypatch, "[1, 1, 3, 3]", index=0)
     assert fake.slept == []
-    assert not any(loss.waited for loss in lrn.losses)  # dispatch runs ahead as before
-    assert lrn.seconds[1:] == [0.1] * 3
+    # Each step is waited for once the next is dispatched, the last at the call's end:
+    # the time measured is 4 x (0.1 dispatch + 0.5 compute), none of it lost.
+    assert all(loss.waited for loss in lrn.losses)
+    assert lrn.seconds[1:] == [0.1, 0.6, 0.6] and lrn.added == [1.1]
+    assert sum(lrn.seconds) + sum(lrn.added) == pytest.approx(4 * 0.6)
 
 
 def test_slowdowns_are_relative_to_the_fastest_learner(monkeypatch):
