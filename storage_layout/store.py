@@ -79,7 +79,7 @@ from storage_layout.layout import (
     number,
     parse_marker_name,
 )
-from storage_layout.stream import ObjectSink, VersionReader, checked_object
+from storage_layout.stream import PARALLEL, ObjectSink, VersionReader, checked_object
 
 log = logging.getLogger(__name__)
 
@@ -1091,9 +1091,8 @@ class RunStore:
         if "delta/zarr.json" not in marker.objects or "delta_base" not in marker.meta:
             return None
         with _named_damage(key):
-            reader = VersionReader(bucket, marker, key)
+            reader = VersionReader(bucket, marker, key, ahead=PARALLEL)  # read in order
             reader.index("delta")
-            reader.ahead = max(reader.ahead, reader.parallel)
             base = marker.meta["delta_base"]
             if not isinstance(base, int) or isinstance(base, bool):
                 raise ValueError(f"delta_base is {base!r}, not a version number")
@@ -1456,9 +1455,8 @@ def decoded_pieces(
     """Group ``group``'s tensors in the order they lie in it, each as ``TensorPieces``
     (read when its pieces are asked for, the next chunks read ahead meanwhile)."""
     with _named_damage(key):
-        reader = VersionReader(bucket, marker, key)
+        reader = VersionReader(bucket, marker, key, ahead=PARALLEL)  # read in order
         index = reader.index(group)
-        reader.ahead = max(reader.ahead, reader.parallel)
         for name in reader.in_order(group):
             info = index[name]
             yield name, TensorPieces(reader, key, group, name, tuple(info.shape), info.block_size)
