@@ -200,8 +200,9 @@ def join(
     let in and a slot is vacant, and before the slot is taken (not for a learner of
     several processes, which starts them afresh): a slot is not held, nor counted as a
     member, by a machine that cannot train yet (a tiny learner's start took 20 to 60 s on
-    2 busy cores, ``bench/elastic``). The slot is chosen again after it (another may have
-    taken it)."""
+    2 busy cores, ``bench/elastic``). After it the joiner is refused if the run has
+    trained its budget meanwhile, and the slot is chosen again (another may have taken
+    it)."""
     from flows.run import config_from_spec
 
     env = dict(os.environ if environ is None else environ)
@@ -222,9 +223,14 @@ def join(
                 f"the run secret in {RUN_SECRET_ENV}"
             )
         keys = None  # a run that signs nothing: any slot, its sends unsigned as the others'
-    if _budget_spent(store, cfg, len(spec.get("fragments") or [])):
-        raise JoinRefused(f"run {run!r} has trained its budget ({cfg.budget.tokens:,} tokens, "
-                          "shared by its learners): there is nothing left to join for")  # fmt: skip
+
+    def refuse_if_spent(when: str = "") -> None:
+        if _budget_spent(store, cfg, len(spec.get("fragments") or [])):
+            raise JoinRefused(f"run {run!r} has trained its budget{when} ({cfg.budget.tokens:,} "
+                              "tokens, shared by its learners): there is nothing left to join "
+                              "for")  # fmt: skip
+
+    refuse_if_spent()
     grow = cfg.data.assign == "units"  # no slot owns data: a slot may be added
 
     def choose() -> Slot:
@@ -236,6 +242,7 @@ def join(
         print(f"warming up to join run {run} in {region} (the model, its compiled step, "
               f"the corpus) before taking a slot", flush=True)  # fmt: skip
         warm(pipeline)
+        refuse_if_spent(" while this joiner warmed up")  # the run may have ended meanwhile
         taken = choose()
         print(f"warm after {time.time() - began:.1f} s", flush=True)
     record = {"region": region, "host": socket.gethostname(), "pid": os.getpid(),

@@ -116,6 +116,33 @@ def test_a_joiner_trains_with_the_runs_pipeline_settings_under_its_own(tmp_path)
     assert store.joins("learner-1") == []
 
 
+def test_a_joiner_whose_run_trains_its_budget_while_it_warms_up_is_refused_and_takes_nothing(
+    tmp_path,
+):
+    """The warm-up takes tens of seconds; a run that has trained its budget by its end
+    is refused then, by name, with no join record, generation or member record written
+    (it was refused after its warm-up with nothing to train, its Prefect API gone)."""
+    url, cfg, store, spec, secret = _run(tmp_path, "ends", 20_000, "data.assign=slots")
+    warmed = []
+
+    def run_ends_meanwhile(settings: dict) -> None:
+        warmed.append(settings)
+        state = store.get_global(0, 0)
+        spent = {lid: cfg.budget_steps for lid in spec["learners"]}
+        store.publish_global(0, 1, state.params, state.opt_leaves,
+                             {**state.meta, "version": 1, "progress": spent})  # fmt: skip
+
+    with pytest.raises(JoinRefused, match="trained its budget while this joiner warmed up"):
+        join(url, "ends", REGION, environ={RUN_SECRET_ENV: secret}, warm=run_ends_meanwhile)
+    assert len(warmed) == 1
+    for lid in spec["learners"]:
+        assert store.joins(lid) == [] and store.newest_generation(lid) == 0
+    # and one that comes now is refused before it warms up
+    with pytest.raises(JoinRefused, match=r"has trained its budget \("):
+        join(url, "ends", REGION, environ={RUN_SECRET_ENV: secret}, warm=warmed.append)
+    assert len(warmed) == 1
+
+
 def _train(tmp_path: Path, run: str, tokens: int, *sets: str) -> tuple[subprocess.Popen, str]:
     """`diloco train` of ``run`` on one file:// region, in the background (its log in
     tmp_path/RUN.log); returns the process and the region's URL."""
