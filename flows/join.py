@@ -322,9 +322,25 @@ def join_and_train(
     exit status. ``replace``: see ``become``."""
     from flows.learner import warm_up
 
-    worker, env = join(url, run, region, slot, pipeline, speed=speed,
-                       warm=lambda settings: warm_up(run, url, region, settings))  # fmt: skip
+    def warm(settings: dict[str, Any]) -> None:
+        warm_up(run, url, region, settings)
+        prefect_api_up()
+
+    worker, env = join(url, run, region, slot, pipeline, speed=speed, warm=warm)
     return worker.writer, become(worker.argv(), env, replace)
+
+
+def prefect_api_up() -> None:
+    """Reach the Prefect API the learner's flow runs will report to, in this process:
+    with no ``PREFECT_API_URL`` (a machine that only joins, with no Prefect server of its
+    own) that starts Prefect's temporary server, 10 s or more, which after the join
+    record would hold a slot that no one trains yet. The learner worker, run in this
+    process (``become``), reports to the same server."""
+    from prefect.client.orchestration import get_client
+
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no network here
+    with get_client(sync_client=True) as client:
+        client.api_healthcheck()
 
 
 @flow(name="join", log_prints=True)

@@ -298,7 +298,7 @@ def report_metrics(
     try:
         traffic, learner_bytes, _ = monitor.traffic()
         extra = {
-            "goodput/so_far": monitor.goodput_so_far(point),
+            "goodput/so_far": monitor.goodput_so_far(point, statuses),
             "bytes/learners_up_down": learner_bytes,
             "bytes/cross_region": cross_region_bytes(traffic),
         }

@@ -17,7 +17,7 @@ from typing import Any
 from diloco import records
 from diloco.config import RunConfig
 from diloco.simulate import dp_bytes_per_step
-from diloco.topology import shard_count, shard_fragments, syncer_id
+from diloco.topology import learner_index, shard_count, shard_fragments, syncer_id
 from flows.observe import train_summary_rows
 from flows.pace import MEMBERS_EVERY
 from flows.run import build_model, validation
@@ -277,14 +277,34 @@ class Monitor:
         self.curve.append(point)
         return point
 
-    def goodput_so_far(self, point: dict[str, Any]) -> float | None:
+    def goodput_so_far(
+        self, point: dict[str, Any], statuses: Mapping[str, Mapping[str, Any]]
+    ) -> float | None:
         """This launch's goodput up to ``point``: the learner seconds merged since the
-        launch over the learners' time since (each allocated from the launch on)."""
+        launch over the learners' time since (each learner this launcher started allocated
+        from the launch on, each joiner's as ``joined`` counts it; ``statuses``: the
+        learners' status objects now)."""
         elapsed = time.time() - self.started
         before = sum(self.model.shares[p] * s for p, s in self.merged_before.items())
         useful = float(point.get("learner_seconds_merged", before)) - before
-        m = len(self.spec["learners"])
-        return max(0.0, useful) / (m * elapsed) if elapsed > 0 else None
+        allocated = len(self.launched) * elapsed + sum(self.joined(statuses).values())
+        return max(0.0, useful) / allocated if allocated > 0 else None
+
+    def joined(self, statuses: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+        """The learners that took part in this launch without this launcher starting
+        them (``diloco join``, in a vacant slot or one added), each with its time since the
+        launch: the start-up and training seconds its status reports (its machine's time
+        before it took the slot, warming up, is not the run's; its process's own start and
+        the gaps between its flow runs are not reported, so they are not counted)."""
+        out = {}
+        for learner, status in statuses.items():
+            if learner in self.launched:
+                continue
+            now, then = _learner_seconds(dict(status)), self.before.get(learner, (0.0, 0.0))
+            seconds = (now[0] - then[0]) + (now[1] - then[1])
+            if seconds > 0:
+                out[learner] = seconds
+        return out
 
     def remember_start(self, point: dict[str, Any]) -> None:
         """The run's loss before any training, kept in the launcher's status object by the
@@ -332,9 +352,13 @@ class Monitor:
         return traffic, learner_bytes, rejected
 
     def summary(self, wall: float, allocated: float) -> dict[str, Any]:
-        """Totals from the buckets: traffic of every writer, goodput from the versions."""
+        """Totals from the buckets: traffic of every writer, goodput from the versions.
+        ``allocated``: the time of the learners this launcher started (its workers'); the
+        joiners' (``joined``) is added to it."""
         store, spec = self.store, self.spec
         statuses = self.statuses()
+        joined = self.joined(statuses)
+        allocated += sum(joined.values())
         traffic, learner_bytes, rejected = self.traffic()
         merged = self.merged_seconds()
         versions = self.versions()
@@ -359,6 +383,8 @@ class Monitor:
             "mode": self.cfg.mode,
             "params": num_params,
             "learners": m,
+            "started": len(self.launched),
+            "joined": sorted(joined, key=learner_index),
             "quorum": self.cfg.quorum,
             "tokens": tokens,
             "initial_loss": self.initial_loss,

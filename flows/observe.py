@@ -162,11 +162,21 @@ def _chaos_rows(chaos: dict[str, Any] | None) -> list[tuple[str, str]]:
     ]  # fmt: skip
 
 
+def _learners(summary: dict[str, Any]) -> str:
+    """The run's learner slots, or, where this launch started fewer or learners joined
+    (``diloco join``), who took part: ``2 started + 1 joined (4 slots)``."""
+    m, joined = summary["learners"], len(summary.get("joined") or [])
+    started = summary.get("started", m)
+    if started == m and not joined:
+        return str(m)
+    return f"{started} started + {joined} joined ({m} slots)"
+
+
 def _base_rows(summary: dict[str, Any], loss: str, ratio: float | None) -> list[tuple[str, str]]:
     return [
         ("mode", summary["mode"]),
         ("parameters", f"{summary['params']:,}"),
-        ("learners / quorum", f"{summary['learners']} / {summary['quorum']}"),
+        ("learners / quorum", f"{_learners(summary)} / {summary['quorum']}"),
         ("tokens", f"{summary['tokens']:,}"),
         ("validation loss", loss),
         ("wall time", f"{summary['wall_seconds']:.0f} s"),

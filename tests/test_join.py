@@ -221,11 +221,15 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
         syncer_log = tmp_path / run / "logs" / f"syncer-{REGION}-0.log"
         _wait(lambda: "learner learner-1 joined from host" in syncer_log.read_text(), 600,
               "the syncer's note of the join", proc)  # fmt: skip
+        # The second machine has no Prefect server: `diloco join` starts Prefect's
+        # temporary one for its learner's flow runs, and does it while it warms up.
+        alone = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
+        alone["PREFECT_HOME"] = str(tmp_path / "adder-prefect")
         with (tmp_path / "adder.log").open("w") as out:
             adder = subprocess.Popen(
                 [sys.executable, "-m", "flows.cli", "join", url, "--run", run, "--region",
                  REGION, "--pipeline", '{"round_steps": 20, "poll_seconds": 0.05}'],
-                stdout=out, stderr=subprocess.STDOUT, env=env)  # fmt: skip
+                stdout=out, stderr=subprocess.STDOUT, env=alone)  # fmt: skip
         _wait(lambda: _sent(store, "learner-3"), 600, "the added learner's first send", proc)
         _wait(lambda: "learner learner-3 is admitted" in syncer_log.read_text(), 600,
               "the syncer's note of the learner added", proc)  # fmt: skip
@@ -246,6 +250,9 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     added = (tmp_path / "adder.log").read_text()
     assert adder.returncode == 0, added[-6000:]
     assert f"joining run {run} as learner-3 in {REGION}" in added, added[-3000:]
+    assert -1 < added.find("Starting temporary server") < added.find("warm after") < added.find(
+        "joining run"), added[-3000:]  # fmt: skip
+    assert "telemetry" not in added, added[-3000:]
     (record,) = store.joins("learner-3")
     assert record["took"] == "added to the run (no slot was vacant)"
     member = json.loads((tmp_path / run / "us" / run / "members" / "learner-3.json").read_text())
@@ -265,6 +272,10 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     assert record_verifies(record, learner_key(secret, run, "learner-1"))
     assert not record_verifies(record, learner_key(secret, run, "learner-0"))
     assert "learner learner-1 joined from host" in syncer_log.read_text(), text[-3000:]
+    # the run's summary counts the joiners (their time too, beside their merged work)
+    summary = json.loads((tmp_path / run / "summary.json").read_text())
+    assert (summary["started"], summary["joined"]) == (1, ["learner-1", "learner-3"]), summary
+    assert "1 started + 2 joined (3 slots)" in text, text[-3000:]
     report = audit_run(run, {REGION: url})
     assert report.ok, dict(report.violations)
     merged = {lid: acc["tokens"]["merged"] for lid, acc in report.learners.items()}

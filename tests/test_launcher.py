@@ -530,3 +530,46 @@ def test_the_monitor_reads_the_members_at_most_every_few_seconds_and_at_the_end(
     assert reads == [0.0, MEMBERS_EVERY]
     monitor.learners(fresh=True)
     assert reads == [0.0, MEMBERS_EVERY, MEMBERS_EVERY]
+
+
+def test_the_summary_counts_the_time_of_learners_that_joined_beside_those_it_started(tmp_path):
+    """Goodput is the learner time merged over the learner time there was. The summary
+    counted the merged work of learners that joined (``diloco join``) but only the time of
+    those the launcher started (a run that 1 learner joined reported 87 %). A joiner's
+    time since the launch is what its status reports (start-up and training); a learner
+    the launcher started, or a slot no one took, adds none."""
+    from flows.observe import train_summary_rows
+
+    store = _lock_run(tmp_path, "joined")
+    cfg = load_config("tiny", overrides=["budget.tokens=20000", "pipeline.learners_started=2"])
+    spec = store.read_spec()
+    region = spec["learners"]["learner-3"]
+
+    def report(lid: str, where: str, startup: float, train: float) -> None:
+        writer = RunStore("joined", store.urls, where, writer=lid)  # a process of its own
+        writer.write_metrics(lid, {"state": "training", "time": time.time()},
+                             totals={"startup_seconds": startup, "train_seconds": train})  # fmt: skip
+
+    report("learner-3", region, 1.0, 2.0)  # an earlier launch's joiner: not this one's time
+    monitor = Monitor(store, cfg, spec)
+    monitor.started -= 100.0  # this launch began 100 s ago
+    added = "learner-4"  # the id us-east adds first
+    assert store.put_member(added, {"learner": added, "region": "us-east"}, None)
+    monitor.learners(fresh=True)
+    report("learner-0", spec["learners"]["learner-0"], 4.0, 60.0)  # started by the launcher
+    report("learner-3", region, 2.0, 6.0)  # joined the vacant slot again: 8 s in this launch
+    report(added, "us-east", 1.0, 4.0)  # added a slot: 5 s
+    statuses = monitor.statuses()
+    assert monitor.joined(statuses) == {"learner-3": 8.0, added: 5.0}
+    before = sum(monitor.model.shares[p] * s for p, s in monitor.merged_before.items())
+    so_far = monitor.goodput_so_far({"learner_seconds_merged": before + 50.0}, statuses)
+    assert so_far == pytest.approx(50.0 / (2 * 100.0 + 13.0), rel=1e-2)
+    summary = monitor.summary(wall=100.0, allocated=200.0)
+    assert (summary["started"], summary["joined"]) == (2, ["learner-3", added])
+    shares = summary["time_breakdown"]
+    assert shares["start-up"] == pytest.approx((4.0 + 2.0 + 1.0) / 213.0)
+    assert sum(shares.values()) == pytest.approx(1.0)
+    rows = dict(train_summary_rows({**summary, "final_loss": None}))
+    assert rows["learners / quorum"] == f"2 started + 2 joined (4 slots) / {summary['quorum']}"
+    fixed = dict(train_summary_rows({**summary, "started": 4, "joined": [], "final_loss": None}))
+    assert fixed["learners / quorum"] == f"4 / {summary['quorum']}"
