@@ -11,8 +11,12 @@ read instead and said so.
 An export is a safetensors file of float32 tensors named as in ``FlatParams``
 (``blocks.0.attn.qkv.kernel``), with string metadata: ``format`` (``diloco-model``),
 ``format_version``, ``model_config`` (the run's ``ModelConfig`` as JSON), ``versions``
-(JSON, fragment -> version), ``run``, ``source`` (the bucket) and ``params_dtype``
-(``fp32`` for the master copy, else the wire dtype the values were rounded to).
+(JSON, fragment -> version), ``run``, ``source`` (the bucket), ``params_dtype``
+(``fp32`` for the master copy, else the wire dtype the values were rounded to) and what
+its token ids mean: ``tokens`` is ``bytes`` (a run on text) or ``tokenizer``, with the
+run's data set's tokenizer file in ``tokenizer_file`` (its name), ``tokenizer`` (its
+bytes, base64) and ``tokenizer_sha256``. (An export written before ``tokens`` existed is
+read as bytes.)
 ``load_exported`` returns ``(ModelConfig, params)``; the model is then
 ``ParamCodec.create(config, 0)`` and ``codec.model(codec.from_flat(params))``.
 
@@ -27,6 +31,8 @@ reads back as the export file does (``open_exported``), tokenizer included.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import logging
 import os
@@ -226,8 +232,10 @@ def shape_problems(codec: ParamCodec, params: FlatParams, limit: int = 5) -> lis
 # --- the exported file ---------------------------------------------------------------------
 
 
-def _export_metadata(model: UsableModel) -> dict[str, str]:
-    return {
+def _export_metadata(
+    model: UsableModel, tokenizer_file: tuple[str, bytes] | None = None
+) -> dict[str, str]:
+    meta = {
         "format": EXPORT_FORMAT,
         "format_version": EXPORT_FORMAT_VERSION,
         "model_config": model.config.model_dump_json(),
@@ -235,7 +243,32 @@ def _export_metadata(model: UsableModel) -> dict[str, str]:
         "run": model.run,
         "source": model.source,
         "params_dtype": model.dtype,
+        "tokens": "bytes" if tokenizer_file is None else "tokenizer",
     }
+    if tokenizer_file is not None:
+        name, data = tokenizer_file
+        meta.update(tokenizer_file=name, tokenizer=base64.b64encode(data).decode("ascii"),
+                     tokenizer_sha256=hashlib.sha256(data).hexdigest())  # fmt: skip
+    return meta
+
+
+def _embedded_tokenizer(meta: dict[str, Any], path: str) -> Tokenizer | None:
+    """The tokenizer an export file carries (``_export_metadata``), checked against its
+    sha256; None for a model of bytes."""
+    if meta.get("tokens", "bytes") == "bytes":
+        return None
+    name = str(meta.get("tokenizer_file", "tokenizer"))
+    try:
+        data = base64.b64decode(meta["tokenizer"], validate=True)
+    except (KeyError, ValueError) as exc:
+        raise ModelFileError(f"{path}: its tokenizer ({name}) is missing or damaged: "
+                             f"{exc!r}") from None  # fmt: skip
+    if hashlib.sha256(data).hexdigest() != meta.get("tokenizer_sha256"):
+        raise ModelFileError(f"{path}: its tokenizer ({name}) does not match its sha256 "
+                             "(the file is damaged)")  # fmt: skip
+    from diloco.dataset import load_tokenizer
+
+    return load_tokenizer(data, f"{path}:{name}")
 
 
 def export_model(
@@ -247,7 +280,7 @@ def export_model(
     Llama goes to a folder in the Hugging Face layout (``export_hf``)."""
     if model.config.arch == "llama":
         return export_hf(model, out, tokenizer_file)
-    metadata = _export_metadata(model)
+    metadata = _export_metadata(model, _tokenizer_file(model, tokenizer_file))
     tensors = {
         n: np.ascontiguousarray(model.params[n], dtype=np.float32) for n in model.codec.names
     }
@@ -269,6 +302,18 @@ def export_model(
     return len(data)
 
 
+def _tokenizer_file(
+    model: UsableModel, given: tuple[str, bytes] | None
+) -> tuple[str, bytes] | None:
+    """What an export of ``model`` carries as its tokenizer: ``given``, else its run's data
+    set's (None for a model of bytes). A model with a tokenizer but neither (one read
+    from an export, which keeps no run config) is refused: its export would read as bytes."""
+    found = given if given is not None else run_tokenizer_file(model.run_config)
+    if found is None and model.tokenizer is not None:
+        raise ConfigError(f"{model.source} has a tokenizer: give its file to export it with")
+    return found
+
+
 def export_hf(model: UsableModel, out: str, tokenizer_file: tuple[str, bytes] | None = None) -> int:
     """Write a Llama to the folder ``out`` in the Hugging Face Llama layout (the module
     docstring); returns the bytes written. ``tokenizer_file`` (name, contents) defaults
@@ -280,8 +325,7 @@ def export_hf(model: UsableModel, out: str, tokenizer_file: tuple[str, bytes] | 
             f"--out {out}: a Llama exports to a folder in the Hugging Face layout (it writes "
             "model.safetensors, config.json and tokenizer.json in it); give a folder name"
         )
-    if tokenizer_file is None:
-        tokenizer_file = run_tokenizer_file(model.run_config)
+    tokenizer_file = _tokenizer_file(model, tokenizer_file)
     eos = None if model.tokenizer is None else int(model.tokenizer.eos_id)
     if tokenizer_file is not None and eos is None:
         raise ConfigError(
@@ -289,6 +333,8 @@ def export_hf(model: UsableModel, out: str, tokenizer_file: tuple[str, bytes] | 
             "model's tokenizer (UsableModel.tokenizer) too"
         )
     metadata = {**_export_metadata(model), "format": "pt", "diloco_format": EXPORT_FORMAT}
+    if tokenizer_file is not None:  # beside the weights, as transformers reads it
+        metadata["tokens"] = "tokenizer"
     files = {
         "model.safetensors": safetensors.numpy.save(
             to_hf(model.config, model.params), metadata=metadata
@@ -419,10 +465,16 @@ def open_exported(path: str) -> UsableModel:
     """An exported file (or a Llama's folder, with its tokenizer) as a ``UsableModel``."""
     config, params, meta = _load(path)
     codec, _ = ParamCodec.create(config, 0)
-    tokenizer = _folder_tokenizer(path)
+    if _hf_folder(path) is not None:
+        tokenizer = _folder_tokenizer(path)
+        if tokenizer is None and meta.get("tokens") == "tokenizer":
+            raise ModelFileError(f"{path}: the model was trained with a tokenizer and the "
+                                 "folder holds none (tokenizer.json)")  # fmt: skip
+    else:
+        tokenizer = _embedded_tokenizer(meta, path)
     if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
         raise ModelFileError(
-            f"{path}: its tokenizer.json has {tokenizer.vocab_size} tokens, more than the "
+            f"{path}: its tokenizer has {tokenizer.vocab_size} tokens, more than the "
             f"model's vocabulary ({config.vocab_size}): not the tokenizer it was trained with"
         )
     return UsableModel(config, codec, params, meta["versions"], path,

@@ -260,3 +260,53 @@ def test_bad_inputs_fail_naming_what_is_wrong(tiny_run, tmp_path, capsys):
         open_exported(str(bad))
     err = fails("generate", "--model", str(bad), "--prompt", "x")
     assert "another shape" in err
+
+
+def test_an_export_of_a_run_on_a_prepared_data_set_carries_its_tokenizer(tmp_path, capsysbinary):
+    """A model trained on a prepared data set's tokens, exported to one file, generated
+    bytes from its token ids (`diloco generate --model FILE`: noise) and scored text
+    encoded as bytes: the file did not say what its ids mean. It now carries the data
+    set's tokenizer (checked by its sha256) and says ``tokens``; the file generates what
+    the bucket's model does. An export of bytes, or one written before, reads as bytes."""
+    import base64
+
+    from diloco.dataset import open_dataset, prepare
+
+    source = tmp_path / "text"
+    source.mkdir()
+    for f in sorted(Path(json.__file__).parent.glob("*.py")):
+        (source / f.name).write_text(f.read_text() * 4)
+    data = str(tmp_path / "tokens")
+    prepare(str(source), data, vocab_size=512, chunk_tokens=1024, shard_chunks=4)
+    cfg = load_config("tiny", overrides=[f"data.source={data}", "model.vocab_size=512"])
+    (tmp_path / "us").mkdir()
+    regions = {"us-east": f"file://{tmp_path / 'us'}"}
+    initialize_run(RunStore("tok", regions, "us-east"), cfg)
+    out = str(tmp_path / "model.safetensors")
+    assert cli_main(["export", regions["us-east"], "--run", "tok", "--out", out]) == 0
+    meta = read_export_metadata(out)
+    name, expected = open_dataset(data).tokenizer_file()
+    assert (meta["tokens"], meta["tokenizer_file"]) == ("tokenizer", name)
+    assert base64.b64decode(meta["tokenizer"]) == expected
+    assert open_exported(out).tokenizer.encode("def main():") == (
+        open_dataset(data).tokenizer().encode("def main():"))  # fmt: skip
+    said = []
+    for source_args in (["--model", out], [regions["us-east"], "--run", "tok"]):
+        capsysbinary.readouterr()
+        assert cli_main(["generate", *source_args, "--prompt", "def", "--max-tokens", "12",
+                         "--temperature", "0"]) == 0  # fmt: skip
+        said.append(capsysbinary.readouterr().out.decode())
+    assert said[0] == said[1] and said[0].strip(), said
+    # a damaged tokenizer is named; an export of bytes (and an older one) reads as bytes
+    tensors = safetensors.numpy.load_file(out)
+    damaged = str(tmp_path / "damaged.safetensors")
+    safetensors.numpy.save_file(tensors, damaged, metadata={**meta, "model_config": meta[
+        "model_config"].model_dump_json(), "versions": json.dumps(meta["versions"]),
+        "tokenizer": base64.b64encode(expected[:-1] + b" ").decode()})  # fmt: skip
+    with pytest.raises(ModelFileError, match=f"its tokenizer \\({name}\\) does not match"):
+        open_exported(damaged)
+    older = {k: v for k, v in read_export_metadata(damaged).items()
+             if not k.startswith("tok")}  # fmt: skip
+    safetensors.numpy.save_file(tensors, damaged, metadata={**older, "model_config": older[
+        "model_config"].model_dump_json(), "versions": json.dumps(older["versions"])})  # fmt: skip
+    assert open_exported(damaged).tokenizer is None
