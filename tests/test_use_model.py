@@ -270,14 +270,10 @@ def test_an_export_of_a_run_on_a_prepared_data_set_carries_its_tokenizer(tmp_pat
     the bucket's model does. An export of bytes, or one written before, reads as bytes."""
     import base64
 
-    from diloco.dataset import open_dataset, prepare
+    from diloco.dataset import open_dataset
+    from tests.test_units import prepare_stdlib
 
-    source = tmp_path / "text"
-    source.mkdir()
-    for f in sorted(Path(json.__file__).parent.glob("*.py")):
-        (source / f.name).write_text(f.read_text() * 4)
-    data = str(tmp_path / "tokens")
-    prepare(str(source), data, vocab_size=512, chunk_tokens=1024, shard_chunks=4)
+    data = prepare_stdlib(tmp_path, chunk_tokens=1024)
     cfg = load_config("tiny", overrides=[f"data.source={data}", "model.vocab_size=512"])
     (tmp_path / "us").mkdir()
     regions = {"us-east": f"file://{tmp_path / 'us'}"}
