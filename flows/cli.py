@@ -433,8 +433,10 @@ def build_parser() -> argparse.ArgumentParser:
     gc = sub.add_parser("gc", help="delete what no learner or syncer of a run can still need")
     gc.add_argument("url", help="the run's home bucket (the syncers' region)")
     gc.add_argument("--run", required=True, help="the run")
-    gc.add_argument("--keep", type=int, default=100,
-                    help="global versions kept per fragment (at least max_staleness + 2)")  # fmt: skip
+    gc.add_argument("--keep", type=int, default=None,
+                    help="global versions kept per fragment (at least max_staleness + 2; "
+                         "default: what the run keeps, its launch's pipeline.keep_versions "
+                         "or max_staleness + 2)")  # fmt: skip
     gc.add_argument("--orphan-age", type=float, default=3600.0,
                     help="delete uncommitted data and temporaries older than this many "
                          "seconds")  # fmt: skip
@@ -814,7 +816,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from storage_layout.retention import collect_garbage
     from storage_layout.store import RunStore
 
-    if args.keep < 1:
+    if args.keep is not None and args.keep < 1:
         raise ConfigError(f"--keep must be at least 1, got {args.keep}")
     url = _bucket_url(args.url)
     spec = RunStore(args.run, {"gc": url}, "gc").read_spec()
@@ -822,8 +824,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
     home = next((r for r, u in regions.items() if u.rstrip("/") == url.rstrip("/")), None)
     if home is None:
         raise ConfigError(f"{url} is none of run {args.run!r}'s regions: {regions}")
-    window = max(args.keep, int(spec["config"]["outer"]["max_staleness"]) + 2)
     store = RunStore(args.run, regions, home, writer="gc")
+    keep = args.keep if args.keep is not None else _launched_keep(store)
+    window = max(keep or 0, int(spec["config"]["outer"]["max_staleness"]) + 2)
     learners = store.run_learners(spec, Keys.from_env(args.run).verifying_key).regions
     report = collect_garbage(store, len(spec["fragments"]), learners, window,
                              orphan_age=args.orphan_age, keys=Keys.from_env(args.run))  # fmt: skip
@@ -836,6 +839,20 @@ def cmd_gc(args: argparse.Namespace) -> int:
     for problem in report.problems:
         console.print(f"[yellow]kept:[/] {problem}")
     return 0
+
+
+def _launched_keep(store: Any) -> int | None:
+    """``pipeline.keep_versions`` of the run's newest launch (None: what the run needs)."""
+    from pydantic import ValidationError
+
+    from diloco.config import PipelineConfig
+
+    settings = store.read_pipeline()
+    try:
+        return PipelineConfig.model_validate(settings).keep_versions
+    except ValidationError as exc:
+        raise ConfigError(f"run {store.run!r}: the pipeline settings of its newest launch "
+                          f"({store.layout.pipeline}) do not read: {exc}") from None  # fmt: skip
 
 
 def _bucket_url(url: str) -> str:

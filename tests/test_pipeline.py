@@ -1380,3 +1380,12 @@ def test_syncers_collect_what_no_learner_needs_and_gc_does_it_by_hand(tmp_path, 
     code = cli_main(["gc", regions["us-east"], "--run", "gc", "--keep", "1"])
     assert code == 0 and "deleted 0 contributions" in capsys.readouterr().out
     assert store.global_versions(0) == [0, 1]  # max_staleness + 2 versions are always kept
+    # by default gc keeps what the run keeps: its launch's keep_versions, or what it needs
+    window = cfg.outer.max_staleness + 2
+    for settings, kept in (({}, window), ({"keep_versions": window + 3}, window + 3)):
+        store.put_pipeline(settings)
+        assert cli_main(["gc", regions["us-east"], "--run", "gc"]) == 0
+        assert f"kept {kept} versions per fragment" in capsys.readouterr().out, settings
+    store.put_pipeline({"keep_versions": "many"})
+    assert cli_main(["gc", regions["us-east"], "--run", "gc"]) != 0
+    assert "pipeline settings of its newest launch" in capsys.readouterr().err
