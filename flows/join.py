@@ -176,6 +176,10 @@ def choose_slot(
             "(a run on a prepared data set, `diloco data prepare`, takes it in units "
             "and grows)"
         )
+    elsewhere = sorted({r for lid, r in learners.items() if r != region})
+    if elsewhere and wanted is None:  # (their states are in their regions' buckets)
+        seen.append(f"the run has slots in {', '.join(map(repr, elsewhere))} too: a machine "
+                    "that reaches one of those buckets joins there (--region)")  # fmt: skip
     raise JoinRefused(f"no vacant learner slot in region {region!r} of run {store.run!r}: "
                       + "; ".join(seen))  # fmt: skip
 

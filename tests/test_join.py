@@ -143,6 +143,26 @@ def test_a_joiner_whose_run_trains_its_budget_while_it_warms_up_is_refused_and_t
     assert len(warmed) == 1
 
 
+def test_a_joiner_refused_in_its_region_is_told_where_else_the_run_has_slots(tmp_path):
+    """A joiner that finds no slot in its region (here: the only one trains) is told
+    which other regions have slots: their states are in those regions' buckets, which
+    this machine may not reach, so they are named, not judged."""
+    regions = {"us-east": f"file://{tmp_path / 'us'}", "eu-west": f"file://{tmp_path / 'eu'}"}
+    for name in ("us", "eu"):
+        (tmp_path / name).mkdir()
+    cfg = load_config("tiny", overrides=["budget.tokens=20000", "topology.learners=2",
+                                         "data.assign=slots"])  # fmt: skip
+    spec = initialize_run(RunStore("two", regions, "us-east", writer="launcher"), cfg)
+    assert spec["learners"] == {"learner-0": "us-east", "learner-1": "eu-west"}
+    eu = RunStore("two", {"eu-west": regions["eu-west"]}, "eu-west", writer="learner-1")
+    eu.write_metrics("learner-1", {"state": "training", "time": time.time(), "step": 3})
+    with pytest.raises(JoinRefused) as refused:
+        join(regions["eu-west"], "two", "eu-west")
+    said = " ".join(str(refused.value).split())
+    assert "learner-1: training at step 3" in said, said
+    assert "the run has slots in 'us-east' too" in said and "--region" in said, said
+
+
 def _train(tmp_path: Path, run: str, tokens: int, *sets: str) -> tuple[subprocess.Popen, str]:
     """`diloco train` of ``run`` on one file:// region, in the background (its log in
     tmp_path/RUN.log); returns the process and the region's URL."""
