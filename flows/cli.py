@@ -1086,6 +1086,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, OSError, ValueError) as exc:
         console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
         return 2
+    except KeyboardInterrupt:  # a Ctrl-C that no command turned into its own ending
+        console.print("[yellow]interrupted[/]")
+        return 130
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,6 +193,7 @@ def join(
     environ: Mapping[str, str] | None = None,
     speed: float | None = None,
     warm: Callable[[dict[str, Any]], None] | None = None,
+    interrupted: Callable[[], bool] = lambda: False,
 ) -> tuple[workers.Worker, dict[str, str]]:
     """Pick the slot, write its signed join record and return the slot's learner worker
     (``become`` runs its command line in place of this process) with the environment to
@@ -206,7 +207,8 @@ def join(
     member, by a machine that cannot train yet (a tiny learner's start took 20 to 60 s on
     2 busy cores, ``bench/elastic``). After it the joiner is refused if the run has
     trained its budget meanwhile, and the slot is chosen again (another may have taken
-    it)."""
+    it). ``interrupted`` (a Ctrl-C seen, ``join_and_train``) is asked before anything is
+    written: such a joiner raises ``KeyboardInterrupt`` having taken nothing."""
     from flows.run import config_from_spec
 
     env = dict(os.environ if environ is None else environ)
@@ -246,12 +248,16 @@ def join(
         print(f"warming up to join run {run} in {region} (the model, its compiled step, "
               f"the corpus) before taking a slot", flush=True)  # fmt: skip
         warm(pipeline)
+        if interrupted():
+            raise KeyboardInterrupt
         refuse_if_spent(" while this joiner warmed up")  # the run may have ended meanwhile
         taken = choose()
         print(f"warm after {time.time() - began:.1f} s", flush=True)
     record = {"region": region, "host": socket.gethostname(), "pid": os.getpid(),
               "devices": _devices(), "speed": speed}  # fmt: skip
     for _ in range(ADD_TRIES):  # an added slot: its member record, written once
+        if interrupted():  # (a Ctrl-C that JAX's code swallowed while it warmed up)
+            raise KeyboardInterrupt
         key = _key(env, keys, run, taken.learner)
         if not taken.added or store.put_member(
             taken.learner, {**record, "learner": taken.learner, "time": time.time()}, key
@@ -326,12 +332,49 @@ def join_and_train(
     exit status. ``replace``: see ``become``."""
     from flows.learner import warm_up
 
+    stop = threading.Event()
+
     def warm(settings: dict[str, Any]) -> None:
         warm_up(run, url, region, settings)
-        prefect_api_up()
+        if not stop.is_set():
+            prefect_api_up()
 
-    worker, env = join(url, run, region, slot, pipeline, speed=speed, warm=warm)
+    try:
+        with _noting_ctrl_c(stop):
+            worker, env = join(url, run, region, slot, pipeline, speed=speed, warm=warm,
+                               interrupted=stop.is_set)  # fmt: skip
+    except KeyboardInterrupt:
+        print(f"interrupted before taking a slot of run {run}: this joiner leaves, having "
+              "written nothing", flush=True)  # fmt: skip
+        return "", 130
     return worker.writer, become(worker.argv(), env, replace)
+
+
+@contextlib.contextmanager
+def _noting_ctrl_c(stop: threading.Event) -> Iterator[None]:
+    """While a joiner warms up and takes its slot, a first Ctrl-C (SIGINT) is noted in
+    ``stop``, not raised: the joiner leaves once its warm-up ends, before it writes
+    anything (``join``'s ``interrupted``). Raised, it was swallowed when
+    it came during one of JAX's garbage collector callbacks ("Exception ignored in ...
+    _xla_gc_callback": the joiner took a slot and trained on), and one that stopped a
+    compilation left XLA to crash the process at its exit. A second Ctrl-C raises at once.
+    Only on the main thread (the only one a handler can be set on)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def noted(signum: int, frame: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt  # asked twice: at once
+        stop.set()
+        print("Ctrl-C: this joiner leaves before it takes a slot, once its warm-up ends "
+              "(compiling: seconds; Ctrl-C again: at once)", flush=True)  # fmt: skip
+
+    before = signal.signal(signal.SIGINT, noted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def prefect_api_up() -> None:
@@ -366,6 +409,8 @@ def join_flow(
     (``DILOCO_JOIN_TOKEN`` or ``DILOCO_RUN_SECRET``), never from a parameter: Prefect
     records those."""
     lid, code = join_and_train(bucket, run, region, slot, pipeline, speed, replace=False)
+    if not lid:
+        raise RuntimeError(f"the joiner of run {run!r} was interrupted before it took a slot")
     if code:
         raise RuntimeError(f"the learner worker of {lid} in run {run!r} exited with {code}")
     return lid

@@ -163,6 +163,45 @@ def test_a_joiner_refused_in_its_region_is_told_where_else_the_run_has_slots(tmp
     assert "the run has slots in 'us-east' too" in said and "--region" in said, said
 
 
+def test_a_ctrl_c_while_a_joiner_warms_up_is_not_lost_and_it_takes_no_slot(
+    tmp_path, monkeypatch, capsys
+):
+    """A Ctrl-C during the warm-up raised its KeyboardInterrupt where it came: inside one
+    of JAX's garbage collector callbacks Python swallowed it ("Exception ignored in
+    _xla_gc_callback") and the joiner warmed on, took a slot and trained; inside a
+    compilation, XLA crashed the process at its exit. A first Ctrl-C is now noted: the
+    warm-up ends, and the joiner leaves having written nothing. A second
+    raises at once; swallowed too (as that callback did), it is still not lost."""
+    import flows.learner
+    from flows.join import join_and_train
+
+    url, _, store, spec, secret = _run(tmp_path, "ctrlc")
+    monkeypatch.setenv(RUN_SECRET_ENV, secret)
+    for presses in (1, 2):
+        warmed = []
+
+        def warm_up(*args, presses=presses, warmed=warmed, **kwargs) -> None:
+            try:
+                for _ in range(presses):
+                    os.kill(os.getpid(), signal.SIGINT)  # the user's Ctrl-C
+                    time.sleep(0.5)  # (the handler runs at the next bytecode)
+            except KeyboardInterrupt:
+                warmed.append("raised")  # ...where it is swallowed
+            warmed.append("warm")
+
+        monkeypatch.setattr(flows.learner, "warm_up", warm_up)
+        monkeypatch.setattr("flows.join.prefect_api_up", lambda w=warmed: w.append("api"))
+        monkeypatch.setattr("flows.join.become", lambda *a, w=warmed, **k: w.append("trained"))
+        assert join_and_train(url, "ctrlc", REGION) == ("", 130)
+        assert warmed == ["raised", "warm"] if presses == 2 else ["warm"], presses
+        said = capsys.readouterr().out
+        assert "Ctrl-C: this joiner leaves before it takes a slot" in said
+        assert "having written nothing" in said
+        for lid in spec["learners"]:
+            assert store.joins(lid) == [] and store.newest_generation(lid) == 0
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
 def _train(tmp_path: Path, run: str, tokens: int, *sets: str) -> tuple[subprocess.Popen, str]:
     """`diloco train` of ``run`` on one file:// region, in the background (its log in
     tmp_path/RUN.log); returns the process and the region's URL."""
