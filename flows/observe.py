@@ -11,6 +11,8 @@ import logging
 import re
 from typing import Any
 
+from diloco.topology import learner_index
+
 
 def run_logger(fallback: str) -> Any:
     """Prefect's run logger inside a flow or task run, else the standard logger
@@ -164,12 +166,14 @@ def _chaos_rows(chaos: dict[str, Any] | None) -> list[tuple[str, str]]:
 
 def _learners(summary: dict[str, Any]) -> str:
     """The run's learner slots, or, where this launch started fewer or learners joined
-    (``diloco join``), who took part: ``2 started + 1 joined (4 slots)``."""
-    m, joined = summary["learners"], len(summary.get("joined") or [])
+    (``diloco join``), who took part: ``2 started + 2 joined (4 slots + 1 added)``."""
+    m, joined = summary["learners"], summary.get("joined") or []
     started = summary.get("started", m)
     if started == m and not joined:
         return str(m)
-    return f"{started} started + {joined} joined ({m} slots)"
+    added = sum(1 for lid in joined if learner_index(lid) >= m)  # beyond the spec's slots
+    slots = f"{m} slots" + (f" + {added} added" if added else "")
+    return f"{started} started + {len(joined)} joined ({slots})"
 
 
 def _base_rows(summary: dict[str, Any], loss: str, ratio: float | None) -> list[tuple[str, str]]:

@@ -334,7 +334,7 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     # the run's summary counts the joiners (their time too, beside their merged work)
     summary = json.loads((tmp_path / run / "summary.json").read_text())
     assert (summary["started"], summary["joined"]) == (1, ["learner-1", "learner-3"]), summary
-    assert "1 started + 2 joined (3 slots)" in text, text[-3000:]
+    assert "1 started + 2 joined (3 slots + 1 added)" in text, text[-3000:]
     report = audit_run(run, {REGION: url})
     assert report.ok, dict(report.violations)
     merged = {lid: acc["tokens"]["merged"] for lid, acc in report.learners.items()}

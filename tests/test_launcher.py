@@ -570,6 +570,9 @@ def test_the_summary_counts_the_time_of_learners_that_joined_beside_those_it_sta
     assert shares["start-up"] == pytest.approx((4.0 + 2.0 + 1.0) / 213.0)
     assert sum(shares.values()) == pytest.approx(1.0)
     rows = dict(train_summary_rows({**summary, "final_loss": None}))
-    assert rows["learners / quorum"] == f"2 started + 2 joined (4 slots) / {summary['quorum']}"
+    assert (
+        rows["learners / quorum"]
+        == f"2 started + 2 joined (4 slots + 1 added) / {summary['quorum']}"
+    )
     fixed = dict(train_summary_rows({**summary, "started": 4, "joined": [], "final_loss": None}))
     assert fixed["learners / quorum"] == f"4 / {summary['quorum']}"
