@@ -90,6 +90,7 @@ class Launch:
 
     def __init__(self) -> None:
         self.stopping = threading.Event()
+        self.signalled = threading.Event()  # a SIGINT or SIGTERM: the watch ends on it too
         self.mode: LaunchMode | None = None
         self.summary: dict[str, Any] | None = None
 
@@ -105,7 +106,10 @@ class Launch:
 
     def on_signal(self, signum: int, frame: Any) -> None:
         """SIGINT / SIGTERM in the launcher: ask the workers to checkpoint and stop right
-        away (the flow's task runner waits for them), then unwind as a KeyboardInterrupt."""
+        away (the flow's task runner waits for them), then unwind as a KeyboardInterrupt.
+        One raised inside a garbage collector callback (JAX has some) is swallowed by
+        Python; ``signalled`` makes the watch raise it again (``_watch``)."""
+        self.signalled.set()
         self.interrupt()
         raise KeyboardInterrupt
 
@@ -185,6 +189,7 @@ def _watch(
     stand_by: Callable[[str], tuple[str, Any] | None] | None = None,
     oom: Mapping[str, int] | None = None,
     report: BestEffort | None = None,
+    signalled: threading.Event | None = None,
 ) -> dict[str, float]:
     """Evaluate and log progress every ``every`` seconds until every worker's task has
     ended; returns when each ended (its machine was freed: the end of its allocation).
@@ -192,7 +197,9 @@ def _watch(
     ``display``; a live display also shows the learners' phases every few seconds. A
     syncer shard seen stalled gets a stand-by (``stand_by(name)``: the name and future of
     the worker it started, watched from then on like the others). ``oom``: how many times
-    the OOM killer killed each worker (``LaunchMode.oom_kills``)."""
+    the OOM killer killed each worker (``LaunchMode.oom_kills``). ``signalled`` (the
+    launch's: a Ctrl-C whose KeyboardInterrupt may have been swallowed on its way) ends
+    the watch with a KeyboardInterrupt within half a second."""
     display, report = display or Display(), report or BestEffort()
     last_eval, last_look = time.monotonic(), time.monotonic()
     ended: dict[str, float] = {}
@@ -202,6 +209,8 @@ def _watch(
     # can land inside a lock and end a run with "release unlocked lock".
     pool = [f.wrapped_future for f in futures]
     while True:
+        if signalled is not None and signalled.is_set():
+            raise KeyboardInterrupt
         running = concurrent.futures.wait(pool, timeout=0.5).not_done
         for name, future in zip(names, pool, strict=True):
             if future.done() and name not in ended:
@@ -483,6 +492,7 @@ def train_flow(
     logs = logs or str(default_run_dir(run) / "logs")
     launch = LAUNCH.get(None) or Launch()
     launch.stopping.clear()
+    launch.signalled.clear()
     folder = Path(logs).parent
     folder.mkdir(parents=True, exist_ok=True)
     fault_plan = worker_faults(cfg, folder, log)  # both checked before anything is committed
@@ -502,7 +512,8 @@ def train_flow(
         mode = launch.mode = _launch_mode(launch, run, regions, cfg, logs, via, store, log,
                                           fault_plan)  # fmt: skip
         stack.callback(mode.close)
-        summary = _launch(run, regions, cfg, logs, store, spec, chaos_plan, lock, mode, log)
+        summary = _launch(run, regions, cfg, logs, store, spec, chaos_plan, lock, mode, log,
+                          launch.signalled)  # fmt: skip
     launch.summary = summary  # (should the API not record the flow run's end)
     return summary
 
@@ -548,6 +559,7 @@ def _launch(
     lock: RunLock,
     mode: LaunchMode,
     log: Any,
+    signalled: threading.Event | None = None,
 ) -> dict[str, Any]:
     """The launch itself, with the run's lock held, its workers started by ``mode``."""
     folder = Path(logs).parent
@@ -600,7 +612,7 @@ def _launch(
 
     try:
         ended = _watch(names, futures, monitor, bar, cfg.pipeline.eval_seconds, log, display,
-                       metrics, stand_by, mode.oom_kills, report)  # fmt: skip
+                       metrics, stand_by, mode.oom_kills, report, signalled)  # fmt: skip
     except BaseException:
         # Cancelled from the UI (the worker's SIGTERM) or interrupted: the workers stop with
         # this flow run (each checkpoints) rather than run on unsupervised.

@@ -576,3 +576,27 @@ def test_the_summary_counts_the_time_of_learners_that_joined_beside_those_it_sta
     )
     fixed = dict(train_summary_rows({**summary, "started": 4, "joined": [], "final_loss": None}))
     assert fixed["learners / quorum"] == f"4 / {summary['quorum']}"
+
+
+def test_a_ctrl_c_swallowed_on_its_way_still_ends_the_watch():
+    """The launcher's Ctrl-C raises KeyboardInterrupt from its handler; raised inside a
+    garbage collector callback (JAX has some: seen in `diloco join`), Python swallows
+    it, and the watch went on until the workers it had stopped ended, then summed the run
+    up as if it were done. The handler also sets ``signalled``, on which the watch raises
+    the interrupt again within half a second."""
+    import concurrent.futures
+    import contextlib
+
+    from flows.launcher import Launch
+
+    launch = Launch()
+    with contextlib.suppress(KeyboardInterrupt):  # swallowed, as Python does in a gc callback
+        launch.on_signal(signal.SIGINT, None)
+    assert launch.stopping.is_set() and launch.signalled.is_set()
+
+    class Running:  # a worker's task that has not ended
+        wrapped_future: concurrent.futures.Future = concurrent.futures.Future()
+
+    with pytest.raises(KeyboardInterrupt):
+        _watch(["learner us-east/0"], [Running()], None, None, 1e9, None,
+               signalled=launch.signalled)  # fmt: skip
