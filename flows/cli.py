@@ -352,6 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--config", help="a TOML or JSON file of config fields")
     sim.add_argument("--set", action="append", metavar="KEY=VALUE", help=SET_HELP)
     sim.add_argument("--seed", type=int)
+    sim.add_argument("--tokens", type=int,
+                     help="token budget (default: the preset's; as --set budget.tokens=N)")  # fmt: skip
     sim.add_argument("--out", help="output folder (default runs/simulate-MODE-PRESET-seedN)")
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
     sim.add_argument(

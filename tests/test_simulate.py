@@ -261,12 +261,13 @@ def test_time_to_loss_interpolates():
 def test_cli_writes_metrics_and_summary(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "flows.cli", "simulate", "--preset", "tiny", "--quiet",
-           "--set", "budget.tokens=32000", "--set", "sim.eval_points=2", "--out", str(out)]  # fmt: skip
+           "--tokens", "32000", "--set", "sim.eval_points=2", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "validation loss" in proc.stdout and "bandwidth saving vs dp" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mode"] == "decoupled"
+    assert json.loads((out / "config.json").read_text())["budget"]["tokens"] == 32000  # --tokens
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert any(x["event"] == "version" for x in lines)
     bad = subprocess.run(
