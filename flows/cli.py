@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -285,14 +286,22 @@ def config_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
-    from flows.join import join_and_train
+    """``flows.join.join_and_train``, with a Ctrl-C noted from before JAX is imported
+    (``flows.notice.noting_ctrl_c``): one that came while the imports ran was raised by
+    Python's own handler, at times inside one of JAX's garbage collector callbacks, where
+    it was swallowed, and the joiner went on to take a slot."""
+    from flows.notice import noting_ctrl_c
 
     try:
         pipeline = json.loads(args.pipeline)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"--pipeline is not a JSON object: {exc}") from exc
     url = _bucket_url(args.url)
-    return join_and_train(url, args.run, args.region, args.slot, pipeline, args.speed)[1]
+    stop = threading.Event()
+    with noting_ctrl_c(stop, "this joiner leaves before it takes a slot"):
+        from flows.join import join_and_train
+    return join_and_train(url, args.run, args.region, args.slot, pipeline, args.speed,
+                          stop=stop)[1]  # fmt: skip
 
 
 def cmd_join_token(args: argparse.Namespace) -> int:

@@ -53,7 +53,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +62,7 @@ from prefect import flow
 from diloco.syncer import budget_spent
 from diloco.topology import LEARNER_PREFIX, added_learners, learner_index, learner_region
 from flows import workers
+from flows.notice import noting_ctrl_c
 from flows.run import absence
 from flows.spares import WORKER_COMMAND
 from storage_layout.auth import (
@@ -326,55 +327,57 @@ def join_and_train(
     pipeline: dict[str, Any] | None = None,
     speed: float | None = None,
     replace: bool = True,
+    stop: threading.Event | None = None,
 ) -> tuple[str, int]:
-    """``diloco join`` and the ``join`` flow: warm up, take a vacant slot (``join``) and
-    train as its learner (``become``) until it ends; returns the slot and the worker's
-    exit status. ``replace``: see ``become``."""
-    from flows.learner import warm_up
-
-    stop = threading.Event()
-
-    def warm(settings: dict[str, Any]) -> None:
-        warm_up(run, url, region, settings)
-        if not stop.is_set():
-            prefect_api_up()
-
-    try:
-        with _noting_ctrl_c(stop):
-            worker, env = join(url, run, region, slot, pipeline, speed=speed, warm=warm,
-                               interrupted=stop.is_set)  # fmt: skip
-    except KeyboardInterrupt:
-        print(f"interrupted before taking a slot of run {run}: this joiner leaves, having "
-              "written nothing", flush=True)  # fmt: skip
+    """``diloco join`` and the ``join`` flow: warm up, take a vacant slot (``take_slot``)
+    and train as its learner (``become``) until it ends; returns the slot and the worker's
+    exit status ("" and 130: interrupted before it took one). ``replace``: see ``become``;
+    ``stop``: a Ctrl-C noted already (``diloco join`` notes them from its start)."""
+    stop = threading.Event() if stop is None else stop
+    with noting_ctrl_c(stop, JOINER_STOPS):
+        taken = take_slot(url, run, region, slot, pipeline, speed, stop)
+    if taken is None:
         return "", 130
+    worker, env = taken
     return worker.writer, become(worker.argv(), env, replace)
 
 
-@contextlib.contextmanager
-def _noting_ctrl_c(stop: threading.Event) -> Iterator[None]:
-    """While a joiner warms up and takes its slot, a first Ctrl-C (SIGINT) is noted in
-    ``stop``, not raised: the joiner leaves once its warm-up ends, before it writes
-    anything (``join``'s ``interrupted``). Raised, it was swallowed when
-    it came during one of JAX's garbage collector callbacks ("Exception ignored in ...
-    _xla_gc_callback": the joiner took a slot and trained on), and one that stopped a
-    compilation left XLA to crash the process at its exit. A second Ctrl-C raises at once.
-    Only on the main thread (the only one a handler can be set on)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+JOINER_STOPS = ("this joiner leaves before it takes a slot, once the step of its warm-up "
+                "under way ends (a compilation: seconds)")  # fmt: skip
 
-    def noted(signum: int, frame: object) -> None:
+
+def take_slot(
+    url: str,
+    run: str,
+    region: str,
+    slot: str | None,
+    pipeline: dict[str, Any] | None,
+    speed: float | None,
+    stop: threading.Event,
+) -> tuple[workers.Worker, dict[str, str]] | None:
+    """``join`` with the learner's warm-up (``warm_up``, then the Prefect API), stopped by
+    ``stop`` (a Ctrl-C noted by ``flows.notice.noting_ctrl_c``, which its caller holds;
+    ``diloco join`` from before it imports JAX) between two steps of the warm-up or before
+    anything is written: then None, having taken nothing."""
+    from flows.learner import warm_up
+
+    def go_on() -> None:
         if stop.is_set():
-            raise KeyboardInterrupt  # asked twice: at once
-        stop.set()
-        print("Ctrl-C: this joiner leaves before it takes a slot, once its warm-up ends "
-              "(compiling: seconds; Ctrl-C again: at once)", flush=True)  # fmt: skip
+            raise KeyboardInterrupt  # (between two steps of the warm-up: none under way)
 
-    before = signal.signal(signal.SIGINT, noted)
+    def warm(settings: dict[str, Any]) -> None:
+        warm_up(run, url, region, settings, go_on)
+        go_on()
+        prefect_api_up()
+
     try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, before)
+        go_on()
+        return join(url, run, region, slot, pipeline, speed=speed, warm=warm,
+                    interrupted=stop.is_set)  # fmt: skip
+    except KeyboardInterrupt:
+        print(f"interrupted before taking a slot of run {run}: this joiner leaves, having "
+              "written nothing", flush=True)  # fmt: skip
+        return None
 
 
 def prefect_api_up() -> None:

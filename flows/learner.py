@@ -405,14 +405,14 @@ class BackgroundIO:
 _COMPILING = threading.Lock()  # a spare's warm-up and the learner it becomes compile once
 
 
-def compile_step(model: Any, cfg: Any) -> None:
+def compile_step(model: Any, cfg: Any, go_on: Callable[[], None] = lambda: None) -> None:
     """Run ``model``'s train step once on zeros, its send (the quantized outer gradient
     of each tensor shape) and its apply (``diloco.learner.compile_apply``): all are
     compiled (or loaded from the JAX cache) for this process; later calls of the same
     shapes reuse them. Otherwise a learner's first sends wait on their compilation,
     seconds in which the run's versions move on: a joiner's first contributions came out
     too stale to merge. One at a time: a second call waits for the first and then finds
-    them compiled."""
+    them compiled. ``go_on`` is called between compilations (it raises to stop there)."""
     trainer = model.trainer
     top = cfg.topology
     with _COMPILING:
@@ -423,6 +423,7 @@ def compile_step(model: Any, cfg: Any) -> None:
         for value in params.values():
             shapes.setdefault((value.shape, value.sharding), value)
         for value in shapes.values():
+            go_on()
             compile_apply(value)
             carries = (None, value) if top.error_feedback else (None,)
             for carry in carries:  # the first send has none, the later ones their residual
@@ -430,13 +431,20 @@ def compile_step(model: Any, cfg: Any) -> None:
                 got[0].block_until_ready()
 
 
-def warm_up(run: str, bucket: str, region: str, pipeline: dict | None = None) -> None:
+def warm_up(
+    run: str, bucket: str, region: str, pipeline: dict | None = None,
+    go_on: Callable[[], None] = lambda: None,
+) -> None:  # fmt: skip
     """What starting a learner of ``run`` costs whichever learner it is: the model
     (``build_model`` keeps one per process and config), its compiled train step and the
     corpus. A spare does it while it waits, so a learner that takes over from a killed one
-    starts training seconds sooner; so does ``diloco join`` before it takes a slot."""
+    starts training seconds sooner; so does ``diloco join`` before it takes a slot (its
+    ``go_on``, called between the steps, raises when it was told to stop)."""
     cfg = config_from_spec(RunStore(run, {region: bucket}, region).read_spec(), pipeline)
-    compile_step(build_model(cfg, learner=True), cfg)
+    model = build_model(cfg, learner=True)
+    go_on()
+    compile_step(model, cfg, go_on)
+    go_on()
     if cfg.data.assign == "units":  # the data set's manifest (a learner's units: its own)
         cached_dataset(cfg.data.source)
     else:

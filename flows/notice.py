@@ -24,12 +24,14 @@ interruption notice nor the preempted flag.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import sys
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 NOTICE_ENV = "DILOCO_PREEMPTION_NOTICE"
@@ -164,3 +166,29 @@ def _brief(text: str) -> str:
     if isinstance(notice, dict) and "action" in notice:
         return f"{notice['action']} at {notice.get('time', '?')}"
     return text.strip()[:200]
+
+
+@contextlib.contextmanager
+def noting_ctrl_c(stop: threading.Event, what: str) -> Iterator[None]:
+    """While it is held, a first Ctrl-C (SIGINT) is noted in ``stop`` and said (``what``
+    happens now), not raised: the code held asks ``stop`` where it may stop. Raised, a
+    ``KeyboardInterrupt`` is swallowed when it comes during one of JAX's garbage collector
+    callbacks ("Exception ignored in ... _xla_gc_callback": a `diloco join` warming up
+    took a slot and trained on), and one that stops a compilation leaves XLA to crash the
+    process at its exit. A second Ctrl-C raises at once. Only on the main thread (the only
+    one a handler can be set on); the handler before is put back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def noted(signum: int, frame: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt  # asked twice: at once
+        stop.set()
+        print(f"Ctrl-C: {what} (Ctrl-C again: at once)", flush=True)
+
+    before = signal.signal(signal.SIGINT, noted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -170,7 +171,8 @@ def test_a_ctrl_c_while_a_joiner_warms_up_is_not_lost_and_it_takes_no_slot(
     of JAX's garbage collector callbacks Python swallowed it ("Exception ignored in
     _xla_gc_callback") and the joiner warmed on, took a slot and trained; inside a
     compilation, XLA crashed the process at its exit. A first Ctrl-C is now noted: the
-    warm-up ends, and the joiner leaves having written nothing. A second
+    step of the warm-up under way ends, no other begins, and the joiner leaves having
+    written nothing. A second
     raises at once; swallowed too (as that callback did), it is still not lost."""
     import flows.learner
     from flows.join import join_and_train
@@ -180,26 +182,34 @@ def test_a_ctrl_c_while_a_joiner_warms_up_is_not_lost_and_it_takes_no_slot(
     for presses in (1, 2):
         warmed = []
 
-        def warm_up(*args, presses=presses, warmed=warmed, **kwargs) -> None:
-            try:
+        def warm_up(run, url, region, settings, go_on, presses=presses, warmed=warmed):
+            try:  # a step of the warm-up (a compilation) under way
                 for _ in range(presses):
                     os.kill(os.getpid(), signal.SIGINT)  # the user's Ctrl-C
                     time.sleep(0.5)  # (the handler runs at the next bytecode)
             except KeyboardInterrupt:
                 warmed.append("raised")  # ...where it is swallowed
-            warmed.append("warm")
+            warmed.append("step")  # the step ends
+            go_on()  # and the next does not begin
+            warmed.append("next step")
 
         monkeypatch.setattr(flows.learner, "warm_up", warm_up)
         monkeypatch.setattr("flows.join.prefect_api_up", lambda w=warmed: w.append("api"))
         monkeypatch.setattr("flows.join.become", lambda *a, w=warmed, **k: w.append("trained"))
         assert join_and_train(url, "ctrlc", REGION) == ("", 130)
-        assert warmed == ["raised", "warm"] if presses == 2 else ["warm"], presses
+        assert warmed == ["raised", "step"] if presses == 2 else ["step"], presses
         said = capsys.readouterr().out
         assert "Ctrl-C: this joiner leaves before it takes a slot" in said
         assert "having written nothing" in said
         for lid in spec["learners"]:
             assert store.joins(lid) == [] and store.newest_generation(lid) == 0
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    # one noted before (`diloco join` notes them from its start, JAX's import included):
+    # no warm-up at all
+    noted = threading.Event()
+    noted.set()
+    warmed.clear()
+    assert join_and_train(url, "ctrlc", REGION, stop=noted) == ("", 130) and warmed == []
 
 
 def _train(tmp_path: Path, run: str, tokens: int, *sets: str) -> tuple[subprocess.Popen, str]:
