@@ -433,8 +433,9 @@ class WindowReader:
         self._position += 1
         return out.astype(np.int32)
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    def close(self, wait: bool = False) -> None:
+        """Stop reading ahead (a read under way ends on its own; ``wait``: for it)."""
+        self._pool.shutdown(wait=wait, cancel_futures=True)
 
 
 class TokenReader(WindowReader):

@@ -163,10 +163,13 @@ def test_reading_memory_does_not_grow_with_the_data_set(prepared, tmp_path):
             reader.next_batch()
         peaks[scale] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-        reader.close()
+        reader.close(wait=True)  # its read ahead ends before the next one is measured
     # A few chunks (16 Ki tokens, 32 KB each) at a time, whatever the data set's size
-    # (1.6 MB or 12.8 MB of tokens here).
-    assert peaks[8] < 1.25 * peaks[1] + 64_000, peaks
+    # (1.6 MB or 12.8 MB of tokens here): a reader whose memory followed the data set
+    # would hold 8 times more at scale 8. How many of its groups overlap at the peak
+    # (the one served, the next read ahead, its read's temporaries) depends on the two
+    # threads' timing: 1.56x apart once on a loaded machine, so not a tighter ratio.
+    assert peaks[8] < 2 * peaks[1] + 64_000, peaks
     assert peaks[8] < 1_000_000, peaks
 
 

@@ -178,6 +178,7 @@ def test_a_ctrl_c_while_a_joiner_warms_up_is_not_lost_and_it_takes_no_slot(
     from flows.join import join_and_train
 
     url, _, store, spec, secret = _run(tmp_path, "ctrlc")
+    before = signal.getsignal(signal.SIGINT)  # (ignored, where pytest runs in the background)
     monkeypatch.setenv(RUN_SECRET_ENV, secret)
     for presses in (1, 2):
         warmed = []
@@ -203,7 +204,7 @@ def test_a_ctrl_c_while_a_joiner_warms_up_is_not_lost_and_it_takes_no_slot(
         assert "having written nothing" in said
         for lid in spec["learners"]:
             assert store.joins(lid) == [] and store.newest_generation(lid) == 0
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+        assert signal.getsignal(signal.SIGINT) == before  # put back
     # one noted before (`diloco join` notes them from its start, JAX's import included):
     # no warm-up at all
     noted = threading.Event()
