@@ -136,7 +136,7 @@ class Learner:
         for frag in self.fragments:
             frag.tokens += self.tokens_per_step
             frag.steps += 1
-            frag.seconds += seconds
+        self.add_seconds(seconds)
         return loss
 
     def wait_in_flight(self) -> None:
@@ -146,8 +146,8 @@ class Learner:
             self.in_flight = None
 
     def add_seconds(self, seconds: float) -> None:
-        """Time the steps took beyond what ``train_step`` was told (the device time of the
-        last ones, ``LearnerLoop.run``), on every fragment, as a step's is."""
+        """``seconds`` of training on every fragment: each step's (``train_step``), and
+        the device time of a call's last one (``LearnerLoop._settle``)."""
         for frag in self.fragments:
             frag.seconds += seconds
 

@@ -249,15 +249,13 @@ def join(
         print(f"warming up to join run {run} in {region} (the model, its compiled step, "
               f"the corpus) before taking a slot", flush=True)  # fmt: skip
         warm(pipeline)
-        if interrupted():
-            raise KeyboardInterrupt
         refuse_if_spent(" while this joiner warmed up")  # the run may have ended meanwhile
         taken = choose()
         print(f"warm after {time.time() - began:.1f} s", flush=True)
     record = {"region": region, "host": socket.gethostname(), "pid": os.getpid(),
               "devices": _devices(), "speed": speed}  # fmt: skip
     for _ in range(ADD_TRIES):  # an added slot: its member record, written once
-        if interrupted():  # (a Ctrl-C that JAX's code swallowed while it warmed up)
+        if interrupted():  # a Ctrl-C noted while it warmed up or chose: nothing written
             raise KeyboardInterrupt
         key = _key(env, keys, run, taken.learner)
         if not taken.added or store.put_member(
