@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import fsspec
 import numpy as np
 
-from diloco.data import DataError, is_held_out, list_files, read_documents
+from diloco.data import Corpus, DataError, is_held_out, list_files, read_documents
 
 FORMAT = "diloco-tokens"
 VERSION = 1
@@ -41,6 +41,7 @@ MANIFEST = "manifest.json"
 CHUNK_TOKENS = 1 << 20  # 2 MiB of uint16 tokens: one ranged read, one checksum
 SHARD_CHUNKS = 64  # chunks per shard file (128 MiB of uint16 tokens)
 SHUFFLE_CHUNKS = 4  # windows are shuffled within groups of this many chunks
+TEXT_CHUNK_BYTES = 1 << 16  # a text corpus's chunks, taken in units (``TextChunks``)
 DEFAULT_VOCAB = 4096
 TRAIN_TEXT_BYTES = 512 << 20  # text a BPE is trained on, at most (the corpus's start)
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>")
@@ -335,6 +336,32 @@ class Dataset:
 
 def open_dataset(url: str) -> Dataset:
     return Dataset(url)
+
+
+class TextChunks:
+    """A text corpus, as the byte reader reads it (``diloco.data.load_corpus`` into one
+    shard: its training files in their sorted order), cut into training chunks of
+    ``chunk_bytes`` bytes as a prepared data set's are, so that a run on text can take
+    its data in units (``data.assign = "units"``; ``diloco.units``) and grow. It is held
+    in memory, as the byte reader holds it; a chunk is a view of it, not a copy. Every
+    machine must hold the same corpus (the reader's rule), its split decided by each
+    file's path."""
+
+    def __init__(self, corpus: Corpus, url: str, chunk_bytes: int | None = None):
+        if len(corpus.train_shards) != 1:
+            raise ValueError("a text corpus is cut into chunks from one shard")
+        self.url, self.tokens_ = url, corpus.train_shards[0]
+        n, chunk_bytes = len(self.tokens_), chunk_bytes or TEXT_CHUNK_BYTES
+        self._train = [Chunk("text", i, start, min(chunk_bytes, n - start), "")
+                       for i, start in enumerate(range(0, n, chunk_bytes))]  # fmt: skip
+
+    def chunks(self, split: str = "train") -> list[Chunk]:
+        if split != "train":  # (validation: the byte reader's batches, as with slots)
+            raise ValueError(f"a text corpus's chunks are its training split, not {split!r}")
+        return self._train
+
+    def read_chunk(self, chunk: Chunk) -> np.ndarray:
+        return self.tokens_[chunk.start : chunk.start + chunk.tokens]
 
 
 def assignment(chunks: list[Chunk], index: int, learners: int) -> list[Chunk]:

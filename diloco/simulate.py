@@ -33,7 +33,7 @@ import numpy as np
 
 from diloco import dataset, records
 from diloco.config import RunConfig, sim_events, validate_config
-from diloco.data import Corpus, DataError, ShardReader, load_corpus, validation_batches
+from diloco.data import Corpus, ShardReader, load_corpus, validation_batches
 from diloco.fragments import FragmentPlan, fragment_sizes, plan_fragments
 from diloco.inner import InnerTrainer
 from diloco.loops import STEP, LearnerLoop, Request, SyncerLoop, Wait, resume_step
@@ -73,11 +73,30 @@ def cached_dataset(source: str) -> dataset.Dataset | None:
     return dataset.open_dataset(source) if dataset.is_prepared(source) else None
 
 
+@lru_cache(maxsize=4)
+def cached_text_chunks(
+    source: str | None, val_percent: int, text_field: str = "text"
+) -> dataset.TextChunks:
+    """The text corpus at ``source`` cut into chunks (``data.assign = "units"``)."""
+    corpus = cached_corpus(source, 1, val_percent, text_field)
+    return dataset.TextChunks(corpus, source or "the Python standard library")
+
+
+def _text_corpus(cfg: RunConfig) -> Corpus:
+    """The byte reader's corpus for ``cfg``: one shard per slot, or, taken in units,
+    one shard cut into chunks (its validation split is the same either way)."""
+    d = cfg.data
+    shards = 1 if d.assign == "units" else cfg.topology.learners
+    return cached_corpus(d.source, shards, d.val_percent, d.text_field)
+
+
 def settle_assign(cfg: RunConfig, stored: str | None = None) -> RunConfig:
     """``cfg`` with ``data.assign = "auto"`` made what it means: for a run already
     started, what its spec records (``stored``); else units for a prepared data set (no
     slot owns data: learners come, go and join beyond the slots) and slots for text
-    (the byte reader's shards are dealt to slots). Checked again as a whole (a join
+    (the byte reader's shards are dealt to slots: the quick start's and the simulator's
+    reference runs; text taken in units, asked for, is cut into chunks, and a run in
+    memory has one pool of units where one through buckets has one per region). Checked again as a whole (a join
     beyond the slots of a run on slots is refused by name)."""
     if cfg.data.assign != "auto":
         return cfg
@@ -95,13 +114,9 @@ def check_data(cfg: RunConfig) -> None:
     if prepared:
         prepared.check(cfg.model.vocab_size, cfg.topology.learners, cfg.model.context)
     elif cfg.data.assign == "units":
-        raise DataError(
-            "data.assign = 'units' takes a prepared data set (diloco data prepare); "
-            f"data.source {cfg.data.source or 'None (the standard library)'} is text"
-        )
+        unit_plan(cfg)  # (it names a corpus that holds no window)
     else:
-        d = cfg.data
-        cached_corpus(d.source, cfg.topology.learners, d.val_percent, d.text_field)
+        _text_corpus(cfg)
 
 
 def make_reader(
@@ -110,20 +125,24 @@ def make_reader(
     """Learner ``index``'s reader: its chunks of a prepared data set (with ``data.assign
     = "units"``, the spans it takes from ``ledger``), or its shard of the byte corpus."""
     d, m = cfg.data, cfg.topology.learners
-    prepared = d.source and cached_dataset(d.source)
-    if prepared and d.assign == "units":
+    if d.assign == "units":
         if ledger is None:
             raise ValueError("data.assign = 'units' reads through a ledger; none was given")
         return UnitReader(ledger.plan, learner_id(index), ledger, d.batch_size)
-    if prepared:
+    if prepared := d.source and cached_dataset(d.source):
         return dataset.TokenReader(prepared, index, m, d.batch_size, cfg.model.context, cfg.seed)
-    corpus = cached_corpus(d.source, m, d.val_percent, d.text_field)
-    return ShardReader(corpus.train_shards[index], d.batch_size, cfg.model.context, cfg.seed, index)
+    shard = _text_corpus(cfg).train_shards[index]
+    return ShardReader(shard, d.batch_size, cfg.model.context, cfg.seed, index)
 
 
 def unit_plan(cfg: RunConfig) -> UnitPlan:
-    """The units of ``cfg``'s prepared data set (``data.assign = "units"``)."""
-    return UnitPlan(cached_dataset(cfg.data.source), cfg.model.context, cfg.seed)
+    """The units of ``cfg``'s data (``data.assign = "units"``): a prepared data set's
+    chunks, or a text corpus cut into chunks (``dataset.TextChunks``)."""
+    d = cfg.data
+    chunks = d.source and cached_dataset(d.source)
+    if not chunks:
+        chunks = cached_text_chunks(d.source, d.val_percent, d.text_field)
+    return UnitPlan(chunks, cfg.model.context, cfg.seed)
 
 
 def make_validation(cfg: RunConfig) -> list[np.ndarray]:
@@ -134,7 +153,7 @@ def make_validation(cfg: RunConfig) -> list[np.ndarray]:
         return dataset.validation_batches(
             prepared, d.batch_size, cfg.model.context, d.eval_batches, cfg.seed
         )
-    corpus = cached_corpus(d.source, cfg.topology.learners, d.val_percent, d.text_field)
+    corpus = _text_corpus(cfg)
     return validation_batches(corpus, d.batch_size, cfg.model.context, d.eval_batches, cfg.seed)
 
 

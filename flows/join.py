@@ -174,8 +174,8 @@ def choose_slot(
     elif not grow and wanted is None:
         seen.append(
             "a run that deals its data to its slots (data.assign = 'slots') adds none "
-            "(a run on a prepared data set, `diloco data prepare`, takes it in units "
-            "and grows)"
+            "(a run started with --set data.assign=units, the default on a prepared data "
+            "set, takes its data in units and grows; on text too)"
         )
     elsewhere = sorted({r for lid, r in learners.items() if r != region})
     if elsewhere and wanted is None:  # (their states are in their regions' buckets)

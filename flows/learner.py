@@ -42,7 +42,7 @@ from diloco.learner import LearnerCheckpoint, compile_apply
 from diloco.loops import Clock, GlobalView, LearnerLoop, WallClock, drive
 from diloco.outer import Contribution
 from diloco.quantize_device import outer_gradient
-from diloco.simulate import cached_dataset, unit_plan
+from diloco.simulate import unit_plan
 from diloco.topology import learner_id, learner_index
 from diloco.transport import StoreLearnerView
 from diloco.units import UnitReader
@@ -445,8 +445,8 @@ def warm_up(
     go_on()
     compile_step(model, cfg, go_on)
     go_on()
-    if cfg.data.assign == "units":  # the data set's manifest (a learner's units: its own)
-        cached_dataset(cfg.data.source)
+    if cfg.data.assign == "units":  # the data's chunks (a learner's units: its own)
+        unit_plan(cfg)
     else:
         reader(cfg, 0)  # the corpus, read and split once per process
 

@@ -5,6 +5,7 @@ import json
 import time
 from collections import Counter
 from dataclasses import astuple
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -219,9 +220,10 @@ def _trained_once(result, cfg, plan: UnitPlan, vacant: set[str]) -> Counter:
 
 
 def _simulate_two_regions(prepared: str, tmp_path, run: str, *events: str):
-    """`simulate --store` of ``tiny`` on units over two file:// regions (us, eu) with the
-    membership ``events`` (``sim.*`` overrides): its config, unit plan, regions, result."""
-    from diloco.simulate import simulate
+    """`simulate --store` of ``tiny`` on units of ``prepared`` (a prepared data set, or
+    text) over two file:// regions (us, eu) with the membership ``events`` (``sim.*``
+    overrides): its config, unit plan, regions, result."""
+    from diloco.simulate import simulate, unit_plan
     from flows.run import simulation_store
 
     over = [
@@ -229,11 +231,44 @@ def _simulate_two_regions(prepared: str, tmp_path, run: str, *events: str):
         "budget.tokens=120000", "sim.eval_points=2", "topology.tau=1", *events,
     ]  # fmt: skip
     cfg = load_config("tiny", mode="decoupled", overrides=over)
-    plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
+    plan = unit_plan(cfg)
     regions = {r: f"file://{tmp_path / r}" for r in ("us", "eu")}
     for r in regions:
         (tmp_path / r).mkdir()
     return cfg, plan, regions, simulate(cfg, store=simulation_store(run, regions))
+
+
+def test_a_run_on_text_takes_it_in_units_and_grows_beyond_its_slots(tmp_path, monkeypatch):
+    """Text, not only a prepared data set, is taken in units (``data.assign = "units"``),
+    so a run on text grows too (it was refused: 'takes a prepared data set'). Its training
+    split, as the byte reader reads it into one shard, is cut into chunks that cover it
+    in order; through buckets of two regions, learner 4 joins beyond the run's four slots
+    and its work is merged, no window is trained twice and none of a unit handed out is
+    skipped, the audit is clean; the held-out batches are those of a run on slots."""
+    from diloco import dataset
+    from diloco.simulate import cached_corpus, make_validation
+    from flows.ledger import audit_units
+    from storage_layout.audit import audit_run
+
+    monkeypatch.setattr(dataset, "TEXT_CHUNK_BYTES", 4096)  # 48 KB of text: a dozen chunks
+    text = tmp_path / "text"
+    text.mkdir()
+    for f in sorted((STDLIB / "json").glob("*.py")):
+        (text / f.name).write_text(f.read_text())
+    cfg, plan, regions, result = _simulate_two_regions(
+        str(text), tmp_path, "t", 'sim.joins=[{"learner": 4, "at": 0.2}]')  # fmt: skip
+    whole = cached_corpus(str(text), 1, cfg.data.val_percent).train_shards[0]
+    read = [plan.dataset.read_chunk(c) for c in plan.chunks]
+    assert len(read) == -(-len(whole) // 4096) and np.array_equal(np.concatenate(read), whole)
+    _trained_once(result, cfg, plan, set())
+    report = audit_run("t", regions)
+    audit_units(report)
+    assert report.ok, report.violations
+    assert report.learners["learner-4"]["added"]
+    assert report.learners["learner-4"]["tokens"]["merged"] > 0
+    slots = load_config("tiny", overrides=[f"data.source={text}", "data.assign=slots",
+                                          "topology.learners=1"])  # fmt: skip
+    assert all(map(np.array_equal, make_validation(cfg), make_validation(slots)))
 
 
 def test_a_simulated_region_whose_learners_all_leave_leaves_no_data_of_an_epoch_behind(
@@ -402,20 +437,24 @@ def _worker_run(prepared, tmp_path, run):
     return cfg, regions, store, spec, next(iter(spec["learners"]))
 
 
+@pytest.mark.parametrize("data", ["prepared", "text"])
 def test_a_learner_worker_takes_units_from_its_regions_bucket_and_gives_back_as_it_leaves(
-    prepared, tmp_path, prefect_api
+    prepared, data, tmp_path, prefect_api
 ):
-    """A pipeline learner (a worker process) with `data.assign = "units"`: it takes
-    spans through its region's bucket as it trains; told it is preempted (SIGTERM, once
-    its first send commits) it sends, checkpoints and gives back its stream from that
-    step: the rest of its unit is offered to the next learner of its region."""
+    """A pipeline learner (a worker process) with `data.assign = "units"`, of a prepared
+    data set or of text (the same files, as bytes): it takes spans through its region's
+    bucket as it trains; told it is preempted (SIGTERM, once its first send commits) it
+    sends, checkpoints and gives back its stream from that step: the rest of its unit is
+    offered to the next learner of its region."""
+    from diloco.simulate import unit_plan
     from flows.ledger import region_ledger
     from tests.test_pipeline import preempted_worker
 
-    cfg, _regions, store, spec, lid = _worker_run(prepared, tmp_path, "pu")
+    source = prepared if data == "prepared" else str(Path(prepared).parent / "text")
+    cfg, _regions, store, spec, lid = _worker_run(source, tmp_path, "pu")
     preempted_worker(store, cfg, lid, tmp_path / "learner.log")
     step = store.read_metrics(lid)["step"]
-    plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
+    plan = unit_plan(cfg)
     ledger = region_ledger(store, plan, spec["learners"], "us-east")
     held = ledger.spans(lid)
     assert held and sum(s.windows for s in held) == step * cfg.data.batch_size, (held, step)
@@ -468,7 +507,8 @@ def test_a_new_run_takes_a_prepared_data_set_in_units_and_a_started_one_keeps_it
 
 
 def test_units_take_a_prepared_data_set_and_a_bad_ledger_record_is_named(prepared, tmp_path):
-    """Units of a text source are refused before anything is written; a ledger record
+    """Units of a text source too small to train on are refused by name before anything
+    is written; a ledger record
     that names no span of the data set's units (damaged, forged) is an error naming its
     key, and so is a release that gives back what its learner did not hold."""
     from diloco.data import DataError
@@ -478,8 +518,11 @@ def test_units_take_a_prepared_data_set_and_a_bad_ledger_record_is_named(prepare
 
     (tmp_path / "us").mkdir()
     store = RunStore("u", {"us": f"file://{tmp_path / 'us'}"}, "us")
-    with pytest.raises(DataError, match=r"data.assign = 'units' takes a prepared data set"):
-        initialize_run(store, load_config("tiny", overrides=["data.assign=units"]))
+    small = tmp_path / "small.txt"
+    small.write_text("too little text to train on\n" * 40)
+    with pytest.raises(DataError, match=r"training shard 0 of .*small.txt has 1064 bytes"):
+        initialize_run(store, load_config("tiny", overrides=["data.assign=units",
+                                                             f"data.source={small}"]))  # fmt: skip
     assert not list((tmp_path / "us").iterdir())  # nothing written
     plan = UnitPlan(open_dataset(prepared), context=64, seed=0)
     ledger = BucketLedger(store, plan, ["learner-0"])
