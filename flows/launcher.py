@@ -36,6 +36,7 @@ from prefect.artifacts import (
     create_progress_artifact,
     update_progress_artifact,
 )
+from prefect.states import Cancelled, State
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from diloco.config import (
@@ -463,8 +464,9 @@ def train_flow(
     via: Literal["processes", "deployments"] = "processes",
     preset: str = "tiny",
     overrides: list[str] | None = None,
-) -> dict[str, Any]:
-    """Run ``run`` to its end across ``regions``; the same name resumes it.
+) -> dict[str, Any] | State:
+    """Run ``run`` to its end across ``regions``; the same name resumes it (a run stopped
+    by a signal ends its flow run Cancelled).
 
     Its flow run is tagged ``run:RUN``, ``launcher`` and ``via:VIA``, and every learner
     and syncer flow run it starts is linked under it as a subflow, in both modes.
@@ -493,6 +495,22 @@ def train_flow(
     launch = LAUNCH.get(None) or Launch()
     launch.stopping.clear()
     launch.signalled.clear()
+    try:
+        return _train(run, regions, cfg, logs, via, launch, log)
+    except KeyboardInterrupt:
+        if not launch.signalled.is_set():
+            raise
+        # Stopped by its user (Ctrl-C, SIGTERM): the flow run ends Cancelled, not Crashed
+        # ("Crash detected!", an error in the log and the UI), and `diloco train` says so.
+        return Cancelled(message=f"stopped by a signal: the learners and syncers checkpoint; "
+                                 f"run {run!r} resumes where it stopped")  # fmt: skip
+
+
+def _train(
+    run: str, regions: dict[str, str], cfg: RunConfig, logs: str, via: str, launch: Launch,
+    log: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """``train_flow``'s body, its arguments checked: the run from its spec to its summary."""
     folder = Path(logs).parent
     folder.mkdir(parents=True, exist_ok=True)
     fault_plan = worker_faults(cfg, folder, log)  # both checked before anything is committed

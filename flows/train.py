@@ -222,6 +222,8 @@ def _train(
             console.print(
                 f"Prefect API {api_url}" + ("" if external else f" (home {prefect_home})")
             )
+            from prefect.exceptions import CancelledRun
+
             from flows import launcher  # (Prefect: its settings are the run's from here)
             from flows.monitor import StorageUnreachable
             from flows.worker import prefect_api_reachable
@@ -235,7 +237,7 @@ def _train(
             signal.signal(signal.SIGTERM, launch.on_signal)
             try:
                 summary = launcher.train_flow(run, regions, cfg, str(root / "logs"), via=via)
-            except KeyboardInterrupt:
+            except (KeyboardInterrupt, CancelledRun):  # (its flow run ends Cancelled)
                 console.print("[yellow]interrupted[/]: stopping learners and syncers (they "
                               "checkpoint)")  # fmt: skip
                 launch.stop()

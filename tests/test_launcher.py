@@ -318,6 +318,47 @@ def test_a_prefect_server_left_by_a_dead_launcher_is_stopped_before_another_star
 
 
 @pytest.mark.slow
+def test_a_ctrl_c_stops_a_run_its_flow_run_cancelled_and_the_same_command_resumes_it(tmp_path):
+    """A user's Ctrl-C to `diloco train` (SIGINT), once versions are published: it exits
+    130 saying how to resume, no worker outlives it, and its flow run ends Cancelled (it
+    ended Crashed: "Crash detected!", an error in the log and in the Prefect UI). The same
+    command then resumes the run to its end: the summary keeps the run's first loss, and
+    the audit finds every contribution merged once across the stop."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+    root, run = tmp_path / "runs", "stopped"
+    root.mkdir()
+    log = root / "first.log"
+    proc = _train(root, run, 200_000, env, log, learners=2)
+    regions = {r: f"file://{root / run / 'buckets' / r}" for r in ("us-east", "eu-west")}
+    try:
+        store = until(lambda: (root / run / "buckets" / "us-east" / run / "spec.json").exists()
+                      and RunStore(run, regions, "us-east"), "the run's spec")  # fmt: skip
+        until(lambda: (store.latest_global(0) or 0) >= 2, "two versions of fragment 0")
+        workers = _started(log)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = log.read_text()
+    assert code == 130, output[-3000:]
+    assert f"resume with the same command (run '{run}')" in output, output[-3000:]
+    assert "Flow run 'train stopped' - Finished in state Cancelled(" in output, output[-3000:]
+    assert "Crash detected" not in output and "Traceback" not in output, output[-3000:]
+    assert len(workers) == 3 and not any(command_line(pid) for pid in workers.values())
+    assert not (root / run / "summary.json").exists()
+    again = _train(root, run, 200_000, env, root / "again.log", learners=2)
+    code = again.wait(timeout=600)
+    output = (root / "again.log").read_text()
+    assert code == 0, output[-4000:]
+    summary = json.loads((root / run / "summary.json").read_text())
+    assert set(summary["learner_states"].values()) == {"done"}, summary
+    assert summary["tokens"] >= 200_000 and "this launch began at" in output
+    report = audit_run(run, regions)
+    assert report.ok, dict(report.violations)
+
+
+@pytest.mark.slow
 def test_two_launchers_of_one_run_and_a_killed_launchers_workers(tmp_path):
     """Defects: two `diloco train` of one run started together: the second died with a
     raw SQLite traceback (or, later, both ran); a launcher killed with SIGKILL left its
