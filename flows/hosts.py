@@ -119,6 +119,7 @@ def follow(flow_run_id: str | None = None) -> int:
     or process of the flow run's job), as a flow run of its own, once. The leader's flow
     run ends after the same rounds (the group's decisions agree), and so does this one."""
     from prefect import get_client
+    from prefect.exceptions import CancelledRun
 
     from flows.learner import learner_flow
 
@@ -128,7 +129,10 @@ def follow(flow_run_id: str | None = None) -> int:
     with get_client(sync_client=True) as client:
         parameters = client.read_flow_run(flow_run_id).parameters
     join()
-    learner_flow(**parameters)
+    try:
+        learner_flow(**parameters)
+    except CancelledRun:  # stopped by a signal: it checkpointed (observe.stopped)
+        return 130
     return 0
 
 

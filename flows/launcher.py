@@ -36,7 +36,7 @@ from prefect.artifacts import (
     create_progress_artifact,
     update_progress_artifact,
 )
-from prefect.states import Cancelled, State
+from prefect.states import State
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from diloco.config import (
@@ -57,7 +57,7 @@ from flows.monitor import (
     loss_plot_png,
     summary_markdown,
 )
-from flows.observe import artifact_key, tag_flow_run
+from flows.observe import artifact_key, stopped, tag_flow_run
 from flows.run import initialize_run, settled
 from flows.run_lock import RunLock, RunTakenOver, held
 from flows.supervision import (
@@ -502,8 +502,8 @@ def train_flow(
             raise
         # Stopped by its user (Ctrl-C, SIGTERM): the flow run ends Cancelled, not Crashed
         # ("Crash detected!", an error in the log and the UI), and `diloco train` says so.
-        return Cancelled(message=f"stopped by a signal: the learners and syncers checkpoint; "
-                                 f"run {run!r} resumes where it stopped")  # fmt: skip
+        return stopped(f"stopped by a signal: the learners and syncers checkpoint; run "
+                       f"{run!r} resumes where it stopped")  # fmt: skip
 
 
 def _train(

@@ -36,6 +36,7 @@ import numpy as np
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.states import State
 
 from diloco import hosts, records
 from diloco.learner import LearnerCheckpoint, compile_apply
@@ -50,7 +51,7 @@ from flows.bucket_io import HostPart
 from flows.hosts import join as join_group
 from flows.ledger import BucketLedger, FollowedLedger, region_ledger
 from flows.notice import NOTICE_ENV, NoticeWatcher, notice_source
-from flows.observe import artifact_key, run_logger, tag_flow_run, worker_tags
+from flows.observe import artifact_key, run_logger, stopped, tag_flow_run, worker_tags
 from flows.pace import Pace
 from flows.run import bucket_store, build_model, config_from_spec, reader
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV
@@ -824,8 +825,14 @@ def runtime(
 
 @task(name="learner-round", task_run_name="{label}", retries=0, cache_policy=NO_CACHE,
       persist_result=False)  # fmt: skip
-def train_round(rt: LearnerRuntime, label: str) -> dict[str, Any]:
-    row = rt.train_round()
+def train_round(rt: LearnerRuntime, label: str) -> dict[str, Any] | None:
+    """One round; None when a signal stopped it (SIGINT: the run is stopped), which the
+    flow takes as its interrupt: the task run ends, not Crashed ("Crash detected!")."""
+    try:
+        row = rt.train_round()
+    except KeyboardInterrupt:
+        get_run_logger().warning("stopped by a signal at step %d", rt.step)
+        return None
     where = (f"step {row['step']} (run {100 * rt.loop.run_steps() / rt.cfg.budget_steps:.0f} %)"
              if rt.cfg.shared_budget else f"step {row['step']}/{rt.loop.total_steps}")  # fmt: skip
     get_run_logger().info(
@@ -838,9 +845,10 @@ def train_round(rt: LearnerRuntime, label: str) -> dict[str, Any]:
 @flow(name="learner", flow_run_name="learner {region}/{index}", persist_result=False)
 def learner_flow(
     run: str, bucket: str, region: str, index: int, pipeline: dict | None = None
-) -> dict[str, Any]:
+) -> dict[str, Any] | State:
     """Train learner ``index`` of ``run`` in ``region`` (whose bucket is ``bucket``) for a
-    bounded number of rounds; returns ``{"done": bool, "step": int, ...}``."""
+    bounded number of rounds; returns ``{"done": bool, "step": int, ...}``, or, stopped
+    by a signal, checkpoints and ends its flow run Cancelled (``observe.stopped``)."""
     log = get_run_logger()
     take_sigterm()  # in place of the flow engine's handler, for this run
     tag_flow_run(worker_tags(run, region, f"learner:{index}"))
@@ -867,7 +875,10 @@ def learner_flow(
         for _ in range(rt.cfg.pipeline.rounds_per_flow_run):
             if rt.finished or rt.preempting():
                 break
-            rows.append(train_round(rt, f"learner {rt.label} round {rt.round}"))
+            row = train_round(rt, f"learner {rt.label} round {rt.round}")
+            if row is None:  # (the round's task took the interrupt)
+                raise KeyboardInterrupt
+            rows.append(row)
         if not rt.finished and rt.preempting():
             left = rt.leave()
             _RUNTIMES.pop((run, region, lid), None)
@@ -880,7 +891,7 @@ def learner_flow(
         log.warning("interrupted: checkpointing at step %d", rt.step)
         rt.checkpoint(wait=True)
         rt.close()
-        raise
+        return stopped(f"stopped by a signal: checkpointed at step {rt.step}")
     if finished:
         rt.write_status("done", final=True)
         if rt.cfg.shared_budget:

@@ -112,6 +112,16 @@ def linked_flow_run(flow: Any, parameters: dict[str, Any], env: Any, tags: list[
         )
 
 
+def stopped(what: str) -> Any:
+    """The state a flow run told to stop returns (a Ctrl-C to `diloco train`, the
+    launcher's SIGINT to its workers): Cancelled, saying ``what`` it did, not Crashed
+    ("Crash detected!", an error in the log and in the Prefect UI, for a stop that was
+    asked for). Whoever called the flow gets ``prefect.exceptions.CancelledRun``."""
+    from prefect.states import Cancelled
+
+    return Cancelled(message=what)
+
+
 def run_linked(flow: Any, parameters: dict[str, Any], env: Any, tags: list[str] = ()) -> Any:
     """Call ``flow`` with ``parameters`` as a subflow of the task run ``env`` names (see
     ``linked_flow_run``), or as a flow run of its own when it names none or the link

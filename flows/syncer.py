@@ -21,6 +21,7 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.states import State
 
 from diloco import records
 from diloco.loops import (
@@ -38,7 +39,7 @@ from diloco.syncer import GlobalVersion
 from diloco.topology import shard_fragments, syncer_id
 from flows.bucket_io import BucketStore
 from flows.ledger import SilentReleases, UnitOffers
-from flows.observe import artifact_key, run_logger, tag_flow_run, worker_tags
+from flows.observe import artifact_key, run_logger, stopped, tag_flow_run, worker_tags
 from flows.pace import ADMIT_EVERY, MEMBERS_EVERY, Pace
 from flows.run import absence, bucket_store, config_from_spec, worker_done
 from storage_layout.auth import RUN_SECRET_ENV, UNAUTHENTICATED, record_verifies
@@ -444,9 +445,11 @@ def syncer_flow(
     shard: int = 0,
     shards: int = 1,
     pipeline: dict | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Any] | State:
     """Merge and publish shard ``shard`` of ``shards`` from region ``home``; returns
-    ``{"done": bool, "versions": {fragment: newest}, ...}``."""
+    ``{"done": bool, "versions": {fragment: newest}, ...}``, or, stopped by a signal,
+    ends its flow run Cancelled (``observe.stopped``; what it published is committed,
+    a publish under way is not, and the next syncer makes it again)."""
     log = get_run_logger()
     tag_flow_run(worker_tags(run, home, "syncer"))
     key = (run, home, shard)
@@ -473,7 +476,10 @@ def syncer_flow(
     def enough() -> bool:  # a bounded flow run; the next one goes on from here
         return len(records.of(rt.records[first:], "version")) >= opts.versions_per_flow_run
 
-    done = drive(rt.loop.run(), opts.poll_seconds, stop=enough)
+    try:
+        done = drive(rt.loop.run(), opts.poll_seconds, stop=enough)
+    except KeyboardInterrupt:
+        return stopped(f"stopped by a signal at versions {rt.loop.versions}")
     new = rt.records[first:]
     rt.store.write_metrics(syncer_id(shard), rt.status("done" if done else "paused"))
     rows = [version_row(r) for r in records.of(new, "version")]

@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     pipeline = json.loads(args.pipeline)
 
+    from prefect.exceptions import CancelledRun
+
     from flows.observe import run_linked, worker_tags
     from storage_layout.bucket import BucketError  # slow imports: after argument errors
 
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             if result.get("preempted"):
                 return 128 + signal.SIGTERM  # it left as told: ended by SIGTERM, cleanly
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, CancelledRun):  # (its flow run ended Cancelled)
         print("interrupted", file=sys.stderr)
         return 130
     except BucketError as exc:  # a region down: the launcher retries with backoff

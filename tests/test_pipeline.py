@@ -919,6 +919,40 @@ def test_a_learner_worker_told_it_is_preempted_sends_checkpoints_and_leaves(
     assert acc["tokens"]["merged"] == 0, acc
 
 
+def test_a_worker_stopped_by_the_launcher_checkpoints_and_its_flow_run_ends_cancelled(
+    tmp_path, prefect_api
+):
+    """SIGINT to a learner's worker (how the launcher stops a run: a Ctrl-C to `diloco
+    train`), once its first send commits: it checkpoints at the step it reached, exits
+    130 and its flow run ends Cancelled, saying so (it ended Crashed: "Crash detected!",
+    an error in the log and in the Prefect UI, for a stop that was asked for)."""
+    cfg = tiny(50_000_000)  # far more than the test trains: it never finishes
+    opts = cfg.pipeline.model_copy(update={"rounds_per_flow_run": 10_000})  # one flow run
+    cfg = cfg.model_copy(update={"pipeline": opts})
+    regions = {"us-east": f"file://{tmp_path / 'us'}"}
+    (tmp_path / "us").mkdir()
+    store = RunStore("stop", regions, "us-east")
+    lid = next(iter(initialize_run(store, cfg)["learners"]))
+    argv = workers.learner("stop", regions["us-east"], "us-east", 0, cfg).argv()
+    log = tmp_path / "learner.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=child_env())
+    try:
+        _wait(lambda: any(store.contribution_seqs(lid, p, "us-east")
+                          for p in range(cfg.topology.fragments)), 300, "its first send", proc)  # fmt: skip
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert code == 130, text[-3000:]
+    step = store.checkpoint_steps(lid)[-1]
+    assert f"Finished in state Cancelled('stopped by a signal: checkpointed at step {step}')" in (
+        text), text[-3000:]  # fmt: skip
+    assert "Traceback" not in text, text[-3000:]
+
+
 def test_the_syncers_members_follow_the_learners_statuses(tmp_path, caplog, monkeypatch):
     """A syncer counts towards the quorum every learner but one whose status says it was
     preempted, one whose status has not changed for pipeline.member_timeout seconds of
