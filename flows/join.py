@@ -9,11 +9,13 @@ has trained its budget and is not vacant. A joiner picks the first vacant slot o
 region that it holds a key for, writes a signed join record (write-once, under the slot's
 ``joins/``), and becomes that slot's learner: it resumes from the slot's newest checkpoint
 at the slot's data position, so no batch of the slot is skipped or trained twice whoever
-trains it, and it needs no live donor, only the bucket. Several joiners may start at
-once: each start claims the slot's next generation (an exclusive create), and a process
-whose generation is no longer the newest stops, so one joiner per slot trains on. A slot
-whose join record is younger than the timeout and that has not started yet is not
-vacant: its joiner is on its way.
+trains it, and it needs no live donor, only the bucket. Several joiners may come at
+once: a join record is the one after the newest its joiner saw when it chose the slot
+(an exclusive create), so of two that chose one slot at the same moment the second
+finds it written and chooses again; and each start claims the slot's next generation,
+so a process whose generation is no longer the newest stops. A slot whose join record
+is younger than the timeout and newer than its status is not vacant: its joiner is on
+its way.
 
 **A run grows** when a joiner finds no vacant slot in its region and the run takes its
 data in units (``data.assign = "units"``: no slot owns a share of the data, each learner
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -55,6 +58,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from prefect import flow
@@ -77,7 +81,7 @@ from storage_layout.auth import (
 )
 from storage_layout.store import RunStore
 
-ADD_TRIES = 8  # slots a joiner tries to add, each time another joiner adds it first
+TAKE_TRIES = 8  # slots a joiner tries to take or add, each time another joiner was first
 LEARNER_ID = re.compile(rf"{LEARNER_PREFIX}\d+")  # a token may name anything
 
 
@@ -87,6 +91,7 @@ class Slot:
     vacant: bool
     why: str  # why it is vacant, or what it is doing
     added: bool = False  # a slot this joiner adds to the run (none was vacant)
+    joins: int = 0  # the number of its newest join record, when it was chosen
 
 
 def slot_state(
@@ -98,18 +103,21 @@ def slot_state(
     if status is None:
         if store.newest_generation(learner) != 0:
             return Slot(learner, False, "starting (it has claimed the slot, no status yet)")
-        joined = store.newest_join(learner, region)  # a joiner on its way to its start
-        at = joined[1].get("time") if joined else None
-        if isinstance(at, (int, float)) and now - at < timeout:
-            return Slot(learner, False, f"joining (joined {now - at:.0f} s ago, not started)")
-        return Slot(learner, True, "never started")
-    state = status.get("state", "?")
-    if state == "done":
-        return Slot(learner, False, "done: it has trained its budget")
-    why = absence(status, now - float(status.get("time") or 0.0), timeout)
-    if why is not None:
-        return Slot(learner, True, why.split(" (")[0])
-    return Slot(learner, False, f"{state} at step {status.get('step', 0)}")
+        why, since = "never started", -math.inf
+    else:
+        state, since = status.get("state", "?"), float(status.get("time") or 0.0)
+        if state == "done":
+            return Slot(learner, False, "done: it has trained its budget")
+        why = absence(status, now - since, timeout)
+        if why is None:
+            return Slot(learner, False, f"{state} at step {status.get('step', 0)}")
+    # Vacant by its status, unless a joiner is on its way to its start: a join record
+    # younger than the timeout, and newer than the status (a preempted slot joined again).
+    joined = store.newest_join(learner, region)
+    at = joined[1].get("time") if joined else None
+    if isinstance(at, (int, float)) and now - at < timeout and at > since:
+        return Slot(learner, False, f"joining (joined {now - at:.0f} s ago, not started)")
+    return Slot(learner, True, why.split(" (")[0], joins=joined[0] if joined else 0)
 
 
 def join_keys(run: str, environ: Mapping[str, str]) -> dict[str, bytes] | None:
@@ -254,29 +262,26 @@ def join(
         print(f"warm after {time.time() - began:.1f} s", flush=True)
     record = {"region": region, "host": socket.gethostname(), "pid": os.getpid(),
               "devices": _devices(), "speed": speed}  # fmt: skip
-    for _ in range(ADD_TRIES):  # an added slot: its member record, written once
+    for _ in range(TAKE_TRIES):
         if interrupted():  # a Ctrl-C noted while it warmed up or chose: nothing written
             raise KeyboardInterrupt
-        key = _key(env, keys, run, taken.learner)
-        if not taken.added or store.put_member(
-            taken.learner, {**record, "learner": taken.learner, "time": time.time()}, key
+        lid, key = taken.learner, _key(env, keys, run, taken.learner)
+        if taken.added and not store.put_member(  # its member record, written once
+            lid, {**record, "learner": lid, "time": time.time()}, key
         ):
+            taken = choose()  # another joiner added that one first
+            continue
+        joined = {**record, "learner": lid, "time": time.time(), "took": taken.why}
+        writer = RunStore(run, {region: url}, region, writer=lid)
+        # The join after the newest this joiner saw, or none: another joiner that chose
+        # the same slot at the same moment wrote it first, and this one chooses again.
+        n = writer.put_join(lid, partial(_join_body, joined, key), after=taken.joins)
+        if n is not None:
             break
-        taken = choose()  # another joiner added that one first
+        taken = choose()
     else:
-        raise JoinRefused(f"{ADD_TRIES} slots added in region {region!r} of run {run!r} were "
-                          "each taken by another joiner first")  # fmt: skip
-    lid = taken.learner
-    record.update(learner=lid, time=time.time(), took=taken.why)
-    writer = RunStore(run, {region: url}, region, writer=lid)
-
-    def body(n: int) -> bytes:
-        signed_record = {**record, "join": n}
-        if key is not None:
-            signed_record = sign_record(signed_record, key)
-        return json.dumps(signed_record, sort_keys=True).encode()
-
-    n = writer.put_join(lid, body)
+        raise JoinRefused(f"{TAKE_TRIES} slots of region {region!r} of run {run!r} were each "
+                          "taken by another joiner first")  # fmt: skip
     if key is not None:
         env[LEARNER_KEY_ENV] = key.hex()
     env.pop(RUN_SECRET_ENV, None)  # a learner holds its own key only
@@ -284,6 +289,15 @@ def join(
     print(f"joining run {run} as {lid} in {region} (join {n}; the slot: {taken.why})",
           flush=True)  # fmt: skip
     return workers.learner(run, url, region, learner_index(lid), cfg, pipeline), env
+
+
+def _join_body(record: dict[str, Any], key: bytes | None, n: int) -> bytes:
+    """Join record ``n`` of ``record``, signed with the learner's ``key`` where the run
+    signs."""
+    signed = {**record, "join": n}
+    if key is not None:
+        signed = sign_record(signed, key)
+    return json.dumps(signed, sort_keys=True).encode()
 
 
 def _key(env: Mapping[str, str], keys: dict[str, bytes] | None, run: str, lid: str) -> bytes | None:

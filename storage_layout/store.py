@@ -634,10 +634,23 @@ class RunStore:
             {lid: record for lid, (_, record) in added.items()}, refused,
         )  # fmt: skip
 
-    def put_join(self, learner: str, record: Callable[[int], bytes]) -> int:
+    def put_join(
+        self, learner: str, record: Callable[[int], bytes], after: int | None = None
+    ) -> int | None:
         """Add a join record of ``learner`` (``record(N)``: its signed JSON as join N) in
-        this store's region, the learner's own, written once; returns N."""
-        return self.put_next(self.layout.join_commits(learner), record)
+        this store's region, the learner's own, written once; returns N. With ``after``
+        (the newest join its joiner saw when it chose the slot: ``newest_join``) it is
+        join ``after + 1`` or none: None when another joiner wrote that one first (the
+        slot is theirs), so two joiners racing for one slot never both take it."""
+        prefix = self.layout.join_commits(learner)
+        if after is None:
+            return self.put_next(prefix, record)
+        key, data = f"{prefix}/s{number(after + 1)}.json", record(after + 1)
+        try:
+            patiently(lambda: self.home.put_exclusive(key, data), key)
+        except FileExistsError:
+            return after + 1 if self._holds(key, data) else None
+        return after + 1
 
     def joins(self, learner: str, region: str | None = None) -> list[dict[str, Any]]:
         """``learner``'s join records in ``region`` (its own), oldest first, as stored:

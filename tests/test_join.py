@@ -144,6 +144,32 @@ def test_a_joiner_whose_run_trains_its_budget_while_it_warms_up_is_refused_and_t
     assert len(warmed) == 1
 
 
+def test_two_joiners_that_choose_one_slot_at_the_same_moment_take_two(tmp_path):
+    """Defect: two joiners that chose the same vacant slot at the same moment (spot
+    machines that come up together) both wrote a join record for it and both started as
+    its learner, where the newer generation stops the older: a machine lost. A join
+    record is now the one after the newest its joiner saw when it chose, or none: the
+    second joiner, finding it written, chooses again and takes the next vacant slot. Here
+    the first joins learner-0 (preempted, joined once before) just before the second
+    writes; the second takes learner-1 (never started)."""
+    url, _, store, _, secret = _run(tmp_path, "race")
+    env = {RUN_SECRET_ENV: secret}
+    RunStore("race", {REGION: url}, REGION, writer="learner-0").write_metrics(
+        "learner-0", {"state": "preempted", "time": time.time(), "step": 40})  # fmt: skip
+    store.put_join("learner-0", lambda n: json.dumps({"join": n, "host": "before"}).encode())
+    first: list[str] = []
+
+    def the_first_joins_meanwhile() -> bool:  # (asked just before the second writes)
+        if not first:
+            first.append(join(url, "race", REGION, environ=env)[0].writer)
+        return False
+
+    second, _ = join(url, "race", REGION, environ=env, interrupted=the_first_joins_meanwhile)
+    assert first == ["learner-0"] and second.writer == "learner-1"
+    assert [r["join"] for r in store.joins("learner-0")] == [1, 2]
+    assert [r["join"] for r in store.joins("learner-1")] == [1]
+
+
 def test_a_joiner_refused_in_its_region_is_told_where_else_the_run_has_slots(tmp_path):
     """A joiner that finds no slot in its region (here: the only one trains) is told
     which other regions have slots: their states are in those regions' buckets, which
@@ -482,7 +508,8 @@ def test_a_joiner_that_finds_no_slot_vacant_adds_one_to_a_run_taking_its_data_in
 
 def test_slot_states_follow_the_statuses(tmp_path):
     """A slot is vacant when never started, preempted, or silent past the timeout; not
-    when done, training, or claimed by a start that has written no status yet."""
+    when done, training, claimed by a start that has written no status yet, or joined
+    since its status (a joiner on its way: a preempted slot joined again was vacant)."""
     url, _, store, _, _ = _run(tmp_path, "slots")
     now = time.time()
     lid = "learner-0"
@@ -495,6 +522,14 @@ def test_slot_states_follow_the_statuses(tmp_path):
         writer.write_metrics(lid, {"state": state, "time": at, "step": 3})
         got = slot_state(store, lid, REGION, 600, now)
         assert got.vacant is vacant, (state, at, got)
+    # Preempted, then joined again: its joiner is on its way (a join newer than the
+    # status) until it starts, or its join is older than the timeout.
+    writer.write_metrics(lid, {"state": "preempted", "time": now - 20, "step": 3})
+    store.put_join(lid, lambda n: json.dumps({"join": n, "time": now - 30}).encode())
+    assert slot_state(store, lid, REGION, 600, now).vacant  # that join came before it
+    store.put_join(lid, lambda n: json.dumps({"join": n, "time": now - 10}).encode())
+    assert slot_state(store, lid, REGION, 600, now).why == "joining (joined 10 s ago, not started)"
+    assert slot_state(store, lid, REGION, 600, now + 700).vacant
 
 
 def test_a_joiner_stopped_with_ctrl_c_leaves_the_run_as_a_preempted_learner(tmp_path, prefect_api):
