@@ -75,8 +75,9 @@ def train_argv(name: str, root: Path, args: argparse.Namespace, sets: list[str])
     url = f"file://{root / name / 'bucket'}"
     sets = [f"budget.tokens={args.tokens}", f"seed={args.seed}", *COMMON, *args.set, *sets]
     if args.data:
-        sets += [f"data.source={args.data}", f"model.vocab_size={args.vocab}",
-                 f"data.assign={args.assign}"]  # fmt: skip
+        sets += [f"data.source={args.data}", f"model.vocab_size={args.vocab}"]
+    if args.data or args.assign:  # (text, the default: on slots unless given)
+        sets += [f"data.assign={args.assign or 'units'}"]
     return [sys.executable, "-m", "flows.cli", "train", "--run", name, "--dir", str(root),
             "--mode", "decoupled", "--create-buckets", "--region", f"{REGION}={url}",
             *[x for s in sets for x in ("--set", s)]]  # fmt: skip
@@ -328,10 +329,12 @@ def main() -> None:
     parser.add_argument("--life-from-join", action="store_true",
                         help="a spot learner's lifetime counts from its join record, not "
                         "from its process's start (its warm-up is never preempted)")  # fmt: skip
-    parser.add_argument("--data", help="a prepared data set (diloco data prepare) to train on")
+    parser.add_argument("--data", help="a prepared data set (diloco data prepare) to train "
+                        "on (default: the byte reader's text, the standard library)")  # fmt: skip
     parser.add_argument("--vocab", type=int, default=4096, help="its vocabulary")
-    parser.add_argument("--assign", choices=("units", "slots"), default="units",
-                        help="with --data: how its chunks reach learners (data.assign)")  # fmt: skip
+    parser.add_argument("--assign", choices=("units", "slots"),
+                        help="how the data reaches learners (data.assign; default: units "
+                        "with --data, the run's default, slots, on text)")  # fmt: skip
     parser.add_argument("--grow", action="store_true",
                         help="no slot reserved for spot learners: each adds one beyond the "
                         "run's --permanent, or takes one a spot learner left (units only)")  # fmt: skip
@@ -352,8 +355,8 @@ def main() -> None:
                      f"pipeline.learners_started={args.permanent}"], True),
     ]  # fmt: skip
     if args.grow:  # the spot learners add their slots themselves
-        if not args.data or args.assign != "units":
-            parser.error("--grow needs --data and --assign units (added slots own no data)")
+        if (args.assign or ("units" if args.data else "slots")) != "units":
+            parser.error("--grow needs --assign units (added slots own no data)")
         plans[1] = (f"elastic, {args.permanent} permanent + up to "
                     f"{args.slots - args.permanent} spot, slots added by joiners", "elastic",
                     [f"topology.learners={args.permanent}"], True)  # fmt: skip
