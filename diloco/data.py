@@ -225,6 +225,11 @@ def _text(data: bytes, path: str) -> bytes:
 def _checked(corpus: Corpus, source: str | None, min_tokens: int = 4096) -> Corpus:
     name = source or "the Python standard library"
     for m, shard in enumerate(corpus.train_shards):
+        if len(shard) < min_tokens and len(corpus.train_shards) == 1:
+            raise DataError(
+                f"the training split of {name} has {len(shard)} bytes; need >= {min_tokens} "
+                "(use a larger corpus)"
+            )
         if len(shard) < min_tokens:
             raise DataError(
                 f"training shard {m} of {name} has {len(shard)} bytes; need >= {min_tokens} "

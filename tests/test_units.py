@@ -520,7 +520,7 @@ def test_units_take_a_prepared_data_set_and_a_bad_ledger_record_is_named(prepare
     store = RunStore("u", {"us": f"file://{tmp_path / 'us'}"}, "us")
     small = tmp_path / "small.txt"
     small.write_text("too little text to train on\n" * 40)
-    with pytest.raises(DataError, match=r"training shard 0 of .*small.txt has 1064 bytes"):
+    with pytest.raises(DataError, match=r"the training split of .*small.txt has 1064 bytes"):
         initialize_run(store, load_config("tiny", overrides=["data.assign=units",
                                                              f"data.source={small}"]))  # fmt: skip
     assert not list((tmp_path / "us").iterdir())  # nothing written
