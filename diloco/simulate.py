@@ -21,8 +21,10 @@ was neither checkpointed nor sent), to waiting, to rejection, and to steps never
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
+import json
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import astuple, dataclass, field
@@ -33,7 +35,7 @@ import numpy as np
 
 from diloco import dataset, records
 from diloco.config import RunConfig, sim_events, validate_config
-from diloco.data import Corpus, ShardReader, load_corpus, validation_batches
+from diloco.data import Corpus, DataError, ShardReader, load_corpus, validation_batches
 from diloco.fragments import FragmentPlan, fragment_sizes, plan_fragments
 from diloco.inner import InnerTrainer
 from diloco.loops import STEP, LearnerLoop, Request, SyncerLoop, Wait, resume_step
@@ -117,6 +119,41 @@ def check_data(cfg: RunConfig) -> None:
         unit_plan(cfg)  # (it names a corpus that holds no window)
     else:
         _text_corpus(cfg)
+
+
+def data_fingerprint(cfg: RunConfig) -> str:
+    """The sha256 of the data ``cfg`` trains on, as this machine reads it: a prepared
+    data set's manifest (which holds every chunk's sha256; the same wherever the data set
+    is copied), or the text corpus as the byte reader splits it (its training shards and
+    validation split). A run's spec records it (``data.sha256``)."""
+    digest = hashlib.sha256()
+    if prepared := cfg.data.source and cached_dataset(cfg.data.source):
+        digest.update(json.dumps(prepared.manifest, sort_keys=True).encode())
+    else:
+        corpus = _text_corpus(cfg)
+        for part in (*corpus.train_shards, corpus.validation):
+            digest.update(len(part).to_bytes(8, "little") + part.tobytes())
+    return digest.hexdigest()
+
+
+def check_same_data(cfg: RunConfig, spec: dict[str, Any], who: str) -> None:
+    """Refuse, by name, a learner or joiner (``who``) whose data is not the data the
+    run's spec recorded (another corpus at ``data.source`` on this machine, or another
+    Python's standard library): it would train windows no one else's ledger or share
+    describes. A spec written before the data was recorded checks nothing."""
+    want = (spec.get("data") or {}).get("sha256")
+    if want is None:
+        return
+    got = data_fingerprint(cfg)
+    if got != want:
+        source = cfg.data.source or "the Python standard library (the default corpus)"
+        hint = ("; it differs between Python versions: give every machine one data.source"
+                if cfg.data.source is None else "")  # fmt: skip
+        raise DataError(
+            f"{who}: the data at {source} is not the data the run started on (sha256 "
+            f"{got[:12]}..., the run's {want[:12]}...): every machine of a run must read "
+            f"the same data{hint}"
+        )
 
 
 def make_reader(

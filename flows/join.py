@@ -63,6 +63,8 @@ from typing import Any
 
 from prefect import flow
 
+from diloco.data import DataError
+from diloco.simulate import check_same_data
 from diloco.syncer import budget_spent
 from diloco.topology import LEARNER_PREFIX, added_learners, learner_index, learner_region
 from flows import workers
@@ -246,6 +248,10 @@ def join(
                               "for")  # fmt: skip
 
     refuse_if_spent()
+    try:  # before the warm-up: its data (another corpus here) would train nothing of the run's
+        check_same_data(cfg, spec, f"a joiner of run {run!r}")
+    except DataError as exc:
+        raise JoinRefused(str(exc)) from None
     grow = cfg.data.assign == "units"  # no slot owns data: a slot may be added
 
     def choose() -> Slot:

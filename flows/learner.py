@@ -43,7 +43,7 @@ from diloco.learner import LearnerCheckpoint, compile_apply
 from diloco.loops import Clock, GlobalView, LearnerLoop, WallClock, drive
 from diloco.outer import Contribution
 from diloco.quantize_device import outer_gradient
-from diloco.simulate import unit_plan
+from diloco.simulate import check_same_data, unit_plan
 from diloco.topology import learner_id, learner_index
 from diloco.transport import StoreLearnerView
 from diloco.units import UnitReader
@@ -534,7 +534,9 @@ class LearnerRuntime:
 
     def _reader(self, spec: dict[str, Any]) -> Any:
         """The learner's data: its dealt share, or (``data.assign = "units"``) the spans
-        it takes from its region's pool in its own bucket (``flows.ledger``)."""
+        it takes from its region's pool in its own bucket (``flows.ledger``); the run's
+        own data, or a ``DataError`` naming the difference (``check_same_data``)."""
+        check_same_data(self.cfg, spec, f"learner {self.label}")
         if self.cfg.data.assign != "units":
             return reader(self.cfg, self.index)
         units = unit_plan(self.cfg)

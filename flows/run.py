@@ -26,7 +26,14 @@ from diloco.dataset import TokenReader
 from diloco.fragments import FragmentPlan, plan_fragments
 from diloco.inner import InnerTrainer
 from diloco.model import ParamCodec
-from diloco.simulate import StoreFactory, check_data, make_reader, make_validation, settle_assign
+from diloco.simulate import (
+    StoreFactory,
+    check_data,
+    data_fingerprint,
+    make_reader,
+    make_validation,
+    settle_assign,
+)
 from diloco.syncer import FragmentSyncer
 from diloco.tensors import pieces
 from diloco.topology import deal_learners, home_region
@@ -54,14 +61,19 @@ def run_spec(cfg: RunConfig, plan: FragmentPlan, regions: Mapping[str, str]) -> 
     }
 
 
-def spec_defaults(regions: Mapping[str, str] | None = None) -> dict[str, Any]:
+def spec_defaults(
+    regions: Mapping[str, str] | None = None, spec: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """What a spec means by a key it does not name (one written before the key existed):
-    the config key's default, and as home the first region given (as the syncers always
-    took it), so such a run resumes under newer code."""
+    the config key's default, as home the first region given (as the syncers always
+    took it), and as its data (``data.sha256``) the given ``spec``'s (it was not
+    recorded: nothing to hold it to), so such a run resumes under newer code."""
     out: dict[str, Any] = {"config": RunConfig().model_dump(mode="json", exclude=NOT_IN_SPEC)}
     out["config"]["data"]["assign"] = OLD_ASSIGN
     if regions:
         out["home"] = home_region(regions)
+    if spec is not None and "data" in spec:
+        out["data"] = spec["data"]
     return out
 
 
@@ -184,8 +196,9 @@ def initialize_run(store: RunStore, cfg: RunConfig) -> dict[str, Any]:
             store.bucket(region).probe_exclusive()
     model = build_model(cfg)
     spec = run_spec(cfg, model.plan, store.urls)
+    spec["data"] = {"sha256": data_fingerprint(cfg)}  # held to by learners and joiners
     extend_budget(store, spec)
-    spec = store.ensure_spec(spec, spec_defaults(store.urls))
+    spec = store.ensure_spec(spec, spec_defaults(store.urls, spec))
     for p, names in enumerate(model.plan):
         if store.check_home(p) is not None:
             store.sync_regions(p)
@@ -250,7 +263,7 @@ def extend_budget(store: RunStore, spec: dict[str, Any]) -> None:
             f"{max(budgets)} or more, or leave --tokens out to resume with the run's own)"
         )
     if budgets and want > min(budgets):
-        store.ensure_spec(spec, spec_defaults(), any_budget=True)  # the rest must match first
+        store.ensure_spec(spec, spec_defaults(spec=spec), any_budget=True)  # the rest first
         store.extend_budget(want, min(budgets))
 
 

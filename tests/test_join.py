@@ -170,6 +170,41 @@ def test_two_joiners_that_choose_one_slot_at_the_same_moment_take_two(tmp_path):
     assert [r["join"] for r in store.joins("learner-1")] == [1]
 
 
+def test_a_joiner_whose_data_is_not_the_runs_is_refused_by_name(tmp_path):
+    """Defect: a machine whose corpus at ``data.source`` differed (another Python's
+    standard library, the default corpus; a folder edited since) joined and trained on
+    it, silently: windows no other machine's share or ledger describes. A run's spec now
+    records its data's sha256 (``data.sha256``); a joiner whose data differs is refused by
+    name before it warms up, having written nothing, and so is a launch of the run on
+    that data. A run started before the spec recorded it resumes and takes any."""
+    from diloco.simulate import cached_corpus, data_fingerprint
+    from storage_layout.store import SpecMismatch
+    from tests.test_dataset import STDLIB
+
+    text = tmp_path / "text"
+    text.mkdir()
+    for f in sorted((STDLIB / "json").glob("*.py")):
+        (text / f.name).write_text(f.read_text())
+    url, cfg, store, spec, secret = _run(tmp_path, "data", 20_000, f"data.source={text}")
+    assert spec["data"]["sha256"] == data_fingerprint(cfg)
+    (text / "decoder.py").write_text((text / "decoder.py").read_text() + "# edited since\n")
+    cached_corpus.cache_clear()  # (this process read it before the edit)
+    warmed = []
+    with pytest.raises(JoinRefused, match=r"a joiner of run 'data': the data at .*text is "
+                       r"not the data the run started on \(sha256 [0-9a-f]{12}\.\.\., the "
+                       r"run's [0-9a-f]{12}\.\.\.\)"):  # fmt: skip
+        join(url, "data", REGION, environ={RUN_SECRET_ENV: secret}, warm=warmed.append)
+    assert warmed == [] and all(store.joins(lid) == [] for lid in spec["learners"])
+    with pytest.raises(SpecMismatch, match=r"data.sha256: stored"):
+        initialize_run(store, cfg)
+    # a spec written before it recorded its data: resumed, and held to no data
+    (tmp_path / "us" / "data" / "spec.json").write_text(
+        json.dumps({k: v for k, v in store.read_spec().items() if k != "data"}))  # fmt: skip
+    initialize_run(store, cfg)
+    assert "data" not in store.read_spec()
+    assert join(url, "data", REGION, environ={RUN_SECRET_ENV: secret})[0].writer == "learner-0"
+
+
 def test_a_joiner_refused_in_its_region_is_told_where_else_the_run_has_slots(tmp_path):
     """A joiner that finds no slot in its region (here: the only one trains) is told
     which other regions have slots: their states are in those regions' buckets, which
