@@ -29,6 +29,7 @@ from diloco.model import ParamCodec
 from diloco.simulate import (
     StoreFactory,
     check_data,
+    check_same_data,
     data_fingerprint,
     make_reader,
     make_validation,
@@ -197,6 +198,8 @@ def initialize_run(store: RunStore, cfg: RunConfig) -> dict[str, Any]:
     model = build_model(cfg)
     spec = run_spec(cfg, model.plan, store.urls)
     spec["data"] = {"sha256": data_fingerprint(cfg)}  # held to by learners and joiners
+    with contextlib.suppress(FileNotFoundError):  # a run started: on its own data only
+        check_same_data(cfg, store.read_spec(), f"run {store.run!r}")
     extend_budget(store, spec)
     spec = store.ensure_spec(spec, spec_defaults(store.urls, spec))
     for p, names in enumerate(model.plan):

@@ -177,8 +177,8 @@ def test_a_joiner_whose_data_is_not_the_runs_is_refused_by_name(tmp_path):
     records its data's sha256 (``data.sha256``); a joiner whose data differs is refused by
     name before it warms up, having written nothing, and so is a launch of the run on
     that data. A run started before the spec recorded it resumes and takes any."""
+    from diloco.data import DataError
     from diloco.simulate import cached_corpus, data_fingerprint
-    from storage_layout.store import SpecMismatch
     from tests.test_dataset import STDLIB
 
     text = tmp_path / "text"
@@ -195,7 +195,7 @@ def test_a_joiner_whose_data_is_not_the_runs_is_refused_by_name(tmp_path):
                        r"run's [0-9a-f]{12}\.\.\.\)"):  # fmt: skip
         join(url, "data", REGION, environ={RUN_SECRET_ENV: secret}, warm=warmed.append)
     assert warmed == [] and all(store.joins(lid) == [] for lid in spec["learners"])
-    with pytest.raises(SpecMismatch, match=r"data.sha256: stored"):
+    with pytest.raises(DataError, match=r"run 'data': the data at .*text is not the data"):
         initialize_run(store, cfg)
     # a spec written before it recorded its data: resumed, and held to no data
     (tmp_path / "us" / "data" / "spec.json").write_text(
