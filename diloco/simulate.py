@@ -98,8 +98,9 @@ def settle_assign(cfg: RunConfig, stored: str | None = None) -> RunConfig:
     slot owns data: learners come, go and join beyond the slots) and slots for text
     (the byte reader's shards are dealt to slots: the quick start's and the simulator's
     reference runs; text taken in units, asked for, is cut into chunks, and a run in
-    memory has one pool of units where one through buckets has one per region). Checked again as a whole (a join
-    beyond the slots of a run on slots is refused by name)."""
+    memory has one pool of units where one through buckets has one per region).
+    Checked again as a whole (a join beyond the slots of a run on slots is refused by
+    name)."""
     if cfg.data.assign != "auto":
         return cfg
     prepared = cfg.data.source and cached_dataset(cfg.data.source)
