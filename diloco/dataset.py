@@ -350,18 +350,18 @@ class TextChunks:
     def __init__(self, corpus: Corpus, url: str, chunk_bytes: int | None = None):
         if len(corpus.train_shards) != 1:
             raise ValueError("a text corpus is cut into chunks from one shard")
-        self.url, self.tokens_ = url, corpus.train_shards[0]
-        n, chunk_bytes = len(self.tokens_), chunk_bytes or TEXT_CHUNK_BYTES
-        self._train = [Chunk("text", i, start, min(chunk_bytes, n - start), "")
+        self.url, self.train = url, corpus.train_shards[0]
+        n, chunk_bytes = len(self.train), chunk_bytes or TEXT_CHUNK_BYTES
+        self._chunks = [Chunk("text", i, start, min(chunk_bytes, n - start), "")
                        for i, start in enumerate(range(0, n, chunk_bytes))]  # fmt: skip
 
     def chunks(self, split: str = "train") -> list[Chunk]:
         if split != "train":  # (validation: the byte reader's batches, as with slots)
             raise ValueError(f"a text corpus's chunks are its training split, not {split!r}")
-        return self._train
+        return self._chunks
 
     def read_chunk(self, chunk: Chunk) -> np.ndarray:
-        return self.tokens_[chunk.start : chunk.start + chunk.tokens]
+        return self.train[chunk.start : chunk.start + chunk.tokens]
 
 
 def assignment(chunks: list[Chunk], index: int, learners: int) -> list[Chunk]:

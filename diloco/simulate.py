@@ -138,15 +138,16 @@ def data_fingerprint(cfg: RunConfig) -> str:
     return digest.hexdigest()
 
 
-def check_same_data(cfg: RunConfig, spec: dict[str, Any], who: str) -> None:
+def check_same_data(cfg: RunConfig, spec: dict[str, Any], who: str, got: str | None = None) -> None:
     """Refuse, by name, a learner or joiner (``who``) whose data is not the data the
     run's spec recorded (another corpus at ``data.source`` on this machine, or another
     Python's standard library): it would train windows no one else's ledger or share
-    describes. A spec written before the data was recorded checks nothing."""
+    describes. ``got``: this machine's ``data_fingerprint``, if made already. A spec
+    written before the data was recorded checks nothing."""
     want = (spec.get("data") or {}).get("sha256")
     if want is None:
         return
-    got = data_fingerprint(cfg)
+    got = got or data_fingerprint(cfg)
     if got != want:
         source = cfg.data.source or "the Python standard library (the default corpus)"
         hint = ("; it differs between Python versions: give every machine one data.source"

@@ -199,7 +199,7 @@ def initialize_run(store: RunStore, cfg: RunConfig) -> dict[str, Any]:
     spec = run_spec(cfg, model.plan, store.urls)
     spec["data"] = {"sha256": data_fingerprint(cfg)}  # held to by learners and joiners
     with contextlib.suppress(FileNotFoundError):  # a run started: on its own data only
-        check_same_data(cfg, store.read_spec(), f"run {store.run!r}")
+        check_same_data(cfg, store.read_spec(), f"run {store.run!r}", spec["data"]["sha256"])
     extend_budget(store, spec)
     spec = store.ensure_spec(spec, spec_defaults(store.urls, spec))
     for p, names in enumerate(model.plan):

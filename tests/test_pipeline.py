@@ -817,11 +817,12 @@ def test_a_crash_looping_worker_is_given_up_by_name_and_not_waited_for(tmp_path,
     assert syncer.transport.learners_finished()
 
 
-def told_to_leave(argv: list[str], env: dict[str, str], log: Path, sent, tell) -> tuple:
+def told_to_leave(argv: list[str], env: dict[str, str], log: Path, sent, tell,
+                  status: int = 128 + signal.SIGTERM) -> tuple:  # fmt: skip
     """Run ``argv`` (a learner's worker, or `diloco join`) with its output in ``log``;
     once ``sent()`` finds its first send committed (the run's own progress), ``tell(proc)``
-    it to leave. Returns what ``sent()`` found and the output, after checking it left as a
-    preempted learner does (exit status 128 + SIGTERM)."""
+    it to leave. Returns what ``sent()`` found and the output, after checking it left with
+    ``status`` (by default as a preempted learner does: 128 + SIGTERM)."""
     with log.open("w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
@@ -832,7 +833,7 @@ def told_to_leave(argv: list[str], env: dict[str, str], log: Path, sent, tell) -
         if proc.poll() is None:
             proc.kill()
     text = log.read_text()
-    assert code == 128 + signal.SIGTERM, text[-3000:]
+    assert code == status, text[-3000:]
     return found, text
 
 
@@ -934,19 +935,14 @@ def test_a_worker_stopped_by_the_launcher_checkpoints_and_its_flow_run_ends_canc
     store = RunStore("stop", regions, "us-east")
     lid = next(iter(initialize_run(store, cfg)["learners"]))
     argv = workers.learner("stop", regions["us-east"], "us-east", 0, cfg).argv()
-    log = tmp_path / "learner.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=child_env())
-    try:
-        _wait(lambda: any(store.contribution_seqs(lid, p, "us-east")
-                          for p in range(cfg.topology.fragments)), 300, "its first send", proc)  # fmt: skip
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = log.read_text()
-    assert code == 130, text[-3000:]
+
+    def sent() -> bool:
+        return any(
+            store.contribution_seqs(lid, p, "us-east") for p in range(cfg.topology.fragments)
+        )
+
+    _, text = told_to_leave(argv, child_env(), tmp_path / "learner.log", sent,
+                            lambda proc: proc.send_signal(signal.SIGINT), status=130)  # fmt: skip
     step = store.checkpoint_steps(lid)[-1]
     assert f"Finished in state Cancelled('stopped by a signal: checkpointed at step {step}')" in (
         text), text[-3000:]  # fmt: skip
