@@ -199,14 +199,14 @@ class DataConfig(_Strict):
     )
     assign: Literal["auto", "slots", "units"] = Field(
         "auto",
-        description="how a prepared data set's chunks reach learners: 'units', taken in "
+        description="how the training data reaches learners: 'units', taken in "
         "units as learners need them, and given back by a learner that leaves, so none "
         "is trained twice or skipped in an epoch whoever comes and goes, and learners "
         "may join beyond the run's slots (diloco/units.py; docs/data.md; text is cut into "
         "chunks of 64 KiB for it); 'slots', dealt to the topology.learners slots once (a "
-        "slot no one holds leaves its share untrained); 'auto': units for a prepared data "
-        "set, slots for text (set 'units' for a run on text that may grow), and for a run "
-        "already started what its spec records",
+        "slot no one holds leaves its share untrained); 'auto': units for a run through "
+        "buckets (diloco train's) and for a prepared data set, slots for text in the "
+        "simulator's memory, and for a run already started what its spec records",
     )
 
 

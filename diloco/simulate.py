@@ -92,19 +92,20 @@ def _text_corpus(cfg: RunConfig) -> Corpus:
     return cached_corpus(d.source, shards, d.val_percent, d.text_field)
 
 
-def settle_assign(cfg: RunConfig, stored: str | None = None) -> RunConfig:
+def settle_assign(cfg: RunConfig, stored: str | None = None, buckets: bool = False) -> RunConfig:
     """``cfg`` with ``data.assign = "auto"`` made what it means: for a run already
-    started, what its spec records (``stored``); else units for a prepared data set (no
-    slot owns data: learners come, go and join beyond the slots) and slots for text
-    (the byte reader's shards are dealt to slots: the quick start's and the simulator's
-    reference runs; text taken in units, asked for, is cut into chunks, and a run in
-    memory has one pool of units where one through buckets has one per region).
+    started, what its spec records (``stored``); else units for a run through buckets
+    (``buckets``: the pipeline's, and the simulator's over a bucket store), so that
+    learners come, go and join beyond the slots whatever the data, and for a run in
+    memory units on a prepared data set and slots on text (the simulator's reference
+    runs: one process holds one pool of units where a run through buckets holds one per
+    region, so text in units would not be the same run in memory and through buckets).
     Checked again as a whole (a join beyond the slots of a run on slots is refused by
     name)."""
     if cfg.data.assign != "auto":
         return cfg
     prepared = cfg.data.source and cached_dataset(cfg.data.source)
-    assign = stored or ("units" if prepared else "slots")
+    assign = stored or ("units" if buckets or prepared else "slots")
     raw = cfg.model_dump()
     raw["data"]["assign"] = assign
     return validate_config(raw)
@@ -256,7 +257,7 @@ def simulate(
     progress: Progress | None = None,
     store: StoreFactory | None = None,
 ) -> SimResult:
-    cfg = settle_assign(cfg)
+    cfg = settle_assign(cfg, buckets=store is not None)
     m = cfg.topology.learners
     check_data(cfg)
     codec, state = ParamCodec.create(cfg.model, cfg.seed)

@@ -184,8 +184,7 @@ def choose_slot(
     elif not grow and wanted is None:
         seen.append(
             "a run that deals its data to its slots (data.assign = 'slots') adds none "
-            "(a run started with --set data.assign=units, the default on a prepared data "
-            "set, takes its data in units and grows; on text too)"
+            "(a run started on units, diloco train's default, grows)"
         )
     elsewhere = sorted({r for lid, r in learners.items() if r != region})
     if elsewhere and wanted is None:  # (their states are in their regions' buckets)

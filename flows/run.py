@@ -127,7 +127,7 @@ def settled(store: RunStore, cfg: RunConfig) -> RunConfig:
         stored = config_from_spec(store.read_spec()).data.assign
     except FileNotFoundError:
         stored = None  # a new run
-    return settle_assign(cfg, stored)
+    return settle_assign(cfg, stored, buckets=True)
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,8 @@ def test_the_bucket_store_publishes_the_same_bits_and_falls_back_to_whole(tmp_pa
 
 
 def test_a_simulated_run_trains_the_same_with_a_quarter_of_the_downlink(tmp_path):
-    mode, over = "decoupled", ["budget.tokens=32000", "sim.eval_points=2"]
+    # (on slots, named: in memory text is dealt to them, through buckets taken in units)
+    mode, over = "decoupled", ["budget.tokens=32000", "sim.eval_points=2", "data.assign=slots"]
     full = simulate(load_config("tiny", mode=mode, overrides=over)).summary
     cfg = load_config("tiny", mode=mode, overrides=[*over, "topology.downlink=int4"])
     small = simulate(cfg)

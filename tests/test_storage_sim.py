@@ -12,7 +12,8 @@ from diloco.simulate import simulate
 from flows.run import simulation_store
 from storage_layout.inspect import inspect_bucket
 
-OVER = ["budget.tokens=48000", "sim.eval_points=2"]
+# (on slots, named: in memory text is dealt to them, through buckets taken in units)
+OVER = ["budget.tokens=48000", "sim.eval_points=2", "data.assign=slots"]
 
 
 @pytest.fixture(scope="module")

@@ -466,14 +466,15 @@ def test_a_learner_worker_takes_units_from_its_regions_bucket_and_gives_back_as_
     assert ledger.orphans() == []
 
 
-def test_a_new_run_takes_a_prepared_data_set_in_units_and_a_started_one_keeps_its_way(
+def test_a_new_run_through_buckets_takes_its_data_in_units_and_a_started_one_keeps_its_way(
     prepared, tmp_path
 ):
-    """``data.assign = "auto"``, the default: a new run on a prepared data set takes it
-    in units (its spec records "units", so joiners may add learners), one on text deals
-    it to slots; a run started on slots, or before the spec recorded the key at all,
-    resumes with the default config on slots (no spec mismatch, the same data order),
-    and asking for units there is refused by name."""
+    """``data.assign = "auto"``, the default: a new run through buckets takes its data in
+    units, a prepared data set or text (its spec records "units", so joiners may add
+    learners); the simulator in memory deals text to slots; a run started on slots, or
+    before the spec recorded the key at all, resumes with the default config on slots (no
+    spec mismatch, the same data order), and asking for units there is refused by name."""
+    from diloco.simulate import settle_assign
     from flows.run import config_from_spec, initialize_run
     from storage_layout.store import RunStore, SpecMismatch
 
@@ -488,7 +489,11 @@ def test_a_new_run_takes_a_prepared_data_set_in_units_and_a_started_one_keeps_it
         return spec["config"]["data"]["assign"]
 
     assert started("new", default) == "units" and started("new", default) == "units"
-    assert started("text", load_config("tiny")) == "slots"
+    assert started("text", load_config("tiny")) == "units"
+    assert settle_assign(load_config("tiny")).data.assign == "slots"  # in memory
+    assert settle_assign(default).data.assign == "units"
+    assert started("text-old", load_config("tiny", overrides=["data.assign=slots"])) == "slots"
+    assert started("text-old", load_config("tiny")) == "slots"
     assert started("old", load_config("tiny", overrides=[*on, "data.assign=slots"])) == "slots"
     assert started("old", default) == "slots"  # resumed as it began
     with pytest.raises(SpecMismatch, match=r"data.assign: stored 'slots', given 'units'"):
