@@ -227,7 +227,8 @@ columns:
              syncer counted as members then
   learners   state: what its status object says, and how long ago (never started:
              none yet); joins: times the slot was taken by `diloco join`;
-             (added by HOST): a slot a joiner on HOST added beyond the run's (`members/`);
+             (added by HOST, DEVICES, speed X): a slot a joiner on HOST added beyond
+             the run's (`members/`), with the devices and `--speed` hint it recorded;
              newest seq: the learner's newest committed contribution to the fragment;
              stored: its contributions still held; base: the global version that one
              started from; staleness: newest version - base; size: its payload bytes;
@@ -412,7 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     jn.add_argument("--slot", metavar="LEARNER",
                     help="take this learner's slot (default: the first vacant one in the region)")  # fmt: skip
     jn.add_argument("--speed", type=float,
-                    help="a hint of this machine's speed, kept in the join record")  # fmt: skip
+                    help="a hint of this machine's speed, kept in its join and member "
+                    "records (diloco inspect shows it for a slot it adds)")  # fmt: skip
     jn.add_argument("--pipeline", default="{}", help="JSON object of pipeline.* fields")
     jn.set_defaults(func=cmd_join)
     tok = sub.add_parser("join-token", help="print a token that lets a machine join a run "
@@ -986,7 +988,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 state = row.get("state") or ("never started" if "joins" in row else "-")
                 if row.get("status_age_s") is not None:
                     state += f", {row['status_age_s']:.0f} s ago"
-                added = f" (added by {row.get('host')})" if row.get("added") else ""
+                machine = [row.get("host"), row.get("devices") and f"devices {row['devices']}"]
+                if row.get("speed") is not None:
+                    machine.append(f"speed {row['speed']:g}")
+                added = (
+                    f" (added by {', '.join(m for m in machine if m)})" if row.get("added") else ""
+                )
                 name = row["learner"] + added
                 head = [name, row["region"], state, str(row.get("joins", "-"))]
                 step = row.get("checkpoint_step")

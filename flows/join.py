@@ -221,6 +221,10 @@ def join(
     written: such a joiner raises ``KeyboardInterrupt`` having taken nothing."""
     from flows.run import config_from_spec
 
+    if speed is not None and not (isinstance(speed, int | float) and math.isfinite(speed)
+                                  and speed > 0):  # fmt: skip
+        raise JoinRefused(f"--speed {speed!r} is not a positive number (this machine's speed "
+                          "hint, kept in its records)")  # fmt: skip
     env = dict(os.environ if environ is None else environ)
     store = RunStore(run, {region: url}, region, writer="joiner")
     try:

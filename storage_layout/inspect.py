@@ -83,9 +83,7 @@ def inspect_run(
     found = store.run_learners(spec, regions=reachable)  # with those joiners added
     learners = found.regions
     out["problems"] += [f"a learner added to the run is refused: {p}" for p in found.refused]
-    added = {
-        lid: {"added": True, "host": str(r.get("host") or "?")} for lid, r in found.added.items()
-    }
+    added = {lid: {"added": True, **_joined_from(r)} for lid, r in found.added.items()}
     out["learners"] = [
         _learner_row(store, learner, region, fragments, newest, region in reachable)
         | added.get(learner, {})
@@ -100,6 +98,19 @@ def inspect_run(
             _verify_region(store, region, fragments, learners, out["problems"])
             for region in out["verified"]
         )
+    return out
+
+
+def _joined_from(record: dict[str, Any]) -> dict[str, Any]:
+    """What the member record of a learner a joiner added says of its machine: its host,
+    and the devices and speed hint ``diloco join`` recorded (``--speed``), each shown only
+    when it is what the joiner writes (a short name, a positive number)."""
+    out: dict[str, Any] = {"host": str(record.get("host") or "?")[:80]}
+    devices, speed = record.get("devices"), record.get("speed")
+    if isinstance(devices, str) and devices:
+        out["devices"] = devices[:80]
+    if isinstance(speed, int | float) and not isinstance(speed, bool) and 0 < speed < 1e6:
+        out["speed"] = float(speed)
     return out
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -91,6 +92,11 @@ def test_a_joiner_without_a_token_for_a_vacant_slot_is_refused_by_name(tmp_path,
                 m.setenv(k, v)
             argv = base[:-2] + ["--region", region] + (["--slot", slot] if slot else [])
             assert cli_main(argv) == 2, (env, extra)
+    # a speed hint that is no positive number, with the key that would let it in
+    with pytest.raises(ValueError, match=re.escape("--speed nan is not a positive number")):
+        join(url, "closed", REGION, environ={RUN_SECRET_ENV: secret}, speed=float("nan"))
+    monkeypatch.setenv(RUN_SECRET_ENV, secret)
+    assert cli_main([*base, "--speed", "-1"]) == 2
     for lid in spec["learners"]:
         assert store.joins(lid) == [] and store.newest_generation(lid) == 0
 
@@ -178,7 +184,7 @@ def test_a_joiner_whose_data_is_not_the_runs_is_refused_by_name(tmp_path):
     name before it warms up, having written nothing, and so is a launch of the run on
     that data. A run started before the spec recorded it resumes and takes any."""
     from diloco.data import DataError
-    from diloco.simulate import cached_corpus, data_fingerprint
+    from diloco.simulate import cached_corpus, data_fingerprint, settle_assign
     from tests.test_dataset import STDLIB
 
     text = tmp_path / "text"
@@ -186,7 +192,7 @@ def test_a_joiner_whose_data_is_not_the_runs_is_refused_by_name(tmp_path):
     for f in sorted((STDLIB / "json").glob("*.py")):
         (text / f.name).write_text(f.read_text())
     url, cfg, store, spec, secret = _run(tmp_path, "data", 20_000, f"data.source={text}")
-    assert spec["data"]["sha256"] == data_fingerprint(cfg)
+    assert spec["data"]["sha256"] == data_fingerprint(settle_assign(cfg, buckets=True))
     (text / "decoder.py").write_text((text / "decoder.py").read_text() + "# edited since\n")
     cached_corpus.cache_clear()  # (this process read it before the edit)
     warmed = []
@@ -306,8 +312,9 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     tmp_path, prefect_api, monkeypatch
 ):
     """`diloco train` with three learner slots, of which it starts one
-    (pipeline.learners_started=1), on a prepared data set, which it takes in units (the
-    default: no data.assign is set). Once learner-0's first
+    (pipeline.learners_started=1), on the default corpus (text), which a run through
+    buckets takes in units (the default: no data.assign is set), so it grows. Once
+    learner-0's first
     contribution is committed, a machine with a join token for learner-1 and learner-3
     (`diloco join-token`) runs the `join` flow (as `diloco join` does): it warms up
     first, then takes the vacant slot 1 (never started), writes a signed join record,
@@ -320,12 +327,8 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     with the three learners done and a clean audit; then no slot the token covers is
     vacant, none is left to add, and a further joiner (the `join` flow of the
     `join/REGION` deployments) is refused, naming each slot's state."""
-    from tests.test_units import prepare_stdlib
-
     run = "open"
-    # (a prepared data set: taken in units by default, data.assign = "auto", so it grows)
-    units = (f"data.source={prepare_stdlib(tmp_path / 'data', 2048)}", "model.vocab_size=512")
-    proc, url = _train(tmp_path, run, 90_000, *units)
+    proc, url = _train(tmp_path, run, 90_000)
     store = RunStore(run, {REGION: url}, REGION)
     paused: list[int] = []
     joiner = adder = None
@@ -359,8 +362,8 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
         with (tmp_path / "adder.log").open("w") as out:
             adder = subprocess.Popen(
                 [sys.executable, "-m", "flows.cli", "join", url, "--run", run, "--region",
-                 REGION, "--pipeline", '{"round_steps": 20, "poll_seconds": 0.05}'],
-                stdout=out, stderr=subprocess.STDOUT, env=alone)  # fmt: skip
+                 REGION, "--pipeline", '{"round_steps": 20, "poll_seconds": 0.05}',
+                 "--speed", "2.5"], stdout=out, stderr=subprocess.STDOUT, env=alone)  # fmt: skip
         _wait(lambda: _sent(store, "learner-3"), 600, "the added learner's first send", proc)
         _wait(lambda: "learner learner-3 is admitted" in syncer_log.read_text(), 600,
               "the syncer's note of the learner added", proc)  # fmt: skip
@@ -414,6 +417,12 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     assert [report.learners[f"learner-{i}"]["state"] for i in range(4)] == [
         "done", "done", None, "done"]  # fmt: skip
     assert report.learners["learner-3"]["added"] and "added" not in report.learners["learner-1"]
+    # `diloco inspect` says where an added learner came from: its host, devices, speed hint
+    shown = subprocess.run([sys.executable, "-m", "flows.cli", "inspect", url, "--run", run,
+                            "--json"], capture_output=True, text=True, timeout=120, env=child_env())  # fmt: skip
+    rows = {r["learner"]: r for r in json.loads(shown.stdout)["runs"][0]["learners"]}
+    assert (rows["learner-3"]["host"], rows["learner-3"]["speed"]) == (socket.gethostname(), 2.5)
+    assert rows["learner-3"]["devices"] and "speed" not in rows["learner-1"], rows
     assert report.learners["learner-2"]["tokens"]["merged"] == 0  # never started
     assert [j["took"] for j in report.learners["learner-1"]["joins"]] == ["never started"]
     assert report.learners["learner-0"]["joins"] == []  # started by diloco train
@@ -504,7 +513,7 @@ def test_a_joiner_that_finds_no_slot_vacant_adds_one_to_a_run_taking_its_data_in
         join(url, "grow", REGION, environ=token)
     assert sorted(p.name for p in members.iterdir()) == [f"learner-{i}.json" for i in (2, 3, 4)]
     # a run whose data is dealt to its slots cannot give an added one any
-    url2, _, _, spec2, secret2 = _run(tmp_path / "dealt", "dealt")
+    url2, _, _, spec2, secret2 = _run(tmp_path / "dealt", "dealt", 20_000, "data.assign=slots")
     for lid in spec2["learners"]:
         RunStore("dealt", {REGION: url2}, REGION, writer=lid).write_metrics(
             lid, {"state": "training", "time": now, "step": 3})  # fmt: skip
