@@ -401,15 +401,34 @@ def take_slot(
         return None
 
 
+# How long a joiner with no PREFECT_API_URL waits for Prefect's temporary server to answer
+# (Prefect's own default is 20 s: too short for a machine busy training).
+TEMPORARY_SERVER_SECONDS = 180
+
+
 def prefect_api_up() -> None:
     """Reach the Prefect API the learner's flow runs will report to, in this process:
     with no ``PREFECT_API_URL`` (a machine that only joins, with no Prefect server of its
     own) that starts Prefect's temporary server, 10 s or more, which after the join
     record would hold a slot that no one trains yet. The learner worker, run in this
-    process (``become``), reports to the same server."""
+    process (``become``), reports to the same server. Prefect gives its temporary server
+    20 s to answer, which a machine busy training (a joiner beside a run's learners on 2
+    cores) overran: the joiner died in a traceback. It gets ``TEMPORARY_SERVER_SECONDS``,
+    and one that does not start is named, with what to do."""
     from prefect.client.orchestration import get_client
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL
 
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no network here
+    if not PREFECT_API_URL.value():
+        try:  # (one server a process: get_client below finds it running)
+            SubprocessASGIServer().start(timeout=TEMPORARY_SERVER_SECONDS)
+        except RuntimeError as exc:
+            raise JoinRefused(
+                f"Prefect's temporary server for this joiner's flow runs did not start within "
+                f"{TEMPORARY_SERVER_SECONDS} s ({str(exc)[:300]}); set PREFECT_API_URL to a "
+                "Prefect server this machine reaches, or try again when it is less busy"
+            ) from exc
     with get_client(sync_client=True) as client:
         client.api_healthcheck()
 

@@ -595,3 +595,26 @@ def test_a_joiner_stopped_with_ctrl_c_leaves_the_run_as_a_preempted_learner(tmp_
     assert status["state"] == "preempted", status
     assert store.checkpoint_steps(lid)[-1] == status["step"] > 0, text[-3000:]
     assert f"checkpointed at step {status['step']}" in text
+
+
+def test_a_joiner_whose_temporary_prefect_server_does_not_start_is_told_what_to_do(monkeypatch):
+    """Defect: a joiner with no PREFECT_API_URL, on a machine busy training, died in a
+    traceback when Prefect's temporary server did not answer within Prefect's 20 s. It now
+    waits ``TEMPORARY_SERVER_SECONDS`` for it, and one that does not start is refused by
+    name, saying what to do (before any slot is taken: this runs in the warm-up)."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.join import TEMPORARY_SERVER_SECONDS, prefect_api_up
+
+    asked = []
+
+    def start(self, timeout=None):
+        asked.append(timeout)
+        raise RuntimeError("Timed out while attempting to connect to ephemeral Prefect API server.")
+
+    monkeypatch.setattr(SubprocessASGIServer, "start", start)
+    refused = pytest.raises(JoinRefused, match=r"did not start within 180 s .*set PREFECT_API_URL")
+    with temporary_settings(restore_defaults={PREFECT_API_URL}), refused:
+        prefect_api_up()
+    assert asked == [TEMPORARY_SERVER_SECONDS] == [180]
