@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -42,12 +42,14 @@ from diloco.outer import (
 from diloco.tensors import (
     ArrayTensors,
     Difference,
+    LastPiece,
     MemorySink,
     PayloadTensors,
     SinkFactory,
     Tensors,
     as_tensors,
     leaves_to_slots,
+    overlapped,
     payload_view,
     pieces,
     slot_leaves,
@@ -291,12 +293,18 @@ class FragmentSyncer:
         self.pending.clear()
         return [item for item in map(self._new_work, accepted) if item is not None], rejected
 
-    def _outer_gradients(self, accepted: list[tuple[Contribution, Tensors]]) -> list[Tensors]:
+    def _outer_gradients(
+        self, accepted: list[tuple[Contribution, Tensors]], params: Tensors
+    ) -> list[Tensors]:
         """Each accepted contribution's outer gradient as merged: as sent (``delta``), or
-        rebased on the current version (``anchored``: current - base + delta)."""
+        rebased on the current version ``params`` (``anchored``: current - base +
+        delta), each base version read once a piece whoever was made on it."""
         if self.cfg.reference != "anchored":
             return [d for _, d in accepted]
-        return [Anchored(self.params, self.history[c.base_version], d) for c, d in accepted]
+        bases = {v: LastPiece(self.history[v]) for v in {c.base_version for c, _ in accepted}}
+        current = self.version
+        return [Anchored(params, params if c.base_version == current else bases[c.base_version],
+                         d) for c, d in accepted]  # fmt: skip
 
     def merge(self) -> MergeOutcome:
         """Merge every pending contribution that passes validation into version v + 1,
@@ -318,7 +326,8 @@ class FragmentSyncer:
         weights = [
             contribution_weight(c, s, self.g) for (c, _), s in zip(accepted, staleness, strict=True)
         ]
-        deltas = self._outer_gradients(accepted)
+        current = LastPiece(self.params)  # (read by the step and by anchored deltas)
+        deltas = self._outer_gradients(accepted, current)
         w = normalized(weights)
         rda = (
             rda_scales(deltas, w, self.shapes, self.is_embedding, self.block_size)
@@ -326,16 +335,25 @@ class FragmentSyncer:
             else {}
         )
         sink = self.sink(self.fragment, self.version + 1, self.shapes, self.slots_per_param)
-        try:
+
+        def read() -> Iterator[tuple[str, int, list[np.ndarray], np.ndarray, list[np.ndarray]]]:
+            """On this thread: each piece's inputs (the reads, the decoding)."""
             for name, start, stop in pieces(self.shapes, self.block_size):
                 values = [d.piece(name, start, stop) for d in deltas]
-                merged = mean_piece(values, w)
-                if name in rda:
-                    merged = rda_piece(values, w, *rda[name])
-                params = self.params.piece(name, start, stop)
                 slots = [s.piece(name, start, stop) for s in self.slots]
-                new, new_slots = step_piece(self.tx, name, params, slots, merged)
-                sink.write(name, start, new, new_slots)
+                yield name, start, values, current.piece(name, start, stop), slots
+
+        def step(item: tuple[str, int, list[np.ndarray], np.ndarray, list[np.ndarray]]) -> None:
+            """Beside it, in piece order: the merge, the outer step, the write."""
+            name, start, values, params, slots = item
+            merged = mean_piece(values, w)
+            if name in rda:
+                merged = rda_piece(values, w, *rda[name])
+            new, new_slots = step_piece(self.tx, name, params, slots, merged)
+            sink.write(name, start, new, new_slots)
+
+        try:
+            overlapped(read(), step)
             self.params, self.slots = sink.finish()
         except BaseException:
             sink.abort()

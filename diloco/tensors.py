@@ -20,16 +20,22 @@ values in the same order, bit for bit.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import jax
 import numpy as np
 import optax
 
 from diloco.quantize import QuantizedTensor, dequantize, payload_bytes
+
+T = TypeVar("T")
 
 PIECE = (
     1 << 18
@@ -202,6 +208,64 @@ class Difference:
         return self.a.piece(name, start, stop) - self.b.piece(name, start, stop)
 
 
+class LastPiece:
+    """``Tensors`` that keep the last piece read, for a loop over ``pieces`` in which
+    several readers want the same piece: a syncer's current version is read by each
+    anchored contribution (``current - base + delta``) and by the outer step, and a
+    base version by every contribution made on it; each is read once a piece. Callers
+    do not write into what ``piece`` returns."""
+
+    def __init__(self, tensors: Tensors | Mapping[str, Any]):
+        self.tensors = as_tensors(tensors)
+        self._key: tuple[str, int, int] | None = None
+        self._value: np.ndarray | None = None
+
+    @property
+    def shapes(self) -> Mapping[str, tuple[int, ...]]:
+        return self.tensors.shapes
+
+    def piece(self, name: str, start: int, stop: int) -> np.ndarray:
+        if self._key != (name, start, stop):
+            self._value, self._key = None, None  # (what was held goes before the read)
+            self._value = self.tensors.piece(name, start, stop)
+            self._key = (name, start, stop)
+        return self._value
+
+
+def overlapped(items: Iterable[T], work: Callable[[T], None], depth: int = 2) -> None:
+    """``work(item)`` for every item, in order, on one other thread while this thread
+    makes the next items: a syncer reads piece ``i + 1`` (its chunks, their decoding)
+    while piece ``i`` is merged, stepped and written, so the two share the host's cores
+    (NumPy releases the GIL in its array operations). At most ``depth`` items wait for
+    ``work``. The first failure of either side is raised here, after the other side has
+    stopped, and no ``work`` runs after a failed one (what it writes stays in order)."""
+    failed = threading.Event()
+
+    def run(item: T) -> None:
+        if failed.is_set():
+            return
+        try:
+            work(item)
+        except BaseException:
+            failed.set()
+            raise
+
+    waiting: deque[Future] = deque()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="overlapped") as pool:
+        try:
+            for item in items:
+                waiting.append(pool.submit(run, item))
+                while waiting and (len(waiting) > depth or waiting[0].done()):
+                    waiting.popleft().result()
+            while waiting:
+                waiting.popleft().result()
+        except BaseException:
+            failed.set()
+            for future in waiting:
+                future.cancel()
+            raise
+
+
 # --- the outer optimizer's state, per parameter --------------------------------------
 
 
@@ -234,14 +298,25 @@ def step_piece(
 ) -> tuple[np.ndarray, list[np.ndarray]]:
     """One outer step on one piece of tensor ``name``: new values and state slots. The
     optimizer is elementwise, so stepping pieces apart gives the bits stepping the whole
-    tensor gives."""
-    template = tx.init({name: params})
-    treedef = jax.tree_util.tree_structure(template)
-    state = jax.tree_util.tree_unflatten(treedef, list(slots))
+    tensor gives.
+
+    optax's elementwise transforms (``sgd``, its momentum and Nesterov) map NumPy leaves
+    to NumPy leaves, so the step runs in NumPy, one array operation after another as
+    JAX's eager dispatch runs them (the same bits). What would dispatch to JAX is kept
+    out of the loop: the state's structure is made once per tensor (``tx.init`` makes
+    zeros on a device), and the update is added as ``optax.apply_updates`` adds it
+    (``p + u`` in the parameter's dtype) without the round trip through a device array:
+    a piece's step took 1.4 ms that way, 0.2 ms this way."""
+    state = jax.tree_util.tree_unflatten(_state_structure(tx, name), list(slots))
     updates, state = tx.update({name: merged}, state, {name: params})
-    new = optax.apply_updates({name: params}, updates)[name]
-    return (np.asarray(new, dtype=np.float32),
-            [np.asarray(x, dtype=np.float32) for x in jax.tree_util.tree_leaves(state)])  # fmt: skip
+    new = np.asarray(params + updates[name], dtype=np.float32)
+    return new, [np.asarray(x, dtype=np.float32) for x in jax.tree_util.tree_leaves(state)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _state_structure(tx: optax.GradientTransformation, name: str) -> Any:
+    """The tree structure of ``tx``'s state for one tensor named ``name``."""
+    return jax.tree_util.tree_structure(tx.init({name: np.zeros(2, np.float32)}))
 
 
 def slot_leaves(slots: Sequence[Tensors], shapes: Mapping[str, Sequence[int]]) -> list[np.ndarray]:

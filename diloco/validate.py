@@ -8,14 +8,14 @@ wrong. A rejected contribution is reported and never merged.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from diloco.outer import Contribution
 from diloco.quantize import STORAGE_DTYPE, dequantize, payload_bytes
-from diloco.tensors import Payload, payload_view, piece_size, pieces
+from diloco.tensors import Payload, overlapped, payload_view, piece_size, pieces
 
 
 class ContributionRejected(ValueError):
@@ -38,28 +38,51 @@ class Scan:
     problem: str | None = None
 
 
+class _Found(Exception):
+    """A problem ``scan_payload``'s check found: the scan stops there."""
+
+
 def scan_payload(payload: Payload, block: int) -> Scan:
     """One pass over ``payload``, a piece at a time: dtypes, finiteness and the norm
     (sums of squares in float64, in piece order, so every transport gets the same
-    number). A storage-backed payload verifies each chunk it reads; its errors
-    (``OSError``, a damaged chunk) propagate to the caller."""
+    number). Each piece is read and decoded on this thread while the one before is
+    checked beside it (``tensors.overlapped``). A storage-backed payload verifies each
+    chunk it reads; its errors (``OSError``, a damaged chunk) propagate to the caller."""
     index = payload.index()
-    total = 0.0
     if piece_size(block) % block:
         return Scan(problem=f"block size {block} does not divide the piece size")
-    for name, start, stop in pieces({n: m.shape for n, m in index.items()}, block):
-        q = payload.read(name, start, stop)
-        if q.data.dtype != STORAGE_DTYPE[q.kind] or q.kind != index[name].kind:
-            return Scan(problem=f"tensor {name} has payload dtype {q.data.dtype} for kind "
-                                f"{index[name].kind!r}")  # fmt: skip
-        values = dequantize(q)
-        if values.size != stop - start:
-            return Scan(problem=f"tensor {name} holds {values.size} values at {start}, "
-                                f"expected {stop - start}")  # fmt: skip
-        if not np.all(np.isfinite(values)):
-            return Scan(problem=f"tensor {name} holds NaN or infinite values")
-        total += float(np.sum(np.square(values, dtype=np.float64)))
-    return Scan(math.sqrt(total))
+    total, found = [0.0], []
+
+    def read() -> Iterator[tuple[str, int, np.ndarray | str]]:
+        for name, start, stop in pieces({n: m.shape for n, m in index.items()}, block):
+            q = payload.read(name, start, stop)
+            if q.data.dtype != STORAGE_DTYPE[q.kind] or q.kind != index[name].kind:
+                yield name, start, (f"tensor {name} has payload dtype {q.data.dtype} for "
+                                    f"kind {index[name].kind!r}")  # fmt: skip
+                return
+            values = dequantize(q)
+            if values.size != stop - start:
+                yield name, start, (f"tensor {name} holds {values.size} values at {start}, "
+                                    f"expected {stop - start}")  # fmt: skip
+                return
+            yield name, start, values
+
+    def check(item: tuple[str, int, np.ndarray | str]) -> None:
+        name, _, values = item
+        if isinstance(values, str):
+            found.append(values)
+        elif not np.all(np.isfinite(values)):
+            found.append(f"tensor {name} holds NaN or infinite values")
+        else:
+            total[0] += float(np.sum(np.square(values, dtype=np.float64)))
+        if found:
+            raise _Found
+
+    try:
+        overlapped(read(), check)
+    except _Found:
+        return Scan(problem=found[0])
+    return Scan(math.sqrt(total[0]))
 
 
 def check_contribution(

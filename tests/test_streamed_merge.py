@@ -140,3 +140,54 @@ def test_a_contribution_is_read_a_piece_at_a_time(monkeypatch):
     expect = {n: _init()[n] - dequantize(q) for n, q in c.payload.items()}
     for n in SHAPES:
         assert materialize(gv.params)[n].tobytes() == expect[n].tobytes()
+
+
+def test_the_current_version_is_read_once_a_piece_by_every_anchored_contribution(monkeypatch):
+    """Anchored contributions (current - base + delta) and the outer step all want the
+    current version's piece; it is read once, and a shared base version once too."""
+    monkeypatch.setattr(tensors_mod, "PIECE", 256)
+    reads = []
+
+    class Counting(tensors_mod.ArrayTensors):
+        def piece(self, name, start, stop):
+            reads.append((name, start, stop))
+            return super().piece(name, start, stop)
+
+    s = FragmentSyncer(0, _init(), OuterConfig(lr=0.7, momentum=0.9), ["a", "b", "c"],
+                       lambda n: False)  # fmt: skip
+    s.offer(_contribution("a", 1, 0, 1))
+    s.merge()
+    s.params = s.history[1] = Counting(s.params)  # version 1, read through the counter
+    s.history[0] = Counting(s.history[0])
+    for learner, base, seed in [("a", 1, 2), ("b", 0, 3), ("c", 0, 4)]:
+        s.offer(_contribution(learner, 2 if learner == "a" else 1, base, seed))
+    assert s.merge().version is not None
+    every = list(pieces(SHAPES))
+    # version 1: one read a piece (the step, a's rebase, b's and c's current); version 0,
+    # the base of two contributions: one read a piece
+    assert sorted(reads) == sorted(every + every)
+
+
+def test_overlapped_work_runs_in_order_and_stops_at_the_first_failure():
+    done = []
+    tensors_mod.overlapped(iter(range(50)), done.append)
+    assert done == list(range(50))
+
+    def work(i):
+        if i == 5:
+            raise OSError("chunk 5 went away")
+        done.append(i)
+
+    done.clear()
+    with pytest.raises(OSError, match="chunk 5"):
+        tensors_mod.overlapped(iter(range(50)), work)
+    assert done == [0, 1, 2, 3, 4]  # nothing after the failed one
+
+    def items():
+        yield from range(3)
+        raise ValueError("a read failed")
+
+    done.clear()
+    with pytest.raises(ValueError, match="a read failed"):
+        tensors_mod.overlapped(items(), done.append)
+    assert done == list(range(len(done))) and len(done) <= 3  # in order; the rest dropped
