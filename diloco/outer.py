@@ -226,12 +226,19 @@ class Anchored:
     def shapes(self) -> Mapping[str, tuple[int, ...]]:
         return self.delta.shapes
 
+    def parts(self, name: str, start: int, stop: int) -> tuple[np.ndarray, ...]:
+        r"""The three pieces ``piece`` combines, only read (a syncer reads them on one
+        thread and ``combine``\ s them on another)."""
+        return (self.current.piece(name, start, stop), self.base.piece(name, start, stop),
+                self.delta.piece(name, start, stop))  # fmt: skip
+
+    @staticmethod
+    def combine(parts: tuple[np.ndarray, ...]) -> np.ndarray:
+        current, base, delta = parts
+        return current - base + delta
+
     def piece(self, name: str, start: int, stop: int) -> np.ndarray:
-        return (
-            self.current.piece(name, start, stop)
-            - self.base.piece(name, start, stop)
-            + self.delta.piece(name, start, stop)
-        )
+        return self.combine(self.parts(name, start, stop))
 
 
 def anchored_delta(current: FlatParams, base: FlatParams, delta: FlatParams) -> FlatParams:

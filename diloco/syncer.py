@@ -336,16 +336,18 @@ class FragmentSyncer:
         )
         sink = self.sink(self.fragment, self.version + 1, self.shapes, self.slots_per_param)
 
-        def read() -> Iterator[tuple[str, int, list[np.ndarray], np.ndarray, list[np.ndarray]]]:
+        def read() -> Iterator[tuple[str, int, list[Any], np.ndarray, list[np.ndarray]]]:
             """On this thread: each piece's inputs (the reads, the decoding)."""
             for name, start, stop in pieces(self.shapes, self.block_size):
-                values = [d.piece(name, start, stop) for d in deltas]
+                values = [d.parts(name, start, stop) if isinstance(d, Anchored)
+                          else d.piece(name, start, stop) for d in deltas]  # fmt: skip
                 slots = [s.piece(name, start, stop) for s in self.slots]
                 yield name, start, values, current.piece(name, start, stop), slots
 
-        def step(item: tuple[str, int, list[np.ndarray], np.ndarray, list[np.ndarray]]) -> None:
-            """Beside it, in piece order: the merge, the outer step, the write."""
-            name, start, values, params, slots = item
+        def step(item: tuple[str, int, list[Any], np.ndarray, list[np.ndarray]]) -> None:
+            """Beside it, in piece order: the rebase, the merge, the outer step, the write."""
+            name, start, read, params, slots = item
+            values = [Anchored.combine(v) if isinstance(v, tuple) else v for v in read]
             merged = mean_piece(values, w)
             if name in rda:
                 merged = rda_piece(values, w, *rda[name])
