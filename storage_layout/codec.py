@@ -127,14 +127,21 @@ def root_objects(attrs: Mapping[str, Any]) -> dict[str, bytes]:
 
 
 class _ChunkedArray:
-    """One flat array written chunk by chunk: at most one chunk of values buffered."""
+    """One flat array written chunk by chunk: at most one chunk of values buffered. Each
+    chunk is built in a ``bytearray`` of its own, which ``put`` is given (and keeps:
+    nothing here writes to it again), so a chunk's bytes are not copied once more to
+    make the object (a quarter of a syncer's merge thread at 1 B parameters)."""
 
     def __init__(self, put: Callable[[str, bytes], None], prefix: str, arr: zarr.Array):
         self.put, self.prefix, self.arr = put, prefix, arr
         self.dtype = np.dtype(arr.dtype).newbyteorder("<")  # the bytes codec's order
         self.chunk = int(arr.chunks[0])
-        self.buf = np.zeros(self.chunk if arr.shape[0] else 0, self.dtype)
+        self._fresh(self.chunk if arr.shape[0] else 0)
         self.fill = self.index = 0
+
+    def _fresh(self, length: int) -> None:
+        self.raw = bytearray(length * self.dtype.itemsize)
+        self.buf = np.frombuffer(self.raw, self.dtype)
 
     def append(self, values: np.ndarray) -> None:
         pos = 0
@@ -146,17 +153,19 @@ class _ChunkedArray:
             if self.fill == self.chunk:
                 self._emit()
 
-    def _emit(self) -> None:
+    def _emit(self, last: bool = False) -> None:
         key = self.arr.metadata.encode_chunk_key((self.index,))
-        self.put(f"{self.prefix}/{key}", self.buf.tobytes())
+        raw = self.raw
+        self._fresh(0 if last else self.chunk)  # (before ``put``: it may keep ``raw``)
+        self.put(f"{self.prefix}/{key}", raw)
         self.index += 1
         self.fill = 0
 
     def close(self) -> None:
         if self.fill:  # the last chunk, padded with the fill value as zarr stores it
             self.buf[self.fill :] = 0
-            self._emit()
-        self.buf = np.zeros(0, self.dtype)
+            self._emit(last=True)
+        self._fresh(0)
 
 
 class GroupWriter:

@@ -123,8 +123,10 @@ class ObjectSink:
         elif not self._done:
             self.finish()
 
-    def put(self, rel: str, data: bytes) -> None:
-        """Upload ``data`` as ``{data_prefix}/{rel}`` in the background."""
+    def put(self, rel: str, data: bytes | bytearray) -> None:
+        """Upload ``data`` as ``{data_prefix}/{rel}`` in the background. ``bytes``, or a
+        ``bytearray`` that is the sink's from now on (its producer writes to it no more:
+        ``codec.GroupWriter``'s chunks); any other buffer is copied."""
         self._raise_failure()
         if self._done:
             raise RuntimeError(f"{self.data_prefix}: put of {rel!r} after finish or abort")
@@ -132,7 +134,8 @@ class ObjectSink:
         if rel in self._seen:
             raise ValueError(f"{key} is put twice")
         self._seen.add(rel)
-        data = bytes(data)  # the producer may reuse its buffer
+        if not isinstance(data, bytes | bytearray):
+            data = bytes(data)  # the producer may reuse its buffer
         self._slots.acquire()
         try:
             self._raise_failure()
