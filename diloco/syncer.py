@@ -49,6 +49,7 @@ from diloco.tensors import (
     Tensors,
     as_tensors,
     leaves_to_slots,
+    loop_beside,
     overlapped,
     payload_view,
     pieces,
@@ -355,7 +356,7 @@ class FragmentSyncer:
             sink.write(name, start, new, new_slots)
 
         try:
-            overlapped(read(), step)
+            overlapped(read(), step, beside=loop_beside(self.shapes, self.block_size))
             self.params, self.slots = sink.finish()
         except BaseException:
             sink.abort()

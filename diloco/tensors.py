@@ -21,6 +21,7 @@ values in the same order, bit for bit.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import threading
 from collections import deque
@@ -232,13 +233,27 @@ class LastPiece:
         return self._value
 
 
-def overlapped(items: Iterable[T], work: Callable[[T], None], depth: int = 2) -> None:
+OVERLAP_PIECES = 4  # pieces a loop has before ``overlapped`` runs its work on a thread
+
+
+def overlapped(
+    items: Iterable[T], work: Callable[[T], None], depth: int = 2, beside: bool = True
+) -> None:
     """``work(item)`` for every item, in order, on one other thread while this thread
     makes the next items: a syncer reads piece ``i + 1`` (its chunks, their decoding)
     while piece ``i`` is merged, stepped and written, so the two share the host's cores
     (NumPy releases the GIL in its array operations). At most ``depth`` items wait for
     ``work``. The first failure of either side is raised here, after the other side has
-    stopped, and no ``work`` runs after a failed one (what it writes stays in order)."""
+    stopped, and no ``work`` runs after a failed one (what it writes stays in order).
+
+    ``beside`` False runs it all on this thread: for a loop of a few small pieces (the
+    simulator's fragments, a small model's), where a thread's start and the hand-over of
+    each item cost more than they save (a merge of three small tensors took 4.6 times as
+    long; ``loop_beside`` decides)."""
+    if not beside:
+        for item in items:
+            work(item)
+        return
     failed = threading.Event()
 
     def run(item: T) -> None:
@@ -264,6 +279,14 @@ def overlapped(items: Iterable[T], work: Callable[[T], None], depth: int = 2) ->
             for future in waiting:
                 future.cancel()
             raise
+
+
+def loop_beside(shapes: Mapping[str, Sequence[int]], block_size: int = 128) -> bool:
+    """Whether a loop over ``pieces(shapes)`` is long enough to run ``overlapped``'s work
+    on a second thread: ``OVERLAP_PIECES`` pieces or more."""
+    return sum(1 for _ in itertools.islice(pieces(shapes, block_size), OVERLAP_PIECES)) >= (
+        OVERLAP_PIECES
+    )
 
 
 # --- the outer optimizer's state, per parameter --------------------------------------

@@ -15,7 +15,7 @@ import numpy as np
 
 from diloco.outer import Contribution
 from diloco.quantize import STORAGE_DTYPE, dequantize, payload_bytes
-from diloco.tensors import Payload, overlapped, payload_view, piece_size, pieces
+from diloco.tensors import Payload, loop_beside, overlapped, payload_view, piece_size, pieces
 
 
 class ContributionRejected(ValueError):
@@ -52,9 +52,10 @@ def scan_payload(payload: Payload, block: int) -> Scan:
     if piece_size(block) % block:
         return Scan(problem=f"block size {block} does not divide the piece size")
     total, found = [0.0], []
+    shapes = {n: m.shape for n, m in index.items()}
 
     def read() -> Iterator[tuple[str, int, np.ndarray | str]]:
-        for name, start, stop in pieces({n: m.shape for n, m in index.items()}, block):
+        for name, start, stop in pieces(shapes, block):
             q = payload.read(name, start, stop)
             if q.data.dtype != STORAGE_DTYPE[q.kind] or q.kind != index[name].kind:
                 yield name, start, (f"tensor {name} has payload dtype {q.data.dtype} for "
@@ -79,7 +80,7 @@ def scan_payload(payload: Payload, block: int) -> Scan:
             raise _Found
 
     try:
-        overlapped(read(), check)
+        overlapped(read(), check, beside=loop_beside(shapes, block))
     except _Found:
         return Scan(problem=found[0])
     return Scan(math.sqrt(total[0]))

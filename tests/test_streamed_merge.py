@@ -191,3 +191,22 @@ def test_overlapped_work_runs_in_order_and_stops_at_the_first_failure():
     with pytest.raises(ValueError, match="a read failed"):
         tensors_mod.overlapped(items(), done.append)
     assert done == list(range(len(done))) and len(done) <= 3  # in order; the rest dropped
+
+
+def test_a_loop_of_a_few_pieces_runs_on_its_own_thread_and_a_long_one_beside_it(monkeypatch):
+    """A thread pays for itself only over several pieces: a small fragment (the
+    simulator's) is merged on the caller's thread, a large one on two."""
+    import threading
+
+    threads = []
+    work = lambda _: threads.append(threading.get_ident())  # noqa: E731
+    small = {"w": (100,)}
+    monkeypatch.setattr(tensors_mod, "PIECE", 256)
+    large = {"w": (256 * tensors_mod.OVERLAP_PIECES,)}
+    for shapes in (small, large):
+        threads.clear()
+        beside = tensors_mod.loop_beside(shapes)
+        tensors_mod.overlapped(pieces(shapes), work, beside=beside)
+        assert len(threads) == len(list(pieces(shapes)))
+        assert (set(threads) == {threading.get_ident()}) is (not beside)
+    assert not tensors_mod.loop_beside(small) and tensors_mod.loop_beside(large)
