@@ -302,10 +302,9 @@ class FragmentSyncer:
         delta), each base version read once a piece whoever was made on it."""
         if self.cfg.reference != "anchored":
             return [d for _, d in accepted]
-        bases = {v: LastPiece(self.history[v]) for v in {c.base_version for c, _ in accepted}}
-        current = self.version
-        return [Anchored(params, params if c.base_version == current else bases[c.base_version],
-                         d) for c, d in accepted]  # fmt: skip
+        bases = {v: params if v == self.version else LastPiece(self.history[v])
+                 for v in {c.base_version for c, _ in accepted}}  # fmt: skip
+        return [Anchored(params, bases[c.base_version], d) for c, d in accepted]
 
     def merge(self) -> MergeOutcome:
         """Merge every pending contribution that passes validation into version v + 1,
@@ -347,8 +346,8 @@ class FragmentSyncer:
 
         def step(item: tuple[str, int, list[Any], np.ndarray, list[np.ndarray]]) -> None:
             """Beside it, in piece order: the rebase, the merge, the outer step, the write."""
-            name, start, read, params, slots = item
-            values = [Anchored.combine(v) if isinstance(v, tuple) else v for v in read]
+            name, start, parts, params, slots = item
+            values = [Anchored.combine(v) if isinstance(v, tuple) else v for v in parts]
             merged = mean_piece(values, w)
             if name in rda:
                 merged = rda_piece(values, w, *rda[name])

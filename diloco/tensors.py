@@ -284,9 +284,8 @@ def overlapped(
 def loop_beside(shapes: Mapping[str, Sequence[int]], block_size: int = 128) -> bool:
     """Whether a loop over ``pieces(shapes)`` is long enough to run ``overlapped``'s work
     on a second thread: ``OVERLAP_PIECES`` pieces or more."""
-    return sum(1 for _ in itertools.islice(pieces(shapes, block_size), OVERLAP_PIECES)) >= (
-        OVERLAP_PIECES
-    )
+    first = itertools.islice(pieces(shapes, block_size), OVERLAP_PIECES)
+    return len(list(first)) == OVERLAP_PIECES
 
 
 # --- the outer optimizer's state, per parameter --------------------------------------

@@ -54,22 +54,22 @@ def scan_payload(payload: Payload, block: int) -> Scan:
     total, found = [0.0], []
     shapes = {n: m.shape for n, m in index.items()}
 
-    def read() -> Iterator[tuple[str, int, np.ndarray | str]]:
+    def read() -> Iterator[tuple[str, np.ndarray | str]]:
         for name, start, stop in pieces(shapes, block):
             q = payload.read(name, start, stop)
             if q.data.dtype != STORAGE_DTYPE[q.kind] or q.kind != index[name].kind:
-                yield name, start, (f"tensor {name} has payload dtype {q.data.dtype} for "
-                                    f"kind {index[name].kind!r}")  # fmt: skip
+                yield name, (f"tensor {name} has payload dtype {q.data.dtype} for kind "
+                             f"{index[name].kind!r}")  # fmt: skip
                 return
             values = dequantize(q)
             if values.size != stop - start:
-                yield name, start, (f"tensor {name} holds {values.size} values at {start}, "
-                                    f"expected {stop - start}")  # fmt: skip
+                yield name, (f"tensor {name} holds {values.size} values at {start}, "
+                             f"expected {stop - start}")  # fmt: skip
                 return
-            yield name, start, values
+            yield name, values
 
-    def check(item: tuple[str, int, np.ndarray | str]) -> None:
-        name, _, values = item
+    def check(item: tuple[str, np.ndarray | str]) -> None:
+        name, values = item
         if isinstance(values, str):
             found.append(values)
         elif not np.all(np.isfinite(values)):
