@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import fsspec
@@ -274,9 +275,12 @@ def test_a_run_from_the_train_deployment_is_tagged_and_links_its_flow_runs(worke
             (parent,) = stand_in.task_inputs["__parents__"]
             starter = client.read_task_run(parent.id)
             assert starter.name == f"{starters} {child.name}", (child.name, starter.name)
-        learner0 = [f for f in children if f.name == "learner us-east/0"]
         if via == "processes":
-            assert len(learner0) >= 2  # bounded flow runs of one process: each is linked
+            # bounded flow runs of one process, each linked: the 80 steps of the budget take
+            # at least 4 flow runs of one 20-step round over the 2 learners, so at least one
+            # learner has run more than one, whichever learner took the larger share
+            learners = Counter(f.name for f in children if f.name.startswith("learner "))
+            assert sum(learners.values()) >= 4 and max(learners.values()) >= 2, learners
         # (the workers print what their flow runs' pull steps print)
         assert f"credentials from Secret block '{SECRET_BLOCK}'" in logs
     assert fsspec.filesystem("s3").ls(f"{bucket}/{run}"), "nothing reached the S3 bucket"
