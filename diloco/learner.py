@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -43,10 +44,19 @@ def _keep_unsent(anchor: jax.Array, current: jax.Array, sent: jax.Array) -> jax.
     return anchor + (current - sent)
 
 
+@jax.jit
+def _widen(value: jax.Array) -> jax.Array:
+    """A global's bfloat16 tensor to float32 on its devices (exact: the same bits as
+    widened on the host)."""
+    return value.astype(jnp.float32)
+
+
 def compile_apply(value: jax.Array) -> None:
     """Compile (or load from the JAX cache) what applying a global version runs on a
-    tensor of ``value``'s shape and sharding (the blend, the re-base of ``keep_unsent``),
-    so a learner's first versions do not wait on it (``flows.learner.compile_step``)."""
+    tensor of ``value``'s shape and sharding (the widening of a bf16 wire's values, the
+    blend, the re-base of ``keep_unsent``), so a learner's first versions do not wait on
+    it (``flows.learner.compile_step``)."""
+    _widen(value.astype(jnp.bfloat16)).block_until_ready()
     _blend(value, value, np.float32(0.5), np.float32(0.5)).block_until_ready()
     _keep_unsent(value, value, value).block_until_ready()
 
@@ -224,8 +234,7 @@ class Learner:
             return
         names = self.plan[p]
         carry = frag.residual or frag.carry
-        # Placed a tensor at a time: each device receives its slice of the global's tensor.
-        placed = {n: self.trainer.place(np.asarray(values[n], dtype=np.float32)) for n in names}
+        placed = {n: self._place_global(values, n) for n in names}
         if frag.sent_values and frag.sent_at_step is not None:  # only with keep_unsent
             kept = self.step - frag.sent_at_step
             anchor = placed
@@ -254,6 +263,18 @@ class Learner:
             )
         self.params = {**self.params, **{n: self.trainer.place(v) for n, v in new.items()}}
         self.fragments[p] = state
+
+    def _place_global(self, values: FlatParams, name: str) -> jax.Array:
+        """A global's tensor onto the devices, a tensor at a time, each device receiving
+        its slice: as ``values`` keep it where they can say (``exact``: a version held in
+        a local file, ``storage_layout.spill``, keeps a bf16 wire's codes) and widened to
+        float32 there, half the bytes moved and nothing decoded on the host; else as
+        float32."""
+        exact = getattr(values, "exact", None)
+        if exact is None:
+            return self.trainer.place(np.asarray(values[name], dtype=np.float32))
+        placed = self.trainer.place(exact(name))
+        return placed if placed.dtype == jnp.float32 else _widen(placed)
 
     def checkpoint(self) -> LearnerCheckpoint:
         return LearnerCheckpoint(step=self.step, seq=self.seq, opt_state=self.opt_state)

@@ -104,6 +104,16 @@ def dequantize(q: QuantizedTensor, owned: bool = False) -> np.ndarray:
     return (codes * scales).reshape(q.shape)
 
 
+def exact_values(q: QuantizedTensor, owned: bool = False) -> np.ndarray:
+    """``q``'s values in the narrowest type that holds them exactly, of the original
+    shape: a bf16 tensor's codes as ``bfloat16`` (nothing decoded), any other
+    ``dequantize``'d to float32. What a held copy keeps (``storage_layout.spill``: half
+    the bytes of float32 for a bf16 wire)."""
+    if q.kind == "bf16":
+        return q.data.view(ml_dtypes.bfloat16).reshape(q.shape)
+    return dequantize(q, owned)
+
+
 def quantize_with_feedback(
     x: np.ndarray, carry: np.ndarray | None, kind: str, block_size: int = 128
 ) -> tuple[QuantizedTensor, np.ndarray]:
@@ -138,6 +148,11 @@ class Pieces:
 
     def pieces(self) -> Iterator[np.ndarray]:
         raise NotImplementedError
+
+    def exact_pieces(self) -> Iterator[np.ndarray]:
+        """The pieces in the narrowest type that holds them exactly (``exact_values``):
+        float32 here, bfloat16 where the tensor is stored so."""
+        return self.pieces()
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         out = np.empty(math.prod(self.shape), np.float32)

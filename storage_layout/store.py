@@ -33,7 +33,14 @@ from typing import Any
 
 import numpy as np
 
-from diloco.quantize import Pieces, QuantizedTensor, dequantize, piece_step, quantize
+from diloco.quantize import (
+    Pieces,
+    QuantizedTensor,
+    dequantize,
+    exact_values,
+    piece_step,
+    quantize,
+)
 from diloco.topology import learner_index, learner_region
 from storage_layout.auth import (
     SecretMismatch,
@@ -1446,8 +1453,9 @@ def decoded_each(
 
 class TensorPieces(Pieces):
     """Tensor ``name`` of group ``group`` of a version, read and decoded to float32 a
-    piece of at most ``PIECE_VALUES`` at a time (``diloco.quantize.Pieces``). A damaged
-    object is ``CorruptVersion`` naming the version's key."""
+    piece of at most ``PIECE_VALUES`` at a time (``diloco.quantize.Pieces``; or kept as
+    bfloat16 where it is stored so: ``exact_pieces``). A damaged object is
+    ``CorruptVersion`` naming the version's key."""
 
     def __init__(self, reader: VersionReader, key: str, group: str, name: str,
                  shape: tuple[int, ...], block: int):  # fmt: skip
@@ -1455,11 +1463,17 @@ class TensorPieces(Pieces):
         self.shape, self.step = shape, piece_step(block)
 
     def pieces(self) -> Iterator[np.ndarray]:
+        return self._pieces(dequantize)
+
+    def exact_pieces(self) -> Iterator[np.ndarray]:
+        return self._pieces(exact_values)
+
+    def _pieces(self, decode: Callable[..., np.ndarray]) -> Iterator[np.ndarray]:
         n = math.prod(self.shape)
         with _named_damage(self.key):
             for start in range(0, n, self.step):
                 q = self.reader.read(self.group, self.name, start, min(n, start + self.step))
-                yield dequantize(q, owned=True).reshape(-1)  # (read here: ours)
+                yield decode(q, owned=True).reshape(-1)  # (read here: ours)
 
 
 def decoded_pieces(

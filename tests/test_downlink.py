@@ -208,6 +208,8 @@ def test_a_learner_holding_its_versions_in_local_files_never_holds_one_whole(tmp
     assert high >= fragment and low < fragment // 2, (low, high)
     for n in shapes:  # the same bits, read back a tensor at a time
         assert spilled.params[n].tobytes() == whole.params[n].tobytes() == expected[n].tobytes()
+    # kept as the bf16 wire stores it: 2 bytes a value on the local disk, not float32's 4
+    assert os.path.getsize(spilled.params.path) == spilled.params.nbytes_kept == fragment // 2
 
 
 def test_spilled_params_read_back_what_was_written_and_name_a_damaged_file(tmp_path):
@@ -223,6 +225,45 @@ def test_spilled_params_read_back_what_was_written_and_name_a_damaged_file(tmp_p
     with pytest.raises(OSError, match=r"v\.f32 ends before a"):
         spilled["a"]
     spilled.close()
+    assert not os.path.exists(path)
+
+
+def test_spilled_bfloat16_values_are_kept_in_half_the_bytes_and_read_back_as_float32_exactly(
+    tmp_path,
+):
+    """A tensor that comes as bfloat16 (a bf16 wire's codes, ``Pieces.exact_pieces``) is
+    kept so, 2 bytes a value, and read back as the float32 values those codes are, every
+    bit (the signs of zero, infinities, NaN, subnormals); a float32 tensor beside it is
+    kept as float32. A tensor whose pieces turn from bfloat16 to float32 is refused: its
+    later values would not fit."""
+    import ml_dtypes
+
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -3.5, 65504.0], np.float32)
+    rng = np.random.default_rng(0)
+    values = np.concatenate([special, rng.normal(size=1000).astype(np.float32)])
+    codes = values.astype(ml_dtypes.bfloat16)
+    exact = codes.astype(np.float32)
+
+    class Halves:  # a tensor read in pieces, as ``store.TensorPieces``
+        shape = (2, codes.size // 2)
+
+        def exact_pieces(self):
+            yield from (codes[:500], codes[500:])
+
+    path = str(tmp_path / "v.values")
+    spilled = SpilledParams.write(path, [("w", Halves()), ("f", values)])
+    assert os.path.getsize(path) == spilled.nbytes_kept == 2 * codes.size + 4 * values.size
+    assert spilled["w"].dtype == np.float32 and spilled["w"].shape == Halves.shape
+    assert spilled["w"].tobytes() == exact.tobytes()
+    assert spilled.piece("w", 3, 600).tobytes() == exact[3:600].tobytes()
+    assert spilled["f"].tobytes() == values.tobytes()
+
+    class Mixed(Halves):
+        def exact_pieces(self):
+            yield from (codes[:500], values[500:])
+
+    with pytest.raises(ValueError, match="w: a float32 piece after bfloat16 ones"):
+        SpilledParams.write(path, [("w", Mixed())])
     assert not os.path.exists(path)
 
 
@@ -254,10 +295,10 @@ def test_a_learner_takes_a_version_into_its_file_a_piece_of_a_tensor_at_a_time(
     tmp_path, monkeypatch
 ):
     """A learner's download of a global version into its spill file holds a piece of a
-    tensor at a time (``store.TensorPieces``: ``PIECE_VALUES`` values, their bf16 read and
-    float32 decode) and the chunks in flight, not the tensor: its whole bf16 read beside
-    its whole float32 decode held 1.6 times its float32 size. The file holds the version
-    bit for bit."""
+    tensor at a time (``store.TensorPieces``: ``PIECE_VALUES`` values, kept as their bf16
+    codes) and the chunks in flight, not the tensor: its whole bf16 read beside its whole
+    float32 decode held 1.6 times its float32 size. The file holds the version bit for
+    bit."""
     import ml_dtypes
 
     import diloco.quantize as quantize_module
@@ -276,9 +317,10 @@ def test_a_learner_takes_a_version_into_its_file_a_piece_of_a_tensor_at_a_time(
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    # a piece's bf16 and float32 (6 bytes a value), and bf16 chunks read ahead and in
-    # flight, each held twice at most while it is read (1.59x the tensor before)
-    assert peak < 6 * CHUNK + 2 * (2 * 2 * PARALLEL * CHUNK) + (4 << 20), peak / w.nbytes
+    # a piece's bf16 codes (2 bytes a value; 6 with a float32 decode beside them), and
+    # bf16 chunks read ahead and in flight, each held twice at most while it is read
+    # (1.59x the tensor before pieces)
+    assert peak < 2 * CHUNK + 2 * (2 * 2 * PARALLEL * CHUNK) + (4 << 20), peak / w.nbytes
     assert isinstance(state.params, SpilledParams)
     want = w.astype(ml_dtypes.bfloat16).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(state.params["w"]), want)

@@ -152,6 +152,62 @@ def test_tau_delays_application_and_alpha_zero_overwrites(setup):
     assert lrn.fragments[1].base_version == 3
 
 
+@pytest.mark.parametrize("keep_unsent", [False, True])
+def test_a_global_held_as_bf16_in_a_local_file_is_applied_as_its_float32_values(
+    setup, tmp_path, keep_unsent, monkeypatch
+):
+    """A version a learner holds in its spill file keeps a bf16 wire's codes; applied,
+    each tensor goes to the devices as those codes (half the bytes) and is widened to
+    float32 there: the same parameters, anchor and next contribution, bit for bit, as the
+    float32 values applied from memory, on one device and sharded over two (FSDP)."""
+    import jax
+    import ml_dtypes
+
+    from storage_layout.spill import SpilledParams
+
+    cfg, codec, init, _, plan, _ = setup
+    rng = np.random.default_rng(1)
+    codes = {n: (init[n] + rng.normal(0, 0.01, init[n].shape)).astype(ml_dtypes.bfloat16)
+             for n in plan[1]}  # fmt: skip
+    widened = {n: c.astype(np.float32) for n, c in codes.items()}
+    spilled = SpilledParams.write(str(tmp_path / "v.values"), codes.items())
+    assert spilled.nbytes_kept == 2 * sum(c.size for c in codes.values())
+
+    def recording(trainer, placed):  # InnerTrainer.place, noting each dtype it is given
+        return lambda v: placed.append(v.dtype) or InnerTrainer.place(trainer, v)
+
+    for fsdp in (1, 2):
+        trainer = InnerTrainer(codec, cfg.inner, 100, devices=jax.devices()[:2], fsdp=fsdp)
+        got = {}
+        for held in ("memory", "file"):
+            lrn = make_learner((*setup[:3], trainer, *setup[4:]), keep_unsent=keep_unsent)
+            lrn.train_step()
+            lrn.contribute(1)
+            for _ in range(2):
+                lrn.train_step()
+            placed = []
+            monkeypatch.setattr(trainer, "place", recording(trainer, placed))
+            lrn.apply_global(1, 3, spilled if held == "file" else widened)
+            monkeypatch.undo()
+            assert set(placed[: len(plan[1])]) == {np.dtype(ml_dtypes.bfloat16 if held == "file"
+                                                            else np.float32)}  # fmt: skip
+            lrn.train_step()
+            c = lrn.contribute(1)
+            got[held] = {
+                **{f"param/{n}": np.asarray(lrn.params[n]) for n in plan[1]},
+                **{f"anchor/{n}": np.asarray(lrn.fragments[1].anchor[n]) for n in plan[1]},
+                **{f"grad/{n}": v for n, v in c.outer_gradient().items()},
+            }
+            assert all(lrn.params[n].dtype == np.float32 for n in plan[1])
+            if fsdp == 2:  # still split over the two devices
+                big = max(plan[1], key=lambda n: init[n].size)
+                shards = [s.data.shape for s in lrn.params[big].addressable_shards]
+                assert len(shards) == 2 and np.prod(shards[0]) * 2 == init[big].size, shards
+        for k, v in got["memory"].items():
+            assert v.tobytes() == got["file"][k].tobytes(), (fsdp, k)
+    spilled.close()
+
+
 def test_resume_continues_at_a_step_after_the_sent_sequence_numbers(setup):
     lrn = make_learner(setup)
     lrn.train_step()
