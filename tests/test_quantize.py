@@ -69,3 +69,28 @@ def test_error_feedback_carries_residual():
     sent = dequantize(q1) + dequantize(q2)
     without = 2 * dequantize(quantize(x, "int4", 64))
     assert np.abs(sent - 2 * x).sum() < np.abs(without - 2 * x).sum()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 129, 1000, 4096])
+def test_dequantize_is_each_code_times_its_blocks_scale_bit_for_bit(kind, size):
+    """Every value is its code (int4: its nibble less 8) times its block's scale, one
+    float32 product, the short last block included; a payload with fewer scales than its
+    blocks is refused, naming the counts."""
+    from diloco.quantize import QuantizedTensor
+
+    rng = np.random.default_rng(size)
+    x = (rng.standard_normal(size) * 3).astype(np.float32)
+    q = quantize(x, kind, 64)
+    if kind == "int8":
+        codes = q.data.astype(np.int64)
+    else:
+        nibbles = np.stack([q.data & 0x0F, q.data >> 4], axis=1).reshape(-1)[:size]
+        codes = nibbles.astype(np.int64) - 8
+    want = np.array([np.float32(c) * q.scales[i // 64] for i, c in enumerate(codes)],
+                    np.float32)  # fmt: skip
+    assert dequantize(q).tobytes() == want.tobytes()
+    if size:
+        short = QuantizedTensor(kind, q.shape, q.data, q.scales[:-1], 64)
+        with pytest.raises(ValueError, match=rf"scales for {size} values in blocks of 64"):
+            dequantize(short)
