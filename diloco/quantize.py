@@ -108,7 +108,8 @@ def dequantize(q: QuantizedTensor, owned: bool = False) -> np.ndarray:
     if codes.size != n or q.scales is None or q.scales.size < blocks:
         raise ValueError(f"{codes.size} codes and {0 if q.scales is None else q.scales.size} "
                          f"scales for {n} values in blocks of {b}")  # fmt: skip
-    codes[:full].reshape(-1, b).__imul__(q.scales[: full // b, None])
+    whole_blocks = codes[:full].reshape(-1, b)  # a view: multiplied in place
+    whole_blocks *= q.scales[: full // b, None]
     if full < n:  # the last block, short
         codes[full:] *= q.scales[blocks - 1]
     return codes.reshape(q.shape)
