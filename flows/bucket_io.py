@@ -255,23 +255,27 @@ def _as_leaf(value: Any, shape: tuple[int, ...], dtype: Any) -> Any:
 
 
 class _LeafBoxes:
-    """One optimizer-state leaf of a checkpoint written in parts (one per host of the
-    learner): the boxes of it that the parts hold, read only where they are asked for
-    (``inner.Boxes``): placed on this learner's mesh, each device's slice reads the
-    boxes it overlaps, so no host gathers a leaf its devices do not hold."""
+    """One optimizer-state leaf of a checkpoint: the boxes of it that its parts hold (one
+    per host of the learner that wrote it; a checkpoint written whole is one box, the
+    leaf), read only where they are asked for (``inner.Boxes``): placed on this learner's
+    mesh, each device's slice reads the rows of the boxes it overlaps, so no host gathers
+    a leaf its devices do not hold."""
 
     def __init__(self, name: str, key: str):
         self.name, self.key = name, key
-        self.boxes: list[tuple[tuple[tuple[int, int], ...], ReaderTensors, str]] = []
+        # (box or None: the whole leaf, the tensors holding it, its name there)
+        self.boxes: list[tuple[tuple[tuple[int, int], ...] | None, Tensors, str]] = []
         self.shape: tuple[int, ...] = ()
         self.dtype: Any = np.float32
-        # a box's values; the last one read is kept (a process's devices that replicate a
-        # slice ask for the same box in turn)
-        self._box = _OneHeld(lambda at: at[0].piece(at[1], 0, math.prod(at[0].shapes[at[1]])))
+        # the rows of a box last read are kept (a process's devices that replicate a
+        # slice ask for the same rows in turn); read again when asked for other rows
+        self._rows = _OneHeld(lambda at: at[0].piece(at[1], at[2], at[3]))
 
     def checked(self, shape: tuple[int, ...], dtype: Any) -> _LeafBoxes:
         """These boxes as a leaf of ``shape``: each inside it, of its stored size, and
         together covering it exactly once (``CorruptVersion`` naming the leaf if not)."""
+        whole = tuple((0, n) for n in shape)
+        self.boxes = [(whole if box is None else box, t, n) for box, t, n in self.boxes]
         total = 0
         for box, tensors, tname in self.boxes:
             extent = tuple(b - a for a, b in box)
@@ -292,23 +296,40 @@ class _LeafBoxes:
 
     def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
         want = [sl.indices(n)[:2] for sl, n in zip(index, self.shape, strict=True)]
-        out = np.empty([b - a for a, b in want], dtype=self.dtype)
+        out = None
         for box, tensors, tname in self.boxes:
-            if list(box) == want:  # one box is the slice (the mesh it was written from)
-                values = self._box((tensors, tname)).reshape(out.shape)
-                return values.astype(self.dtype, copy=False)
             cut = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(want, box, strict=True)]
             if any(a >= b for a, b in cut):
                 continue
-            values = self._box((tensors, tname)).reshape([b - a for a, b in box])
-            src = tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(cut, box, strict=True))
-            dst = tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(cut, want, strict=True))
-            out[dst] = values[src]
-        return out
+            values, src = self._read(box, tensors, tname, cut)
+            if cut == want:  # one box holds the slice (a leaf whole, or the writer's mesh)
+                return np.asarray(values[src]).astype(self.dtype, copy=False)
+            if out is None:
+                out = np.empty([b - a for a, b in want], dtype=self.dtype)
+            out[tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(cut, want, strict=True))] = (
+                values[src]
+            )
+        return np.empty([b - a for a, b in want], self.dtype) if out is None else out
+
+    def _read(
+        self, box: tuple[tuple[int, int], ...], tensors: Tensors, tname: str, cut: list
+    ) -> tuple[np.ndarray, tuple[slice, ...]]:
+        """The rows of ``box`` that ``cut`` spans (all of them for a scalar), shaped as the
+        box's, and where ``cut`` lies in them: a slice split along the leaf's rows reads
+        its own rows, one split along another axis the rows it crosses."""
+        extent = [b - a for a, b in box]
+        if not extent:
+            return self._rows((tensors, tname, 0, 1)).reshape(()), ()
+        first, last = cut[0][0] - box[0][0], cut[0][1] - box[0][0]
+        row = math.prod(extent[1:])
+        values = self._rows((tensors, tname, first * row, last * row))
+        rest = [slice(a - c, b - c) for (a, b), (c, _) in zip(cut[1:], box[1:], strict=True)]
+        src = (slice(0, last - first), *rest)
+        return values.reshape([last - first, *extent[1:]]), src
 
     def release(self) -> None:
-        """Drop the box kept: the leaf is placed."""
-        self._box.clear()
+        """Drop the rows kept: the leaf is placed."""
+        self._rows.clear()
 
 
 def _overlap(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> bool:
@@ -366,25 +387,13 @@ class HostPart:
         return self._flat(name)[start:stop]
 
 
-class _StoredLeaves(Mapping[str, np.ndarray]):
-    """A checkpoint's ``opt`` group as a mapping whose values are read when asked for, a
-    whole leaf at a time (``optimizer_state`` places each before it reads the next)."""
-
-    def __init__(self, tensors: ReaderTensors):
-        self.tensors = tensors
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        shape = self.tensors.shapes[name]
-        return self.tensors.piece(name, 0, int(np.prod(shape))).reshape(shape)
-
-    def __contains__(self, name: object) -> bool:  # (Mapping's own reads the whole leaf)
-        return name in self.tensors.shapes
-
-    def __iter__(self):
-        return iter(self.tensors.shapes)
-
-    def __len__(self) -> int:
-        return len(self.tensors.shapes)
+def _whole_leaves(tensors: Tensors, key: str) -> dict[str, _LeafBoxes]:
+    """A checkpoint written whole (its ``opt`` group: a tensor a leaf), each leaf as one
+    box, read where it is placed as a parted checkpoint's are."""
+    leaves = {name: _LeafBoxes(name, key) for name in tensors.shapes}
+    for name, leaf in leaves.items():
+        leaf.boxes.append((None, tensors, name))
+    return leaves
 
 
 def read_checkpoint(
@@ -396,15 +405,16 @@ def read_checkpoint(
 ) -> tuple[optax.OptState, dict[str, Any]]:
     """Checkpoint ``learner@step`` into the structure of ``template``, with its meta: the
     stored leaves are the logical arrays, so any mesh reads them; each is read, checked
-    and placed (``place``: onto this learner's shardings) before the next, so the host
-    holds one leaf, never the whole state."""
+    and placed (``place``: onto this learner's shardings) before the next, each device's
+    slice read on its own (``_LeafBoxes``), so the host holds a slice of one leaf at a
+    time, never the whole state, nor a whole leaf its devices split."""
     key = store.layout.checkpoint_marker(learner, step)
     marker = read_marker(store.home, key)
     reader = VersionReader(store.home, marker, key, cache=1)
     if "parts" in marker.meta:  # written in parts, one per host (``HostPart``)
         leaves: Mapping[str, Any] = _stored_parts(reader, marker.meta["parts"], key)
     else:
-        leaves = _StoredLeaves(ReaderTensors(reader, "opt"))
+        leaves = _whole_leaves(ReaderTensors(reader, "opt"), key)
     return optimizer_state(leaves, template, place), dict(marker.meta)
 
 
