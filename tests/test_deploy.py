@@ -215,11 +215,14 @@ def workers(deployed, s3_server, tmp_path_factory):
                  "--type", "process"], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=logs,
             )  # fmt: skip
     yield logs
+    # every flow run they started has ended (the tests check it); a worker told to stop
+    # outlived a 30 s wait each (the suite's teardown took 60 s), so it gets 5 s, then a kill
     for proc in procs.values():
         proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 5
     for proc in procs.values():
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

@@ -101,7 +101,11 @@ def test_two_region_run_on_s3_and_gcs(prefect_api, s3_server, gcs_server, tmp_pa
     assert summary["failed"] == [], summary["failed"]
     assert set(summary["learner_states"].values()) == {"done"}, summary["learner_states"]
     assert summary["final_loss"] < summary["initial_loss"] - 1.0, summary["curve"]
-    assert min(summary["versions"].values()) >= 2, summary["versions"]  # ~5 at this budget
+    # every fragment published, and the run synchronized while it trained (~5 versions a
+    # fragment at this budget; a syncer whose flow run starts late, once 64 s after its
+    # start on a busy machine, finds the learners done and merges once)
+    versions = summary["versions"]
+    assert min(versions.values()) >= 1 and sum(versions.values()) > len(versions), versions
     shares = summary["time_breakdown"]  # summed over the learners' several flow runs
     assert shares["start-up"] > 0 and shares["kept"] > 0, shares
     assert sum(shares.values()) == pytest.approx(1.0), shares
