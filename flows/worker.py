@@ -122,13 +122,36 @@ def main(argv: list[str] | None = None) -> int:
         return API_DOWN
 
 
-def _warm_up(warm: dict[str, str]) -> None:
-    import flows.learner
+class WarmUp:
+    """A spare's warm-up for a learner of the run (``flows.learner.warm_up``) in a thread
+    of its own, so that a job that comes first does not wait for it. A spare that becomes
+    a syncer ends it at its next step (``not_needed``): it compiles no learner's step it
+    would never run (seconds of a core, beside the learners starting on it)."""
 
-    try:
-        flows.learner.warm_up(**warm)
-    except Exception as exc:  # a spare that could not warm up still serves, cold
-        print(f"warm-up failed, the worker will start cold: {exc!r}", file=sys.stderr)
+    class Stopped(Exception):
+        """Raised inside the warm-up to end it: not needed."""
+
+    def __init__(self, warm: dict[str, str]):
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(warm,), daemon=True)
+        self.thread.start()
+
+    def _go_on(self) -> None:
+        if self._stop.is_set():
+            raise self.Stopped
+
+    def _run(self, warm: dict[str, str]) -> None:
+        import flows.learner
+
+        try:
+            flows.learner.warm_up(**warm, go_on=self._go_on)
+        except self.Stopped:
+            pass
+        except Exception as exc:  # a spare that could not warm up still serves, cold
+            print(f"warm-up failed, the worker will start cold: {exc!r}", file=sys.stderr)
+
+    def not_needed(self) -> None:
+        self._stop.set()
 
 
 def standby(warm: dict[str, str] | None = None) -> int:
@@ -145,14 +168,15 @@ def standby(warm: dict[str, str] | None = None) -> int:
         import flows.learner
         import flows.syncer  # noqa: F401
 
-        if warm:  # in the background: a job that comes first must not wait for it
-            threading.Thread(target=_warm_up, args=(warm,), daemon=True).start()
+        warming = WarmUp(warm) if warm else None
         line = sys.stdin.readline()
     except KeyboardInterrupt:
         return 130
     if not line.strip():
         return 0
     job = json.loads(line)
+    if warming is not None and job["argv"][:1] != ["learner"]:
+        warming.not_needed()
     fd = os.open(job["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1075,6 +1075,39 @@ def test_a_spare_worker_becomes_the_worker_it_is_given_and_idle_ones_end(tmp_pat
     assert (tmp_path / "spares.log").read_text() == ""  # quiet: no traceback, no warning
 
 
+def test_a_spares_warm_up_ends_at_its_next_step_once_it_is_not_needed(monkeypatch, capsys):
+    """A spare warms up for a learner in a thread beside its wait for a job; one that
+    becomes a syncer stops it at the next step (no learner's step compiled in a syncer,
+    seconds of a core at a run's start), quietly. A warm-up that fails says so."""
+    import flows.learner
+    from flows.worker import WarmUp
+
+    steps: list[int] = []
+    started = threading.Event()
+
+    def warm_up(run, bucket, region, pipeline=None, go_on=lambda: None):
+        started.set()
+        for step in range(100_000):  # the model, the step's compilations, the data
+            go_on()
+            steps.append(step)
+            time.sleep(0.001)
+
+    monkeypatch.setattr(flows.learner, "warm_up", warm_up)
+    warming = WarmUp({"run": "r", "bucket": "file:///nowhere", "region": "us"})
+    assert started.wait(60)
+    warming.not_needed()
+    warming.thread.join(60)
+    assert not warming.thread.is_alive() and len(steps) < 100_000
+    assert capsys.readouterr().err == ""
+
+    def broken(**_):
+        raise OSError("no spec in file:///nowhere")
+
+    monkeypatch.setattr(flows.learner, "warm_up", broken)
+    WarmUp({"run": "r", "bucket": "file:///nowhere", "region": "us"}).thread.join(60)
+    assert "warm-up failed, the worker will start cold" in capsys.readouterr().err
+
+
 def test_spares_outlive_their_zygote(tmp_path):
     """A zygote that dies leaves no worker unwatched and no restart stuck: its forked
     spares' ends are still seen, and new spares start as processes of their own."""
