@@ -106,11 +106,16 @@ def _is_boxes(value: object) -> bool:
 
 
 def to_device(host: np.ndarray | Boxes, sharding: NamedSharding) -> jax.Array:
-    """A host array onto ``sharding``: each device receives only its own slice (of a
-    ``Boxes``, only the parts its slice overlaps are read)."""
+    """A host array onto ``sharding``: each device receives only its own slice. A
+    ``Boxes`` is read a device's slice at a time, each put on its device before the next
+    is read (``make_array_from_callback`` would hold every local device's slice on the
+    host at once: the whole tensor, for a learner sharded over one host's devices)."""
     if not _is_boxes(host):
         host = np.asarray(host)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    shards = [jax.device_put(host[index], device).block_until_ready()
+              for device, index in sharding.addressable_devices_indices_map(host.shape).items()]  # fmt: skip
+    return jax.make_array_from_single_device_arrays(host.shape, sharding, shards)
 
 
 def fsdp_spec(shape: Sequence[int], fsdp: int) -> PartitionSpec:

@@ -286,6 +286,36 @@ def test_a_checkpoint_is_taken_from_the_devices_once_and_read_where_it_is_placed
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_tensor_read_by_slice_is_put_on_its_devices_a_slice_at_a_time():
+    """``inner.to_device`` of a ``Boxes`` (a checkpoint's leaf) reads each device's slice
+    after the one before is on its device, so the host holds one slice, not every local
+    device's at once (``make_array_from_callback`` reads them all before it puts any)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from diloco.inner import learner_mesh, to_device
+
+    values = np.arange(32, dtype=np.float32).reshape(8, 4)
+
+    class Rows:
+        shape, dtype = values.shape, values.dtype
+
+        def __init__(self):
+            self.placed_before: list[int] = []  # device arrays alive as each slice is read
+
+        def __getitem__(self, index):
+            self.placed_before.append(len(jax.live_arrays()))
+            return values[index]
+
+    mesh = learner_mesh(jax.devices()[:2], fsdp=2)
+    rows, alive = Rows(), len(jax.live_arrays())
+    placed = to_device(rows, NamedSharding(mesh, PartitionSpec("fsdp")))
+    assert rows.placed_before == [alive, alive + 1]
+    assert [s.data.shape for s in placed.addressable_shards] == [(4, 4), (4, 4)]
+    np.testing.assert_array_equal(np.asarray(placed), values)
+    replicated = to_device(Rows(), NamedSharding(mesh, PartitionSpec()))
+    np.testing.assert_array_equal(np.asarray(replicated), values)
+
+
 def test_writing_a_checkpoint_leaves_no_host_copy_on_the_state_it_holds(tmp_path):
     """A ``jax.Array`` keeps the host copy it makes for as long as it lives; a checkpoint
     written leaf by leaf from the state the learner holds must not leave one on each
