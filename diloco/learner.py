@@ -28,6 +28,7 @@ from diloco.inner import InnerTrainer, to_host
 from diloco.outer import Contribution, FlatParams
 from diloco.quantize import QuantizedTensor
 from diloco.quantize_device import outer_gradient
+from diloco.tensors import KeptTensors
 
 DeviceParams = dict[str, jax.Array]
 
@@ -45,7 +46,7 @@ def _keep_unsent(anchor: jax.Array, current: jax.Array, sent: jax.Array) -> jax.
 
 
 @jax.jit
-def _widen(value: jax.Array) -> jax.Array:
+def widen(value: jax.Array) -> jax.Array:
     """A global's bfloat16 tensor to float32 on its devices (exact: the same bits as
     widened on the host)."""
     return value.astype(jnp.float32)
@@ -56,7 +57,7 @@ def compile_apply(value: jax.Array) -> None:
     tensor of ``value``'s shape and sharding (the widening of a bf16 wire's values, the
     blend, the re-base of ``keep_unsent``), so a learner's first versions do not wait on
     it (``flows.learner.compile_step``)."""
-    _widen(value.astype(jnp.bfloat16)).block_until_ready()
+    widen(value.astype(jnp.bfloat16)).block_until_ready()
     _blend(value, value, np.float32(0.5), np.float32(0.5)).block_until_ready()
     _keep_unsent(value, value, value).block_until_ready()
 
@@ -270,11 +271,10 @@ class Learner:
         a local file, ``storage_layout.spill``, keeps a bf16 wire's codes) and widened to
         float32 there, half the bytes moved and nothing decoded on the host; else as
         float32."""
-        exact = getattr(values, "exact", None)
-        if exact is None:
+        if not isinstance(values, KeptTensors):
             return self.trainer.place(np.asarray(values[name], dtype=np.float32))
-        placed = self.trainer.place(exact(name))
-        return placed if placed.dtype == jnp.float32 else _widen(placed)
+        placed = self.trainer.place(values.exact(name))
+        return placed if placed.dtype == jnp.float32 else widen(placed)
 
     def checkpoint(self) -> LearnerCheckpoint:
         return LearnerCheckpoint(step=self.step, seq=self.seq, opt_state=self.opt_state)

@@ -72,6 +72,16 @@ class Tensors(Protocol):
         """Values ``[start, stop)`` of tensor ``name`` flattened in C order (float32)."""
 
 
+@runtime_checkable
+class KeptTensors(Protocol):
+    """Values that can give a tensor as they keep it, undecoded (a version held in a local
+    file keeps a bf16 wire's codes: ``storage_layout.spill.SpilledParams``), for a reader
+    that widens it where it goes (a learner, on its devices)."""
+
+    def exact(self, name: str) -> np.ndarray:
+        """Tensor ``name`` in its shape, as kept: bfloat16 or float32."""
+
+
 class ArrayTensors(dict):
     """``{name: float32 ndarray}`` that is also ``Tensors``."""
 

@@ -1,6 +1,6 @@
 """How long a learner's apply takes to place a held global version on its device: the
 float32 values from their spill file (as before e48a362) against the bf16 wire's codes
-from theirs, widened to float32 on the device (``diloco.learner._widen``), for 16
+from theirs, widened to float32 on the device (``diloco.learner.widen``), for 16
 tensors of 8 Mi values. Prints seconds a pass and checks both give the same bits.
 
     TMPDIR=/dev/shm python bench/scale/apply.py
@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from diloco.learner import _widen
+from diloco.learner import widen
 from storage_layout.spill import SpilledParams
 
 SHAPE, COUNT, PASSES = (4096, 2048), 16, 3
@@ -42,7 +42,7 @@ def main() -> None:
         return [jax.device_put(np.asarray(f32[n], np.float32), device) for n in names]
 
     def bf16_file() -> list[jax.Array]:
-        return [_widen(jax.device_put(bf16.exact(n), device)) for n in names]
+        return [widen(jax.device_put(bf16.exact(n), device)) for n in names]
 
     print(f"device {device.platform}: {device.device_kind}; {COUNT} x {SHAPE} values")
     for place, held in ((float32_file, f32), (bf16_file, bf16)):
