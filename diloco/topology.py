@@ -10,9 +10,16 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 LEARNER_PREFIX = "learner-"
+# How a run lets machines join in a region it starts no learner in: what the refusal of
+# such a joiner and `diloco train`'s warning on such a run both say.
+SLOT_EVERYWHERE = (
+    "a run gives every region a learner slot when topology.learners is at least its "
+    "number of regions (slots are dealt round-robin); pipeline.learners_started N starts "
+    "the first N and leaves the others vacant for machines that join"
+)
 
 
 def learner_id(index: int) -> str:
@@ -61,9 +68,16 @@ def added_learners(dealt: Mapping[str, str], region: str) -> Iterator[str]:
     """The ids a joiner in ``region`` may add beyond the run's ``dealt`` learners, in the
     order it tries them (``learner_region``)."""
     if region not in dealt.values():
-        raise ValueError(f"no learner of the run is dealt to region {region!r}")
+        raise ValueError(f"no learner of the run is dealt to region {region!r} ({SLOT_EVERYWHERE})")
     ids = map(learner_id, itertools.count(len(dealt)))
     return (lid for lid in ids if learner_region(lid, dealt) == region)
+
+
+def unslotted_regions(dealt: Mapping[str, str], regions: Iterable[str]) -> list[str]:
+    """The ``regions`` no learner of ``dealt`` (the spec's slots) lives in: the syncers
+    publish there, but no learner trains there and no machine can join there (a joiner
+    takes or adds a slot of its own region, ``added_learners``)."""
+    return [r for r in regions if r not in set(dealt.values())]
 
 
 def home_region(regions: Sequence[str] | Mapping[str, str]) -> str:

@@ -66,7 +66,14 @@ from prefect import flow
 from diloco.data import DataError
 from diloco.simulate import check_same_data
 from diloco.syncer import budget_spent
-from diloco.topology import LEARNER_PREFIX, added_learners, learner_index, learner_region
+from diloco.topology import (
+    LEARNER_PREFIX,
+    SLOT_EVERYWHERE,
+    added_learners,
+    learner_index,
+    learner_region,
+    unslotted_regions,
+)
 from flows import workers
 from flows.notice import noting_ctrl_c
 from flows.run import absence
@@ -151,8 +158,9 @@ def choose_slot(
     if region not in regions:
         raise JoinRefused(f"run {store.run!r} has no region {region!r}; its regions are "
                           f"{sorted(regions)}")  # fmt: skip
-    if region not in (spec.get("learners") or {}).values():  # it has no pool of data either
-        raise JoinRefused(f"run {store.run!r} has no learner slot in region {region!r}")
+    if unslotted_regions(spec.get("learners") or {}, [region]):  # nor a pool of data
+        raise JoinRefused(f"run {store.run!r} has no learner slot in region {region!r}, so "
+                          f"no machine can join there: {SLOT_EVERYWHERE}")  # fmt: skip
     key_of = None if keys is None else keys.get
     learners = store.run_learners(spec, key_of).regions
     here = sorted((lid for lid, r in learners.items() if r == region), key=learner_index)

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from diloco.config import ConfigError, RunConfig
-from diloco.topology import home_region
+from diloco.topology import SLOT_EVERYWHERE, deal_learners, home_region, unslotted_regions
 from flows.display import open_display
 from flows.observe import human_bytes, train_summary_rows
 
@@ -211,6 +211,12 @@ def _train(
     console.print(estimate)
     if warning:
         console.print(f"[bold yellow]warning:[/] {warning}")
+    if empty := unslotted_regions(deal_learners(cfg.topology.learners, regions), regions):
+        console.print(
+            f"[bold yellow]warning:[/] no learner slot in region {', '.join(empty)}: no "
+            f"learner trains there and no machine can join there (diloco join); "
+            f"{SLOT_EVERYWHERE}", soft_wrap=True,
+        )  # fmt: skip
     external = os.environ.get("PREFECT_API_URL")
     started = time.perf_counter()
     # On a terminal, a live display of the run's phases (flows/display.py); else log lines.

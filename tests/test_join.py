@@ -231,6 +231,40 @@ def test_a_joiner_refused_in_its_region_is_told_where_else_the_run_has_slots(tmp
     assert "the run has slots in 'us-east' too" in said and "--region" in said, said
 
 
+def test_a_region_the_run_gives_no_slot_refuses_joiners_and_says_how_to_give_it_one(
+    tmp_path,
+):
+    """Slots are dealt round-robin, so a run of fewer learners than regions leaves a
+    region without one: a joiner there is refused with how to start the run so that
+    every region has a slot, and a run started that way (one slot more than it starts,
+    ``pipeline.learners_started``) lets a machine of that region join."""
+    regions = {"us-east": f"file://{tmp_path / 'us'}", "eu-west": f"file://{tmp_path / 'eu'}"}
+    for name in ("us", "eu"):
+        (tmp_path / name).mkdir()
+    sets = ["budget.tokens=20000", "data.assign=units"]
+    one = initialize_run(RunStore("one", regions, "us-east", writer="launcher"),
+                         load_config("tiny", overrides=[*sets, "topology.learners=1"]))  # fmt: skip
+    assert one["learners"] == {"learner-0": "us-east"}
+    env = {RUN_SECRET_ENV: new_run_secret()}
+    with pytest.raises(JoinRefused) as refused:
+        join(regions["eu-west"], "one", "eu-west", environ=env)
+    said = " ".join(str(refused.value).split())
+    assert "run 'one' has no learner slot in region 'eu-west'" in said, said
+    assert "topology.learners is at least its number of regions" in said, said
+    assert "pipeline.learners_started" in said, said
+    assert not (tmp_path / "eu" / "one" / "learners").exists()  # nothing written for it
+    cfg = load_config("tiny", overrides=[*sets, "topology.learners=2",
+                                         "pipeline.learners_started=1"])  # fmt: skip
+    store = RunStore("two", regions, "us-east", writer="launcher")
+    spec = initialize_run(store, cfg)
+    store.check_secret(env[RUN_SECRET_ENV], "the test")
+    assert cfg.started_learners(list(spec["learners"])) == ["learner-0"]
+    worker, _ = join(regions["eu-west"], "two", "eu-west", environ=env)
+    assert worker.params["index"] == 1 and spec["learners"]["learner-1"] == "eu-west"
+    eu = RunStore("two", {"eu-west": regions["eu-west"]}, "eu-west")
+    assert [r["learner"] for r in eu.joins("learner-1")] == ["learner-1"]
+
+
 def test_a_ctrl_c_while_a_joiner_warms_up_is_not_lost_and_it_takes_no_slot(
     tmp_path, monkeypatch, capsys
 ):
