@@ -76,7 +76,7 @@ from diloco.topology import (
 )
 from flows import workers
 from flows.notice import noting_ctrl_c
-from flows.run import absence
+from flows.run import absence, share_compilations, user_cache
 from flows.spares import WORKER_COMMAND
 from storage_layout.auth import (
     JOIN_TOKEN_ENV,
@@ -384,11 +384,15 @@ def take_slot(
     speed: float | None,
     stop: threading.Event,
 ) -> tuple[workers.Worker, dict[str, str]] | None:
-    """``join`` with the learner's warm-up (``warm_up``, then the Prefect API), stopped by
+    """``join`` with the learner's warm-up (``warm_up``, then the Prefect API; its JAX
+    programs kept in ``user_cache()``, ``share_compilations``), stopped by
     ``stop`` (a Ctrl-C noted by ``flows.notice.noting_ctrl_c``, which its caller holds;
     ``diloco join`` from before it imports JAX) between two steps of the warm-up or before
     anything is written: then None, having taken nothing."""
     from flows.learner import warm_up
+
+    # What it compiles is kept on this machine: back after a preemption, it loads it.
+    share_compilations(user_cache() / "jax")
 
     def go_on() -> None:
         if stop.is_set():

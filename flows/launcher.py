@@ -58,7 +58,7 @@ from flows.monitor import (
     summary_markdown,
 )
 from flows.observe import artifact_key, stopped, tag_flow_run
-from flows.run import initialize_run, settled
+from flows.run import initialize_run, settled, share_compilations
 from flows.run_lock import RunLock, RunTakenOver, held
 from flows.supervision import (
     STAND_BY,
@@ -553,8 +553,7 @@ def _launch_mode(
     # Workers share a persistent JAX compilation cache: a restarted learner does not
     # compile its step again (the variables reach them, and the spares, through
     # child_env()).
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(logs).parent / "jax-cache"))
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    share_compilations(Path(logs).parent / "jax-cache")
     limit = cfg.pipeline.max_failed_starts
     if via == "deployments":
         authenticate(run, Path(logs).parent, via, log, store)

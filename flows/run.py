@@ -10,10 +10,13 @@ between two launches of one run.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -46,6 +49,29 @@ from storage_layout.store import RunStore
 # Config sections that are not part of a run: how one launch runs it, or how a
 # simulation models the machines.
 NOT_IN_SPEC = {"sim", "pipeline"}
+
+
+def share_compilations(folder: str | os.PathLike[str]) -> None:
+    """Keep the JAX programs this process and the processes it starts compile in
+    ``folder`` (unless ``JAX_COMPILATION_CACHE_DIR`` names a folder already), every one
+    however quick its compile (JAX keeps only those over a second by default): a learner
+    started again (a restart, a spare that takes over, a joiner back after a preemption)
+    loads its train step, sends and applies instead of compiling them, about 6 -> 1.4 s
+    of `tiny`'s start on these CPUs and minutes of a large model's on a GPU. Through the
+    environment, which child processes inherit, and JAX's settings when this process
+    has imported JAX already."""
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(folder))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    if "jax" in sys.modules:  # (it read the environment when it was imported)
+        jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                          float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))  # fmt: skip
+
+
+def user_cache() -> Path:
+    """This user's cache folder for diloco (``$XDG_CACHE_HOME/diloco``, by default
+    ``~/.cache/diloco``): what a machine keeps between runs it joins."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "diloco"
 
 
 def run_spec(cfg: RunConfig, plan: FragmentPlan, regions: Mapping[str, str]) -> dict[str, Any]:

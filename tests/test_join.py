@@ -652,3 +652,33 @@ def test_a_joiner_whose_temporary_prefect_server_does_not_start_is_told_what_to_
     with temporary_settings(restore_defaults={PREFECT_API_URL}), refused:
         prefect_api_up()
     assert asked == [TEMPORARY_SERVER_SECONDS] == [180]
+
+
+def test_a_joiner_keeps_the_programs_it_compiles_on_its_machine(tmp_path):
+    """A machine that joins keeps the JAX programs its warm-up compiles (the train step,
+    sends and applies: seconds of a start, minutes of a large model's on a GPU) in its
+    user cache folder, however quick each compile, so back after a preemption it loads
+    them; a cache folder set in the environment is kept. In a process of its own with
+    no cache set (this session's has one), its warm-up replaced by one compilation."""
+    code = """if True:
+        import jax, flows.join as j
+        def join(*args, **kwargs):  # the warm-up's compilations, then a Ctrl-C
+            jax.jit(lambda x: x * 3 + 1)(2.0).block_until_ready()
+            raise KeyboardInterrupt
+        j.join = join
+        import threading
+        assert j.take_slot("file:///nowhere", "r", "us", None, None, None,
+                           threading.Event()) is None
+        print(jax.config.jax_compilation_cache_dir)
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT")}
+    for cache, expected in ((None, tmp_path / "home" / "diloco" / "jax"),
+                            (tmp_path / "mine", tmp_path / "mine")):  # fmt: skip
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+        env.update({"XDG_CACHE_HOME": str(tmp_path / "home")} if cache is None
+                   else {"JAX_COMPILATION_CACHE_DIR": str(cache)})  # fmt: skip
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.strip().splitlines()[-1] == str(expected), done.stdout
+        assert any(expected.iterdir()), f"nothing kept in {expected}"  # (0.01 s to compile)
