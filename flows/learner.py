@@ -53,7 +53,14 @@ from flows.ledger import BucketLedger, FollowedLedger, region_ledger
 from flows.notice import NOTICE_ENV, NoticeWatcher, notice_source
 from flows.observe import artifact_key, run_logger, stopped, tag_flow_run, worker_tags
 from flows.pace import Pace
-from flows.run import bucket_store, build_model, config_from_spec, reader
+from flows.run import (
+    bucket_store,
+    build_model,
+    config_from_spec,
+    reader,
+    share_compilations,
+    user_cache,
+)
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV
 from storage_layout.bucket import PartialFailure
 from storage_layout.commit import CommitConflict
@@ -857,6 +864,8 @@ def learner_flow(
     join_group()  # one of a learner's N processes (flows.hosts): join the others first
     lid = learner_id(index)
     fresh = (run, region, lid) not in _RUNTIMES
+    if fresh:  # (a deployment's flow run on a machine of its own: kept there)
+        share_compilations(user_cache() / "jax")
     rt = runtime(run, bucket, region, lid, pipeline)
     rt.loop.log = rt.io.log = rt.log = log
     if fresh and rt.processes > 1:
