@@ -1108,6 +1108,61 @@ def test_a_spares_warm_up_ends_at_its_next_step_once_it_is_not_needed(monkeypatc
     assert "warm-up failed, the worker will start cold" in capsys.readouterr().err
 
 
+def test_learners_of_one_machine_compile_once_and_load_it_from_the_cache(tmp_path):
+    """Learners started together compile their step, sends and applies once per machine:
+    one waits while another compiles (here the test holds the lock) and then compiles
+    itself, as the first, marking the programs kept; one that comes after loads every
+    program from the cache and waits for no one."""
+    import fcntl
+
+    from flows.learner import COMPILE_LOCK
+
+    cache = tmp_path / "jax"
+    cache.mkdir()
+    code = """if True:
+        import jax
+        from jax import monitoring
+        from diloco.config import load_config
+        from flows.learner import compile_step
+        from flows.run import build_model
+        seen = {"asked": 0, "hits": 0}
+        def count(event, **kwargs):
+            if event == "/jax/compilation_cache/compile_requests_use_cache":
+                seen["asked"] += 1
+            elif event == "/jax/compilation_cache/cache_hits":
+                seen["hits"] += 1
+        cfg = load_config("tiny")
+        model = build_model(cfg, learner=True)
+        monitoring.register_event_listener(count)  # (the step's, sends', applies')
+        compile_step(model, cfg)
+        print("compiled", seen["asked"] - seen["hits"], "of", seen["asked"], flush=True)
+    """
+    env = {**child_env(), "JAX_COMPILATION_CACHE_DIR": str(cache)}
+
+    def start(log: str) -> subprocess.Popen:
+        with (tmp_path / log).open("w") as out:
+            return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=out,
+                                    stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+    with open(cache / COMPILE_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process compiles
+        second = start("second.log")
+        _wait(lambda: "another process of this machine compiles" in
+              (tmp_path / "second.log").read_text(), 300, "its wait", second)  # fmt: skip
+        assert second.poll() is None, (tmp_path / "second.log").read_text()  # it waits
+    assert second.wait(timeout=300) == 0
+    said = (tmp_path / "second.log").read_text()
+    compiled, _, asked = said.split("compiled ")[-1].split()[:3]
+    assert int(compiled) == int(asked) > 0, said  # the lock's holder marked nothing kept
+    assert [p.name for p in cache.glob("diloco-compiled-*")], sorted(os.listdir(cache))
+    third = start("third.log")
+    assert third.wait(timeout=300) == 0
+    said = (tmp_path / "third.log").read_text()
+    assert "another process" not in said, said
+    compiled, _, asked = said.split("compiled ")[-1].split()[:3]
+    assert int(compiled) == 0 and int(asked) > 0, said
+
+
 def test_spares_outlive_their_zygote(tmp_path):
     """A zygote that dies leaves no worker unwatched and no restart stuck: its forked
     spares' ends are still seen, and new spares start as processes of their own."""
