@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -58,14 +57,13 @@ def share_compilations(folder: str | os.PathLike[str]) -> None:
     started again (a restart, a spare that takes over, a joiner back after a preemption)
     loads its train step, sends and applies instead of compiling them, about 6 -> 1.4 s
     of `tiny`'s start on these CPUs and minutes of a large model's on a GPU. Through the
-    environment, which child processes inherit, and JAX's settings when this process
-    has imported JAX already."""
+    environment, which child processes inherit, and JAX's settings in this one (JAX,
+    imported already, read the environment then)."""
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(folder))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    if "jax" in sys.modules:  # (it read the environment when it was imported)
-        jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-        jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                          float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))  # fmt: skip
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))  # fmt: skip
 
 
 def user_cache() -> Path:
