@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
-import hashlib
 import math
 import os
 import shutil
@@ -28,10 +26,9 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
-from pathlib import Path
 from typing import Any, TypeVar
 
 import jax
@@ -59,6 +56,7 @@ from flows.pace import Pace
 from flows.run import (
     bucket_store,
     build_model,
+    compile_turn,
     config_from_spec,
     reader,
     share_compilations,
@@ -414,65 +412,6 @@ class BackgroundIO:
 
 
 _COMPILING = threading.Lock()  # a spare's warm-up and the learner it becomes compile once
-COMPILE_LOCK = "diloco-compile.lock"  # in the JAX cache folder: one compiler at a time
-COMPILE_WAIT_POLL = 0.1  # seconds between two tries of it (``go_on`` asked between)
-COMPILE_WAIT_MAX = 900.0  # seconds waited for it at most (a holder frozen, not dead)
-
-
-@contextlib.contextmanager
-def compile_turn(cfg: Any, go_on: Callable[[], None] = lambda: None) -> Iterator[None]:
-    """Compile a learner's programs once per machine, not once per process: learners
-    started together (a run's, a node's, a kill storm's spares) each compiled the same
-    step, sends and applies at once, on the same cores. With a JAX cache folder on this
-    machine (``flows.run.share_compilations``), the first to come compiles holding
-    ``COMPILE_LOCK`` and then marks the programs of ``cfg`` kept; the others wait for
-    it, asking ``go_on`` between tries, then load them from the cache side by side
-    (measured, 4 processes of `tiny` on 2 cores, cache empty: each warm-up 13 to 16 s at
-    once; with the lock 6.3 s, then 1.7 s each). A compiler that dies releases the lock
-    (the system does), unmarked: the next compiles. The lock is a file's ``flock``: the
-    cache folder must be on this machine's own disk."""
-    folder = os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
-    # Not in a bucket (no lock across machines there), nor for a learner of several
-    # processes: they run each program together, so one waiting for another would hang.
-    if not folder or "://" in folder or jax.process_count() > 1:
-        yield
-        return
-    what = [cfg.model_dump_json(include={"model", "inner", "data", "topology"}),
-            str(cfg.pipeline.fsdp), jax.__version__, repr(jax.devices())]  # fmt: skip
-    key = hashlib.sha256("\n".join(what).encode()).hexdigest()[:16]
-    marker = Path(folder) / f"diloco-compiled-{key}"
-    if marker.exists():
-        yield
-        return
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    with open(Path(folder) / COMPILE_LOCK, "a") as lock:
-        since, said = time.monotonic(), False
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                waited = time.monotonic() - since
-                if waited > COMPILE_WAIT_MAX:
-                    print(f"waited {waited:.0f} s for another process's compile (it holds "
-                          f"{lock.name}); compiling here", flush=True)  # fmt: skip
-                    yield
-                    return
-                if not said:
-                    print("another process of this machine compiles the learner's step; "
-                          "waiting to load it from the cache", flush=True)  # fmt: skip
-                    said = True
-                go_on()
-                time.sleep(COMPILE_WAIT_POLL)
-        if marker.exists():  # compiled while this one waited: load it beside the others
-            fcntl.flock(lock, fcntl.LOCK_UN)
-            yield
-            return
-        try:
-            yield
-            marker.touch()
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def compile_step(model: Any, cfg: Any, go_on: Callable[[], None] = lambda: None) -> None:
@@ -485,7 +424,7 @@ def compile_step(model: Any, cfg: Any, go_on: Callable[[], None] = lambda: None)
     them compiled. ``go_on`` is called between compilations (it raises to stop there)."""
     trainer = model.trainer
     top = cfg.topology
-    with _COMPILING, compile_turn(cfg, go_on):
+    with _COMPILING, compile_turn(cfg, "step", go_on):
         params = trainer.place_params(model.init)
         batch = np.zeros((cfg.data.batch_size, cfg.model.context + 1), dtype=np.int32)
         trainer.step(params, trainer.init_opt_state(params), batch, 0)[2].block_until_ready()
@@ -511,7 +450,7 @@ def warm_up(
     starts training seconds sooner; so does ``diloco join`` before it takes a slot (its
     ``go_on``, called between the steps, raises when it was told to stop)."""
     cfg = config_from_spec(RunStore(run, {region: bucket}, region).read_spec(), pipeline)
-    model = build_model(cfg, learner=True)
+    model = build_model(cfg, learner=True, go_on=go_on)
     go_on()
     compile_step(model, cfg, go_on)
     go_on()

@@ -1115,7 +1115,7 @@ def test_learners_of_one_machine_compile_once_and_load_it_from_the_cache(tmp_pat
     program from the cache and waits for no one."""
     import fcntl
 
-    from flows.learner import COMPILE_LOCK
+    from flows.run import COMPILE_LOCK
 
     cache = tmp_path / "jax"
     cache.mkdir()
