@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -71,8 +72,14 @@ def share_compilations(folder: str | os.PathLike[str]) -> None:
 
 def user_cache() -> Path:
     """This user's cache folder for diloco (``$XDG_CACHE_HOME/diloco``, by default
-    ``~/.cache/diloco``): what a machine keeps between runs it joins."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "diloco"
+    ``~/.cache/diloco``; with no home, the temporary folder's): what a machine keeps
+    between runs it joins."""
+    if base := os.environ.get("XDG_CACHE_HOME"):
+        return Path(base) / "diloco"
+    try:
+        return Path.home() / ".cache" / "diloco"
+    except RuntimeError:  # (no HOME, no entry in the password database)
+        return Path(tempfile.gettempdir()) / f"diloco-{os.getuid()}"
 
 
 COMPILE_LOCK = "diloco-compile.lock"  # in the JAX cache folder: one compiler at a time
@@ -109,8 +116,14 @@ def compile_turn(
     if marker.exists():
         yield
         return
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    with open(Path(folder) / COMPILE_LOCK, "a") as lock:
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        lock = open(Path(folder) / COMPILE_LOCK, "a")  # noqa: SIM115 (closed by the with below)
+    except OSError as exc:  # (JAX, unable to write there either, compiles on)
+        print(f"no lock in the JAX cache folder ({exc}); compiling here", flush=True)
+        yield
+        return
+    with lock:
         since, said = time.monotonic(), False
         while True:
             try:
@@ -135,7 +148,8 @@ def compile_turn(
             return
         try:
             yield
-            marker.touch()
+            with contextlib.suppress(OSError):  # (unmarked: the next compiles again)
+                marker.touch()
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 

@@ -1511,3 +1511,19 @@ def test_syncers_collect_what_no_learner_needs_and_gc_does_it_by_hand(tmp_path, 
     store.put_pipeline({"keep_versions": "many"})
     assert cli_main(["gc", regions["us-east"], "--run", "gc"]) != 0
     assert "pipeline settings of its newest launch" in capsys.readouterr().err
+
+
+def test_a_cache_folder_that_cannot_be_written_leaves_a_learner_compiling_alone(
+    tmp_path, monkeypatch, capsys
+):
+    """A JAX cache folder this machine cannot make (here: under a file) holds no lock for
+    one compile per machine: the learner compiles on its own and says why, as JAX does."""
+    from flows.run import compile_turn
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "a-file" / "jax"))
+    ran = []
+    with compile_turn(load_config("tiny"), "step"):
+        ran.append(True)
+    assert ran == [True]
+    assert "no lock in the JAX cache folder" in capsys.readouterr().out
