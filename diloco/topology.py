@@ -77,7 +77,8 @@ def unslotted_regions(dealt: Mapping[str, str], regions: Iterable[str]) -> list[
     """The ``regions`` no learner of ``dealt`` (the spec's slots) lives in: the syncers
     publish there, but no learner trains there and no machine can join there (a joiner
     takes or adds a slot of its own region, ``added_learners``)."""
-    return [r for r in regions if r not in set(dealt.values())]
+    slotted = set(dealt.values())
+    return [r for r in regions if r not in slotted]
 
 
 def home_region(regions: Sequence[str] | Mapping[str, str]) -> str:

@@ -95,14 +95,14 @@ def compile_turn(
     sends and applies) once per machine, not once per process: learners started
     together (a run's, a node's, a kill storm's spares) each compiled the same programs
     at once, on the same cores. With a JAX cache folder on this machine
-    (``share_compilations``), the first to come compiles holding
-    ``COMPILE_LOCK`` and then marks those programs of ``cfg`` kept; the others wait for
-    it, asking ``go_on`` between tries, then load them from the cache side by side
+    (``share_compilations``), the first to come compiles holding ``COMPILE_LOCK`` and
+    then marks those programs of ``cfg`` kept; the others wait for it (``_wait_for``,
+    asking ``go_on`` between tries), then load them from the cache side by side
     (measured, 4 processes of `tiny` on 2 cores, cache empty: each warm-up 13 to 16 s at
     once; with the lock around the step 8 to 12 s; around the model's initialization
-    too, 4.4 to 7.7 s). A compiler that dies releases the lock
-    (the system does), unmarked: the next compiles. The lock is a file's ``flock``: the
-    cache folder must be on this machine's own disk."""
+    too, 4.4 to 7.7 s). A compiler that dies releases the lock (the system does),
+    unmarked: the next compiles. The lock is a file's ``flock``: the cache folder must be
+    on this machine's own disk."""
     folder = os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
     # Not in a bucket (no lock across machines there), nor for a learner of several
     # processes: they run each program together, so one waiting for another would hang.
@@ -124,24 +124,9 @@ def compile_turn(
         yield
         return
     with lock:
-        since, said = time.monotonic(), False
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                waited = time.monotonic() - since
-                if waited > COMPILE_WAIT_MAX:
-                    print(f"waited {waited:.0f} s for another process's compile (it holds "
-                          f"{lock.name}); compiling here", flush=True)  # fmt: skip
-                    yield
-                    return
-                if not said:
-                    print(f"another process of this machine compiles the learner's {what}; "
-                          "waiting to load it from the cache", flush=True)  # fmt: skip
-                    said = True
-                go_on()
-                time.sleep(COMPILE_WAIT_POLL)
+        if not _wait_for(lock, what, go_on):  # (the holder is frozen: compile here)
+            yield
+            return
         if marker.exists():  # compiled while this one waited: load it beside the others
             fcntl.flock(lock, fcntl.LOCK_UN)
             yield
@@ -152,6 +137,28 @@ def compile_turn(
                 marker.touch()
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _wait_for(lock: Any, what: str, go_on: Callable[[], None]) -> bool:
+    """Take ``compile_turn``'s ``lock`` (an open file), asking ``go_on`` between tries;
+    False, not holding it, after ``COMPILE_WAIT_MAX`` seconds."""
+    since, said = time.monotonic(), False
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            waited = time.monotonic() - since
+            if waited > COMPILE_WAIT_MAX:
+                print(f"waited {waited:.0f} s for another process's compile (it holds "
+                      f"{lock.name}); compiling here", flush=True)  # fmt: skip
+                return False
+            if not said:
+                print(f"another process of this machine compiles the learner's {what}; "
+                      "waiting to load it from the cache", flush=True)  # fmt: skip
+                said = True
+            go_on()
+            time.sleep(COMPILE_WAIT_POLL)
 
 
 def run_spec(cfg: RunConfig, plan: FragmentPlan, regions: Mapping[str, str]) -> dict[str, Any]:
