@@ -11,14 +11,16 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 LEARNER_PREFIX = "learner-"
-# How a run lets machines join in a region it starts no learner in: what the refusal of
-# such a joiner and `diloco train`'s warning on such a run both say.
+# How a run that deals its data to its slots lets machines join in a region it starts no
+# learner in: what the refusal of such a joiner and `diloco train`'s warning both say.
 SLOT_EVERYWHERE = (
-    "a run gives every region a learner slot when topology.learners is at least its "
-    "number of regions (slots are dealt round-robin); pipeline.learners_started N starts "
-    "the first N and leaves the others vacant for machines that join"
+    "a run that deals its data to its slots (data.assign = 'slots') gives every region a "
+    "learner slot when topology.learners is at least its number of regions (slots are "
+    "dealt round-robin; pipeline.learners_started N starts the first N and leaves the "
+    "others vacant for machines that join); a run on units (the default) adds one there"
 )
 
 
@@ -51,32 +53,62 @@ def deal_learners(count: int, regions: Sequence[str] | Mapping[str, str]) -> dic
     return {lid: names[i % len(names)] for i, lid in enumerate(learner_ids(count))}
 
 
-def learner_region(learner: str, dealt: Mapping[str, str]) -> str:
+def run_deal(spec: Mapping[str, Any]) -> list[str] | None:
+    """The regions a run deals its learners over, in order (``deal`` of the spec that
+    ``flows.run.run_spec`` writes): learner-i lives in region ``i mod len(deal)``, the
+    spec's slots and the learners joiners add beyond them alike, so a joiner may add a
+    learner in any region of the run, one that starts none included. None for a spec
+    written before the key existed: its added learners live where slot ``i mod M`` does
+    (``learner_region``). A ``deal`` that is not a list of the spec's regions, or that
+    disagrees with the spec's slots, is an error naming it."""
+    deal = spec.get("deal")
+    if deal is None:
+        return None
+    regions = spec.get("regions") or {}
+    if (not isinstance(deal, list) or not deal or len(set(deal)) != len(deal)
+            or any(not isinstance(r, str) or r not in regions for r in deal)):  # fmt: skip
+        raise ValueError(f"the run spec's deal {deal!r:.200} is not a list of its regions "
+                         f"{sorted(regions)}, each once")  # fmt: skip
+    dealt = spec.get("learners") or {}
+    if dealt != deal_learners(len(dealt), deal):
+        raise ValueError(f"the run spec's slots {dict(dealt)!r:.200} are not dealt "
+                         f"round-robin over its deal {deal}")  # fmt: skip
+    return deal
+
+
+def learner_region(
+    learner: str, dealt: Mapping[str, str], deal: Sequence[str] | None = None
+) -> str:
     """The region ``learner`` trains in, given the run's ``dealt`` learners (the spec's,
-    ``learner-0`` .. ``learner-{M-1}``): its own, or, for one added beyond them
-    (``diloco join`` when no slot is vacant), that of the dealt learner its index falls
-    on (index mod M). So each region adds learners as its share of the slots has it, and
-    two regions never add the same id."""
+    ``learner-0`` .. ``learner-{M-1}``) and its ``deal`` (``run_deal``): its own, or, for
+    one added beyond them (``diloco join`` when no slot is vacant), ``deal[index mod
+    len(deal)]`` (the round-robin deal goes on); in a run with no ``deal``, that of the
+    dealt learner its index falls on (index mod M). So two regions never add the same
+    id."""
     if learner in dealt:
         return dealt[learner]
+    if deal:
+        return deal[learner_index(learner) % len(deal)]
     if not dealt:
         raise ValueError("a run needs at least one learner")
     return dealt[learner_id(learner_index(learner) % len(dealt))]
 
 
-def added_learners(dealt: Mapping[str, str], region: str) -> Iterator[str]:
+def added_learners(
+    dealt: Mapping[str, str], region: str, deal: Sequence[str] | None = None
+) -> Iterator[str]:
     """The ids a joiner in ``region`` may add beyond the run's ``dealt`` learners, in the
     order it tries them (``learner_region``)."""
-    if region not in dealt.values():
+    if region not in (deal or dealt.values()):
         raise ValueError(f"no learner of the run is dealt to region {region!r} ({SLOT_EVERYWHERE})")
     ids = map(learner_id, itertools.count(len(dealt)))
-    return (lid for lid in ids if learner_region(lid, dealt) == region)
+    return (lid for lid in ids if learner_region(lid, dealt, deal) == region)
 
 
 def unslotted_regions(dealt: Mapping[str, str], regions: Iterable[str]) -> list[str]:
     """The ``regions`` no learner of ``dealt`` (the spec's slots) lives in: the syncers
-    publish there, but no learner trains there and no machine can join there (a joiner
-    takes or adds a slot of its own region, ``added_learners``)."""
+    publish there, but no learner starts there; in a run that deals its data to its
+    slots no machine can join there either (it takes a slot of its own region)."""
     slotted = set(dealt.values())
     return [r for r in regions if r not in slotted]
 

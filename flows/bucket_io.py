@@ -38,11 +38,11 @@ from diloco.outer import Contribution, outer_optimizer
 from diloco.records import Record
 from diloco.syncer import GlobalVersion
 from diloco.tensors import Tensors, materialize, pieces
-from diloco.topology import learner_region
+from diloco.topology import learner_region, run_deal
 from diloco.transport import Collect, GlobalDelta, downlink_update
 from diloco.units import RegionalLedger, UnitPlan
 from diloco.validate import Scan, scan_payload
-from flows.ledger import UnitOffers, region_ledger
+from flows.ledger import UnitOffers, region_ledger, region_pools
 from flows.version_stream import (
     ReaderPayload,
     ReaderTensors,
@@ -961,13 +961,14 @@ class BucketStore:
     def ledger(self, plan: UnitPlan) -> RegionalLedger:
         """The data ledger: each region's pool in its own bucket (``flows.ledger``); the
         pool of a region with no member is offered to the others as the syncers do."""
+        pools = region_pools(self.main.read_spec())
         offers = UnitOffers(self.run, self.regions, self.learners, plan, self.main.writer,
-                            logging.getLogger("diloco.syncer"), self.traffic)  # fmt: skip
+                            logging.getLogger("diloco.syncer"), pools, self.traffic)  # fmt: skip
         return RegionalLedger(
             {r: region_ledger(RunStore(self.run, {r: self.regions[r]}, r, writer=self.main.writer,
                                        traffic=self.traffic), plan, self.learners, r,
-                              members=lambda: self.learners)
-             for r in set(self.learners.values())},
+                              members=lambda: self.learners, pools=pools)
+             for r in pools},
             self.learners, offers.tend,
         )  # fmt: skip
 
@@ -975,7 +976,8 @@ class BucketStore:
         """Add ``learner`` beyond the run's slots in its region (``learner_region``), as
         ``diloco join`` does: its member record, signed with its key where this process
         holds one, then its contributions are the run's (``RunStore.run_learners``)."""
-        region = learner_region(learner, self.main.read_spec()["learners"])
+        spec = self.main.read_spec()
+        region = learner_region(learner, spec["learners"], run_deal(spec))
         self.learners[learner] = region
         record = {"learner": learner, "region": region, "host": "simulator", "time": time.time()}
         if not self.writer_for(learner).put_member(learner, record, self.keys.signing_key(learner)):

@@ -22,8 +22,9 @@ data in units (``data.assign = "units"``: no slot owns a share of the data, each
 takes units from its region's pool): it adds a slot beyond the spec's ``topology.learners``
 by writing a signed **member record** (``members/{learner}.json`` in its region's bucket,
 an exclusive create: two joiners never add the same one), under the first id its region
-may add (``diloco.topology.learner_region``: index mod M falls on one of the region's
-dealt slots, so two regions never add the same id) that it holds a key for. The syncers
+may add (``diloco.topology.learner_region``: learner-i lives in region i mod R of the
+run's deal, so two regions never add the same id, and a region the run started no
+learner in adds them too) that it holds a key for. The syncers
 read every region's member records at each look at the members (``RunStore.run_learners``,
 each checked against its learner's key) and merge the added learner's contributions from
 the next version on; the audit, ``diloco inspect`` and the launcher's display know it
@@ -72,6 +73,7 @@ from diloco.topology import (
     added_learners,
     learner_index,
     learner_region,
+    run_deal,
     unslotted_regions,
 )
 from flows import workers
@@ -158,7 +160,12 @@ def choose_slot(
     if region not in regions:
         raise JoinRefused(f"run {store.run!r} has no region {region!r}; its regions are "
                           f"{sorted(regions)}")  # fmt: skip
-    if unslotted_regions(spec.get("learners") or {}, [region]):  # nor a pool of data
+    dealt = dict(spec.get("learners") or {})
+    try:
+        deal = run_deal(spec)
+    except ValueError as exc:  # a damaged or forged spec
+        raise JoinRefused(f"run {store.run!r} cannot be joined: {exc}") from exc
+    if unslotted_regions(dealt, [region]) and not (grow and deal):  # nor a pool of data
         raise JoinRefused(f"run {store.run!r} has no learner slot in region {region!r}, so "
                           f"no machine can join there: {SLOT_EVERYWHERE}")  # fmt: skip
     key_of = None if keys is None else keys.get
@@ -180,13 +187,12 @@ def choose_slot(
             return slot
         seen.append(f"{lid}: {slot.why}")
     if grow and wanted is None:
-        dealt = dict(spec.get("learners") or {})
         if keys is None:
-            new = next(lid for lid in added_learners(dealt, region) if lid not in learners)
+            new = next(lid for lid in added_learners(dealt, region, deal) if lid not in learners)
             return Slot(new, True, "added to the run (no slot was vacant)", added=True)
         ids = [lid for lid in keys if LEARNER_ID.fullmatch(lid) and lid not in learners]
         for lid in sorted(ids, key=learner_index):
-            if learner_region(lid, dealt) == region:
+            if learner_region(lid, dealt, deal) == region:
                 return Slot(lid, True, "added to the run (no slot was vacant)", added=True)
         seen.append("no slot to add: the join token covers none this region may add")
     elif not grow and wanted is None:

@@ -49,7 +49,7 @@ from diloco.transport import StoreLearnerView
 from diloco.units import UnitReader
 from flows.bucket_io import HostPart
 from flows.hosts import join as join_group
-from flows.ledger import BucketLedger, FollowedLedger, region_ledger
+from flows.ledger import BucketLedger, FollowedLedger, region_ledger, region_pools
 from flows.notice import NOTICE_ENV, NoticeWatcher, notice_source
 from flows.observe import artifact_key, run_logger, stopped, tag_flow_run, worker_tags
 from flows.pace import Pace
@@ -550,7 +550,8 @@ class LearnerRuntime:
         units = unit_plan(self.cfg)
         own = self.store.writer_for(self.id)
         ledger = region_ledger(own, units, self.store.learners, self.region, self._may_take,
-                               lambda: own.run_learners(spec).regions)  # fmt: skip
+                               lambda: own.run_learners(spec).regions,
+                               pools=region_pools(spec))  # fmt: skip
         # Over several processes, process 0 takes; the others follow its records.
         self.ledger = ledger if self.leader else FollowedLedger(
             ledger, self.cfg.pipeline.poll_seconds, self.log,

@@ -30,26 +30,33 @@ from typing import Any
 
 from diloco.data import DataError
 from diloco.loops import resume_step
+from diloco.topology import run_deal
 from diloco.units import Span, UnitPlan, cut, pool_unit
 from storage_layout.audit import AuditReport
 from storage_layout.store import RunStore
 
 
-def region_pools(learners: Mapping[str, str]) -> dict[str, tuple[int, int]]:
-    """Each region's pool of units (``diloco.units.pool_unit``): the regions that have
-    learners, in sorted order."""
-    regions = sorted(set(learners.values()))
+def region_pools(spec: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+    """Each region's pool of units (``diloco.units.pool_unit``), in sorted order: every
+    region the run deals learners to (``diloco.topology.run_deal``), so that a learner
+    added in a region the run started none in has its pool there (until one does,
+    ``UnitOffers`` moves that pool's spans to the regions that train); for a spec written
+    before the deal was, the regions of its slots."""
+    regions = sorted(run_deal(spec) or set((spec.get("learners") or {}).values()))
     return {r: (i, len(regions)) for i, r in enumerate(regions)}
 
 
 def region_ledger(store: RunStore, plan: UnitPlan, learners: Mapping[str, str],
                   region: str, fenced: Callable[[], None] | None = None,
-                  members: Callable[[], Mapping[str, str]] | None = None) -> BucketLedger:  # fmt: skip
+                  members: Callable[[], Mapping[str, str]] | None = None, *,
+                  pools: Mapping[str, tuple[int, int]]) -> BucketLedger:  # fmt: skip
     """The ledger of ``region``'s pool, in ``store`` (a store of that region's bucket).
     ``members``: the run's learners now (with those joiners added), read before each
-    take."""
+    take; ``pools``: the run's (``region_pools``)."""
     mine = [lid for lid, r in learners.items() if r == region]
-    pools = region_pools(learners)
+    if region not in pools:
+        raise ValueError(f"region {region!r} has no pool of data units in this run (its "
+                         f"pools: {sorted(pools)})")  # fmt: skip
     return BucketLedger(store, plan, mine, pools[region], fenced, region, pools, members)
 
 
@@ -246,9 +253,21 @@ class BucketLedger:
         return out
 
     def frontier(self) -> int:
-        """The epoch of this pool's next fresh unit (one listing)."""
-        claims = self.store.fresh_claims()
-        return pool_unit(claims[-1] if claims else 0, self.pool, self.plan.units)[0]
+        """The epoch of this pool's next fresh unit: one listing the first time, then a
+        look for each claim after the newest seen (claims are numbered in turn, each the
+        one after the newest its writer saw: ``RunStore.put_next``), so a look costs the
+        claims made since the last, not the pool's whole history."""
+        if not self._fresh:
+            self._fresh = (self.store.fresh_claims() or [0])[-1]
+        while self.store.has_fresh_claim(self._fresh + 1):
+            self._fresh += 1
+        return pool_unit(self._fresh, self.pool, self.plan.units)[0]
+
+    def fresh_before(self, epoch: int) -> int:
+        """How many of this pool's units of the epochs before ``epoch`` no one has had
+        yet (as of the newest claim ``frontier`` saw)."""
+        i, n = self.pool
+        return max(0, -(-(epoch * self.plan.units - i) // n) - self._fresh)
 
     def give(self, to: str, who: str, epoch: int) -> tuple[Span, str] | None:
         """Claim, for region ``to``'s learners, the span of this pool its own learners
@@ -309,9 +328,10 @@ def audit_units(report: AuditReport) -> None:
     plan, learners, batch = unit_plan(cfg), first.run_learners(spec).regions, cfg.data.batch_size
     merged: dict[tuple[int, int], list[tuple[int, int, str]]] = {}
     offers: dict[tuple[str, str], tuple[str, Span]] = {}  # (to, offer claim) -> (from, span)
-    for region in region_pools(learners):
+    pools = region_pools(spec)
+    for region in pools:
         store = RunStore(run, urls, region, writer="audit")
-        ledger = region_ledger(store, plan, learners, region)
+        ledger = region_ledger(store, plan, learners, region, pools=pools)
         try:
             for lid in ledger.learners:
                 stream = ledger.spans(lid)
@@ -337,7 +357,7 @@ def audit_units(report: AuditReport) -> None:
     for to in sorted({to for to, _ in offers}):  # a span moved out is offered where it went: one
         try:  # that is not is trained by no one (a syncer died between claim and offer)
             there = dict(region_ledger(RunStore(run, urls, to, writer="audit"), plan, learners,
-                                       to)._offered())  # fmt: skip
+                                       to, pools=pools)._offered())  # fmt: skip
         except DataError as exc:
             report.fail("data-once", f"{to}: {exc}")
             continue
@@ -428,8 +448,10 @@ class SilentReleases:
 
     A learner heard from again is left alone; one silent again is fenced again."""
 
-    def __init__(self, store: Any, plan: UnitPlan, batch: int, log: Any, grace: float = 10.0):
+    def __init__(self, store: Any, plan: UnitPlan, batch: int, log: Any,
+                 pools: Mapping[str, tuple[int, int]], grace: float = 10.0):  # fmt: skip
         self.store, self.plan, self.batch, self.log, self.grace = store, plan, batch, log, grace
+        self.pools = pools
         self._fenced: dict[str, tuple[Any, float]] = {}  # learner -> (its status, when)
         self._settled: dict[str, Any] = {}  # learner -> the status it was dealt with at
 
@@ -451,12 +473,15 @@ class SilentReleases:
         except (OSError, ValueError) as exc:  # DataError is a ValueError
             self.log.error("cannot give back the data of %s, silent: %s", learner, exc)
 
+    def _ledger(self, own: RunStore, region: str) -> BucketLedger:
+        return region_ledger(own, self.plan, self.store.learners, region, pools=self.pools)
+
     def _fence(self, learner: str, region: str) -> bool:
         own = self.store.writer_for(learner)
         newest = own.newest_generation(learner)
         if newest == 0:
             return False  # never started: it holds nothing (and its slot stays vacant)
-        if not region_ledger(own, self.plan, self.store.learners, region).spans(learner):
+        if not self._ledger(own, region).spans(learner):
             return False
         record = own.generation(learner, newest)
         if isinstance(record, dict) and "fence" in record:
@@ -472,7 +497,7 @@ class SilentReleases:
                                           "pipeline.member_timeout")  # fmt: skip
         steps = own.checkpoint_steps(learner)
         step = resume_step(steps[-1] if steps else 0, self.store.sent_so_far(learner)[1])
-        ledger = region_ledger(own, self.plan, self.store.learners, region)
+        ledger = self._ledger(own, region)
         back = cut(ledger.spans(learner), step * self.batch)[1]
         if not back:
             return  # given back already (by another syncer)
@@ -486,33 +511,40 @@ MOST_WAITING = 256  # spans ``UnitOffers`` keeps waiting in a region at most
 
 
 class UnitOffers:
-    """Offers the data of a region no learner is in to the regions whose learners train
-    (``data.assign = "units"``). Each region has its own pool of units in its own bucket,
-    as a learner reads and writes its own region's bucket only; when every learner of a
-    region has left (preempted, silent past ``pipeline.member_timeout``, given up, or
-    never started), its pool would wait for them and an epoch would go on without it.
-    Syncers write to every region, so one moves that pool's spans: it claims the span the
-    region's own learners would take next (``BucketLedger.give``: given back first, then
-    a fresh unit), the claim naming the region it goes to, and then offers it there
-    (``RunStore.offer_unit``), where learners take it like a span given back. A span is
-    claimed once in its pool and offered once, so it is trained once.
+    """Offers the data of a region no learner is in, or whose pool is behind, to the
+    regions whose learners train (``data.assign = "units"``). Each region has its own
+    pool of units in its own bucket, as a learner reads and writes its own region's
+    bucket only; when every learner of a region has left (preempted, silent past
+    ``pipeline.member_timeout``, given up, or never started), its pool would wait for
+    them and an epoch would go on without it; and the pools are the same size, so a
+    region with fewer or slower learners would go through its pool's epochs more slowly
+    than the others (its data trained less often), and one whose pool was moved out
+    while it was empty would be epochs ahead when a learner came back. Syncers write to
+    every region, so one moves spans: it claims the span the region's own learners would
+    take next (``BucketLedger.give``: given back first, then a fresh unit), the claim
+    naming the region it goes to, and then offers it there (``RunStore.offer_unit``),
+    where learners take it like a span given back, before a fresh unit of their own. A
+    span is claimed once in its pool and offered once, so it is trained once.
 
     Run by the syncers at each look at the members (``tend``), it keeps spans waiting in
     each region with learners: as many as it has learners at first, twice as many each
     time a look finds that they took every span left waiting at the last (they train a
-    unit faster than the syncers look), up to ``MOST_WAITING``; and it offers no span of
-    an epoch after the one that region's own pool is in: the run goes through an epoch's
-    units, all pools together, before the next. A claim made here whose offer
-    was not written (the syncer died between the two) is offered at the next look. The
-    learners of the empty region, when they come back, take from their pool where the
-    moves left it; spans already offered stay with the region they were offered to."""
+    unit faster than the syncers look), up to ``MOST_WAITING``; it offers an empty
+    region's spans of the epoch that region's own pool is in or an older one, and a
+    region's with learners only of an older one (its pool is behind): the run goes
+    through an epoch's units, all pools together, before the next. A claim made here
+    whose offer was not written (the syncer died between the two) is offered at the
+    next look. The learners of the empty region, when they come back, take from their
+    pool where the moves left it, the others' spans first while it is ahead; spans
+    already offered stay with the region they were offered to."""
 
     def __init__(self, run: str, regions: Mapping[str, str], learners: Mapping[str, str],
-                 plan: UnitPlan, who: str, log: Any, traffic: Any = None):  # fmt: skip
+                 plan: UnitPlan, who: str, log: Any, pools: Mapping[str, tuple[int, int]],
+                 traffic: Any = None):  # fmt: skip
         # ``learners`` as given, not a copy: the syncer's store adds those joiners add
         self.run, self.regions, self.learners = run, dict(regions), learners
         self.plan, self.who, self.log, self.traffic = plan, who, log, traffic
-        self.pools = region_pools(self.learners)
+        self.pools = dict(pools)
         self._ledgers: dict[str, BucketLedger] = {}
         self._repair = True  # look for claims without their offer (at the start, after an error)
         self._turn = 0  # the empty region whose spans go first: they take turns
@@ -524,53 +556,70 @@ class UnitOffers:
             store = RunStore(self.run, {region: self.regions[region]}, region,
                              writer=self.who, traffic=self.traffic)  # fmt: skip
             self._ledgers[region] = region_ledger(store, self.plan, self.learners, region,
-                                                  members=lambda: self.learners)  # fmt: skip
+                                                  members=lambda: self.learners,
+                                                  pools=self.pools)  # fmt: skip
         return self._ledgers[region]
 
     def tend(self, members: Collection[str]) -> int:
         """One look, with the learners counted as ``members`` now; returns the spans
         offered. Errors are logged; the next look tries again."""
         live = {r: sum(self.learners.get(m) == r for m in members) for r in self.pools}
-        empty = [r for r, n in live.items() if not n]
-        if not empty or len(empty) == len(live):
+        if len(live) < 2 or not any(live.values()):
             return 0
-        offered = 0
+        offered, sources = 0, [r for r, n in live.items() if not n]
         try:
             if self._repair:
-                offered += self._offer_moved(empty)
+                offered += self._offer_moved(list(self.pools))
                 self._repair = False
+            front = {r: self.ledger(r).frontier() for r in self.pools}
             for to in (r for r, n in live.items() if n):
-                ledger = self.ledger(to)
-                waiting, epoch = len(ledger.given_back()), ledger.frontier()
+                # Before a fresh unit of their own, its learners train an empty region's
+                # spans up to their epoch, and those of a region behind it (its learners
+                # fewer or slower: the pools are the same size) of the epochs before theirs.
+                limits = {r: front[to] - 1 if live[r] else front[to] for r in self.pools
+                          if r != to and (not live[r] or front[r] < front[to])}  # fmt: skip
+                if not limits:
+                    continue
+                sources += [r for r in limits if r not in sources]
+                waiting = len(self.ledger(to).given_back())
                 keep = max(live[to], self.waiting.get(to, 0))
                 if not waiting and self._left.get(to):  # all taken: they outrun the looks
                     keep = min(2 * keep, MOST_WAITING)
                 self.waiting[to] = keep
-                while keep > waiting and self._move(empty, to, epoch):
+                # A pool behind: its units left of those epochs, shared by the learners of
+                # both regions (its own go on taking them), so that both end them together.
+                behind = sum(-(-self.ledger(r).fresh_before(limits[r] + 1) * live[to]
+                               // (live[to] + live[r])) for r in limits if live[r])  # fmt: skip
+                keep = min(max(keep, behind), MOST_WAITING)
+                while keep > waiting and self._move(limits, to, live):
                     waiting, offered = waiting + 1, offered + 1
                 self._left[to] = waiting
         except (OSError, ValueError) as exc:  # DataError, LayoutError are ValueErrors
             self._repair = True
             self.log.error("cannot offer the data of %s to the learners of other regions: "
-                           "%s", ", ".join(empty), exc)  # fmt: skip
+                           "%s", ", ".join(sources), exc)  # fmt: skip
         return offered
 
-    def _move(self, empty: list[str], to: str, epoch: int) -> bool:
-        for k in range(len(empty)):
-            src = empty[(self._turn + k) % len(empty)]
-            got = self.ledger(src).give(to, self.who, epoch)
+    def _move(self, limits: Mapping[str, int], to: str, live: Mapping[str, int]) -> bool:
+        """Move one span to ``to`` from one of the regions in ``limits`` (each up to the
+        epoch given), taking turns."""
+        order = sorted(limits)
+        for k in range(len(order)):
+            src = order[(self._turn + k) % len(order)]
+            got = self.ledger(src).give(to, self.who, limits[src])
             if got is not None:
-                self._turn = (self._turn + k + 1) % len(empty)
-                self._offer(src, to, *got)
+                self._turn = (self._turn + k + 1) % len(order)
+                self._offer(src, to, *got, "no learner is in it" if not live[src] else
+                            f"its pool is behind {to}'s")  # fmt: skip
                 return True
         return False
 
-    def _offer(self, src: str, to: str, span: Span, claim: str) -> None:
+    def _offer(self, src: str, to: str, span: Span, claim: str, why: str = "") -> None:
         record = {"from": src, "claim": claim, "span": list(astuple(span))}
         if self.ledger(to).store.offer_unit(offer_claim(src, claim), record):
-            self.log.info("no learner is in %s: epoch %d unit %d (windows %d-%d) of its "
-                          "data offered to the learners of %s", src, span.epoch, span.unit,
-                          span.start, span.end, to)  # fmt: skip
+            self.log.info("epoch %d unit %d (windows %d-%d) of %s's data offered to the "
+                          "learners of %s%s", span.epoch, span.unit, span.start, span.end,
+                          src, to, f" ({why})" if why else "")  # fmt: skip
 
     def _offer_moved(self, empty: list[str]) -> int:
         """Offer what a claim names but was not offered (a look cut short)."""

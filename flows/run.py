@@ -172,6 +172,7 @@ def run_spec(cfg: RunConfig, plan: FragmentPlan, regions: Mapping[str, str]) -> 
         "regions": dict(regions),
         "home": home_region(regions),
         "learners": deal_learners(cfg.topology.learners, regions),
+        "deal": list(regions),  # learner-i's region, added ones too (topology.run_deal)
     }
 
 

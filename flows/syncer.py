@@ -38,7 +38,7 @@ from diloco.simulate import unit_plan
 from diloco.syncer import GlobalVersion
 from diloco.topology import shard_fragments, syncer_id
 from flows.bucket_io import BucketStore
-from flows.ledger import SilentReleases, UnitOffers
+from flows.ledger import SilentReleases, UnitOffers, region_pools
 from flows.observe import artifact_key, run_logger, stopped, tag_flow_run, worker_tags
 from flows.pace import ADMIT_EVERY, MEMBERS_EVERY, Pace
 from flows.run import absence, bucket_store, config_from_spec, worker_done
@@ -366,10 +366,12 @@ class SyncerRuntime:
         self.transport.spec = spec  # to admit the learners joiners add
         if self.cfg.data.assign == "units":
             units = unit_plan(self.cfg)
+            pools = region_pools(spec)
             self.transport.releases = SilentReleases(store, units, self.cfg.data.batch_size,
-                                                     self.log)  # fmt: skip
+                                                     self.log, pools)  # fmt: skip
             self.transport.offers = UnitOffers(run, store.regions, store.learners, units,
-                                               syncer_id(shard), self.log, store.traffic)  # fmt: skip
+                                               syncer_id(shard), self.log, pools,
+                                               store.traffic)  # fmt: skip
         self.records: list[records.Record] = []
         self.loop = SyncerLoop(self.cfg, self.fragments, list(spec["learners"]),
                                transport or self.transport, clock or WallClock(),

@@ -21,7 +21,13 @@ from rich.console import Console
 from rich.table import Table
 
 from diloco.config import ConfigError, RunConfig
-from diloco.topology import SLOT_EVERYWHERE, deal_learners, home_region, unslotted_regions
+from diloco.topology import (
+    SLOT_EVERYWHERE,
+    deal_learners,
+    home_region,
+    run_deal,
+    unslotted_regions,
+)
 from flows.display import open_display
 from flows.observe import human_bytes, train_summary_rows
 
@@ -212,11 +218,26 @@ def _train(
     if warning:
         console.print(f"[bold yellow]warning:[/] {warning}")
     if empty := unslotted_regions(deal_learners(cfg.topology.learners, regions), regions):
-        console.print(
-            f"[bold yellow]warning:[/] no learner slot in region {', '.join(empty)}: no "
-            f"learner trains there and no machine can join there (diloco join); "
-            f"{SLOT_EVERYWHERE}", soft_wrap=True,
-        )  # fmt: skip
+        from flows.run import settled
+        from storage_layout.store import RunStore
+
+        store = RunStore(run, regions, home_region(regions), writer="launcher")
+        try:
+            deal = run_deal(store.read_spec())  # None: a run started before deals were
+        except FileNotFoundError:
+            deal = list(regions)  # a new run's (flows.run.run_spec)
+        if settled(store, cfg).data.assign == "slots" or not deal:
+            console.print(
+                f"[bold yellow]warning:[/] no learner slot in region {', '.join(empty)}: no "
+                f"learner trains there and no machine can join there (diloco join); "
+                f"{SLOT_EVERYWHERE}", soft_wrap=True,
+            )  # fmt: skip
+        else:
+            console.print(
+                f"no learner starts in region {', '.join(empty)}: a machine joins there "
+                "with diloco join (it adds a learner); until one does, the learners of "
+                "the other regions train its data", soft_wrap=True,
+            )  # fmt: skip
     external = os.environ.get("PREFECT_API_URL")
     started = time.perf_counter()
     # On a terminal, a live display of the run's phases (flows/display.py); else log lines.

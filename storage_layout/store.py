@@ -41,7 +41,7 @@ from diloco.quantize import (
     piece_step,
     quantize,
 )
-from diloco.topology import learner_index, learner_region
+from diloco.topology import learner_index, learner_region, run_deal
 from storage_layout.auth import (
     SecretMismatch,
     record_verifies,
@@ -611,7 +611,7 @@ class RunStore:
         (learner -> its key, None where nothing is signed), signed with its learner's
         key. A record that is not is refused (``RunLearners.refused`` names its key and
         why), never taken: its learner's contributions are then a stranger's."""
-        dealt = dict(spec.get("learners") or {})
+        dealt, deal = dict(spec.get("learners") or {}), run_deal(spec)
         found: dict[str, tuple[str, dict[str, Any]]] = {}
         refused: list[str] = []
         folder = self.layout.members_folder()
@@ -630,7 +630,7 @@ class RunStore:
                     continue
                 self._members[(region, name)] = record
                 lid = name.removesuffix(".json")
-                why = _member_problem(lid, name, region, record, dealt, key_of)
+                why = _member_problem(lid, name, region, record, dealt, deal, key_of)
                 if why is not None:
                     refused.append(f"{where}: {why}")
                     continue
@@ -725,6 +725,11 @@ class RunStore:
         (``offer_unit``), not by ``learner`` to train it."""
         fields = {"learner": learner, **({"offer": offer} if offer else {})}
         return self.put_next(self.layout.units_fresh(), lambda n: self._record(fields), after)
+
+    def has_fresh_claim(self, n: int) -> bool:
+        """Whether fresh claim ``n`` is written (one request)."""
+        key = f"{self.layout.units_fresh()}/s{number(n)}.json"
+        return patiently(lambda: self.home.exists(key), key)
 
     def fresh_claims(self) -> list[int]:
         """The numbers of the fresh units' claims (one listing)."""
@@ -1512,7 +1517,7 @@ class RunLearners:
 
 def _member_problem(
     lid: str, name: str, region: str, record: Any, dealt: Mapping[str, str],
-    key_of: Callable[[str], bytes | None] | None,
+    deal: list[str] | None, key_of: Callable[[str], bytes | None] | None,
 ) -> str | None:  # fmt: skip
     """Why a member record (``RunStore.run_learners``) is not to be taken, or None."""
     try:
@@ -1529,8 +1534,8 @@ def _member_problem(
                 f"{record.get('region')!r}, not {lid!r} in {region!r} where it lies")  # fmt: skip
     if lid in dealt:
         return f"{lid} is a slot of the run's spec (in region {dealt[lid]!r})"
-    if dealt and learner_region(lid, dealt) != region:
-        return f"{lid} is a learner of region {learner_region(lid, dealt)!r}, not {region!r}"
+    if dealt and learner_region(lid, dealt, deal) != region:
+        return f"{lid} is a learner of region {learner_region(lid, dealt, deal)!r}, not {region!r}"
     key = key_of(lid) if key_of is not None else None
     if key is not None and not record_verifies(record, key):
         return f"it is not signed with {lid}'s key (forged, or the key of another run)"

@@ -231,38 +231,55 @@ def test_a_joiner_refused_in_its_region_is_told_where_else_the_run_has_slots(tmp
     assert "the run has slots in 'us-east' too" in said and "--region" in said, said
 
 
-def test_a_region_the_run_gives_no_slot_refuses_joiners_and_says_how_to_give_it_one(
-    tmp_path,
-):
-    """Slots are dealt round-robin, so a run of fewer learners than regions leaves a
-    region without one: a joiner there is refused with how to start the run so that
-    every region has a slot, and a run started that way (one slot more than it starts,
-    ``pipeline.learners_started``) lets a machine of that region join."""
+def test_a_joiner_adds_a_learner_in_a_region_the_run_started_none_in(tmp_path):
+    """Slots are dealt round-robin, so a run of fewer learners than regions starts none
+    in some region. On units (the default) a joiner there adds a learner, under the id
+    the deal gives that region (learner-i lives in region i mod R); a run that deals its
+    data to its slots, or one whose spec was written before the deal was recorded,
+    refuses it with how to start the run so that every region has a slot, writing
+    nothing."""
+    import json
+
     regions = {"us-east": f"file://{tmp_path / 'us'}", "eu-west": f"file://{tmp_path / 'eu'}"}
     for name in ("us", "eu"):
         (tmp_path / name).mkdir()
-    sets = ["budget.tokens=20000", "data.assign=units"]
-    one = initialize_run(RunStore("one", regions, "us-east", writer="launcher"),
-                         load_config("tiny", overrides=[*sets, "topology.learners=1"]))  # fmt: skip
-    assert one["learners"] == {"learner-0": "us-east"}
     env = {RUN_SECRET_ENV: new_run_secret()}
-    with pytest.raises(JoinRefused) as refused:
-        join(regions["eu-west"], "one", "eu-west", environ=env)
-    said = " ".join(str(refused.value).split())
-    assert "run 'one' has no learner slot in region 'eu-west'" in said, said
-    assert "topology.learners is at least its number of regions" in said, said
-    assert "pipeline.learners_started" in said, said
-    assert not (tmp_path / "eu" / "one" / "learners").exists()  # nothing written for it
-    cfg = load_config("tiny", overrides=[*sets, "topology.learners=2",
-                                         "pipeline.learners_started=1"])  # fmt: skip
-    store = RunStore("two", regions, "us-east", writer="launcher")
-    spec = initialize_run(store, cfg)
-    store.check_secret(env[RUN_SECRET_ENV], "the test")
-    assert cfg.started_learners(list(spec["learners"])) == ["learner-0"]
-    worker, _ = join(regions["eu-west"], "two", "eu-west", environ=env)
-    assert worker.params["index"] == 1 and spec["learners"]["learner-1"] == "eu-west"
-    eu = RunStore("two", {"eu-west": regions["eu-west"]}, "eu-west")
+
+    def start(run, *sets):
+        store = RunStore(run, regions, "us-east", writer="launcher")
+        cfg = load_config("tiny", overrides=["budget.tokens=20000", "topology.learners=1", *sets])
+        spec = initialize_run(store, cfg)
+        store.check_secret(env[RUN_SECRET_ENV], "the test")
+        assert spec["learners"] == {"learner-0": "us-east"}
+        return spec
+
+    assert start("one", "data.assign=units")["deal"] == ["us-east", "eu-west"]
+    worker, _ = join(regions["eu-west"], "one", "eu-west", environ=env)
+    assert worker.params["index"] == 1
+    eu = RunStore("one", {"eu-west": regions["eu-west"]}, "eu-west")
     assert [r["learner"] for r in eu.joins("learner-1")] == ["learner-1"]
+    assert eu.run_learners(eu.read_spec()).regions == {"learner-0": "us-east",
+                                                       "learner-1": "eu-west"}  # fmt: skip
+    start("slots", "data.assign=slots")
+    spec_file = tmp_path / "us" / "old" / "spec.json"
+    old = {k: v for k, v in start("old", "data.assign=units").items() if k != "deal"}
+    for folder in ("us", "eu"):  # a spec of a run started before the deal was recorded
+        (tmp_path / folder / "old" / "spec.json").write_text(json.dumps(old))
+    assert json.loads(spec_file.read_text()).get("deal") is None
+    for run in ("slots", "old"):
+        with pytest.raises(JoinRefused) as refused:
+            join(regions["eu-west"], run, "eu-west", environ=env)
+        said = " ".join(str(refused.value).split())
+        assert f"run {run!r} has no learner slot in region 'eu-west'" in said, said
+        assert "topology.learners is at least its number of regions" in said, said
+        assert "pipeline.learners_started" in said, said
+        assert not (tmp_path / "eu" / run / "learners").exists()  # nothing written for it
+        assert not (tmp_path / "eu" / run / "members").exists()
+    for deal in (["eu-west", "us-east"], ["us-east", "mars"], "us-east"):  # forged or damaged
+        bad = {**old, "deal": deal}
+        (tmp_path / "eu" / "old" / "spec.json").write_text(json.dumps(bad))
+        with pytest.raises(JoinRefused, match="run 'old' cannot be joined: the run spec's"):
+            join(regions["eu-west"], "old", "eu-west", environ=env)
 
 
 def test_a_ctrl_c_while_a_joiner_warms_up_is_not_lost_and_it_takes_no_slot(

@@ -128,7 +128,7 @@ def test_a_simulated_run_whose_learners_come_and_go_trains_each_window_once(
     simulate --store``), each region's pool in its own bucket: another process's ledgers
     read the same spans back, and no claim is left that no learner took."""
     from diloco.simulate import simulate
-    from flows.ledger import region_ledger
+    from flows.ledger import region_ledger, region_pools
     from flows.run import simulation_store
     from storage_layout.store import RunStore
 
@@ -152,11 +152,13 @@ def test_a_simulated_run_whose_learners_come_and_go_trains_each_window_once(
         from flows.ledger import audit_units
         from storage_layout.audit import audit_run
 
-        learners = RunStore("u", regions, "us").read_spec()["learners"]
+        spec = RunStore("u", regions, "us").read_spec()
+        learners = spec["learners"]
         assert set(learners.values()) == {"us", "eu"}
         for lid, spans in result.summary["data_spans"].items():
             r = learners[lid]
-            again = region_ledger(RunStore("u", {r: regions[r]}, r), plan, learners, r)
+            again = region_ledger(RunStore("u", {r: regions[r]}, r), plan, learners, r,
+                                  pools=region_pools(spec))  # fmt: skip
             assert [astuple(s) for s in again.spans(lid)] == [tuple(s) for s in spans], lid
             assert again.orphans() == []
         report = audit_run("u", regions)  # the ledger's records are the layout's own
@@ -219,6 +221,19 @@ def _trained_once(result, cfg, plan: UnitPlan, vacant: set[str]) -> Counter:
     return accounted
 
 
+def _audit_clean_with_added(run: str, regions: dict, added: str):
+    """The run's audit, with its data ledger's: clean, and ``added`` known as a learner a
+    joiner added, its work merged. Returns the report."""
+    from flows.ledger import audit_units
+    from storage_layout.audit import audit_run
+
+    report = audit_run(run, regions)
+    audit_units(report)
+    assert report.ok, report.violations
+    assert report.learners[added]["added"] and report.learners[added]["tokens"]["merged"] > 0
+    return report
+
+
 def _simulate_two_regions(prepared: str, tmp_path, run: str, *events: str):
     """`simulate --store` of ``tiny`` on units of ``prepared`` (a prepared data set, or
     text) over two file:// regions (us, eu) with the membership ``events`` (``sim.*``
@@ -247,8 +262,6 @@ def test_a_run_on_text_takes_it_in_units_and_grows_beyond_its_slots(tmp_path, mo
     skipped, the audit is clean; the held-out batches are those of a run on slots."""
     from diloco import dataset
     from diloco.simulate import cached_corpus, make_validation
-    from flows.ledger import audit_units
-    from storage_layout.audit import audit_run
 
     monkeypatch.setattr(dataset, "TEXT_CHUNK_BYTES", 4096)  # 48 KB of text: a dozen chunks
     text = tmp_path / "text"
@@ -261,11 +274,7 @@ def test_a_run_on_text_takes_it_in_units_and_grows_beyond_its_slots(tmp_path, mo
     read = [plan.dataset.read_chunk(c) for c in plan.chunks]
     assert len(read) == -(-len(whole) // 4096) and np.array_equal(np.concatenate(read), whole)
     _trained_once(result, cfg, plan, set())
-    report = audit_run("t", regions)
-    audit_units(report)
-    assert report.ok, report.violations
-    assert report.learners["learner-4"]["added"]
-    assert report.learners["learner-4"]["tokens"]["merged"] > 0
+    _audit_clean_with_added("t", regions, "learner-4")
     slots = load_config("tiny", overrides=[f"data.source={text}", "data.assign=slots",
                                           "topology.learners=1"])  # fmt: skip
     assert all(map(np.array_equal, make_validation(cfg), make_validation(slots)))
@@ -338,6 +347,30 @@ def test_a_simulated_run_adds_learners_beyond_its_slots_and_merges_their_work(pr
     assert {row["learner"]: row["host"] for row in shown["learners"] if row.get("added")} == {
         "learner-4": "simulator", "learner-5": "simulator"}  # fmt: skip
     assert len(shown["learners"]) == 6
+
+
+def test_a_run_grows_into_a_region_it_started_no_learner_in(prepared, tmp_path):
+    """One learner over two regions: eu starts none. Its pool of units is the run's from
+    the start (``region_pools`` over the spec's deal) and the syncers move its spans to
+    us until a learner trains in eu; learner 1 joins beyond the one slot, is added in eu
+    (learner-i lives in region i mod 2 of the deal), takes units from eu's pool and its
+    work is merged; no window is trained twice and none of a unit handed out is skipped,
+    the audit is clean."""
+    from flows.ledger import region_pools
+    from storage_layout.store import RunStore
+
+    cfg, plan, regions, result = _simulate_two_regions(
+        prepared, tmp_path, "e", "topology.learners=1", "topology.quorum=1",
+        'sim.joins=[{"learner": 1, "at": 0.3}]')  # fmt: skip
+    spec = RunStore("e", regions, "us").read_spec()
+    assert spec["learners"] == {"learner-0": "us"} and spec["deal"] == ["us", "eu"]
+    assert region_pools(spec) == {"eu": (0, 2), "us": (1, 2)}
+    record = json.loads((tmp_path / "eu" / "e" / "members" / "learner-1.json").read_text())
+    assert (record["learner"], record["region"]) == ("learner-1", "eu")
+    _trained_once(result, cfg, plan, set())
+    report = _audit_clean_with_added("e", regions, "learner-1")
+    assert report.units["eu"]["moved_out"] > 0  # trained in us while eu had no learner
+    assert report.units["eu"]["units_handed_out"] > report.units["eu"]["moved_out"]
 
 
 def test_learners_racing_for_units_through_a_bucket_each_get_their_own(prepared, tmp_path):
@@ -447,7 +480,7 @@ def test_a_learner_worker_takes_units_from_its_regions_bucket_and_gives_back_as_
     sends, checkpoints and gives back its stream from that step: the rest of its unit is
     offered to the next learner of its region."""
     from diloco.simulate import unit_plan
-    from flows.ledger import region_ledger
+    from flows.ledger import region_ledger, region_pools
     from tests.test_pipeline import preempted_worker
 
     source = prepared if data == "prepared" else str(Path(prepared).parent / "text")
@@ -455,7 +488,7 @@ def test_a_learner_worker_takes_units_from_its_regions_bucket_and_gives_back_as_
     preempted_worker(store, cfg, lid, tmp_path / "learner.log")
     step = store.read_metrics(lid)["step"]
     plan = unit_plan(cfg)
-    ledger = region_ledger(store, plan, spec["learners"], "us-east")
+    ledger = region_ledger(store, plan, spec["learners"], "us-east", pools=region_pools(spec))
     held = ledger.spans(lid)
     assert held and sum(s.windows for s in held) == step * cfg.data.batch_size, (held, step)
     back = ledger.given_back()
@@ -558,7 +591,7 @@ def test_a_silent_learner_is_fenced_and_its_data_given_back_by_the_syncers(
 
     from diloco.loops import resume_step
     from diloco.topology import learner_index
-    from flows.ledger import SilentReleases, region_ledger
+    from flows.ledger import SilentReleases, region_ledger, region_pools
     from flows.run import bucket_store
     from flows.spares import WORKER_COMMAND
     from flows.supervision import child_env
@@ -566,7 +599,7 @@ def test_a_silent_learner_is_fenced_and_its_data_given_back_by_the_syncers(
 
     cfg, regions, store, spec, lid = _worker_run(prepared, tmp_path, "si")
     plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
-    ledger = region_ledger(store, plan, spec["learners"], "us-east")
+    ledger = region_ledger(store, plan, spec["learners"], "us-east", pools=region_pools(spec))
     syncer_store = bucket_store("si", regions, spec, cfg, "syncer-0", home="us-east")
     batch = cfg.data.batch_size
 
@@ -603,7 +636,8 @@ def test_a_silent_learner_is_fenced_and_its_data_given_back_by_the_syncers(
         now = [0.0]
         transport = PipelineSyncerTransport(syncer_store, [0, 1], 100, 4, logging.getLogger(),
                                             clock=lambda: now[0], member_timeout=5.0)  # fmt: skip
-        transport.releases = SilentReleases(syncer_store, plan, batch, logging.getLogger())
+        transport.releases = SilentReleases(syncer_store, plan, batch, logging.getLogger(),
+                                            region_pools(spec))  # fmt: skip
         generation = store.newest_generation(lid)
         for t in (0.0, 6.0):  # heard, then silent past the timeout: fenced
             now[0] = t
@@ -640,7 +674,7 @@ def _syncer_looks(run, regions, spec, cfg, plan, grace: float):
     time of a fake clock: ``look(t)``."""
     import logging
 
-    from flows.ledger import SilentReleases
+    from flows.ledger import SilentReleases, region_pools
     from flows.run import bucket_store
     from flows.syncer import PipelineSyncerTransport
 
@@ -649,7 +683,7 @@ def _syncer_looks(run, regions, spec, cfg, plan, grace: float):
     transport = PipelineSyncerTransport(store, [0, 1], 100, 4, logging.getLogger(),
                                         clock=lambda: now[0], member_timeout=5.0)  # fmt: skip
     transport.releases = SilentReleases(store, plan, cfg.data.batch_size, logging.getLogger(),
-                                        grace=grace)  # fmt: skip
+                                        region_pools(spec), grace=grace)  # fmt: skip
 
     def look(t: float) -> list[str]:
         now[0] = t
@@ -708,12 +742,14 @@ def test_only_a_learner_silent_as_it_trained_is_fenced(prepared, tmp_path):
     was training; one silent while compiling or resuming (slow, perhaps, not gone) keeps
     its slot and its spans. Statuses written by hand, the syncer's clock a fake one."""
 
-    from flows.ledger import region_ledger
+    from flows.ledger import region_ledger, region_pools
 
     cfg, regions, store, spec, lid = _worker_run(prepared, tmp_path, "gate")
     plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
     store.claim_generation(lid)  # it started ...
-    region_ledger(store, plan, spec["learners"], "us-east").take(lid)  # ... and took data
+    region_ledger(store, plan, spec["learners"], "us-east", pools=region_pools(spec)).take(
+        lid
+    )  # ... and took data
     look = _syncer_looks("gate", regions, spec, cfg, plan, grace=0.0)
     for t, state in enumerate(("compiling", "resuming", "training")):
         store.write_metrics(lid, {"state": state, "time": t, "step": 0})
@@ -721,7 +757,10 @@ def test_only_a_learner_silent_as_it_trained_is_fenced(prepared, tmp_path):
             look(100.0 * t + dt)
         fenced = store.newest_generation(lid) == 2
         assert fenced == (state == "training"), state
-    assert region_ledger(store, plan, spec["learners"], "us-east").spans(lid) == []
+    assert (
+        region_ledger(store, plan, spec["learners"], "us-east", pools=region_pools(spec)).spans(lid)
+        == []
+    )
 
 
 def test_a_release_never_gives_a_span_back_twice_nor_misses_a_take_under_way(prepared, tmp_path):
@@ -732,7 +771,7 @@ def test_a_release_never_gives_a_span_back_twice_nor_misses_a_take_under_way(pre
     reads back whole. A fence whose syncer died before its release is released by another
     syncer."""
 
-    from flows.ledger import region_ledger
+    from flows.ledger import region_ledger, region_pools
     from storage_layout.store import RunStore
 
     cfg, regions, store, spec, lid = _worker_run(prepared, tmp_path, "rel")
@@ -740,7 +779,7 @@ def test_a_release_never_gives_a_span_back_twice_nor_misses_a_take_under_way(pre
 
     def ledger(writer):  # a new process's view
         return region_ledger(RunStore("rel", regions, "us-east", writer=writer), plan,
-                             spec["learners"], "us-east")  # fmt: skip
+                             spec["learners"], "us-east", pools=region_pools(spec))  # fmt: skip
 
     def first(view, act):  # ``act`` runs once, just before ``view`` writes a record
         put, todo = view.store.home.put_exclusive, [act]
@@ -791,7 +830,7 @@ def test_a_send_under_way_in_a_fenced_learner_lands_nowhere_once_its_data_is_giv
     from diloco.loops import resume_step
     from diloco.outer import Contribution
     from diloco.quantize import quantize
-    from flows.ledger import region_ledger
+    from flows.ledger import region_ledger, region_pools
     from flows.run import bucket_store, build_model
     from storage_layout.commit import CommitConflict, Revoked
     from storage_layout.inspect import inspect_bucket
@@ -804,7 +843,8 @@ def test_a_send_under_way_in_a_fenced_learner_lands_nowhere_once_its_data_is_giv
     learner = bucket_store("fly", regions, spec, cfg, lid, home="us-east")  # its process
     learner.claim_generation(lid)
     learner.sent_so_far(lid)  # reserves its first block of seqs
-    ledger = region_ledger(learner.writer_for(lid), plan, spec["learners"], "us-east")
+    ledger = region_ledger(learner.writer_for(lid), plan, spec["learners"], "us-east",
+                           pools=region_pools(spec))  # fmt: skip
     held = [ledger.take(lid), ledger.take(lid)]
     store.write_metrics(lid, {"state": "training", "time": 0, "step": 0})
     first = learner._seqs[lid][1]
@@ -832,7 +872,7 @@ def test_a_send_under_way_in_a_fenced_learner_lands_nowhere_once_its_data_is_giv
         store.contribution_head(lid, 0, first + 1, "us-east")
     batch = cfg.data.batch_size
     back = cut(held, resume_step(0, 2) * batch)[1]
-    again = region_ledger(store, plan, spec["learners"], "us-east")
+    again = region_ledger(store, plan, spec["learners"], "us-east", pools=region_pools(spec))
     assert again.given_back() == back  # from the step of what was committed, no later
     syncer = bucket_store("fly", regions, spec, cfg, "syncer-1", home="us-east")
     assert [c.seq for c in syncer.contributions(lid, 0, 0)] == [first]  # the held key skipped
@@ -850,7 +890,7 @@ def test_a_syncer_offers_the_pool_of_a_region_no_member_is_in(prepared, tmp_path
     members: the learners of ``eu`` never started (silent past `pipeline.member_timeout`
     on the syncer's clock), those of ``us`` train (statuses written by hand), so eu's units
     are offered in us's bucket and us's learners take them."""
-    from flows.ledger import region_ledger
+    from flows.ledger import region_ledger, region_pools
     from flows.run import initialize_run
     from flows.syncer import SyncerRuntime
     from storage_layout.store import RunStore
@@ -869,7 +909,7 @@ def test_a_syncer_offers_the_pool_of_a_region_no_member_is_in(prepared, tmp_path
     runtime.transport.clock = lambda: now[0]
     plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
     store = RunStore("off", {"us": regions["us"]}, "us")
-    ledger = region_ledger(store, plan, spec["learners"], "us")
+    ledger = region_ledger(store, plan, spec["learners"], "us", pools=region_pools(spec))
     for t in (0.0, 6.0):  # first heard, then eu silent past the timeout
         now[0] = t
         for lid in us:
@@ -922,7 +962,7 @@ def test_the_pool_of_a_region_its_learners_all_left_is_offered_to_the_others(
     on from its pool where the moves left it; a claim whose offer was never written (the
     syncer died between the two) is offered by the next syncer; a forged offer is named."""
     from diloco.dataset import DataError
-    from flows.ledger import UnitOffers, offer_claim, region_ledger
+    from flows.ledger import UnitOffers, offer_claim, region_ledger, region_pools
     from storage_layout.store import RunStore
 
     regions = {r: f"file://{tmp_path / r}" for r in ("us", "eu")}
@@ -930,15 +970,17 @@ def test_the_pool_of_a_region_its_learners_all_left_is_offered_to_the_others(
         (tmp_path / r).mkdir()
     plan = UnitPlan(open_dataset(prepared), context=64, seed=0)
     learners = {"learner-0": "us", "learner-1": "eu", "learner-2": "us", "learner-3": "eu"}
+    pools = region_pools({"learners": learners})
 
     def ledger(lid, region=None):  # a new process's ledger
         r = region or learners[lid]
-        return region_ledger(RunStore("p", {r: regions[r]}, r, writer=lid), plan, learners, r)
+        return region_ledger(RunStore("p", {r: regions[r]}, r, writer=lid), plan, learners, r,
+                             pools=pools)  # fmt: skip
 
     def offers():  # a new syncer process's
         import logging
 
-        return UnitOffers("p", regions, learners, plan, "syncer-0", logging.getLogger("t"))
+        return UnitOffers("p", regions, learners, plan, "syncer-0", logging.getLogger("t"), pools)
 
     own = {lid: ledger(lid) for lid in learners}
     for lid in learners:
@@ -997,3 +1039,58 @@ def test_the_pool_of_a_region_its_learners_all_left_is_offered_to_the_others(
                                                         "span": list(astuple(fake))})  # fmt: skip
     with pytest.raises(DataError, match=r"from-eu-fresh-999\.json offers .* not unit 998"):
         ledger("learner-2").given_back()
+
+
+def test_a_region_whose_pool_is_behind_has_its_spans_trained_by_a_region_ahead(prepared, tmp_path):
+    """The pools are the same size, so a region of fewer or slower learners goes through
+    its pool's epochs more slowly (and one emptied and then joined again is ahead). Once
+    a region's pool has reached an epoch another's has not, the syncers offer it its
+    share (by learners) of the units left of that other pool's older epochs, which its
+    learners take before a fresh unit of their own; none of the epoch the region ahead
+    is in, and nothing once level: the run trains every window of an epoch once before
+    going on, whoever is faster."""
+    from flows.ledger import UnitOffers, region_ledger, region_pools
+    from storage_layout.store import RunStore
+
+    regions = {r: f"file://{tmp_path / r}" for r in ("us", "eu")}
+    for r in regions:
+        (tmp_path / r).mkdir()
+    plan = UnitPlan(open_dataset(prepared), context=64, seed=0)
+    learners = {"learner-0": "us", "learner-1": "eu", "learner-2": "us"}
+    pools = region_pools({"learners": learners})
+
+    def ledger(lid):
+        r = learners[lid]
+        return region_ledger(RunStore("b", {r: regions[r]}, r, writer=lid), plan, learners, r,
+                             pools=pools)  # fmt: skip
+
+    import logging
+
+    syncer = UnitOffers("b", regions, learners, plan, "syncer-0", logging.getLogger("t"), pools)
+    own = {lid: ledger(lid) for lid in learners}
+    us, took = ["learner-0", "learner-2"], []
+    own["learner-1"].take("learner-1")  # eu's one (slow) learner: its first unit
+    assert syncer.tend(list(learners)) == 0  # level: nothing moves
+    while not took or took[-1].epoch == 0:  # us's two learners run through their pool
+        took.append(own[us[len(took) % 2]].take(us[len(took) % 2]))
+    assert own["learner-0"].frontier() == 1 and own["learner-1"].frontier() == 0
+    left = own["learner-1"].fresh_before(1)  # eu's units of epoch 0 no one has had yet
+    offered = syncer.tend(list(learners))
+    assert offered == max(2, -(-left * 2 // 3)) < left  # us's share: 2 of the 3 learners
+    waiting = own["learner-0"].given_back()
+    assert {s.epoch for s in waiting} == {0}  # eu's, of the epoch us has left
+    eus = {pool_unit(k, pools["eu"], plan.units) for k in range(plan.units)}
+    assert all((s.epoch, s.unit) in eus for s in waiting)  # of eu's pool
+    assert all(own[lid].take(lid) in waiting for lid in us)  # before their own
+    while own["learner-1"].frontier() == 0:  # us's learners (and eu's) finish epoch 0
+        syncer.tend(list(learners))
+        for lid in learners:
+            if own["learner-1"].frontier() == 0 or lid != "learner-1":
+                took.append(own[lid].take(lid))
+    held = [s for lid in learners for s in ledger(lid).spans(lid)]
+    assert _covered([s for s in held if s.epoch == 0]) == _epoch(plan, 0)  # once, whole
+    assert max(_covered(held).values()) == 1
+    moved = ledger("learner-1").moved()
+    assert {to for to, _ in moved.values()} == {"us"} and len(moved) > offered
+    assert {span.epoch for _, span in moved.values()} == {0}  # none of the epoch us is in
+    assert syncer.tend(list(learners)) == 0  # level again: nothing moves

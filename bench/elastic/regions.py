@@ -21,12 +21,20 @@ clean.
 Writes DIR/regions.md and DIR/regions.json. A benchmark on the wall clock: which spans
 each learner takes depends on the machine's speed; the counts of windows merged twice
 and of windows skipped must be 0 whatever it is.
+
+With `--grow-into`, the other way round: the run starts one learner (`topology.learners
+= 1`, learner-0 in us-east) and no slot in eu-west; once `--leave-at` of the budget is
+merged a machine joins in eu-west with no `--slot` and adds a learner there (learner-1,
+region 1 mod 2 of the deal). Until then us-east's learner trains eu-west's pool too
+(moved by the syncers); the same tables, and the time from the join to its first merged
+contribution. Writes DIR/grow-into.md and .json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -50,15 +58,85 @@ COMMON = [
 ]  # fmt: skip
 
 
+GROW_INTO = [  # (the last --set of a key wins; every version kept: their times are read)
+    "topology.learners=1", "pipeline.learners_started=1", "pipeline.keep_versions=100000",
+]  # fmt: skip
+
+
 def urls(root: Path) -> dict[str, str]:
     return {r: f"file://{root / r}" for r in REGIONS}
 
 
-def join(root: Path, run: str, slot: str, region: str, env: dict, logs: Path) -> subprocess.Popen:
+def join(
+    root: Path, run: str, slot: str | None, region: str, env: dict, logs: Path
+) -> subprocess.Popen:
+    """A ``diloco join`` of ``slot`` (None: the one it adds) in ``region``."""
     argv = [sys.executable, "-m", "flows.cli", "join", urls(root)[region], "--run", run,
-            "--region", region, "--slot", slot, "--pipeline", json.dumps({"eval_seconds": 20})]  # fmt: skip
-    out = (logs / f"{slot}.log").open("w")
+            "--region", region, "--pipeline", json.dumps({"eval_seconds": 20}),
+            *(["--slot", slot] if slot else [])]  # fmt: skip
+    out = (logs / f"{slot or 'joiner-' + region}.log").open("w")
     return subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def grow_into(root: Path, name: str, train: subprocess.Popen, env: dict, logs: Path,
+              started: float, args: argparse.Namespace) -> dict:  # fmt: skip
+    """``--grow-into``: a joiner in eu-west, where the run has no slot, once ``leave_at``
+    of the budget is merged."""
+    joiner, joined_at = None, None
+    while train.poll() is None:
+        if joiner is None and merged_tokens(root, name) >= args.leave_at * args.tokens:
+            joiner = join(root, name, None, "eu-west", env, logs)
+            joined_at = time.time() - started
+            print(f"a machine joins in eu-west at {joined_at:.0f} s", flush=True)
+        time.sleep(1.0)
+    out = finish(root, name, train, started, [joiner] if joiner else [])
+    out["joined_at"] = joined_at
+    if out["exit"] == 0:
+        out["joiner"] = first_merge(root, name)
+    return out
+
+
+def finish(root: Path, name: str, train: subprocess.Popen, started: float,
+           joiners: list[subprocess.Popen]) -> dict:  # fmt: skip
+    """The run's end: its exit, wall time and (when it succeeded) its measures."""
+    code = train.wait()
+    wall = time.time() - started
+    for proc in joiners:
+        try:
+            proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    out = {"exit": code, "wall": wall}
+    if code == 0:
+        out["summary"] = json.loads((root / name / "summary.json").read_text())
+        out.update(measure(root, name))
+    return out
+
+
+def first_merge(root: Path, name: str) -> dict:
+    """The learners added (eu-west's joiner): each one's region, its join record's time,
+    the first global version that merged a contribution of it (the versions' markers
+    name what they consumed: the home bucket's), and the seconds between."""
+    from storage_layout.store import RunStore
+
+    store = RunStore(name, urls(root), REGIONS[0], writer="bench")
+    spec = store.read_spec()
+    added = {lid: r for lid, r in store.run_learners(spec, regions=REGIONS).regions.items()
+             if lid not in spec["learners"]}  # fmt: skip
+    merged: dict[str, float] = {}  # learner -> when a version first merged its work
+    for p in range(len(spec["fragments"])):
+        for v in store.global_versions(p, REGIONS[0]):
+            meta = store.global_marker(p, v).meta
+            for who, _ in meta["consumed"]:
+                merged[who] = min(float(meta["time"]), merged.get(who, math.inf))
+    out = {}
+    for lid, region in added.items():
+        joins = store.joins(lid, region)
+        at = float(joins[0]["time"]) if joins else None
+        first = merged.get(lid)
+        out[lid] = {"region": region, "joined": at, "first_merged": first,
+                    "join_to_first_merge_s": first - at if first and at else None}  # fmt: skip
+    return out
 
 
 def merged_tokens(root: Path, run: str) -> int:
@@ -79,7 +157,7 @@ def run(root: Path, args: argparse.Namespace) -> dict:
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     sets = [f"budget.tokens={args.tokens}", f"seed={args.seed}", f"data.source={args.data}",
-            f"model.vocab_size={args.vocab}", *COMMON]  # fmt: skip
+            f"model.vocab_size={args.vocab}", *COMMON, *(GROW_INTO if args.grow_into else [])]  # fmt: skip
     argv = [sys.executable, "-m", "flows.cli", "train", "--run", name, "--dir", str(root),
             "--mode", "decoupled", "--create-buckets",
             *[x for r, u in urls(root).items() for x in ("--region", f"{r}={u}")],
@@ -98,6 +176,8 @@ def run(root: Path, args: argparse.Namespace) -> dict:
          "--learners", "4"], cwd=ROOT, capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
     env["DILOCO_JOIN_TOKEN"] = token
+    if args.grow_into:
+        return grow_into(root, name, train, env, logs, started, args)
     joiners = {
         "learner-2": join(root, name, "learner-2", "us-east", env, logs),
         "learner-1": join(root, name, "learner-1", "eu-west", env, logs),
@@ -111,18 +191,7 @@ def run(root: Path, args: argparse.Namespace) -> dict:
             left_at = time.time() - started
             print(f"eu-west's learners told to leave at {left_at:.0f} s", flush=True)
         time.sleep(1.0)
-    code = train.wait()
-    wall = time.time() - started
-    for proc in joiners.values():
-        try:
-            proc.wait(timeout=300)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    out = {"exit": code, "wall": wall, "left_at": left_at}
-    if code == 0:
-        out["summary"] = json.loads((root / name / "summary.json").read_text())
-        out.update(measure(root, name))
-    return out
+    return {**finish(root, name, train, started, list(joiners.values())), "left_at": left_at}
 
 
 def measure(root: Path, name: str) -> dict:
@@ -139,15 +208,17 @@ def measure(root: Path, name: str) -> dict:
     audit_units(report)
     spec = RunStore(name, regions, REGIONS[0], writer="bench").read_spec()
     cfg = config_from_spec(spec)
-    plan, learners, batch = unit_plan(cfg), dict(spec["learners"]), cfg.data.batch_size
-    pools = region_pools(learners)
+    store = RunStore(name, regions, REGIONS[0], writer="bench")  # learners with those added:
+    learners = store.run_learners(spec, regions=REGIONS).regions
+    plan, batch = unit_plan(cfg), cfg.data.batch_size
+    pools = region_pools(spec)
     owner = {}  # (epoch, unit) -> the region whose pool holds it
     merged: Counter = Counter()  # (epoch, unit, window) -> times merged
     trained_by: Counter = Counter()  # (pool region, trainer's region) -> windows
     held: Counter = Counter()  # windows in a learner's stream, or waiting, not merged
     for region in pools:
         ledger = region_ledger(RunStore(name, regions, region, writer="bench"), plan,
-                               learners, region)  # fmt: skip
+                               learners, region, pools=pools)  # fmt: skip
         for lid in ledger.learners:
             stream = ledger.spans(lid)
             held.update((s.epoch, s.unit, w) for s in stream for w in range(s.start, s.end))
@@ -191,16 +262,27 @@ def measure(root: Path, name: str) -> dict:
 
 
 def write(out: Path, args: argparse.Namespace, r: dict) -> None:
-    (out / "regions.json").write_text(json.dumps(
+    stem = "grow-into" if args.grow_into else "regions"
+    (out / f"{stem}.json").write_text(json.dumps(
         {"args": vars(args), "machine": machine(), "result": r}, indent=1, default=str))  # fmt: skip
     command = "python bench/elastic/regions.py " + " ".join(sys.argv[1:])
-    lines = [f"# A region whose learners all leave\n\n`{command}` on {machine()}\n"]
+    title = ("A run grows into a region it started no learner in" if args.grow_into
+             else "A region whose learners all leave")  # fmt: skip
+    lines = [f"# {title}\n\n`{command}` on {machine()}\n"]
     if r.get("exit") != 0:
         lines.append(f"The run failed (exit {r.get('exit')}).")
     else:
         s = r["summary"]
-        lines.append(f"Wall {r['wall']:.0f} s; eu-west's learners told to leave at "
-                     f"{r['left_at']:.0f} s; final loss {s['final_loss']:.4f}; audit "
+        if args.grow_into:
+            when = f"a machine joined in eu-west at {r['joined_at']:.0f} s"
+            for lid, j in r["joiner"].items():
+                wait = j["join_to_first_merge_s"]
+                when += (f" and added {lid} in {j['region']}, its work first merged "
+                         + (f"{wait:.1f} s after its join record" if wait is not None
+                            else "never"))  # fmt: skip
+        else:
+            when = f"eu-west's learners told to leave at {r['left_at']:.0f} s"
+        lines.append(f"Wall {r['wall']:.0f} s; {when}; final loss {s['final_loss']:.4f}; audit "
                      f"{'clean' if r['audit_ok'] else 'VIOLATIONS ' + str(r['violations'])}; "
                      f"units moved from eu-west's pool to us-east: "
                      f"{r['units']['eu-west'].get('moved_out', 0)}.\n")  # fmt: skip
@@ -215,7 +297,7 @@ def write(out: Path, args: argparse.Namespace, r: dict) -> None:
                      f"budget ran out, or given back or offered and not taken yet. The run's "
                      f"last epoch ({r['last_epoch']}) is the one its budget ended in: its "
                      "windows never handed out were not reached.")  # fmt: skip
-    (out / "regions.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
@@ -228,6 +310,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "bench" / "elastic"))
     parser.add_argument("--root", help="where the run's buckets and logs go (kept)")
+    parser.add_argument("--grow-into", action="store_true",
+                        help="start one learner, in us-east, and let a machine join in eu-west "
+                        "(no slot there) at --leave-at")  # fmt: skip
     args = parser.parse_args()
     root = Path(args.root or tempfile.mkdtemp(prefix="regions-"))
     print(f"run, buckets and logs in {root}", flush=True)
@@ -235,7 +320,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     r = run(root, args)
     write(out, args, r)
-    print((out / "regions.md").read_text(), flush=True)
+    print((out / ("grow-into.md" if args.grow_into else "regions.md")).read_text(), flush=True)
 
 
 if __name__ == "__main__":
