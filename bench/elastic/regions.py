@@ -157,7 +157,8 @@ def run(root: Path, args: argparse.Namespace) -> dict:
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     sets = [f"budget.tokens={args.tokens}", f"seed={args.seed}", f"data.source={args.data}",
-            f"model.vocab_size={args.vocab}", *COMMON, *(GROW_INTO if args.grow_into else [])]  # fmt: skip
+            f"model.vocab_size={args.vocab}", *COMMON, *(GROW_INTO if args.grow_into else []),
+            *args.set]  # fmt: skip
     argv = [sys.executable, "-m", "flows.cli", "train", "--run", name, "--dir", str(root),
             "--mode", "decoupled", "--create-buckets",
             *[x for r, u in urls(root).items() for x in ("--region", f"{r}={u}")],
@@ -262,12 +263,13 @@ def measure(root: Path, name: str) -> dict:
 
 
 def write(out: Path, args: argparse.Namespace, r: dict) -> None:
-    stem = "grow-into" if args.grow_into else "regions"
+    stem = args.name or ("grow-into" if args.grow_into else "regions")
     (out / f"{stem}.json").write_text(json.dumps(
         {"args": vars(args), "machine": machine(), "result": r}, indent=1, default=str))  # fmt: skip
     command = "python bench/elastic/regions.py " + " ".join(sys.argv[1:])
     title = ("A run grows into a region it started no learner in" if args.grow_into
-             else "A region whose learners all leave")  # fmt: skip
+             else "A region whose learners all leave" if args.leave_at < 1
+             else "Two regions whose learners stay")  # fmt: skip
     lines = [f"# {title}\n\n`{command}` on {machine()}\n"]
     if r.get("exit") != 0:
         lines.append(f"The run failed (exit {r.get('exit')}).")
@@ -281,7 +283,8 @@ def write(out: Path, args: argparse.Namespace, r: dict) -> None:
                          + (f"{wait:.1f} s after its join record" if wait is not None
                             else "never"))  # fmt: skip
         else:
-            when = f"eu-west's learners told to leave at {r['left_at']:.0f} s"
+            when = (f"eu-west's learners told to leave at {r['left_at']:.0f} s"
+                    if r["left_at"] is not None else "nobody left")  # fmt: skip
         lines.append(f"Wall {r['wall']:.0f} s; {when}; final loss {s['final_loss']:.4f}; audit "
                      f"{'clean' if r['audit_ok'] else 'VIOLATIONS ' + str(r['violations'])}; "
                      f"units moved from eu-west's pool to us-east: "
@@ -310,9 +313,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "bench" / "elastic"))
     parser.add_argument("--root", help="where the run's buckets and logs go (kept)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="more config for the run (diloco train --set), after the "
+                        "bench's own; e.g. 'pipeline.speeds=[1,3,1,3]' with --leave-at 2 "
+                        "(nobody leaves): eu-west's learners three times slower")  # fmt: skip
     parser.add_argument("--grow-into", action="store_true",
                         help="start one learner, in us-east, and let a machine join in eu-west "
                         "(no slot there) at --leave-at")  # fmt: skip
+    parser.add_argument("--name", help="the results' file names (DIR/NAME.md, .json)")
     args = parser.parse_args()
     root = Path(args.root or tempfile.mkdtemp(prefix="regions-"))
     print(f"run, buckets and logs in {root}", flush=True)
@@ -320,7 +328,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     r = run(root, args)
     write(out, args, r)
-    print((out / ("grow-into.md" if args.grow_into else "regions.md")).read_text(), flush=True)
+    print((out / f"{args.name or ('grow-into' if args.grow_into else 'regions')}.md").read_text(),
+          flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
