@@ -1,6 +1,6 @@
 """Learners that come and go like spot capacity, through `diloco train` and `diloco join`.
 
-Two runs of the `tiny` preset, decoupled, the same token budget (shared by whoever
+Two runs of the `tiny` preset (`--preset`), decoupled, the same token budget (shared by whoever
 trains), one file:// region, real processes and a real Prefect API:
 
 - **fixed**: `topology.learners = --fixed` learners, all started by `diloco train`;
@@ -79,7 +79,8 @@ def train_argv(name: str, root: Path, args: argparse.Namespace, sets: list[str])
     if args.data or args.assign:  # (text, the default: on slots unless given)
         sets += [f"data.assign={args.assign or 'units'}"]
     return [sys.executable, "-m", "flows.cli", "train", "--run", name, "--dir", str(root),
-            "--mode", "decoupled", "--create-buckets", "--region", f"{REGION}={url}",
+            "--preset", args.preset, "--mode", "decoupled", "--create-buckets",
+            "--region", f"{REGION}={url}",
             *[x for s in sets for x in ("--set", s)]]  # fmt: skip
 
 
@@ -316,6 +317,8 @@ def write(out: Path, args: argparse.Namespace, results: list[tuple[str, dict]]) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="tiny", help="the runs' preset (small: the CPU "
+                        "benchmarks' model, 2 M parameters, H = 40)")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=2_000_000)
     parser.add_argument("--fixed", type=int, default=4, help="learners of the fixed run")
     parser.add_argument("--slots", type=int, default=6, help="learner slots of the elastic run")
