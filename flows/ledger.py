@@ -526,7 +526,8 @@ class UnitOffers:
     where learners take it like a span given back, before a fresh unit of their own. A
     span is claimed once in its pool and offered once, so it is trained once.
 
-    Run by the syncers at each look at the members (``tend``), it keeps spans waiting in
+    Run by the first syncer shard at each look at the members (``tend``; one, so that
+    shards do not each keep their own spans waiting), it keeps spans waiting in
     each region with learners: as many as it has learners at first, twice as many each
     time a look finds that they took every span left waiting at the last (they train a
     unit faster than the syncers look), up to ``MOST_WAITING``; it offers an empty

@@ -369,9 +369,10 @@ class SyncerRuntime:
             pools = region_pools(spec)
             self.transport.releases = SilentReleases(store, units, self.cfg.data.batch_size,
                                                      self.log, pools)  # fmt: skip
-            self.transport.offers = UnitOffers(run, store.regions, store.learners, units,
-                                               syncer_id(shard), self.log, pools,
-                                               store.traffic)  # fmt: skip
+            if shard == 0:  # one tends the pools: each would keep its own spans waiting
+                self.transport.offers = UnitOffers(run, store.regions, store.learners, units,
+                                                   syncer_id(shard), self.log, pools,
+                                                   store.traffic)  # fmt: skip
         self.records: list[records.Record] = []
         self.loop = SyncerLoop(self.cfg, self.fragments, list(spec["learners"]),
                                transport or self.transport, clock or WallClock(),

@@ -886,8 +886,8 @@ def test_a_send_under_way_in_a_fenced_learner_lands_nowhere_once_its_data_is_giv
 
 
 def test_a_syncer_offers_the_pool_of_a_region_no_member_is_in(prepared, tmp_path):
-    """The pipeline's syncer (``SyncerRuntime``) tends the pools at its look at the
-    members: the learners of ``eu`` never started (silent past `pipeline.member_timeout`
+    """The pipeline's syncer (``SyncerRuntime``, its first shard) tends the pools at its
+    look at the members: the learners of ``eu`` never started (silent past `pipeline.member_timeout`
     on the syncer's clock), those of ``us`` train (statuses written by hand), so eu's units
     are offered in us's bucket and us's learners take them."""
     from flows.ledger import region_ledger, region_pools
@@ -920,6 +920,11 @@ def test_a_syncer_offers_the_pool_of_a_region_no_member_is_in(prepared, tmp_path
     assert len(offered) == len(us) and store.offered_claims()
     assert all(s.epoch == 0 and s.start == 0 for s in offered)
     assert {ledger.take(lid) for lid in us} == set(offered)
+    # One shard tends the pools (two would each keep spans waiting there): the first.
+    assert (
+        SyncerRuntime("off", regions, "us", 1, 2, cfg.pipeline.model_dump()).transport.offers
+        is None
+    )
 
 
 def test_a_follower_reads_the_spans_process_0_took_and_never_waits_for_ever(prepared, tmp_path):
