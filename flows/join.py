@@ -166,8 +166,10 @@ def choose_slot(
     except ValueError as exc:  # a damaged or forged spec
         raise JoinRefused(f"run {store.run!r} cannot be joined: {exc}") from exc
     if unslotted_regions(dealt, [region]) and not (grow and deal):  # nor a pool of data
+        old = ("it was started before runs recorded how they deal learners to regions, "
+               "and adds learners only in regions with a slot; " if grow else "")  # fmt: skip
         raise JoinRefused(f"run {store.run!r} has no learner slot in region {region!r}, so "
-                          f"no machine can join there: {SLOT_EVERYWHERE}")  # fmt: skip
+                          f"no machine can join there: {old}{SLOT_EVERYWHERE}")  # fmt: skip
     key_of = None if keys is None else keys.get
     learners = store.run_learners(spec, key_of).regions
     here = sorted((lid for lid, r in learners.items() if r == region), key=learner_index)

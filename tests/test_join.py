@@ -273,6 +273,7 @@ def test_a_joiner_adds_a_learner_in_a_region_the_run_started_none_in(tmp_path):
         assert f"run {run!r} has no learner slot in region 'eu-west'" in said, said
         assert "topology.learners is at least its number of regions" in said, said
         assert "pipeline.learners_started" in said, said
+        assert ("started before runs recorded how they deal" in said) == (run == "old"), said
         assert not (tmp_path / "eu" / run / "learners").exists()  # nothing written for it
         assert not (tmp_path / "eu" / run / "members").exists()
     for deal in (["eu-west", "us-east"], ["us-east", "mars"], "us-east"):  # forged or damaged
