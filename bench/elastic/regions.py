@@ -207,10 +207,10 @@ def measure(root: Path, name: str) -> dict:
     regions = urls(root)
     report = audit_run(name, regions)
     audit_units(report)
-    spec = RunStore(name, regions, REGIONS[0], writer="bench").read_spec()
+    store = RunStore(name, regions, REGIONS[0], writer="bench")
+    spec = store.read_spec()
     cfg = config_from_spec(spec)
-    store = RunStore(name, regions, REGIONS[0], writer="bench")  # learners with those added:
-    learners = store.run_learners(spec, regions=REGIONS).regions
+    learners = store.run_learners(spec, regions=REGIONS).regions  # with those added
     plan, batch = unit_plan(cfg), cfg.data.batch_size
     pools = region_pools(spec)
     owner = {}  # (epoch, unit) -> the region whose pool holds it
@@ -262,9 +262,13 @@ def measure(root: Path, name: str) -> dict:
     }  # fmt: skip
 
 
+def stem(args: argparse.Namespace) -> str:
+    """The results' file name, without its suffix."""
+    return args.name or ("grow-into" if args.grow_into else "regions")
+
+
 def write(out: Path, args: argparse.Namespace, r: dict) -> None:
-    stem = args.name or ("grow-into" if args.grow_into else "regions")
-    (out / f"{stem}.json").write_text(json.dumps(
+    (out / f"{stem(args)}.json").write_text(json.dumps(
         {"args": vars(args), "machine": machine(), "result": r}, indent=1, default=str))  # fmt: skip
     command = "python bench/elastic/regions.py " + " ".join(sys.argv[1:])
     title = ("A run grows into a region it started no learner in" if args.grow_into
@@ -300,7 +304,7 @@ def write(out: Path, args: argparse.Namespace, r: dict) -> None:
                      f"budget ran out, or given back or offered and not taken yet. The run's "
                      f"last epoch ({r['last_epoch']}) is the one its budget ended in: its "
                      "windows never handed out were not reached.")  # fmt: skip
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem(args)}.md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
@@ -328,8 +332,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     r = run(root, args)
     write(out, args, r)
-    print((out / f"{args.name or ('grow-into' if args.grow_into else 'regions')}.md").read_text(),
-          flush=True)  # fmt: skip
+    print((out / f"{stem(args)}.md").read_text(), flush=True)
 
 
 if __name__ == "__main__":
