@@ -176,6 +176,15 @@ def run_spec(cfg: RunConfig, plan: FragmentPlan, regions: Mapping[str, str]) -> 
     }
 
 
+def in_stored_form(spec: dict[str, Any], stored: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``spec`` (``run_spec``'s) in the form of the run's ``stored`` spec (None: a new
+    run), so that a run started by older code resumes as it was: one stored before runs
+    recorded their deal keeps adding learners where its slots are (``run_deal``)."""
+    if stored is None or "deal" in stored:
+        return spec
+    return {k: v for k, v in spec.items() if k != "deal"}
+
+
 def spec_defaults(
     regions: Mapping[str, str] | None = None, spec: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -317,8 +326,11 @@ def initialize_run(store: RunStore, cfg: RunConfig) -> dict[str, Any]:
     model = build_model(cfg)
     spec = run_spec(cfg, model.plan, store.urls)
     spec["data"] = {"sha256": data_fingerprint(cfg)}  # held to by learners and joiners
+    stored = None
     with contextlib.suppress(FileNotFoundError):  # a run started: on its own data only
-        check_same_data(cfg, store.read_spec(), f"run {store.run!r}", spec["data"]["sha256"])
+        stored = store.read_spec()
+        check_same_data(cfg, stored, f"run {store.run!r}", spec["data"]["sha256"])
+    spec = in_stored_form(spec, stored)
     extend_budget(store, spec)
     spec = store.ensure_spec(spec, spec_defaults(store.urls, spec))
     for p, names in enumerate(model.plan):

@@ -237,7 +237,7 @@ def test_a_joiner_adds_a_learner_in_a_region_the_run_started_none_in(tmp_path):
     the deal gives that region (learner-i lives in region i mod R); a run that deals its
     data to its slots, or one whose spec was written before the deal was recorded,
     refuses it with how to start the run so that every region has a slot, writing
-    nothing."""
+    nothing (and such a spec resumes as it was written)."""
     import json
 
     regions = {"us-east": f"file://{tmp_path / 'us'}", "eu-west": f"file://{tmp_path / 'eu'}"}
@@ -266,6 +266,8 @@ def test_a_joiner_adds_a_learner_in_a_region_the_run_started_none_in(tmp_path):
     for folder in ("us", "eu"):  # a spec of a run started before the deal was recorded
         (tmp_path / folder / "old" / "spec.json").write_text(json.dumps(old))
     assert json.loads(spec_file.read_text()).get("deal") is None
+    assert "deal" not in start("old", "data.assign=units")  # `diloco train` resumes it as it was
+    assert json.loads(spec_file.read_text()) == old
     for run in ("slots", "old"):
         with pytest.raises(JoinRefused) as refused:
             join(regions["eu-west"], run, "eu-west", environ=env)
