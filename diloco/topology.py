@@ -69,11 +69,32 @@ def run_deal(spec: Mapping[str, Any]) -> list[str] | None:
             or any(not isinstance(r, str) or r not in regions for r in deal)):  # fmt: skip
         raise ValueError(f"the run spec's deal {deal!r:.200} is not a list of its regions "
                          f"{sorted(regions)}, each once")  # fmt: skip
-    dealt = spec.get("learners") or {}
-    if dealt != deal_learners(len(dealt), deal):
+    dealt = spec.get("learners")  # listed by specs written before slots were counted
+    if dealt is not None and dealt != deal_learners(len(dealt), deal):
         raise ValueError(f"the run spec's slots {dict(dealt)!r:.200} are not dealt "
                          f"round-robin over its deal {deal}")  # fmt: skip
     return deal
+
+
+def run_slots(spec: Mapping[str, Any]) -> dict[str, str]:
+    """The run's learner slots, id -> region: ``learner-0`` .. ``learner-{M-1}`` for the
+    spec's ``topology.learners`` M, dealt round-robin over its ``deal`` (``run_deal``).
+    The slots are where the run starts: who is a member is decided by records (join,
+    member, leave, status), not by the spec. A spec written before slots were counted
+    lists them (``learners``). A spec that names neither, or a count that is not a
+    positive number, is an error naming it."""
+    listed = spec.get("learners")
+    if listed is not None:
+        if not isinstance(listed, Mapping) or not listed:
+            raise ValueError(f"the run spec's learners {listed!r:.200} are not a map of "
+                             "learner ids to regions")  # fmt: skip
+        return dict(listed)
+    deal = run_deal(spec)
+    count = ((spec.get("config") or {}).get("topology") or {}).get("learners")
+    if deal is None or not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ValueError(f"the run spec's config.topology.learners {count!r:.40} and deal "
+                         f"{deal!r:.200} give the run no learner slots")  # fmt: skip
+    return deal_learners(count, deal)
 
 
 def learner_region(

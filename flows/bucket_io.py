@@ -38,7 +38,7 @@ from diloco.outer import Contribution, outer_optimizer
 from diloco.records import Record
 from diloco.syncer import GlobalVersion
 from diloco.tensors import Tensors, materialize, pieces
-from diloco.topology import learner_region, run_deal
+from diloco.topology import learner_region, run_deal, run_slots
 from diloco.transport import Collect, GlobalDelta, downlink_update
 from diloco.units import RegionalLedger, UnitPlan
 from diloco.validate import Scan, scan_payload
@@ -977,7 +977,7 @@ class BucketStore:
         ``diloco join`` does: its member record, signed with its key where this process
         holds one, then its contributions are the run's (``RunStore.run_learners``)."""
         spec = self.main.read_spec()
-        region = learner_region(learner, spec["learners"], run_deal(spec))
+        region = learner_region(learner, run_slots(spec), run_deal(spec))
         self.learners[learner] = region
         record = {"learner": learner, "region": region, "host": "simulator", "time": time.time()}
         if not self.writer_for(learner).put_member(learner, record, self.keys.signing_key(learner)):

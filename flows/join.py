@@ -74,6 +74,7 @@ from diloco.topology import (
     learner_index,
     learner_region,
     run_deal,
+    run_slots,
     unslotted_regions,
 )
 from flows import workers
@@ -160,9 +161,8 @@ def choose_slot(
     if region not in regions:
         raise JoinRefused(f"run {store.run!r} has no region {region!r}; its regions are "
                           f"{sorted(regions)}")  # fmt: skip
-    dealt = dict(spec.get("learners") or {})
     try:
-        deal = run_deal(spec)
+        dealt, deal = run_slots(spec), run_deal(spec)
     except ValueError as exc:  # a damaged or forged spec
         raise JoinRefused(f"run {store.run!r} cannot be joined: {exc}") from exc
     if unslotted_regions(dealt, [region]) and not (grow and deal):  # nor a pool of data

@@ -30,7 +30,7 @@ from typing import Any
 
 from diloco.data import DataError
 from diloco.loops import resume_step
-from diloco.topology import run_deal
+from diloco.topology import run_deal, run_slots
 from diloco.units import Span, UnitPlan, cut, pool_unit
 from storage_layout.audit import AuditReport
 from storage_layout.store import RunStore
@@ -42,7 +42,7 @@ def region_pools(spec: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
     added in a region the run started none in has its pool there (until one does,
     ``UnitOffers`` moves that pool's spans to the regions that train); for a spec written
     before the deal was, the regions of its slots."""
-    regions = sorted(run_deal(spec) or set((spec.get("learners") or {}).values()))
+    regions = sorted(run_deal(spec) or set(run_slots(spec).values()))
     return {r: (i, len(regions)) for i, r in enumerate(regions)}
 
 

@@ -30,6 +30,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from diloco.topology import run_slots
 from storage_layout.history import global_versions
 from storage_layout.store import RunStore
 
@@ -51,7 +52,7 @@ class LiveMetrics:
         log: Any = log,
     ):
         self.store, self.spec, self.log, self.tables = store, spec, log, tables
-        self.learners: dict[str, str] = dict(spec["learners"])
+        self.learners: dict[str, str] = run_slots(spec)
         self.fragments = len(spec["fragments"])
         self.dir = Path(folder) / "tensorboard"
         self.state_path = self.dir / "written.json"

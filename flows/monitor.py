@@ -17,7 +17,7 @@ from typing import Any
 from diloco import records
 from diloco.config import RunConfig
 from diloco.simulate import dp_bytes_per_step
-from diloco.topology import learner_index, shard_count, shard_fragments, syncer_id
+from diloco.topology import learner_index, run_slots, shard_count, shard_fragments, syncer_id
 from flows.observe import train_summary_rows
 from flows.pace import MEMBERS_EVERY
 from flows.run import build_model, validation
@@ -56,8 +56,8 @@ class Monitor:
         self.store, self.cfg, self.spec, self.log = store, cfg, spec, log
         self.clock = clock  # paces the reads of the members
         self.deaths = {} if deaths is None else deaths
-        self.launched = set(cfg.started_learners(list(spec["learners"])))  # others: joiners'
-        self._learners: dict[str, str] = dict(spec["learners"])
+        self._learners: dict[str, str] = run_slots(spec)
+        self.launched = set(cfg.started_learners(list(self._learners)))  # others: joiners'
         self._learners_read = -math.inf
         self.unreadable: set[tuple[int, int]] = set()  # reported once each
         self.errors = 0  # storage errors while watching, in all
@@ -367,7 +367,7 @@ class Monitor:
             for p, s in merged.items()
         ]
         useful = records.useful_seconds(since, self.model.shares)
-        m = len(spec["learners"])
+        m = len(run_slots(spec))
         startup = train = 0.0
         for learner, status in statuses.items():
             now, then = _learner_seconds(status), self.before.get(learner, (0.0, 0.0))

@@ -43,7 +43,7 @@ from diloco.simulate import (
 )
 from diloco.syncer import FragmentSyncer
 from diloco.tensors import pieces
-from diloco.topology import deal_learners, home_region
+from diloco.topology import deal_learners, home_region, run_slots
 from flows.bucket_io import BucketStore, named_outer_leaves, outer_names
 from flows.version_stream import StreamedVersion, slot_names
 from storage_layout.commit import CommitConflict
@@ -164,25 +164,31 @@ def _wait_for(lock: Any, what: str, go_on: Callable[[], None]) -> bool:
 def run_spec(cfg: RunConfig, plan: FragmentPlan, regions: Mapping[str, str]) -> dict[str, Any]:
     """What is fixed for a run's lifetime: the whole config but ``sim`` and ``pipeline``
     (model, data, optimizers, topology, budget, seed), the fragment plan, the regions and
-    which learner lives where, and the home region (the syncers', holding the master
+    the order learners are dealt over them, and the home region (the syncers', holding the master
     copies: the stored ``regions`` are a JSON object, whose order readers cannot trust)."""
     return {
         "config": cfg.model_dump(mode="json", exclude=NOT_IN_SPEC),
         "fragments": [list(f) for f in plan],
         "regions": dict(regions),
         "home": home_region(regions),
-        "learners": deal_learners(cfg.topology.learners, regions),
-        "deal": list(regions),  # learner-i's region, added ones too (topology.run_deal)
+        # learner-i's region, the slots' (topology.run_slots) and the ones joiners add
+        "deal": list(regions),
     }
 
 
 def in_stored_form(spec: dict[str, Any], stored: Mapping[str, Any] | None) -> dict[str, Any]:
     """``spec`` (``run_spec``'s) in the form of the run's ``stored`` spec (None: a new
-    run), so that a run started by older code resumes as it was: one stored before runs
-    recorded their deal keeps adding learners where its slots are (``run_deal``)."""
-    if stored is None or "deal" in stored:
+    run), so that a run started by older code resumes as it was: one that lists its
+    slots keeps its list (``run_slots``), and one stored before runs recorded their deal
+    keeps adding learners where its slots are (``run_deal``)."""
+    if stored is None:
         return spec
-    return {k: v for k, v in spec.items() if k != "deal"}
+    out = dict(spec)
+    if "learners" in stored:
+        out["learners"] = deal_learners(spec["config"]["topology"]["learners"], spec["regions"])
+    if "deal" not in stored:
+        del out["deal"]
+    return out
 
 
 def spec_defaults(
@@ -417,7 +423,7 @@ def bucket_store(
     default)."""
     model = model or build_model(cfg)
     trainer = model.trainer
-    learners = spec["learners"] if learners is None else learners
+    learners = run_slots(spec) if learners is None else learners
     return BucketStore(
         run, regions, home or home_region(regions), learners, cfg.topology.global_dtype,
         writer, place=trainer.place_params,

@@ -36,7 +36,7 @@ from diloco.loops import (
 from diloco.outer import Contribution
 from diloco.simulate import unit_plan
 from diloco.syncer import GlobalVersion
-from diloco.topology import shard_fragments, syncer_id
+from diloco.topology import run_slots, shard_fragments, syncer_id
 from flows.bucket_io import BucketStore
 from flows.ledger import SilentReleases, UnitOffers, region_pools
 from flows.observe import artifact_key, run_logger, stopped, tag_flow_run, worker_tags
@@ -374,7 +374,7 @@ class SyncerRuntime:
                                                    syncer_id(shard), self.log, pools,
                                                    store.traffic)  # fmt: skip
         self.records: list[records.Record] = []
-        self.loop = SyncerLoop(self.cfg, self.fragments, list(spec["learners"]),
+        self.loop = SyncerLoop(self.cfg, self.fragments, list(run_slots(spec)),
                                transport or self.transport, clock or WallClock(),
                                self.records.append, self.log)  # fmt: skip
 

@@ -22,6 +22,7 @@ from diloco.topology import (
     home_region,
     learner_id,
     learner_index,
+    run_slots,
     shard_count,
     shard_fragments,
     syncer_id,
@@ -103,7 +104,8 @@ def run_workers(
     starts itself (``pipeline.learners_started``; the others are left to joiners)."""
     shards = shard_count(cfg.pipeline.syncer_shards, cfg.topology.fragments)
     out = [syncer(run, regions, shard, cfg) for shard in range(shards)]
-    for lid in cfg.started_learners(list(spec["learners"])):
-        region = spec["learners"][lid]
+    slots = run_slots(spec)
+    for lid in cfg.started_learners(list(slots)):
+        region = slots[lid]
         out.append(learner(run, regions[region], region, learner_index(lid), cfg))
     return out

@@ -36,6 +36,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, field_validator
 
+from diloco.topology import run_slots
 from storage_layout.retention import read_ledger
 from storage_layout.store import RunStore
 
@@ -226,7 +227,7 @@ def kill_to_rejoin(store: RunStore, spec: Mapping[str, Any], actions: list[dict]
     """Seconds from each learner kill (SIGKILL by the driver, or a ``crash`` fault given
     as ``{"time", "worker"}``) to that learner's next committed contribution; kills after
     its last contribution are left out (nothing was left to rejoin for)."""
-    learners: dict[str, str] = spec["learners"]
+    learners = run_slots(spec)
     fragments = len(spec["fragments"])
     sends = {lid: _send_times(store, lid, region, fragments) for lid, region in learners.items()}
     out = []

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from diloco.topology import run_slots
 from storage_layout.commit import CorruptVersion, patiently
 from storage_layout.store import RunStore
 
@@ -47,7 +48,7 @@ def learner_rounds(
     (default: the run spec's); ``after`` maps a learner to the last round already held
     (only newer ones are read). A row that cannot be read is skipped, logged and named
     in ``damaged``; an unreachable region is named there too."""
-    learners = learners if learners is not None else store.read_spec()["learners"]
+    learners = learners if learners is not None else run_slots(store.read_spec())
     out = History()
     for learner, region in learners.items():
         try:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from diloco.topology import run_slots
 from storage_layout.audit import OUTCOMES, AuditReport, decide_outcomes, sent_from_meta
 from storage_layout.bucket import Bucket, BucketError
 from storage_layout.commit import REVOKED, CorruptVersion, read_marker
@@ -62,7 +63,7 @@ class Run:
             return self.store.run_learners(self.spec, regions=self.reachable).regions
         except (OSError, ValueError) as exc:
             self.problems.append(f"cannot read the learners added to the run: {exc}")
-            return dict(self.spec.get("learners") or {})
+            return run_slots(self.spec)
 
     @property
     def fragments(self) -> int:

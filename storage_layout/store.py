@@ -41,7 +41,7 @@ from diloco.quantize import (
     piece_step,
     quantize,
 )
-from diloco.topology import learner_index, learner_region, run_deal
+from diloco.topology import learner_index, learner_region, run_deal, run_slots
 from storage_layout.auth import (
     SecretMismatch,
     record_verifies,
@@ -611,7 +611,7 @@ class RunStore:
         (learner -> its key, None where nothing is signed), signed with its learner's
         key. A record that is not is refused (``RunLearners.refused`` names its key and
         why), never taken: its learner's contributions are then a stranger's."""
-        dealt, deal = dict(spec.get("learners") or {}), run_deal(spec)
+        dealt, deal = run_slots(spec), run_deal(spec)
         found: dict[str, tuple[str, dict[str, Any]]] = {}
         refused: list[str] = []
         folder = self.layout.members_folder()

@@ -9,6 +9,7 @@ import pytest
 
 from diloco.config import load_config
 from diloco.simulate import simulate
+from diloco.topology import run_slots
 from flows.cli import main as cli_main
 from flows.run import simulation_store
 from storage_layout.audit import audit_run
@@ -54,7 +55,7 @@ def test_the_audit_still_accounts_for_what_retention_deleted(run):
     before = audit_run("r", run)
     spec = RunStore("r", run, "us").read_spec()
     store = RunStore("r", run, "us", writer="gc")
-    report = collect_garbage(store, len(spec["fragments"]), spec["learners"], window=1)
+    report = collect_garbage(store, len(spec["fragments"]), run_slots(spec), window=1)
     assert report.contributions_deleted > 0 and report.globals_deleted > 0
     after = audit_run("r", run)
     assert after.ok, dict(after.violations)
@@ -97,8 +98,8 @@ def test_a_contribution_nothing_accounts_for_is_lost(run):
     that skipped it) has no outcome: the audit names it."""
     store = RunStore("r", run, "us")
     spec = store.read_spec()
-    learner = next(iter(spec["learners"]))
-    region = spec["learners"][learner]
+    learner = next(iter(run_slots(spec)))
+    region = run_slots(spec)[learner]
     taken = set(store.contribution_seqs(learner, 0, region))
     cursor = store.global_marker(0, store.latest_global(0)).meta["cursor"][learner]
     seq = next(s for s in range(1, cursor) if s not in taken)  # used for another fragment
@@ -116,7 +117,7 @@ def test_contributions_under_a_learner_of_another_region_are_named(run):
     another region's learner, or an unknown one, was written by someone else."""
     store = RunStore("r", run, "us")
     spec = store.read_spec()
-    learner = next(lid for lid, region in spec["learners"].items() if region == "us")
+    learner = next(lid for lid, region in run_slots(spec).items() if region == "us")
     seq = store.contribution_seqs(learner, 0, "us")[-1]
     tensors, meta = store.get_contribution(learner, 0, seq, "us")
     eu = RunStore("r", run, "eu", writer="intruder")
@@ -173,7 +174,7 @@ def _damage_a_pending_contribution(run):
     learner, seq, the newest version of fragment 0)."""
     store = RunStore("r", run, "us", writer="syncer")
     spec = store.read_spec()
-    learner = next(lid for lid, region in spec["learners"].items() if region == "us")
+    learner = next(lid for lid, region in run_slots(spec).items() if region == "us")
     taken = store.contribution_seqs(learner, 0, "us")
     tensors, meta = store.get_contribution(learner, 0, taken[-1], "us")
     seq = spec["config"]["budget"]["tokens"]  # above every cursor; plausible enough here

@@ -16,6 +16,7 @@ import pytest
 from diloco.config import load_config
 from diloco.outer import Contribution
 from diloco.quantize import quantize
+from diloco.topology import run_slots
 from flows.bucket_io import BucketStore, contribution_meta
 from flows.launcher import authenticate
 from flows.run import build_model, initialize_run
@@ -257,11 +258,11 @@ def test_the_syncer_rejects_what_a_learner_did_not_sign_and_merges_what_it_did(
     cfg, regions, spec, model = auth_run
     secret = new_run_secret()
     learner0 = Keys.from_env("r", "learner-0", environ=child_env("r", "learner-0", secret))
-    real = BucketStore("r", regions, "us", spec["learners"], "bf16", "learner-0", keys=learner0)
+    real = BucketStore("r", regions, "us", run_slots(spec), "bf16", "learner-0", keys=learner0)
     for seq in (1, 2):
         real.put_contribution(_contribution(model, 0, "learner-0", seq, seq))
     # learner-1's prefix: one with no key, one signed by learner-0 (with its own key).
-    forger = RunStore("r", regions, spec["learners"]["learner-1"], writer="learner-1")
+    forger = RunStore("r", regions, run_slots(spec)["learner-1"], writer="learner-1")
     for seq, key in ((1, None), (2, learner0.signing_key("learner-0"))):
         f = _contribution(model, 0, "learner-1", seq, 10 + seq)
         forger.put_contribution("learner-1", 0, seq, f.payload, contribution_meta(f), key)
@@ -307,7 +308,7 @@ def test_the_syncer_rejects_what_a_learner_did_not_sign_and_merges_what_it_did(
 def test_without_the_run_secret_the_syncer_accepts_unsigned_contributions(auth_run):
     """No secret: as before (the syncer flow says once that nothing is authenticated)."""
     cfg, regions, spec, model = auth_run
-    writer = RunStore("r", regions, spec["learners"]["learner-1"], writer="learner-1")
+    writer = RunStore("r", regions, run_slots(spec)["learner-1"], writer="learner-1")
     c = _contribution(model, 0, "learner-1", 1, 0)
     writer.put_contribution("learner-1", 0, 1, c.payload, contribution_meta(c))
     syncer = SyncerRuntime("r", regions, "us", 0, 1, cfg.pipeline.model_dump())

@@ -16,6 +16,7 @@ import pytest
 from diloco import dataset
 from diloco.data import DataError
 from diloco.dataset import TokenReader, open_dataset, prepare
+from diloco.topology import run_slots
 from flows.cli import main
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -400,7 +401,7 @@ def test_diloco_train_on_prepared_tokens_learns_and_a_killed_learner_skips_and_r
             spec = store.read_spec()
         except (OSError, ValueError):
             return None
-        learners = spec["learners"]
+        learners = run_slots(spec)
         status = {lid: store.read_metrics(lid, reg) or {} for lid, reg in learners.items()}
         training = sorted(lid for lid, s in status.items() if s.get("state") == "training")
         budget = config_from_spec(spec).budget_steps
@@ -440,7 +441,7 @@ def test_diloco_train_on_prepared_tokens_learns_and_a_killed_learner_skips_and_r
     report = audit_run(run, regions)
     audit_units(report)
     assert report.ok, dict(report.violations)
-    assert sorted(report.data) == sorted(store.read_spec()["learners"]), report.data
+    assert sorted(report.data) == sorted(run_slots(store.read_spec())), report.data
     for learner, spans in report.data.items():
         assert len(spans) == 1 and spans[0][0] == 0, (learner, spans)
     assert sorted(report.units) == sorted(regions), report.units  # a pool per region

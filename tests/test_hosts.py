@@ -26,6 +26,7 @@ import pytest
 
 from diloco.config import load_config
 from diloco.quantize import dequantize
+from diloco.topology import run_slots
 from flows.hosts import run_group
 from flows.run import initialize_run
 from storage_layout.audit import audit_run
@@ -76,7 +77,7 @@ def _run(tmp_path: Path, name: str, fsdp: int = 1, units: str | None = None
     (tmp_path / name).mkdir()
     bucket = f"file://{tmp_path / name}"
     spec = initialize_run(RunStore(name, {"us": bucket}, "us", writer="launcher"), cfg)
-    (lid,) = spec["learners"]
+    (lid,) = run_slots(spec)
     return bucket, lid, cfg.pipeline.model_dump_json(), spec
 
 
@@ -248,7 +249,7 @@ def test_a_learner_of_two_processes_restarts_as_a_whole_when_one_is_killed(prefe
 
         def first_send():
             try:
-                (lid,) = store.read_spec()["learners"]
+                (lid,) = run_slots(store.read_spec())
             except (OSError, ValueError):
                 return None
             if not any(store.contribution_seqs(lid, p, "us") for p in range(2)):

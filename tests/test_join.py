@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from diloco.config import load_config
+from diloco.topology import run_slots
 from flows.cli import main as cli_main
 from flows.join import choose_slot, join, join_flow, slot_state
 from flows.run import initialize_run
@@ -97,7 +98,7 @@ def test_a_joiner_without_a_token_for_a_vacant_slot_is_refused_by_name(tmp_path,
         join(url, "closed", REGION, environ={RUN_SECRET_ENV: secret}, speed=float("nan"))
     monkeypatch.setenv(RUN_SECRET_ENV, secret)
     assert cli_main([*base, "--speed", "-1"]) == 2
-    for lid in spec["learners"]:
+    for lid in run_slots(spec):
         assert store.joins(lid) == [] and store.newest_generation(lid) == 0
 
 
@@ -135,14 +136,14 @@ def test_a_joiner_whose_run_trains_its_budget_while_it_warms_up_is_refused_and_t
     def run_ends_meanwhile(settings: dict) -> None:
         warmed.append(settings)
         state = store.get_global(0, 0)
-        spent = {lid: cfg.budget_steps for lid in spec["learners"]}
+        spent = {lid: cfg.budget_steps for lid in run_slots(spec)}
         store.publish_global(0, 1, state.params, state.opt_leaves,
                              {**state.meta, "version": 1, "progress": spent})  # fmt: skip
 
     with pytest.raises(JoinRefused, match="trained its budget while this joiner warmed up"):
         join(url, "ends", REGION, environ={RUN_SECRET_ENV: secret}, warm=run_ends_meanwhile)
     assert len(warmed) == 1
-    for lid in spec["learners"]:
+    for lid in run_slots(spec):
         assert store.joins(lid) == [] and store.newest_generation(lid) == 0
     # and one that comes now is refused before it warms up
     with pytest.raises(JoinRefused, match=r"has trained its budget \("):
@@ -200,7 +201,7 @@ def test_a_joiner_whose_data_is_not_the_runs_is_refused_by_name(tmp_path):
                        r"not the data the run started on \(sha256 [0-9a-f]{12}\.\.\., the "
                        r"run's [0-9a-f]{12}\.\.\.\)"):  # fmt: skip
         join(url, "data", REGION, environ={RUN_SECRET_ENV: secret}, warm=warmed.append)
-    assert warmed == [] and all(store.joins(lid) == [] for lid in spec["learners"])
+    assert warmed == [] and all(store.joins(lid) == [] for lid in run_slots(spec))
     with pytest.raises(DataError, match=r"run 'data': the data at .*text is not the data"):
         initialize_run(store, cfg)
     # a spec written before it recorded its data: resumed, and held to no data
@@ -221,7 +222,7 @@ def test_a_joiner_refused_in_its_region_is_told_where_else_the_run_has_slots(tmp
     cfg = load_config("tiny", overrides=["budget.tokens=20000", "topology.learners=2",
                                          "data.assign=slots"])  # fmt: skip
     spec = initialize_run(RunStore("two", regions, "us-east", writer="launcher"), cfg)
-    assert spec["learners"] == {"learner-0": "us-east", "learner-1": "eu-west"}
+    assert run_slots(spec) == {"learner-0": "us-east", "learner-1": "eu-west"}
     eu = RunStore("two", {"eu-west": regions["eu-west"]}, "eu-west", writer="learner-1")
     eu.write_metrics("learner-1", {"state": "training", "time": time.time(), "step": 3})
     with pytest.raises(JoinRefused) as refused:
@@ -250,10 +251,11 @@ def test_a_joiner_adds_a_learner_in_a_region_the_run_started_none_in(tmp_path):
         cfg = load_config("tiny", overrides=["budget.tokens=20000", "topology.learners=1", *sets])
         spec = initialize_run(store, cfg)
         store.check_secret(env[RUN_SECRET_ENV], "the test")
-        assert spec["learners"] == {"learner-0": "us-east"}
+        assert run_slots(spec) == {"learner-0": "us-east"}
         return spec
 
-    assert start("one", "data.assign=units")["deal"] == ["us-east", "eu-west"]
+    first = start("one", "data.assign=units")
+    assert first["deal"] == ["us-east", "eu-west"] and "learners" not in first  # counted
     worker, _ = join(regions["eu-west"], "one", "eu-west", environ=env)
     assert worker.params["index"] == 1
     eu = RunStore("one", {"eu-west": regions["eu-west"]}, "eu-west")
@@ -262,12 +264,18 @@ def test_a_joiner_adds_a_learner_in_a_region_the_run_started_none_in(tmp_path):
                                                        "learner-1": "eu-west"}  # fmt: skip
     start("slots", "data.assign=slots")
     spec_file = tmp_path / "us" / "old" / "spec.json"
-    old = {k: v for k, v in start("old", "data.assign=units").items() if k != "deal"}
-    for folder in ("us", "eu"):  # a spec of a run started before the deal was recorded
-        (tmp_path / folder / "old" / "spec.json").write_text(json.dumps(old))
-    assert json.loads(spec_file.read_text()).get("deal") is None
-    assert "deal" not in start("old", "data.assign=units")  # `diloco train` resumes it as it was
-    assert json.loads(spec_file.read_text()) == old
+    # Specs written by older code: one that listed its slots and recorded its deal, and one
+    # from before the deal was recorded. `diloco train` resumes each as it was written.
+    for run, drop in (("listed", ()), ("old", ("deal",))):
+        written = {k: v for k, v in start(run, "data.assign=units").items() if k not in drop}
+        written["learners"] = {"learner-0": "us-east"}
+        for folder in ("us", "eu"):
+            (tmp_path / folder / run / "spec.json").write_text(json.dumps(written))
+        resumed = start(run, "data.assign=units")
+        assert resumed["learners"] == written["learners"] and ("deal" in resumed) == (not drop)
+        assert json.loads((tmp_path / "us" / run / "spec.json").read_text()) == written
+    old = json.loads(spec_file.read_text())
+    assert old.get("deal") is None
     for run in ("slots", "old"):
         with pytest.raises(JoinRefused) as refused:
             join(regions["eu-west"], run, "eu-west", environ=env)
@@ -283,6 +291,12 @@ def test_a_joiner_adds_a_learner_in_a_region_the_run_started_none_in(tmp_path):
         (tmp_path / "eu" / "old" / "spec.json").write_text(json.dumps(bad))
         with pytest.raises(JoinRefused, match="run 'old' cannot be joined: the run spec's"):
             join(regions["eu-west"], "old", "eu-west", environ=env)
+    counted = json.loads((tmp_path / "us" / "one" / "spec.json").read_text())
+    assert run_slots(counted) == {"learner-0": "us-east"}
+    for count in (0, "1", None, True):  # a spec that counts its slots, damaged: named
+        counted["config"]["topology"]["learners"] = count
+        with pytest.raises(ValueError, match=r"config.topology.learners .* give the run no"):
+            run_slots(counted)
 
 
 def test_a_ctrl_c_while_a_joiner_warms_up_is_not_lost_and_it_takes_no_slot(
@@ -323,7 +337,7 @@ def test_a_ctrl_c_while_a_joiner_warms_up_is_not_lost_and_it_takes_no_slot(
         said = capsys.readouterr().out
         assert "Ctrl-C: this joiner leaves before it takes a slot" in said
         assert "having written nothing" in said
-        for lid in spec["learners"]:
+        for lid in run_slots(spec):
             assert store.joins(lid) == [] and store.newest_generation(lid) == 0
         assert signal.getsignal(signal.SIGINT) == before  # put back
     # one noted before (`diloco join` notes them from its start, JAX's import included):
@@ -544,7 +558,7 @@ def test_a_joiner_that_finds_no_slot_vacant_adds_one_to_a_run_taking_its_data_in
              "model.vocab_size=512")  # fmt: skip
     url, _, store, spec, secret = _run(tmp_path, "grow", 20_000, *units)
     now = time.time()
-    for lid in spec["learners"]:
+    for lid in run_slots(spec):
         writer = RunStore("grow", {REGION: url}, REGION, writer=lid)
         writer.write_metrics(lid, {"state": "training", "time": now, "step": 3})
     env = {RUN_SECRET_ENV: secret}
@@ -556,7 +570,7 @@ def test_a_joiner_that_finds_no_slot_vacant_adds_one_to_a_run_taking_its_data_in
     assert record_verifies(record, learner_key(secret, "grow", "learner-2"))
     (joined,) = store.joins("learner-2")
     assert joined["took"] == "added to the run (no slot was vacant)"
-    assert store.run_learners(spec).regions == {**spec["learners"], "learner-2": REGION}
+    assert store.run_learners(spec).regions == {**run_slots(spec), "learner-2": REGION}
     assert "joining" in slot_state(store, "learner-2", REGION, 600).why
     worker, _ = join(url, "grow", REGION, environ=env)
     assert worker.writer == "learner-3"
@@ -568,7 +582,7 @@ def test_a_joiner_that_finds_no_slot_vacant_adds_one_to_a_run_taking_its_data_in
     assert sorted(p.name for p in members.iterdir()) == [f"learner-{i}.json" for i in (2, 3, 4)]
     # a run whose data is dealt to its slots cannot give an added one any
     url2, _, _, spec2, secret2 = _run(tmp_path / "dealt", "dealt", 20_000, "data.assign=slots")
-    for lid in spec2["learners"]:
+    for lid in run_slots(spec2):
         RunStore("dealt", {REGION: url2}, REGION, writer=lid).write_metrics(
             lid, {"state": "training", "time": now, "step": 3})  # fmt: skip
     with pytest.raises(JoinRefused, match=re.escape("(data.assign = 'slots') adds none")):
@@ -641,7 +655,7 @@ def test_a_joiner_stopped_with_ctrl_c_leaves_the_run_as_a_preempted_learner(tmp_
             "--pipeline", json.dumps({"poll_seconds": 0.05, "preempt_seconds": 60})]  # fmt: skip
     lid, text = told_to_leave(
         argv, {**child_env(), RUN_SECRET_ENV: secret}, tmp_path / "join.log",
-        lambda: next((lid for lid in spec["learners"] if _sent(store, lid)), None),
+        lambda: next((lid for lid in run_slots(spec) if _sent(store, lid)), None),
         lambda proc: proc.send_signal(signal.SIGINT),
     )  # fmt: skip
     assert "Ctrl-C: the learner sends what it trained, checkpoints and leaves" in text

@@ -27,6 +27,7 @@ from prefect.artifacts import create_progress_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from diloco.config import load_config
+from diloco.topology import run_slots
 from flows import run_lock
 from flows.launcher import _watch
 from flows.monitor import Monitor
@@ -478,7 +479,7 @@ def test_a_syncer_is_called_stalled_only_while_the_learners_train_past_its_versi
     cfg = load_config("tiny", overrides=["budget.tokens=20000", "pipeline.stall_seconds=0.01",
                                          "pipeline.syncer_shards=2"])  # fmt: skip
     monitor = Monitor(store, cfg, store.read_spec())
-    learners = list(store.read_spec()["learners"])
+    learners = list(run_slots(store.read_spec()))
 
     def steps(n: int, state: str = "training") -> dict:
         return {lid: {"step": n, "state": state} for lid in learners}
@@ -558,7 +559,7 @@ def test_the_monitor_reads_the_members_at_most_every_few_seconds_and_at_the_end(
     listed = store.run_learners
     store.run_learners = lambda *a, **k: reads.append(now[0]) or listed(*a, **k)
     monitor = Monitor(store, cfg, store.read_spec(), clock=lambda: now[0])  # (reads them)
-    spec_learners = set(store.read_spec()["learners"])
+    spec_learners = set(run_slots(store.read_spec()))
     added = f"learner-{len(spec_learners)}"  # the id us-east adds first
     assert set(monitor.statuses()) == spec_learners
     assert store.put_member(added, {"learner": added, "region": "us-east"}, None)
@@ -584,7 +585,7 @@ def test_the_summary_counts_the_time_of_learners_that_joined_beside_those_it_sta
     store = _lock_run(tmp_path, "joined")
     cfg = load_config("tiny", overrides=["budget.tokens=20000", "pipeline.learners_started=2"])
     spec = store.read_spec()
-    region = spec["learners"]["learner-3"]
+    region = run_slots(spec)["learner-3"]
 
     def report(lid: str, where: str, startup: float, train: float) -> None:
         writer = RunStore("joined", store.urls, where, writer=lid)  # a process of its own
@@ -597,7 +598,7 @@ def test_the_summary_counts_the_time_of_learners_that_joined_beside_those_it_sta
     added = "learner-4"  # the id us-east adds first
     assert store.put_member(added, {"learner": added, "region": "us-east"}, None)
     monitor.learners(fresh=True)
-    report("learner-0", spec["learners"]["learner-0"], 4.0, 60.0)  # started by the launcher
+    report("learner-0", run_slots(spec)["learner-0"], 4.0, 60.0)  # started by the launcher
     report("learner-3", region, 2.0, 6.0)  # joined the vacant slot again: 8 s in this launch
     report(added, "us-east", 1.0, 4.0)  # added a slot: 5 s
     statuses = monitor.statuses()

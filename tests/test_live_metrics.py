@@ -20,6 +20,7 @@ import pytest
 from rich.console import Console
 
 from diloco.config import load_config
+from diloco.topology import run_slots
 from flows.display import Display, LiveDisplay, current, open_display
 from flows.metrics import LiveMetrics
 from storage_layout.history import global_versions, learner_rounds, read_history
@@ -173,7 +174,7 @@ def test_the_round_history_survives_a_killed_learner(tmp_path):
     regions = _regions(tmp_path)
     home = RunStore("killed", regions, "us", writer="launcher")
     spec = initialize_run(home, cfg)
-    lid, region = next(iter(spec["learners"].items()))
+    lid, region = next(iter(run_slots(spec).items()))
     store = RunStore("killed", regions, region)
     total_rounds = -(-cfg.steps_per_learner // pipeline["round_steps"])
     argv = [sys.executable, "-c", DRIVER, "killed", regions[region], region, lid,
@@ -204,7 +205,7 @@ def test_the_round_history_survives_a_killed_learner(tmp_path):
 
     after = read_history(store)  # every learner's rounds, every fragment's versions
     rows = after.rounds[lid]
-    assert set(after.rounds) == set(spec["learners"]) and len(after.versions) == 2
+    assert set(after.rounds) == set(run_slots(spec)) and len(after.versions) == 2
     assert after.damaged == []
     assert [row["round"] for row in rows] == list(range(1, total_rounds + 1))
     assert rows[: len(before)] == before  # nothing lost, nothing overwritten

@@ -20,7 +20,7 @@ from diloco.loops import STEP, LearnerLoop, Wait, WallClock, drive
 from diloco.outer import Contribution
 from diloco.quantize import quantize
 from diloco.simulate import Scheduler, VirtualClock, simulate
-from diloco.topology import home_region, learner_ids, shard_count, shard_of
+from diloco.topology import home_region, learner_ids, run_slots, shard_count, shard_of
 from diloco.transport import SimulatedNetwork, StoreLearnerView
 from flows.bucket_io import SEQ_BLOCK
 from flows.learner import BackgroundIO, Fenced, LearnerRuntime, train_round
@@ -74,7 +74,7 @@ def run_pipeline_runtimes(run: str, regions: dict[str, str], cfg) -> None:
     syncers = [SyncerRuntime(run, regions, home_region(regions), s, shards, pipeline,
                              clock=clock, transport=net) for s in range(shards)]  # fmt: skip
     learners = [
-        LearnerRuntime(run, regions[spec["learners"][lid]], spec["learners"][lid], lid,
+        LearnerRuntime(run, regions[run_slots(spec)[lid]], run_slots(spec)[lid], lid,
                        pipeline, clock=clock, io=lambda view, lid=lid: net.learner_view(lid))
         for lid in ids
     ]  # fmt: skip
@@ -142,7 +142,7 @@ def tiny_run(tmp_path):
 
 
 def _learner(cfg, regions, spec, model, clock):
-    store = bucket_store("r", regions, spec, cfg, "learner-0", home=spec["learners"]["learner-0"])
+    store = bucket_store("r", regions, spec, cfg, "learner-0", home=run_slots(spec)["learner-0"])
     view = StoreLearnerView(store, "learner-0")
     loop, source = LearnerLoop.start("learner-0", model.trainer, model.plan, reader(cfg, 0),
                                      cfg, view, clock)  # fmt: skip
@@ -208,7 +208,7 @@ def test_a_preempted_learner_runtime_stops_after_its_step_and_leaves_within_its_
 
     _, regions, spec, model = tiny_run
     lid = "learner-0"
-    region = spec["learners"][lid]
+    region = run_slots(spec)[lid]
     pipeline = {"round_steps": 20, "preempt_seconds": 60}
 
     class NoticeAt(WallClock):  # the notice comes at the run's own step 7

@@ -19,6 +19,7 @@ import pytest
 
 from diloco.config import load_config
 from diloco.simulate import simulate
+from diloco.topology import run_slots
 from flows.run import simulation_store
 from storage_layout import report
 from storage_layout.notebook import execute, inject
@@ -106,7 +107,7 @@ def with_status(tiny_run, tmp_path_factory):
         shutil.copytree(url.removeprefix("file://"), root / "buckets" / region)
         copy[region] = str(root / "buckets" / region)
     spec = RunStore("r", copy, "us").read_spec()
-    for lid, region in spec["learners"].items():
+    for lid, region in run_slots(spec).items():
         store = RunStore("r", {region: copy[region]}, region, writer=lid)
         store.read_spec()  # a real request: counted as traffic inside the region
         store.write_metrics(lid, {"state": "done", "step": 20, "total_steps": 20,

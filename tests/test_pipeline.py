@@ -36,7 +36,7 @@ from diloco.config import load_config
 from diloco.outer import Contribution
 from diloco.quantize import quantize
 from diloco.tensors import materialize
-from diloco.topology import learner_index
+from diloco.topology import learner_index, run_slots
 from diloco.transport import StoreLearnerView
 from flows import bucket_io, workers
 from flows.bucket_io import SEQ_BLOCK, contribution_meta
@@ -120,7 +120,7 @@ def test_two_region_run_on_s3_and_gcs(prefect_api, s3_server, gcs_server, tmp_pa
 
     store = RunStore(run, regions, "us-east")
     labels = {lid: f"learner {reg}/{learner_index(lid)}"
-              for lid, reg in store.read_spec()["learners"].items()}  # fmt: skip
+              for lid, reg in run_slots(store.read_spec()).items()}  # fmt: skip
     rounds = learner_rounds(store).rounds
     busiest = max(rounds, key=lambda lid: len(rounds[lid]))
     with get_client(sync_client=True) as client:
@@ -224,7 +224,7 @@ def test_chaos_over_s3_and_gcs_ends_with_a_clean_audit(prefect_api, s3_server, g
     # What the driver did happened to the workers: the killed ones started again, the
     # paused one was resumed.
     actions = {a["action"]: a for a in read_actions(tmp_path / "chaos.jsonl")}
-    learners = RunStore(run, regions, "us-east").read_spec()["learners"]
+    learners = run_slots(RunStore(run, regions, "us-east").read_spec())
     killed = actions["kill_learner"]["worker"]
     name = f"learner-{learners[killed]}-{killed.removeprefix('learner-')}"
     log = (tmp_path / "logs" / f"{name}.log").read_text()
@@ -324,7 +324,7 @@ def faulty_run(prefect_api, tmp_path_factory):
             spec = store.read_spec()
         except (OSError, ValueError):
             return None
-        learners = spec["learners"]
+        learners = run_slots(spec)
         status = {lid: store.read_metrics(lid, reg) or {} for lid, reg in learners.items()}
         return learners, status, config_from_spec(spec).budget_steps
 
@@ -446,7 +446,7 @@ def test_killed_learner_is_retried_and_rejoins_from_its_checkpoint(faulty_run):
     spec = store.read_spec()
     cfg = config_from_spec(spec)
     final = {
-        lid: (store.read_metrics(lid, reg) or {})["step"] for lid, reg in spec["learners"].items()
+        lid: (store.read_metrics(lid, reg) or {})["step"] for lid, reg in run_slots(spec).items()
     }
     training = {k: step for k, (state, step) in events["others_at_kill"].items()
                 if state == "training"}  # fmt: skip
@@ -479,7 +479,7 @@ def test_the_killed_learners_history_and_its_curves_hold_every_round_once(faulty
     store = RunStore(run, regions, "us-east")
     history = learner_rounds(store)
     assert history.damaged == []
-    assert set(history.rounds) == set(store.read_spec()["learners"])
+    assert set(history.rounds) == set(run_slots(store.read_spec()))
     for lid, rows in history.rounds.items():
         assert [r["round"] for r in rows] == list(range(1, len(rows) + 1)), lid
     cfg = config_from_spec(store.read_spec())
@@ -516,7 +516,7 @@ def test_killed_syncer_restarts_without_losing_or_double_counting(faulty_run):
         consumed = [tuple(k) for m in metas for k in m["consumed"]]
         assert len(consumed) == len(set(consumed)), "a contribution was merged twice"
         final_cursor = metas[-1]["cursor"]
-        for learner, region in spec["learners"].items():
+        for learner, region in run_slots(spec).items():
             bucket = store.bucket(region)
             by_base: dict[int, list[int]] = {}
             for seq in store.contribution_seqs(learner, p, region):
@@ -554,7 +554,7 @@ def _local_run(tmp_path: Path, run: str, only_region: str | None = None):
     model = build_model(cfg)
     rng = np.random.default_rng(0)
     sent = []
-    for lid, reg in store.read_spec()["learners"].items():
+    for lid, reg in run_slots(store.read_spec()).items():
         if only_region in (None, reg):
             writer = RunStore(run, regions, reg, writer=lid)
             c = _contribution(model, 0, lid, 1, rng)
@@ -604,7 +604,7 @@ def test_a_syncer_looks_at_a_learners_sends_at_the_pace_they_come(tmp_path):
     send(5)
     assert look(400.0, 4) == [5]
     send(6)
-    for other, region in RunStore("pace", regions, "us-east").read_spec()["learners"].items():
+    for other, region in run_slots(RunStore("pace", regions, "us-east").read_spec()).items():
         RunStore("pace", regions, region, writer=other).write_metrics(
             other, {"state": "done", "budget_tokens": 10**12})  # fmt: skip
     assert transport.learners_finished() and look(400.2, 5) == [6]
@@ -733,10 +733,10 @@ def test_progress_and_the_curve_never_go_back_and_a_resume_keeps_the_first_loss(
     syncer = SyncerRuntime("mono", regions, "us-east", 0, 2, cfg.pipeline.model_dump())
     syncer.poll()
     assert syncer.merge_and_publish(0)["version"] == 1
-    set_back = {lid: {"step": 0} for lid in spec["learners"]}  # every learner restarted
+    set_back = {lid: {"step": 0} for lid in run_slots(spec)}  # every learner restarted
     point = monitor.evaluate(set_back)
     assert point["versions"][0] == 1 and point["tokens"] > start["tokens"]
-    lid, total = next(iter(spec["learners"])), monitor.total_steps
+    lid, total = next(iter(run_slots(spec))), monitor.total_steps
     before = monitor.progress({lid: {"step": total // 2}})
     assert before > 0 and monitor.progress({lid: {"step": total // 5}}) == before  # it holds
     assert monitor.progress({lid: {"step": total}}) > before
@@ -754,7 +754,7 @@ def test_start_up_says_what_each_learner_is_doing(tmp_path):
 
     cfg, regions, _, _ = _local_run(tmp_path, "phases")
     store = RunStore("phases", regions, "us-east")
-    lid, region = next(iter(store.read_spec()["learners"].items()))
+    lid, region = next(iter(run_slots(store.read_spec()).items()))
     writer = RunStore("phases", {region: regions[region]}, region, writer=lid)
     writer.write_metrics(
         lid,
@@ -891,7 +891,7 @@ def test_a_learner_worker_told_it_is_preempted_sends_checkpoints_and_leaves(
     (tmp_path / "us").mkdir()
     store = RunStore("pre", regions, "us-east")
     spec = initialize_run(store, cfg)
-    lid = next(iter(spec["learners"]))
+    lid = next(iter(run_slots(spec)))
     with contextlib.ExitStack() as stack:
         notice = None
         if told_by == "aws notice":
@@ -937,7 +937,7 @@ def test_a_worker_stopped_by_the_launcher_checkpoints_and_its_flow_run_ends_canc
     regions = {"us-east": f"file://{tmp_path / 'us'}"}
     (tmp_path / "us").mkdir()
     store = RunStore("stop", regions, "us-east")
-    lid = next(iter(initialize_run(store, cfg)["learners"]))
+    lid = next(iter(run_slots(initialize_run(store, cfg))))
     argv = workers.learner("stop", regions["us-east"], "us-east", 0, cfg).argv()
 
     def sent() -> bool:
@@ -967,7 +967,7 @@ def test_the_syncers_members_follow_the_learners_statuses(tmp_path, caplog, monk
     transport.clock = lambda: now[0]
     spec = RunStore("members", regions, "us-east").read_spec()
     writers = {
-        lid: RunStore("members", regions, r, writer=lid) for lid, r in spec["learners"].items()
+        lid: RunStore("members", regions, r, writer=lid) for lid, r in run_slots(spec).items()
     }
 
     def status(lid: str, state: str) -> None:
@@ -977,7 +977,7 @@ def test_the_syncers_members_follow_the_learners_statuses(tmp_path, caplog, monk
         now[0] += after
         return transport.members()
 
-    everyone = sorted(spec["learners"])
+    everyone = sorted(run_slots(spec))
     for lid in everyone:
         status(lid, "training")
     assert sorted(look(0)) == everyone
@@ -1283,7 +1283,7 @@ def test_a_far_future_sequence_number_is_rejected_and_disables_nothing(tmp_path)
     """A marker whose seq no learner can reach (at most one send per inner step) is
     rejected by name; the learner's real contributions below it still merge."""
     cfg, regions, model, sent = _local_run(tmp_path, "future")
-    spec_learners = RunStore("future", regions, "us-east").read_spec()["learners"]
+    spec_learners = run_slots(RunStore("future", regions, "us-east").read_spec())
     lid, region = "learner-0", spec_learners["learner-0"]
     writer = RunStore("future", regions, region, writer=lid)
     rng = np.random.default_rng(5)
@@ -1313,7 +1313,7 @@ def test_a_learner_resumed_on_a_stale_listing_never_reuses_a_sequence_number(tmp
     cfg, regions, model, _ = _local_run(tmp_path, "stale", only_region="nowhere")
     spec = RunStore("stale", regions, "us-east").read_spec()
     lid = "learner-0"
-    region, rng = spec["learners"][lid], np.random.default_rng(3)
+    region, rng = run_slots(spec)[lid], np.random.default_rng(3)
     old = bucket_store("stale", regions, spec, cfg, lid, home=region)
     assert old.sent_so_far(lid) == (0, 0)
     for seq in range(1, 20):  # to fragments 1 and 0 in turn; step = seq
@@ -1392,7 +1392,7 @@ def test_a_resume_keeps_the_runs_budget_and_a_larger_one_extends_it(prefect_api,
     regions = {r: f"file://{tmp_path / 'r' / 'buckets' / r}" for r in ("us-east", "eu-west")}
     store = RunStore("r", regions, "us-east")
     spec = store.read_spec()
-    steps = {lid: store.read_metrics(lid, reg)["step"] for lid, reg in spec["learners"].items()}
+    steps = {lid: store.read_metrics(lid, reg)["step"] for lid, reg in run_slots(spec).items()}
     # Learners sharing a budget stop once the versions they hold say it is spent, so fast
     # ones overshoot it by what they train in a round trip: the extension is set above
     # what the first run did, however far that went on this machine.
@@ -1406,7 +1406,7 @@ def test_a_resume_keeps_the_runs_budget_and_a_larger_one_extends_it(prefect_api,
         assert raw["config"]["budget"]["tokens"] == 20_000
     cfg = config_from_spec(store.read_spec())
     after = {}
-    for lid, reg in spec["learners"].items():
+    for lid, reg in run_slots(spec).items():
         status = store.read_metrics(lid, reg)
         assert status["state"] == "done" and status["budget_tokens"] == tokens, status
         after[lid] = status["step"]
@@ -1468,7 +1468,7 @@ def test_syncers_collect_what_no_learner_needs_and_gc_does_it_by_hand(tmp_path, 
     cfg, regions, model, _sent = _local_run(tmp_path, "gc")
     rng = np.random.default_rng(1)
     store = RunStore("gc", regions, "us-east")
-    for lid, reg in store.read_spec()["learners"].items():
+    for lid, reg in run_slots(store.read_spec()).items():
         for seq in (2, 3):  # newer sends from the same anchor
             c = _contribution(model, 0, lid, seq, rng)
             RunStore("gc", regions, reg, writer=lid).put_contribution(
@@ -1494,7 +1494,7 @@ def test_syncers_collect_what_no_learner_needs_and_gc_does_it_by_hand(tmp_path, 
     assert len(syncer.loop.syncers[0].superseded) == 8
     assert syncer.merge_and_publish(0)["merged"] == 4
     syncer.loop.transport.tend()  # what the loop does after every look
-    for lid, reg in store.read_spec()["learners"].items():
+    for lid, reg in run_slots(store.read_spec()).items():
         assert store.contribution_seqs(lid, 0, reg) == [3], lid
     # Abandoned over an hour ago: collected as the syncer goes; in flight: kept.
     assert not [p for p in stale if p.exists()] and young.exists()

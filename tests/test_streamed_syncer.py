@@ -20,6 +20,7 @@ from diloco.loops import Unreadable
 from diloco.quantize import quantize
 from diloco.syncer import FragmentSyncer
 from diloco.tensors import materialize
+from diloco.topology import run_slots
 from flows.bucket_io import BucketStore
 from storage_layout.store import RunStore
 
@@ -51,7 +52,7 @@ def _run(root: Path, shapes) -> dict[str, str]:
     store.publish_global(0, 0, _values(shapes, 0), [np.zeros(s, np.float32) for _, s in
                          sorted(shapes.items())], {"cursor": {}}, "bf16")  # fmt: skip
     for i, learner in enumerate(["a", "b"]):
-        mine = RunStore("r", regions, spec["learners"][learner], writer=learner)
+        mine = RunStore("r", regions, run_slots(spec)[learner], writer=learner)
         payload = {n: quantize(v, "int4") for n, v in _values(shapes, 10 + i, 0.01).items()}
         meta = {"base_version": 0, "anchor_seq": 0, "step": 10, "tokens": 1000 + i,
                 "steps": 10, "seconds": 1.0}  # fmt: skip

@@ -12,6 +12,7 @@ import pytest
 
 from diloco.config import load_config
 from diloco.dataset import open_dataset, prepare
+from diloco.topology import run_slots
 from diloco.units import MemoryLedger, Span, UnitPlan, UnitReader, cut, pool_unit
 from tests.test_dataset import STDLIB
 
@@ -153,7 +154,7 @@ def test_a_simulated_run_whose_learners_come_and_go_trains_each_window_once(
         from storage_layout.audit import audit_run
 
         spec = RunStore("u", regions, "us").read_spec()
-        learners = spec["learners"]
+        learners = run_slots(spec)
         assert set(learners.values()) == {"us", "eu"}
         for lid, spans in result.summary["data_spans"].items():
             r = learners[lid]
@@ -363,7 +364,7 @@ def test_a_run_grows_into_a_region_it_started_no_learner_in(prepared, tmp_path):
         prepared, tmp_path, "e", "topology.learners=1", "topology.quorum=1",
         'sim.joins=[{"learner": 1, "at": 0.3}]')  # fmt: skip
     spec = RunStore("e", regions, "us").read_spec()
-    assert spec["learners"] == {"learner-0": "us"} and spec["deal"] == ["us", "eu"]
+    assert run_slots(spec) == {"learner-0": "us"} and spec["deal"] == ["us", "eu"]
     assert region_pools(spec) == {"eu": (0, 2), "us": (1, 2)}
     record = json.loads((tmp_path / "eu" / "e" / "members" / "learner-1.json").read_text())
     assert (record["learner"], record["region"]) == ("learner-1", "eu")
@@ -467,7 +468,7 @@ def _worker_run(prepared, tmp_path, run):
     (tmp_path / "us").mkdir()
     store = RunStore(run, regions, "us-east")
     spec = initialize_run(store, cfg)
-    return cfg, regions, store, spec, next(iter(spec["learners"]))
+    return cfg, regions, store, spec, next(iter(run_slots(spec)))
 
 
 @pytest.mark.parametrize("data", ["prepared", "text"])
@@ -488,13 +489,13 @@ def test_a_learner_worker_takes_units_from_its_regions_bucket_and_gives_back_as_
     preempted_worker(store, cfg, lid, tmp_path / "learner.log")
     step = store.read_metrics(lid)["step"]
     plan = unit_plan(cfg)
-    ledger = region_ledger(store, plan, spec["learners"], "us-east", pools=region_pools(spec))
+    ledger = region_ledger(store, plan, run_slots(spec), "us-east", pools=region_pools(spec))
     held = ledger.spans(lid)
     assert held and sum(s.windows for s in held) == step * cfg.data.batch_size, (held, step)
     back = ledger.given_back()
     assert back, "the rest of its unit was not given back"
     assert _covered(back).keys().isdisjoint(_covered(held).keys())
-    other = next(x for x in spec["learners"] if x != lid)
+    other = next(x for x in run_slots(spec) if x != lid)
     assert ledger.take(other) == back[0]  # the next learner of the region takes it first
     assert ledger.orphans() == []
 
@@ -599,7 +600,7 @@ def test_a_silent_learner_is_fenced_and_its_data_given_back_by_the_syncers(
 
     cfg, regions, store, spec, lid = _worker_run(prepared, tmp_path, "si")
     plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
-    ledger = region_ledger(store, plan, spec["learners"], "us-east", pools=region_pools(spec))
+    ledger = region_ledger(store, plan, run_slots(spec), "us-east", pools=region_pools(spec))
     syncer_store = bucket_store("si", regions, spec, cfg, "syncer-0", home="us-east")
     batch = cfg.data.batch_size
 
@@ -654,7 +655,7 @@ def test_a_silent_learner_is_fenced_and_its_data_given_back_by_the_syncers(
         now[0] = 30.0
         transport.members()  # silent still: nothing more to do
         assert store.newest_generation(lid) == generation + 1
-        other = next(x for x in spec["learners"] if x != lid)
+        other = next(x for x in run_slots(spec) if x != lid)
         assert store.newest_generation(other) == 0  # never started: not fenced, vacant
         sent = {p: store.contribution_seqs(lid, p, "us-east") for p in range(2)}
         proc.send_signal(signal.SIGCONT)
@@ -723,7 +724,7 @@ def test_a_syncer_admits_an_added_learner_within_a_second_and_reads_statuses_eve
         now[0] = t
         return transport.members()
 
-    assert look(0.0) == list(spec["learners"]) and lists == [0.0] and statuses
+    assert look(0.0) == list(run_slots(spec)) and lists == [0.0] and statuses
     whole = len(statuses)  # the statuses one whole look reads
     added = "learner-2"
     assert store.put_member(added, {"learner": added, "region": "us-east"}, None)
@@ -747,7 +748,7 @@ def test_only_a_learner_silent_as_it_trained_is_fenced(prepared, tmp_path):
     cfg, regions, store, spec, lid = _worker_run(prepared, tmp_path, "gate")
     plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
     store.claim_generation(lid)  # it started ...
-    region_ledger(store, plan, spec["learners"], "us-east", pools=region_pools(spec)).take(
+    region_ledger(store, plan, run_slots(spec), "us-east", pools=region_pools(spec)).take(
         lid
     )  # ... and took data
     look = _syncer_looks("gate", regions, spec, cfg, plan, grace=0.0)
@@ -758,7 +759,7 @@ def test_only_a_learner_silent_as_it_trained_is_fenced(prepared, tmp_path):
         fenced = store.newest_generation(lid) == 2
         assert fenced == (state == "training"), state
     assert (
-        region_ledger(store, plan, spec["learners"], "us-east", pools=region_pools(spec)).spans(lid)
+        region_ledger(store, plan, run_slots(spec), "us-east", pools=region_pools(spec)).spans(lid)
         == []
     )
 
@@ -779,7 +780,7 @@ def test_a_release_never_gives_a_span_back_twice_nor_misses_a_take_under_way(pre
 
     def ledger(writer):  # a new process's view
         return region_ledger(RunStore("rel", regions, "us-east", writer=writer), plan,
-                             spec["learners"], "us-east", pools=region_pools(spec))  # fmt: skip
+                             run_slots(spec), "us-east", pools=region_pools(spec))  # fmt: skip
 
     def first(view, act):  # ``act`` runs once, just before ``view`` writes a record
         put, todo = view.store.home.put_exclusive, [act]
@@ -807,7 +808,7 @@ def test_a_release_never_gives_a_span_back_twice_nor_misses_a_take_under_way(pre
     assert len(store.unit_records(lid)) == 5  # three takes, two releases
 
     # A fence whose syncer died before releasing: another syncer releases it.
-    other = next(x for x in spec["learners"] if x != lid)
+    other = next(x for x in run_slots(spec) if x != lid)
     store.claim_generation(other)
     learner.take(other)
     store.write_metrics(other, {"state": "training", "time": 0, "step": 0})
@@ -843,7 +844,7 @@ def test_a_send_under_way_in_a_fenced_learner_lands_nowhere_once_its_data_is_giv
     learner = bucket_store("fly", regions, spec, cfg, lid, home="us-east")  # its process
     learner.claim_generation(lid)
     learner.sent_so_far(lid)  # reserves its first block of seqs
-    ledger = region_ledger(learner.writer_for(lid), plan, spec["learners"], "us-east",
+    ledger = region_ledger(learner.writer_for(lid), plan, run_slots(spec), "us-east",
                            pools=region_pools(spec))  # fmt: skip
     held = [ledger.take(lid), ledger.take(lid)]
     store.write_metrics(lid, {"state": "training", "time": 0, "step": 0})
@@ -872,13 +873,13 @@ def test_a_send_under_way_in_a_fenced_learner_lands_nowhere_once_its_data_is_giv
         store.contribution_head(lid, 0, first + 1, "us-east")
     batch = cfg.data.batch_size
     back = cut(held, resume_step(0, 2) * batch)[1]
-    again = region_ledger(store, plan, spec["learners"], "us-east", pools=region_pools(spec))
+    again = region_ledger(store, plan, run_slots(spec), "us-east", pools=region_pools(spec))
     assert again.given_back() == back  # from the step of what was committed, no later
     syncer = bucket_store("fly", regions, spec, cfg, "syncer-1", home="us-east")
     assert [c.seq for c in syncer.contributions(lid, 0, 0)] == [first]  # the held key skipped
     assert syncer.sent_so_far(lid)[1] == 2  # a restart resumes after the committed send
     report = collect_garbage(RunStore("fly", regions, "us-east", writer="gc"),
-                             len(spec["fragments"]), spec["learners"], window=4)  # fmt: skip
+                             len(spec["fragments"]), run_slots(spec), window=4)  # fmt: skip
     assert not any("revoked" in p or f"s{first + 1:012d}" in p for p in report.problems)
     (shown,) = inspect_bucket(regions["us-east"], run="fly")["runs"]
     row = next(r for r in shown["learners"] if r["learner"] == lid)
@@ -903,13 +904,13 @@ def test_a_syncer_offers_the_pool_of_a_region_no_member_is_in(prepared, tmp_path
     for r in regions:
         (tmp_path / r).mkdir()
     spec = initialize_run(RunStore("off", regions, "us"), cfg)
-    us = [lid for lid, r in spec["learners"].items() if r == "us"]
+    us = [lid for lid, r in run_slots(spec).items() if r == "us"]
     runtime = SyncerRuntime("off", regions, "us", 0, 1, cfg.pipeline.model_dump())
     now = [0.0]
     runtime.transport.clock = lambda: now[0]
     plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
     store = RunStore("off", {"us": regions["us"]}, "us")
-    ledger = region_ledger(store, plan, spec["learners"], "us", pools=region_pools(spec))
+    ledger = region_ledger(store, plan, run_slots(spec), "us", pools=region_pools(spec))
     for t in (0.0, 6.0):  # first heard, then eu silent past the timeout
         now[0] = t
         for lid in us:

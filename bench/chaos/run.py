@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.machine import machine  # noqa: E402
 from diloco.quantize import quantize  # noqa: E402
+from diloco.topology import run_slots  # noqa: E402
 from flows.run import worker_done  # noqa: E402
 from infra.chaos import read_actions  # noqa: E402
 from storage_layout.audit import audit_run  # noqa: E402
@@ -111,8 +112,9 @@ class Forger(threading.Thread):
         regions = json.loads((self.folder / "regions.json").read_text())
         store = RunStore(self.run_name, regions, next(iter(regions)), writer="forger")
         spec = store.read_spec()
-        lid = self.rng.choice(sorted(spec["learners"]))
-        region = spec["learners"][lid]
+        slots = run_slots(spec)
+        lid = self.rng.choice(sorted(slots))
+        region = slots[lid]
         if worker_done(store, lid, region):
             return  # the syncers may have looked for the last time
         seqs = {p: store.contribution_seqs(lid, p, region) for p in range(len(spec["fragments"]))}

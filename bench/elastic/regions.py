@@ -117,12 +117,13 @@ def first_merge(root: Path, name: str) -> dict:
     """The learners added (eu-west's joiner): each one's region, its join record's time,
     the first global version that merged a contribution of it (the versions' markers
     name what they consumed: the home bucket's), and the seconds between."""
+    from diloco.topology import run_slots
     from storage_layout.store import RunStore
 
     store = RunStore(name, urls(root), REGIONS[0], writer="bench")
     spec = store.read_spec()
     added = {lid: r for lid, r in store.run_learners(spec, regions=REGIONS).regions.items()
-             if lid not in spec["learners"]}  # fmt: skip
+             if lid not in run_slots(spec)}  # fmt: skip
     merged: dict[str, float] = {}  # learner -> when a version first merged its work
     for p in range(len(spec["fragments"])):
         for v in store.global_versions(p, REGIONS[0]):

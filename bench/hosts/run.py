@@ -69,6 +69,7 @@ def child(method: str, phase: str, run: str, bucket: str, pipeline: str) -> None
     from diloco import hosts
     from diloco.inner import to_host
     from diloco.learner import LearnerCheckpoint
+    from diloco.topology import run_slots
     from diloco.transport import StoreLearnerView
     from flows.bucket_io import HostPart
     from flows.run import bucket_store, build_model, config_from_spec
@@ -79,7 +80,7 @@ def child(method: str, phase: str, run: str, bucket: str, pipeline: str) -> None
     spec = RunStore(run, {"us": bucket}, "us").read_spec()
     cfg = config_from_spec(spec, json.loads(pipeline))
     model = build_model(cfg, learner=True)
-    trainer, (lid,) = model.trainer, list(spec["learners"])
+    trainer, (lid,) = model.trainer, list(run_slots(spec))
     store = bucket_store(run, {"us": bucket}, spec, cfg, lid, home="us", model=model)
     # only the save phase holds a trained state (so no other phase starts with its
     # temporaries free in the heap, which would hide what the phase allocates)

@@ -41,6 +41,7 @@ from bench.machine import machine  # noqa: E402
 SCRIPT = """
 import json, resource, sys, time
 from diloco.config import load_config
+from diloco.topology import run_slots
 from flows.learner import LearnerRuntime
 from flows.run import build_model, initialize_run, reader
 from storage_layout.store import RunStore
@@ -52,7 +53,7 @@ cfg = load_config(preset, overrides=["topology.learners=1", "budget.shared=false
     f"pipeline.checkpoint_every={ROUND}"])
 regions = {"us": "file://" + folder}
 spec = initialize_run(RunStore("bench", regions, "us", writer="launcher"), cfg)
-lid = next(iter(spec["learners"]))
+lid = next(iter(run_slots(spec)))
 rt = LearnerRuntime("bench", regions["us"], "us", lid, cfg.pipeline.model_dump())
 model = build_model(cfg, learner=True)
 trainer, r = model.trainer, reader(cfg, 0)

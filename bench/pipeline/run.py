@@ -126,9 +126,10 @@ SPANS: list[tuple[int, float, float]] = []  # per learner: start of round 2, end
 
 
 def latencies(store, fragments: int, since: float) -> list[float]:
+    from diloco.topology import run_slots
     from storage_layout.commit import read_marker
 
-    spec = store.read_spec()
+    slots = run_slots(store.read_spec())
     out = []
     for p in range(fragments):
         for v in store.global_versions(p):
@@ -136,7 +137,7 @@ def latencies(store, fragments: int, since: float) -> list[float]:
             if meta.get("published_at", 0) < since:
                 continue
             for learner, seq in meta.get("consumed", []):
-                region = spec["learners"][learner]
+                region = slots[learner]
                 key = store.layout.contribution_marker(learner, p, seq)
                 written = read_marker(store.bucket(region), key).meta.get("written_at")
                 if written:

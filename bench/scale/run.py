@@ -171,11 +171,16 @@ class Ctx:
 
         return run_spec(self.cfg, self.plan, self.regions)
 
+    def slots(self) -> dict[str, str]:
+        from diloco.topology import run_slots
+
+        return run_slots(self.spec())
+
     def bucket_store(self, writer: str):
         from flows.bucket_io import BucketStore
 
         topo = self.cfg.topology
-        return BucketStore(self.run, self.regions, self.home, self.spec()["learners"],
+        return BucketStore(self.run, self.regions, self.home, self.slots(),
                            topo.global_dtype, writer, downlink=topo.downlink,
                            block_size=topo.block_size)  # fmt: skip
 
@@ -297,7 +302,7 @@ def syncer_loop(ctx: Ctx, store, timings: dict):
             timings.setdefault("publish", []).append(time.perf_counter() - start)
 
     transport.wrap = timed
-    learners = list(ctx.spec()["learners"])
+    learners = list(ctx.slots())
     return SyncerLoop(cfg, [ctx.fragment], learners, transport, WallClock(), lambda r: None, log)
 
 
@@ -460,7 +465,7 @@ def step_advance(ctx: Ctx) -> dict:
     """Versions ``first``..``last`` in one process: each learner sends, the syncer (one
     loop kept across versions, as a running shard) merges and publishes."""
     syncer = ctx.bucket_store("syncer-0")
-    learners = list(ctx.spec()["learners"])
+    learners = list(ctx.slots())
     stores = {lid: ctx.bucket_store(lid) for lid in learners}
     seqs = {lid: stores[lid].sent_so_far(lid)[0] for lid in learners}
     timings: dict = {}
