@@ -58,12 +58,18 @@ class Run:
 
     @functools.cached_property
     def learners(self) -> dict[str, str]:
-        """The spec's learners and those joiners added (``RunStore.run_learners``)."""
+        """The spec's slots and the learners joiners added (``RunStore.run_learners``);
+        what cannot be read is a problem named, and the learners that can be are shown."""
+        try:
+            slots = run_slots(self.spec)
+        except ValueError as exc:  # a damaged spec: the report goes on without learners
+            self.problems.append(f"cannot read the run's learner slots: {exc}")
+            return {}
         try:
             return self.store.run_learners(self.spec, regions=self.reachable).regions
         except (OSError, ValueError) as exc:
             self.problems.append(f"cannot read the learners added to the run: {exc}")
-            return run_slots(self.spec)
+            return slots
 
     @property
     def fragments(self) -> int:

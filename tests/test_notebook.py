@@ -146,6 +146,25 @@ def test_report_reads_status_objects_rounds_copies_and_summary_json(with_status)
         report.load([f"ap={copy['us']}"], run="r")
 
 
+def test_a_report_on_a_spec_whose_slot_count_is_damaged_names_it_and_goes_on(tiny_run, tmp_path):
+    """A spec counts the slots a run starts with (``topology.learners``); a damaged count
+    gives no slots: the report names that and shows what else it reads."""
+    regions, _ = tiny_run
+    copy = {r: tmp_path / r for r in regions}
+    for region, url in regions.items():
+        shutil.copytree(url.removeprefix("file://"), copy[region])
+        spec_file = copy[region] / "r" / "spec.json"
+        spec = json.loads(spec_file.read_text())
+        spec["config"]["topology"]["learners"] = 0
+        spec_file.chmod(0o644)
+        spec_file.write_text(json.dumps(spec))
+    r = report.load([f"{region}={path}" for region, path in copy.items()], run="r")
+    assert r["learners"] == {} and r["fragments"] == 2 and r["versions"], r["problems"]
+    assert r["problems"] == ["cannot read the run's learner slots: the run spec's "
+                             "config.topology.learners 0 and deal ['us', 'eu'] give the run "
+                             "no learner slots"]  # fmt: skip
+
+
 def test_parameters_are_injected_after_the_parameters_cell():
     nb = nbformat.read(NOTEBOOK, as_version=4)
     tags = [c.metadata.get("tags", []) for c in nb.cells]
