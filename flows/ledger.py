@@ -324,7 +324,7 @@ def audit_units(report: AuditReport) -> None:
     cfg = validate_config({**spec["config"], "pipeline": {}})
     if cfg.data.assign != "units":
         return
-    # the spec's learners and those joiners added (a refused one is the audit's stranger)
+    # the run's slots and the learners joiners added (a refused one is the audit's stranger)
     plan, learners, batch = unit_plan(cfg), first.run_learners(spec).regions, cfg.data.batch_size
     merged: dict[tuple[int, int], list[tuple[int, int, str]]] = {}
     offers: dict[tuple[str, str], tuple[str, Span]] = {}  # (to, offer claim) -> (from, span)

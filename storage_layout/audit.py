@@ -182,7 +182,7 @@ def audit_run(run: str, buckets: Mapping[str, str]) -> AuditReport:
             store.bucket(region)
         except BucketError as exc:
             raise BucketError(f"cannot audit run {run!r}: {exc}") from exc
-    # the spec's learners and those joiners added (a record out of place is a stranger's;
+    # the run's slots and the learners joiners added (a record out of place is a stranger's;
     # with the run secret in DILOCO_RUN_SECRET, as is one not signed with its learner's
     # key: without it, the records as stored, the syncers check them)
     found = store.run_learners(spec, Keys.from_env(run).verifying_key)
