@@ -758,6 +758,21 @@ _RUNTIMES: dict[tuple[str, str, str], LearnerRuntime] = {}  # this process's lea
 PREEMPTED = threading.Event()
 
 
+def stop_between_flow_runs() -> None:
+    """A worker stopped by a signal outside its learner's flow runs (between two, or as
+    one ended: Prefect's engine swallows an interrupt raised after a flow's own code
+    returned, and that flow run ends Completed): the learner the flow runs continue
+    checkpoints where it is, waits for it (and every upload before it) to be written and
+    closes, as a flow run stopped by a signal does. (A learner of several processes
+    does not: a checkpoint is all of theirs; it resumes from its last one.)"""
+    for key in list(_RUNTIMES):
+        rt = _RUNTIMES.pop(key)
+        if rt.processes == 1:
+            rt.checkpoint(wait=True)
+            print(f"interrupted: checkpointed at step {rt.step}", file=sys.stderr, flush=True)
+        rt.close()
+
+
 def take_sigterm() -> None:
     """Take a first SIGTERM as a preemption notice (a spot VM shut down, a pod deleted,
     the launcher gone), as the cloud's own notice where one is named
@@ -904,6 +919,7 @@ def learner_flow(
         log.warning("interrupted: checkpointing at step %d", rt.step)
         rt.checkpoint(wait=True)
         rt.close()
+        _RUNTIMES.pop((run, region, lid), None)
         return stopped(f"stopped by a signal: checkpointed at step {rt.step}")
     if finished:
         rt.write_status("done", final=True)

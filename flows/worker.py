@@ -73,9 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     from flows.observe import run_linked, worker_tags
     from storage_layout.bucket import BucketError  # slow imports: after argument errors
 
+    # A stop (SIGINT: the launcher's, or a Ctrl-C; SIGTERM to a syncer) is kept as well as
+    # raised: one that comes as a flow run ends is swallowed by Prefect's engine (an
+    # exception after the flow's own code returned), and the loop would go on training.
+    stop = threading.Event()
+
     def interrupted(signum: int, frame: object) -> None:
+        stop.set()
         raise KeyboardInterrupt  # the learner flow checkpoints on its way out
 
+    signal.signal(signal.SIGINT, interrupted)
     signal.signal(signal.SIGTERM, interrupted)
     if args.role == "learner":
         from flows.hosts import join
@@ -100,11 +107,17 @@ def main(argv: list[str] | None = None) -> int:
                           "pipeline": pipeline}  # fmt: skip
                 tags = worker_tags(args.run, args.home, "syncer")
                 result = run_linked(syncer_flow, params, os.environ, tags)
+            if stop.is_set():  # the stop came as the flow run ended: it stops here
+                raise KeyboardInterrupt
             if result["done"]:
                 return 0
             if result.get("preempted"):
                 return 128 + signal.SIGTERM  # it left as told: ended by SIGTERM, cleanly
     except (KeyboardInterrupt, CancelledRun):  # (its flow run ended Cancelled)
+        if args.role == "learner":
+            from flows.learner import stop_between_flow_runs
+
+            stop_between_flow_runs()
         print("interrupted", file=sys.stderr)
         return 130
     except BucketError as exc:  # a region down: the launcher retries with backoff

@@ -924,6 +924,50 @@ def test_a_learner_worker_told_it_is_preempted_sends_checkpoints_and_leaves(
     assert acc["tokens"]["merged"] == 0, acc
 
 
+def test_a_stop_that_comes_as_a_learners_flow_run_ends_stops_its_worker(
+    tmp_path, prefect_api, monkeypatch
+):
+    """Defect: the launcher's SIGINT (a Ctrl-C to `diloco train`) that came as one of a
+    learner's flow runs ended was swallowed by Prefect's engine (an exception raised
+    after the flow's own code returned: the flow run ends Completed), and the worker
+    started its next flow run and trained on to the end of the budget (a stopped run then
+    resumed to find itself complete, seen in CI). Now the worker stops there: it
+    checkpoints at the step it reached and exits 130. The SIGINT is sent by the flow
+    run's own completion hook, after its code returned, where Prefect swallows it."""
+    import flows.learner
+    from flows import worker
+
+    cfg = load_config("tiny", overrides=["topology.learners=1", "pipeline.round_steps=20",
+                                         "pipeline.rounds_per_flow_run=1",
+                                         "pipeline.checkpoint_every=20"])  # fmt: skip
+    rounds = 3  # the budget: without the stop, three flow runs of a round each
+    cfg = cfg.model_copy(update={"budget": cfg.budget.model_copy(
+        update={"tokens": rounds * 20 * cfg.tokens_per_step})})  # fmt: skip
+    regions = {"us-east": f"file://{tmp_path / 'us'}"}
+    (tmp_path / "us").mkdir()
+    store = RunStore("late", regions, "us-east")
+    lid = next(iter(run_slots(initialize_run(store, cfg))))
+    argv = workers.learner("late", regions["us-east"], "us-east", 0, cfg).argv()
+    ends = []
+
+    def stop_as_it_ends(flow, flow_run, state):
+        ends.append(state.name)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    hooked = flows.learner.learner_flow.with_options(on_completion=[stop_as_it_ends])
+    monkeypatch.setattr(flows.learner, "learner_flow", hooked)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = worker.main(argv[argv.index("flows.worker") + 1 :])
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert (code, ends) == (130, ["Completed"]), (code, ends)  # stopped after one flow run
+    status = store.read_metrics(lid)
+    assert status["state"] != "done" and status["step"] == 20, status
+    assert store.checkpoint_steps(lid)[-1] == 20
+
+
 def test_a_worker_stopped_by_the_launcher_checkpoints_and_its_flow_run_ends_cancelled(
     tmp_path, prefect_api
 ):
