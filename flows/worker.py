@@ -107,12 +107,12 @@ def main(argv: list[str] | None = None) -> int:
                           "pipeline": pipeline}  # fmt: skip
                 tags = worker_tags(args.run, args.home, "syncer")
                 result = run_linked(syncer_flow, params, os.environ, tags)
-            if stop.is_set():  # the stop came as the flow run ended: it stops here
-                raise KeyboardInterrupt
             if result["done"]:
                 return 0
             if result.get("preempted"):
                 return 128 + signal.SIGTERM  # it left as told: ended by SIGTERM, cleanly
+            if stop.is_set():  # the stop came as the flow run ended: it stops here
+                raise KeyboardInterrupt
     except (KeyboardInterrupt, CancelledRun):  # (its flow run ended Cancelled)
         if args.role == "learner":
             from flows.learner import stop_between_flow_runs
