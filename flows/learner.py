@@ -62,6 +62,7 @@ from flows.run import (
     share_compilations,
     user_cache,
 )
+from flows.worker import STOP
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV
 from storage_layout.bucket import PartialFailure
 from storage_layout.commit import CommitConflict
@@ -901,6 +902,8 @@ def learner_flow(
     rows: list[dict[str, Any]] = []
     try:
         for _ in range(rt.cfg.pipeline.rounds_per_flow_run):
+            if STOP.is_set():  # a stop whose interrupt was lost on its way (flows.worker)
+                raise KeyboardInterrupt
             if rt.finished or rt.preempting():
                 break
             row = train_round(rt, f"learner {rt.label} round {rt.round}")

@@ -42,6 +42,7 @@ from flows.ledger import SilentReleases, UnitOffers, region_pools
 from flows.observe import artifact_key, run_logger, stopped, tag_flow_run, worker_tags
 from flows.pace import ADMIT_EVERY, MEMBERS_EVERY, Pace
 from flows.run import absence, bucket_store, config_from_spec, worker_done
+from flows.worker import STOP
 from storage_layout.auth import RUN_SECRET_ENV, UNAUTHENTICATED, record_verifies
 from storage_layout.retention import ORPHAN_AGE, collect_garbage
 from storage_layout.store import RunStore
@@ -477,6 +478,8 @@ def syncer_flow(
     first, opts = len(rt.records), rt.cfg.pipeline
 
     def enough() -> bool:  # a bounded flow run; the next one goes on from here
+        if STOP.is_set():  # a stop whose interrupt was lost on its way (flows.worker)
+            raise KeyboardInterrupt
         return len(records.of(rt.records[first:], "version")) >= opts.versions_per_flow_run
 
     try:

@@ -34,6 +34,13 @@ import urllib.request
 from infra.processes import die_with_parent
 
 API_DOWN = 75  # exit status: failed while the Prefect API was unreachable (EX_TEMPFAIL)
+# Set by a stop (SIGINT: the launcher's, or a Ctrl-C; SIGTERM to a syncer) as well as
+# raised: the KeyboardInterrupt is lost where it lands in a JAX garbage collector callback
+# (Python ignores it there) or as a flow run ends (Prefect's engine swallows an exception
+# raised after the flow's own code returned), and the worker would train on. The learner
+# and syncer flows look at it every round or poll, the worker between flow runs. A
+# signal is the process's, so the flag is too.
+STOP = threading.Event()
 
 
 def prefect_api_reachable(url: str | None = None, timeout: float = 5.0) -> bool:
@@ -67,19 +74,15 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--pipeline", default="{}", help="JSON object of pipeline.* fields")
     args = parser.parse_args(argv)
     pipeline = json.loads(args.pipeline)
+    STOP.clear()
 
     from prefect.exceptions import CancelledRun
 
     from flows.observe import run_linked, worker_tags
     from storage_layout.bucket import BucketError  # slow imports: after argument errors
 
-    # A stop (SIGINT: the launcher's, or a Ctrl-C; SIGTERM to a syncer) is kept as well as
-    # raised: one that comes as a flow run ends is swallowed by Prefect's engine (an
-    # exception after the flow's own code returned), and the loop would go on training.
-    stop = threading.Event()
-
     def interrupted(signum: int, frame: object) -> None:
-        stop.set()
+        STOP.set()
         raise KeyboardInterrupt  # the learner flow checkpoints on its way out
 
     signal.signal(signal.SIGINT, interrupted)
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             if result.get("preempted"):
                 return 128 + signal.SIGTERM  # it left as told: ended by SIGTERM, cleanly
-            if stop.is_set():  # the stop came as the flow run ended: it stops here
+            if STOP.is_set():  # the stop came as the flow run ended: it stops here
                 raise KeyboardInterrupt
     except (KeyboardInterrupt, CancelledRun):  # (its flow run ended Cancelled)
         if args.role == "learner":
