@@ -43,7 +43,7 @@ from diloco.simulate import (
 )
 from diloco.syncer import FragmentSyncer
 from diloco.tensors import pieces
-from diloco.topology import deal_learners, home_region, run_slots
+from diloco.topology import home_region, run_slots
 from flows.bucket_io import BucketStore, named_outer_leaves, outer_names
 from flows.version_stream import StreamedVersion, slot_names
 from storage_layout.commit import CommitConflict
@@ -164,8 +164,9 @@ def _wait_for(lock: Any, what: str, go_on: Callable[[], None]) -> bool:
 def run_spec(cfg: RunConfig, plan: FragmentPlan, regions: Mapping[str, str]) -> dict[str, Any]:
     """What is fixed for a run's lifetime: the whole config but ``sim`` and ``pipeline``
     (model, data, optimizers, topology, budget, seed), the fragment plan, the regions and
-    the order learners are dealt over them, and the home region (the syncers', holding the master
-    copies: the stored ``regions`` are a JSON object, whose order readers cannot trust)."""
+    the order learners are dealt over them, and the home region (the syncers', holding
+    the master copies: the stored ``regions`` are a JSON object, whose order readers
+    cannot trust)."""
     return {
         "config": cfg.model_dump(mode="json", exclude=NOT_IN_SPEC),
         "fragments": [list(f) for f in plan],
@@ -185,7 +186,7 @@ def in_stored_form(spec: dict[str, Any], stored: Mapping[str, Any] | None) -> di
         return spec
     out = dict(spec)
     if "learners" in stored:
-        out["learners"] = deal_learners(spec["config"]["topology"]["learners"], spec["regions"])
+        out["learners"] = run_slots(spec)  # (as run_spec wrote them before)
     if "deal" not in stored:
         del out["deal"]
     return out
