@@ -302,7 +302,7 @@ class TopologyConfig(_Strict):
         None,
         description="decoupled mode: a quorum that follows who is there, K = max(quorum_floor, "
         "floor(share x members now)) (members: learners holding their slot; joiners count at "
-        "once, a learner preempted, left or silent past pipeline.member_timeout no longer); "
+        "once, a learner preempted, left or silent (liveness.*) no longer); "
         "null: the fixed K (topology.quorum), capped by the members",
     )
     quorum_floor: PositiveInt = Field(
@@ -338,8 +338,8 @@ class Failure(_Strict):
     duration: Fraction | None = Field(
         None,
         description="how long it stays down, as a share of the tokens; none: it leaves the run "
-        "for good (its slot vacant, as a pipeline learner preempted or silent past "
-        "pipeline.member_timeout; needs a shared budget)",
+        "for good (its slot vacant, as a pipeline learner preempted or silent (liveness.*); "
+        "needs a shared budget)",
     )
     notice: bool = Field(
         False,
@@ -420,6 +420,51 @@ class SimConfig(_Strict):
     eval_points: PositiveInt = Field(10, description="evaluations of the global model over the run")
 
 
+class LivenessConfig(_Strict):
+    """How a run tells a live learner from a dead one and one taking part from one that
+    is not (``diloco.liveness``): part of the run spec, so that every syncer, launcher
+    and joiner judges a slot by the same rule, whatever settings it was started with."""
+
+    heartbeat_seconds: PositiveFloat = Field(
+        5.0,
+        description="a learner proves it is alive this often (a small signed object "
+        "rewritten from a thread of its own), however long its rounds are",
+    )
+    silent_min_seconds: PositiveFloat = Field(
+        60.0,
+        description="a learner is silent (its slot vacant, its data given back) when its "
+        "heartbeat has not moved for 6 of its measured periods, never sooner than this",
+    )
+    silent_max_seconds: PositiveFloat = Field(
+        600.0,
+        description="... and never later than this (a heartbeat slowed by a loaded machine "
+        "stretches the period it is judged by up to here); also the silence of a learner "
+        "that has written no heartbeat (one started by older code, or not started)",
+    )
+    lag_rounds: PositiveFloat = Field(
+        3.0,
+        description="a learner alive and training that has committed no send for this many "
+        "of its own rounds (topology.inner_steps times its measured step time, at least "
+        "silent_min_seconds) is lagging: counted out of the quorum until it sends, never "
+        "fenced while its heartbeat goes on",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> LivenessConfig:
+        if self.silent_min_seconds > self.silent_max_seconds:
+            raise ValueError(
+                f"liveness.silent_min_seconds {self.silent_min_seconds:g} exceeds "
+                f"liveness.silent_max_seconds {self.silent_max_seconds:g}"
+            )
+        if self.silent_min_seconds < 2 * self.heartbeat_seconds:
+            raise ValueError(
+                f"liveness.silent_min_seconds {self.silent_min_seconds:g} is under two "
+                f"heartbeats ({self.heartbeat_seconds:g} s each): a live learner would be "
+                "taken for silent between two beats"
+            )
+        return self
+
+
 class PipelineConfig(_Strict):
     """How learners and syncers run (not part of the run spec: these may change between
     two launches of one run). The simulator reads ``checkpoint_every``,
@@ -433,12 +478,6 @@ class PipelineConfig(_Strict):
         "learner of diloco train sleeps to emulate the slower chip",
     )
     checkpoint_every: PositiveInt = Field(50, description="inner steps between learner checkpoints")
-    member_timeout: PositiveFloat = Field(
-        600.0,
-        description="a learner whose status object has not changed for this many seconds (as "
-        "a syncer sees it; a live learner writes one each round) is not counted towards the "
-        "quorum until it writes again; one that said it was preempted, at once",
-    )
     learners_started: PositiveInt | None = Field(
         None,
         description="learner slots diloco train starts itself (learner-0 .. learner-N-1); "
@@ -547,6 +586,17 @@ class PipelineConfig(_Strict):
         "diloco train's local workers; empty: none",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _member_timeout_gone(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "member_timeout" in data:
+            raise ValueError(
+                "pipeline.member_timeout is gone: a learner is silent when its heartbeat "
+                "stops, not when its round is long; the run's liveness.* settings (its "
+                "spec: liveness.silent_min_seconds, silent_max_seconds) bound when"
+            )
+        return data
+
     @field_validator("fsdp")
     @classmethod
     def _fsdp(cls, value: int) -> int:
@@ -568,6 +618,7 @@ class RunConfig(_Strict):
     outer: OuterConfig = OuterConfig()
     topology: TopologyConfig = TopologyConfig()
     budget: BudgetConfig = BudgetConfig()
+    liveness: LivenessConfig = LivenessConfig()
     sim: SimConfig = SimConfig()
     pipeline: PipelineConfig = PipelineConfig()
 

@@ -164,8 +164,8 @@ def shard_of(fragment: int, shards: int) -> int:
 def member_quorum(quorum: int, members: int, share: float | None = None, floor: int = 1) -> int:
     """The quorum over the learners that are members now: the configured K, or, with a
     ``share``, ``max(floor, floor(share * members))``; either capped by how many members
-    there are, at least 1. A learner gone (down, preempted, left, silent past
-    ``pipeline.member_timeout``) holds no merge of the others; back, or a learner that
+    there are, at least 1. A learner gone (down, preempted, left, silent:
+    ``diloco.liveness``; or lagging) holds no merge of the others; back, or a learner that
     joins, counts at once."""
     if share is not None:
         quorum = max(floor, math.floor(share * members + 1e-9))

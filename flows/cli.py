@@ -859,8 +859,9 @@ def _launched_keep(store: Any) -> int | None:
     from pydantic import ValidationError
 
     from diloco.config import PipelineConfig
+    from flows.run import launched_pipeline
 
-    settings = store.read_pipeline()
+    settings = launched_pipeline(store)
     try:
         return PipelineConfig.model_validate(settings).keep_versions
     except ValidationError as exc:

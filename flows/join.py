@@ -3,8 +3,9 @@ from its region's bucket alone.
 
 A run starts with ``topology.learners`` slots (the spec's), each with its id, its
 region, its share of the data (its stream of batches) and its checkpoints in the bucket.
-A slot is **vacant** when its learner takes no part in the run now (``flows.run.absence``:
-preempted, or silent past ``pipeline.member_timeout``) or never started; a **done** slot
+A slot is **vacant** when its learner takes no part in the run now (preempted, or
+silent: ``diloco.liveness``, by the run's own ``liveness.*`` settings, the spec's, never
+the joiner's) or never started; a lagging learner holds its slot; a **done** slot
 has trained its budget and is not vacant. A joiner picks the first vacant slot of its
 region that it holds a key for, writes a signed join record (write-once, under the slot's
 ``joins/``), and becomes that slot's learner: it resumes from the slot's newest checkpoint
@@ -14,8 +15,8 @@ once: a join record is the one after the newest its joiner saw when it chose the
 (an exclusive create), so of two that chose one slot at the same moment the second
 finds it written and chooses again; and each start claims the slot's next generation,
 so a process whose generation is no longer the newest stops. A slot whose join record
-is younger than the timeout and newer than its status is not vacant: its joiner is on
-its way.
+is younger than ``liveness.silent_max_seconds`` and newer than its status is not
+vacant: its joiner is on its way.
 
 **A run grows** when a joiner finds no vacant slot in its region and the run takes its
 data in units (``data.assign = "units"``: no slot owns a share of the data, each learner
@@ -64,7 +65,9 @@ from typing import Any
 
 from prefect import flow
 
+from diloco.config import LivenessConfig
 from diloco.data import DataError
+from diloco.liveness import glance
 from diloco.simulate import check_same_data
 from diloco.syncer import budget_spent
 from diloco.topology import (
@@ -79,7 +82,7 @@ from diloco.topology import (
 )
 from flows import workers
 from flows.notice import noting_ctrl_c
-from flows.run import absence, share_compilations, user_cache
+from flows.run import launched_pipeline, share_compilations, user_cache
 from flows.spares import WORKER_COMMAND
 from storage_layout.auth import (
     JOIN_TOKEN_ENV,
@@ -107,27 +110,44 @@ class Slot:
 
 
 def slot_state(
-    store: RunStore, learner: str, region: str, timeout: float, now: float | None = None
+    store: RunStore,
+    learner: str,
+    region: str,
+    liveness: LivenessConfig,
+    now: float | None = None,
+    key: bytes | None = None,
 ) -> Slot:
-    """Whether ``learner``'s slot is vacant now, and why (see the module docstring)."""
+    """Whether ``learner``'s slot is vacant now, and why (see the module docstring), by
+    one look at its heartbeat (checked with ``key`` if given) and status against this
+    machine's clock (``diloco.liveness.glance``). A learner that looks silent is watched
+    for two of its beats first: a clock ahead of its own must not take a live one's slot."""
     now = time.time() if now is None else now
     status = store.read_metrics(learner, region)
-    if status is None:
+    beat = store.read_heartbeat(learner, region, key)
+    if status is None and beat is None:
         if store.newest_generation(learner) != 0:
             return Slot(learner, False, "starting (it has claimed the slot, no status yet)")
         why, since = "never started", -math.inf
     else:
-        state, since = status.get("state", "?"), float(status.get("time") or 0.0)
-        if state == "done":
+        verdict = glance(liveness, beat, status, now)
+        step = beat.step if beat is not None else (status or {}).get("step", 0)
+        if verdict.state == "done":
             return Slot(learner, False, "done: it has trained its budget")
-        why = absence(status, now - since, timeout)
-        if why is None:
-            return Slot(learner, False, f"{state} at step {status.get('step', 0)}")
+        if verdict.counted:
+            return Slot(learner, False, f"{verdict.state} at step {step}")
+        if verdict.state == "silent" and beat is not None:
+            time.sleep(2 * beat.period + 1)
+            again = store.read_heartbeat(learner, region, key)
+            if again is not None and again.key != beat.key:
+                return Slot(learner, False, f"{again.state} at step {again.step} (its heartbeat "
+                                            "moves: this machine's clock is ahead of its)")  # fmt: skip
+        why = str(verdict.why)
+        since = beat.time if beat is not None else float((status or {}).get("time") or 0.0)
     # Vacant by its status, unless a joiner is on its way to its start: a join record
     # younger than the timeout, and newer than the status (a preempted slot joined again).
     joined = store.newest_join(learner, region)
     at = joined[1].get("time") if joined else None
-    if isinstance(at, (int, float)) and now - at < timeout and at > since:
+    if isinstance(at, (int, float)) and now - at < liveness.silent_max_seconds and at > since:
         return Slot(learner, False, f"joining (joined {now - at:.0f} s ago, not started)")
     return Slot(learner, True, why.split(" (")[0], joins=joined[0] if joined else 0)
 
@@ -148,7 +168,7 @@ def choose_slot(
     spec: Mapping[str, Any],
     region: str,
     keys: dict[str, bytes] | None,
-    timeout: float,
+    liveness: LivenessConfig,
     wanted: str | None = None,
     grow: bool = False,
 ) -> Slot:
@@ -184,7 +204,7 @@ def choose_slot(
         if keys is not None and lid not in keys:
             seen.append(f"{lid}: the join token does not cover it")
             continue
-        slot = slot_state(store, lid, region, timeout)
+        slot = slot_state(store, lid, region, liveness, key=None if keys is None else keys[lid])
         if slot.vacant:
             return slot
         seen.append(f"{lid}: {slot.why}")
@@ -225,7 +245,7 @@ def join(
     (``become`` runs its command line in place of this process) with the environment to
     run it in. ``JoinRefused`` (a ``ValueError``) names why a joiner may not join.
 
-    ``pipeline`` is laid over the run's own settings (``RunStore.read_pipeline``: its
+    ``pipeline`` is laid over the run's own settings (``launched_pipeline``: its
     newest launch's). ``warm`` (``join_and_train``: build the model, compile the step, read
     the corpus in this process, given those settings) runs once the joiner is known to be
     let in and a slot is vacant, and before the slot is taken (not for a learner of
@@ -248,7 +268,7 @@ def join(
     except FileNotFoundError as exc:
         raise JoinRefused(f"{url} holds no run {run!r} (its spec is missing)") from exc
     # the run's own pipeline settings (its newest launch's), then what this joiner sets
-    pipeline = {**store.read_pipeline(), **(pipeline or {})}
+    pipeline = {**launched_pipeline(store), **(pipeline or {})}
     cfg = config_from_spec(spec, pipeline)
     keys = join_keys(run, env)
     if keys == {}:
@@ -274,7 +294,7 @@ def join(
     grow = cfg.data.assign == "units"  # no slot owns data: a slot may be added
 
     def choose() -> Slot:
-        return choose_slot(store, spec, region, keys, cfg.pipeline.member_timeout, slot, grow)
+        return choose_slot(store, spec, region, keys, cfg.liveness, slot, grow)
 
     taken = choose()
     if warm is not None and cfg.pipeline.learner_processes == 1:

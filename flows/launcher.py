@@ -53,6 +53,7 @@ from flows.metrics import LiveMetrics
 from flows.monitor import (
     QUIET_SECONDS,
     Monitor,
+    RunStalled,
     cross_region_bytes,
     loss_plot_png,
     summary_markdown,
@@ -236,6 +237,14 @@ def _watch(
             continue
         if monitor.errors == errors:
             monitor.storage_ok()
+        verdicts = monitor.verdicts(statuses)
+        still = monitor.standstill(point["versions"], verdicts)
+        if still is not None and monitor.hopeless(still[0], verdicts):
+            raise RunStalled(
+                f"the run cannot make progress by itself: {still[1]}. Every learner not done "
+                "is silent and nobody takes its slot (a hung process holds it, or a dead one "
+                "is not restarted): mend that, and the same command resumes the run"
+            )
         for name in monitor.stalled_syncers(statuses, point["versions"]):
             extra = stand_by(name) if stand_by is not None else None
             if extra is not None:
@@ -248,6 +257,9 @@ def _watch(
         show_phases(display, statuses, point["versions"], point, pct, oom)
         if metrics is not None:
             report(report_metrics, metrics, monitor, point, statuses, log)
+        if still is not None:  # why, in place of the same progress line again
+            log.warning("%5.1f%% | %s", pct, still[1], extra=SHOWN)
+            continue
         starting = None if started else startup_line(statuses, point["versions"], oom)
         if starting:
             log.info("%s | validation loss %.4f", starting, point["loss"], extra=SHOWN)
@@ -263,6 +275,35 @@ def _watch(
             "".join(f" | {n} restarting ({phase})" for phase, n in restarting.items()),
             extra=SHOWN,
         )
+
+
+class StandBys:
+    """Second processes for stalled syncer shards (``LaunchMode.stand_by``), one per shard
+    while it lives: each resumes from the newest committed version and publishes the next
+    ones; should the stalled one wake up, the commit protocol fences one of the two at
+    each version (never a version twice). A second stand-by would only fence the first."""
+
+    def __init__(self, mode: LaunchMode, syncers: Mapping[str, Any], log: Any):
+        self.mode, self.syncers, self.log = mode, syncers, log
+        self.running: dict[str, Any] = {}  # syncer shard -> its stand-by's future
+
+    def start(self, name: str) -> tuple[str, Any] | None:
+        """A stand-by for shard ``name`` (its name and future), or None: the run stops,
+        one runs already, or this launch mode starts none."""
+        if name not in self.syncers or self.mode.stopping.is_set():
+            return None
+        if name in self.running and not self.running[name].done():
+            self.log.warning("%s: its stand-by is running already; no second one", name)
+            return None
+        extra = self.mode.stand_by(self.syncers[name])
+        if extra is None:
+            self.log.warning("%s: no stand-by syncer (workers run as deployments' flow runs)",
+                             name)  # fmt: skip
+            return None
+        self.running[name] = extra[1]
+        self.log.warning("%s: starting a stand-by for fragments %s; the two are fenced by the "
+                         "commit protocol", name, self.syncers[name].status[2])  # fmt: skip
+        return extra
 
 
 LOOK_SECONDS = 2.0  # how often a live display shows the learners' phases between evaluations
@@ -612,24 +653,10 @@ def _launch(
     show_phases(display, monitor.statuses(), first["versions"], oom=mode.oom_kills)
     chaos = start_chaos(chaos_plan, folder, mode, log, monitor)
     syncers = {w.name: w for w in workers if w.role == "syncer"}
-
-    def stand_by(name: str) -> tuple[str, Any] | None:
-        """A second process for a stalled syncer shard: it resumes from the newest
-        committed version and publishes the next ones; should the stalled one wake up,
-        the commit protocol fences one of the two at each version (never a version twice)."""
-        if name not in syncers or mode.stopping.is_set():
-            return None
-        extra = mode.stand_by(syncers[name])
-        if extra is None:
-            log.warning("%s: no stand-by syncer (workers run as deployments' flow runs)", name)
-        else:
-            log.warning("%s: starting a stand-by for fragments %s; the two are fenced by the "
-                        "commit protocol", name, syncers[name].status[2])  # fmt: skip
-        return extra
-
+    stand_by = StandBys(mode, syncers, log)
     try:
         ended = _watch(names, futures, monitor, bar, cfg.pipeline.eval_seconds, log, display,
-                       metrics, stand_by, mode.oom_kills, report, signalled)  # fmt: skip
+                       metrics, stand_by.start, mode.oom_kills, report, signalled)  # fmt: skip
     except BaseException:
         # Cancelled from the UI (the worker's SIGTERM) or interrupted: the workers stop with
         # this flow run (each checkpoints) rather than run on unsupervised.

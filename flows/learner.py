@@ -48,6 +48,7 @@ from diloco.topology import learner_id, learner_index
 from diloco.transport import StoreLearnerView
 from diloco.units import UnitReader
 from flows.bucket_io import HostPart
+from flows.heartbeat import Heartbeat
 from flows.hosts import join as join_group
 from flows.ledger import BucketLedger, FollowedLedger, region_ledger, region_pools
 from flows.notice import NOTICE_ENV, NoticeWatcher, notice_source
@@ -72,7 +73,13 @@ from storage_layout.stream import process_folder
 
 
 class Fenced(RuntimeError):
-    """Another process runs as this learner now; this one must stop."""
+    """This process may write as its learner no more: another process runs as it now
+    (this one must stop), or, ``rejoin``, a syncer fenced it off as silent while it was
+    alive (paused, cut off): it takes a new generation and goes on (``learner_flow``)."""
+
+    def __init__(self, reason: str, rejoin: bool = False):
+        super().__init__(reason)
+        self.rejoin = rejoin
 
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -174,6 +181,7 @@ class BackgroundIO:
         self.failures = 0
         self.fenced: Exception | None = None  # another process runs as this learner
         self.skipped = 0  # queued uploads a newer one from the same anchor made needless
+        self.written = 0  # sends committed (the heartbeat shows them: taking part)
         self.queued: dict[tuple[int, Any], int] = {}  # (fragment, anchor) -> newest seq
         self.lock = threading.Lock()
         self.wanted: dict[int, int] = {}
@@ -283,6 +291,7 @@ class BackgroundIO:
             return
         self._write(lambda: self.view.send(c), f"upload of fragment {c.fragment} seq {c.seq}",
                     self.retries)  # fmt: skip
+        self.written += 1
 
     def _write(self, write: Callable[[], None], what: str, retries: int) -> None:
         """``write()``, asked again with backoff: after ``retries`` failures it fails for
@@ -506,6 +515,12 @@ class LearnerRuntime:
             wait_for_space(lambda: self.store.claim_generation(learner), region,
                            f"the start of {learner}", self.log) if self.leader else None
         )  # fmt: skip
+        # Alive from now on, every liveness.heartbeat_seconds, however long a round is.
+        self.heartbeat = Heartbeat(
+            self.store.writer_for(learner), learner, self.generation,
+            self.cfg.liveness.heartbeat_seconds, self.store.keys.signing_key(learner),
+            self._beat_progress, self.log,
+        ) if self.leader else None  # fmt: skip
         self._progress: dict[str, Any] | None = None  # what a predecessor reported
         self.announce("compiling")
         self._compile()
@@ -541,6 +556,15 @@ class LearnerRuntime:
         self.startup_seconds = time.time() - opened
         self.train_seconds = 0.0
 
+    def _beat_progress(self) -> tuple[int, int]:
+        """The step and the sends committed so far, for the heartbeat (0 before the loop)."""
+        loop = getattr(self, "loop", None)
+        return (loop.learner.step, getattr(self.io, "written", 0)) if loop else (0, 0)
+
+    def _phase(self, state: str) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.state = state
+
     def _reader(self, spec: dict[str, Any]) -> Any:
         """The learner's data: its dealt share, or (``data.assign = "units"``) the spans
         it takes from its region's pool in its own bucket (``flows.ledger``); the run's
@@ -556,7 +580,7 @@ class LearnerRuntime:
         # Over several processes, process 0 takes; the others follow its records.
         self.ledger = ledger if self.leader else FollowedLedger(
             ledger, self.cfg.pipeline.poll_seconds, self.log,
-            self.cfg.pipeline.member_timeout)  # fmt: skip
+            self.cfg.liveness.silent_max_seconds)  # fmt: skip
         return UnitReader(
             units, self.id, self.ledger, self.cfg.data.batch_size, background=True
         )  # a take is a few requests: not in a step
@@ -588,28 +612,30 @@ class LearnerRuntime:
         reason = self._fenced() if self.leader else None
         reason = hosts.broadcast_object(reason)  # the group stops as one
         if reason is not None:
-            raise Fenced(reason)
+            raise Fenced(*reason)
 
     def _may_take(self) -> None:
         """Before process 0 takes a span of data: ``Fenced`` if it may no longer write
         as its learner (a data take of a fenced process would hold a span no one trains)."""
         reason = self._fenced()
         if reason is not None:
-            raise Fenced(reason)
+            raise Fenced(*reason)
 
-    def _fenced(self) -> str | None:
+    def _fenced(self) -> tuple[str, bool] | None:
+        """Why this process may write no more, and whether it may take a new generation
+        (a fence by a syncer, newest: nobody took the slot since), or None."""
         own = self.store.writer_for(self.id)
         newest = own.newest_generation(self.id)
         if newest > self.generation:
             record = own.generation(self.id, newest)
             if isinstance(record, dict) and "fence" in record:  # flows.ledger.SilentReleases
                 return (f"{self.id}: fenced off by {record.get('writer')} (generation "
-                        f"{newest}: {record['fence']}), its data given back; this one stops")  # fmt: skip
+                        f"{newest}: {record['fence']}), its data given back", True)  # fmt: skip
             return (f"{self.id}: another process took over as generation {newest} (this "
-                    f"one is generation {self.generation}); this one stops")  # fmt: skip
+                    f"one is generation {self.generation}); this one stops", False)  # fmt: skip
         refused = getattr(self.io, "fenced", None)  # a newer block of seqs
         if refused is not None:
-            return f"{self.id}: another process runs as this learner: {refused}"
+            return f"{self.id}: another process runs as this learner: {refused}", False
         return None
 
     def train_round(self) -> dict[str, Any]:
@@ -621,7 +647,11 @@ class LearnerRuntime:
         start = time.perf_counter()
         # Told it will be preempted, a learner of one process stops after its step; one
         # of several processes stops at the round's end (the group decides as one).
-        stop = PREEMPTED.is_set if self.processes == 1 else None
+        self._phase("training")
+        stop = None
+        if self.processes == 1:  # (and a round of a fenced process ends early)
+            beat = self.heartbeat.superseded if self.heartbeat is not None else threading.Event()
+            stop = lambda: PREEMPTED.is_set() or beat.is_set()  # noqa: E731
         drive(self.loop.run(self.cfg.pipeline.round_steps), self.cfg.pipeline.poll_seconds, stop)
         losses = [float(x) for x in self.loop.losses]  # waits for the device
         seconds = time.perf_counter() - start
@@ -700,6 +730,8 @@ class LearnerRuntime:
                 self.log.error("preempted: learner %s could not give its data back (%s); "
                                "its slot keeps it", self.label, exc)  # fmt: skip
         self.write_status("preempted")
+        if self.heartbeat is not None:
+            self.heartbeat.close("preempted")
         self.io.close(wait=written)
         return {"step": self.step, "sent": sent, "written": written, "seconds": seconds}
 
@@ -708,6 +740,7 @@ class LearnerRuntime:
         shows it), keeping the progress an earlier process of this learner reported."""
         if not self.leader:
             return
+        self._phase(state)
         writer = self.store.writer_for(self.id)
         try:
             if self._progress is None:  # read once: the phases after it keep the same
@@ -727,6 +760,7 @@ class LearnerRuntime:
         not news: a write that fails for good raises (the process is started again)."""
         if not self.leader:
             return
+        self._phase(state)
         record = {
             "state": state, "region": self.region, "step": self.step,
             "total_steps": self.loop.total_steps, "budget_tokens": self.cfg.budget.tokens,
@@ -746,9 +780,12 @@ class LearnerRuntime:
                 raise
             self.log.warning("cannot write status: %s", exc)
 
-    def close(self) -> None:
+    def close(self, state: str | None = None) -> None:
+        """Close its I/O; ``state`` (done, stopped): the last heartbeat says it."""
         if isinstance(self.ledger, FollowedLedger):  # a take it waits for ends now
             self.ledger.stop.set()
+        if self.heartbeat is not None:
+            self.heartbeat.close(state)
         self.io.close()
         shutil.rmtree(self.spill_dir, ignore_errors=True)
 
@@ -771,7 +808,7 @@ def stop_between_flow_runs() -> None:
         if rt.processes == 1:
             rt.checkpoint(wait=True)
             print(f"interrupted: checkpointed at step {rt.step}", file=sys.stderr, flush=True)
-        rt.close()
+        rt.close("stopped")
 
 
 def take_sigterm() -> None:
@@ -809,7 +846,7 @@ def leave_on_interrupt() -> None:
     whose machine was lent by whoever runs it, and whose Ctrl-C gives it back. The
     learner leaves as a preempted one does (its work sent, a checkpoint, its status
     ``preempted``, its data given back): the syncers stop counting it at once, not after
-    ``pipeline.member_timeout``. A second Ctrl-C stops it at once. (A worker the launcher
+    its heartbeat goes silent. A second Ctrl-C stops it at once. (A worker the launcher
     started keeps Python's own: the launcher's Ctrl-C stops the whole run.)"""
     if signal.SIGINT not in _NOTICES:
         _NOTICES.append(signal.SIGINT)
@@ -921,9 +958,19 @@ def learner_flow(
     except KeyboardInterrupt:
         log.warning("interrupted: checkpointing at step %d", rt.step)
         rt.checkpoint(wait=True)
-        rt.close()
+        rt.close("stopped")
         _RUNTIMES.pop((run, region, lid), None)
         return stopped(f"stopped by a signal: checkpointed at step {rt.step}")
+    except Fenced as exc:
+        if not exc.rejoin:
+            raise
+        # Taken for silent while alive (paused, cut off): the next flow run starts it as
+        # a restart does, a new generation from its newest checkpoint and the data given.
+        log.warning("learner %s was fenced off while alive (%s): it takes a new generation "
+                    "and resumes from its newest checkpoint", rt.label, exc)  # fmt: skip
+        rt.close()
+        _RUNTIMES.pop((run, region, lid), None)
+        return {"done": False, "rejoins": True, "step": rt.step, "rounds": len(rows)}
     if finished:
         rt.write_status("done", final=True)
         if rt.cfg.shared_budget:
@@ -939,6 +986,6 @@ def learner_flow(
             description=f"learner {rt.label} of run {run}: one row per round",
         )
     if finished:  # the look "done" was written on: the worker ends on this one
-        rt.close()
+        rt.close("done")
         _RUNTIMES.pop((run, region, lid), None)
     return {"done": finished, "step": rt.step, "rounds": len(rows)}

@@ -422,10 +422,12 @@ class FollowedLedger:
         return self.ledger.given_back()
 
 
+SILENT = "silent: its heartbeat stopped (liveness.*)"  # why a syncer fences a learner
+
+
 class SilentReleases:
-    """Gives back the data of a learner silent past ``pipeline.member_timeout`` while it
-    trained (its newest status says "training": not one compiling or resuming, which may
-    take long, nor one paused between flow runs, preempted or done) with ``data.assign =
+    """Gives back the data of a silent learner (its heartbeat stopped, whatever it was
+    doing: ``diloco.liveness``; a lagging one, alive, keeps its data) with ``data.assign =
     "units"``, which a syncer has dropped from the quorum: without it, its spans would
     wait for its slot's next learner (a restart or a joiner), and an epoch would go on
     without them. Run by the syncers (``PipelineSyncerTransport.members``),
@@ -486,15 +488,14 @@ class SilentReleases:
         record = own.generation(learner, newest)
         if isinstance(record, dict) and "fence" in record:
             return True  # fenced by a syncer, nobody started since: released, or to be
-        return own.fence(learner, newest, "silent past pipeline.member_timeout")
+        return own.fence(learner, newest, SILENT)
 
     def _release(self, learner: str, region: str) -> None:
         own = self.store.writer_for(learner)
         # First hold the keys of the seqs it has not committed: a commit of it still
         # under way (its process paused past its last check) then lands nowhere, so the
         # resume point read next counts every contribution it will ever have sent.
-        self.store.revoke_unsent(learner, "its data given back: silent past "
-                                          "pipeline.member_timeout")  # fmt: skip
+        self.store.revoke_unsent(learner, f"its data given back: {SILENT}")
         steps = own.checkpoint_steps(learner)
         step = resume_step(steps[-1] if steps else 0, self.store.sent_so_far(learner)[1])
         ledger = self._ledger(own, region)
@@ -514,8 +515,8 @@ class UnitOffers:
     """Offers the data of a region no learner is in, or whose pool is behind, to the
     regions whose learners train (``data.assign = "units"``). Each region has its own
     pool of units in its own bucket, as a learner reads and writes its own region's
-    bucket only; when every learner of a region has left (preempted, silent past
-    ``pipeline.member_timeout``, given up, or never started), its pool would wait for
+    bucket only; when every learner of a region has left (preempted, silent, given up,
+    or never started), its pool would wait for
     them and an epoch would go on without it; and the pools are the same size, so a
     region with fewer or slower learners would go through its pool's epochs more slowly
     than the others (its data trained less often), and one whose pool was moved out

@@ -16,6 +16,7 @@ from typing import Any
 
 from diloco import records
 from diloco.config import RunConfig
+from diloco.liveness import Liveness, Verdict
 from diloco.simulate import dp_bytes_per_step
 from diloco.topology import learner_index, run_slots, shard_count, shard_fragments, syncer_id
 from flows.observe import train_summary_rows
@@ -32,6 +33,15 @@ STORAGE_PATIENCE = 600.0  # seconds the summary waits for the home bucket to ans
 
 class StorageUnreachable(RuntimeError):
     """The run's home bucket did not answer in time for the summary."""
+
+
+class RunStalled(RuntimeError):
+    """The run cannot make progress by itself: no version for long, and every learner
+    not done is silent (dead, or hung: its process alive, its heartbeat stopped) with
+    nobody to take its slot. The same command resumes it once that is mended."""
+
+
+STALL_ROUNDS = 3  # a run stands still when no version came for this many learner rounds
 
 
 class Monitor:
@@ -70,6 +80,12 @@ class Monitor:
         # steps then); and the shards reported stalled.
         self._publishing: dict[str, tuple[tuple[int, ...], float, int]] = {}
         self.stalled: set[str] = set()
+        # Who is alive and who takes part (diloco.liveness), on this launcher's clock; the
+        # learners' round (topology.inner_steps at their median measured step time); and
+        # since when no version has been published (the run stands still).
+        self.liveness = Liveness(cfg.liveness, cfg.topology.inner_steps)
+        self.round_seconds = 0.0
+        self._versions_moved: tuple[dict[int, int], float] | None = None
         self.model = build_model(cfg)
         self.val = validation(cfg)
         self.total_steps = cfg.steps_per_learner
@@ -220,7 +236,7 @@ class Monitor:
                                      " ".join(f"f{p}:v{v}" for p, v in zip(fragments, held, strict=True)))  # fmt: skip
                 continue
             _, since, steps_then = seen
-            stall = self.cfg.pipeline.stall_seconds
+            stall = self.stall_after()
             if name in self.stalled or now - since < stall or steps <= steps_then or not training:
                 continue
             self.stalled.add(name)
@@ -233,6 +249,75 @@ class Monitor:
             )  # fmt: skip
             out.append(name)
         return out
+
+    def stall_after(self) -> float:
+        """Seconds without a new version after which a syncer shard is stalled, or the
+        run stands still: ``pipeline.stall_seconds``, or ``STALL_ROUNDS`` of the learners'
+        rounds where those are longer (a round of an hour publishes once an hour)."""
+        return max(self.cfg.pipeline.stall_seconds, STALL_ROUNDS * self.round_seconds)
+
+    def verdicts(self, statuses: dict[str, dict[str, Any]]) -> dict[str, Verdict]:
+        """Each learner now by its heartbeat and status (``diloco.liveness``, on this
+        launcher's clock); one whose heartbeat cannot be read is judged by its status.
+        Keeps the learners' round time (``round_seconds``) up to date."""
+        now, out, rounds = self.clock(), {}, []
+        for learner, region in self.learners().items():
+            try:
+                beat = self.store.read_heartbeat(learner, region)
+            except Exception as exc:
+                self.storage_error(f"reading {learner}'s heartbeat", exc)
+                beat = None
+            if beat is not None and beat.step_seconds and beat.state == "training":
+                rounds.append(self.cfg.topology.inner_steps * beat.step_seconds)
+            out[learner] = self.liveness.look(learner, beat, statuses.get(learner), now)
+        if rounds:  # (the lower median: versions come at the pace of the faster ones)
+            self.round_seconds = sorted(rounds)[(len(rounds) - 1) // 2]
+        return out
+
+    def standstill(
+        self, versions: dict[int, int], verdicts: dict[str, Verdict]
+    ) -> tuple[float, str] | None:
+        """How long no version has been published and why, in one line, once that is
+        longer than ``stall_after``; None while the run moves. Who is fenced (silent,
+        its data given back), silent, lagging or starting, by name."""
+        now = self.clock()
+        if self._versions_moved is None or self._versions_moved[0] != versions:
+            self._versions_moved = (dict(versions), now)
+            return None
+        quiet = now - self._versions_moved[1]
+        if quiet < self.stall_after():
+            return None
+        why = []
+        for learner, verdict in sorted(verdicts.items(), key=lambda kv: learner_index(kv[0])):
+            state = verdict.state
+            if state == "silent" and self._fenced(learner):  # (its data given back)
+                state = "fenced"
+            why.append(f"{learner} {state}" + (f" ({verdict.why})" if verdict.why else ""))
+        shown = " ".join(f"f{p}:v{v}" for p, v in versions.items())
+        if self.round_seconds:
+            shown += f"; the learners' round is {self.round_seconds:.0f} s"
+        return quiet, f"no new version for {quiet:.0f} s ({shown}): " + "; ".join(why)
+
+    def hopeless(self, quiet: float, verdicts: dict[str, Verdict]) -> bool:
+        """Whether the run cannot make progress by itself: it has stood still ``quiet``
+        seconds, longer than a stall and a silence together, and every learner not done
+        is silent by a heartbeat that stopped (a dead or hung process holds its slot, and
+        no one beats for it; not a learner that has not started yet)."""
+        live = [v for v in verdicts.values() if v.state != "done"]
+        limit = self.stall_after() + self.cfg.liveness.silent_max_seconds
+        stopped = all(v.state == "silent" and v.beating for v in live)
+        return quiet > limit and bool(live) and stopped
+
+    def _fenced(self, learner: str) -> bool:
+        """Whether ``learner``'s newest generation is a syncer's fence."""
+        try:
+            region = self.learners()[learner]
+            own = RunStore(self.store.run, {region: self.store.urls[region]}, region,
+                           writer="launcher")  # fmt: skip
+            record = own.generation(learner, own.newest_generation(learner))
+        except Exception:  # (news only)
+            return False
+        return isinstance(record, dict) and "fence" in record
 
     def tokens(self, statuses: dict[str, dict[str, Any]]) -> int:
         return sum(int(s.get("tokens", 0)) for s in statuses.values())

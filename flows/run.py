@@ -222,17 +222,16 @@ def worker_done(
     return tokens is None or int(status.get("budget_tokens", 0)) >= tokens
 
 
-def absence(status: Mapping[str, Any], silent: float, timeout: float) -> str | None:
-    """Why a learner whose status object is ``status`` and that has written no new one
-    for ``silent`` seconds takes no part in the run now, or None: it was preempted, or
-    it is silent past ``timeout`` (``pipeline.member_timeout``) and not done. The rule
-    the syncers count members by (on their own clock) and ``diloco join`` finds a vacant
-    learner slot by."""
-    if status.get("state") == "preempted":
-        return "it was preempted (it counts again when it writes a new status)"
-    if status.get("state") != "done" and silent > timeout:
-        return f"no new status for {silent:.0f} s (pipeline.member_timeout {timeout:.0f} s)"
-    return None
+# Pipeline settings older code recorded that are gone (``pipeline.member_timeout``: the
+# run's liveness.* settings, in its spec, took its place).
+GONE_PIPELINE_KEYS = ("member_timeout",)
+
+
+def launched_pipeline(store: RunStore) -> dict[str, Any]:
+    """The pipeline settings of the run's newest launch (``RunStore.read_pipeline``),
+    without the ones older code recorded that are gone."""
+    settings = store.read_pipeline()
+    return {k: v for k, v in settings.items() if k not in GONE_PIPELINE_KEYS}
 
 
 def config_from_spec(

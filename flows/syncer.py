@@ -24,6 +24,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
 from diloco import records
+from diloco.config import LivenessConfig
+from diloco.liveness import Liveness, Verdict
 from diloco.loops import (
     Clock,
     StoredFragment,
@@ -41,7 +43,7 @@ from flows.bucket_io import BucketStore
 from flows.ledger import SilentReleases, UnitOffers, region_pools
 from flows.observe import artifact_key, run_logger, stopped, tag_flow_run, worker_tags
 from flows.pace import ADMIT_EVERY, MEMBERS_EVERY, Pace
-from flows.run import absence, bucket_store, config_from_spec, worker_done
+from flows.run import bucket_store, config_from_spec, worker_done
 from flows.worker import STOP
 from storage_layout.auth import RUN_SECRET_ENV, UNAUTHENTICATED, record_verifies
 from storage_layout.retention import ORPHAN_AGE, collect_garbage
@@ -61,13 +63,14 @@ class PipelineSyncerTransport:
                  window: int, log: Any, tokens: int | None = None,
                  retention_seconds: float = 60.0,
                  clock: Callable[[], float] = time.monotonic,
-                 member_timeout: float = 600.0):  # fmt: skip
+                 liveness: LivenessConfig | None = None, inner_steps: int = 1):  # fmt: skip
         self.store, self.fragments = store, fragments
-        self.member_timeout = member_timeout
+        # Who is alive, who takes part (diloco.liveness), on this syncer's clock.
+        self.liveness = Liveness(liveness or LivenessConfig(), inner_steps)
+        self._beats: dict[str, Any] = {}  # learner -> what moved last (its beat, or status)
         self._members: list[str] = list(store.learners)
         self._members_read = self._admitted_read = -math.inf
         self._joined: dict[str, int] = {}  # the newest join record seen, per learner
-        self._heard: dict[str, tuple[Any, float]] = {}  # learner -> (its status, first seen)
         # Set by the runtime with data.assign = "units": gives back a silent one's data.
         self.releases: SilentReleases | None = None
         # And offers the data of a region no member is in to the others' learners.
@@ -147,8 +150,8 @@ class PipelineSyncerTransport:
         checkpoint, and every contribution before it, is committed; sharing the budget, a
         learner may end before its even share), or the launcher gave it up, or, once the
         shared budget is spent (``budget_spent``), its slot is vacant: never started
-        (left to joiners, ``pipeline.learners_started``), preempted or silent past
-        ``pipeline.member_timeout`` (``absence``)."""
+        (left to joiners, ``pipeline.learners_started``), preempted or silent
+        (``diloco.liveness``; a lagging learner holds its slot)."""
         main = self.store.main
         for learner, region in self.store.learners.items():
             if learner in self.done:
@@ -168,16 +171,18 @@ class PipelineSyncerTransport:
     def _vacant(self, learner: str, region: str) -> bool:
         """Whether no one holds ``learner``'s slot now (see ``learners_finished``)."""
         if main_status := self.store.main.read_metrics(learner, region):
-            return self._gone(learner, region, self.clock(), main_status) is not None
+            verdict = self._look(learner, region, self.clock(), main_status)
+            return verdict is not None and verdict.state in ("silent", "preempted")
         return self.store.writer_for(learner).newest_generation(learner) == 0
 
     def members(self) -> list[str]:
         """The learners counted towards the quorum (``member_quorum``), read at most every
-        ``MEMBERS_EVERY`` (5 s): all of the run's but one whose status says it was
-        preempted, one whose status has not changed for ``pipeline.member_timeout``
-        seconds of this syncer's clock (no clock of another machine is compared; a done
-        learner stays counted, as before), and one the launcher gave up. A status that
-        cannot be read leaves its learner counted: a storage hiccup drops nobody. Between
+        ``MEMBERS_EVERY`` (5 s): all of the run's but one preempted, silent or lagging
+        (``diloco.liveness``: its heartbeat watched on this syncer's clock; a done learner
+        stays counted, as before), and one the launcher gave up. A silent one's data is
+        given back (``SilentReleases``); a lagging one is only left out until it sends.
+        Objects that cannot be read leave their learner counted: a storage hiccup drops
+        nobody. Between
         those reads, the learners joiners added are looked for every ``ADMIT_EVERY``
         (1 s): one that is found makes the read now."""
         now = self.clock()
@@ -189,20 +194,20 @@ class PipelineSyncerTransport:
         self._members_read = now
         members = []
         for learner, region in self.store.learners.items():
-            gone = self._gone(learner, region, now)
-            if gone is None and not self._given_up(learner):
+            verdict = self._look(learner, region, now)
+            counted = verdict is None or verdict.counted
+            if counted and not self._given_up(learner):
                 members.append(learner)
             was = learner in self._members
-            if gone is not None and was:
+            if not counted and was:
                 self.log.warning("learner %s is not counted towards the quorum: %s", learner,
-                                 gone)  # fmt: skip
-            elif gone is None and not was and learner not in self.given_up:
+                                 verdict)  # fmt: skip
+            elif counted and not was and learner not in self.given_up:
                 self.log.warning("learner %s is counted towards the quorum again", learner)
-            if gone is None:  # a join record since the last look: say who took the slot
+            if counted:  # a join record since the last look: say who took the slot
                 self._note_join(learner, region)
-            status = self._heard.get(learner, ((None,), 0.0))[0]
-            if gone is not None and self.releases and status[0] == "training":
-                self.releases.tend(learner, region, status, now)  # silent as it trained
+            if verdict is not None and verdict.state == "silent" and self.releases:
+                self.releases.tend(learner, region, self._beats[learner], now)
         self._members = members
         if self.offers is not None:
             self.offers.tend(members)
@@ -257,20 +262,21 @@ class PipelineSyncerTransport:
         self.log.warning("learner %s joined from host %s (join %s; the slot: %s)", learner,
                          record.get("host"), record.get("join"), record.get("took"))  # fmt: skip
 
-    def _gone(
+    def _look(
         self, learner: str, region: str, now: float, status: dict | None = None
-    ) -> str | None:
-        """Why ``learner`` is not a member now, or None (``status``: as just read)."""
-        if status is None:
-            try:
-                status = self.store.main.read_metrics(learner, region) or {}
-            except (OSError, ValueError):
-                return None
-        key = (status.get("state"), status.get("time"), status.get("step"))
-        heard = self._heard.get(learner)
-        if heard is None or heard[0] != key:
-            heard = self._heard[learner] = (key, now)
-        return absence(status, now - heard[1], self.member_timeout)
+    ) -> Verdict | None:
+        """``learner`` now (``status``: as just read), by its heartbeat and status; None
+        when they cannot be read (a storage hiccup drops nobody)."""
+        main = self.store.main
+        try:
+            if status is None:
+                status = main.read_metrics(learner, region) or {}
+            beat = main.read_heartbeat(learner, region, self.store.keys.verifying_key(learner))
+        except (OSError, ValueError):
+            return None
+        self._beats[learner] = beat.key if beat is not None else (
+            status.get("state"), status.get("time"), status.get("step"))  # fmt: skip
+        return self.liveness.look(learner, beat, status, now)
 
     def _given_up(self, learner: str) -> bool:
         """Whether the launcher gave ``learner`` up (read at most every 5 s)."""
@@ -361,7 +367,8 @@ class SyncerRuntime:
         self.transport = PipelineSyncerTransport(
             store, self.fragments, self.cfg.pipeline.keep_versions or self.cfg.kept_versions,
             self.cfg.outer.max_staleness, self.log, self.cfg.budget.tokens,
-            self.cfg.pipeline.retention_seconds, member_timeout=self.cfg.pipeline.member_timeout,
+            self.cfg.pipeline.retention_seconds, liveness=self.cfg.liveness,
+            inner_steps=self.cfg.topology.inner_steps,
         )  # fmt: skip
         self.transport.on_published = self.report
         self.transport.spec = spec  # to admit the learners joiners add

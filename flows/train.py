@@ -252,7 +252,7 @@ def _train(
             from prefect.exceptions import CancelledRun
 
             from flows import launcher  # (Prefect: its settings are the run's from here)
-            from flows.monitor import StorageUnreachable
+            from flows.monitor import RunStalled, StorageUnreachable
             from flows.worker import prefect_api_reachable
 
             launch = launcher.Launch()
@@ -270,7 +270,7 @@ def _train(
                 launch.stop()
                 console.print(f"resume with the same command (run {run!r})")
                 return 130
-            except (launcher.RunTakenOver, StorageUnreachable) as exc:
+            except (launcher.RunTakenOver, StorageUnreachable, RunStalled) as exc:
                 launch.stop()
                 console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
                 return 1

@@ -9,6 +9,7 @@
     {root}/{run}/learners/{learner}/checkpoints/data/s{STEP}-{WRITE_ID}/
     {root}/{run}/learners/{learner}/history/s{ROUND}.json     one round's row, written once
     {root}/{run}/learners/{learner}/joins/s{N}.json     a join of its slot, signed, written once
+    {root}/{run}/learners/{learner}/heartbeat.json  its liveness, signed, rewritten every few s
     {root}/{run}/globals/f{P}/commits/v{VERSION}.json
     {root}/{run}/globals/f{P}/data/v{VERSION}-{WRITE_ID}/
     {root}/{run}/globals/f{P}/latest.json             advisory pointer to the newest version
@@ -222,6 +223,10 @@ class RunLayout:
     def launcher_lease(self, claim: int) -> str:
         """Claim ``claim``'s lease: overwritten by its launcher each time it renews it."""
         return f"{self.run}/launcher/leases/s{number(claim)}.json"
+
+    def heartbeat(self, learner: str) -> str:
+        """A learner's heartbeat (``storage_layout.heartbeat``), rewritten every few seconds."""
+        return f"{self.run}/learners/{check_name('learner', learner)}/heartbeat.json"
 
     # learners' round history -------------------------------------------------------
     def history(self, learner: str) -> str:

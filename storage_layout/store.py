@@ -42,6 +42,7 @@ from diloco.quantize import (
     quantize,
 )
 from diloco.topology import learner_index, learner_region, run_deal, run_slots
+from storage_layout import heartbeat
 from storage_layout.auth import (
     SecretMismatch,
     record_verifies,
@@ -1341,6 +1342,20 @@ class RunStore:
         except CorruptVersion as exc:
             log.warning("metrics object of %s ignored: %s", name, exc)
             return None
+
+    # heartbeats -------------------------------------------------------------------------
+    def write_heartbeat(self, beat: Mapping[str, Any], key: bytes | None = None) -> None:
+        """Rewrite a learner's heartbeat at home (``storage_layout.heartbeat``), signed
+        with ``key`` if given."""
+        heartbeat.write(self.home, self.layout, beat, key)
+
+    def read_heartbeat(
+        self, learner: str, region: str | None = None, key: bytes | None = None
+    ) -> heartbeat.Heartbeat | None:
+        """``learner``'s heartbeat in ``region``, checked (given ``key``, its signature
+        too); None when there is none or it does not read."""
+        bucket = self.bucket(region or self.client_region)
+        return heartbeat.read(bucket, self.layout, learner, key)
 
     # learners' round history ------------------------------------------------------------
     def put_round(self, learner: str, round_number: int, row: Mapping[str, Any]) -> bool:

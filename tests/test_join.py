@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco.config import load_config
+from diloco.config import ConfigError, LivenessConfig, load_config
 from diloco.topology import run_slots
 from flows.cli import main as cli_main
 from flows.join import choose_slot, join, join_flow, slot_state
@@ -503,7 +503,7 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     with pytest.raises(JoinRefused, match="has trained its budget"):
         join_flow(run=run, region=REGION, bucket=url)
     with pytest.raises(JoinRefused) as refused:
-        choose_slot(store, store.read_spec(), REGION, parse_join_token(token, run), 600.0,
+        choose_slot(store, store.read_spec(), REGION, parse_join_token(token, run), LIVENESS,
                     grow=True)  # fmt: skip
     said = " ".join(str(refused.value).split())
     assert "no vacant learner slot" in said and "learner-1: done" in said, said
@@ -571,7 +571,7 @@ def test_a_joiner_that_finds_no_slot_vacant_adds_one_to_a_run_taking_its_data_in
     (joined,) = store.joins("learner-2")
     assert joined["took"] == "added to the run (no slot was vacant)"
     assert store.run_learners(spec).regions == {**run_slots(spec), "learner-2": REGION}
-    assert "joining" in slot_state(store, "learner-2", REGION, 600).why
+    assert "joining" in slot_state(store, "learner-2", REGION, LIVENESS).why
     worker, _ = join(url, "grow", REGION, environ=env)
     assert worker.writer == "learner-3"
     # a token covering learner-4 adds it; one covering only taken ids adds nothing
@@ -618,6 +618,9 @@ def test_a_joiner_that_finds_no_slot_vacant_adds_one_to_a_run_taking_its_data_in
     assert all(report.learners[f"learner-{i}"]["added"] for i in (2, 3, 4))
 
 
+LIVENESS = LivenessConfig()  # (silent after 600 s without a heartbeat or a status)
+
+
 def test_slot_states_follow_the_statuses(tmp_path):
     """A slot is vacant when never started, preempted, or silent past the timeout; not
     when done, training, claimed by a start that has written no status yet, or joined
@@ -625,23 +628,62 @@ def test_slot_states_follow_the_statuses(tmp_path):
     url, _, store, _, _ = _run(tmp_path, "slots")
     now = time.time()
     lid = "learner-0"
-    assert slot_state(store, lid, REGION, 600, now).vacant  # never started
+    assert slot_state(store, lid, REGION, LIVENESS, now).vacant  # never started
     store.claim_generation(lid)
-    assert not slot_state(store, lid, REGION, 600, now).vacant  # starting
+    assert not slot_state(store, lid, REGION, LIVENESS, now).vacant  # starting
     writer = RunStore("slots", {REGION: url}, REGION, writer=lid)
     for state, at, vacant in (("training", now - 10, False), ("training", now - 900, True),
                               ("preempted", now, True), ("done", now - 900, False)):  # fmt: skip
         writer.write_metrics(lid, {"state": state, "time": at, "step": 3})
-        got = slot_state(store, lid, REGION, 600, now)
+        got = slot_state(store, lid, REGION, LIVENESS, now)
         assert got.vacant is vacant, (state, at, got)
     # Preempted, then joined again: its joiner is on its way (a join newer than the
     # status) until it starts, or its join is older than the timeout.
     writer.write_metrics(lid, {"state": "preempted", "time": now - 20, "step": 3})
     store.put_join(lid, lambda n: json.dumps({"join": n, "time": now - 30}).encode())
-    assert slot_state(store, lid, REGION, 600, now).vacant  # that join came before it
+    assert slot_state(store, lid, REGION, LIVENESS, now).vacant  # that join came before it
     store.put_join(lid, lambda n: json.dumps({"join": n, "time": now - 10}).encode())
-    assert slot_state(store, lid, REGION, 600, now).why == "joining (joined 10 s ago, not started)"
-    assert slot_state(store, lid, REGION, 600, now + 700).vacant
+    assert (
+        slot_state(store, lid, REGION, LIVENESS, now).why
+        == "joining (joined 10 s ago, not started)"
+    )
+    assert slot_state(store, lid, REGION, LIVENESS, now + 700).vacant
+
+
+def test_a_slow_learner_holds_its_slot_by_its_heartbeat_whatever_the_joiner_passes(tmp_path):
+    """A learner whose status is old (a round longer than any timeout) holds its slot
+    while its heartbeat is fresh, by the run's own liveness settings (its spec): a joiner
+    cannot pass its own (``pipeline.member_timeout`` is refused by name). A heartbeat
+    older than the run's silence limit by this machine's clock makes the slot vacant only
+    if it does not move while the joiner watches two beats (a clock ahead of the
+    learner's); a forged heartbeat (not signed with the learner's key) counts for nothing."""
+    url, _, store, _, secret = _run(tmp_path, "slow")
+    lid, now = "learner-0", time.time()
+    writer = RunStore("slow", {REGION: url}, REGION, writer=lid)
+    key = learner_key(secret, "slow", lid)
+    writer.claim_generation(lid)
+    writer.write_metrics(lid, {"state": "training", "time": now - 3600, "step": 3})
+
+    def beat(n: int, at: float, key: bytes | None = key) -> None:
+        writer.write_heartbeat({"learner": lid, "generation": 1, "beat": n, "period": 0.2,
+                                "state": "training", "step": 3, "sends": 0, "time": at}, key)  # fmt: skip
+
+    beat(1, now - 0.5)
+    got = slot_state(store, lid, REGION, LIVENESS, now, key=key)
+    assert not got.vacant and got.why == "training at step 3", got
+    with pytest.raises(ConfigError, match=r"pipeline\.member_timeout is gone"):
+        join(url, "slow", REGION, pipeline={"member_timeout": 0.5},
+             environ={RUN_SECRET_ENV: secret})  # fmt: skip
+    beat(2, now - 100)  # stale by this clock (silent after 60 s): watched, it stays still
+    got = slot_state(store, lid, REGION, LIVENESS, now, key=key)
+    assert got.vacant and got.why.startswith("no heartbeat for 100 s"), got
+    mover = threading.Timer(0.3, beat, (3, now - 100))  # ... or it moves: alive
+    mover.start()
+    got = slot_state(store, lid, REGION, LIVENESS, now, key=key)
+    mover.join()
+    assert not got.vacant and "this machine's clock is ahead" in got.why, got
+    beat(4, now, key=b"k" * 32)  # fresh, but forged: as if there were none
+    assert slot_state(store, lid, REGION, LIVENESS, now, key=key).vacant
 
 
 def test_a_joiner_stopped_with_ctrl_c_leaves_the_run_as_a_preempted_learner(tmp_path, prefect_api):

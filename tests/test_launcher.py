@@ -136,12 +136,18 @@ PIPELINE = {"round_steps": 20, "rounds_per_flow_run": 2, "checkpoint_every": 20,
             "max_failed_starts": 2, "spares": 0}  # fmt: skip
 
 
+# Liveness limits far below a slowed learner's round: silent after 3 s without a beat.
+FAST_LIVENESS = ["--set=liveness.heartbeat_seconds=0.5", "--set=liveness.silent_min_seconds=2",
+                 "--set=liveness.silent_max_seconds=3"]  # fmt: skip
+
+
 def _train(root: Path, run: str, tokens: int, env: dict[str, str], log: Path,
-           learners: int = 4, **pipeline: object) -> subprocess.Popen:  # fmt: skip
+           learners: int = 4, sets: tuple[str, ...] = (),
+           **pipeline: object) -> subprocess.Popen:  # fmt: skip
     """`diloco train` of ``run`` under ``root`` (``learners`` of the tiny preset, dealt to
-    us-east and eu-west in turn), its output to ``log``."""
+    us-east and eu-west in turn, ``sets`` laid over), its output to ``log``."""
     argv = [sys.executable, "-m", "flows.cli", "train", "--dir", str(root), "--run", run,
-            "--tokens", str(tokens), f"--set=topology.learners={learners}"]  # fmt: skip
+            "--tokens", str(tokens), f"--set=topology.learners={learners}", *sets]  # fmt: skip
     argv += [f"--set=pipeline.{k}={v}" for k, v in {**PIPELINE, **pipeline}.items()]
     with log.open("ab") as out:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -431,11 +437,16 @@ def test_a_paused_syncer_is_named_and_a_stand_by_takes_its_fragments_over(prefec
     on, and nothing said so. The launcher names it once its fragments have had no new
     version for ``stall_seconds`` while the learners trained, and starts a stand-by that
     publishes the next versions while it is still paused; when it wakes, the commit
-    protocol fences the two: the audit finds every contribution merged once."""
+    protocol fences the two: the audit finds every contribution merged once.
+
+    And a slow learner is not a dead one: learner 3 is slowed 100 times, so that its
+    rounds (and its status, written once a round) take longer than the run's silence
+    limit (3 s): its heartbeat keeps it a member, and no learner is ever fenced."""
     root, run = tmp_path / "runs", "paused"
     root.mkdir()
     log = root / "train.log"
-    proc = _train(root, run, 300_000, dict(os.environ), log, stall_seconds=10)
+    proc = _train(root, run, 300_000, dict(os.environ), log, stall_seconds=10,
+                  sets=(*FAST_LIVENESS, "--set=pipeline.speeds=[1,1,1,100]"))  # fmt: skip
     regions = {r: f"file://{root / run / 'buckets' / r}" for r in ("us-east", "eu-west")}
     paused = None
     try:
@@ -454,18 +465,73 @@ def test_a_paused_syncer_is_named_and_a_stand_by_takes_its_fragments_over(prefec
         os.kill(paused, signal.SIGCONT)
         code = proc.wait(timeout=600)
     finally:
-        if paused is not None and _state(paused):
-            os.kill(paused, signal.SIGCONT)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=120)
+        _wake_and_stop([paused] if paused is not None else [], proc)
     output = log.read_text()
     assert code == 0, output[-4000:]
     assert "syncer us-east/0: starting a stand-by for fragments [0, 1]" in output
+    assert output.count("starting a stand-by") == 1, output[-4000:]  # one while it lives
     summary = json.loads((root / run / "summary.json").read_text())
     assert summary["failed"] == [] and set(summary["learner_states"].values()) == {"done"}
     report = audit_run(run, regions)
     assert report.ok, dict(report.violations)
+    slow = RunStore(run, regions, "eu-west")  # learner-3 lives in eu-west
+    rows, _ = slow.get_rounds("learner-3", slow.history_rounds("learner-3"))
+    rounds = [r["seconds"] for r in rows]
+    for lid, region in run_slots(slow.read_spec()).items():
+        own = RunStore(run, regions, region)
+        fences = [g for g in range(1, own.newest_generation(lid) + 1)
+                  if "fence" in (own.generation(lid, g) or {})]  # fmt: skip
+        assert fences == [], (lid, fences, rounds)
+    # (one not started yet, with no heartbeat, may be: as a vacant slot)
+    assert "towards the quorum: no heartbeat for" not in _logs(root / run / "logs"), rounds
+    assert max(rounds) > 3.0, rounds  # (slower than the silence limit, as set up)
+
+
+def _wake_and_stop(paused: list[int], proc: subprocess.Popen) -> None:
+    """After a test: wake the workers it paused, and stop its `diloco train` if it runs."""
+    for pid in paused:
+        if _state(pid):
+            os.kill(pid, signal.SIGCONT)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+
+
+def _logs(folder: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted(folder.glob("*.log")))
+
+
+@pytest.mark.slow
+def test_a_run_whose_every_learner_hangs_ends_with_a_named_error(prefect_api, tmp_path):
+    """Both learners hung (SIGSTOP: their processes alive, their heartbeats stopped) once
+    the first versions are out: the syncers take them for silent and fence them; the
+    launcher, seeing no new version, says why in one line instead of the progress line
+    (who is fenced), and, nobody being there to take the slots, ends the run with a named
+    error rather than waiting for ever; the workers are stopped."""
+    root, run = tmp_path / "runs", "hung"
+    root.mkdir()
+    log = root / "train.log"
+    proc = _train(root, run, 50_000_000, dict(os.environ), log, learners=2, stall_seconds=2,
+                  sets=tuple(FAST_LIVENESS))  # fmt: skip
+    regions = {r: f"file://{root / run / 'buckets' / r}" for r in ("us-east", "eu-west")}
+    hung: list[int] = []
+    try:
+        store = until(lambda: (root / run / "buckets" / "us-east" / run / "spec.json").exists()
+                      and RunStore(run, regions, "us-east"), "the run's spec")  # fmt: skip
+        until(lambda: (store.latest_global(0) or 0) >= 2, "two versions of fragment 0")
+        hung = [pid for name, pid in _started(log).items() if name.startswith("learner")]
+        for pid in hung:
+            os.kill(pid, signal.SIGSTOP)
+        code = proc.wait(timeout=300)  # a guard against a hang
+    finally:
+        _wake_and_stop(hung, proc)
+    output = log.read_text()
+    assert code == 1, output[-4000:]
+    said = " ".join(output.split())
+    assert "the run cannot make progress by itself: no new version for" in said, said[-4000:]
+    assert "learner-0 fenced (no heartbeat for" in said, said[-4000:]
+    assert re.search(r"\| no new version for \d+ s .*learner-1 (fenced|silent)", said), said[-4000:]
+    assert "Traceback" not in output, output[-4000:]
 
 
 def test_a_syncer_is_called_stalled_only_while_the_learners_train_past_its_versions(
@@ -642,3 +708,69 @@ def test_a_ctrl_c_swallowed_on_its_way_still_ends_the_watch():
     with pytest.raises(KeyboardInterrupt):
         _watch(["learner us-east/0"], [Running()], None, None, 1e9, None,
                signalled=launch.signalled)  # fmt: skip
+
+
+def test_one_stand_by_per_syncer_shard_while_it_lives(caplog):
+    """A shard seen stalled again while its stand-by still runs gets no second one (it
+    would only fence the first); once that one has ended, a new stall gets a new one."""
+    from concurrent.futures import Future
+
+    from flows.launcher import StandBys
+
+    started: list[Future] = []
+
+    class Mode:
+        stopping = threading.Event()
+
+        def stand_by(self, worker):
+            started.append(Future())
+            return f"{worker.name} stand-by", started[-1]
+
+    class Worker:
+        name, status = "syncer us-east/0", ("", "", [0, 1])
+
+    log = logging.getLogger("test-stand-by")
+    stand_bys = StandBys(Mode(), {"syncer us-east/0": Worker()}, log)
+    with caplog.at_level("WARNING", "test-stand-by"):
+        assert stand_bys.start("syncer us-east/0")[0] == "syncer us-east/0 stand-by"
+        assert stand_bys.start("syncer us-east/0") is None  # the first one lives
+        assert stand_bys.start("syncer us-east/9") is None  # no such shard
+        started[0].set_result(0)
+        assert stand_bys.start("syncer us-east/0") is not None  # it ended: a new stall
+    assert len(started) == 2
+    assert "syncer us-east/0: its stand-by is running already; no second one" in caplog.text
+
+
+def test_a_run_standing_still_is_said_why_and_ends_only_when_nobody_beats(tmp_path):
+    """The monitor's standstill: nothing while versions move or for ``stall_after`` (3 of
+    the learners' rounds when those are longer than ``pipeline.stall_seconds``); then one
+    line naming each learner's state. Hopeless only once every learner not done is
+    silent by a heartbeat that stopped, never for learners that have not started."""
+    from diloco.liveness import Verdict
+
+    store = _lock_run(tmp_path, "still")
+    cfg = load_config("tiny", overrides=["budget.tokens=20000", "pipeline.stall_seconds=10"])
+    now = [0.0]
+    monitor = Monitor(store, cfg, store.read_spec(), clock=lambda: now[0])
+    monitor.round_seconds = 20.0  # (as the heartbeats measure it): stall after 60 s
+    verdicts = {"learner-0": Verdict("training", beating=True),
+                "learner-1": Verdict("lagging", "no send for 90 s", beating=True),
+                "learner-2": Verdict("compiling", beating=True), "learner-3": Verdict("done")}  # fmt: skip
+    assert monitor.standstill({0: 3, 1: 3}, verdicts) is None  # first sight
+    now[0] = 59.0
+    assert monitor.standstill({0: 3, 1: 3}, verdicts) is None
+    now[0] = 61.0
+    quiet, line = monitor.standstill({0: 3, 1: 3}, verdicts)
+    assert quiet == 61.0 and line == (
+        "no new version for 61 s (f0:v3 f1:v3; the learners' round is 20 s): learner-0 "
+        "training; learner-1 lagging (no send for 90 s); learner-2 compiling; learner-3 done"
+    )
+    assert monitor.standstill({0: 4, 1: 3}, verdicts) is None  # it moves
+    silent = Verdict("silent", "no heartbeat for 70 s", beating=True)
+    hung = {"learner-0": silent, "learner-1": silent, "learner-2": silent,
+            "learner-3": Verdict("done")}  # fmt: skip
+    limit = monitor.stall_after() + cfg.liveness.silent_max_seconds
+    assert not monitor.hopeless(limit, hung) and monitor.hopeless(limit + 1, hung)
+    unstarted = {**hung, "learner-2": Verdict("silent", "no heartbeat, and no new status")}
+    assert not monitor.hopeless(limit + 1, unstarted)
+    assert not monitor.hopeless(limit + 1, {**hung, "learner-1": verdicts["learner-1"]})

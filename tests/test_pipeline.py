@@ -32,7 +32,8 @@ import httpx
 import numpy as np
 import pytest
 
-from diloco.config import load_config
+from diloco.config import LivenessConfig, load_config
+from diloco.liveness import Liveness
 from diloco.outer import Contribution
 from diloco.quantize import quantize
 from diloco.tensors import materialize
@@ -1014,15 +1015,17 @@ def test_a_worker_stopped_by_the_launcher_checkpoints_and_its_flow_run_ends_canc
 
 def test_the_syncers_members_follow_the_learners_statuses(tmp_path, caplog, monkeypatch):
     """A syncer counts towards the quorum every learner but one whose status says it was
-    preempted, one whose status has not changed for pipeline.member_timeout seconds of
-    the syncer's own clock (a done one excepted), and one given up; each comes back when
+    preempted, one that writes no heartbeat and whose status has not changed for
+    liveness.silent_max_seconds of the syncer's own clock (a done one excepted), and one
+    given up; each comes back when
     it writes again, and each change is logged once. One that comes back by a join
     (``diloco join``) is logged with its join record, checked against its key."""
     _, regions, _, _ = _local_run(tmp_path, "members")
     secret = "s" * 32
     monkeypatch.setenv(RUN_SECRET_ENV, secret)
-    syncer = SyncerRuntime("members", regions, "us-east", 0, 2, {"member_timeout": 100})
+    syncer = SyncerRuntime("members", regions, "us-east", 0, 2, {})
     transport, now = syncer.transport, [0.0]
+    transport.liveness = Liveness(LivenessConfig(silent_max_seconds=100), 20)
     transport.clock = lambda: now[0]
     spec = RunStore("members", regions, "us-east").read_spec()
     writers = {
@@ -1062,7 +1065,9 @@ def test_the_syncers_members_follow_the_learners_statuses(tmp_path, caplog, monk
     assert "join record 1 of learner-1 does not verify with its key" in text
     assert "learner learner-1 joined" not in text
     assert "learner-1 is not counted towards the quorum: it was preempted" in text
-    assert "learner-2 is not counted towards the quorum: no new status for 1" in text
+    assert (
+        "learner-2 is not counted towards the quorum: no heartbeat, and no new status for 1" in text
+    )
     assert text.count("learner-2 is counted towards the quorum again") == 1
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from diloco.config import load_config
+from diloco.config import LivenessConfig, load_config
 from diloco.dataset import open_dataset, prepare
 from diloco.topology import run_slots
 from diloco.units import MemoryLedger, Span, UnitPlan, UnitReader, cut, pool_unit
@@ -453,6 +453,10 @@ def test_a_take_that_died_between_its_claim_and_its_record_is_taken_again_by_its
     assert again.orphans() == []
 
 
+# A syncer's liveness rule that tells a learner silent after 5 s of its (fake) clock.
+FAST_LIVENESS = LivenessConfig(heartbeat_seconds=1, silent_min_seconds=5, silent_max_seconds=5)
+
+
 def _worker_run(prepared, tmp_path, run):
     """A run of two learner slots in one region on units, its learners far from done:
     (config, regions, store, spec, the first learner's id)."""
@@ -578,14 +582,16 @@ def test_units_take_a_prepared_data_set_and_a_bad_ledger_record_is_named(prepare
         BucketLedger(other, plan, ["learner-0"]).spans("learner-0")
 
 
-def test_a_silent_learner_is_fenced_and_its_data_given_back_by_the_syncers(
+def test_a_silent_learner_is_fenced_its_data_given_back_and_woken_it_rejoins(
     prepared, tmp_path, prefect_api
 ):
     """A learner worker on units stopped (SIGSTOP) as it trains, once its first send
-    commits, at a point where it holds windows past where its slot resumes: silent past
-    `pipeline.member_timeout` on the syncer's clock, the syncer's transport fences it
-    (claims its next generation) and, a grace later, gives back its stream from where a
-    restart would resume. Woken (SIGCONT), the learner commits nothing more and stops."""
+    commits, at a point where it holds windows past where its slot resumes: its heartbeat
+    silent on the syncer's clock, the syncer's transport fences it (claims its next
+    generation) and, a grace later, gives back its stream from where a restart would
+    resume. Woken (SIGCONT), the learner commits nothing more as the generation it was:
+    it says so once, takes a new generation as a restart does, resumes from its newest
+    checkpoint and sends again, from the data given to it."""
     import logging
     import signal
     import subprocess
@@ -636,7 +642,7 @@ def test_a_silent_learner_is_fenced_and_its_data_given_back_by_the_syncers(
             time.sleep(0.1)
         now = [0.0]
         transport = PipelineSyncerTransport(syncer_store, [0, 1], 100, 4, logging.getLogger(),
-                                            clock=lambda: now[0], member_timeout=5.0)  # fmt: skip
+                                            clock=lambda: now[0], liveness=FAST_LIVENESS)  # fmt: skip
         transport.releases = SilentReleases(syncer_store, plan, batch, logging.getLogger(),
                                             region_pools(spec))  # fmt: skip
         generation = store.newest_generation(lid)
@@ -658,20 +664,36 @@ def test_a_silent_learner_is_fenced_and_its_data_given_back_by_the_syncers(
         other = next(x for x in run_slots(spec) if x != lid)
         assert store.newest_generation(other) == 0  # never started: not fenced, vacant
         sent = {p: store.contribution_seqs(lid, p, "us-east") for p in range(2)}
+        newest_sent = max(max(s, default=0) for s in sent.values())
         proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 300  # a guard against a hang, not a measure
+        while store.newest_generation(lid) < generation + 2 or not any(
+            s > newest_sent for p in range(2) for s in store.contribution_seqs(lid, p, "us-east")
+        ):  # back as a new generation, and sending again
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
         proc.wait(timeout=300)  # a guard against a hang
     finally:
         if proc.poll() is None:
             proc.kill()
     text = log.read_text()
-    assert "fenced off by" in text and "its data given back" in text, text[-3000:]
-    assert {p: store.contribution_seqs(lid, p, "us-east") for p in range(2)} == sent, text[-6000:]
-    assert ledger.take(other) == back[0]  # the region's next learner takes it first
+    assert text.count("was fenced off while alive") == 1, text[-6000:]
+    assert "its data given back" in text and "takes a new generation" in text, text[-3000:]
+    assert store.generation(lid, generation + 2).get("pid") == proc.pid  # the same process
+    # What it sent as the fenced generation is what it had committed before the fence;
+    # what it sends now starts after the resume point, from the spans it was given.
+    after = {p: [s for s in store.contribution_seqs(lid, p, "us-east") if s not in sent[p]]
+             for p in range(2)}  # fmt: skip
+    heads = [store.contribution_head(lid, p, s, "us-east").meta for p in range(2) for s in after[p]]
+    assert heads and min(int(m["step"]) for m in heads) * batch > at
+    took = ledger.spans(lid) + ledger.spans(other)
+    assert back[0] in took or back[0] in ledger.given_back()  # given back: nobody lost it
 
 
 def _syncer_looks(run, regions, spec, cfg, plan, grace: float):
     """A syncer's look at the members of a one-region run (``PipelineSyncerTransport``,
-    its silent learners' data given back after ``grace``, `member_timeout` 5 s), at a
+    its silent learners' data given back after ``grace``, silent after 5 s), at a
     time of a fake clock: ``look(t)``."""
     import logging
 
@@ -682,7 +704,7 @@ def _syncer_looks(run, regions, spec, cfg, plan, grace: float):
     store = bucket_store(run, regions, spec, cfg, "syncer-0", home="us-east")
     now = [0.0]
     transport = PipelineSyncerTransport(store, [0, 1], 100, 4, logging.getLogger(),
-                                        clock=lambda: now[0], member_timeout=5.0)  # fmt: skip
+                                        clock=lambda: now[0], liveness=FAST_LIVENESS)  # fmt: skip
     transport.releases = SilentReleases(store, plan, cfg.data.batch_size, logging.getLogger(),
                                         region_pools(spec), grace=grace)  # fmt: skip
 
@@ -738,26 +760,37 @@ def test_a_syncer_admits_an_added_learner_within_a_second_and_reads_statuses_eve
     assert added in look(ADMIT_EVERY + MEMBERS_EVERY) and len(statuses) > read
 
 
-def test_only_a_learner_silent_as_it_trained_is_fenced(prepared, tmp_path):
-    """The syncers fence and give back the data of a learner whose newest status says it
-    was training; one silent while compiling or resuming (slow, perhaps, not gone) keeps
-    its slot and its spans. Statuses written by hand, the syncer's clock a fake one."""
+def test_a_learner_is_fenced_when_its_heartbeat_stops_not_when_a_phase_is_long(prepared, tmp_path):
+    """The syncers fence and give back the data of a learner whose heartbeat has stopped,
+    whatever it was doing; one whose heartbeat goes on keeps its slot and its spans
+    however long it compiles, resumes or trains a round (its status unchanged for
+    minutes). Heartbeats written by hand, the syncer's clock a fake one."""
 
     from flows.ledger import region_ledger, region_pools
 
     cfg, regions, store, spec, lid = _worker_run(prepared, tmp_path, "gate")
     plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
-    store.claim_generation(lid)  # it started ...
+    generation = store.claim_generation(lid)  # it started ...
     region_ledger(store, plan, run_slots(spec), "us-east", pools=region_pools(spec)).take(
         lid
     )  # ... and took data
     look = _syncer_looks("gate", regions, spec, cfg, plan, grace=0.0)
+    store.write_metrics(lid, {"state": "compiling", "time": 0, "step": 0})  # never again
+    beats = iter(range(1, 1000))
+
+    def beat(state: str) -> None:
+        store.write_heartbeat({"learner": lid, "generation": generation, "beat": next(beats),
+                               "period": 1.0, "state": state, "step": 0, "sends": 0,
+                               "time": 0.0})  # fmt: skip
+
     for t, state in enumerate(("compiling", "resuming", "training")):
-        store.write_metrics(lid, {"state": state, "time": t, "step": 0})
-        for dt in (0.0, 6.0, 12.0):  # heard, silent past the timeout, and a grace later
-            look(100.0 * t + dt)
-        fenced = store.newest_generation(lid) == 2
-        assert fenced == (state == "training"), state
+        for dt in range(0, 60, 4):  # a minute in each phase, silent after 5 s
+            beat(state)
+            assert lid in look(100.0 * t + dt), (state, dt)
+        assert store.newest_generation(lid) == generation, state
+    for dt in (0.0, 6.0, 12.0):  # its heartbeat stops: silent, and a grace later
+        look(400.0 + dt)
+    assert store.newest_generation(lid) == generation + 1
     assert (
         region_ledger(store, plan, run_slots(spec), "us-east", pools=region_pools(spec)).spans(lid)
         == []
@@ -888,8 +921,8 @@ def test_a_send_under_way_in_a_fenced_learner_lands_nowhere_once_its_data_is_giv
 
 def test_a_syncer_offers_the_pool_of_a_region_no_member_is_in(prepared, tmp_path):
     """The pipeline's syncer (``SyncerRuntime``, its first shard) tends the pools at its
-    look at the members: the learners of ``eu`` never started (silent past `pipeline.member_timeout`
-    on the syncer's clock), those of ``us`` train (statuses written by hand), so eu's units
+    look at the members: the learners of ``eu`` never started (silent past
+    `liveness.silent_max_seconds` on the syncer's clock), those of ``us`` train (statuses written by hand), so eu's units
     are offered in us's bucket and us's learners take them."""
     from flows.ledger import region_ledger, region_pools
     from flows.run import initialize_run
@@ -898,7 +931,8 @@ def test_a_syncer_offers_the_pool_of_a_region_no_member_is_in(prepared, tmp_path
 
     cfg = load_config("tiny", overrides=[
         f"data.source={prepared}", "model.vocab_size=512", "data.assign=units",
-        "topology.learners=4", "pipeline.member_timeout=5",
+        "topology.learners=4", "liveness.heartbeat_seconds=1",
+        "liveness.silent_min_seconds=5", "liveness.silent_max_seconds=5",
     ])  # fmt: skip
     regions = {r: f"file://{tmp_path / r}" for r in ("us", "eu")}
     for r in regions:

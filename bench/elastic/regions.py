@@ -53,7 +53,7 @@ from bench.machine import machine  # noqa: E402
 REGIONS = ("us-east", "eu-west")
 COMMON = [
     "topology.learners=4", "pipeline.learners_started=1", "topology.quorum=1",
-    "pipeline.eval_seconds=20", "pipeline.syncer_shards=1", "pipeline.member_timeout=30",
+    "pipeline.eval_seconds=20", "pipeline.syncer_shards=1", "liveness.silent_max_seconds=30",
     "data.assign=units",
 ]  # fmt: skip
 
