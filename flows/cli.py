@@ -989,6 +989,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 state = row.get("state") or ("never started" if "joins" in row else "-")
                 if row.get("status_age_s") is not None:
                     state += f", {row['status_age_s']:.0f} s ago"
+                if row.get("beat"):  # (alive: its heartbeat, apart from its status)
+                    beat = row["beat"]
+                    state += f"; heartbeat {beat['age_s']:.0f} s ago ({beat['state']})"
                 machine = [row.get("host"), row.get("devices") and f"devices {row['devices']}"]
                 if row.get("speed") is not None:
                     machine.append(f"speed {row['speed']:g}")

@@ -155,8 +155,9 @@ def _learner_row(
 ) -> dict[str, Any]:  # fmt: skip
     """A learner's newest contribution per fragment (its staleness) and checkpoint, what
     its status object says (``state``: training, preempted, done...; None: it has written
-    none, the slot never started) and how long ago by this machine's clock, and how many
-    times the slot was taken by ``diloco join``."""
+    none, the slot never started) and how long ago by this machine's clock, its newest
+    heartbeat (``beat``: its phase, generation and age), and how many times the slot was
+    taken by ``diloco join``."""
     row: dict[str, Any] = {"learner": learner, "region": region, "fragments": {}}
     if not reachable:
         return row
@@ -164,6 +165,10 @@ def _learner_row(
     row["state"] = status.get("state")
     if isinstance(status.get("time"), int | float):
         row["status_age_s"] = round(max(0.0, time.time() - status["time"]), 1)
+    beat = store.read_heartbeat(learner, region)
+    if beat is not None:
+        row["beat"] = {"state": beat.state, "generation": beat.generation,
+                       "age_s": round(max(0.0, time.time() - beat.time), 1)}  # fmt: skip
     row["joins"] = store.join_count(learner, region)
     lb = store.bucket(region)
     for p in range(fragments):

@@ -35,6 +35,7 @@ from storage_layout.auth import (
     record_verifies,
     sign_record,
 )
+from storage_layout.inspect import inspect_bucket
 from storage_layout.store import RunStore
 from tests.test_pipeline import _wait, _workers, told_to_leave
 
@@ -671,6 +672,9 @@ def test_a_slow_learner_holds_its_slot_by_its_heartbeat_whatever_the_joiner_pass
     beat(1, now - 0.5)
     got = slot_state(store, lid, REGION, LIVENESS, now, key=key)
     assert not got.vacant and got.why == "training at step 3", got
+    (shown,) = inspect_bucket(url, run="slow")["runs"]  # diloco inspect shows it too
+    row = next(r for r in shown["learners"] if r["learner"] == lid)
+    assert row["beat"]["state"] == "training" and row["beat"]["generation"] == 1, row
     with pytest.raises(ConfigError, match=r"pipeline\.member_timeout is gone"):
         join(url, "slow", REGION, pipeline={"member_timeout": 0.5},
              environ={RUN_SECRET_ENV: secret})  # fmt: skip
