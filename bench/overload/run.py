@@ -1,25 +1,28 @@
 """Overload benchmark: a run on a machine made busy on purpose, against the same run calm.
 
 `diloco train` (the `tiny` preset, M = 4 learners in two file:// regions, real processes
-and a real Prefect API, the default `data.assign`) runs twice with the same seed and
-budget:
+and a real Prefect API, the default `data.assign`) runs with the same seed, budget and
+rounds (``pipeline.round_steps``, ``--round-steps``: the inner steps after which a
+learner writes its status) three ways:
 
 - **calm**: as it is;
-- **overload**: ``--busy`` processes spinning beside it (each a tight Python loop, killed
-  at the end), its learners' steps slowed (``pipeline.speeds``, ``--speed``), and small
+- **slow**: its learners' steps slowed (``pipeline.speeds``, ``--speed``) and small
   liveness limits (``liveness.heartbeat_seconds`` ``--heartbeat``, ``silent_min_seconds``
-  ``--silent-min``, ``silent_max_seconds`` ``--silent-max``), so that a learner's round
-  (``pipeline.round_steps`` inner steps, after which it writes its status) takes longer
-  than the silence limit. Under the old rule (a learner silent once its status, written
-  once a round, had not changed for a fixed timeout) every learner would have been
-  taken for silent, fenced and its data given back, and the run would have stalled; now
-  a learner's heartbeat, beating from a thread of its own, says it is alive.
+  ``--silent-min``, ``silent_max_seconds`` ``--silent-max``), on a calm machine: the
+  control for the overload run's loss, as uneven speeds change who trains what (the
+  fastest learner trains most of a shared budget);
+- **overload**: the slow run with ``--busy`` processes spinning beside it (each a tight
+  Python loop, killed at the end), so that every learner's round takes longer than the
+  silence limit. Under the old rule (a learner silent once its status, written once a
+  round, had not changed for a fixed timeout) every learner would have been taken for
+  silent, fenced and its data given back, and the run would have stalled; now a
+  learner's heartbeat, beating from a thread of its own, says it is alive.
 
 ``pipeline.speeds`` is relative: a learner's step is stretched by its factor over the
 fastest learner's (``RunConfig.slowdown``), so ``4,4,4,4`` slows nobody. The default
-``1,4,4,4`` leaves learner-0 at the loaded machine's pace and slows the others four
-times; learner-0's round is long because of the load alone (the table shows each
-learner's).
+``1,4,4,4`` leaves learner-0 at the machine's pace (loaded, in the overload run) and
+slows the others four times; learner-0's round is longer than the limit through the
+load and the round's steps alone (the table shows each learner's).
 
 After each run every region is audited (``storage_layout.audit.audit_run``, and the data
 units), and the buckets and logs are read for: each learner's round seconds (its history
@@ -28,12 +31,14 @@ stand-by syncers the launcher started, the syncers' warnings that a learner was 
 counted towards the quorum (silent or lagging), and the final validation loss and tokens
 (the launcher's ``summary.json``). The targets: the overload run finishes, its audit is
 clean, no live learner is fenced (0 fences), and its loss is within the noise of the
-calm run's at the same tokens.
+calm run's (and the slow run's) at the same tokens.
 
-    python bench/overload/run.py [--tokens 1000000] [--busy 8] [--speed 1,4,4,4]
-        [--only calm] [--only overload] [--root DIR] [--out bench/overload]
+    python bench/overload/run.py [--tokens 3000000] [--busy 8] [--speed 1,4,4,4]
+        [--round-steps 400] [--only calm] [--only slow] [--only overload] [--root DIR]
+        [--out bench/overload]
 
-Writes bench/overload/results.md and results.json (after each run).
+Writes bench/overload/results.md and results.json (after each run; with ``--only``, the
+other runs' results of an earlier invocation stay).
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ from storage_layout.audit import audit_run  # noqa: E402
 from storage_layout.store import RunStore  # noqa: E402
 
 LEARNERS = 4
+RUNS = ("calm", "slow", "overload")  # in the order they run
 # What the logs say when a stand-by starts, a learner is counted out, or one is fenced.
 STAND_BY_LINE = re.compile(r"starting a stand-by for fragments")
 COUNTED_OUT = re.compile(r"learner (\S+) is not counted towards the quorum: (.*)")
@@ -73,11 +79,12 @@ def busy(n: int) -> list[subprocess.Popen]:
 
 
 def settings(name: str, args: argparse.Namespace) -> list[str]:
-    """The run's overrides: the same seed and budget for both; the overload run's slowed
-    steps and small liveness limits."""
+    """The run's overrides: the same seed, budget and rounds for all; the slowed steps
+    and small liveness limits of the slow and overload runs."""
     sets = [f"budget.tokens={args.tokens}", f"seed={args.seed}", "pipeline.eval_seconds=20",
-            f"topology.learners={LEARNERS}", f"pipeline.round_steps={args.round_steps}", *args.set]  # fmt: skip
-    if name == "overload":
+            f"topology.learners={LEARNERS}", f"pipeline.round_steps={args.round_steps}",
+            *args.set]  # fmt: skip
+    if name in ("slow", "overload"):
         sets += [
             f"pipeline.speeds={json.dumps(args.speed)}",
             f"liveness.heartbeat_seconds={args.heartbeat}",
@@ -85,6 +92,18 @@ def settings(name: str, args: argparse.Namespace) -> list[str]:
             f"liveness.silent_max_seconds={args.silent_max}",
         ]
     return sets
+
+
+def code_version() -> dict:
+    """The commit the code runs at and the files changed since (this benchmark's own
+    aside): another session may commit or edit while a run goes on."""
+
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True).stdout
+
+    changed = [line[3:] for line in git("status", "--porcelain").splitlines()
+               if not line[3:].startswith("bench/overload/")]  # fmt: skip
+    return {"commit": git("rev-parse", "--short", "HEAD").strip(), "changed": changed}
 
 
 def train(name: str, args: argparse.Namespace, root: Path) -> dict:
@@ -100,6 +119,7 @@ def train(name: str, args: argparse.Namespace, root: Path) -> dict:
             *[x for r, u in regions.items() for x in ("--region", f"{r}={u}")],
             "--create-buckets"]  # fmt: skip
     folder.mkdir(parents=True, exist_ok=True)
+    code_at = code_version()
     spinners = busy(args.busy) if name == "overload" else []
     started = time.time()
     stopped = False
@@ -126,10 +146,9 @@ def train(name: str, args: argparse.Namespace, root: Path) -> dict:
     summary_file = folder / "summary.json"
     summary = json.loads(summary_file.read_text()) if code == 0 and summary_file.exists() else {}
     out = {"run": run, "name": name, "argv": argv[1:], "sets": sets, "busy": len(spinners),
-           "speeds": args.speed if name == "overload" else [1.0] * LEARNERS,
-           "silent_max_seconds": args.silent_max if name == "overload" else 600.0,
-           "exit": code, "stopped": stopped, "seconds": seconds,
-           "summary": summary}  # fmt: skip
+           "speeds": [1.0] * LEARNERS if name == "calm" else args.speed,  # (not in the spec)
+           "code": code_at, "code_after": code_version(), "exit": code, "stopped": stopped,
+           "seconds": seconds, "summary": summary}  # fmt: skip
     out.update(inspect(run, regions, folder, args.round_steps))
     return out
 
@@ -140,7 +159,9 @@ def inspect(run: str, regions: dict[str, str], folder: Path, round_steps: int) -
     report = audit_run(run, regions)
     audit_units(report)  # data.assign = "units": no window merged from two learners
     store = RunStore(run, regions, next(iter(regions)), writer="bench")
-    learners = store.run_learners(store.read_spec()).regions
+    spec = store.read_spec()
+    learners = store.run_learners(spec).regions
+    liveness = spec["config"].get("liveness") or {}  # what its syncers judged by
     rounds: dict[str, list[float]] = {}
     per_step: dict[str, float | None] = {}  # seconds per inner step over all its rounds
     beats: dict[str, dict | None] = {}  # its last heartbeat
@@ -170,6 +191,7 @@ def inspect(run: str, regions: dict[str, str], folder: Path, round_steps: int) -
     counted_out = sorted({f"{m.group(1)}: {m.group(2)}" for m in COUNTED_OUT.finditer(text)})
     every = [s for r in rounds.values() for s in r]
     return {
+        "liveness": liveness, "silent_max_seconds": liveness.get("silent_max_seconds"),
         "audit": report.as_dict() | {"data": None},  # (the data ranges: long, not read)
         "audit_ok": report.ok,
         "tokens_merged": sum(a["tokens"]["merged"] + a["tokens"]["superseded"]
@@ -222,13 +244,27 @@ def loss_at(summary: dict, tokens: float) -> float | None:
     return None
 
 
+def compare(a: dict, b: dict) -> str | None:
+    """The validation losses of runs ``a`` and ``b`` at the tokens both reached."""
+    if not a["summary"] or not b["summary"]:
+        return None
+    tokens = min(a["summary"]["curve"][-1]["tokens"], b["summary"]["curve"][-1]["tokens"])
+    la, lb = loss_at(a["summary"], tokens), loss_at(b["summary"], tokens)
+    if la is None or lb is None:
+        return None
+    return (f"at {tokens:,.0f} tokens, {a['name']} {la:.4f}, {b['name']} {lb:.4f} "
+            f"({b['name']} / {a['name']} {lb / la:.3f})")  # fmt: skip
+
+
 def targets(results: list[dict]) -> list[str]:
-    """The overload run against its targets, and against the calm run at equal tokens."""
+    """The overload run against its targets, and its loss against the calm and slow runs
+    at equal tokens."""
     by = {r["name"]: r for r in results}
-    over, calm = by.get("overload"), by.get("calm")
+    over = by.get("overload")
     if over is None:
         return []
-    slowest = over["fastest_round_median"] or 0.0
+    fastest = over["fastest_round_median"] or 0.0
+    limit = over["silent_max_seconds"]
 
     def mark(ok: bool) -> str:
         return "met" if ok else "**NOT met**"
@@ -236,37 +272,46 @@ def targets(results: list[dict]) -> list[str]:
     lines = [
         "Targets of the overload run:",
         "",
-        f"- every learner's round longer than the silence limit (the old rule would have "
-        f"fenced them all): the fastest learner's median round {slowest:.1f} s against "
-        f"liveness.silent_max_seconds {over['silent_max_seconds']:g} s: "
-        f"{mark(slowest > over['silent_max_seconds'])}",
+        f"- every learner's round longer than the silence limit (the old rule, a status "
+        f"once a round and a fixed timeout, would have taken them all for silent): the "
+        f"fastest learner's median round {fastest:.1f} s against "
+        f"liveness.silent_max_seconds {limit:g} s: {mark(fastest > limit)}",
         f"- it finishes: {mark(over['exit'] == 0)}",
         f"- its audit is clean: {mark(over['audit_ok'])}",
         f"- no live learner fenced (fence records {over['fence_count']}): "
         f"{mark(over['fence_count'] == 0)}",
     ]
-    if calm is not None and calm["summary"] and over["summary"]:
-        tokens = min(calm["summary"]["curve"][-1]["tokens"], over["summary"]["curve"][-1]["tokens"])
-        a, b = loss_at(calm["summary"], tokens), loss_at(over["summary"], tokens)
-        if a is not None and b is not None:
-            lines.append(f"- loss within the noise of the calm run's at equal tokens: at "
-                         f"{tokens:,.0f} tokens, calm {a:.4f}, overload {b:.4f} "
-                         f"(ratio {b / a:.3f}; the calm runs of bench/chaos spread ~1-3 % at "
-                         f"one budget)")  # fmt: skip
+    for other in ("calm", "slow"):
+        if other in by and (text := compare(by[other], over)):
+            lines.append(f"- validation loss against the {other} run's: {text}")
     return lines
 
 
+NOTE = """\
+A round is `pipeline.round_steps` inner steps: a learner writes its status once a round,
+which is all the old rule (silent once the status had not changed for
+`pipeline.member_timeout`) had to go by; its seconds are the learners' history rows (full
+rounds only). Fences are generation objects with a `"fence"` key; stand-bys and learners
+counted out of the quorum (silent or lagging) are the launcher's and syncers' log lines.
+The slow run is the overload run without the busy processes: uneven `pipeline.speeds`
+give the fastest learner most of the shared budget, which changes the loss at equal
+tokens on its own, so the overload run's loss is compared with both."""
+
+
 def write(out: Path, args: argparse.Namespace, results: list[dict]) -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()  # fmt: skip
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()  # fmt: skip
-    at = commit + (" with uncommitted liveness changes" if dirty else "")
+    results = sorted(results, key=lambda r: RUNS.index(r["name"]))
     (out / "results.json").write_text(json.dumps(
-        {"args": vars(args), "machine": machine(), "commit": at, "results": results},
-        indent=1, default=str))  # fmt: skip
-    results = sorted(results, key=lambda r: ("calm", "overload").index(r["name"]))
-    commands = "\n".join(f"    {r['name']}: {r.get('command', '?')}" for r in results)
+        {"args": vars(args), "machine": machine(), "results": results}, indent=1,
+        default=str))  # fmt: skip
+    lines = []
+    for r in results:  # the code each ran: another session may commit or edit meanwhile
+        at = r["code"]["commit"]
+        if r["code"]["changed"]:
+            at += " with uncommitted changes (" + ", ".join(r["code"]["changed"]) + ")"
+        if r["code_after"] != r["code"]:
+            at += f"; at its end {r['code_after']['commit']} ({len(r['code_after']['changed'])} "
+            at += "files changed)"
+        lines.append(f"    {r['name']}: {r.get('command', '?')}\n        at commit {at}")
     header = ("| run | ended | busy processes | pipeline.speeds | round s (median / max) | "
               "fastest learner's median round s | silent_max_seconds | fences | stand-bys | "
               "counted out (log lines) | audit | tokens merged | final validation loss | "
@@ -278,8 +323,8 @@ def write(out: Path, args: argparse.Namespace, results: list[dict]) -> None:
             f"{r['step_seconds'][lid]:.3f} s a step)"
             for lid, s in r["round_seconds"].items() if s
         )  # fmt: skip
-        last = ", ".join(f"{lid} {b['state']} beat {b['beat']}" for lid, b in r["heartbeats"].items()
-                         if b)  # fmt: skip
+        last = ", ".join(f"{lid} {b['state']} at step {b['step']}, beat {b['beat']}"
+                         for lid, b in r["heartbeats"].items() if b)  # fmt: skip
         details.append(f"- {r['name']}: median round s per learner: {per or '-'}; "
                        f"generations {r['generations']}; stand-by workers "
                        f"{r['stand_by_workers'] or '-'}; data given back by syncers "
@@ -287,8 +332,8 @@ def write(out: Path, args: argparse.Namespace, results: list[dict]) -> None:
         details += [f"  - counted out: {c}" for c in r["counted_out"][:10]]
         details += [f"  - fence: {lid} {f}" for lid, fs in r["fences"].items() for f in fs]
     (out / "results.md").write_text(
-        f"# Overload benchmark\n\nAt commit {at}, on {machine()}:\n\n{commands}\n\n"
-        f"{header}\n"
+        f"# Overload benchmark\n\nOn {machine()}:\n\n" + "\n".join(lines) + "\n\n"
+        f"{NOTE}\n\n{header}\n"
         + "\n".join(row(r) for r in results)
         + "\n\n"
         + "\n".join(details)
@@ -300,16 +345,16 @@ def write(out: Path, args: argparse.Namespace, results: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=1_000_000)
+    parser.add_argument("--tokens", type=int, default=3_000_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--busy", type=int, default=8, help="busy processes beside the overload run"
     )
     parser.add_argument("--speed", type=lambda s: [float(x) for x in s.split(",")],
                         default=[1.0, 4.0, 4.0, 4.0],
-                        help="pipeline.speeds of the overload run, one factor per learner "
+                        help="pipeline.speeds of the slow and overload runs, one factor per learner "
                         "(relative to the fastest: 4,4,4,4 slows nobody)")  # fmt: skip
-    parser.add_argument("--round-steps", type=int, default=250,
+    parser.add_argument("--round-steps", type=int, default=400,
                         help="pipeline.round_steps of both runs: the inner steps of a "
                         "learner's round, after which it writes its status")  # fmt: skip
     parser.add_argument("--heartbeat", type=float, default=1.0, help="liveness.heartbeat_seconds")
@@ -321,7 +366,8 @@ def main() -> None:
                         help="a config field for both runs, as `diloco train --set`")  # fmt: skip
     parser.add_argument("--max-seconds", type=float, default=900.0,
                         help="per run: a run still going then is stopped (Ctrl-C)")  # fmt: skip
-    parser.add_argument("--only", action="append", choices=["calm", "overload"])
+    parser.add_argument("--only", action="append", choices=RUNS,
+                        help="only this run (repeatable; the others' earlier results stay)")  # fmt: skip
     parser.add_argument("--out", default=str(ROOT / "bench" / "overload"))
     parser.add_argument("--root", help="where the runs' buckets and logs go (kept)")
     args = parser.parse_args()
@@ -336,7 +382,7 @@ def main() -> None:
     if args.only and (out / "results.json").exists():
         earlier = json.loads((out / "results.json").read_text()).get("results", [])
         results = [r for r in earlier if r["name"] not in args.only]
-    for name in [n for n in ("calm", "overload") if n in (args.only or ["calm", "overload"])]:
+    for name in [n for n in RUNS if n in (args.only or RUNS)]:
         r = train(name, args, root)
         r["command"] = "python bench/overload/run.py " + " ".join(sys.argv[1:])
         print(row(r), flush=True)
