@@ -136,7 +136,7 @@ def slot_state(
         if verdict.counted:
             return Slot(learner, False, f"{verdict.state} at step {step}")
         if verdict.state == "silent" and beat is not None:
-            time.sleep(2 * beat.period + 1)
+            time.sleep(2 * liveness.heartbeat_seconds + 1)  # (the run's period, not the beat's)
             again = store.read_heartbeat(learner, region, key)
             if again is not None and again.key != beat.key:
                 return Slot(learner, False, f"{again.state} at step {again.step} (its heartbeat "

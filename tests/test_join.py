@@ -660,6 +660,7 @@ def test_a_slow_learner_holds_its_slot_by_its_heartbeat_whatever_the_joiner_pass
     learner's); a forged heartbeat (not signed with the learner's key) counts for nothing."""
     url, _, store, _, secret = _run(tmp_path, "slow")
     lid, now = "learner-0", time.time()
+    beats = LivenessConfig(heartbeat_seconds=0.2)  # (the run's rule, beats 0.2 s apart)
     writer = RunStore("slow", {REGION: url}, REGION, writer=lid)
     key = learner_key(secret, "slow", lid)
     writer.claim_generation(lid)
@@ -670,7 +671,7 @@ def test_a_slow_learner_holds_its_slot_by_its_heartbeat_whatever_the_joiner_pass
                                 "state": "training", "step": 3, "sends": 0, "time": at}, key)  # fmt: skip
 
     beat(1, now - 0.5)
-    got = slot_state(store, lid, REGION, LIVENESS, now, key=key)
+    got = slot_state(store, lid, REGION, beats, now, key=key)
     assert not got.vacant and got.why == "training at step 3", got
     (shown,) = inspect_bucket(url, run="slow")["runs"]  # diloco inspect shows it too
     row = next(r for r in shown["learners"] if r["learner"] == lid)
@@ -679,15 +680,15 @@ def test_a_slow_learner_holds_its_slot_by_its_heartbeat_whatever_the_joiner_pass
         join(url, "slow", REGION, pipeline={"member_timeout": 0.5},
              environ={RUN_SECRET_ENV: secret})  # fmt: skip
     beat(2, now - 100)  # stale by this clock (silent after 60 s): watched, it stays still
-    got = slot_state(store, lid, REGION, LIVENESS, now, key=key)
+    got = slot_state(store, lid, REGION, beats, now, key=key)
     assert got.vacant and got.why.startswith("no heartbeat for 100 s"), got
     mover = threading.Timer(0.3, beat, (3, now - 100))  # ... or it moves: alive
     mover.start()
-    got = slot_state(store, lid, REGION, LIVENESS, now, key=key)
+    got = slot_state(store, lid, REGION, beats, now, key=key)
     mover.join()
     assert not got.vacant and "this machine's clock is ahead" in got.why, got
     beat(4, now, key=b"k" * 32)  # fresh, but forged: as if there were none
-    assert slot_state(store, lid, REGION, LIVENESS, now, key=key).vacant
+    assert slot_state(store, lid, REGION, beats, now, key=key).vacant
 
 
 def test_a_joiner_stopped_with_ctrl_c_leaves_the_run_as_a_preempted_learner(tmp_path, prefect_api):
