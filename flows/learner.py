@@ -522,6 +522,17 @@ class LearnerRuntime:
             self._beat_progress, self.log,
         ) if self.leader else None  # fmt: skip
         self._progress: dict[str, Any] | None = None  # what a predecessor reported
+        try:
+            self._open(spec, learner, clock, io, opened)
+        except BaseException:  # (a start that fails beats no more)
+            if self.heartbeat is not None:
+                self.heartbeat.close()
+            raise
+
+    def _open(self, spec: dict[str, Any], learner: str, clock: Clock | None,
+              io: Callable[[StoreLearnerView], Any] | None, opened: float) -> None:  # fmt: skip
+        """The rest of the start, once the generation is held and the heartbeat goes:
+        compile, read what the learner resumes from, and start its loop."""
         self.announce("compiling")
         self._compile()
         self.announce("resuming")
