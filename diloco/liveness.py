@@ -19,8 +19,9 @@ compared (a joiner, with one look, does: ``glance``). A learner is
 - **preempted** or **done** as its heartbeat (or status) says; otherwise a member, in
   the phase its heartbeat names (starting, compiling, resuming, training, paused).
 
-A learner with no heartbeat (started by older code, or not started yet) is judged by its
-status object as before: silent once it has not changed for ``silent_max_seconds``.
+Only a beat counter that advances counts (an older signed beat written again keeps
+nobody alive). A learner with no heartbeat (started by older code, or not started yet)
+is judged by its status object as before: silent once it has not changed for ``silent_max_seconds``.
 
 Pure: the observers read the objects and pass them in (``flows``).
 """
@@ -85,7 +86,8 @@ class Liveness:
 
     def __init__(self, cfg: LivenessConfig, inner_steps: int):
         self.cfg, self.inner_steps = cfg, inner_steps
-        self._seen: dict[str, _Seen] = {}
+        self._seen: dict[str, _Seen] = {}  # by heartbeat
+        self._statuses: dict[str, _Seen] = {}  # by status, for learners without one
 
     def look(
         self, learner: str, beat: Any | None, status: Mapping[str, Any] | None, now: float
@@ -98,7 +100,9 @@ class Liveness:
         if beat is None:
             return self._by_status(learner, status, now)
         seen = self._seen.get(learner)
-        if seen is None or seen.key != beat.key:
+        # Only a counter that advances moves (a new generation starts again at 1): an
+        # older beat written again (replayed) keeps nobody alive.
+        if seen is None or beat.key > seen.key:
             gap = beat.period
             if seen is not None:  # a decaying maximum of the gaps seen
                 gap = max(gap, now - seen.at, GAP_DECAY * seen.gap)
@@ -129,9 +133,9 @@ class Liveness:
 
     def _by_status(self, learner: str, status: Mapping[str, Any], now: float) -> Verdict:
         key = (status.get("state"), status.get("time"), status.get("step"))
-        seen = self._seen.get(learner)
+        seen = self._statuses.get(learner)
         if seen is None or seen.key != key:
-            seen = self._seen[learner] = _Seen(key, now, self.cfg.heartbeat_seconds)
+            seen = self._statuses[learner] = _Seen(key, now, self.cfg.heartbeat_seconds)
         state = status.get("state")
         if state == "preempted":
             return Verdict("preempted", "it was preempted (it counts again when it writes anew)")

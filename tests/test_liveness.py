@@ -72,13 +72,19 @@ def test_silence_is_a_stopped_heartbeat_judged_by_its_measured_period():
     assert live.look("l0", Beat(beat=3), {}, 100.0).counted
     assert live.look("l0", Beat(beat=3), {}, 390.0).counted
     assert live.look("l0", Beat(beat=3), {}, 401.0).state == "silent"
-    assert live.look("l0", Beat(beat=4, state="preempted"), {}, 402.0).state == "preempted"
+    # an older beat written again (replayed) moves nothing: still silent
+    assert live.look("l0", Beat(beat=2), {}, 402.0).state == "silent"
+    assert live.look("l0", Beat(generation=2, beat=1), {}, 403.0).counted  # a new process
+    assert live.look("l0", Beat(beat=4, state="preempted"), {}, 404.0).state == "preempted"
     assert live.look("l0", Beat(beat=4), {"state": "done"}, 5000.0).state == "done"
     # no heartbeat at all (older code, or not started): its status, by the ceiling
     assert live.look("l1", None, {"state": "training", "time": 1}, 0.0).counted
     assert live.look("l1", None, {"state": "training", "time": 1}, 600.0).counted
     assert live.look("l1", None, {"state": "training", "time": 1}, 601.0).state == "silent"
     assert live.look("l1", None, {"state": "preempted"}, 602.0).state == "preempted"
+    # a heartbeat that could not be read once, then again: judged by each in turn
+    assert live.look("l0", None, {"state": "training", "time": 5}, 405.0).counted
+    assert live.look("l0", Beat(generation=2, beat=2), {}, 406.0).counted
 
 
 def test_a_joiners_glance_uses_the_beats_own_time_and_period():
