@@ -36,7 +36,7 @@ from prefect.artifacts import (
     create_progress_artifact,
     update_progress_artifact,
 )
-from prefect.states import State
+from prefect.states import Failed, State
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from diloco.config import (
@@ -237,8 +237,11 @@ def _watch(
             continue
         if monitor.errors == errors:
             monitor.storage_ok()
+        pct = monitor.progress(statuses)
         verdicts = monitor.verdicts(statuses)
         still = monitor.standstill(point["versions"], verdicts)
+        if still is not None:  # why, in place of the same progress line again
+            log.warning("%5.1f%% | %s", pct, still[1], extra=SHOWN)
         if still is not None and monitor.hopeless(still[0], verdicts):
             raise RunStalled(
                 f"the run cannot make progress by itself: {still[1]}. Every learner not done "
@@ -251,14 +254,12 @@ def _watch(
                 names.append(extra[0])
                 futures.append(extra[1])
                 pool.append(extra[1].wrapped_future)
-        pct = monitor.progress(statuses)
         if bar is not None:
             report(update_progress_artifact, bar, pct)
         show_phases(display, statuses, point["versions"], point, pct, oom)
         if metrics is not None:
             report(report_metrics, metrics, monitor, point, statuses, log)
-        if still is not None:  # why, in place of the same progress line again
-            log.warning("%5.1f%% | %s", pct, still[1], extra=SHOWN)
+        if still is not None:  # (said above)
             continue
         starting = None if started else startup_line(statuses, point["versions"], oom)
         if starting:
@@ -292,7 +293,7 @@ class StandBys:
         one runs already, or this launch mode starts none."""
         if name not in self.syncers or self.mode.stopping.is_set():
             return None
-        if name in self.running and not self.running[name].done():
+        if name in self.running and not self.running[name].wrapped_future.done():
             self.log.warning("%s: its stand-by is running already; no second one", name)
             return None
         extra = self.mode.stand_by(self.syncers[name])
@@ -545,6 +546,9 @@ def train_flow(
         # ("Crash detected!", an error in the log and the UI), and `diloco train` says so.
         return stopped(f"stopped by a signal: the learners and syncers checkpoint; run "
                        f"{run!r} resumes where it stopped")  # fmt: skip
+    except RunStalled as exc:  # named, not a traceback: the flow run ends Failed saying it
+        log.error("%s", exc)
+        return Failed(message=str(exc), data=exc)
 
 
 def _train(

@@ -714,6 +714,7 @@ def test_one_stand_by_per_syncer_shard_while_it_lives(caplog):
     """A shard seen stalled again while its stand-by still runs gets no second one (it
     would only fence the first); once that one has ended, a new stall gets a new one."""
     from concurrent.futures import Future
+    from types import SimpleNamespace
 
     from flows.launcher import StandBys
 
@@ -722,9 +723,9 @@ def test_one_stand_by_per_syncer_shard_while_it_lives(caplog):
     class Mode:
         stopping = threading.Event()
 
-        def stand_by(self, worker):
+        def stand_by(self, worker):  # (a Prefect future, wrapping the pool's)
             started.append(Future())
-            return f"{worker.name} stand-by", started[-1]
+            return f"{worker.name} stand-by", SimpleNamespace(wrapped_future=started[-1])
 
     class Worker:
         name, status = "syncer us-east/0", ("", "", [0, 1])
