@@ -519,6 +519,8 @@ def test_a_run_whose_every_learner_hangs_ends_with_a_named_error(prefect_api, tm
         store = until(lambda: (root / run / "buckets" / "us-east" / run / "spec.json").exists()
                       and RunStore(run, regions, "us-east"), "the run's spec")  # fmt: skip
         until(lambda: (store.latest_global(0) or 0) >= 2, "two versions of fragment 0")
+        until(lambda: all(store.read_heartbeat(lid, r) for lid, r in run_slots(store.read_spec()).items()),
+              "both learners to beat (a process hung before its first beat is only named)")  # fmt: skip
         hung = [pid for name, pid in _started(log).items() if name.startswith("learner")]
         for pid in hung:
             os.kill(pid, signal.SIGSTOP)
