@@ -295,7 +295,7 @@ class Monitor:
             why.append(f"{learner} {state}" + (f" ({verdict.why})" if verdict.why else ""))
         shown = " ".join(f"f{p}:v{v}" for p, v in versions.items())
         if self.round_seconds:
-            shown += f"; the learners' round is {self.round_seconds:.0f} s"
+            shown += f"; the learners' round is {self.round_seconds:.3g} s"
         return quiet, f"no new version for {quiet:.0f} s ({shown}): " + "; ".join(why)
 
     def hopeless(self, quiet: float, verdicts: dict[str, Verdict]) -> bool:
