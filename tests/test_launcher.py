@@ -484,7 +484,6 @@ def test_a_paused_syncer_is_named_and_a_stand_by_takes_its_fragments_over(prefec
         assert fences == [], (lid, fences, rounds)
     # (one not started yet, with no heartbeat, may be: as a vacant slot)
     assert "towards the quorum: no heartbeat for" not in _logs(root / run / "logs"), rounds
-    assert max(rounds) > 3.0, rounds  # (slower than the silence limit, as set up)
 
 
 def _wake_and_stop(paused: list[int], proc: subprocess.Popen) -> None:
