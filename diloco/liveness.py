@@ -36,13 +36,12 @@ from diloco.config import LivenessConfig
 
 SILENT_BEATS = 6  # a learner is silent after this many of its heartbeat's periods
 GAP_DECAY = 0.9  # how fast a stretched period estimate comes back once beats are regular
-OUT = ("silent", "lagging", "preempted")  # the verdicts that count a learner out
 
 
 @dataclass(frozen=True)
 class Verdict:
     """What an observer makes of one learner now: ``state`` is a live learner's phase, or
-    one of ``OUT``, or "done"; ``why`` says why it is not counted (None: it is);
+    "silent", "lagging" or "preempted" (counted out), or "done"; ``why`` says why it is not counted (None: it is);
     ``beating``: judged by a heartbeat (one that stopped: a process hung or dead), not by
     a status alone (a learner not started yet has neither)."""
 

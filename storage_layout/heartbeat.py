@@ -33,7 +33,7 @@ MAX_BYTES = 4096  # a heartbeat is a few hundred bytes
 # What a learner's process says it is doing (``flows.learner``): its start-up phases,
 # training, between two flow runs, and how it ended.
 STATES = ("starting", "compiling", "resuming", "training", "paused", "preempted", "done",
-          "fenced", "stopped")  # fmt: skip
+          "stopped")  # fmt: skip
 Count = Annotated[int, Field(ge=0, lt=10**15)]
 Seconds = Annotated[float, Field(ge=0, lt=10**7)]
 
