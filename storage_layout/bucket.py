@@ -12,6 +12,13 @@ Exclusive create ("write only if absent") is what makes commit markers write-onc
 
 Any other protocol is refused unless the user passes ``allow_unsafe_overwrite=True``.
 
+On a local disk a bucket is a folder anyone with write access may plant things in, so
+nothing is followed out of it: a key whose path resolves outside the folder (through a
+link anywhere along it) is neither read, written, listed nor deleted, and a read opens
+regular files only (``O_NOFOLLOW``, non-blocking: a link, a FIFO or a device is refused,
+never waited on). What is refused is named (``ForeignObject``); sweeps name it in the log
+and leave it alone.
+
 Credentials come from the environment, as each client reads them (``AWS_*`` and
 ``AWS_ENDPOINT_URL`` for S3; ``GOOGLE_APPLICATION_CREDENTIALS`` or
 ``STORAGE_EMULATOR_HOST`` for GCS), or from ``storage_options``.
@@ -21,7 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import logging
 import os
+import stat
 import threading
 import uuid
 from collections import defaultdict
@@ -41,8 +51,21 @@ class BucketError(OSError):
     """A bucket that is missing, unreachable, or unsafe to write to; the message says which."""
 
 
-class ObjectTooLarge(ValueError):
-    """An object larger than any of its kind may be (read no further)."""
+log = logging.getLogger(__name__)
+
+
+class Refused(ValueError):
+    """An object read no further because of what it is, not what it holds; asking again
+    gives the same answer."""
+
+
+class ObjectTooLarge(Refused):
+    """An object larger than any of its kind may be."""
+
+
+class ForeignObject(Refused):
+    """On a local disk: a key that is not a regular file inside the bucket (a link, a
+    FIFO, a device, or a path that resolves outside the bucket's folder)."""
 
 
 class PartialFailure(OSError):
@@ -191,6 +214,53 @@ class Bucket:
             raise LayoutError(f"key {key[:200]!r} lies outside run {self.scope!r}'s prefix")
         return f"{self.root}/{check_key(key)}" if key else self.root
 
+    @property
+    def local(self) -> bool:
+        return self.protocol in ("file", "local")
+
+    def _inside(self, key: str) -> str:
+        """``key``'s path; on a local disk, ``ForeignObject`` if it resolves outside the
+        bucket's folder (a link along the way, or the key itself a link out)."""
+        path = self.path(key)
+        if self.local:
+            root = os.path.realpath(self.root)
+            real = os.path.realpath(path)
+            if real != root and not real.startswith(f"{root}/"):
+                raise ForeignObject(
+                    f"{self.url}/{key} resolves to {real}, outside the bucket (through a "
+                    "link): not followed"
+                )
+        return path
+
+    def _read_local(self, key: str, limit: int | None) -> bytes:
+        """A regular file's bytes (at most ``limit + 1``): a link is not followed and a
+        FIFO or device is refused at once, never waited on."""
+        path = self._inside(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise ForeignObject(f"{self.url}/{key} is a link: not followed") from exc
+            raise
+        with os.fdopen(fd, "rb") as f:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(path)
+            if not stat.S_ISREG(mode):
+                raise ForeignObject(f"{self.url}/{key} is not a regular file: not read")
+            return f.read(-1 if limit is None else limit + 1)
+
+    def _foreign(self, key: str) -> str | None:
+        """Why a sweep must leave ``key`` alone (a link, or a path out of the bucket), or
+        None; always None off a local disk."""
+        if not self.local:
+            return None
+        try:
+            path = self._inside(key)
+        except ForeignObject as exc:
+            return str(exc)
+        return f"{self.url}/{key} is a link: left alone" if os.path.islink(path) else None
+
     def check_reachable(self) -> None:
         try:
             ok = self.fs.exists(self.root) or self.protocol == "memory"
@@ -213,8 +283,8 @@ class Bucket:
         self.traffic.add(self.region, self.client_region, nbytes)
 
     def put(self, key: str, data: bytes) -> None:
-        path = self.path(key)
-        if self.protocol in ("file", "local"):
+        path = self._inside(key)
+        if self.local:
             self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
         self.fs.pipe_file(path, data)
         self._up(len(data))
@@ -251,9 +321,9 @@ class Bucket:
 
     def put_exclusive(self, key: str, data: bytes) -> None:
         """Write ``key`` only if it does not exist; ``FileExistsError`` otherwise."""
-        path = self.path(key)
+        path = self._inside(key)
         self._up(len(data))
-        if self.protocol in ("file", "local"):
+        if self.local:
             folder = path.rsplit("/", 1)[0]
             os.makedirs(folder, exist_ok=True)
             tmp = f"{folder}/.tmp-{uuid.uuid4().hex}"
@@ -281,7 +351,9 @@ class Bucket:
         """``key``'s bytes; with ``limit``, at most ``limit + 1`` of them are read (a ranged
         read), so an object larger than its kind may be is refused without holding it:
         ``ObjectTooLarge``."""
-        if limit is None:
+        if self.local:
+            data = self._read_local(key, limit)
+        elif limit is None:
             data = self.fs.cat_file(self.path(key))
         else:
             data = self.fs.cat_file(self.path(key), start=0, end=limit + 1)
@@ -300,7 +372,8 @@ class Bucket:
             results = []
             for k in keys:
                 try:
-                    results.append(self.fs.cat_file(self.path(k)))
+                    results.append(self._read_local(k, None) if self.local else
+                                   self.fs.cat_file(self.path(k)))  # fmt: skip
                 except OSError as exc:
                     results.append(exc)
         out, failed = {}, {}
@@ -323,6 +396,9 @@ class Bucket:
     def list(self, prefix: str) -> list[str]:
         """Names directly under ``prefix`` (sorted), bypassing fsspec's listing cache so
         other writers' new objects are seen. A missing prefix lists as empty."""
+        if reason := self._foreign(prefix):
+            log.warning("not listed: %s", reason)
+            return []
         path = self.path(prefix)
         self.traffic.add(self.region, self.client_region, 0)
         try:
@@ -337,7 +413,7 @@ class Bucket:
         """Names of the temporaries directly under ``prefix`` (sorted) that ``list`` hides:
         ``.tmp-*`` files of exclusive creates on a local disk, left by a writer killed
         between writing one and linking it into place. Other stores write none."""
-        if self.protocol not in ("file", "local"):
+        if not self.local or self._foreign(prefix):
             return []
         try:
             names = os.listdir(self.path(prefix))
@@ -370,7 +446,14 @@ class Bucket:
             self.delete([key])
 
     def delete(self, keys: Iterable[str]) -> None:
-        paths = [self.path(k) for k in keys]
+        """Delete ``keys``; on a local disk a link, or a key that resolves out of the
+        bucket, is named in the log and left alone (nothing is deleted through a link)."""
+        paths = []
+        for key in keys:
+            if reason := self._foreign(key):
+                log.warning("not deleted: %s", reason)
+                continue
+            paths.append(self.path(key))
         for path in paths:
             self.traffic.add(self.client_region, self.region, 0)
             with contextlib.suppress(FileNotFoundError):
@@ -381,15 +464,25 @@ class Bucket:
     def delete_prefix(self, prefix: str) -> None:
         """Remove every object under ``prefix`` (only ever a write-id-unique data prefix).
 
-        Object by object: gcsfs's batched recursive delete can hang on some servers.
+        Object by object: gcsfs's batched recursive delete can hang on some servers. On a
+        local disk the walk follows no link (a link found is named and left alone), and
+        the emptied folders go too.
         """
         path = self.path(check_key(prefix, "prefix to delete"))  # never the whole bucket
+        if not self.local:
+            self.fs.invalidate_cache(path)
+            try:
+                found = self.fs.find(path)
+            except FileNotFoundError:
+                found = []
+            self.delete(f[len(self.root) + 1 :] for f in found)
+            return
+        if reason := self._foreign(prefix):
+            log.warning("not deleted: %s", reason)
+            return
+        for folder, dirs, files in os.walk(path, topdown=False, followlinks=False):
+            links = [d for d in dirs if os.path.islink(f"{folder}/{d}")]
+            self.delete(f"{folder[len(self.root) + 1 :]}/{name}" for name in files + links)
+            with contextlib.suppress(OSError):  # not empty: it holds a link left alone
+                os.rmdir(folder)
         self.fs.invalidate_cache(path)
-        try:
-            found = self.fs.find(path)
-        except FileNotFoundError:
-            found = []
-        self.delete(f[len(self.root) + 1 :] for f in found)
-        if self.protocol in ("file", "local"):  # drop the emptied folders too
-            with contextlib.suppress(OSError):
-                self.fs.rm(path, recursive=True)

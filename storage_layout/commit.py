@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from storage_layout.bucket import Bucket, ObjectTooLarge, PartialFailure
+from storage_layout.bucket import Bucket, PartialFailure, Refused
 from storage_layout.layout import FORMAT_VERSION, LayoutError, check_key, data_prefix_of
 
 log = logging.getLogger(__name__)
@@ -350,7 +350,7 @@ def read_marker(bucket: Bucket, marker_key: str) -> CommitMarker:
     def read() -> CommitMarker:
         try:
             data = bucket.get(marker_key, limit=MAX_MARKER_BYTES)
-        except ObjectTooLarge as exc:
+        except Refused as exc:
             raise CorruptVersion(f"marker {marker_key}: {exc}; refused unread") from exc
         return checked_marker(CommitMarker.from_json(data, marker_key), marker_key)
 

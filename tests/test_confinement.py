@@ -9,13 +9,15 @@ bucket are refused by the bucket itself; oversized markers are refused unread.
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import numpy as np
 import pytest
 
 from diloco.quantize import quantize
 from storage_layout.auth import Keys, learner_key
-from storage_layout.bucket import Bucket
+from storage_layout.bucket import Bucket, ForeignObject
 from storage_layout.commit import MAX_MARKER_BYTES, CommitMarker, CorruptVersion, read_marker
 from storage_layout.layout import LayoutError
 from storage_layout.retention import collect_garbage
@@ -154,3 +156,76 @@ def test_a_runs_store_asks_for_no_key_outside_the_run(bucket_url):
         store.home.delete_prefix("other/globals")
     store.home.probe_exclusive()  # under the run's own prefix
     assert store.home.list(f"{RUN}/.diloco-probe") == []  # (it cleaned up after itself)
+
+
+def _outside(tmp_path, name: str):
+    """A folder outside the bucket, its file two hours old (older than any orphan age)."""
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "zarr.json").write_text("precious")
+    old = time.time() - 7200
+    os.utime(folder / "zarr.json", (old, old))
+    return folder
+
+
+def test_sweeps_follow_no_link_out_of_the_bucket(tmp_path, caplog):
+    """A link planted under each kind of prefix the sweeps visit, named like an abandoned
+    write or a temporary and pointing outside: ``collect_garbage`` (what ``diloco gc``
+    and the syncers' retention run) deletes nothing through it and names it."""
+    root = tmp_path / "bucket"
+    root.mkdir()
+    store = RunStore(RUN, {"us": f"file://{root}"}, "us", writer="syncer")
+    store.put_contribution("learner-0", 0, 1, _payload(1), {"base_version": 0})
+    _publish(store, 0, {"cursor": {"learner-0": 1}})
+    layout = store.layout
+    orphan = "s000000000077-00000000deadbeef"
+    planted = {
+        f"{layout.checkpoint_commits('learner-0').rsplit('/', 1)[0]}/data/{orphan}": "ckpt",
+        f"{layout.contribution_commits('learner-0', 0).rsplit('/', 1)[0]}/data/{orphan}": "c",
+        f"{layout.global_commits(0).rsplit('/', 1)[0]}/data/v000000000077-00000000deadbeef": "g",
+        f"{layout.lease_commits('learner-0')}/.tmp-0123": "lease",
+        f"{layout.global_commits(0)}/.tmp-0123": "gtmp",
+        f"{RUN}/.tmp-0123": "top",
+    }
+    victims = {}
+    for key, name in planted.items():
+        victims[key] = _outside(tmp_path, name)
+        (root / key).parent.mkdir(parents=True, exist_ok=True)
+        target = victims[key] if "/data/" in key else victims[key] / "zarr.json"
+        (root / key).symlink_to(target)
+    # A whole folder the sweep lists, itself a link out.
+    hist = root / layout.history("learner-0")
+    hist.parent.mkdir(parents=True, exist_ok=True)
+    hist.symlink_to(_outside(tmp_path, "history"))
+
+    collect_garbage(store, 1, {"learner-0": "us"}, window=1, orphan_age=60)
+    for folder in [*victims.values(), tmp_path / "history"]:
+        assert (folder / "zarr.json").read_text() == "precious", folder
+    for key in planted:
+        assert (root / key).is_symlink(), f"{key} was deleted, not left alone"
+    assert caplog.text.count("not deleted") >= len(planted)
+    assert store.global_versions(0) == [0] and store.get_global(0, 0).version == 0
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link-to-fifo", "device", "link-inside"])
+def test_a_marker_that_is_not_a_regular_file_is_refused_at_once(tmp_path, kind):
+    """A commit marker that is a FIFO (which a plain read waits on for ever), a link to
+    one, a device or a link at all is refused by name, without waiting."""
+    bucket = Bucket(f"file://{tmp_path}")
+    key = f"{RUN}/learners/learner-0/contributions/f0000/commits/s000000000001.json"
+    path = tmp_path / key
+    path.parent.mkdir(parents=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "link-to-fifo":
+        os.mkfifo(tmp_path / "pipe")
+        path.symlink_to(tmp_path / "pipe")
+    elif kind == "device":
+        path.symlink_to("/dev/zero")
+    else:
+        (tmp_path / "real.json").write_text("{}")
+        path.symlink_to(tmp_path / "real.json")
+    with pytest.raises(CorruptVersion, match=r"not followed|not a regular file|outside"):
+        read_marker(bucket, key)
+    with pytest.raises(ForeignObject):
+        bucket.get_many([key])
