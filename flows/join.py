@@ -145,8 +145,8 @@ def slot_state(
         since = beat.time if beat is not None else float((status or {}).get("time") or 0.0)
     # Vacant by its status, unless a joiner is on its way to its start: a join record
     # younger than the timeout, and newer than the status (a preempted slot joined again).
-    joined = store.newest_join(learner, region)
-    at = joined[1].get("time") if joined else None
+    joined = store.newest_join(learner, region, key=key)
+    at = joined[1].get("time") if joined and joined[1] else None
     if isinstance(at, (int, float)) and now - at < liveness.silent_max_seconds and at > since:
         return Slot(learner, False, f"joining (joined {now - at:.0f} s ago, not started)")
     return Slot(learner, True, why.split(" (")[0], joins=joined[0] if joined else 0)

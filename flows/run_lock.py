@@ -25,10 +25,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field
 
 from storage_layout.commit import patiently
-from storage_layout.layout import number, parse_marker_name
+from storage_layout.layout import MAX_NUMBER, number, parse_marker_name
+from storage_layout.record import BadRecord, Counter, Name, Record, Time, read, read_or_none
 from storage_layout.store import RunStore
 
 log = logging.getLogger(__name__)
@@ -37,6 +40,17 @@ LEASE_SECONDS = 30.0  # a lease not renewed for this long is stale: its run may 
 RENEW_SECONDS = 5.0
 
 _held: dict[str, RunLock] = {}  # run -> the lock this process holds on it
+
+
+class LockClaim(Record):
+    """A claim on the run, or its lease (the claim's renewals)."""
+
+    claim: Counter
+    host: Name
+    pid: Annotated[int, Field(ge=0, lt=1 << 32)]
+    time: Time
+    nonce: Name
+    released: bool = False
 
 
 class RunLocked(RuntimeError):
@@ -80,20 +94,37 @@ class RunLock:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._reported = -math.inf
+        self._bad: set[int] = set()  # claim numbers whose record is not a claim
 
     # reading ------------------------------------------------------------------------
-    def _newest(self) -> int:
+    def _claims(self) -> tuple[int, set[int]]:
+        """The newest claim that reads as one (its record a ``LockClaim`` of its own
+        number), and every number listed: a forged or damaged claim is named once and
+        passed over, so one numbered far ahead neither blocks a launch nor takes the run
+        over."""
         names = patiently(lambda: self.store.home.list(self.prefix), f"listing {self.prefix}")
-        found = [n for n in (parse_marker_name(name, "s") for name in names) if n is not None]
-        return max(found, default=0)
+        listed = {n for n in (parse_marker_name(name, "s") for name in names) if n is not None}
+        for n in sorted(listed - self._bad, reverse=True):
+            key = f"{self.prefix}/s{number(n)}.json"
+            try:
+                claim = read(self.store.home, key, LockClaim)
+            except FileNotFoundError:
+                continue
+            except BadRecord as exc:
+                claim = exc
+            if isinstance(claim, LockClaim) and claim.claim == n:
+                return n, listed
+            self.log.warning("run lock: ignored %s: %s", key, claim if isinstance(
+                claim, BadRecord) else f"it holds claim {claim.claim}")  # fmt: skip
+            self._bad.add(n)
+        return 0, listed
+
+    def _newest(self) -> int:
+        return self._claims()[0]
 
     def _read(self, key: str) -> dict[str, Any] | None:
-        try:
-            return json.loads(patiently(lambda: self.store.home.get(key), key))
-        except FileNotFoundError:
-            return None
-        except ValueError:  # a damaged object holds nothing
-            return None
+        found = read_or_none(self.store.home, key, LockClaim, warn=self.log.warning)
+        return None if found is None else found.model_dump()
 
     def holder(self, claim: int) -> dict[str, Any]:
         """Claim ``claim``'s holder, with its lease's newest renewal (the claim's own
@@ -109,7 +140,7 @@ class RunLock:
         if holder.get("released"):
             return False
         if holder.get("host") == socket.gethostname():
-            pid = int(holder.get("pid", 0))
+            pid = holder.get("pid", 0)
             if pid == os.getpid():  # this process: live if it still holds that claim
                 mine = _held.get(self.store.run)
                 return mine is not None and mine.claim == holder.get("claim")
@@ -120,7 +151,7 @@ class RunLock:
     # taking and keeping ---------------------------------------------------------------
     def acquire(self) -> RunLock:
         run = self.store.run
-        newest = self._newest()
+        newest, listed = self._claims()
         if newest:
             holder = self.holder(newest)
             if self.live(holder):
@@ -129,7 +160,10 @@ class RunLock:
                     f"first (Ctrl-C), or pass another --run; a launcher that died is taken "
                     f"over once its lease is {LEASE_SECONDS:.0f} s old"
                 )
-        claim = newest + 1
+        claim = next((n for n in range(newest + 1, MAX_NUMBER + 1) if n not in listed), None)
+        if claim is None:
+            raise RunLocked(f"run {run!r}: no claim number is left above {newest} in "
+                            f"{self.store.home.url}/{self.prefix} (forged claims?)")  # fmt: skip
         body = self._body(claim)
         key = f"{self.prefix}/s{number(claim)}.json"
         try:

@@ -254,6 +254,8 @@ class PipelineSyncerTransport:
         if newest is None:
             return
         self._joined[learner], record = newest
+        if record is None:
+            return  # not a join record (named as it was read)
         key = self.store.keys.verifying_key(learner)
         if key is not None and not record_verifies(record, key):
             self.log.error("join record %s of %s does not verify with its key: written by "

@@ -362,19 +362,24 @@ class Bucket:
             raise ObjectTooLarge(f"{self.url}/{key} is larger than {limit} bytes")
         return data
 
-    def get_many(self, keys: list[str]) -> dict[str, bytes]:
+    def get_many(self, keys: list[str], limit: int | None = None) -> dict[str, bytes]:
         """Read several objects; concurrently on async backends. A missing one raises
         ``FileNotFoundError`` naming its key (an answer: asking again changes nothing);
-        when others fail, ``PartialFailure`` carries what was read."""
+        when others fail, ``PartialFailure`` carries what was read. With ``limit``, at
+        most ``limit + 1`` bytes of each are read: one that long is larger than its kind
+        may be (``get`` names it)."""
+        end = None if limit is None else limit + 1
         if self.fs.async_impl:
-            results = self._gather([self.fs._cat_file(self.path(k)) for k in keys])
+            results = self._gather([self.fs._cat_file(self.path(k), start=0 if end else None,
+                                                      end=end) for k in keys])  # fmt: skip
         else:
             results = []
             for k in keys:
                 try:
-                    results.append(self._read_local(k, None) if self.local else
-                                   self.fs.cat_file(self.path(k)))  # fmt: skip
-                except OSError as exc:
+                    results.append(self._read_local(k, limit) if self.local else
+                                   self.fs.cat_file(self.path(k), start=0 if end else None,
+                                                    end=end))  # fmt: skip
+                except (OSError, Refused) as exc:
                     results.append(exc)
         out, failed = {}, {}
         for key, value in zip(keys, results, strict=True):

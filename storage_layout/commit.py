@@ -118,14 +118,16 @@ def put_patiently(bucket: Bucket, objects: Mapping[str, bytes], what: str) -> No
     patiently(attempt, what)
 
 
-def get_patiently(bucket: Bucket, keys: list[str], what: str) -> dict[str, bytes]:
-    """``bucket.get_many(keys)``, ``patiently``: when some reads fail (``PartialFailure``),
-    only those are asked again."""
+def get_patiently(
+    bucket: Bucket, keys: list[str], what: str, limit: int | None = None
+) -> dict[str, bytes]:
+    """``bucket.get_many(keys, limit)``, ``patiently``: when some reads fail
+    (``PartialFailure``), only those are asked again."""
     got: dict[str, bytes] = {}
 
     def attempt() -> dict[str, bytes]:
         try:
-            got.update(bucket.get_many([k for k in keys if k not in got]))
+            got.update(bucket.get_many([k for k in keys if k not in got], limit))
         except PartialFailure as exc:
             got.update(exc.done)
             raise

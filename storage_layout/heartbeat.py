@@ -20,12 +20,13 @@ import logging
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from storage_layout.auth import record_verifies, sign_record
-from storage_layout.bucket import Bucket, ObjectTooLarge
-from storage_layout.commit import CorruptVersion, patiently
+from storage_layout import record
+from storage_layout.auth import sign_record
+from storage_layout.bucket import Bucket
 from storage_layout.layout import RunLayout
+from storage_layout.record import Time
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class Heartbeat(BaseModel):
     step: Count
     sends: Count
     step_seconds: Seconds | None = None
-    time: Annotated[float, Field(ge=0, lt=10**11)]
+    time: Time
 
     @property
     def key(self) -> tuple[int, int]:
@@ -70,33 +71,12 @@ def read(
     bucket: Bucket, layout: RunLayout, learner: str, key: bytes | None = None
 ) -> Heartbeat | None:
     """``learner``'s newest heartbeat, or None: none written, or one that is not a
-    heartbeat of this learner (too large, not JSON, out of bounds, or, given its ``key``,
-    not signed with it), which is logged by name. A read that fails in passing is asked
-    again (``patiently``); an ``OSError`` that stays is raised (the reader goes on)."""
-    where = f"{bucket.url}/{layout.heartbeat(learner)}"
-
-    def get() -> Any:  # a read torn by the rewrite is read again
-        raw = bucket.get(layout.heartbeat(learner), MAX_BYTES)
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CorruptVersion(f"{where} is not JSON: {exc}") from exc
-
-    try:
-        body = patiently(get, where)
-        beat = Heartbeat.model_validate(body)
-    except FileNotFoundError:
-        return None
-    except ObjectTooLarge:
-        log.warning("heartbeat ignored: %s is larger than %d bytes", where, MAX_BYTES)
-        return None
-    except (CorruptVersion, ValidationError) as exc:
-        log.warning("heartbeat ignored: %s is not a heartbeat: %s", where, str(exc)[:300])
-        return None
-    if beat.learner != learner:
-        log.warning("heartbeat ignored: %s names learner %r", where, beat.learner)
-        return None
-    if key is not None and not record_verifies(body, key):
-        log.warning("heartbeat ignored: %s is not signed with %s's key", where, learner)
+    heartbeat of this learner (``storage_layout.record``: too large, not JSON, out of
+    bounds, or, given its ``key``, not signed with it), which is logged by name. An
+    ``OSError`` that stays after asking again is raised (the reader goes on)."""
+    beat = record.read_or_none(bucket, layout.heartbeat(learner), Heartbeat, MAX_BYTES, key)
+    if beat is not None and beat.learner != learner:
+        log.warning("ignored: %s/%s names learner %r", bucket.url, layout.heartbeat(learner),
+                    beat.learner)  # fmt: skip
         return None
     return beat

@@ -53,8 +53,11 @@ def check_name(kind: str, name: str) -> str:
     return name
 
 
+MAX_NUMBER = 10**12 - 1  # the largest counter a numbered key holds (twelve digits)
+
+
 def number(n: int) -> str:
-    if n < 0 or n >= 10**12:
+    if n < 0 or n > MAX_NUMBER:
         raise LayoutError(f"counter {n} is outside 0..10^12")
     return f"{n:012d}"
 

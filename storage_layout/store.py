@@ -29,9 +29,10 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, S
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
+from pydantic import Field
 
 from diloco.quantize import (
     Pieces,
@@ -42,7 +43,7 @@ from diloco.quantize import (
     quantize,
 )
 from diloco.topology import learner_index, learner_region, run_deal, run_slots
-from storage_layout import heartbeat
+from storage_layout import heartbeat, record
 from storage_layout.auth import (
     SecretMismatch,
     record_verifies,
@@ -51,7 +52,7 @@ from storage_layout.auth import (
     signer,
     verify,
 )
-from storage_layout.bucket import Bucket, BucketError, Traffic
+from storage_layout.bucket import Bucket, BucketError, PartialFailure, Refused, Traffic
 from storage_layout.codec import (
     CHUNK,
     FormatError,
@@ -87,9 +88,63 @@ from storage_layout.layout import (
     number,
     parse_marker_name,
 )
+from storage_layout.record import Counter, Name, Record, Time, Tokens
 from storage_layout.stream import PARALLEL, ObjectSink, VersionReader, checked_object
 
 log = logging.getLogger(__name__)
+
+
+class Written(Record):
+    """What ``RunStore._record`` adds to each write-once record it makes."""
+
+    writer: Name | None = None
+    host: Name | None = None
+    pid: Annotated[int, Field(ge=0, lt=1 << 32)] | None = None
+    time: Time | None = None
+
+
+class SeqBlock(Written):
+    first: Counter
+    end: Counter
+
+
+class Generation(Written):
+    """A process's claim of a learner's generation, or a syncer's fence (``fence``)."""
+
+    fence: Annotated[str, Field(max_length=2000)] | None = None
+
+
+class Join(Record):
+    """A joiner's record of taking a slot (``flows.join``), signed where the run signs."""
+
+    join: Counter
+    time: Time
+
+
+class Spec(Record):
+    format_version: int | None = None
+    config: dict[str, Any]
+
+
+class Pipeline(Record):
+    pipeline: dict[str, Any]
+
+
+class Budget(Record):
+    tokens: Tokens
+    previous: Annotated[int, Field(ge=0, lt=10**18)] | None = None
+    time: Time | None = None
+
+
+class Status(Record):
+    """A writer's metrics object: progress and traffic, rewritten as it goes."""
+
+    time: Time | None = None
+    step: Annotated[int, Field(ge=0, lt=10**15)] | None = None
+
+
+STATUS_BYTES = 1 << 20  # a status holds a few dozen fields and a traffic table
+SPEC_BYTES = 4 << 20  # a spec is a config, a plan of fragments, a data set's manifest
 
 
 class SpecMismatch(ValueError):
@@ -352,7 +407,7 @@ class RunStore:
         larger (``extend_budget``): every process that reads the spec works to it."""
         bucket = self.bucket(region or self.client_region)
         try:
-            spec = _read_json(bucket, self.layout.spec)
+            spec = _read_json(bucket, self.layout.spec, Spec, SPEC_BYTES)
         except FileNotFoundError:
             raise FileNotFoundError(f"no run {self.run!r} in {bucket.url} (no spec.json)") from None
         if spec.get("format_version") != FORMAT_VERSION:
@@ -361,7 +416,7 @@ class RunStore:
                 f"this code reads {FORMAT_VERSION}"
             )
         extended = self._extended_budget(bucket)
-        budget = spec.get("config", {}).get("budget", {})
+        budget = spec["config"].get("budget", {})
         if extended is not None and extended > int(budget.get("tokens", 0)):
             spec["config"]["budget"] = {**budget, "tokens": extended}
         return spec
@@ -379,8 +434,8 @@ class RunStore:
         except FileExistsError:
             if self._holds(key, body):
                 return
-        stored = _read_json(self.home, key)
-        if not isinstance(stored, dict) or stored.get("fingerprint") != ours:
+        stored = _read_or_none(self.home, key)
+        if stored is None or stored.get("fingerprint") != ours:
             raise SecretMismatch(
                 f"the run secret from {source} is not the one run {self.run!r} started with "
                 f"(its fingerprint in {self.home.url}/{key} differs): the syncers would reject "
@@ -390,14 +445,9 @@ class RunStore:
 
     def _extended_budget(self, bucket: Bucket) -> int | None:
         try:
-            body = _read_json(bucket, self.layout.budget)
+            return _read_json(bucket, self.layout.budget, Budget)["tokens"]
         except FileNotFoundError:
             return None
-        tokens = body.get("tokens") if isinstance(body, dict) else None
-        if type(tokens) is not int or tokens < 1:
-            raise CorruptVersion(f"{bucket.url}/{self.layout.budget} holds no token budget: "
-                                 f"{body!r:.200}")  # fmt: skip
-        return tokens
 
     def extend_budget(self, tokens: int, previous: int) -> None:
         """Raise the run's token budget from ``previous`` to ``tokens`` in every region:
@@ -428,14 +478,9 @@ class RunStore:
         (``validate_config``), like any settings."""
         bucket = self.bucket(region or self.client_region)
         try:
-            body = _read_json(bucket, self.layout.pipeline)
+            return _read_json(bucket, self.layout.pipeline, Pipeline)["pipeline"]
         except FileNotFoundError:
             return {}
-        settings = body.get("pipeline") if isinstance(body, dict) else None
-        if not isinstance(settings, dict):
-            raise CorruptVersion(f"{bucket.url}/{self.layout.pipeline} holds no pipeline "
-                                 f"settings: {body!r:.200}")  # fmt: skip
-        return settings
 
     # discovery ----------------------------------------------------------------------
     def _numbers(self, bucket: Bucket, prefix: str, letter: str) -> list[int]:
@@ -570,8 +615,8 @@ class RunStore:
         def claim(n: int) -> bytes:
             first = at_least
             if n > 1:
-                before = _read_json(self.home, f"{prefix}/s{number(n - 1)}.json")
-                first = max(first, int(before["end"]))
+                before = _read_json(self.home, f"{prefix}/s{number(n - 1)}.json", SeqBlock)
+                first = max(first, before["end"])
             block.update(first=first, end=first + count)
             return self._record(block)
 
@@ -585,11 +630,9 @@ class RunStore:
         claims = self._numbers(self.home, prefix, "s")[-newest:] if newest > 0 else []
         out = []
         for n in claims:
-            record = _read_json(self.home, f"{prefix}/s{number(n)}.json")
-            if isinstance(record, dict) and all(
-                isinstance(record.get(k), int) for k in ("first", "end")
-            ):
-                out.append((record["first"], record["end"]))
+            block = _read_or_none(self.home, f"{prefix}/s{number(n)}.json", SeqBlock)
+            if block is not None:
+                out.append((block["first"], block["end"]))
         return out
 
     # learners beyond the spec's slots ------------------------------------------------
@@ -665,12 +708,8 @@ class RunStore:
         check their signatures (``auth.record_verifies``)."""
         prefix = self.layout.join_commits(learner)
         bucket = self.bucket(region or self.client_region)
-        out = []
-        for n in self._numbers(bucket, prefix, "s"):
-            record = _read_json(bucket, f"{prefix}/s{number(n)}.json")
-            if isinstance(record, dict):
-                out.append(record)
-        return out
+        keys = [f"{prefix}/s{number(n)}.json" for n in self._numbers(bucket, prefix, "s")]
+        return [r for r in (_read_or_none(bucket, key, Join) for key in keys) if r is not None]
 
     def join_count(self, learner: str, region: str | None = None) -> int:
         """How many join records ``learner``'s slot holds in ``region`` (a listing, no
@@ -679,18 +718,21 @@ class RunStore:
         return len(self._numbers(self.bucket(region or self.client_region), prefix, "s"))
 
     def newest_join(
-        self, learner: str, region: str | None = None, after: int = 0
-    ) -> tuple[int, dict[str, Any]] | None:
-        """``learner``'s newest join record and its number, read only if that number is
-        above ``after`` (one listing otherwise); None if there is none (newer). As stored:
-        check its signature (``auth.record_verifies``)."""
+        self, learner: str, region: str | None = None, after: int = 0,
+        key: bytes | None = None,
+    ) -> tuple[int, dict[str, Any] | None] | None:  # fmt: skip
+        """``learner``'s newest join number and record, read only if that number is above
+        ``after`` (one listing otherwise); None if there is none (newer). The record is
+        None when it is not a join record (dated ahead, or, given ``key``, not signed with
+        it: named in the log): the number is taken all the same."""
         prefix = self.layout.join_commits(learner)
         bucket = self.bucket(region or self.client_region)
         numbers = self._numbers(bucket, prefix, "s")
         if not numbers or numbers[-1] <= after:
             return None
-        record = _read_json(bucket, f"{prefix}/s{number(numbers[-1])}.json")
-        return (numbers[-1], record) if isinstance(record, dict) else None
+        found = _read_or_none(bucket, f"{prefix}/s{number(numbers[-1])}.json", Join,
+                              signed_by=key)  # fmt: skip
+        return numbers[-1], found
 
     # data units ------------------------------------------------------------------
     def put_unit_record(self, learner: str, record: Mapping[str, Any],
@@ -714,8 +756,8 @@ class RunStore:
         stored (JSON: check them)."""
         prefix = self.layout.unit_records(learner)
         numbers = [n for n in self._numbers(self.home, prefix, "s") if n > after]
-        return list(zip(numbers, _read_jsons(self.home, [f"{prefix}/s{number(n)}.json"
-                                                         for n in numbers]), strict=True))  # fmt: skip
+        keys = [f"{prefix}/s{number(n)}.json" for n in numbers]
+        return list(zip(numbers, _read_jsons(self.home, keys, Written), strict=True))
 
     def claim_fresh_unit(self, learner: str, after: int | None = None,
                          offer: str | None = None) -> int:  # fmt: skip
@@ -739,7 +781,7 @@ class RunStore:
     def unit_claim(self, claim: str) -> Any:
         """The record of a unit's claim as stored (JSON: check it): ``fresh-N`` (fresh
         claim N) or the name of a span given back (``units_returned``)."""
-        return _read_json(self.home, self._claim_key(claim))
+        return _read_or_none(self.home, self._claim_key(claim), Written)
 
     def _claim_key(self, claim: str) -> str:
         fresh = claim.removeprefix("fresh-")
@@ -762,7 +804,7 @@ class RunStore:
 
     def unit_claims(self, claims: list[str]) -> list[Any]:
         """The records of ``claims`` (as ``unit_claim``), read 64 at a time."""
-        return _read_jsons(self.home, [self._claim_key(c) for c in claims])
+        return _read_jsons(self.home, [self._claim_key(c) for c in claims], Written)
 
     def offer_unit(self, claim: str, record: Mapping[str, Any]) -> bool:
         """Offer a span of another region's pool to this region's learners
@@ -774,7 +816,7 @@ class RunStore:
         those in ``known`` (records are written once: a caller keeps what it read)."""
         claims = sorted(self.offered_claims() - set(known))
         keys = [self.layout.units_offered(c) for c in claims]
-        return dict(zip(claims, _read_jsons(self.home, keys), strict=True))
+        return dict(zip(claims, _read_jsons(self.home, keys, Written), strict=True))
 
     def offered_claims(self) -> set[str]:
         """The names of the spans offered to this region (one listing)."""
@@ -786,9 +828,11 @@ class RunStore:
         taken = self._numbers(self.home, self.layout.lease_commits(learner), "s")
         return taken[-1] if taken else 0
 
-    def generation(self, learner: str, n: int) -> Any:
-        """The record of ``learner``'s generation ``n`` as stored (JSON: check it)."""
-        return _read_json(self.home, f"{self.layout.lease_commits(learner)}/s{number(n)}.json")
+    def generation(self, learner: str, n: int) -> dict[str, Any] | None:
+        """The record of ``learner``'s generation ``n`` as stored; None if there is none,
+        or it is not one (named in the log)."""
+        key = f"{self.layout.lease_commits(learner)}/s{number(n)}.json"
+        return _read_or_none(self.home, key, Generation)
 
     def fence(self, learner: str, newest: int, why: str) -> bool:
         """Claim generation ``newest + 1`` of ``learner`` for no process (an exclusive
@@ -1334,14 +1378,10 @@ class RunStore:
         patiently(lambda: self.home.put(self.layout.metrics(name), data), f"metrics of {name}")
 
     def read_metrics(self, name: str, region: str | None = None) -> dict[str, Any] | None:
-        """A writer's metrics object, or None if it has written none yet."""
-        try:
-            return _read_json(self.bucket(region or self.client_region), self.layout.metrics(name))
-        except FileNotFoundError:
-            return None
-        except CorruptVersion as exc:
-            log.warning("metrics object of %s ignored: %s", name, exc)
-            return None
+        """A writer's metrics object, or None if it has written none yet, or it is not
+        one (named in the log)."""
+        bucket = self.bucket(region or self.client_region)
+        return _read_or_none(bucket, self.layout.metrics(name), Status, STATUS_BYTES)
 
     # heartbeats -------------------------------------------------------------------------
     def write_heartbeat(self, beat: Mapping[str, Any], key: bytes | None = None) -> None:
@@ -1557,32 +1597,47 @@ def _member_problem(
     return None
 
 
-def _read_json(bucket: Bucket, key: str) -> Any:
-    """A JSON object, read again if a read comes back damaged (``patiently``)."""
-
-    def read() -> Any:
-        raw = bucket.get(key)
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CorruptVersion(f"{bucket.url}/{key} is not JSON: {exc}") from exc
-
-    return patiently(read, key)
+def _read_json(
+    bucket: Bucket, key: str, kind: type[Record] = Record, limit: int = record.SMALL,
+    signed_by: bytes | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The ``kind`` of record at ``key``, as stored (``storage_layout.record.read_body``:
+    ``FileNotFoundError`` or a named ``BadRecord``)."""
+    return record.read_body(bucket, key, kind, limit, signed_by)
 
 
-def _read_jsons(bucket: Bucket, keys: list[str], batch: int = 64) -> list[Any]:
-    """JSON objects, read ``batch`` at a time concurrently (``Bucket.get_many``: one
-    round trip each, not one per object, over S3 or GCS); one that does not parse is
-    read again alone (``_read_json``), and named if it stays bad."""
-    out = []
+def _read_or_none(bucket: Bucket, key: str, kind: type[Record] = Record,
+                  limit: int = record.SMALL, signed_by: bytes | None = None) -> Any:  # fmt: skip
+    """``_read_json``, with a missing record and a bad one (named in the log) None."""
+    try:
+        return _read_json(bucket, key, kind, limit, signed_by)
+    except FileNotFoundError:
+        return None
+    except record.BadRecord as exc:
+        log.warning("ignored: %s", exc)
+        return None
+
+
+def _read_jsons(bucket: Bucket, keys: list[str], kind: type[Record] = Record,
+                batch: int = 64) -> list[dict[str, Any] | None]:  # fmt: skip
+    """``kind`` records, read ``batch`` at a time concurrently (``Bucket.get_many``: one
+    round trip each, not one per object, over S3 or GCS); one that does not read is read
+    again alone, and None (named in the log) if it stays bad."""
+    out: list[dict[str, Any] | None] = []
     for i in range(0, len(keys), batch):
         part = keys[i : i + batch]
-        got = get_patiently(bucket, part, f"{len(part)} objects from {part[0]}")
+        try:
+            got = get_patiently(bucket, part, f"{len(part)} objects from {part[0]}",
+                                record.SMALL)  # fmt: skip
+        except (PartialFailure, Refused):
+            got = {}  # each read alone
         for key in part:
             try:
-                out.append(json.loads(got[key]))
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                out.append(_read_json(bucket, key))
+                body = json.loads(got[key])
+                record.check(body, key, kind)
+                out.append(body)
+            except (KeyError, ValueError, RecursionError):
+                out.append(_read_or_none(bucket, key, kind))
     return out
 
 

@@ -116,7 +116,7 @@ def test_a_joiner_trains_with_the_runs_pipeline_settings_under_its_own(tmp_path)
     given = worker.params["pipeline"]
     assert (given["round_steps"], given["checkpoint_every"], given["eval_seconds"]) == (7, 11, 9.0)
     store.home.put(store.layout.pipeline, b'["not", "settings"]')
-    with pytest.raises(CorruptVersion, match=re.escape("pipeline.json holds no pipeline settings")):
+    with pytest.raises(CorruptVersion, match=re.escape("pipeline.json is not a Pipeline")):
         join(url, "settings", REGION, "learner-1", environ=env)
     assert store.joins("learner-1") == [] and store.newest_generation("learner-1") == 0
     store.home.put(store.layout.pipeline, json.dumps({"pipeline": {"round_steps": -1}}).encode())
@@ -164,7 +164,8 @@ def test_two_joiners_that_choose_one_slot_at_the_same_moment_take_two(tmp_path):
     env = {RUN_SECRET_ENV: secret}
     RunStore("race", {REGION: url}, REGION, writer="learner-0").write_metrics(
         "learner-0", {"state": "preempted", "time": time.time(), "step": 40})  # fmt: skip
-    store.put_join("learner-0", lambda n: json.dumps({"join": n, "host": "before"}).encode())
+    store.put_join("learner-0", lambda n: json.dumps({"join": n, "host": "before",
+                                                     "time": time.time() - 100}).encode())
     first: list[str] = []
 
     def the_first_joins_meanwhile() -> bool:  # (asked just before the second writes)

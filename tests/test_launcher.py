@@ -275,6 +275,31 @@ def test_one_launcher_per_run_a_second_is_refused_by_name_and_a_stale_one_taken_
     old.release()
 
 
+def _claim_body(claim: int, age: float) -> bytes:
+    return json.dumps({"claim": claim, "host": "elsewhere", "pid": 1,
+                       "time": time.time() - age, "nonce": "x"}).encode()  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("n", "body"),
+    [(999999999999, lambda: _claim_body(1, 0.0)),  # as far ahead as a key can be numbered
+     (7, lambda: _claim_body(7, -30 * 365 * 86400.0)),  # dated 30 years ahead
+     (5, lambda: b"[1, 2]"), (6, lambda: b'{"time": "soon"}'), (8, lambda: b"[" * 100_000)],
+)  # fmt: skip
+def test_a_forged_lock_claim_neither_blocks_a_launch_nor_takes_the_run(tmp_path, n, body, caplog):
+    """Defect: a forged claim ``s999999999999`` made every launch fail with a raw
+    ``LayoutError``, and one dated 30 years ahead held the run locked for ever. A claim
+    that does not read as one (of another number, from the future, malformed) is named
+    and passed over; the launch takes the next free number."""
+    store = _lock_run(tmp_path)
+    RunLock(store).acquire().release()
+    store.home.put_exclusive(f"{store.layout.launcher_claims()}/s{n:012d}.json", body())
+    lock = RunLock(RunStore("locked", store.urls, "us-east")).acquire()
+    assert lock.claim == 2
+    lock.release()
+    assert f"s{n:012d}.json" in caplog.text
+
+
 def test_a_relaunch_stops_the_workers_its_dead_predecessor_left(tmp_path, caplog):
     """Defect: a killed launcher's workers trained on unsupervised beside its successor's.
     The launcher records its workers' pids in the run's folder; the next launcher stops
