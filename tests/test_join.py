@@ -164,8 +164,10 @@ def test_two_joiners_that_choose_one_slot_at_the_same_moment_take_two(tmp_path):
     env = {RUN_SECRET_ENV: secret}
     RunStore("race", {REGION: url}, REGION, writer="learner-0").write_metrics(
         "learner-0", {"state": "preempted", "time": time.time(), "step": 40})  # fmt: skip
-    store.put_join("learner-0", lambda n: json.dumps({"join": n, "host": "before",
-                                                     "time": time.time() - 100}).encode())
+    store.put_join(
+        "learner-0",
+        lambda n: json.dumps({"join": n, "host": "before", "time": time.time() - 100}).encode(),
+    )
     first: list[str] = []
 
     def the_first_joins_meanwhile() -> bool:  # (asked just before the second writes)
