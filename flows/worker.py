@@ -56,6 +56,24 @@ def prefect_api_reachable(url: str | None = None, timeout: float = 5.0) -> bool:
         return False
 
 
+def api_away(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is the Prefect API being away rather than a
+    fault of this process: a refused or dropped connection, a timeout, or an answer of
+    5xx or 429 (a loaded or restarting server). The one place that tells them apart."""
+    import httpx
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, httpx.TransportError):  # connect, read, protocol errors
+            return True
+        if isinstance(exc, httpx.HTTPStatusError):
+            code = exc.response.status_code
+            return code >= 500 or code == 429
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flows.worker")
     sub = parser.add_subparsers(dest="role", required=True)
@@ -127,14 +145,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         time.sleep(1)
         return 1
-    except Exception:
-        if prefect_api_reachable():
+    except Exception as exc:
+        if not api_away(exc) and prefect_api_reachable():
             raise
         import traceback
 
         traceback.print_exc()
-        print(f"error: the Prefect API at {os.environ.get('PREFECT_API_URL')} is unreachable; "
-              f"exiting with status {API_DOWN} (the launcher waits for it)", file=sys.stderr)  # fmt: skip
+        print(f"error: the Prefect API at {os.environ.get('PREFECT_API_URL')} is away "
+              f"({type(exc).__name__}: {str(exc)[:200]}); exiting with status {API_DOWN} "
+              "(the launcher waits for it)", file=sys.stderr)  # fmt: skip
         return API_DOWN
 
 

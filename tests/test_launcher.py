@@ -802,3 +802,42 @@ def test_a_run_standing_still_is_said_why_and_ends_only_when_nobody_beats(tmp_pa
     unstarted = {**hung, "learner-2": Verdict("silent", "no heartbeat, and no new status")}
     assert not monitor.hopeless(limit + 1, unstarted)
     assert not monitor.hopeless(limit + 1, {**hung, "learner-1": verdicts["learner-1"]})
+
+
+def test_a_worker_whose_prefect_api_answers_503_exits_75_not_crashed(tmp_path):
+    """Defect: a restarted syncer whose first Prefect call was answered 503 (a loaded
+    server; its health check answered) exited 1, counted as a crash. An API that answers
+    5xx is away, as one that refuses connections: exit ``API_DOWN`` (the launcher waits)."""
+    import http.server
+
+    from flows.worker import API_DOWN
+
+    class Loaded(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            self.send_response(200 if self.path.endswith("/health") else 503)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b"true" if self.path.endswith("/health") else b'{"detail": "busy"}')
+
+        do_GET = do_POST = do_PATCH = do_PUT = do_DELETE = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Loaded)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    (tmp_path / "us").mkdir()
+    regions = {"us-east": f"file://{tmp_path / 'us'}"}
+    initialize_run(RunStore("busy", regions, "us-east"), load_config("tiny"))
+    env = {**os.environ, "PREFECT_API_URL": f"http://127.0.0.1:{server.server_port}/api",
+           "PREFECT_CLIENT_MAX_RETRIES": "0", "PREFECT_HOME": str(tmp_path / "prefect")}  # fmt: skip
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "flows.worker", "syncer", "--run", "busy", "--regions",
+             json.dumps(regions), "--home", "us-east"],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    finally:
+        server.shutdown()
+    assert done.returncode == API_DOWN, done.stderr[-3000:]
+    assert "503" in done.stderr and "is away" in done.stderr
