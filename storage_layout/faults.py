@@ -718,11 +718,14 @@ class FaultyBucket(Bucket):
             lambda data, rs: self._damage(rs[0], data),
         )  # fmt: skip
 
-    def get_many(self, keys: list[str]) -> dict[str, bytes]:
+    def get_many(self, keys: list[str], limit: int | None = None) -> dict[str, bytes]:
         def damage(found: dict[str, bytes], requests: list[Request]) -> dict[str, bytes]:
             return {r.key: self._damage(r, found[r.key]) for r in requests}
 
-        return self._call_each("get", list(keys), partial(Bucket.get_many, self), damage)
+        def effect(sent: list[str]) -> dict[str, bytes]:
+            return Bucket.get_many(self, sent, limit)
+
+        return self._call_each("get", list(keys), effect, damage)
 
     def exists(self, key: str) -> bool:
         return self._call("exists", [key], partial(super().exists, key))

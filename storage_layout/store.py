@@ -123,7 +123,7 @@ class Join(Record):
 
 class Spec(Record):
     format_version: int | None = None
-    config: dict[str, Any]
+    config: dict[str, Any] = Field(default_factory=dict)
 
 
 class Pipeline(Record):
@@ -416,7 +416,7 @@ class RunStore:
                 f"this code reads {FORMAT_VERSION}"
             )
         extended = self._extended_budget(bucket)
-        budget = spec["config"].get("budget", {})
+        budget = spec.get("config", {}).get("budget", {})
         if extended is not None and extended > int(budget.get("tokens", 0)):
             spec["config"]["budget"] = {**budget, "tokens": extended}
         return spec

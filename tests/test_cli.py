@@ -89,7 +89,9 @@ def test_inspect_explains_its_columns(tmp_path, capsys):
     RunStore("r", {"us": url}, "us", writer="l0").write_metrics(
         "l0", {"state": "training", "time": time.time() - 30}
     )
-    store.put_join("l0", lambda n: json.dumps({"learner": "l0", "join": n}).encode())
+    store.put_join(
+        "l0", lambda n: json.dumps({"learner": "l0", "join": n, "time": time.time()}).encode()
+    )
     assert main(["inspect", url]) == 0
     out = capsys.readouterr().out
     for column in ("newest", "per region", "kept", "consumed", "quorum / members", "state",

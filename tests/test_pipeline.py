@@ -1054,7 +1054,8 @@ def test_the_syncers_members_follow_the_learners_statuses(tmp_path, caplog, monk
     # Both come back by a join: learner-2's record signed with its key, learner-1's with
     # another learner's (a forger's).
     for lid, signer in (("learner-1", "learner-2"), ("learner-2", "learner-2")):
-        record = {"learner": lid, "host": f"host-of-{lid}", "took": "preempted", "join": 1}
+        record = {"learner": lid, "host": f"host-of-{lid}", "took": "preempted", "join": 1,
+                  "time": time.time()}  # fmt: skip
         body = json.dumps(sign_record(record, learner_key(secret, "members", signer)))
         writers[lid].put_join(lid, lambda n, body=body: body.encode())
     status("learner-1", "training")
