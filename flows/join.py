@@ -94,6 +94,7 @@ from storage_layout.auth import (
     parse_join_token,
     sign_record,
 )
+from storage_layout.bucket import same_bucket
 from storage_layout.store import RunStore
 
 TAKE_TRIES = 8  # slots a joiner tries to take or add, each time another joiner was first
@@ -150,6 +151,21 @@ def slot_state(
     if isinstance(at, (int, float)) and now - at < liveness.silent_max_seconds and at > since:
         return Slot(learner, False, f"joining (joined {now - at:.0f} s ago, not started)")
     return Slot(learner, True, why.split(" (")[0], joins=joined[0] if joined else 0)
+
+
+def check_region_url(spec: Mapping[str, Any], run: str, region: str, url: str) -> None:
+    """``JoinRefused`` unless ``url`` is ``region``'s bucket in the run's spec: a joiner
+    that names one region with another's bucket would take a slot of the other region,
+    where another machine may hold it, with no fence between them."""
+    urls = spec.get("regions") if isinstance(spec.get("regions"), dict) else {}
+    if region not in urls:
+        raise JoinRefused(f"run {run!r} has no region {region!r} (its regions: "
+                          f"{', '.join(map(repr, urls))})")  # fmt: skip
+    if not same_bucket(str(urls[region]), url):
+        named = [r for r, u in urls.items() if same_bucket(str(u), url)]
+        where = f" (it is region {named[0]!r}'s: pass --region {named[0]})" if named else ""
+        raise JoinRefused(f"{url} is not region {region!r}'s bucket in run {run!r}: its spec "
+                          f"gives {urls[region]!r}{where}")  # fmt: skip
 
 
 def join_keys(run: str, environ: Mapping[str, str]) -> dict[str, bytes] | None:
@@ -267,6 +283,7 @@ def join(
         spec = store.read_spec()
     except FileNotFoundError as exc:
         raise JoinRefused(f"{url} holds no run {run!r} (its spec is missing)") from exc
+    check_region_url(spec, run, region, url)
     # the run's own pipeline settings (its newest launch's), then what this joiner sets
     pipeline = {**launched_pipeline(store), **(pipeline or {})}
     cfg = config_from_spec(spec, pipeline)

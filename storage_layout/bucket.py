@@ -159,6 +159,20 @@ def raise_partial(
     raise PartialFailure(failed, done)
 
 
+def same_bucket(a: str, b: str) -> bool:
+    """Whether URLs ``a`` and ``b`` name one bucket folder (``/x`` and ``file:///x/`` do;
+    a local path is compared resolved)."""
+
+    def norm(url: str) -> tuple[str, str]:
+        protocol, path = fsspec.core.split_protocol(url)
+        protocol = protocol or "file"
+        if protocol in ("file", "local"):
+            return "file", os.path.realpath(path)
+        return protocol.replace("s3a", "s3").replace("gcs", "gs"), path.rstrip("/")
+
+    return norm(a) == norm(b)
+
+
 def protocol_of(fs: fsspec.AbstractFileSystem) -> str:
     proto = fs.protocol
     return proto if isinstance(proto, str) else proto[0]

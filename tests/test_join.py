@@ -234,6 +234,13 @@ def test_a_joiner_refused_in_its_region_is_told_where_else_the_run_has_slots(tmp
     said = " ".join(str(refused.value).split())
     assert "learner-1: training at step 3" in said, said
     assert "the run has slots in 'us-east' too" in said and "--region" in said, said
+    # A joiner naming us-east with eu-west's bucket would take us-east's learner-0 in the
+    # wrong bucket (no fence between it and us-east's own): refused, told the right name.
+    with pytest.raises(JoinRefused, match=r"is not region 'us-east'.*pass --region eu-west"):
+        join(regions["eu-west"], "two", "us-east")
+    with pytest.raises(JoinRefused, match="has no region 'ap-south'"):
+        join(regions["eu-west"], "two", "ap-south")
+    assert eu.newest_generation("learner-0") == 0 and eu.joins("learner-0") == []
 
 
 def test_a_joiner_adds_a_learner_in_a_region_the_run_started_none_in(tmp_path):
