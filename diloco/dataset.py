@@ -19,6 +19,7 @@ data set, and reads a bucket in a few large requests rather than one per window.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import json
 import os
@@ -28,10 +29,18 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 import fsspec
 import numpy as np
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    model_validator,
+)
 
 from diloco.data import Corpus, DataError, is_held_out, list_files, read_documents
 
@@ -46,6 +55,70 @@ DEFAULT_VOCAB = 4096
 TRAIN_TEXT_BYTES = 512 << 20  # text a BPE is trained on, at most (the corpus's start)
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>")
 VALIDATION_STREAM = 1_000_003
+MANIFEST_BYTES = 256 << 20  # a manifest, at most (~70 bytes a chunk: 2 Mi chunks, 2 T tokens)
+TOKENIZER_BYTES = 64 << 20  # a tokenizer file, at most (Llama 3's tokenizer.json: 9 MB)
+PIECE_CHARS = 1 << 20  # a longer document is tokenized in pieces of about this size
+
+
+# A file the manifest names: a plain name in the data set's folder (no path, no "..").
+FileName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+Count = Annotated[int, Field(ge=0, lt=1 << 53)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True, strict=True)
+
+
+class TokenizerEntry(_Strict):
+    kind: str
+    file: FileName
+    sha256: Sha256
+    vocab_size: Annotated[int, Field(ge=1, le=1 << 32)]
+    eos_id: Count
+
+
+class ShardEntry(_Strict):
+    name: FileName
+    split: Literal["train", "validation"]
+    tokens: Count
+    chunk_tokens: Annotated[int, Field(ge=1, le=1 << 40)]
+    chunk_sha256: list[Sha256]
+
+    @model_validator(mode="after")
+    def _chunks_cover_the_tokens(self) -> ShardEntry:
+        if len(self.chunk_sha256) != -(-self.tokens // self.chunk_tokens):
+            raise ValueError(f"shard {self.name}: {len(self.chunk_sha256)} chunk checksums for "
+                             f"{self.tokens} tokens in chunks of {self.chunk_tokens}")  # fmt: skip
+        return self
+
+
+class Manifest(_Strict):
+    """What a reader takes from ``manifest.json``, bounded: plain file names, checksums
+    of sha256's form, counts within what a data set can hold."""
+
+    format: Literal["diloco-tokens"]
+    version: Literal[1]
+    tokenizer: TokenizerEntry
+    dtype: Literal["uint16", "uint32"]
+    chunk_tokens: Annotated[int, Field(ge=1, le=1 << 40)]
+    shards: list[ShardEntry]
+
+    @model_validator(mode="after")
+    def _eos_in_vocabulary(self) -> Manifest:
+        if self.tokenizer.eos_id >= self.tokenizer.vocab_size:
+            raise ValueError(f"tokenizer.eos_id {self.tokenizer.eos_id} is not below "
+                             f"vocab_size {self.tokenizer.vocab_size}")  # fmt: skip
+        return self
+
+
+def read_capped(fs: fsspec.AbstractFileSystem, path: str, limit: int, what: str) -> bytes:
+    """``path``'s bytes, refused (``DataError``) when it is longer than ``limit``: at most
+    ``limit + 1`` bytes are read."""
+    data = fs.cat_file(path, start=0, end=limit + 1)
+    if len(data) > limit:
+        raise DataError(f"{what} is larger than {limit:,} bytes; refusing to read it")
+    return data
 
 
 class Tokenizer(Protocol):
@@ -178,8 +251,9 @@ def is_prepared(url: str | None) -> bool:
     if not (fs.isdir(path) and fs.exists(_join(path, MANIFEST))):
         return False
     try:
-        return json.loads(fs.cat_file(_join(path, MANIFEST))).get("format") == FORMAT
-    except (ValueError, AttributeError):  # not JSON, or not an object
+        data = read_capped(fs, _join(path, MANIFEST), MANIFEST_BYTES, MANIFEST)
+        return json.loads(data).get("format") == FORMAT
+    except (ValueError, AttributeError):  # too large, not JSON, or not an object
         return False
 
 
@@ -205,16 +279,24 @@ class Dataset:
         path = _join(self.root, MANIFEST)
         if not self.fs.exists(path):
             raise DataError(f"{url} is not a prepared data set (it has no {MANIFEST})")
+        data = read_capped(self.fs, path, MANIFEST_BYTES, f"{url}/{MANIFEST}")
         try:
-            self.manifest: dict[str, Any] = json.loads(self.fs.cat_file(path))
+            self.manifest: dict[str, Any] = json.loads(data)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise DataError(f"{url}/{MANIFEST} is not valid JSON: {exc}") from None
-        if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
+        if not isinstance(self.manifest, dict) or (
+            self.manifest.get("format"), self.manifest.get("version")) != (FORMAT, VERSION):  # fmt: skip
+            got = self.manifest if isinstance(self.manifest, dict) else {}
             raise DataError(
                 f"{url}/{MANIFEST} is not a {FORMAT} manifest of version {VERSION} "
-                f"(format {self.manifest.get('format')!r}, version "
-                f"{self.manifest.get('version')!r})"
+                f"(format {got.get('format')!r}, version {got.get('version')!r})"
             )
+        try:
+            Manifest.model_validate(self.manifest)
+        except ValidationError as exc:
+            wrong = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                              for e in exc.errors()[:3])  # fmt: skip
+            raise DataError(f"{url}/{MANIFEST} is malformed: {wrong[:400]}") from None
         self.dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
         self.chunk_tokens = int(self.manifest["chunk_tokens"])
 
@@ -232,7 +314,8 @@ class Dataset:
     def tokenizer_file(self) -> tuple[str, bytes]:
         """The tokenizer's file name and bytes, checked against the manifest's sha256."""
         entry = self.manifest["tokenizer"]
-        data = self.fs.cat_file(_join(self.root, entry["file"]))
+        where = f"tokenizer {self.url}/{entry['file']}"
+        data = read_capped(self.fs, _join(self.root, entry["file"]), TOKENIZER_BYTES, where)
         digest = hashlib.sha256(data).hexdigest()
         if digest != entry["sha256"]:
             raise DataError(
@@ -651,7 +734,7 @@ def prepare(
         tfs, tpath = fsspec.core.url_to_fs(tokenizer)
         if not tfs.exists(tpath):
             raise DataError(f"--tokenizer {tokenizer} does not exist")
-        tok_bytes = tfs.cat_file(tpath)
+        tok_bytes = read_capped(tfs, tpath, TOKENIZER_BYTES, f"--tokenizer {tokenizer}")
         tok = load_tokenizer(tok_bytes, tokenizer, workers or 1)
     else:
         stage = "training tokenizer"
@@ -665,31 +748,55 @@ def prepare(
     return write_dataset(out, tok, tok_bytes, documents, chunk_tokens, shard_chunks, source_info)
 
 
+def _pieces(text: str, size: int) -> Iterator[str]:
+    """``text`` in pieces of at most ``size`` characters, each cut just before a space that
+    follows a non-space where there is one: where a byte-level BPE's pre-tokenizer cuts
+    too, so the pieces' tokens are the whole text's (docs/data.md)."""
+    start = 0
+    while len(text) - start > size:
+        cut = text.rfind(" ", start + 1, start + size + 1)
+        while cut > start and text[cut - 1].isspace():
+            cut = text.rfind(" ", start + 1, cut)
+        cut = cut if cut > start else start + size  # no such space: cut anywhere
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
+
+
 def _tokenized(
     texts: Iterator[tuple[str, str]], tok: Tokenizer, val_percent: int, source: str
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """(split, tokens with EOS) of each document, tokenized in batches (in parallel)."""
-    batch: list[tuple[str, str]] = []
+    """(split, tokens with EOS) of each document, tokenized in batches (in parallel) of
+    about 8 MiB of text; a long document in pieces (``_pieces``), so that the tokenizer's
+    output, many times its text's size, stays bounded however long a document is."""
+    batch: list[tuple[str, str, bool]] = []  # (identity, piece, whether the document's last)
+    parts: list[np.ndarray] = []  # the tokens of the document the batch ends in, so far
     size = text_tokens = held_out = 0
 
     def flush(last: bool) -> Iterator[tuple[str, np.ndarray]]:
         nonlocal text_tokens, held_out
-        ids = tok.encode_batch([t for _, t in batch])
-        for n, ((ident, _), seq) in enumerate(zip(batch, ids, strict=True)):
+        ids = tok.encode_batch([t for _, t, _ in batch])
+        for n, ((ident, _, ends), seq) in enumerate(zip(batch, ids, strict=True)):
             text_tokens += len(seq)
+            parts.append(np.asarray(seq, dtype=np.int64))
+            if not ends:
+                continue
             split = "validation" if is_held_out(ident, val_percent) else "train"
             if last and n == len(batch) - 1 and not held_out:
                 split = "validation"  # a small corpus where the hash held nothing out
             held_out += split == "validation"
-            yield split, np.append(np.asarray(seq, dtype=np.int64), tok.eos_id)
+            yield split, np.concatenate([*parts, [tok.eos_id]])
+            parts.clear()
         batch.clear()
 
     for ident, text in texts:
-        if size >= 8 << 20 or len(batch) >= 4096:  # never the last: that is flush(True)'s
-            yield from flush(False)
-            size = 0
-        batch.append((ident, text))
-        size += len(text)
+        pieces = list(_pieces(text, PIECE_CHARS))
+        for i, piece in enumerate(pieces):
+            if size >= 8 << 20 or len(batch) >= 4096:  # never the last: that is flush(True)'s
+                yield from flush(False)
+                size = 0
+            batch.append((ident, piece, i == len(pieces) - 1))
+            size += len(piece)
     yield from flush(True)
     if text_tokens == 0:
         raise DataError(f"data source {source} holds no text to tokenize (its documents are empty)")
@@ -714,16 +821,25 @@ def write_dataset(
         for split in ("train", "validation")
     }
     docs = {"train": 0, "validation": 0}
-    for split, ids in documents:
-        writers[split].write(ids)
-        docs[split] += 1
-    for w in writers.values():
-        w.close()
-    if not writers["train"].shards:
-        raise DataError(
-            f"every document of {(source or {}).get('url', out)} was held out for validation; "
-            "give a smaller --val-percent or more documents"
-        )
+    try:
+        for split, ids in documents:
+            writers[split].write(ids)
+            docs[split] += 1
+        for w in writers.values():
+            w.close()
+        if not writers["train"].shards:
+            raise DataError(
+                f"every document of {(source or {}).get('url', out)} was held out for "
+                "validation; give a smaller --val-percent or more documents"
+            )
+    except BaseException:  # a refused source (or an interrupt) leaves no shard behind
+        for w in writers.values():
+            with contextlib.suppress(Exception):
+                w.close()
+        written = [_join(root, s["name"]) for w in writers.values() for s in w.shards]
+        with contextlib.suppress(Exception):
+            fs.rm([p for p in written if fs.exists(p)])
+        raise
     fs.pipe_file(_join(root, tok.file), tok_bytes)
     manifest = {
         "format": FORMAT,

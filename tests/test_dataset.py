@@ -257,6 +257,56 @@ def test_bad_sources_and_outputs_are_named(prepared, text_folder, tmp_path):
     with pytest.raises(DataError, match="already holds a data set"):
         prepare(str(text_folder), prepared)
     assert not (tmp_path / "o3" / "manifest.json").exists()
+    # "holds no text" is found after the (empty) documents' shard was written: the
+    # refusal leaves no shard behind.
+    assert not list((tmp_path / "o2").glob("*"))
+
+
+def test_a_hostile_manifest_or_tokenizer_is_refused_by_name(prepared, tmp_path, monkeypatch):
+    """A manifest names files inside its data set only, and nothing is read unbounded: a
+    tokenizer named by a path out of the folder, a device or an absolute path is refused
+    before it is opened, as are wrong types and a manifest or tokenizer over its cap."""
+    out = _copy(prepared, tmp_path)
+    good = json.loads((out / "manifest.json").read_text())
+
+    def refused(change, match: str) -> None:
+        manifest = json.loads(json.dumps(good))
+        change(manifest)
+        (out / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(DataError, match=match):
+            open_dataset(str(out)).check(512, 1, 32)
+
+    for name in ("../../../../dev/zero", "/etc/hostname", "..", "sub/tokenizer.json"):
+        refused(lambda m, name=name: m["tokenizer"].update(file=name),
+                r"manifest.json is malformed: tokenizer.file: String should match")  # fmt: skip
+    refused(lambda m: m["shards"][0].update(name="../train-00000.bin"), r"shards.0.name")
+    refused(lambda m: m["shards"][0].update(tokens="many"), r"shards.0.tokens")
+    refused(lambda m: m["shards"][0].update(tokens=10**30), r"shards.0.tokens")
+    refused(lambda m: m["shards"][0]["chunk_sha256"].pop(), r"chunk checksums for")
+    refused(lambda m: m["tokenizer"].update(eos_id=512), r"eos_id 512 is not below")
+    refused(lambda m: m.update(dtype="float64"), r"dtype")
+    (out / "manifest.json").write_text("[1, 2]")
+    with pytest.raises(DataError, match="is not a diloco-tokens manifest"):
+        open_dataset(str(out))
+    (out / "manifest.json").write_text(json.dumps(good))
+    monkeypatch.setattr(dataset, "TOKENIZER_BYTES", 1000)
+    with pytest.raises(DataError, match=r"tokenizer .*tokenizer.json is larger than 1,000 bytes"):
+        open_dataset(str(out)).tokenizer()
+    monkeypatch.setattr(dataset, "MANIFEST_BYTES", 1000)
+    with pytest.raises(DataError, match=r"manifest.json is larger than 1,000 bytes"):
+        open_dataset(str(out))
+
+
+def test_a_long_document_is_tokenized_in_pieces_to_its_whole_tokens(prepared, monkeypatch):
+    """A document longer than ``PIECE_CHARS`` goes through the tokenizer in pieces cut
+    before a space, so its encoding is never held whole; its tokens are the whole's."""
+    tok = open_dataset(prepared).tokenizer()
+    text = ("def f(x):\n    return  x  +  1   # a   comment\n\n" * 400) + "z" * 3000
+    monkeypatch.setattr(dataset, "PIECE_CHARS", 1000)
+    assert len(list(dataset._pieces(text, 1000))) > len(text) // 1000
+    (_, ids), (_, short) = dataset._tokenized(iter([("a", text), ("b", "x y")]), tok, 0, "src")
+    assert ids.tolist() == [*tok.encode(text), tok.eos_id]
+    assert short.tolist() == [*tok.encode("x y"), tok.eos_id]
 
 
 def test_data_prepare_and_show_on_the_command_line(text_folder, tmp_path, capsys):
