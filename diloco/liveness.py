@@ -20,8 +20,11 @@ compared (a joiner, with one look, does: ``glance``). A learner is
   the phase its heartbeat names (starting, compiling, resuming, training, paused).
 
 Only a beat counter that advances counts (an older signed beat written again keeps
-nobody alive). A learner with no heartbeat (started by older code, or not started yet)
-is judged by its status object as before: silent once it has not changed for ``silent_max_seconds``.
+nobody alive), and once an observer has seen a learner's heartbeat it judges the learner
+by it alone: a status rewritten by anyone with write access to the bucket keeps no
+stopped learner counted, and a heartbeat deleted is one that stopped. A learner whose
+heartbeat was never seen (started by older code, or not started yet) is judged by its
+status object: silent once it has not changed for ``silent_max_seconds``.
 
 Pure: the observers read the objects and pass them in (``flows``).
 """
@@ -78,6 +81,7 @@ class _Seen:
     gap: float  # the beats' period as measured (stretched by late beats, decaying back)
     work: Any = None  # what moves with each send (and a change of phase)
     work_at: float = 0.0
+    beat: Any = None  # the newest heartbeat seen
 
 
 class Liveness:
@@ -94,21 +98,25 @@ class Liveness:
         """``learner`` now, from its heartbeat ``beat`` (None: none readable) and its
         status object ``status`` (None: none)."""
         status = status or {}
-        if status.get("state") == "done":
+        if status.get("state") == "done":  # (a status may end a learner, never keep one)
             return Verdict("done")
-        if beat is None:
-            return self._by_status(learner, status, now)
         seen = self._seen.get(learner)
-        # Only a counter that advances moves (a new generation starts again at 1): an
-        # older beat written again (replayed) keeps nobody alive.
-        if seen is None or beat.key > seen.key:
+        if beat is None and seen is None:
+            return self._by_status(learner, status, now)
+        # Once its heartbeat was seen, a learner is judged by it alone: a status (which
+        # anyone with write access can rewrite) neither keeps it alive nor ends it, and a
+        # heartbeat gone is one that stopped. Only a counter that advances moves (a new
+        # generation starts again at 1): an older beat written again keeps nobody alive.
+        if beat is None:
+            beat = seen.beat
+        elif seen is None or beat.key > seen.key:
             gap = beat.period
             if seen is not None:  # a decaying maximum of the gaps seen
                 gap = max(gap, now - seen.at, GAP_DECAY * seen.gap)
             work = (beat.generation, beat.sends, beat.state)
             moved = seen is None or seen.work != work
             seen = self._seen[learner] = _Seen(
-                beat.key, now, gap, work, now if moved else seen.work_at
+                beat.key, now, gap, work, now if moved else seen.work_at, beat
             )
         if beat.state == "done":
             return Verdict("done", beating=True)

@@ -87,6 +87,20 @@ def test_silence_is_a_stopped_heartbeat_judged_by_its_measured_period():
     assert live.look("l0", Beat(generation=2, beat=2), {}, 406.0).counted
 
 
+def test_a_status_rewritten_by_anyone_keeps_no_stopped_learner_counted():
+    """A learner paused (SIGSTOP) while something rewrites its status every 3 s, or its
+    heartbeat deleted besides: once its heartbeat was seen, only the heartbeat counts."""
+    live = Liveness(CFG, H)
+    assert live.look("l0", Beat(beat=1), {"state": "training", "time": 0}, 0.0).counted
+    for t in range(3, 150, 3):  # the beats stop; a forger rewrites the status
+        verdict = live.look("l0", Beat(beat=1), {"state": "training", "time": t}, float(t))
+    assert verdict.state == "silent" and verdict.why.startswith("no heartbeat for 147 s")
+    assert live.look("l1", Beat(beat=1), {}, 0.0).counted
+    verdict = live.look("l1", None, {"state": "training", "time": 140}, 140.0)  # deleted
+    assert verdict.state == "silent", verdict
+    assert live.look("l1", Beat(beat=2), {}, 141.0).counted  # it beats again: counted
+
+
 def test_a_joiners_glance_uses_the_beats_own_time_and_period():
     assert glance(CFG, Beat(time=100.0), {}, 129.0).counted
     assert glance(CFG, Beat(time=100.0), {}, 131.0).state == "silent"
