@@ -23,7 +23,7 @@ from flows.observe import train_summary_rows
 from flows.pace import MEMBERS_EVERY
 from flows.run import build_model, validation
 from storage_layout.commit import CorruptVersion
-from storage_layout.store import RunStore
+from storage_layout.store import RunStore, sum_traffic
 
 log = logging.getLogger(__name__)
 
@@ -415,7 +415,7 @@ class Monitor:
         """Bytes and requests per region pair summed over every writer's metrics, the
         learners' bytes up and down, and the rejected contributions."""
         store = self.store
-        traffic: dict[str, dict[str, int]] = {}
+        records: list[dict[str, Any]] = []
         learners = self.learners()
         writers = list(learners.items())
         shards = shard_count(self.cfg.pipeline.syncer_shards, self.cfg.topology.fragments)
@@ -430,11 +430,8 @@ class Monitor:
             rejected += len(record.get("rejected", []))
             if name in learners:
                 learner_bytes += record.get("bytes_up", 0) + record.get("bytes_down", 0)
-            for pair, t in record.get("traffic", {}).items():
-                acc = traffic.setdefault(pair, {"bytes": 0, "requests": 0})
-                acc["bytes"] += t["bytes"]
-                acc["requests"] += t["requests"]
-        return traffic, learner_bytes, rejected
+            records.append(record)
+        return sum_traffic(records), learner_bytes, rejected
 
     def summary(self, wall: float, allocated: float) -> dict[str, Any]:
         """Totals from the buckets: traffic of every writer, goodput from the versions.

@@ -7,15 +7,13 @@ The run's other regions are read from the URLs in its spec.
 
 from __future__ import annotations
 
-import json
 import time
-from collections import defaultdict
 from typing import Any
 
 from storage_layout.bucket import Bucket, BucketError
 from storage_layout.commit import REVOKED, CorruptVersion, read_marker
 from storage_layout.layout import RunLayout, parse_marker_name
-from storage_layout.store import RunStore
+from storage_layout.store import RunStore, sum_traffic
 from storage_layout.stream import verify_version
 
 
@@ -194,22 +192,12 @@ def _learner_row(
 
 def _traffic(store: RunStore, reachable: list[str], problems: list[str]) -> dict[str, dict]:
     """Bytes and requests per region pair, summed over every writer's metrics object."""
-    traffic: dict[str, dict[str, int]] = defaultdict(lambda: {"bytes": 0, "requests": 0})
-    run = store.run
+    statuses = []
     for region in reachable:
-        b = store.bucket(region)
-        for name in b.list(f"{run}/metrics"):
-            if not name.endswith(".json"):
-                continue  # e.g. the launcher's loss.png
-            try:
-                record = json.loads(b.get(f"{run}/metrics/{name}"))
-            except (ValueError, OSError) as exc:
-                problems.append(f"{region}: metrics {name} unreadable: {exc}")
-                continue
-            for pair, t in (record.get("traffic") or {}).items():
-                traffic[pair]["bytes"] += int(t.get("bytes", 0))
-                traffic[pair]["requests"] += int(t.get("requests", 0))
-    return dict(sorted(traffic.items()))
+        found, bad = store.statuses(region)
+        statuses.extend(found.values())
+        problems.extend(bad)
+    return dict(sorted(sum_traffic(statuses).items()))
 
 
 def _verify_region(

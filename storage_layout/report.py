@@ -31,13 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from diloco.topology import run_slots
+from storage_layout import record
 from storage_layout.audit import OUTCOMES, AuditReport, decide_outcomes, sent_from_meta
 from storage_layout.bucket import Bucket, BucketError
 from storage_layout.commit import REVOKED, CorruptVersion, read_marker
 from storage_layout.inspect import find_runs
 from storage_layout.layout import RunLayout, parse_marker_name
 from storage_layout.retention import read_ledger
-from storage_layout.store import RunStore
+from storage_layout.store import Generation, RunStore, sum_traffic
 
 UNIX = 1e9  # a record time above this is Unix time (the pipeline), below simulated seconds
 READERS = 16  # markers read at once (one GET each)
@@ -243,9 +244,9 @@ def start_time(run: Run, version_rows: Sequence[Mapping[str, Any]]) -> float:
             bucket = store.bucket(region)
             first = bucket.list(store.layout.lease_commits(learner))[:1]
             for name in first:
-                lease = json.loads(bucket.get(f"{store.layout.lease_commits(learner)}/{name}"))
-                times.append(float(lease["time"]))
-        except (BucketError, OSError, ValueError, KeyError, TypeError):
+                key = f"{store.layout.lease_commits(learner)}/{name}"
+                times.extend(t for t in [record.read(bucket, key, Generation).time] if t)
+        except (BucketError, OSError, CorruptVersion):
             continue  # a run from before leases, or one being written: the versions do
     return min(times, default=0.0)
 
@@ -434,16 +435,9 @@ def writers(run: Run) -> dict[str, dict[str, Any]]:
     (learner | syncer | launcher | simulator | other), region, record}."""
     out: dict[str, dict[str, Any]] = {}
     for region in run.reachable:
-        bucket = run.store.bucket(region)
-        for name in bucket.list(f"{run.name}/metrics"):
-            if not name.endswith(".json"):
-                continue  # the launcher's loss.png
-            writer = name.removesuffix(".json")
-            try:
-                record = json.loads(bucket.get(f"{run.name}/metrics/{name}"))
-            except (ValueError, OSError) as exc:
-                run.problems.append(f"{region}: metrics {name} unreadable: {exc}")
-                continue
+        found, problems = run.store.statuses(region)
+        run.problems.extend(problems)
+        for writer, status in found.items():
             kind = (
                 "learner" if writer in run.learners
                 else "syncer" if writer.startswith("syncer")
@@ -451,7 +445,7 @@ def writers(run: Run) -> dict[str, dict[str, Any]]:
                 else "other"
             )  # fmt: skip
             out[writer if writer not in out else f"{writer}@{region}"] = {
-                "kind": kind, "region": region, "record": record}  # fmt: skip
+                "kind": kind, "region": region, "record": status}  # fmt: skip
     return dict(sorted(out.items()))
 
 
@@ -478,12 +472,7 @@ def learner_statuses(writer_rows: Mapping[str, Mapping[str, Any]]) -> list[dict[
 def traffic(writer_rows: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, int]]:
     """Bytes and requests per region pair (``source->destination``), summed over every
     writer's status object, as the launcher's summary and ``diloco inspect`` sum them."""
-    out: dict[str, dict[str, int]] = defaultdict(lambda: {"bytes": 0, "requests": 0})
-    for w in writer_rows.values():
-        for pair, t in (w["record"].get("traffic") or {}).items():
-            out[pair]["bytes"] += int(t.get("bytes", 0))
-            out[pair]["requests"] += int(t.get("requests", 0))
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]["bytes"]))
+    return sum_traffic(w["record"] for w in writer_rows.values())
 
 
 def find_summary(run: Run, path: str | Path | None = None) -> dict[str, Any] | None:

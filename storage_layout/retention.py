@@ -45,6 +45,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import Field
+
+from storage_layout import record
 from storage_layout.auth import Keys, verify
 from storage_layout.bucket import Bucket
 from storage_layout.commit import REVOKED, CommitMarker, CorruptVersion, read_marker
@@ -302,17 +305,38 @@ def write_ledger(store: RunStore, fragment: int, entry: Mapping[str, Any]) -> in
     return store.put_next(store.layout.ledger_commits(fragment), body)
 
 
+class LedgerVersion(record.Record):
+    version: record.Counter
+    write_ids: dict[record.Name, record.Name] = Field(default_factory=dict)
+
+
+class LedgerEntry(record.Record):
+    """What a collector recorded of fragment ``fragment`` before deleting it."""
+
+    fragment: record.Counter
+    contributions: list[Any] = Field(default_factory=list)
+    versions: list[LedgerVersion] = Field(default_factory=list)
+
+
+LEDGER_BYTES = 64 << 20  # an entry lists what one pass deleted: ~100 bytes a contribution
+
+
 def read_ledger(bucket: Bucket, layout: RunLayout, fragment: int) -> list[dict[str, Any]]:
-    """Every ledger entry of ``fragment`` in ``bucket``, oldest first."""
+    """Every ledger entry of ``fragment`` in ``bucket``, oldest first; ``CorruptVersion``
+    names one that is missing or not an entry of this fragment."""
     out = []
     prefix = layout.ledger_commits(fragment)
     for name in bucket.list(prefix):
         if parse_marker_name(name, "s") is None:
             continue
+        key = f"{prefix}/{name}"
         try:
-            out.append(json.loads(bucket.get(f"{prefix}/{name}")))
-        except (ValueError, FileNotFoundError) as exc:
-            raise CorruptVersion(f"ledger entry {prefix}/{name} is unreadable: {exc}") from exc
+            body = record.read_body(bucket, key, LedgerEntry, LEDGER_BYTES)
+        except FileNotFoundError as exc:
+            raise CorruptVersion(f"ledger entry {key} is unreadable: {exc}") from exc
+        if body["fragment"] != fragment:
+            raise CorruptVersion(f"ledger entry {key} is of fragment {body['fragment']}")
+        out.append(body)
     return out
 
 

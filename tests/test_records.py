@@ -11,10 +11,13 @@ import time
 
 import pytest
 
+from flows.join import TokenRecord
 from flows.run_lock import LockClaim
 from storage_layout import record
 from storage_layout.bucket import Bucket
 from storage_layout.heartbeat import MAX_BYTES, Heartbeat
+from storage_layout.inspect import inspect_bucket
+from storage_layout.retention import LEDGER_BYTES, LedgerEntry
 from storage_layout.store import (
     SPEC_BYTES,
     STATUS_BYTES,
@@ -22,6 +25,7 @@ from storage_layout.store import (
     Generation,
     Join,
     Pipeline,
+    RunStore,
     SeqBlock,
     Spec,
     Status,
@@ -31,15 +35,21 @@ from storage_layout.store import (
 KINDS = [(LockClaim, record.SMALL), (Heartbeat, MAX_BYTES), (Written, record.SMALL),
          (SeqBlock, record.SMALL), (Generation, record.SMALL), (Join, record.SMALL),
          (Budget, record.SMALL), (Status, STATUS_BYTES), (Spec, SPEC_BYTES),
-         (Pipeline, record.SMALL)]  # fmt: skip
+         (Pipeline, record.SMALL), (LedgerEntry, LEDGER_BYTES),
+         (TokenRecord, record.SMALL)]  # fmt: skip
 GOOD = {
     LockClaim: {"claim": 3, "host": "h", "pid": 12, "time": 1.0e9, "nonce": "n"},
     Heartbeat: {"learner": "learner-0", "generation": 1, "beat": 2, "period": 5.0,
                 "state": "training", "step": 3, "sends": 1, "time": 1.0e9},
     Written: {"writer": "w", "time": 1.0e9}, SeqBlock: {"first": 0, "end": 10},
     Generation: {"fence": "silent"}, Join: {"join": 1, "time": 1.0e9},
-    Budget: {"tokens": 10**9}, Status: {"step": 4, "time": 1.0e9},
+    Budget: {"tokens": 10**9},
+    Status: {"step": 4, "time": 1.0e9, "traffic": {"us->eu": {"bytes": 9, "requests": 1}},
+             "bytes_up": 5, "rejected": []},
     Spec: {"config": {}}, Pipeline: {"pipeline": {}},
+    LedgerEntry: {"fragment": 0, "contributions": [], "versions": [
+        {"version": 1, "write_ids": {"us": "9e33ea8d"}}]},
+    TokenRecord: {"id": "9e33ea8d", "issued": 1.0e9, "expires": None, "checks": {"l0": "ab"}},
 }  # fmt: skip
 WILD = [None, True, -1, 0, 10**30, 10**400, -(10**20), 1e308, float("inf"), "soon", "",
         "x" * 5000, [], [1, 2], {}, {"a": {"b": [None]}}, 1.5, "1e3", "9" * 50]  # fmt: skip
@@ -101,3 +111,22 @@ def test_a_record_signed_by_its_writer_verifies_and_no_other_does(tmp_path):
     assert record.read(bucket, "run/j.json", Join, signed_by=b"k" * 32).join == 1
     with pytest.raises(record.BadRecord, match="not signed with its writer's key"):
         record.read(bucket, "run/j.json", Join, signed_by=b"o" * 32)
+
+
+def test_inspect_names_each_status_that_is_not_one_and_counts_the_rest(tmp_path):
+    """A writer's status with traffic of the wrong type, a list, or one over its cap is a
+    named problem of ``diloco inspect``, read no further; the good ones are summed."""
+    url = f"file://{tmp_path}"
+    store = RunStore("r", {"us": url}, "us", writer="syncer")
+    store.ensure_spec({"regions": {"us": url}, "learners": {"l0": "us"}, "fragments": [["w"]]})
+    good = {"time": time.time(), "traffic": {"us->eu": {"bytes": 10, "requests": 2}}}
+    bodies = {"l0": json.dumps(good).encode(),
+              "l1": json.dumps({"traffic": {"us->eu": {"bytes": "many"}}}).encode(),
+              "l2": b"[1, 2]", "l3": b'{"pad": "' + b"x" * STATUS_BYTES + b'"}'}  # fmt: skip
+    for name, body in bodies.items():
+        store.home.put(store.layout.metrics(name), body)
+    run = inspect_bucket(url)["runs"][0]
+    assert run["traffic"] == {"us->eu": {"bytes": 10, "requests": 2}}
+    named = [p for p in run["problems"] if "metrics" in p]
+    assert len(named) == 3 and all(f"l{i}.json" in " ".join(named) for i in (1, 2, 3)), named
+    assert "traffic.us->eu.bytes" in " ".join(named) and "refused unread" in " ".join(named)
