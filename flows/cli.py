@@ -7,7 +7,8 @@
                  [--set KEY=VALUE ...] [--tokens N] [--region NAME=URL ...]
                  [--create-buckets]
     diloco join URL --run NAME --region R [--slot LEARNER] [--speed X]
-    diloco join-token --run NAME [--dir runs] (--learner ID ... | --learners M)
+    diloco join-token URL --run NAME [--dir runs] [--expires 24h] (--learner ID ... | --learners M)
+    diloco join-token URL --run NAME --revoke ID
     diloco inspect URL [--run NAME] [--verify] [--json]
     diloco inspect [REGION=]URL ... --run NAME --audit [--json]
     diloco gc URL --run NAME [--keep 100] [--orphan-age 3600]
@@ -42,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -307,8 +309,15 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 def cmd_join_token(args: argparse.Namespace) -> int:
     from diloco.topology import learner_ids
+    from flows.join import issue_token, revoke_token
     from storage_layout.auth import RUN_SECRET_ENV, check_secret, join_token
 
+    store = _run_store(args.url, args.run, "join-token")
+    if args.revoke:
+        revoke_token(store, args.revoke)
+        console.print(f"join token {args.revoke} of run {args.run} is revoked in "
+                      f"{', '.join(store.urls)}: no joiner takes a slot with it", soft_wrap=True)  # fmt: skip
+        return 0
     path = Path(args.dir) / args.run / "run-secret"
     if os.environ.get(RUN_SECRET_ENV):
         secret = check_secret(os.environ[RUN_SECRET_ENV])
@@ -324,8 +333,23 @@ def cmd_join_token(args: argparse.Namespace) -> int:
     else:
         raise ConfigError("name the slots the token opens: --learner ID (repeat) or "
                           "--learners M for every slot of a run of M learners")  # fmt: skip
-    print(join_token(secret, args.run, learners))
+    token = join_token(secret, args.run, learners, parse_duration(args.expires, "--expires"))
+    issue_token(store, token)
+    until = "until revoked" if token.expires is None else f"for {args.expires}"
+    console.print(f"join token {token.id} of run {args.run}: {', '.join(learners)}, valid "
+                  f"{until} (`diloco join-token --revoke {token.id}` ends it)", soft_wrap=True)  # fmt: skip
+    print(token.text)
     return 0
+
+
+def parse_duration(text: str | None, what: str) -> float | None:
+    """Seconds in ``90s``, ``30m``, ``24h`` or ``7d`` (None: none given)."""
+    if text is None:
+        return None
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd])\s*", text)
+    if not match or float(match[1]) <= 0:
+        raise ConfigError(f"{what} {text!r} is not a duration such as 90s, 30m, 24h or 7d")
+    return float(match[1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[match[2]]
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
@@ -419,7 +443,14 @@ def build_parser() -> argparse.ArgumentParser:
     jn.set_defaults(func=cmd_join)
     tok = sub.add_parser("join-token", help="print a token that lets a machine join a run "
                          "(the keys of the learner slots it may take, not the run secret)")  # fmt: skip
+    tok.add_argument("url", metavar="URL", help="the run's bucket (any region's): the token's "
+                     "record is kept in every region's, to check it against when one joins")  # fmt: skip
     tok.add_argument("--run", required=True)
+    tok.add_argument("--expires", metavar="DURATION",
+                     help="how long the token lets machines join: 90s, 30m, 24h, 7d "
+                     "(default: until revoked)")  # fmt: skip
+    tok.add_argument("--revoke", metavar="ID",
+                     help="revoke the token of this id (printed when it was made) instead")  # fmt: skip
     tok.add_argument("--dir", default="runs",
                      help="the run's local folder's parent, where `diloco train` keeps the run "
                      "secret (DIR/RUN/run-secret; DILOCO_RUN_SECRET wins)")  # fmt: skip
@@ -822,22 +853,30 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_store(url: str, run: str, writer: str) -> Any:
+    """A ``RunStore`` of every region of ``run``, from one region's bucket ``url`` (its
+    spec's), that region as its client's."""
+    from storage_layout.bucket import same_bucket
+    from storage_layout.store import RunStore
+
+    url = _bucket_url(url)
+    regions = RunStore(run, {"given": url}, "given").read_spec().get("regions") or {}
+    region = next((r for r, u in regions.items() if same_bucket(str(u), url)), None)
+    if region is None:
+        raise ConfigError(f"{url} is none of run {run!r}'s regions: {regions}")
+    return RunStore(run, regions, region, writer=writer)
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     """Retention by hand (the syncers run it as they go): processed contributions, old
     versions, abandoned writes. Reads the spec only: no training code is loaded."""
     from storage_layout.auth import Keys
     from storage_layout.retention import collect_garbage
-    from storage_layout.store import RunStore
 
     if args.keep is not None and args.keep < 1:
         raise ConfigError(f"--keep must be at least 1, got {args.keep}")
-    url = _bucket_url(args.url)
-    spec = RunStore(args.run, {"gc": url}, "gc").read_spec()
-    regions = spec["regions"]
-    home = next((r for r, u in regions.items() if u.rstrip("/") == url.rstrip("/")), None)
-    if home is None:
-        raise ConfigError(f"{url} is none of run {args.run!r}'s regions: {regions}")
-    store = RunStore(args.run, regions, home, writer="gc")
+    store = _run_store(args.url, args.run, "gc")
+    spec = store.read_spec()
     keep = args.keep if args.keep is not None else _launched_keep(store)
     window = max(keep or 0, int(spec["config"]["outer"]["max_staleness"]) + 2)
     learners = store.run_learners(spec, Keys.from_env(args.run).verifying_key).regions

@@ -38,7 +38,12 @@ Who may join: with the run secret (``DILOCO_RUN_SECRET``) any slot; with a join 
 (``DILOCO_JOIN_TOKEN``, from ``diloco join-token``, which holds the keys of the slots the
 owner chose and never the secret) those slots. A run whose contributions are signed (its
 bucket holds the secret's fingerprint) refuses a joiner with neither, by name; the
-syncers reject the contributions of a joiner whose token is forged.
+syncers reject the contributions of a joiner whose token is forged. A token is checked
+against the run before anything is taken (``check_token``): the run's buckets keep its
+record (``issue_token``: its id, issue time, expiry and a check of each key, never the
+keys), so a token of another run (relabelled), an expired one (``--expires``) or a
+revoked one (``diloco join-token --revoke``) is refused by name. (Who can write to the
+bucket can forge a record too; the syncers still reject what such a joiner sends.)
 
 Silence is read on the joiner's own clock against the status object's time, written by
 the learner's machine: clocks kept by NTP differ by far less than the timeout (600 s by
@@ -48,6 +53,7 @@ default).
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import math
 import os
@@ -61,9 +67,10 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Annotated, Any
 
 from prefect import flow
+from pydantic import Field
 
 from diloco.config import LivenessConfig
 from diloco.data import DataError
@@ -84,17 +91,21 @@ from flows import workers
 from flows.notice import noting_ctrl_c
 from flows.run import launched_pipeline, share_compilations, user_cache
 from flows.spares import WORKER_COMMAND
+from storage_layout import record
 from storage_layout.auth import (
     JOIN_TOKEN_ENV,
     LEARNER_KEY_ENV,
     RUN_SECRET_ENV,
     JoinRefused,
+    JoinToken,
     check_secret,
+    key_check,
     learner_key,
     parse_join_token,
     sign_record,
 )
 from storage_layout.bucket import same_bucket
+from storage_layout.record import Name, Record, Time
 from storage_layout.store import RunStore
 
 TAKE_TRIES = 8  # slots a joiner tries to take or add, each time another joiner was first
@@ -168,15 +179,70 @@ def check_region_url(spec: Mapping[str, Any], run: str, region: str, url: str) -
                           f"gives {urls[region]!r}{where}")  # fmt: skip
 
 
-def join_keys(run: str, environ: Mapping[str, str]) -> dict[str, bytes] | None:
-    """The learner keys this machine holds for ``run`` (None: every slot's, from the run
-    secret), from ``DILOCO_RUN_SECRET`` or ``DILOCO_JOIN_TOKEN``; {} when it holds none."""
+def join_keys(store: RunStore, environ: Mapping[str, str]) -> dict[str, bytes] | None:
+    """The learner keys this machine holds for the run (None: every slot's, from the run
+    secret), from ``DILOCO_RUN_SECRET`` or ``DILOCO_JOIN_TOKEN`` (checked against the
+    run's bucket: ``check_token``); {} when it holds none."""
     if environ.get(RUN_SECRET_ENV):
         check_secret(environ[RUN_SECRET_ENV])
         return None
     if environ.get(JOIN_TOKEN_ENV):
-        return parse_join_token(environ[JOIN_TOKEN_ENV], run)
+        token = parse_join_token(environ[JOIN_TOKEN_ENV], store.run)
+        check_token(store, token)
+        return token.keys
     return {}
+
+
+class TokenRecord(Record):
+    id: Name
+    issued: Time
+    expires: Annotated[float, Field(allow_inf_nan=False)] | None = None
+    checks: dict[Name, Name]
+
+
+def issue_token(store: RunStore, token: JoinToken) -> None:
+    """Keep ``token``'s record (never its keys) in every region of the run, so a joiner
+    anywhere can check its token against the run (``check_token``)."""
+    body = json.dumps(token.record(), sort_keys=True).encode()
+    for region in store.urls:
+        store.bucket(region).put_exclusive(store.layout.join_token(token.id), body)
+
+
+def revoke_token(store: RunStore, token_id: str) -> None:
+    """Revoke a join token in every region: no joiner takes a slot with it after this
+    (one that joined with it already trains on: stop its process to end it)."""
+    body = json.dumps({"id": token_id, "revoked": time.time()}).encode()
+    for region in store.urls:
+        store.bucket(region).put(store.layout.revoked_token(token_id), body)
+
+
+def check_token(store: RunStore, token: JoinToken, now: float | None = None) -> None:
+    """``JoinRefused`` unless ``token`` is one the run's owner issued for this run (its
+    record is in the joiner's bucket and each of its keys matches the record's check),
+    has not expired and is not revoked: checked before anything is taken."""
+    bucket, now = store.home, time.time() if now is None else now
+    key = store.layout.join_token(token.id)
+    try:
+        kept = record.read(bucket, key, TokenRecord)
+    except FileNotFoundError:
+        raise JoinRefused(f"join token {token.id} was not issued for run {store.run!r} (no "
+                          f"record of it in {bucket.url}): a token of another run, or one "
+                          "made without the run's bucket (`diloco join-token --url`)") from None  # fmt: skip
+    except record.BadRecord as exc:
+        raise JoinRefused(f"join token {token.id} cannot be checked: {exc}") from None
+    wrong = [lid for lid, k in token.keys.items()
+             if kept.checks.get(lid) != key_check(k, store.run, lid)]  # fmt: skip
+    if wrong:
+        raise JoinRefused(f"join token {token.id} holds keys that are not run {store.run!r}'s "
+                          f"for {', '.join(wrong)} (a token of another run, relabelled, or "
+                          "altered): refused before anything was taken")  # fmt: skip
+    expires = min((t for t in (token.expires, kept.expires) if t is not None), default=None)
+    if expires is not None and now > expires:
+        ago = dt.datetime.fromtimestamp(expires, dt.UTC).isoformat(timespec="seconds")
+        raise JoinRefused(f"join token {token.id} expired at {ago}: ask the run's owner for "
+                          "a new one (`diloco join-token --expires ...`)")  # fmt: skip
+    if bucket.exists(store.layout.revoked_token(token.id)):
+        raise JoinRefused(f"join token {token.id} was revoked by the run's owner")
 
 
 def choose_slot(
@@ -287,7 +353,7 @@ def join(
     # the run's own pipeline settings (its newest launch's), then what this joiner sets
     pipeline = {**launched_pipeline(store), **(pipeline or {})}
     cfg = config_from_spec(spec, pipeline)
-    keys = join_keys(run, env)
+    keys = join_keys(store, env)
     if keys == {}:
         if store.home.exists(store.layout.secret_fingerprint):
             raise JoinRefused(

@@ -258,7 +258,7 @@ class BucketLedger:
         one after the newest its writer saw: ``RunStore.put_next``), so a look costs the
         claims made since the last, not the pool's whole history."""
         if not self._fresh:
-            self._fresh = (self.store.fresh_claims() or [0])[-1]
+            self._fresh = self.store.fresh_frontier()
         while self.store.has_fresh_claim(self._fresh + 1):
             self._fresh += 1
         return pool_unit(self._fresh, self.pool, self.plan.units)[0]
@@ -282,7 +282,7 @@ class BucketLedger:
                 self._claims[claim] = {"offer": to}
                 return span, claim
         while True:
-            after = self._fresh or (self.store.fresh_claims() or [0])[-1]
+            after = self._fresh or self.store.fresh_frontier()
             if pool_unit(after, self.pool, self.plan.units)[0] > epoch:
                 return None
             self._fresh = self.store.claim_fresh_unit(who, after, offer=to)
@@ -344,12 +344,21 @@ def audit_units(report: AuditReport) -> None:
                     for s in read:
                         merged.setdefault((s.epoch, s.unit), []).append((s.start, s.end, lid))
             moved = ledger.moved()
+            orphans = ledger.orphans()
             report.units[region] = {
-                "units_handed_out": len(store.fresh_claims()),
+                "units_handed_out": store.fresh_frontier(),
                 "given_back_waiting": [list(astuple(s)) for s in ledger.given_back()],
-                "orphan_claims": ledger.orphans(),
+                "orphan_claims": orphans,
                 "moved_out": len(moved),  # offered to the learners of other regions
             }
+            # A claim no learner took, made in the name of none of the run's learners: its
+            # span is trained by no one (a forged claim, or one of another run's).
+            for claim, record in zip(orphans, store.unit_claims(orphans), strict=True):
+                who = record.get("learner") if isinstance(record, dict) else None
+                if who not in learners:
+                    report.fail("no-strangers", f"{region}: unit claim {claim} was made by "
+                                f"{who!r}, no learner of the run: its data is trained by no "
+                                "one")  # fmt: skip
             for claim, (to, span) in moved.items():
                 offers[(to, offer_claim(region, claim))] = (region, span)
         except DataError as exc:

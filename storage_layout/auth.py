@@ -28,6 +28,7 @@ import hmac
 import json
 import os
 import secrets
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -205,7 +206,8 @@ def run_secret(path: Path, environ: Mapping[str, str] | None = None) -> tuple[st
 
 # Joining a running run ------------------------------------------------------------------
 JOIN_TOKEN_ENV = "DILOCO_JOIN_TOKEN"
-JOIN_TOKEN_PREFIX = "diloco-join-1:"
+JOIN_TOKEN_PREFIX = "diloco-join-2:"
+OLD_JOIN_TOKEN_PREFIXES = ("diloco-join-1:",)
 
 
 class JoinRefused(ValueError):
@@ -213,30 +215,72 @@ class JoinRefused(ValueError):
     learners), or no place in the run to join: the message says which and why."""
 
 
-def join_token(secret: str, run: str, learners: list[str]) -> str:
-    """What a run's owner gives a machine that may join ``run``: the keys of ``learners``
-    (the run's learner slots it may take), never the run secret. Text, one line."""
-    body = {"run": run, "keys": {lid: learner_key(secret, run, lid).hex() for lid in learners}}
-    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    return JOIN_TOKEN_PREFIX + base64.urlsafe_b64encode(raw).decode()
+def key_check(key: bytes, run: str, learner: str) -> str:
+    """What a bucket keeps to check a learner key against, never the key: an HMAC under
+    it of the run and learner (a key of another run or learner gives another)."""
+    return hmac.new(key, f"diloco-key-check/{run}/{learner}".encode(), hashlib.sha256).hexdigest()
 
 
-def parse_join_token(text: str, run: str) -> dict[str, bytes]:
-    """The learner keys a join token holds for ``run`` (learner id -> key); ``JoinRefused``
-    naming what is wrong with a token that is malformed or made for another run."""
+@dataclass(frozen=True)
+class JoinToken:
+    """What a run's owner gives a machine that may join ``run``: the keys of the learner
+    slots it may take (never the run secret), an id, when it was issued and when it
+    expires (None: never). The run's buckets keep its ``record``: the id and times and
+    a ``key_check`` of each key, so a joiner's token is checked against the run before
+    anything is taken (a token of another run, relabelled, is refused), and a token is
+    revoked by a record beside it (``flows.join``)."""
+
+    run: str
+    id: str
+    issued: float
+    expires: float | None
+    keys: dict[str, bytes]
+
+    @property
+    def text(self) -> str:
+        body = {"run": self.run, "id": self.id, "issued": self.issued, "expires": self.expires,
+                "keys": {lid: k.hex() for lid, k in self.keys.items()}}  # fmt: skip
+        raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        return JOIN_TOKEN_PREFIX + base64.urlsafe_b64encode(raw).decode()
+
+    def record(self) -> dict[str, object]:
+        return {"id": self.id, "issued": self.issued, "expires": self.expires,
+                "checks": {lid: key_check(k, self.run, lid) for lid, k in self.keys.items()}}  # fmt: skip
+
+
+def join_token(
+    secret: str, run: str, learners: list[str], expires_in: float | None = None,
+    now: float | None = None,
+) -> JoinToken:  # fmt: skip
+    """A new token for ``learners`` of ``run`` (its keys derived from ``secret``), valid
+    for ``expires_in`` seconds (None: until revoked)."""
+    issued = round(time.time() if now is None else now, 3)
+    expires = None if expires_in is None else round(issued + expires_in, 3)
+    keys = {lid: learner_key(secret, run, lid) for lid in learners}
+    return JoinToken(run, secrets.token_hex(8), issued, expires, keys)
+
+
+def parse_join_token(text: str, run: str) -> JoinToken:
+    """The join token in ``text`` for ``run``; ``JoinRefused`` naming what is wrong with
+    one that is malformed, of an older kind, or made for another run."""
     text = text.strip()
+    if text.startswith(OLD_JOIN_TOKEN_PREFIXES):
+        raise JoinRefused(f"{JOIN_TOKEN_ENV} was made by an older diloco (it has no id, no "
+                          "issue time and no expiry, and cannot be checked against the run): "
+                          "make a new one with `diloco join-token`")  # fmt: skip
     if not text.startswith(JOIN_TOKEN_PREFIX):
         raise JoinRefused(f"{JOIN_TOKEN_ENV} is not a join token (it starts with "
                           f"{JOIN_TOKEN_PREFIX!r}; `diloco join-token` makes one)")  # fmt: skip
     try:
         body = json.loads(base64.urlsafe_b64decode(text[len(JOIN_TOKEN_PREFIX) :]))
         keys = {str(lid): parse_key(k, JOIN_TOKEN_ENV) for lid, k in body["keys"].items()}
-        token_run = str(body["run"])
+        token = JoinToken(str(body["run"]), str(body["id"]), float(body["issued"]),
+                          None if body["expires"] is None else float(body["expires"]), keys)  # fmt: skip
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise JoinRefused(f"{JOIN_TOKEN_ENV} is damaged: {exc}") from exc
-    if token_run != run:
-        raise JoinRefused(f"{JOIN_TOKEN_ENV} is a join token of run {token_run!r}, not {run!r}")
-    return keys
+        raise JoinRefused(f"{JOIN_TOKEN_ENV} is damaged: {exc!r}") from None
+    if token.run != run:
+        raise JoinRefused(f"{JOIN_TOKEN_ENV} is a join token of run {token.run!r}, not {run!r}")
+    return token
 
 
 def record_signature(record: Mapping[str, object], key: bytes) -> str:

@@ -123,7 +123,19 @@ class RunLayout:
         return f"{self.run}/pipeline.json"
 
     def metrics(self, writer: str) -> str:
-        return f"{self.run}/metrics/{check_name('writer', writer)}.json"
+        return f"{self.metrics_prefix}/{check_name('writer', writer)}.json"
+
+    def join_token(self, token: str) -> str:
+        """A join token's record (``auth.JoinToken.record``), written by its issuer."""
+        return f"{self.run}/join-tokens/{check_name('join token', token)}.json"
+
+    def revoked_token(self, token: str) -> str:
+        """The mark that revokes a join token (``diloco join-token --revoke``)."""
+        return f"{self.run}/join-tokens/revoked/{check_name('join token', token)}.json"
+
+    @property
+    def metrics_prefix(self) -> str:
+        return f"{self.run}/metrics"
 
     # contributions ---------------------------------------------------------------
     def _contrib(self, learner: str, fragment: int) -> str:

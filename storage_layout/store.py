@@ -136,11 +136,35 @@ class Budget(Record):
     time: Time | None = None
 
 
+Amount = Annotated[int, Field(ge=0, lt=10**18)]  # bytes or requests, summed over a run
+
+
+class TrafficRow(Record):
+    bytes: Amount = 0
+    requests: Amount = 0
+
+
 class Status(Record):
     """A writer's metrics object: progress and traffic, rewritten as it goes."""
 
     time: Time | None = None
     step: Annotated[int, Field(ge=0, lt=10**15)] | None = None
+    traffic: dict[Name, TrafficRow] = Field(default_factory=dict)
+    bytes_up: Amount = 0
+    bytes_down: Amount = 0
+    rejected: list[Any] = Field(default_factory=list)
+
+
+def sum_traffic(statuses: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
+    """Bytes and requests per region pair (``source->destination``), summed over status
+    records (each checked as a ``Status``), largest first."""
+    out: dict[str, dict[str, int]] = {}
+    for status in statuses:
+        for pair, t in (status.get("traffic") or {}).items():
+            acc = out.setdefault(pair, {"bytes": 0, "requests": 0})
+            acc["bytes"] += int(t.get("bytes", 0))
+            acc["requests"] += int(t.get("requests", 0))
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["bytes"]))
 
 
 STATUS_BYTES = 1 << 20  # a status holds a few dozen fields and a traffic table
@@ -550,20 +574,30 @@ class RunStore:
         return self.put_next(self.layout.lease_commits(learner), self._record({}))
 
     def put_next(
-        self, prefix: str, body: bytes | Callable[[int], bytes], after: int | None = None
-    ) -> int:
+        self, prefix: str, body: bytes | Callable[[int], bytes], after: int | None = None,
+        dense: bool = False,
+    ) -> int:  # fmt: skip
         """Write ``body`` (or ``body(N)``) as the next numbered object ``prefix/sN.json`` at
         home, with an exclusive create, so two writers never share a number; returns N.
-        The first number tried is the one after ``after`` or after the newest listed; a
-        number another writer holds is a conflict, and the next is tried, so a listing
-        that leaves the newest out costs tries, never a shared number. A number taken by
-        this very write (its answer was lost, and the retry found it there) is ours.
-        ``body(N)`` should hold something unique to the write (a time, a pid), so that
-        two writers never write the same bytes."""
-        if after is None:
+        The first number tried is the one after ``after`` or after the newest listed
+        (``dense``: the first not listed, so that a number written far ahead by someone
+        else, which the run's writers never make, neither skips the numbers below it nor
+        ends the count); a number another writer holds is a conflict, and the next free
+        one is tried, so a listing that leaves the newest out costs tries, never a shared
+        number. A number taken by this very write (its answer was lost, and the retry
+        found it there) is ours. ``body(N)`` should hold something unique to the write (a
+        time, a pid), so that two writers never write the same bytes."""
+
+        def free(at_least: int) -> int:
             taken = self._numbers(self.home, prefix, "s")
-            after = taken[-1] if taken else 0
-        n = after + 1
+            if not dense:
+                return max(at_least, (taken[-1] if taken else 0) + 1)
+            held, n = set(taken), at_least
+            while n in held:
+                n += 1
+            return n
+
+        n = free(1) if after is None else after + 1
         while True:
             key = f"{prefix}/s{number(n)}.json"
             data = body(n) if callable(body) else body
@@ -573,8 +607,7 @@ class RunStore:
             except FileExistsError:
                 if self._holds(key, data):
                     return n
-                taken = self._numbers(self.home, prefix, "s")
-                n = max(n + 1, (taken[-1] if taken else 0) + 1)
+                n = free(n + 1)
 
     def _create(self, key: str, data: bytes) -> bool:
         """Create ``key`` at home holding ``data`` (an exclusive create); False when another
@@ -767,7 +800,8 @@ class RunStore:
         listing. ``offer``: claimed by a syncer to offer it to that region's learners
         (``offer_unit``), not by ``learner`` to train it."""
         fields = {"learner": learner, **({"offer": offer} if offer else {})}
-        return self.put_next(self.layout.units_fresh(), lambda n: self._record(fields), after)
+        return self.put_next(self.layout.units_fresh(), lambda n: self._record(fields), after,
+                             dense=True)  # fmt: skip
 
     def has_fresh_claim(self, n: int) -> bool:
         """Whether fresh claim ``n`` is written (one request)."""
@@ -777,6 +811,17 @@ class RunStore:
     def fresh_claims(self) -> list[int]:
         """The numbers of the fresh units' claims (one listing)."""
         return self._numbers(self.home, self.layout.units_fresh(), "s")
+
+    def fresh_frontier(self) -> int:
+        """The number of fresh claims made in turn from the first (one listing): claims
+        are dense (``claim_fresh_unit``), so one beyond a gap was made by no claimer of
+        the run and moves no frontier."""
+        n = 0
+        for claim in self.fresh_claims():
+            if claim != n + 1:
+                break
+            n = claim
+        return n
 
     def unit_claim(self, claim: str) -> Any:
         """The record of a unit's claim as stored (JSON: check it): ``fresh-N`` (fresh
@@ -1382,6 +1427,22 @@ class RunStore:
         one (named in the log)."""
         bucket = self.bucket(region or self.client_region)
         return _read_or_none(bucket, self.layout.metrics(name), Status, STATUS_BYTES)
+
+    def statuses(self, region: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
+        """Every writer's status object in ``region`` (name -> record, each checked as a
+        ``Status``), and a problem naming each that is not one."""
+        bucket, prefix = self.bucket(region), self.layout.metrics_prefix
+        found: dict[str, dict[str, Any]] = {}
+        problems: list[str] = []
+        for name in bucket.list(prefix):
+            if not name.endswith(".json"):
+                continue  # the launcher's loss.png
+            try:
+                found[name.removesuffix(".json")] = record.read_body(
+                    bucket, f"{prefix}/{name}", Status, STATUS_BYTES)  # fmt: skip
+            except (record.BadRecord, FileNotFoundError) as exc:
+                problems.append(f"{region}: metrics {name} unreadable: {exc}")
+        return found, problems
 
     # heartbeats -------------------------------------------------------------------------
     def write_heartbeat(self, beat: Mapping[str, Any], key: bytes | None = None) -> None:

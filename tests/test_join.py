@@ -20,7 +20,7 @@ import pytest
 from diloco.config import ConfigError, LivenessConfig, load_config
 from diloco.topology import run_slots
 from flows.cli import main as cli_main
-from flows.join import choose_slot, join, join_flow, slot_state
+from flows.join import choose_slot, issue_token, join, join_flow, revoke_token, slot_state
 from flows.run import initialize_run
 from flows.supervision import child_env
 from storage_layout.audit import audit_run
@@ -28,6 +28,7 @@ from storage_layout.auth import (
     JOIN_TOKEN_ENV,
     RUN_SECRET_ENV,
     JoinRefused,
+    JoinToken,
     join_token,
     learner_key,
     new_run_secret,
@@ -55,6 +56,14 @@ def _run(tmp_path: Path, name: str, tokens: int = 20_000, *sets: str):
     return url, cfg, store, spec, secret
 
 
+def _token(store: RunStore, secret: str, learners: list[str], **kw: float) -> str:
+    """A join token for ``learners``, its record kept in the run's bucket (as
+    ``diloco join-token`` does)."""
+    token = join_token(secret, store.run, learners, **kw)
+    issue_token(store, token)
+    return token.text
+
+
 def _join_flow(url: str, run: str, env: dict[str, str], log: Path) -> subprocess.Popen:
     """The `join` flow (what a `join/REGION` deployment's flow run calls; `diloco join`
     runs the same function, ``join_and_train``) in a process of its own, running, its
@@ -68,21 +77,36 @@ def _join_flow(url: str, run: str, env: dict[str, str], log: Path) -> subprocess
 
 def test_a_joiner_without_a_token_for_a_vacant_slot_is_refused_by_name(tmp_path, monkeypatch):
     """A run that signs its contributions admits only joiners that hold a slot's key: no
-    token, a token of another run, a token for another slot, a slot of another region,
-    each refused with what is wrong; nothing is written for them."""
+    token, a token of another run (relabelled or not), one altered, expired, revoked or of
+    an older kind, a token for another slot, a slot of another region, each refused with
+    what is wrong, before anything is taken; nothing is written for them."""
     url, _, store, spec, secret = _run(tmp_path, "closed")
     for name in (RUN_SECRET_ENV, JOIN_TOKEN_ENV):
         monkeypatch.delenv(name, raising=False)
     base = ["join", url, "--run", "closed", "--region", REGION]
+    other = join_token(new_run_secret(), "other", ["learner-0"])  # another run's (its owner's)
+    relabelled = JoinToken("closed", other.id, other.issued, None, other.keys)
+    mine = join_token(secret, "closed", ["learner-0"])
+    issue_token(store, mine)
+    altered = JoinToken("closed", mine.id, mine.issued, None, other.keys)
+    past = time.time() - 100
+    revoked = _token(store, secret, ["learner-0"])
+    revoke_token(store, parse_join_token(revoked, "closed").id)
     cases = [
         ({}, [], "needs a join token in DILOCO_JOIN_TOKEN"),
-        ({JOIN_TOKEN_ENV: join_token(secret, "other", ["learner-1"])}, [],
-         "is a join token of run 'other', not 'closed'"),
-        ({JOIN_TOKEN_ENV: join_token(secret, "closed", ["learner-1"])}, ["--slot", "learner-0"],
+        ({JOIN_TOKEN_ENV: other.text}, [], "is a join token of run 'other', not 'closed'"),
+        ({JOIN_TOKEN_ENV: relabelled.text}, [], f"join token {other.id} was not issued for run "
+         "'closed'"),
+        ({JOIN_TOKEN_ENV: altered.text}, [], "holds keys that are not run 'closed''s for "
+         "learner-0"),
+        ({JOIN_TOKEN_ENV: _token(store, secret, ["learner-0"], expires_in=10, now=past)}, [],
+         "expired at"),
+        ({JOIN_TOKEN_ENV: revoked}, [], "was revoked by the run's owner"),
+        ({JOIN_TOKEN_ENV: _token(store, secret, ["learner-1"])}, ["--slot", "learner-0"],
          "learner-0: the join token does not cover it"),
-        ({JOIN_TOKEN_ENV: "diloco-join-1:bm90IGpzb24"}, [], "DILOCO_JOIN_TOKEN is damaged"),
-        ({JOIN_TOKEN_ENV: join_token(secret, "closed", ["learner-0"])}, ["--region", "mars"],
-         "has no region 'mars'"),
+        ({JOIN_TOKEN_ENV: "diloco-join-2:bm90IGpzb24"}, [], "DILOCO_JOIN_TOKEN is damaged"),
+        ({JOIN_TOKEN_ENV: "diloco-join-1:e30="}, [], "was made by an older diloco"),
+        ({JOIN_TOKEN_ENV: mine.text}, ["--region", "mars"], "has no region 'mars'"),
     ]  # fmt: skip
     for env, extra, expected in cases:
         slot = extra[1] if extra[:1] == ["--slot"] else None
@@ -418,8 +442,9 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
         paused.append(_workers(tmp_path / f"{run}.log")["learner 0"])
         os.kill(paused[-1], signal.SIGSTOP)
         token = subprocess.run(
-            [sys.executable, "-m", "flows.cli", "join-token", "--run", run, "--dir",
-             str(tmp_path), "--learner", "learner-1", "--learner", "learner-3"],
+            [sys.executable, "-m", "flows.cli", "join-token", url, "--run", run, "--dir",
+             str(tmp_path), "--learner", "learner-1", "--learner", "learner-3",
+             "--expires", "2h"],
             capture_output=True, text=True, timeout=120, env=child_env())  # fmt: skip
         assert token.returncode == 0, token.stderr
         env = {**child_env(), JOIN_TOKEN_ENV: token.stdout.strip()}
@@ -509,13 +534,13 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     # saying so, before it warms up or looks for a slot; and no slot the token covers is
     # vacant, each named with its state.
     monkeypatch.delenv(RUN_SECRET_ENV, raising=False)
-    token = join_token(secret, run, ["learner-0", "learner-1"])
+    token = _token(store, secret, ["learner-0", "learner-1"])
     monkeypatch.setenv(JOIN_TOKEN_ENV, token)
     with pytest.raises(JoinRefused, match="has trained its budget"):
         join_flow(run=run, region=REGION, bucket=url)
     with pytest.raises(JoinRefused) as refused:
-        choose_slot(store, store.read_spec(), REGION, parse_join_token(token, run), LIVENESS,
-                    grow=True)  # fmt: skip
+        choose_slot(store, store.read_spec(), REGION, parse_join_token(token, run).keys,
+                    LIVENESS, grow=True)  # fmt: skip
     said = " ".join(str(refused.value).split())
     assert "no vacant learner slot" in said and "learner-1: done" in said, said
     assert "learner-2: the join token does not cover it" in said, said
@@ -586,7 +611,7 @@ def test_a_joiner_that_finds_no_slot_vacant_adds_one_to_a_run_taking_its_data_in
     worker, _ = join(url, "grow", REGION, environ=env)
     assert worker.writer == "learner-3"
     # a token covering learner-4 adds it; one covering only taken ids adds nothing
-    token = {JOIN_TOKEN_ENV: join_token(secret, "grow", ["learner-3", "learner-4"])}
+    token = {JOIN_TOKEN_ENV: _token(store, secret, ["learner-3", "learner-4"])}
     assert join(url, "grow", REGION, environ=token)[0].writer == "learner-4"
     with pytest.raises(JoinRefused, match="the join token covers none this region may add"):
         join(url, "grow", REGION, environ=token)

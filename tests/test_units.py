@@ -312,6 +312,17 @@ def test_a_simulated_region_whose_learners_all_leave_leaves_no_data_of_an_epoch_
     report = audit_run("r", regions)
     audit_units(report)
     assert report.units["eu"]["moved_not_offered"] == [lost.name.removesuffix(".json")]
+    # Claims in the name of no learner of the run (forged: the next number, one far
+    # ahead): their data is trained by no one, and the audit fails naming each.
+    fresh = tmp_path / "us" / "r" / "units" / "fresh"
+    near = max(int(p.name[1:13]) for p in fresh.iterdir()) + 1
+    for n in (near, 999_999_999_999):
+        (fresh / f"s{n:012d}.json").write_text(json.dumps({"learner": "ghost"}))
+    report = audit_run("r", regions)
+    audit_units(report)
+    strangers = report.violations["no-strangers"]
+    assert len(strangers) == 2 and f"fresh-{near} was made by 'ghost'" in strangers[0], strangers
+    assert report.units["us"]["units_handed_out"] == near  # the far one moves no frontier
 
 
 def test_a_simulated_run_adds_learners_beyond_its_slots_and_merges_their_work(prepared, tmp_path):
@@ -451,6 +462,29 @@ def test_a_take_that_died_between_its_claim_and_its_record_is_taken_again_by_its
     assert sorted(took[:2]) == sorted([plan.fresh(fresh - 1, (0, 1)), returned])
     assert took[2] == plan.fresh(fresh + 1, (0, 1))  # then on as before
     assert again.orphans() == []
+
+
+def test_a_forged_unit_claim_far_ahead_neither_skips_units_nor_stops_a_take(prepared, tmp_path):
+    """Fresh claims are dense: a claim written far ahead by someone else (unit 50, or the
+    last number a key can hold) is passed over, the units below it handed out in turn;
+    one forged at the next number is skipped by the take (claimed: a stranger's, which
+    the audit names)."""
+    from flows.ledger import BucketLedger
+    from storage_layout.store import RunStore
+
+    regions = {"us": f"file://{tmp_path / 'us'}"}
+    (tmp_path / "us").mkdir()
+    plan = UnitPlan(open_dataset(prepared), context=64, seed=0)
+    store = RunStore("f", regions, "us", writer="learner-0")
+    ledger = BucketLedger(store, plan, ["learner-0"])
+    first = ledger.take("learner-0")
+    fresh = tmp_path / "us" / "f" / "units" / "fresh"
+    for n in (50, 999_999_999_999, 3):
+        (fresh / f"s{n:012d}.json").write_text(json.dumps({"learner": "ghost"}))
+    again = BucketLedger(RunStore("f", regions, "us", writer="learner-0"), plan, ["learner-0"])
+    took = [again.take("learner-0") for _ in range(3)]
+    assert [first, *took] == [plan.fresh(u, (0, 1)) for u in (0, 1, 3, 4)]  # unit 2: ghost's
+    assert store.fresh_frontier() == 5 and again.frontier() == plan.fresh(5, (0, 1)).epoch
 
 
 # A syncer's liveness rule that tells a learner silent after 5 s of its (fake) clock.

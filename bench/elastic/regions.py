@@ -174,7 +174,8 @@ def run(root: Path, args: argparse.Namespace) -> dict:
         time.sleep(0.5)
     env["PREFECT_API_URL"] = api or ""
     token = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "join-token", "--run", name, "--dir", str(root),
+        [sys.executable, "-m", "flows.cli", "join-token", next(iter(urls(root).values())),
+         "--run", name, "--dir", str(root),
          "--learners", "4"], cwd=ROOT, capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
     env["DILOCO_JOIN_TOKEN"] = token

@@ -159,7 +159,8 @@ def run(name: str, root: Path, args: argparse.Namespace, sets: list[str], elasti
             time.sleep(0.5)
         env["PREFECT_API_URL"] = api or ""
         token = subprocess.run(
-            [sys.executable, "-m", "flows.cli", "join-token", "--run", name, "--dir", str(root),
+            [sys.executable, "-m", "flows.cli", "join-token", f"file://{root / name / 'bucket'}",
+             "--run", name, "--dir", str(root),
              "--learners", str(args.slots * (8 if args.grow else 1))], cwd=ROOT,
             capture_output=True, text=True, check=True
         ).stdout.strip()  # fmt: skip
