@@ -40,7 +40,7 @@ from flows import memory
 from flows.observe import PARENT_FLOW_RUN_ENV, PARENT_TASK_RUN_ENV, parent_env
 from flows.run import worker_done
 from flows.spares import Spares
-from flows.worker import API_DOWN, PARENT_ENV, prefect_api_reachable
+from flows.worker import API_DOWN, PARENT_ENV, api_away, prefect_api_reachable
 from flows.workers import Status, Worker
 from infra.processes import read_pids, stop_leftovers, write_pids
 from storage_layout import faults
@@ -53,6 +53,7 @@ OOM_KILLED = "killed by the OOM killer"
 STAND_BY = "stand-by"  # the name of a syncer started beside a stalled one ends so
 KILLED_YOUNG = 5.0  # seconds: a process killed sooner is restarted after a pause
 API_PATIENCE = 1800.0  # seconds a worker waits for the Prefect API before it is given up
+BLIP_SECONDS = 5.0  # after a 5xx or 429 from a reachable API, a call is made again this late
 STOP_SECONDS = 60.0  # workers asked to stop are killed after this (they checkpoint first)
 
 
@@ -103,15 +104,27 @@ def child_env(
     return env
 
 
-def wait_for_api(name: str, log: Any, stopping: threading.Event, pause: float = 2.0) -> bool:
-    """If the Prefect API is unreachable, say so for ``name`` and wait until it answers
-    (or the run stops); True if there was a wait. A restart that needs the API cannot
-    succeed before it is back, and must not count towards giving a worker up. After
-    ``API_PATIENCE`` seconds the wait ends in an error naming the API (the run then ends
-    with its summary rather than waiting for ever)."""
+def wait_for_api(
+    name: str, log: Any, stopping: threading.Event, pause: float = 2.0,
+    exc: BaseException | None = None,
+) -> bool:  # fmt: skip
+    """If the Prefect API is away, say so for ``name`` and wait (or until the run stops);
+    True if there was a wait. Away: unreachable (waited for until it answers), or, where
+    ``exc`` is what a call got, an answer of 5xx or 429 or a dropped connection
+    (``flows.worker.api_away``: a loaded or restarting server, waited ``BLIP_SECONDS``).
+    A call that needs the API cannot succeed before it is back, and must not count
+    towards giving a worker up. After ``API_PATIENCE`` seconds unreachable the wait ends
+    in an error naming the API (the run then ends with its summary rather than waiting
+    for ever)."""
     url = PREFECT_API_URL.value()
     if prefect_api_reachable(url):
-        return False
+        if exc is None or not api_away(exc):
+            return False
+        log.warning("%s: the Prefect API at %s answered %s; asking again in %.0f s (not "
+                    "counted as a crash)", name, url, str(exc).splitlines()[0][:200],
+                    BLIP_SECONDS)  # fmt: skip
+        stopping.wait(BLIP_SECONDS)
+        return True
     log.warning("%s: the Prefect API at %s is unreachable; waiting for it before starting "
                 "%s again (not counted as a crash)", name, url, name)  # fmt: skip
     down = time.monotonic()
@@ -197,7 +210,8 @@ class Restarts:
         """Whether ``exc`` came of an unreachable Prefect API, now answering again (the
         worker is given up if it stays unreachable for ``API_PATIENCE``)."""
         try:
-            return wait_for_api(self.name, self.log, self.stopping) or isinstance(exc, ApiDown)
+            return wait_for_api(self.name, self.log, self.stopping, exc=exc) or isinstance(
+                exc, ApiDown)  # fmt: skip
         except ApiDown as down:
             give_up(self.store, self.status[0], str(down))
             raise
@@ -462,8 +476,8 @@ class Deployments(LaunchMode):
                 # as_subflow: linked under this task run, in the launcher's flow run
                 flow_run = run_deployment(deployment, parameters=parameters, tags=tags,
                                           timeout=0, as_subflow=True)  # fmt: skip
-            except Exception:
-                if wait_for_api(name, log, self.stopping):  # (no flow run: nothing counts)
+            except Exception as exc:
+                if restarts.api_waited(exc):  # (no flow run: nothing counts)
                     continue
                 raise
             self.flow_runs.add(flow_run.id)
@@ -487,8 +501,8 @@ class Deployments(LaunchMode):
             while True:
                 try:
                     state = client.read_flow_run(flow_run_id).state
-                except Exception:
-                    if wait_for_api(name, log, self.stopping):
+                except Exception as exc:
+                    if wait_for_api(name, log, self.stopping, exc=exc):
                         continue
                     raise
                 if state is not None and state.is_final():

@@ -804,13 +804,10 @@ def test_a_run_standing_still_is_said_why_and_ends_only_when_nobody_beats(tmp_pa
     assert not monitor.hopeless(limit + 1, {**hung, "learner-1": verdicts["learner-1"]})
 
 
-def test_a_worker_whose_prefect_api_answers_503_exits_75_not_crashed(tmp_path):
-    """Defect: a restarted syncer whose first Prefect call was answered 503 (a loaded
-    server; its health check answered) exited 1, counted as a crash. An API that answers
-    5xx is away, as one that refuses connections: exit ``API_DOWN`` (the launcher waits)."""
+def _loaded_api():
+    """A loopback server that answers its health check and 503 to every other call, as
+    a loaded Prefect server does; ``shutdown()`` it after."""
     import http.server
-
-    from flows.worker import API_DOWN
 
     class Loaded(http.server.BaseHTTPRequestHandler):
         def _answer(self) -> None:
@@ -826,6 +823,16 @@ def test_a_worker_whose_prefect_api_answers_503_exits_75_not_crashed(tmp_path):
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Loaded)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_a_worker_whose_prefect_api_answers_503_exits_75_not_crashed(tmp_path):
+    """Defect: a restarted syncer whose first Prefect call was answered 503 (a loaded
+    server; its health check answered) exited 1, counted as a crash. An API that answers
+    5xx is away, as one that refuses connections: exit ``API_DOWN`` (the launcher waits)."""
+    from flows.worker import API_DOWN
+
+    server = _loaded_api()
     (tmp_path / "us").mkdir()
     regions = {"us-east": f"file://{tmp_path / 'us'}"}
     initialize_run(RunStore("busy", regions, "us-east"), load_config("tiny"))
@@ -841,3 +848,35 @@ def test_a_worker_whose_prefect_api_answers_503_exits_75_not_crashed(tmp_path):
         server.shutdown()
     assert done.returncode == API_DOWN, done.stderr[-3000:]
     assert "503" in done.stderr and "is away" in done.stderr
+
+
+def test_a_deployment_start_answered_503_is_waited_out_never_counted_a_crash(tmp_path, monkeypatch):
+    """Defect: ``run_deployment`` answered 503 by a loaded server (its health check
+    answering) was re-raised, its task failed and the worker was dropped for good, in
+    silence. The launcher's restart policy takes it as the API away: it waits and asks
+    again, counting no crash, as it does for an unreachable API."""
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    from flows import supervision
+
+    monkeypatch.setattr(supervision, "BLIP_SECONDS", 0.1)
+    (tmp_path / "us").mkdir()
+    store = RunStore("blip", {"us-east": f"file://{tmp_path / 'us'}"}, "us-east")
+    initialize_run(store, load_config("tiny"))
+    said: list[str] = []
+    log = type("Log", (), {"warning": lambda self, msg, *a: said.append(msg % a)})()
+    restarts = supervision.Restarts("learner us-east/0", store, ("learner-0", "us-east", 1),
+                                    3, log, threading.Event(), unit="flow runs")  # fmt: skip
+    server = _loaded_api()
+    url = f"http://127.0.0.1:{server.server_port}/api"
+    try:
+        with temporary_settings({PREFECT_API_URL: url, PREFECT_CLIENT_MAX_RETRIES: 0}):
+            for _ in range(4):  # more than the crash limit: none counts
+                with pytest.raises(Exception) as answered:
+                    run_deployment("learner/us-east", timeout=0)
+                assert restarts.api_waited(answered.value)
+    finally:
+        server.shutdown()
+    assert restarts.failed == 0 and len(said) == 4 and "503" in said[0], said
+    assert "not counted as a crash" in said[0]
