@@ -72,7 +72,7 @@ from flows.supervision import (
 from flows.workers import run_workers
 from infra.chaos import Chaos, ChaosPlan, kill_to_rejoin, percentiles, read_actions
 from storage_layout import faults
-from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV, run_secret
+from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV, Keys, run_secret
 from storage_layout.commit import CorruptVersion
 from storage_layout.store import RunStore
 
@@ -628,7 +628,8 @@ def _launch(
     display = current_display()
     report = BestEffort()
     Path(logs).mkdir(parents=True, exist_ok=True)
-    monitor = Monitor(store, cfg, spec, log, mode.deaths)
+    keys = Keys(run, mode.secret)  # (deployments' workers hold theirs: None here)
+    monitor = Monitor(store, cfg, spec, log, mode.deaths, verifying_key=keys.verifying_key)
     first = monitor.evaluate(monitor.statuses())
     monitor.remember_start(first)
     log.info(

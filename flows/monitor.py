@@ -62,8 +62,10 @@ class Monitor:
         log: Any = log,
         deaths: Mapping[str, tuple[float, str]] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        verifying_key: Callable[[str], bytes | None] = lambda learner: None,
     ):
         self.store, self.cfg, self.spec, self.log = store, cfg, spec, log
+        self.verifying_key = verifying_key  # a learner's key: its heartbeats must verify
         self.clock = clock  # paces the reads of the members
         self.deaths = {} if deaths is None else deaths
         self._learners: dict[str, str] = run_slots(spec)
@@ -263,7 +265,7 @@ class Monitor:
         now, out, rounds = self.clock(), {}, []
         for learner, region in self.learners().items():
             try:
-                beat = self.store.read_heartbeat(learner, region)
+                beat = self.store.read_heartbeat(learner, region, self.verifying_key(learner))
             except Exception as exc:
                 self.storage_error(f"reading {learner}'s heartbeat", exc)
                 beat = None

@@ -253,6 +253,7 @@ class LaunchMode:
         self.deaths: dict[str, tuple[float, str]] = {}
         self.oom_kills: Counter[str] = Counter()
         self.lock = threading.Lock()
+        self.secret: str | None = None  # the run secret, where this launch holds it
 
     def start(self, worker: Worker) -> Any:
         """Submit the task that keeps ``worker`` going; its future."""

@@ -880,3 +880,26 @@ def test_a_deployment_start_answered_503_is_waited_out_never_counted_a_crash(tmp
         server.shutdown()
     assert restarts.failed == 0 and len(said) == 4 and "503" in said[0], said
     assert "not counted as a crash" in said[0]
+
+
+def test_the_launcher_takes_no_heartbeat_that_is_not_its_learners(tmp_path):
+    """The launcher judges a learner by its heartbeat only when the beat is signed with
+    that learner's key (it holds the run secret): one written by anyone else is no beat."""
+    from diloco.liveness import Verdict
+    from storage_layout.auth import Keys, learner_key, new_run_secret
+
+    store = _lock_run(tmp_path, "beats")
+    cfg = load_config("tiny", overrides=["budget.tokens=20000"])
+    secret = new_run_secret()
+    beat = {"learner": "learner-0", "generation": 1, "beat": 1, "period": 5.0,
+            "state": "training", "step": 3, "sends": 0, "time": time.time()}  # fmt: skip
+    keys = Keys("beats", secret)
+
+    def verdict(signer: str) -> Verdict:
+        store.write_heartbeat(beat, learner_key(secret, "beats", signer))
+        monitor = Monitor(store, cfg, store.read_spec(), verifying_key=keys.verifying_key)
+        return monitor.verdicts({})["learner-0"]
+
+    assert verdict("learner-0").beating  # its own: judged by it
+    forged = verdict("learner-1")  # signed with another learner's key: no heartbeat
+    assert not forged.beating and forged.state == "starting", forged
