@@ -82,6 +82,28 @@ STOP_GRACE = STOP_SECONDS + 5.0  # a reap under way gets this long from a stoppi
 LAUNCH_ONLY = {"faults", "chaos"}  # pipeline settings a joiner does not take from a launch
 
 
+def first_line(text: str) -> str:
+    return text.splitlines()[0].removesuffix(":") if text else text
+
+
+def reason(name: str, exc: BaseException) -> str:
+    """Why worker ``name`` was given up: its error, less its name."""
+    return str(exc).removeprefix(f"{name}: ")
+
+
+class WorkersGivenUp(RuntimeError):
+    """The run ended with workers given up (each named with why, ``summary["given_up"]``):
+    the others trained on without them. The train flow run ends Failed with this, so no
+    view calls the run Completed; ``summary`` is the run's, written as usual."""
+
+    def __init__(self, summary: dict[str, Any]):
+        self.summary = summary
+        super().__init__(
+            "gave up on "
+            + "; ".join(f"{name} ({first_line(why)})" for name, why in summary["given_up"].items())
+        )
+
+
 class Launch:
     """A launch under way, as its caller (``diloco train``), its signal handlers and its
     run lock reach it: ``interrupt`` asks every worker to checkpoint and stop (exits are
@@ -205,6 +227,7 @@ def _watch(
     display, report = display or Display(), report or BestEffort()
     last_eval, last_look = time.monotonic(), time.monotonic()
     ended: dict[str, float] = {}
+    given_up: list[str] = []
     started = False  # every learner has started up: progress lines from then on
     # The thread pool's own futures, waited on plainly: ``prefect.futures.wait`` with a
     # timeout arms an asynchronous exception (an alarm signal in the main thread), which
@@ -217,6 +240,10 @@ def _watch(
         for name, future in zip(names, pool, strict=True):
             if future.done() and name not in ended:
                 ended[name] = time.time()
+                why = None if name.endswith(STAND_BY) else failure(future)
+                if why is not None:
+                    given_up.append(name)
+                    log.error("%s", given_up_line(name, why, names, given_up))
         if not running:
             return ended
         if time.monotonic() - last_eval < every:
@@ -276,6 +303,30 @@ def _watch(
             "".join(f" | {n} restarting ({phase})" for phase, n in restarting.items()),
             extra=SHOWN,
         )
+
+
+def failure(future: concurrent.futures.Future) -> BaseException | None:
+    """The error a worker's finished task (its thread's future: a Prefect state) ended
+    with; None when it ended well or was cancelled."""
+    if future.cancelled():
+        return None
+    outcome = future.exception() or future.result()
+    if isinstance(outcome, State) and outcome.is_failed():
+        error = outcome.result(raise_on_failure=False)
+        return error if isinstance(error, BaseException) else RuntimeError(outcome.message)
+    return outcome if isinstance(outcome, BaseException) else None
+
+
+def given_up_line(name: str, exc: BaseException, names: list[str], given_up: list[str]) -> str:
+    """What the launcher says as it gives ``name`` up (``exc``: why), the moment it does:
+    and, for a learner, when its region has no learner left (``names``: every worker
+    watched; ``given_up``: those given up so far, ``name`` included)."""
+    line = f"gave up on {name} ({first_line(reason(name, exc))}): the run goes on without it"
+    region = name.split(" ")[-1].split("/")[0]
+    mates = [n for n in names if n.startswith(f"learner {region}/")]
+    if name.startswith("learner ") and set(mates) <= set(given_up):
+        line += f"; region {region} has no learner left"
+    return line
 
 
 class StandBys:
@@ -538,7 +589,7 @@ def train_flow(
     launch.stopping.clear()
     launch.signalled.clear()
     try:
-        return _train(run, regions, cfg, logs, via, launch, log)
+        summary = _train(run, regions, cfg, logs, via, launch, log)
     except KeyboardInterrupt:
         if not launch.signalled.is_set():
             raise
@@ -549,6 +600,11 @@ def train_flow(
     except RunStalled as exc:  # named, not a traceback: the flow run ends Failed saying it
         log.error("%s", exc)
         return Failed(message=str(exc), data=exc)
+    if summary["failed"]:  # the run went on without them: its flow run does not say Completed
+        given_up = WorkersGivenUp(summary)
+        log.error("%s", given_up)
+        return Failed(message=str(given_up), data=given_up)
+    return summary
 
 
 def _train(
@@ -675,7 +731,7 @@ def _launch(
     if lock.lost:
         raise RunTakenOver(f"run {run} was taken over by {lock.lost}; this launcher stopped "
                            "its workers")  # fmt: skip
-    failed = []
+    failed: dict[str, str] = {}  # a worker given up -> why
     for name, future in zip(names, futures, strict=True):
         try:
             future.result()
@@ -683,8 +739,7 @@ def _launch(
             if name.endswith(STAND_BY):  # the shard's own process is judged, not its help
                 log.warning("%s failed: %s", name, exc)
                 continue
-            log.error("%s failed for good: %s", name, exc)
-            failed.append(name)
+            failed[name] = reason(name, exc)
     display.phase("training", "failed" if failed else "done")
     display.phase("finishing", "running", "final evaluation, summary, loss curve")
     now = time.time()
@@ -704,7 +759,7 @@ def _launch(
         report(report_metrics, metrics, monitor, monitor.curve[-1], statuses, log, wait=60.0)
     metrics.close()
     summary = monitor.summary(wall, allocated)
-    summary["failed"] = failed
+    summary["failed"], summary["given_up"] = list(failed), failed
     if cfg.pipeline.faults or chaos_plan.active:
         summary["chaos"] = failure_report(store, spec, folder, chaos.missed if chaos else [])
     png = loss_plot_png(monitor.curve, f"run {run}", metrics.training_curve())
@@ -716,7 +771,4 @@ def _launch(
         description=f"run {run}: summary and loss curve",
     )
     display.phase("finishing", "done", f"summary: Prefect artifact {artifact_key(run, 'summary')}")
-    if failed:
-        log.error("gave up on %s (each failed %d starts in a row without progress)",
-                  failed, cfg.pipeline.max_failed_starts)  # fmt: skip
     return summary

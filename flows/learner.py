@@ -3,7 +3,9 @@ clock over its own region's bucket.
 
 A learner process keeps one ``LearnerRuntime`` for its whole life and runs bounded flow
 runs over it (``pipeline.rounds_per_flow_run`` rounds each), so memory does not grow with
-the run's length and a flow-run boundary costs nothing. Each round is a Prefect task run
+the run's length and a flow-run boundary costs nothing. A deployment's flow run is a
+process of its own: it waits for its checkpoint and uploads before it returns, and the
+next one resumes from that checkpoint. Each round is a Prefect task run
 (``learner us-east/2 round 14``) of ``pipeline.round_steps`` inner steps; it is not
 retried in the process (a half-finished round cannot be replayed): a failure ends the
 process, and the launcher starts a new one, which rejoins from the bucket
@@ -919,11 +921,18 @@ def train_round(rt: LearnerRuntime, label: str) -> dict[str, Any] | None:
 
 @flow(name="learner", flow_run_name="learner {region}/{index}", persist_result=False)
 def learner_flow(
-    run: str, bucket: str, region: str, index: int, pipeline: dict | None = None
-) -> dict[str, Any] | State:
+    run: str, bucket: str, region: str, index: int, pipeline: dict | None = None,
+    continued: bool = False,
+) -> dict[str, Any] | State:  # fmt: skip
     """Train learner ``index`` of ``run`` in ``region`` (whose bucket is ``bucket``) for a
     bounded number of rounds; returns ``{"done": bool, "step": int, ...}``, or, stopped
-    by a signal, checkpoints and ends its flow run Cancelled (``observe.stopped``)."""
+    by a signal, checkpoints and ends its flow run Cancelled (``observe.stopped``).
+
+    ``continued``: this process runs the learner's next flow run too (``flows.worker``),
+    so its runtime and background I/O go on across the boundary. Otherwise (a
+    deployment's flow run, whose process ends with it) the flow run checkpoints, waits
+    until that checkpoint and every upload before it are written, and closes the runtime
+    before it returns: nothing trained is lost at the boundary."""
     log = get_run_logger()
     take_sigterm()  # in place of the flow engine's handler, for this run
     tag_flow_run(worker_tags(run, region, f"learner:{index}"))
@@ -965,7 +974,7 @@ def learner_flow(
         # Once: a shared budget may end between two looks, and "done" must follow the
         # final checkpoint and every upload before it (the syncers end on it).
         finished = rt.finished
-        rt.checkpoint(wait=finished)  # the loop wrote the final one; this waits for it
+        rt.checkpoint(wait=finished or not continued)  # (the final one: waited for)
     except KeyboardInterrupt:
         log.warning("interrupted: checkpointing at step %d", rt.step)
         rt.checkpoint(wait=True)
@@ -996,7 +1005,7 @@ def learner_flow(
             key=artifact_key(run, rt.id, "rounds"),
             description=f"learner {rt.label} of run {run}: one row per round",
         )
-    if finished:  # the look "done" was written on: the worker ends on this one
-        rt.close("done")
+    if finished or not continued:  # ("done": the look it was written on; the worker ends)
+        rt.close("done" if finished else None)
         _RUNTIMES.pop((run, region, lid), None)
     return {"done": finished, "step": rt.step, "rounds": len(rows)}

@@ -191,6 +191,7 @@ def _base_rows(summary: dict[str, Any], loss: str, ratio: float | None) -> list[
         ("mode", summary["mode"]),
         ("parameters", f"{summary['params']:,}"),
         ("learners / quorum", f"{_learners(summary)} / {summary['quorum']}"),
+        *([("given up", ", ".join(summary["failed"]))] if summary.get("failed") else []),
         ("tokens", f"{summary['tokens']:,}"),
         ("validation loss", loss),
         ("wall time", f"{summary['wall_seconds']:.0f} s"),

@@ -270,6 +270,8 @@ def _train(
                 launch.stop()
                 console.print(f"resume with the same command (run {run!r})")
                 return 130
+            except launcher.WorkersGivenUp as exc:  # (its flow run ends Failed)
+                summary = exc.summary
             except (launcher.RunTakenOver, StorageUnreachable, RunStalled) as exc:
                 launch.stop()
                 console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
@@ -302,7 +304,10 @@ def _train(
         + (f"browse the run in the Prefect UI:  {browse_command(prefect_home)}"
            if not external else f"Prefect UI: {external.removesuffix('/api')}")
     )  # fmt: skip
+    for name, why in summary["given_up"].items():
+        console.print(f"[bold red]gave up on {name}:[/] {launcher.first_line(why)}",
+                      soft_wrap=True)  # fmt: skip
     if summary["failed"]:
-        console.print(f"[bold red]failed:[/] {', '.join(summary['failed'])} (see the logs)")
+        console.print(f"the run went on without {', '.join(summary['failed'])}; see the logs")
         return 1
     return 0

@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                 from flows.learner import learner_flow
 
                 params = {"run": args.run, "bucket": args.bucket, "region": args.region,
-                          "index": args.index, "pipeline": pipeline}  # fmt: skip
+                          "index": args.index, "pipeline": pipeline,
+                          "continued": True}  # fmt: skip
                 tags = worker_tags(args.run, args.region, f"learner:{args.index}")
                 result = run_linked(learner_flow, params, os.environ, tags)
             else:

@@ -626,6 +626,35 @@ def test_the_one_restart_policy_resets_on_progress_and_gives_a_worker_up_by_name
     assert restarts.delay == 8.0  # 2 s doubling, started again by the progress
 
 
+def test_a_run_that_gave_a_worker_up_ends_failed_naming_it_never_completed(tmp_path):
+    """Defect: a launch that gave workers up ended its flow run Completed (green in the
+    UI), its summary silent about them. Here each learner's node is misconfigured (a
+    preemption notice source that names none) and fails every start before it trains:
+    both are given up, the syncers stop waiting for them and the run ends; the train
+    flow run ends Failed naming each with why, the summary lists them, `diloco train`
+    says so and exits 1; each is named as it is given up, with its region left empty."""
+    root, run = tmp_path / "runs", "given-up"
+    root.mkdir()
+    log = root / "train.log"
+    env = {**os.environ, "DILOCO_PREEMPTION_NOTICE": "nowhere"}
+    code = _train(root, run, 40_000, env, log, learners=2).wait(timeout=600)  # a hang's guard
+    output = log.read_text()
+    said = " ".join(output.split())
+    assert code == 1, output[-4000:]
+    for name in ("learner us-east/0", "learner eu-west/1"):
+        assert f"gave up on {name}: 2 starts in a row failed without progress" in said, said[-4000:]
+    assert re.search(r"Finished in state Failed\('gave up on learner us-east/0 \(2 starts in "
+                     r"a row failed .*\); learner eu-west/1 \(2 starts", said), said[-4000:]  # fmt: skip
+    assert "is not a preemption notice source" in said, said[-4000:]
+    for region in ("us-east", "eu-west"):  # said as it happened, not only at the end
+        assert re.search(rf"ERROR .* gave up on learner {region}/\d \(2 starts in a row failed"
+                         rf"[^)]*\): the run goes on without it; region {region} has no "
+                         "learner left", said), said[-4000:]  # fmt: skip
+    summary = json.loads((root / run / "summary.json").read_text())
+    assert sorted(summary["failed"]) == ["learner eu-west/1", "learner us-east/0"], summary
+    assert "syncer us-east/0" not in summary["given_up"], summary["given_up"]
+
+
 def test_the_launch_config_is_validated_once_and_overrides_are_laid_over_it():
     """`diloco train` hands the launcher the config it validated: carried as it is; a
     deployment's `overrides` are laid over it (and over a preset) and checked by name."""

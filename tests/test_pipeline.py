@@ -1013,6 +1013,39 @@ def test_a_worker_stopped_by_the_launcher_checkpoints_and_its_flow_run_ends_canc
     assert "Traceback" not in text, text[-3000:]
 
 
+def test_a_deployments_learner_flow_run_drains_its_io_before_its_process_ends(
+    tmp_path, prefect_api
+):
+    """Defect: a learner flow run of a deployment (its process ends with it) returned with
+    its last checkpoint and uploads still queued; the process then exited under them
+    ("checkpoint ... failed for good: cannot schedule new futures after interpreter
+    shutdown"), and the next flow run resumed from an older checkpoint. Now a flow run
+    not continued in its process waits for them and closes its runtime: with every commit
+    slowed, the checkpoint of the step it reached is written when it returns, and the
+    next flow run resumes from it."""
+    import flows.learner
+    from storage_layout.faults import inject
+
+    cfg = load_config("tiny", overrides=["topology.learners=1", "pipeline.round_steps=20",
+                                         "pipeline.rounds_per_flow_run=1",
+                                         "pipeline.checkpoint_every=1000"])  # fmt: skip
+    cfg = cfg.model_copy(update={"budget": cfg.budget.model_copy(
+        update={"tokens": 3 * 20 * cfg.tokens_per_step})})  # fmt: skip
+    regions = {"us-east": f"file://{tmp_path / 'us'}"}
+    (tmp_path / "us").mkdir()
+    store = RunStore("drain", regions, "us-east")
+    lid = next(iter(run_slots(initialize_run(store, cfg))))
+    params = workers.learner("drain", regions["us-east"], "us-east", 0, cfg).params
+    slow = {"seed": 1, "latency_rate": 1.0, "latency_seconds": 0.5, "ops": ["put_exclusive"]}
+    with inject(slow):
+        first = flows.learner.learner_flow(**params)
+    assert first["step"] == 20 and not first["done"], first
+    assert store.checkpoint_steps(lid)[-1] == 20  # written before the flow run returned
+    assert not flows.learner._RUNTIMES, "a deployment's flow run kept its runtime"
+    second = flows.learner.learner_flow(**params)  # the next flow run: a fresh runtime
+    assert second["step"] == 40, second  # resumed from step 20, not trained again
+
+
 def test_the_syncers_members_follow_the_learners_statuses(tmp_path, caplog, monkeypatch):
     """A syncer counts towards the quorum every learner but one whose status says it was
     preempted, one that writes no heartbeat and whose status has not changed for
