@@ -282,7 +282,7 @@ def _watch(
                 futures.append(extra[1])
                 pool.append(extra[1].wrapped_future)
         if bar is not None:
-            report(update_progress_artifact, bar, pct)
+            report(update_progress_artifact, bar, pct, progress_note(monitor, statuses))
         show_phases(display, statuses, point["versions"], point, pct, oom)
         if metrics is not None:
             report(report_metrics, metrics, monitor, point, statuses, log)
@@ -303,6 +303,12 @@ def _watch(
             "".join(f" | {n} restarting ({phase})" for phase, n in restarting.items()),
             extra=SHOWN,
         )
+
+
+def progress_note(monitor: Monitor, statuses: dict[str, dict[str, Any]]) -> str:
+    """The progress artifact's description: what it measures, and who trains where."""
+    return (f"run {monitor.store.run}: share of all learners' inner steps done; "
+            f"{monitor.by_region(statuses)}")  # fmt: skip
 
 
 def failure(future: concurrent.futures.Future) -> BaseException | None:
@@ -754,7 +760,8 @@ def _launch(
         log.error("final evaluation failed: %r", exc)
     statuses = monitor.statuses()
     if bar is not None:
-        report(update_progress_artifact, bar, monitor.progress(statuses))
+        report(update_progress_artifact, bar, monitor.progress(statuses),
+               progress_note(monitor, statuses))  # fmt: skip
     if monitor.curve:
         report(report_metrics, metrics, monitor, monitor.curve[-1], statuses, log, wait=60.0)
     metrics.close()

@@ -36,7 +36,6 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
@@ -54,7 +53,7 @@ from flows.heartbeat import Heartbeat
 from flows.hosts import join as join_group
 from flows.ledger import BucketLedger, FollowedLedger, region_ledger, region_pools
 from flows.notice import NOTICE_ENV, NoticeWatcher, notice_source
-from flows.observe import artifact_key, run_logger, stopped, tag_flow_run, worker_tags
+from flows.observe import LiveTable, artifact_key, run_logger, stopped, tag_flow_run, worker_tags
 from flows.pace import Pace
 from flows.run import (
     bucket_store,
@@ -957,6 +956,9 @@ def learner_flow(
             log.warning("contributions are unsigned (no %s or %s): a syncer holding the run "
                         "secret rejects them", LEARNER_KEY_ENV, RUN_SECRET_ENV)  # fmt: skip
     rows: list[dict[str, Any]] = []
+    # this flow run's rounds as they happen (a crashed run shows the ones it trained)
+    table = LiveTable(artifact_key(run, rt.id, "rounds"),
+                      f"learner {rt.label} of run {run}: one row per round") if rt.leader else None  # fmt: skip
     try:
         for _ in range(rt.cfg.pipeline.rounds_per_flow_run):
             if STOP.is_set():  # a stop whose interrupt was lost on its way (flows.worker)
@@ -967,6 +969,11 @@ def learner_flow(
             if row is None:  # (the round's task took the interrupt)
                 raise KeyboardInterrupt
             rows.append(row)
+            if table is not None:
+                try:
+                    table.show(list(rows))
+                except Exception as exc:  # the table is for people; training goes on
+                    log.warning("cannot update the table %s: %r", table.key, exc)
         if not rt.finished and rt.preempting():
             left = rt.leave()
             _RUNTIMES.pop((run, region, lid), None)
@@ -999,12 +1006,6 @@ def learner_flow(
                      rt.loop.run_steps(), rt.cfg.budget_steps, rt.loop.total_steps)  # fmt: skip
     else:
         rt.write_status("paused")
-    if rows and rt.leader:
-        create_table_artifact(
-            rows,
-            key=artifact_key(run, rt.id, "rounds"),
-            description=f"learner {rt.label} of run {run}: one row per round",
-        )
     if finished or not continued:  # ("done": the look it was written on; the worker ends)
         rt.close("done" if finished else None)
         _RUNTIMES.pop((run, region, lid), None)

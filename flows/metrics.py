@@ -64,7 +64,7 @@ class LiveMetrics:
         self.points: list[dict[str, Any]] = []
         self.tries: Counter[tuple[str, int]] = Counter()
         self._writers: dict[str, Any] = {}
-        self._published: dict[str, Any] = {}  # artifact key -> rows last published
+        self._tables: dict[str, Any] = {}  # artifact key -> its LiveTable
         self._warned: set[str] = set()
 
     # state ----------------------------------------------------------------------------
@@ -270,11 +270,9 @@ class LiveMetrics:
         return {"learners": learners, "versions": versions, "curve": curve}
 
     def publish_tables(self, statuses: dict[str, dict[str, Any]]) -> None:
-        """Create (a new version of) each table artifact whose rows changed; a failure is
-        logged once and never stops the run."""
-        from prefect.artifacts import create_table_artifact
-
-        from flows.observe import artifact_key
+        """Show each table artifact's rows, one artifact each updated in place
+        (``LiveTable``); a failure is logged once and never stops the run."""
+        from flows.observe import LiveTable, artifact_key
 
         run = self.store.run
         what = {
@@ -283,12 +281,12 @@ class LiveMetrics:
             "curve": "validation loss of the newest global model against tokens merged",
         }
         for name, rows in self.table_rows(statuses).items():
-            key = artifact_key(run, name)
-            if not rows or self._published.get(key) == rows:
+            if not rows:
                 continue
+            key = artifact_key(run, name)
+            table = self._tables.setdefault(key, LiveTable(key, f"run {run}: {what[name]}"))
             try:
-                create_table_artifact(rows, key=key, description=f"run {run}: {what[name]}")
-                self._published[key] = rows
+                table.show(rows)
             except Exception as exc:  # the tables are for people; the run goes on
                 self._warn(f"artifact {key}", f"cannot update the table {key}: {exc!r}")
 

@@ -413,6 +413,17 @@ class Monitor:
             self.furthest[learner] = max(self.furthest.get(learner, 0), step)
         return min(100.0, 100.0 * sum(self.furthest.values()) / self.cfg.budget_steps)
 
+    def by_region(self, statuses: dict[str, dict[str, Any]]) -> str:
+        """Who trains in each region, in one line (the progress artifact's description):
+        ``us-east: 2 of 2 learners training · eu-west: 0 of 1 training``."""
+        regions = self.learners()
+        parts = []
+        for region in dict.fromkeys(regions.values()):
+            mine = [lid for lid, r in regions.items() if r == region]
+            busy = sum(1 for lid in mine if statuses.get(lid, {}).get("state") == "training")
+            parts.append(f"{region}: {busy} of {len(mine)} learners training")
+        return " · ".join(parts)
+
     def traffic(self) -> tuple[dict[str, dict[str, int]], int, int]:
         """Bytes and requests per region pair summed over every writer's metrics, the
         learners' bytes up and down, and the rejected contributions."""

@@ -30,6 +30,33 @@ def artifact_key(*parts: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
 
 
+class LiveTable:
+    """A table artifact kept as one artifact and updated in place as its rows change (a
+    keyed artifact created again is a new version: hundreds in a long run). Made on the
+    first ``show`` (linked to the flow run then current), updated from then on."""
+
+    def __init__(self, key: str, description: str):
+        self.key, self.description = key, description
+        self.id: Any = None
+        self.rows: list[dict[str, Any]] | None = None  # as last shown
+
+    def show(self, rows: list[dict[str, Any]]) -> None:
+        """Show ``rows`` (nothing is sent when they did not change); raises what the
+        Prefect API raises: a caller for whom the table is best effort catches it."""
+        from prefect.artifacts import ArtifactUpdate, TableArtifact, create_table_artifact
+        from prefect.client.orchestration import get_client
+
+        if rows == self.rows:
+            return
+        if self.id is None:
+            self.id = create_table_artifact(rows, key=self.key, description=self.description)
+        else:
+            data = TableArtifact(table=rows).format(_sync=True)
+            with get_client(sync_client=True) as client:
+                client.update_artifact(self.id, ArtifactUpdate(data=data))
+        self.rows = rows
+
+
 def worker_tags(run: str, region: str, role: str) -> list[str]:
     """The tags of a learner's (``role`` "learner:N") or a syncer's flow runs."""
     return [f"run:{run}", f"region:{region}", role]

@@ -172,9 +172,21 @@ def test_two_region_run_on_s3_and_gcs(prefect_api, s3_server, gcs_server, tmp_pa
         "bytes_down",
     }
     assert columns <= set(first)
+    # one artifact per table, updated in place (a version each change was hundreds), its
+    # data the end's; a learner's rounds: one per flow run, written round by round
+    versions = {k: sum(a["key"] == k for a in artifacts) for k in expected}
+    assert versions[f"{run}-learners"] == versions[f"{run}-curve"] == 1, versions
+    learners = json.loads(next(a for a in artifacts if a["key"] == f"{run}-learners")["data"])
+    assert {row["state"] for row in learners} == {"done"}, learners
+    runs = len([f for f in flows if f.name == labels[busiest]])  # (a last one may train none)
+    per_run = PIPELINE["rounds_per_flow_run"]
+    assert -(-len(rounds[busiest]) // per_run) <= versions[f"{run}-{busiest}-rounds"] <= runs
+    assert len(json.loads(table["data"])) <= per_run
+    progress = next(a for a in artifacts if a["key"] == f"{run}-progress")
+    assert re.search(r"us-east: 0 of \d learners training · eu-west: 0 of \d learners training",
+                     progress["description"]), progress["description"]  # fmt: skip
 
 
-@pytest.mark.slow
 def _started_after(log: str, line: str, when: float) -> bool:
     """Whether ``log`` (Prefect's ``HH:MM:SS.mmm | ...`` lines, this machine's time) has
     ``line`` logged after Unix time ``when``: a worker killed then started again (killed
@@ -183,6 +195,7 @@ def _started_after(log: str, line: str, when: float) -> bool:
     return any(row[:12] >= after for row in log.splitlines() if line in row)
 
 
+@pytest.mark.slow
 def test_chaos_over_s3_and_gcs_ends_with_a_clean_audit(prefect_api, s3_server, gcs_server,
                                                        tmp_path):  # fmt: skip
     """A short run under process chaos (kills, a pause) and injected storage faults (errors,
