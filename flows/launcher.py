@@ -58,7 +58,7 @@ from flows.monitor import (
     loss_plot_png,
     summary_markdown,
 )
-from flows.observe import artifact_key, stopped, tag_flow_run
+from flows.observe import artifact_key, outlive_the_reader, stopped, tag_flow_run
 from flows.run import initialize_run, settled, share_compilations
 from flows.run_lock import RunLock, RunTakenOver, held
 from flows.supervision import (
@@ -586,6 +586,7 @@ def train_flow(
             budget.tokens=1000000 or topology.quorum=3
     """
     log = get_run_logger()
+    outlive_the_reader()  # a deployment's: its worker may die first
     tag_flow_run([f"run:{run}", "launcher", f"via:{via}"])
     if via not in ("processes", "deployments"):
         raise ValueError(f"via must be 'processes' or 'deployments', not {via!r}")

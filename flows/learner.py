@@ -53,7 +53,15 @@ from flows.heartbeat import Heartbeat
 from flows.hosts import join as join_group
 from flows.ledger import BucketLedger, FollowedLedger, region_ledger, region_pools
 from flows.notice import NOTICE_ENV, NoticeWatcher, notice_source
-from flows.observe import LiveTable, artifact_key, run_logger, stopped, tag_flow_run, worker_tags
+from flows.observe import (
+    LiveTable,
+    artifact_key,
+    outlive_the_reader,
+    run_logger,
+    stopped,
+    tag_flow_run,
+    worker_tags,
+)
 from flows.pace import Pace
 from flows.run import (
     bucket_store,
@@ -933,6 +941,7 @@ def learner_flow(
     until that checkpoint and every upload before it are written, and closes the runtime
     before it returns: nothing trained is lost at the boundary."""
     log = get_run_logger()
+    outlive_the_reader()  # a deployment's: its worker may die first
     take_sigterm()  # in place of the flow engine's handler, for this run
     tag_flow_run(worker_tags(run, region, f"learner:{index}"))
     join_group()  # one of a learner's N processes (flows.hosts): join the others first

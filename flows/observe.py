@@ -8,7 +8,9 @@ start-up and most of its subcommands never touch Prefect.
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sys
 from typing import Any
 
 from diloco.topology import learner_index
@@ -55,6 +57,67 @@ class LiveTable:
             with get_client(sync_client=True) as client:
                 client.update_artifact(self.id, ArtifactUpdate(data=data))
         self.rows = rows
+
+
+class PipeSafe:
+    """An output stream that outlives its reader. A flow run of a deployment writes to a
+    pipe its Prefect worker reads; should that worker die, the next write would raise
+    ``BrokenPipeError``, on which Prefect's console handler (rich) ends the process with
+    ``SystemExit(1)`` and the flow run with it. Here the descriptor is pointed at
+    ``/dev/null`` instead, once, and the process goes on: its logs still reach the
+    Prefect API, and the bucket holds its work."""
+
+    def __init__(self, stream: Any):
+        self.stream = stream
+        self.broken = False
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self._to_null()
+            return self.stream.write(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self._to_null()
+            self.stream.flush()
+
+    def _to_null(self) -> None:
+        if self.broken:
+            raise BrokenPipeError("the output stream is broken even after /dev/null")
+        self.broken = True
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, self.stream.fileno())  # (its children and C code write there too)
+        os.close(null)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def outlive_the_reader() -> None:
+    """Make this process's standard output and error, and every logging handler writing
+    to them (Prefect's console handler included), ``PipeSafe``: a flow run goes on when
+    whoever reads its output (its Prefect worker) dies. Once per process."""
+    if isinstance(sys.stdout, PipeSafe):
+        return
+    swapped = {}
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        swapped[id(stream)] = PipeSafe(stream)
+        setattr(sys, name, swapped[id(stream)])
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", []):
+            safe = swapped.get(id(getattr(handler, "stream", None)))
+            if safe is None:
+                continue
+            handler.stream = safe
+            console = getattr(handler, "console", None)  # Prefect's: a rich Console
+            if console is not None:
+                console.file = safe
 
 
 def worker_tags(run: str, region: str, role: str) -> list[str]:

@@ -41,7 +41,14 @@ from diloco.syncer import GlobalVersion
 from diloco.topology import run_slots, shard_fragments, syncer_id
 from flows.bucket_io import BucketStore
 from flows.ledger import SilentReleases, UnitOffers, region_pools
-from flows.observe import artifact_key, run_logger, stopped, tag_flow_run, worker_tags
+from flows.observe import (
+    artifact_key,
+    outlive_the_reader,
+    run_logger,
+    stopped,
+    tag_flow_run,
+    worker_tags,
+)
 from flows.pace import ADMIT_EVERY, MEMBERS_EVERY, Pace
 from flows.run import bucket_store, config_from_spec, worker_done
 from flows.worker import STOP
@@ -464,6 +471,7 @@ def syncer_flow(
     ends its flow run Cancelled (``observe.stopped``; what it published is committed,
     a publish under way is not, and the next syncer makes it again)."""
     log = get_run_logger()
+    outlive_the_reader()  # a deployment's: its worker may die first
     tag_flow_run(worker_tags(run, home, "syncer"))
     key = (run, home, shard)
     if key not in _RUNTIMES:

@@ -196,6 +196,49 @@ def test_the_git_pull_steps_import_the_project_from_its_clone(tmp_path):
     assert Path(child).is_relative_to(clone.resolve()), child
 
 
+def test_a_flow_run_outlives_the_worker_that_reads_its_output(prefect_api, tmp_path):
+    """Defect: when a Prefect process worker died, the pipe its flow runs wrote their
+    output to broke; the next log line made Prefect's console handler (rich) end the flow
+    run's process with SystemExit(1), and a learner, a syncer or the launcher itself died
+    with its worker. Here a flow run (as learners, syncers and the launcher start) whose
+    reader closes both pipes mid-run logs and prints on and completes; what it printed
+    after the break is gone, its logs are not (the API has them)."""
+    go, done = tmp_path / "go", tmp_path / "done"
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from prefect import flow, get_run_logger\n"
+        "from flows.observe import outlive_the_reader\n"
+        "@flow\n"
+        "def reader_dies():\n"
+        "    outlive_the_reader()\n"
+        "    get_run_logger().info('started')\n"
+        "    print('ready', flush=True)\n"
+        f"    while not Path({str(go)!r}).exists():\n"
+        "        time.sleep(0.05)\n"
+        "    for i in range(20):\n"
+        "        get_run_logger().info('line %d after the reader died', i)\n"
+        "        print('and a print', i, flush=True)\n"
+        "        print('and an error line', i, file=sys.stderr, flush=True)\n"
+        f"    Path({str(done)!r}).write_text('done')\n"
+        "reader_dies()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=os.environ.copy())  # fmt: skip
+    try:
+        while (line := proc.stdout.readline()) and b"ready" not in line:
+            pass
+        assert line, "the flow run ended before it was ready"
+        proc.stdout.close()  # the reader dies: both pipes break
+        proc.stderr.close()
+        go.touch()
+        code = proc.wait(timeout=120)  # a guard against a hang
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0 and done.read_text() == "done", code
+
+
 @pytest.fixture(scope="module")
 def workers(deployed, s3_server, tmp_path_factory):
     """A process worker per region's pool. They hold no S3 credentials: the flow runs take
