@@ -305,6 +305,15 @@ def _watch(
         )
 
 
+def stop_asked(exc: BaseException) -> bool:
+    """Whether the launcher ends because the run was told to stop (Ctrl-C, a signal, the
+    UI's cancel: ``TerminationSignal``) or cannot go on (``RunStalled``), not because the
+    launcher itself failed."""
+    from prefect.exceptions import TerminationSignal
+
+    return isinstance(exc, KeyboardInterrupt | TerminationSignal | RunStalled)
+
+
 def progress_note(monitor: Monitor, statuses: dict[str, dict[str, Any]]) -> str:
     """The progress artifact's description: what it measures, and who trains where."""
     return (f"run {monitor.store.run}: share of all learners' inner steps done; "
@@ -725,7 +734,11 @@ def _launch(
     try:
         ended = _watch(names, futures, monitor, bar, cfg.pipeline.eval_seconds, log, display,
                        metrics, stand_by.start, mode.oom_kills, report, signalled)  # fmt: skip
-    except BaseException:
+    except BaseException as exc:
+        if mode.outlives_launcher and not mode.stopping.is_set() and not stop_asked(exc):
+            log.error("the launcher ends (%r); the workers' flow runs go on in their regions: "
+                      "run the train deployment again, and it adopts them", exc)  # fmt: skip
+            raise
         # Cancelled from the UI (the worker's SIGTERM) or interrupted: the workers stop with
         # this flow run (each checkpoints) rather than run on unsupervised.
         if not mode.stopping.is_set():

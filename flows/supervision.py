@@ -255,6 +255,11 @@ class LaunchMode:
         self.lock = threading.Lock()
         self.secret: str | None = None  # the run secret, where this launch holds it
 
+    # Whether the workers go on when the launcher dies of anything but a stop (a signal,
+    # the UI's cancel, a run that cannot progress): a deployment's flow runs, in their
+    # regions' pools, do; a local process dies with its launcher.
+    outlives_launcher = False
+
     def start(self, worker: Worker) -> Any:
         """Submit the task that keeps ``worker`` going; its future."""
         raise NotImplementedError
@@ -447,7 +452,11 @@ class Deployments(LaunchMode):
     """Each worker as flow runs of its region's deployment (``Worker.deployment``, its
     parameters ``Worker.params``), one after another until the worker's status object in
     the bucket says ``done``, each resuming from the buckets; a flow run that does not
-    complete is a crash under ``Restarts``. Stopping cancels the flow runs in progress."""
+    complete is a crash under ``Restarts``. Stopping cancels the flow runs in progress.
+    A launcher that dies otherwise leaves them going, and the next one adopts them
+    (``left_running``) rather than start a second of each."""
+
+    outlives_launcher = True
 
     def __init__(self, run: str, regions: dict[str, str], limit: int,
                  stopping: threading.Event | None = None):  # fmt: skip
@@ -471,16 +480,22 @@ class Deployments(LaunchMode):
         home = RunStore(self.run, self.regions, home_region(self.regions), writer="launcher")
         log = get_run_logger()
         restarts = self.restarts(name, home, status, unit="flow runs")
+        adopting = True  # the first start looks for a flow run left going
         while not self.stopping.is_set():
             restarts.start()
             try:
+                flow_run = self.left_running(parameters) if adopting else None
+                if flow_run is not None:
+                    log.info("%s: adopting its flow run %s (%s), left going by an earlier "
+                             "launcher", name, flow_run.name, flow_run.id)  # fmt: skip
                 # as_subflow: linked under this task run, in the launcher's flow run
-                flow_run = run_deployment(deployment, parameters=parameters, tags=tags,
-                                          timeout=0, as_subflow=True)  # fmt: skip
+                flow_run = flow_run or run_deployment(deployment, parameters=parameters,
+                                                      tags=tags, timeout=0, as_subflow=True)  # fmt: skip
             except Exception as exc:
                 if restarts.api_waited(exc):  # (no flow run: nothing counts)
                     continue
                 raise
+            adopting = False
             self.flow_runs.add(flow_run.id)
             try:
                 state = self._wait_flow_run(flow_run.id, name, log)
@@ -493,6 +508,32 @@ class Deployments(LaunchMode):
             if not state.is_completed():
                 restarts.crashed(f"flow run ended {state.name}", ended=f"ended {state.type.value}")
         return 130
+
+    def left_running(self, parameters: dict[str, Any]) -> Any:
+        """The flow run of the worker ``parameters`` name (its region and index, or its
+        home and shard) that a deployment started for this run and that is still
+        scheduled, pending or running (an earlier launcher's, which died), or None."""
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import (
+            FlowRunFilter,
+            FlowRunFilterDeploymentId,
+            FlowRunFilterState,
+            FlowRunFilterStateType,
+            FlowRunFilterTags,
+        )
+        from prefect.client.schemas.objects import StateType
+
+        who = {k: parameters[k] for k in ("region", "index", "home", "shard") if k in parameters}
+        going = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING]
+        found = FlowRunFilter(
+            tags=FlowRunFilterTags(all_=[f"run:{self.run}"]),
+            deployment_id=FlowRunFilterDeploymentId(is_null_=False),
+            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=going)),
+        )
+        with get_client(sync_client=True) as client:
+            runs = client.read_flow_runs(flow_run_filter=found, limit=200)
+        mine = [r for r in runs if all(r.parameters.get(k) == v for k, v in who.items())]
+        return mine[0] if mine else None
 
     def _wait_flow_run(self, flow_run_id: Any, name: str, log: Any, poll: float = 2.0) -> Any:
         """The final state of a flow run; while the API is unreachable, waits for it."""

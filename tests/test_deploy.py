@@ -22,6 +22,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
@@ -194,6 +195,70 @@ def test_the_git_pull_steps_import_the_project_from_its_clone(tmp_path):
     assert Path(directory) == clone.resolve() and Path(cwd) == clone.resolve()
     assert Path(deploy_file).is_relative_to(clone.resolve()), deploy_file
     assert Path(child).is_relative_to(clone.resolve()), child
+
+
+def test_a_launcher_adopts_the_flow_runs_an_earlier_one_left_going(deployed, monkeypatch):
+    """A launcher of deployments that died (not stopped) left its workers' flow runs going
+    in their regions; the next launcher of the run adopts each (one still scheduled,
+    pending or running, of the worker's deployment and identity) and waits on it rather
+    than start a second: the learner flow runs the run had are all it gets. One that
+    ended, one of another worker, and one of another run are not adopted. (No work pool
+    has a worker in this test: the flow runs stay scheduled.)"""
+    from prefect import flow
+    from prefect.deployments import run_deployment
+    from prefect.states import Cancelled, Completed
+
+    from diloco.config import load_config
+    from flows import supervision, workers
+    from flows.run import initialize_run
+    from storage_layout.store import RunStore
+
+    root = Path(deployed["DILOCO_DIR"]) / "adopt"
+    (root / "us").mkdir(parents=True)
+    regions = {"us-east": f"file://{root / 'us'}"}
+    run = f"adopt-{uuid.uuid4().hex[:6]}"
+    cfg = load_config("tiny", overrides=["topology.learners=2", "budget.tokens=20000"])
+    initialize_run(RunStore(run, regions, "us-east"), cfg)
+    left = [workers.learner(run, regions["us-east"], "us-east", i, cfg) for i in (0, 1)]
+    elsewhere = workers.learner("another-run", regions["us-east"], "us-east", 0, cfg)
+    with _client() as client:
+        runs = {w.name: run_deployment(w.deployment, parameters=w.params, tags=w.tags(w.params["run"]),
+                                       timeout=0) for w in left}  # fmt: skip
+        other = run_deployment(elsewhere.deployment, parameters=elsewhere.params,
+                               tags=elsewhere.tags("another-run"), timeout=0)  # fmt: skip
+        client.set_flow_run_state(runs["learner us-east/1"].id, Cancelled(), force=True)
+        mode = supervision.Deployments(run, regions, 2)
+        assert mode.left_running(left[0].params).id == runs["learner us-east/0"].id
+        assert mode.left_running(left[1].params) is None  # it ended
+        syncer = workers.syncer(run, regions, 0, cfg)
+        assert mode.left_running(syncer.params) is None  # no syncer was left going
+        # The adopted one is watched to its end, not started again: once it completes and
+        # the learner's status says done, the worker is over.
+        started, found = [], []
+        monkeypatch.setattr("prefect.deployments.run_deployment",
+                            lambda *a, **k: started.append(a) or runs["learner us-east/0"])  # fmt: skip
+        look = mode.left_running
+        monkeypatch.setattr(mode, "left_running", lambda p: found.append(look(p)) or found[-1])
+        RunStore(run, regions, "us-east").write_metrics("learner-0", {"state": "done", "step": 1})
+
+        @flow
+        def launch() -> int:
+            return mode.supervise.fn(left[0].name, left[0].deployment, left[0].params,
+                                     left[0].tags(run), left[0].status)  # fmt: skip
+
+        ended: list[int] = []
+        watcher = threading.Thread(target=lambda: ended.append(launch()))
+        watcher.start()
+        deadline = time.monotonic() + 120  # a guard against a hang
+        while not found and watcher.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert found and found[0].id == runs["learner us-east/0"].id, found
+        client.set_flow_run_state(found[0].id, Completed(), force=True)
+        watcher.join(timeout=120)
+        assert ended == [0] and started == [], (ended, started)
+        assert look(left[0].params) is None  # (completed now)
+        for flow_run in (*runs.values(), other):
+            client.delete_flow_run(flow_run.id)
 
 
 def test_a_flow_run_outlives_the_worker_that_reads_its_output(prefect_api, tmp_path):
