@@ -46,8 +46,9 @@ STALL_ROUNDS = 3  # a run stands still when no version came for this many learne
 
 class Monitor:
     """Reads the run's state from the buckets and evaluates the newest global model.
-    ``deaths``: writer id -> (when, state) of its newest process's death by a signal, kept
-    by whoever supervises the processes (a learner is shown so until it reports again).
+    ``deaths``: writer id -> (when, state) of its newest process's death by a signal, or
+    of its being given up, kept by whoever supervises the processes (a learner is shown
+    so until a process of it reports again).
 
     While the run goes, a read that fails (any error of a storage client, not only an
     ``OSError``: botocore's ``EndpointConnectionError`` is none) is logged by name, at

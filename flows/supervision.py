@@ -192,9 +192,11 @@ class Restarts:
     is waited out (``api_waited``)."""
 
     def __init__(self, name: str, store: RunStore, status: Status, limit: int, log: Any,
-                 stopping: threading.Event, unit: str = "starts"):  # fmt: skip
+                 stopping: threading.Event, unit: str = "starts",
+                 deaths: dict[str, tuple[float, str]] | None = None):  # fmt: skip
         self.name, self.store, self.status, self.limit, self.log = name, store, status, limit, log
         self.stopping = stopping
+        self.deaths = {} if deaths is None else deaths  # (the mode's: given up, it is shown so)
         self.unit = unit  # what is counted: "starts" of a process, "flow runs"
         self.failed, self.delay, self.before = 0, 2.0, None
 
@@ -213,8 +215,14 @@ class Restarts:
             return wait_for_api(self.name, self.log, self.stopping, exc=exc) or isinstance(
                 exc, ApiDown)  # fmt: skip
         except ApiDown as down:
-            give_up(self.store, self.status[0], str(down))
+            self.give_up(str(down))
             raise
+
+    def give_up(self, reason: str) -> None:
+        """Record that the worker is given up: for the syncers (``give_up``), and as its
+        state until a process of its slot reports again (a joiner's)."""
+        give_up(self.store, self.status[0], reason)
+        self.deaths[self.status[0]] = (time.time(), "given up")
 
     def crashed(self, why: str, exc: BaseException | None = None, ended: str = "failed") -> None:
         """Count a failed start (``why``: what failed; ``exc``: the error, whose whole
@@ -226,7 +234,7 @@ class Restarts:
         if self.failed >= self.limit:
             last = why if exc is None else str(exc)
             reason = f"{self.failed} {self.unit} in a row {ended} without progress; last: {last}"
-            give_up(self.store, self.status[0], reason)
+            self.give_up(reason)
             raise RuntimeError(f"{self.name}: {reason}") from exc
         self.log.warning("%s crashed (%s); restart %d in %.0f s", self.name,
                          why.splitlines()[0], self.failed, self.delay)  # fmt: skip
@@ -290,7 +298,8 @@ class LaunchMode:
     def restarts(
         self, name: str, store: RunStore, status: Status, unit: str = "starts"
     ) -> Restarts:
-        return Restarts(name, store, status, self.limit, get_run_logger(), self.stopping, unit)
+        return Restarts(name, store, status, self.limit, get_run_logger(), self.stopping, unit,
+                        self.deaths)  # fmt: skip
 
 
 class Processes(LaunchMode):

@@ -653,6 +653,7 @@ def test_a_run_that_gave_a_worker_up_ends_failed_naming_it_never_completed(tmp_p
     summary = json.loads((root / run / "summary.json").read_text())
     assert sorted(summary["failed"]) == ["learner eu-west/1", "learner us-east/0"], summary
     assert "syncer us-east/0" not in summary["given_up"], summary["given_up"]
+    assert summary["learner_states"] == {"learner-0": "given up", "learner-1": "given up"}
 
 
 def test_the_launch_config_is_validated_once_and_overrides_are_laid_over_it():
