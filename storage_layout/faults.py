@@ -32,6 +32,9 @@ Every fault is logged (logger ``storage_layout.faults``, WARNING) as ``injected 
 fault: <op> <key> in region <r>`` and counted per kind (``counts()``); with ``log_path``
 set, also appended as a JSON line (time, pid, kind, op, key, region) to that file, which
 every process of a run can share (a benchmark counts the faults of all its workers).
+With ``trace_path`` set, every request (not only a fault) is appended there as a JSON
+line of its salt, region, op and key: what each process of a run reads and writes (the
+tests check the buckets' write policies against it).
 
 **Replay rule.** Whether a request draws a fault of a kind depends only on the plan's
 seed and salt and on (region, op, key, n, kind), where ``n`` counts how often this process asked
@@ -270,6 +273,9 @@ class FaultPlan:
     regions: tuple[str, ...] | None = None  # only these regions draw random faults
     ops: tuple[str, ...] | None = None  # only these operations draw random faults
     log_path: str | None = None  # a JSON line per fault is appended here
+    # A JSON line per request (its salt, region, op and key) is appended here: what each
+    # process of a run reads and writes (tests check the buckets' policies against it).
+    trace_path: str | None = None
     # Tells processes apart (a launcher sets "WORKER/START"): a restarted worker repeats
     # its predecessor's requests, and must not meet the same faults forever.
     salt: str = ""
@@ -300,8 +306,10 @@ class FaultPlan:
         object.__setattr__(self, "crash_keys", _check_names("crash_keys", self.crash_keys))
         if not isinstance(self.salt, str):
             raise FaultPlanError(f"fault plan field 'salt': {self.salt!r} is not a string")
-        if self.log_path is not None and not isinstance(self.log_path, str):
-            raise FaultPlanError(f"fault plan field 'log_path': {self.log_path!r} is no path")
+        for name in ("log_path", "trace_path"):
+            path = getattr(self, name)
+            if path is not None and not isinstance(path, str):
+                raise FaultPlanError(f"fault plan field {name!r}: {path!r} is no path")
 
     @classmethod
     def from_dict(cls, data: Any, source: str | None = None) -> FaultPlan:
@@ -334,7 +342,8 @@ class FaultPlan:
     @property
     def inert(self) -> bool:
         windows = (self.outage, self.disk_full)
-        return all(w is None for w in windows) and not any(self.rate(k) for k in RANDOM_KINDS)
+        quiet = all(w is None for w in windows) and not any(self.rate(k) for k in RANDOM_KINDS)
+        return quiet and self.trace_path is None
 
     def targets(self, region: str, op: str) -> bool:
         """Whether requests of ``op`` to ``region`` draw random faults."""
@@ -412,6 +421,10 @@ class Injector:
         with self._lock:
             n = self._asked[(region, op, key)]
             self._asked[(region, op, key)] = n + 1
+        if self.plan.trace_path:
+            line = {"salt": self.plan.salt, "region": region, "op": op, "key": key}
+            with open(self.plan.trace_path, "a") as f:  # one short append: atomic on POSIX
+                f.write(json.dumps(line) + "\n")
         return Request(self.plan, region, op, key, n)
 
     def outage(self, region: str, now: float | None = None) -> str | None:
@@ -747,4 +760,5 @@ class FaultyBucket(Bucket):
         self._call("delete_prefix", [prefix], partial(super().delete_prefix, prefix))
 
     def probe_exclusive(self) -> None:
-        self._call("probe_exclusive", [".diloco-probe"], super().probe_exclusive)
+        key = f"{self.scope + '/' if self.scope else ''}.diloco-probe/"  # (the probe's folder)
+        self._call("probe_exclusive", [key], super().probe_exclusive)

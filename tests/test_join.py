@@ -36,8 +36,10 @@ from storage_layout.auth import (
     record_verifies,
     sign_record,
 )
+from storage_layout.faults import ENV_VAR as FAULTS_ENV
 from storage_layout.inspect import inspect_bucket
 from storage_layout.store import RunStore
+from tests.iam import writes_outside_policy
 from tests.test_pipeline import _wait, _workers, told_to_leave
 
 REGION = "us-east"
@@ -433,6 +435,11 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     run = "open"
     proc, url = _train(tmp_path, run, 90_000)
     store = RunStore(run, {REGION: url}, REGION)
+    trace = tmp_path / "trace.jsonl"  # what the joiners and the token's issuer write
+
+    def traced(salt: str) -> dict[str, str]:  # (a joiner's salt names the slot it takes)
+        return {FAULTS_ENV: json.dumps({"trace_path": str(trace), "salt": salt})}
+
     paused: list[int] = []
     joiner = adder = None
     try:
@@ -445,10 +452,10 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
             [sys.executable, "-m", "flows.cli", "join-token", url, "--run", run, "--dir",
              str(tmp_path), "--learner", "learner-1", "--learner", "learner-3",
              "--expires", "2h"],
-            capture_output=True, text=True, timeout=120, env=child_env())  # fmt: skip
+            capture_output=True, text=True, timeout=120, env={**child_env(), **traced("")})  # fmt: skip
         assert token.returncode == 0, token.stderr
         env = {**child_env(), JOIN_TOKEN_ENV: token.stdout.strip()}
-        joiner = _join_flow(url, run, env, tmp_path / "joiner.log")
+        joiner = _join_flow(url, run, {**env, **traced("learner-1/join")}, tmp_path / "joiner.log")
         _wait(lambda: _sent(store, "learner-1"), 600, "the joiner's first contribution", proc)
         # Learner 1 waits too, from its first send (a warm joiner can train the budget's
         # rest within seconds), until the second joiner has sent; the learner-1 worker
@@ -461,7 +468,7 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
               "the syncer's note of the join", proc)  # fmt: skip
         # The second machine has no Prefect server: `diloco join` starts Prefect's
         # temporary one for its learner's flow runs, and does it while it warms up.
-        alone = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
+        alone = {k: v for k, v in env.items() if k != "PREFECT_API_URL"} | traced("learner-3/join")
         alone["PREFECT_HOME"] = str(tmp_path / "adder-prefect")
         with (tmp_path / "adder.log").open("w") as out:
             adder = subprocess.Popen(
@@ -528,6 +535,9 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     assert (rows["learner-3"]["host"], rows["learner-3"]["speed"]) == (socket.gethostname(), 2.5)
     assert rows["learner-3"]["devices"] and "speed" not in rows["learner-1"], rows
     assert report.learners["learner-2"]["tokens"]["merged"] == 0  # never started
+    # each of their writes is one its role's bucket policy grants (infra/terraform)
+    outside, roles = writes_outside_policy(trace, run)
+    assert roles == {"learner", "launcher"} and outside == [], (roles, outside)
     assert [j["took"] for j in report.learners["learner-1"]["joins"]] == ["never started"]
     assert report.learners["learner-0"]["joins"] == []  # started by diloco train
     # The budget is trained: a further joiner, here the `join` flow, fails its flow run

@@ -58,6 +58,7 @@ from storage_layout.commit import read_marker
 from storage_layout.faults import inject
 from storage_layout.inspect import inspect_bucket
 from storage_layout.store import RunStore, SeqNotReserved
+from tests.iam import writes_outside_policy
 
 PIPELINE = {
     "round_steps": 20,
@@ -224,10 +225,13 @@ def test_chaos_over_s3_and_gcs_ends_with_a_clean_audit(prefect_api, s3_server, g
         "stale_list_rate": 0.05,
         "crash_rate": 0.01,
     }
+    trace = tmp_path / "trace.jsonl"  # every request each process makes, the launcher's too
+    faults["trace_path"] = str(trace)
     cfg = tiny(160_000)
     cfg = cfg.model_copy(update={"pipeline": cfg.pipeline.model_copy(
         update={"chaos": chaos, "faults": faults})})  # fmt: skip
-    summary = train_flow(run, regions, cfg.model_dump(mode="json"), str(tmp_path / "logs"))
+    with inject({"trace_path": str(trace)}):
+        summary = train_flow(run, regions, cfg.model_dump(mode="json"), str(tmp_path / "logs"))
 
     assert summary["failed"] == [], summary["failed"]
     assert set(summary["learner_states"].values()) == {"done"}, summary["learner_states"]
@@ -256,6 +260,10 @@ def test_chaos_over_s3_and_gcs_ends_with_a_clean_audit(prefect_api, s3_server, g
     assert report.ok, dict(report.violations)
     assert report.outcomes["lost"] == 0 and report.outcomes["merged"] > 0
     assert summary["final_loss"] < summary["initial_loss"] - 0.5, summary["curve"]
+    # Each write and delete of every process is one its role's bucket policy grants
+    # (infra/terraform/main.tf: deployable for real without a denied request).
+    outside, roles = writes_outside_policy(trace, run)
+    assert roles == {"learner", "syncer", "launcher"} and outside == [], (roles, outside)
 
 
 def _workers(log: Path) -> dict[str, int]:
@@ -1037,7 +1045,6 @@ def test_a_deployments_learner_flow_run_drains_its_io_before_its_process_ends(
     slowed, the checkpoint of the step it reached is written when it returns, and the
     next flow run resumes from it."""
     import flows.learner
-    from storage_layout.faults import inject
 
     cfg = load_config("tiny", overrides=["topology.learners=1", "pipeline.round_steps=20",
                                          "pipeline.rounds_per_flow_run=1",

@@ -1,13 +1,17 @@
 # Per-region buckets for one Decoupled DiLoCo deployment, with write access limited to
-# what each role owns (docs/storage-layout.md has the key tree):
+# what each role writes (docs/storage-layout.md has the key tree; local.writes below is
+# the one list the policies are made of):
 #
-# - a learner may write only under RUN/learners/LEARNER/ in its own region's bucket, and
-#   read the run spec and the global versions there;
-# - the syncer may read everything and write RUN/globals/ and RUN/metrics/ in every bucket;
+# - a learner writes its own keys in its own region's bucket and reads the run there;
+# - the syncers read the run in every bucket and write the global versions, the ledger,
+#   unit offers, fences and retention's deletes;
+# - the launcher writes the run's spec, budget, pipeline settings, version 0, its lock
+#   and the join tokens, and reads the run in every bucket;
 # - versioning stays off: the commit protocol never overwrites a committed object, and
 #   retention (storage_layout/retention.py) deletes what is no longer needed.
 #
 # Two regions as an example: us-east on S3, eu-west on GCS. Add a module block per region.
+# The identities' keys reach the workers as the workers' own credentials (docs/deploy.md).
 
 terraform {
   required_version = ">= 1.5"
@@ -45,6 +49,45 @@ variable "learners" {
   }
 }
 
+locals {
+  # What each role writes and deletes under RUN/ in a bucket: a key, or a prefix (ending
+  # in "/" or "*"). LEARNER stands for the learner's own id. tests/test_terraform.py
+  # checks every write and delete the processes of real runs make against these lists,
+  # and that each policy below is made of them.
+  writes = {
+    learner = [
+      "learners/LEARNER/",    # contributions, checkpoints, leases, seqs, units, joins, heartbeat, history
+      "metrics/LEARNER.json", # its status
+      "members/LEARNER.json", # a joiner's slot beyond the spec's
+      "units/fresh/",         # its claims of data units (exclusive creates)
+      "units/returned/",      # its claims of units given back or offered
+    ]
+    syncer = [
+      "globals/",                # the global versions
+      "ledger/",                 # the merge ledger
+      "units/",                  # units offered to another region's learners
+      "learners/",               # fences of silent learners, their data given back, merged contributions deleted
+      "metrics/syncer-*",        # its status
+      "secret-fingerprint.json", # written once, by whoever holds the run secret first
+    ]
+    launcher = [
+      "spec.json",
+      "budget.json",
+      "pipeline.json",
+      "secret-fingerprint.json",
+      "globals/",       # version 0
+      "launcher/",      # the run's lock
+      "metrics/",       # its status, the loss curve
+      "join-tokens/",   # diloco join-token
+      ".diloco-probe/", # the check that the store honours exclusive creates
+    ]
+  }
+  # S3 resources and GCS conditions for a role's writes (LEARNER replaced by the caller)
+  s3_writes = { for role, keys in local.writes : role => [
+    for k in keys : endswith(k, "/") ? "${k}*" : k
+  ] }
+}
+
 provider "aws" {
   region = "us-east-1"
 }
@@ -75,65 +118,64 @@ resource "aws_iam_user" "learner" {
 
 resource "aws_iam_user_policy" "learner" {
   for_each = aws_iam_user.learner
-  name     = "own-prefix-only"
+  name     = "own-keys-only"
   user     = each.value.name
   policy = jsonencode({
     Version = "2012-10-17"
     Statement = [
       {
-        Sid      = "WriteOwnPrefix"
+        Sid      = "WriteOwnKeys"
         Effect   = "Allow"
-        Action   = ["s3:PutObject", "s3:GetObject", "s3:DeleteObject"]
-        Resource = "${aws_s3_bucket.us_east.arn}/${var.run}/learners/${each.key}/*"
+        Action   = ["s3:PutObject", "s3:DeleteObject"]
+        Resource = [for k in local.s3_writes.learner : "${aws_s3_bucket.us_east.arn}/${var.run}/${replace(k, "LEARNER", each.key)}"]
       },
       {
-        Sid    = "ReadSpecGlobalsMetrics"
-        Effect = "Allow"
-        Action = ["s3:GetObject"]
-        Resource = [
-          "${aws_s3_bucket.us_east.arn}/${var.run}/spec.json",
-          "${aws_s3_bucket.us_east.arn}/${var.run}/globals/*",
-        ]
+        Sid      = "ReadRun"
+        Effect   = "Allow"
+        Action   = ["s3:GetObject"]
+        Resource = "${aws_s3_bucket.us_east.arn}/${var.run}/*"
       },
       {
-        Sid      = "WriteOwnMetrics"
-        Effect   = "Allow"
-        Action   = ["s3:PutObject", "s3:GetObject"]
-        Resource = "${aws_s3_bucket.us_east.arn}/${var.run}/metrics/${each.key}.json"
-      },
-      {
-        Sid      = "List"
-        Effect   = "Allow"
-        Action   = ["s3:ListBucket"]
-        Resource = aws_s3_bucket.us_east.arn
+        Sid       = "ListRun"
+        Effect    = "Allow"
+        Action    = ["s3:ListBucket"]
+        Resource  = aws_s3_bucket.us_east.arn
+        Condition = { StringLike = { "s3:prefix" = [var.run, "${var.run}/*"] } }
       },
     ]
   })
 }
 
-resource "aws_iam_user" "syncer" {
-  name = "diloco-${var.run}-syncer"
+resource "aws_iam_user" "service" {
+  for_each = toset(["syncer", "launcher"])
+  name     = "diloco-${var.run}-${each.key}"
 }
 
-resource "aws_iam_user_policy" "syncer" {
-  name = "read-all-write-globals"
-  user = aws_iam_user.syncer.name
+resource "aws_iam_user_policy" "service" {
+  for_each = aws_iam_user.service
+  name     = "read-run-write-${each.key}-keys"
+  user     = each.value.name
   policy = jsonencode({
     Version = "2012-10-17"
     Statement = [
       {
+        Sid      = "ReadRun"
         Effect   = "Allow"
-        Action   = ["s3:GetObject", "s3:ListBucket"]
-        Resource = [aws_s3_bucket.us_east.arn, "${aws_s3_bucket.us_east.arn}/*"]
+        Action   = ["s3:GetObject"]
+        Resource = "${aws_s3_bucket.us_east.arn}/${var.run}/*"
       },
       {
-        Effect = "Allow"
-        Action = ["s3:PutObject", "s3:DeleteObject"]
-        Resource = [
-          "${aws_s3_bucket.us_east.arn}/${var.run}/spec.json",
-          "${aws_s3_bucket.us_east.arn}/${var.run}/globals/*",
-          "${aws_s3_bucket.us_east.arn}/${var.run}/metrics/*",
-        ]
+        Sid       = "ListRun"
+        Effect    = "Allow"
+        Action    = ["s3:ListBucket"]
+        Resource  = aws_s3_bucket.us_east.arn
+        Condition = { StringLike = { "s3:prefix" = [var.run, "${var.run}/*"] } }
+      },
+      {
+        Sid      = "WriteOwnKeys"
+        Effect   = "Allow"
+        Action   = ["s3:PutObject", "s3:DeleteObject"]
+        Resource = [for k in local.s3_writes[each.key] : "${aws_s3_bucket.us_east.arn}/${var.run}/${k}"]
       },
     ]
   })
@@ -160,34 +202,47 @@ resource "google_storage_bucket_iam_member" "learner_reads" {
   member   = "serviceAccount:${each.value.email}"
 }
 
-resource "google_storage_bucket_iam_member" "learner_writes_own_prefix" {
+# objectAdmin, not objectCreator: a learner overwrites its status and heartbeat and prunes
+# its checkpoints; the condition keeps it to its own keys.
+resource "google_storage_bucket_iam_member" "learner_writes_own_keys" {
   for_each = google_service_account.learner
   bucket   = google_storage_bucket.eu_west.name
-  role     = "roles/storage.objectCreator"
+  role     = "roles/storage.objectAdmin"
   member   = "serviceAccount:${each.value.email}"
   condition {
-    title      = "own-prefix-only"
-    expression = "resource.name.startsWith(\"projects/_/buckets/${google_storage_bucket.eu_west.name}/objects/${var.run}/learners/${each.key}/\") || resource.name == \"projects/_/buckets/${google_storage_bucket.eu_west.name}/objects/${var.run}/metrics/${each.key}.json\""
+    title = "own-keys-only"
+    expression = join(" || ", [for k in local.writes.learner : (
+      endswith(k, "/") || endswith(k, "*")
+      ? "resource.name.startsWith(\"projects/_/buckets/${google_storage_bucket.eu_west.name}/objects/${var.run}/${trimsuffix(replace(k, "LEARNER", each.key), "*")}\")"
+      : "resource.name == \"projects/_/buckets/${google_storage_bucket.eu_west.name}/objects/${var.run}/${replace(k, "LEARNER", each.key)}\""
+    )])
   }
 }
 
-resource "google_service_account" "syncer" {
-  account_id = "diloco-syncer"
+resource "google_service_account" "service" {
+  for_each   = toset(["syncer", "launcher"])
+  account_id = "diloco-${each.key}"
 }
 
-resource "google_storage_bucket_iam_member" "syncer_reads" {
-  bucket = google_storage_bucket.eu_west.name
-  role   = "roles/storage.objectViewer"
-  member = "serviceAccount:${google_service_account.syncer.email}"
+resource "google_storage_bucket_iam_member" "service_reads" {
+  for_each = google_service_account.service
+  bucket   = google_storage_bucket.eu_west.name
+  role     = "roles/storage.objectViewer"
+  member   = "serviceAccount:${each.value.email}"
 }
 
-resource "google_storage_bucket_iam_member" "syncer_writes_globals" {
-  bucket = google_storage_bucket.eu_west.name
-  role   = "roles/storage.objectAdmin"
-  member = "serviceAccount:${google_service_account.syncer.email}"
+resource "google_storage_bucket_iam_member" "service_writes_own_keys" {
+  for_each = google_service_account.service
+  bucket   = google_storage_bucket.eu_west.name
+  role     = "roles/storage.objectAdmin"
+  member   = "serviceAccount:${each.value.email}"
   condition {
-    title      = "globals-spec-metrics"
-    expression = "resource.name.startsWith(\"projects/_/buckets/${google_storage_bucket.eu_west.name}/objects/${var.run}/globals/\") || resource.name.startsWith(\"projects/_/buckets/${google_storage_bucket.eu_west.name}/objects/${var.run}/metrics/\") || resource.name == \"projects/_/buckets/${google_storage_bucket.eu_west.name}/objects/${var.run}/spec.json\""
+    title = "${each.key}-keys-only"
+    expression = join(" || ", [for k in local.writes[each.key] : (
+      endswith(k, "/") || endswith(k, "*")
+      ? "resource.name.startsWith(\"projects/_/buckets/${google_storage_bucket.eu_west.name}/objects/${var.run}/${trimsuffix(k, "*")}\")"
+      : "resource.name == \"projects/_/buckets/${google_storage_bucket.eu_west.name}/objects/${var.run}/${k}\""
+    )])
   }
 }
 
