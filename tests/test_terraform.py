@@ -18,13 +18,20 @@ def test_every_write_grant_is_made_of_the_roles_lists():
     assert granted(mine, "learners/learner-1/checkpoints/x")
     assert not granted(mine, "learners/learner-2/checkpoints/x")
     assert not granted(mine, "globals/f0000/commits/v1.json")
-    # S3: the write statements list the role's keys, nothing typed by hand
+    # one identity per writer of each bucket, its grants made of its role's list
+    for bucket in ("us_east", "eu_west"):
+        assert (
+            f"{bucket}_writers = merge(" in text
+            and 'syncer = "syncer", launcher = "launcher"' in text
+        )
     s3 = re.findall(r'Action\s+= \["s3:PutObject", "s3:DeleteObject"\]\s+Resource\s+= (.*)', text)
-    assert len(s3) == 2 and all("local.s3_writes" in r for r in s3), s3
-    # GCS: the conditions of the roles that write are built from the same lists
-    conditions = re.findall(r"expression = join\(\" \|\| \", \[for k in (local\.writes\S+) :", text)
-    assert conditions == ["local.writes.learner", "local.writes[each.key]"], conditions
-    assert 'for_each = toset(["syncer", "launcher"])' in text  # both have an identity
+    assert s3 == ['[for r in local.s3_writes[local.us_east_writers[each.key]] : replace(r, "LEARNER", '
+                  "each.key)]"], s3  # fmt: skip
+    gcs = re.findall(r"expression = (.*)", text)
+    assert gcs == ['replace(local.gcs_writes[local.eu_west_writers[each.key]], "LEARNER", '
+                   "each.key)"], gcs  # fmt: skip
+    assert "s3_writes = { for role, keys in local.writes" in text
+    assert "gcs_writes = { for role, keys in local.writes" in text
     assert '"roles/storage.objectCreator"' not in text  # (it cannot overwrite a status)
 
 

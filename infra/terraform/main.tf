@@ -82,10 +82,25 @@ locals {
       ".diloco-probe/", # the check that the store honours exclusive creates
     ]
   }
-  # S3 resources and GCS conditions for a role's writes (LEARNER replaced by the caller)
+  # Who writes: each learner of the region, the syncers and the launcher (id -> role).
+  us_east_writers = merge(
+    { for id, region in var.learners : id => "learner" if region == "us-east" },
+    { syncer = "syncer", launcher = "launcher" },
+  )
+  eu_west_writers = merge(
+    { for id, region in var.learners : id => "learner" if region == "eu-west" },
+    { syncer = "syncer", launcher = "launcher" },
+  )
+  # A role's writes as S3 resources and as a GCS condition (LEARNER: the writer's id).
   s3_writes = { for role, keys in local.writes : role => [
-    for k in keys : endswith(k, "/") ? "${k}*" : k
+    for k in keys : "${aws_s3_bucket.us_east.arn}/${var.run}/${endswith(k, "/") ? "${k}*" : k}"
   ] }
+  gcs_objects = "projects/_/buckets/${google_storage_bucket.eu_west.name}/objects/${var.run}"
+  gcs_writes = { for role, keys in local.writes : role => join(" || ", [
+    for k in keys : (endswith(k, "/") || endswith(k, "*")
+      ? "resource.name.startsWith(\"${local.gcs_objects}/${trimsuffix(k, "*")}\")"
+    : "resource.name == \"${local.gcs_objects}/${k}\"")
+  ]) }
 }
 
 provider "aws" {
@@ -111,14 +126,14 @@ resource "aws_s3_bucket_public_access_block" "us_east" {
   restrict_public_buckets = true
 }
 
-resource "aws_iam_user" "learner" {
-  for_each = { for id, region in var.learners : id => region if region == "us-east" }
+resource "aws_iam_user" "writer" {
+  for_each = local.us_east_writers
   name     = "diloco-${var.run}-${each.key}"
 }
 
-resource "aws_iam_user_policy" "learner" {
-  for_each = aws_iam_user.learner
-  name     = "own-keys-only"
+resource "aws_iam_user_policy" "writer" {
+  for_each = aws_iam_user.writer
+  name     = "read-run-write-own-keys"
   user     = each.value.name
   policy = jsonencode({
     Version = "2012-10-17"
@@ -127,7 +142,7 @@ resource "aws_iam_user_policy" "learner" {
         Sid      = "WriteOwnKeys"
         Effect   = "Allow"
         Action   = ["s3:PutObject", "s3:DeleteObject"]
-        Resource = [for k in local.s3_writes.learner : "${aws_s3_bucket.us_east.arn}/${var.run}/${replace(k, "LEARNER", each.key)}"]
+        Resource = [for r in local.s3_writes[local.us_east_writers[each.key]] : replace(r, "LEARNER", each.key)]
       },
       {
         Sid      = "ReadRun"
@@ -141,41 +156,6 @@ resource "aws_iam_user_policy" "learner" {
         Action    = ["s3:ListBucket"]
         Resource  = aws_s3_bucket.us_east.arn
         Condition = { StringLike = { "s3:prefix" = [var.run, "${var.run}/*"] } }
-      },
-    ]
-  })
-}
-
-resource "aws_iam_user" "service" {
-  for_each = toset(["syncer", "launcher"])
-  name     = "diloco-${var.run}-${each.key}"
-}
-
-resource "aws_iam_user_policy" "service" {
-  for_each = aws_iam_user.service
-  name     = "read-run-write-${each.key}-keys"
-  user     = each.value.name
-  policy = jsonencode({
-    Version = "2012-10-17"
-    Statement = [
-      {
-        Sid      = "ReadRun"
-        Effect   = "Allow"
-        Action   = ["s3:GetObject"]
-        Resource = "${aws_s3_bucket.us_east.arn}/${var.run}/*"
-      },
-      {
-        Sid       = "ListRun"
-        Effect    = "Allow"
-        Action    = ["s3:ListBucket"]
-        Resource  = aws_s3_bucket.us_east.arn
-        Condition = { StringLike = { "s3:prefix" = [var.run, "${var.run}/*"] } }
-      },
-      {
-        Sid      = "WriteOwnKeys"
-        Effect   = "Allow"
-        Action   = ["s3:PutObject", "s3:DeleteObject"]
-        Resource = [for k in local.s3_writes[each.key] : "${aws_s3_bucket.us_east.arn}/${var.run}/${k}"]
       },
     ]
   })
@@ -190,59 +170,28 @@ resource "google_storage_bucket" "eu_west" {
   public_access_prevention    = "enforced"
 }
 
-resource "google_service_account" "learner" {
-  for_each   = { for id, region in var.learners : id => region if region == "eu-west" }
+resource "google_service_account" "writer" {
+  for_each   = local.eu_west_writers
   account_id = "diloco-${each.key}"
 }
 
-resource "google_storage_bucket_iam_member" "learner_reads" {
-  for_each = google_service_account.learner
+resource "google_storage_bucket_iam_member" "reads" {
+  for_each = google_service_account.writer
   bucket   = google_storage_bucket.eu_west.name
   role     = "roles/storage.objectViewer"
   member   = "serviceAccount:${each.value.email}"
 }
 
 # objectAdmin, not objectCreator: a learner overwrites its status and heartbeat and prunes
-# its checkpoints; the condition keeps it to its own keys.
-resource "google_storage_bucket_iam_member" "learner_writes_own_keys" {
-  for_each = google_service_account.learner
+# its checkpoints; the condition keeps each writer to its own keys.
+resource "google_storage_bucket_iam_member" "writes" {
+  for_each = google_service_account.writer
   bucket   = google_storage_bucket.eu_west.name
   role     = "roles/storage.objectAdmin"
   member   = "serviceAccount:${each.value.email}"
   condition {
-    title = "own-keys-only"
-    expression = join(" || ", [for k in local.writes.learner : (
-      endswith(k, "/") || endswith(k, "*")
-      ? "resource.name.startsWith(\"projects/_/buckets/${google_storage_bucket.eu_west.name}/objects/${var.run}/${trimsuffix(replace(k, "LEARNER", each.key), "*")}\")"
-      : "resource.name == \"projects/_/buckets/${google_storage_bucket.eu_west.name}/objects/${var.run}/${replace(k, "LEARNER", each.key)}\""
-    )])
-  }
-}
-
-resource "google_service_account" "service" {
-  for_each   = toset(["syncer", "launcher"])
-  account_id = "diloco-${each.key}"
-}
-
-resource "google_storage_bucket_iam_member" "service_reads" {
-  for_each = google_service_account.service
-  bucket   = google_storage_bucket.eu_west.name
-  role     = "roles/storage.objectViewer"
-  member   = "serviceAccount:${each.value.email}"
-}
-
-resource "google_storage_bucket_iam_member" "service_writes_own_keys" {
-  for_each = google_service_account.service
-  bucket   = google_storage_bucket.eu_west.name
-  role     = "roles/storage.objectAdmin"
-  member   = "serviceAccount:${each.value.email}"
-  condition {
-    title = "${each.key}-keys-only"
-    expression = join(" || ", [for k in local.writes[each.key] : (
-      endswith(k, "/") || endswith(k, "*")
-      ? "resource.name.startsWith(\"projects/_/buckets/${google_storage_bucket.eu_west.name}/objects/${var.run}/${trimsuffix(k, "*")}\")"
-      : "resource.name == \"projects/_/buckets/${google_storage_bucket.eu_west.name}/objects/${var.run}/${k}\""
-    )])
+    title      = "own-keys-only"
+    expression = replace(local.gcs_writes[local.eu_west_writers[each.key]], "LEARNER", each.key)
   }
 }
 
