@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from infra.prefect_server import free_port, server_env, wait_healthy
+from storage_layout.auth import RUN_SECRET_ENV, new_run_secret
 
 REPO = Path(__file__).resolve().parents[1]
 STATE = REPO / ".stack"
@@ -77,7 +78,7 @@ def _prefect(*args: str, env: dict[str, str], check: bool = True) -> subprocess.
 def up() -> dict:
     if (STATE / "state.json").exists():
         raise SystemExit(f"a stack is already up ({_me('down')} first)")
-    STATE.mkdir(exist_ok=True)
+    STATE.mkdir(mode=0o700, exist_ok=True)  # (its env holds the run secret)
     pids: dict[str, int] = {}
     prefect_port = 4200 if _port_free(4200) else free_port()
     env = server_env(STATE / "prefect", prefect_port)
@@ -110,6 +111,10 @@ def up() -> dict:
         "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_WORKER_QUERY_SECONDS": "2",  # pick up new flow runs quickly (default 10 s)
+        # the stack's runs sign their contributions: every worker (and this shell's
+        # `diloco train`) holds the run secret, as docs/deploy.md says a real deployment's
+        # workers do, so a syncer rejects a contribution not signed by its learner
+        RUN_SECRET_ENV: new_run_secret(),
     }
     env = {**env, **stack_env}
     state = {"pids": pids, "env": stack_env}
