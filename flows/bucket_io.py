@@ -56,7 +56,7 @@ from storage_layout.bucket import Traffic
 from storage_layout.commit import CommitConflict, CorruptVersion, Revoked, patiently, read_marker
 from storage_layout.layout import number
 from storage_layout.retention import prune_checkpoints
-from storage_layout.store import PublishReport, RunStore, SeqNotReserved
+from storage_layout.store import PublishReport, RunStore, SeqNotReserved, poll
 from storage_layout.stream import ChunkSpool, VersionReader
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ READ_ATTEMPTS = 3  # reads of a contribution before it is rejected as corrupt
 # Seqs a learner process reserves at a time (``RunStore.reserve_seqs``): one small write
 # per this many sends; a restart skips at most this many numbers.
 SEQ_BLOCK = 8
+LISTING_PATIENCE = 30.0  # seconds a syncer lists its fragment's versions before it gives up
 REVOKED_BLOCKS = 4  # the newest blocks of seqs ``revoke_unsent`` holds
 # Contribution fields kept in the marker's meta (the tensors are the payload).
 _COUNTERS = ("base_version", "anchor_seq", "step", "tokens", "steps", "seconds")
@@ -906,9 +907,12 @@ class BucketStore:
         them is held here). The newest is read through once, every chunk checked, so a
         damaged one is found now (and declared lost), not half way through a merge."""
         store = self.main
-        versions = store.global_versions(fragment)
+        # Version 0 is written before any syncer starts: none listed is a listing that
+        # left the newest out (a stale one), so it is asked again before it is believed.
+        versions = poll(lambda: store.global_versions(fragment), timeout=LISTING_PATIENCE)
         if not versions:
-            raise FileNotFoundError(f"run {self.run!r} has no version of fragment {fragment}")
+            raise FileNotFoundError(f"run {self.run!r} has no version of fragment {fragment} "
+                                    f"(listed for {LISTING_PATIENCE:g} s)")  # fmt: skip
         lost = []
         for version in reversed(versions):  # the newest that reads (only home holds it all)
             try:

@@ -283,3 +283,22 @@ def test_version_0_of_a_run_is_published_streamed_with_the_values_of_a_whole_pub
         wa = streamed.get_global(p, 0, region="eu", learner_view=True).params
         wb = whole.get_global(p, 0, region="eu", learner_view=True).params
         assert all(wa[n].tobytes() == wb[n].tobytes() for n in wb)
+
+
+def test_a_syncer_that_meets_a_stale_listing_at_start_lists_again(tmp_path):
+    """Defect: a syncer whose first listing of its fragment's versions left the newest
+    (version 0, the only one) out crashed at start ("has no version of fragment 0") and
+    was restarted. Version 0 is written before any syncer starts, so none listed is a
+    stale listing: it lists again. (The plan's seed makes the first listing stale, the
+    next one whole: the faults replay from the seed.)"""
+    from storage_layout.faults import inject, uniform
+
+    regions = _run(tmp_path, _shapes(2))
+    key = "r/globals/f0000/commits"
+    seed = next(s for s in range(1000) if uniform(s, "", "us", "list", key, 0, "stale_list") < 0.5
+                and uniform(s, "", "us", "list", key, 1, "stale_list") >= 0.5)  # fmt: skip
+    with inject({"seed": seed, "stale_list_rate": 0.5, "ops": ["list"]}) as injector:
+        store = _store(regions)
+        stored = store.load_fragment(0, 8)
+    assert injector.counts().get("stale_list", 0) >= 1  # it met one, and went on
+    assert stored.version == 0
