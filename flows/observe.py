@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import stat
 import sys
 from typing import Any
 
@@ -97,17 +98,26 @@ class PipeSafe:
         return getattr(self.stream, name)
 
 
+def _a_pipe(stream: Any) -> bool:
+    try:
+        return stat.S_ISFIFO(os.fstat(stream.fileno()).st_mode)
+    except (AttributeError, OSError, ValueError):  # (no descriptor: a test's capture)
+        return False
+
+
 def outlive_the_reader() -> None:
-    """Make this process's standard output and error, and every logging handler writing
-    to them (Prefect's console handler included), ``PipeSafe``: a flow run goes on when
-    whoever reads its output (its Prefect worker) dies. Once per process."""
-    if isinstance(sys.stdout, PipeSafe):
-        return
+    """Make this process's standard output and error, where they are pipes (a Prefect
+    worker reads them), and every logging handler writing to them (Prefect's console
+    handler included), ``PipeSafe``: a flow run goes on when whoever reads its output
+    dies. Once per stream."""
     swapped = {}
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
-        swapped[id(stream)] = PipeSafe(stream)
-        setattr(sys, name, swapped[id(stream)])
+        if not isinstance(stream, PipeSafe) and _a_pipe(stream):
+            swapped[id(stream)] = PipeSafe(stream)
+            setattr(sys, name, swapped[id(stream)])
+    if not swapped:
+        return
     loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
     for logger in loggers:
         for handler in getattr(logger, "handlers", []):
