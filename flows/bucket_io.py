@@ -54,7 +54,6 @@ from flows.version_stream import (
 from storage_layout.auth import Keys, Unauthenticated
 from storage_layout.bucket import Traffic
 from storage_layout.commit import CommitConflict, CorruptVersion, Revoked, patiently, read_marker
-from storage_layout.layout import number
 from storage_layout.retention import prune_checkpoints
 from storage_layout.store import PublishReport, RunStore, SeqNotReserved, poll
 from storage_layout.stream import ChunkSpool, VersionReader
@@ -498,7 +497,8 @@ class BucketStore:
         self.place, self.opt_template = place, opt_template
         self.traffic = traffic if traffic is not None else Traffic()
         self.checkpoint_traffic = Traffic()  # not synchronization traffic
-        self.main = RunStore(run, regions, home, writer=writer, traffic=self.traffic)
+        self.main = RunStore(run, regions, home, writer=writer, traffic=self.traffic,
+                             claims_key=keys.claims_key)  # fmt: skip
         self._writers: dict[str, RunStore] = {}
         self._checkpoints: dict[str, RunStore] = {}
         self.last_report: PublishReport | None = None
@@ -510,9 +510,19 @@ class BucketStore:
             region = self.region_of(learner)
             traffic = self.checkpoint_traffic if checkpoints else self.traffic
             cache[learner] = RunStore(
-                self.run, {region: self.regions[region]}, region, writer=learner, traffic=traffic
+                self.run,
+                {region: self.regions[region]},
+                region,
+                writer=learner,
+                traffic=traffic,
+                claims_key=self.keys.claims_key,
             )
         return cache[learner]
+
+    def region_store(self, region: str) -> RunStore:
+        """A store of ``region``'s bucket alone, this process its writer."""
+        return RunStore(self.run, {region: self.regions[region]}, region, writer=self.main.writer,
+                        traffic=self.traffic, claims_key=self.keys.claims_key)  # fmt: skip
 
     def region_of(self, learner: str) -> str:
         if learner not in self.learners:
@@ -555,7 +565,7 @@ class BucketStore:
         if claim is not None:
             nexts.append(("block of seqs", layout.seq_claims(learner), claim))
         for what, prefix, held in nexts:
-            key = f"{prefix}/s{number(held + 1)}.json"
+            key = store.numbered_claim(prefix, held + 1)
             if patiently(lambda: bucket.exists(key), key):  # noqa: B023
                 raise SeqNotReserved(
                     f"{learner}: another process runs as this learner now (it holds "
@@ -620,8 +630,7 @@ class BucketStore:
         lands nowhere (``RunStore.revoke_contribution``): what is committed once this
         returns is all that ever will be. Returns how many keys it held."""
         region = self.region_of(learner)
-        store = RunStore(self.run, {region: self.regions[region]}, region,
-                         writer=self.main.writer, traffic=self.traffic)  # fmt: skip
+        store = self.region_store(region)
         fragments = range(self._fragments())
         sent = {s for p in fragments for s in store.contribution_seqs(learner, p, region)}
         held = 0
@@ -967,10 +976,10 @@ class BucketStore:
         pool of a region with no member is offered to the others as the syncers do."""
         pools = region_pools(self.main.read_spec())
         offers = UnitOffers(self.run, self.regions, self.learners, plan, self.main.writer,
-                            logging.getLogger("diloco.syncer"), pools, self.traffic)  # fmt: skip
+                            logging.getLogger("diloco.syncer"), pools, self.traffic,
+                            self.keys.claims_key)  # fmt: skip
         return RegionalLedger(
-            {r: region_ledger(RunStore(self.run, {r: self.regions[r]}, r, writer=self.main.writer,
-                                       traffic=self.traffic), plan, self.learners, r,
+            {r: region_ledger(self.region_store(r), plan, self.learners, r,
                               members=lambda: self.learners, pools=pools)
              for r in pools},
             self.learners, offers.tend,

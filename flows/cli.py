@@ -856,6 +856,7 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
 def _run_store(url: str, run: str, writer: str) -> Any:
     """A ``RunStore`` of every region of ``run``, from one region's bucket ``url`` (its
     spec's), that region as its client's."""
+    from storage_layout.auth import Keys
     from storage_layout.bucket import same_bucket
     from storage_layout.store import RunStore
 
@@ -864,7 +865,8 @@ def _run_store(url: str, run: str, writer: str) -> Any:
     region = next((r for r, u in regions.items() if same_bucket(str(u), url)), None)
     if region is None:
         raise ConfigError(f"{url} is none of run {run!r}'s regions: {regions}")
-    return RunStore(run, regions, region, writer=writer)
+    # with DILOCO_RUN_SECRET set, the run's claims are checked (``storage_layout.auth``)
+    return RunStore(run, regions, region, writer=writer, claims_key=Keys.from_env(run).claims_key)
 
 
 def cmd_gc(args: argparse.Namespace) -> int:

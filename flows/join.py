@@ -93,12 +93,14 @@ from flows.run import launched_pipeline, share_compilations, user_cache
 from flows.spares import WORKER_COMMAND
 from storage_layout import record
 from storage_layout.auth import (
+    CLAIMS_KEY_ENV,
     JOIN_TOKEN_ENV,
     LEARNER_KEY_ENV,
     RUN_SECRET_ENV,
     JoinRefused,
     JoinToken,
     check_secret,
+    claims_key,
     key_check,
     learner_key,
     parse_join_token,
@@ -182,13 +184,15 @@ def check_region_url(spec: Mapping[str, Any], run: str, region: str, url: str) -
 def join_keys(store: RunStore, environ: Mapping[str, str]) -> dict[str, bytes] | None:
     """The learner keys this machine holds for the run (None: every slot's, from the run
     secret), from ``DILOCO_RUN_SECRET`` or ``DILOCO_JOIN_TOKEN`` (checked against the
-    run's bucket: ``check_token``); {} when it holds none."""
+    run's bucket: ``check_token``); {} when it holds none. ``store`` takes the run's
+    claims key from either (``storage_layout.auth``)."""
     if environ.get(RUN_SECRET_ENV):
-        check_secret(environ[RUN_SECRET_ENV])
+        store.claims_key = claims_key(check_secret(environ[RUN_SECRET_ENV]), store.run)
         return None
     if environ.get(JOIN_TOKEN_ENV):
         token = parse_join_token(environ[JOIN_TOKEN_ENV], store.run)
         check_token(store, token)
+        store.claims_key = token.claims
         return token.keys
     return {}
 
@@ -198,6 +202,7 @@ class TokenRecord(Record):
     issued: Time
     expires: Annotated[float, Field(allow_inf_nan=False)] | None = None
     checks: dict[Name, Name]
+    claims_check: Name
 
 
 def issue_token(store: RunStore, token: JoinToken) -> None:
@@ -232,6 +237,8 @@ def check_token(store: RunStore, token: JoinToken, now: float | None = None) -> 
         raise JoinRefused(f"join token {token.id} cannot be checked: {exc}") from None
     wrong = [lid for lid, k in token.keys.items()
              if kept.checks.get(lid) != key_check(k, store.run, lid)]  # fmt: skip
+    if kept.claims_check != key_check(token.claims, store.run, "claims"):
+        wrong.append("the run's claims")
     if wrong:
         raise JoinRefused(f"join token {token.id} holds keys that are not run {store.run!r}'s "
                           f"for {', '.join(wrong)} (a token of another run, relabelled, or "
@@ -400,7 +407,7 @@ def join(
             taken = choose()  # another joiner added that one first
             continue
         joined = {**record, "learner": lid, "time": time.time(), "took": taken.why}
-        writer = RunStore(run, {region: url}, region, writer=lid)
+        writer = RunStore(run, {region: url}, region, writer=lid, claims_key=store.claims_key)
         # The join after the newest this joiner saw, or none: another joiner that chose
         # the same slot at the same moment wrote it first, and this one chooses again.
         n = writer.put_join(lid, partial(_join_body, joined, key), after=taken.joins)
@@ -412,6 +419,7 @@ def join(
                           "taken by another joiner first")  # fmt: skip
     if key is not None:
         env[LEARNER_KEY_ENV] = key.hex()
+        env[CLAIMS_KEY_ENV] = (store.claims_key or b"").hex()
     env.pop(RUN_SECRET_ENV, None)  # a learner holds its own key only
     env.pop(JOIN_TOKEN_ENV, None)
     print(f"joining run {run} as {lid} in {region} (join {n}; the slot: {taken.why})",

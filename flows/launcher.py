@@ -474,6 +474,7 @@ def authenticate(run: str, folder: Path, via: str, log: Any, store: RunStore) ->
                  "(learners); see docs/deploy.md", RUN_SECRET_ENV, LEARNER_KEY_ENV)  # fmt: skip
         return None
     secret, source = run_secret(folder / "run-secret")
+    assert secret is not None  # (made if there is none)
     store.check_secret(secret, source)
     log.info("contributions are signed: each learner gets its own key, the syncers the run "
              "secret (from %s)", source)  # fmt: skip

@@ -33,6 +33,7 @@ from diloco.loops import resume_step
 from diloco.topology import run_deal, run_slots
 from diloco.units import Span, UnitPlan, cut, pool_unit
 from storage_layout.audit import AuditReport
+from storage_layout.auth import Keys
 from storage_layout.store import RunStore
 
 
@@ -137,7 +138,7 @@ class BucketLedger:
         return [(claim, span) for claim, (span, _) in self._offers.items()]
 
     def _offer(self, claim: str, record: Any) -> tuple[Span, str]:
-        where = self.store.layout.units_offered(claim)
+        where = self.store.claim_key(self.store.layout.units_offered(claim))
         record = record if isinstance(record, dict) else {}
         src, given = record.get("from"), record.get("claim")
         if src not in self.pools or src == self.region or not isinstance(given, str) \
@@ -319,7 +320,9 @@ def audit_units(report: AuditReport) -> None:
     from diloco.simulate import unit_plan
 
     urls, run = report.regions, report.run
-    first = RunStore(run, urls, next(iter(urls)), writer="audit")
+    # with DILOCO_RUN_SECRET set, only the run's own claims count (``storage_layout.auth``)
+    key = Keys.from_env(run).claims_key
+    first = RunStore(run, urls, next(iter(urls)), writer="audit", claims_key=key)
     spec = first.read_spec()
     cfg = validate_config({**spec["config"], "pipeline": {}})
     if cfg.data.assign != "units":
@@ -330,7 +333,7 @@ def audit_units(report: AuditReport) -> None:
     offers: dict[tuple[str, str], tuple[str, Span]] = {}  # (to, offer claim) -> (from, span)
     pools = region_pools(spec)
     for region in pools:
-        store = RunStore(run, urls, region, writer="audit")
+        store = RunStore(run, urls, region, writer="audit", claims_key=key)
         ledger = region_ledger(store, plan, learners, region, pools=pools)
         try:
             for lid in ledger.learners:
@@ -350,6 +353,7 @@ def audit_units(report: AuditReport) -> None:
                 "given_back_waiting": [list(astuple(s)) for s in ledger.given_back()],
                 "orphan_claims": orphans,
                 "moved_out": len(moved),  # offered to the learners of other regions
+                "passed_over": sorted(store.passed_over),  # no claims of the run's
             }
             # A claim no learner took, made in the name of none of the run's learners: its
             # span is trained by no one (a forged claim, or one of another run's).
@@ -365,8 +369,8 @@ def audit_units(report: AuditReport) -> None:
             report.fail("data-once", f"{region}: {exc}")
     for to in sorted({to for to, _ in offers}):  # a span moved out is offered where it went: one
         try:  # that is not is trained by no one (a syncer died between claim and offer)
-            there = dict(region_ledger(RunStore(run, urls, to, writer="audit"), plan, learners,
-                                       to, pools=pools)._offered())  # fmt: skip
+            there = dict(region_ledger(RunStore(run, urls, to, writer="audit", claims_key=key),
+                                       plan, learners, to, pools=pools)._offered())  # fmt: skip
         except DataError as exc:
             report.fail("data-once", f"{to}: {exc}")
             continue
@@ -551,9 +555,10 @@ class UnitOffers:
 
     def __init__(self, run: str, regions: Mapping[str, str], learners: Mapping[str, str],
                  plan: UnitPlan, who: str, log: Any, pools: Mapping[str, tuple[int, int]],
-                 traffic: Any = None):  # fmt: skip
+                 traffic: Any = None, claims_key: bytes | None = None):  # fmt: skip
         # ``learners`` as given, not a copy: the syncer's store adds those joiners add
         self.run, self.regions, self.learners = run, dict(regions), learners
+        self.claims_key = claims_key  # the run's (``storage_layout.auth``), if it tags claims
         self.plan, self.who, self.log, self.traffic = plan, who, log, traffic
         self.pools = dict(pools)
         self._ledgers: dict[str, BucketLedger] = {}
@@ -565,7 +570,8 @@ class UnitOffers:
     def ledger(self, region: str) -> BucketLedger:
         if region not in self._ledgers:
             store = RunStore(self.run, {region: self.regions[region]}, region,
-                             writer=self.who, traffic=self.traffic)  # fmt: skip
+                             writer=self.who, traffic=self.traffic,
+                             claims_key=self.claims_key)  # fmt: skip
             self._ledgers[region] = region_ledger(store, self.plan, self.learners, region,
                                                   members=lambda: self.learners,
                                                   pools=self.pools)  # fmt: skip

@@ -1,8 +1,10 @@
 """One launcher per run: a lock with a lease in the run's home bucket.
 
-A launcher claims the run with the next numbered claim (``launcher/claims/sN.json``,
-written by an exclusive create, so of two launchers started together only one gets it)
-and renews the claim's lease (``launcher/leases/sN.json``) every ``RENEW_SECONDS``.
+A launcher claims the run with the next numbered claim (``launcher/claims/sN``, written
+by an exclusive create, so of two launchers started together only one gets it) and
+renews the claim's lease (``launcher/leases/sN``) every ``RENEW_SECONDS``. Both are
+claims, tagged with the run's claims key where the launcher holds the run secret
+(``storage_layout.auth``): an object that whoever holds no key put there is no claim.
 Another launcher of the run is refused, naming the holder, while the newest claim's
 lease is fresh. It takes the run over when that lease is released (its launcher ended),
 stale (not renewed for ``LEASE_SECONDS``: its launcher died, or lost its storage for
@@ -30,7 +32,7 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from storage_layout.commit import patiently
-from storage_layout.layout import MAX_NUMBER, number, parse_marker_name
+from storage_layout.layout import MAX_NUMBER
 from storage_layout.record import BadRecord, Counter, Name, Record, Time, read, read_or_none
 from storage_layout.store import RunStore
 
@@ -102,10 +104,9 @@ class RunLock:
         number), and every number listed: a forged or damaged claim is named once and
         passed over, so one numbered far ahead neither blocks a launch nor takes the run
         over."""
-        names = patiently(lambda: self.store.home.list(self.prefix), f"listing {self.prefix}")
-        listed = {n for n in (parse_marker_name(name, "s") for name in names) if n is not None}
+        listed = set(self.store.claim_numbers(self.store.home, self.prefix))
         for n in sorted(listed - self._bad, reverse=True):
-            key = f"{self.prefix}/s{number(n)}.json"
+            key = self.store.numbered_claim(self.prefix, n)
             try:
                 claim = read(self.store.home, key, LockClaim)
             except FileNotFoundError:
@@ -129,8 +130,8 @@ class RunLock:
     def holder(self, claim: int) -> dict[str, Any]:
         """Claim ``claim``'s holder, with its lease's newest renewal (the claim's own
         time if it has none yet)."""
-        found = self._read(f"{self.prefix}/s{number(claim)}.json") or {"claim": claim}
-        lease = self._read(self.store.layout.launcher_lease(claim)) or {}
+        found = self._read(self.store.numbered_claim(self.prefix, claim)) or {"claim": claim}
+        lease = self._read(self.store.claim_key(self.store.layout.launcher_lease(claim))) or {}
         return {**found, **{k: v for k, v in lease.items() if k in ("time", "released")}}
 
     def live(self, holder: dict[str, Any]) -> bool:
@@ -165,7 +166,7 @@ class RunLock:
             raise RunLocked(f"run {run!r}: no claim number is left above {newest} in "
                             f"{self.store.home.url}/{self.prefix} (forged claims?)")  # fmt: skip
         body = self._body(claim)
-        key = f"{self.prefix}/s{number(claim)}.json"
+        key = self.store.numbered_claim(self.prefix, claim)
         try:
             patiently(lambda: self.store.home.put_exclusive(key, body), key)
         except FileExistsError:
@@ -190,7 +191,7 @@ class RunLock:
                            "time": time.time(), "nonce": self.nonce, **extra}).encode()  # fmt: skip
 
     def _write_lease(self, released: bool = False) -> None:
-        key = self.store.layout.launcher_lease(self.claim)
+        key = self.store.claim_key(self.store.layout.launcher_lease(self.claim))
         data = self._body(self.claim, released=released)
         patiently(lambda: self.store.home.put(key, data), key)
 

@@ -44,7 +44,13 @@ from flows.worker import API_DOWN, PARENT_ENV, api_away, prefect_api_reachable
 from flows.workers import Status, Worker
 from infra.processes import read_pids, stop_leftovers, write_pids
 from storage_layout import faults
-from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV, learner_key
+from storage_layout.auth import (
+    CLAIMS_KEY_ENV,
+    LEARNER_KEY_ENV,
+    RUN_SECRET_ENV,
+    claims_key,
+    learner_key,
+)
 from storage_layout.store import RunStore
 
 log = logging.getLogger(__name__)
@@ -82,10 +88,11 @@ def child_env(
     """A worker process's environment: the launcher's without any key material, the
     Prefect API, and what ``worker`` may hold of the run ``secret``: a syncer shard
     (``syncer-N``) the secret itself, to verify every learner; a learner only its own key
-    (``storage_layout.auth``), so it can sign for no other learner. ``fault_env``: the
+    and the run's claims key (``storage_layout.auth``), so it can sign for no other
+    learner. ``fault_env``: the
     run's storage fault plan (``DILOCO_FAULTS``), salted per start (a restart must not
     replay its faults)."""
-    hidden = (RUN_SECRET_ENV, LEARNER_KEY_ENV, faults.ENV_VAR, PARENT_FLOW_RUN_ENV,
+    hidden = (RUN_SECRET_ENV, LEARNER_KEY_ENV, CLAIMS_KEY_ENV, faults.ENV_VAR, PARENT_FLOW_RUN_ENV,
               PARENT_TASK_RUN_ENV)  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in hidden}
     if fault_env:
@@ -101,6 +108,7 @@ def child_env(
             env[RUN_SECRET_ENV] = secret
         elif worker.startswith(LEARNER_PREFIX):
             env[LEARNER_KEY_ENV] = learner_key(secret, run, worker).hex()
+            env[CLAIMS_KEY_ENV] = claims_key(secret, run).hex()
     return env
 
 

@@ -389,7 +389,7 @@ class SyncerRuntime:
             if shard == 0:  # one tends the pools: each would keep its own spans waiting
                 self.transport.offers = UnitOffers(run, store.regions, store.learners, units,
                                                    syncer_id(shard), self.log, pools,
-                                                   store.traffic)  # fmt: skip
+                                                   store.traffic, store.keys.claims_key)  # fmt: skip
         self.records: list[records.Record] = []
         self.loop = SyncerLoop(self.cfg, self.fragments, list(run_slots(spec)),
                                transport or self.transport, clock or WallClock(),

@@ -173,11 +173,16 @@ def train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: st
     if _is_complete(run, regions, cfg, root):
         return 0
     from flows.run_lock import RunLock, RunLocked
+    from storage_layout.auth import claims_key, run_secret
     from storage_layout.store import RunStore
 
     # One launcher per run, taken before the run's Prefect server starts (two servers
     # must never share its database): a second `diloco train` of a running run is refused.
-    store = RunStore(run, regions, home_region(regions), writer="launcher")
+    # Its claim is tagged with the run's claims key, where the launcher holds the secret.
+    root.mkdir(parents=True, exist_ok=True)
+    secret = run_secret(root / "run-secret" if via == "processes" else None)[0]
+    store = RunStore(run, regions, home_region(regions), writer="launcher",
+                     claims_key=None if secret is None else claims_key(secret, run))  # fmt: skip
     # Another launcher that takes the run over (this one's lease went stale) stops the
     # workers; the launcher flow then ends naming who took over. The launch is made once
     # the run's Prefect API is up (``_train``): Prefect reads its settings when it is

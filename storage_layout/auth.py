@@ -14,6 +14,16 @@ a syncer rejects a marker whose signature is missing or does not verify.
   sha256, writer, write id and meta. A reader checks each object against the marker's
   sha256, so the signature authenticates the data as well.
 
+- The **claims key** is ``HMAC-SHA256(secret, "diloco-claims/{run}")``, held by every
+  process of the run (``DILOCO_CLAIMS_KEY``, hex, for a learner or a joiner). A claim is
+  an object whose existence is the claim, made by an exclusive create: a generation, a
+  block of seqs, a data unit, a span given back, a record of a learner's data ledger, a
+  join, the run lock. Its key ends in a tag, ``{base}.{tag}.json`` with ``tag`` the
+  first 16 hex digits of ``HMAC(claims key, base)`` (``claim_tag``), so whoever holds no
+  key cannot name a claim before it is made: a forged object at the next number is not
+  that number's claim, and neither blocks a take nor skips what it would have claimed.
+  A reader with the key passes over every object whose tag is not its own.
+
 The keys are symmetric: a syncer holding the secret could sign for any learner. They keep
 out whoever can write to a bucket but holds no key (a leaked bucket credential, another
 tenant of the bucket, a misrouted job), not a syncer. Global versions and checkpoints are
@@ -37,6 +47,7 @@ from storage_layout.commit import CommitMarker, CorruptVersion
 
 RUN_SECRET_ENV = "DILOCO_RUN_SECRET"
 LEARNER_KEY_ENV = "DILOCO_LEARNER_KEY"
+CLAIMS_KEY_ENV = "DILOCO_CLAIMS_KEY"
 ALGORITHM = "hmac-sha256"
 MIN_SECRET_CHARS = 16
 KEY_BYTES = 32  # an HMAC-SHA256 digest
@@ -84,6 +95,18 @@ def learner_key(secret: str, run: str, learner: str) -> bytes:
     """``learner``'s key in ``run``: HMAC-SHA256(secret, "{run}/{learner}")."""
     message = f"{run}/{learner}".encode()
     return hmac.new(check_secret(secret).encode(), message, hashlib.sha256).digest()
+
+
+def claims_key(secret: str, run: str) -> bytes:
+    """The key that tags ``run``'s claims: HMAC-SHA256(secret, "diloco-claims/{run}")."""
+    message = f"diloco-claims/{run}".encode()
+    return hmac.new(check_secret(secret).encode(), message, hashlib.sha256).digest()
+
+
+def claim_tag(key: bytes, base: str) -> str:
+    """The tag of the claim at ``base`` (its key without the tag and ``.json``): the first
+    16 hex digits of HMAC-SHA256(key, base)."""
+    return hmac.new(key, base.encode(), hashlib.sha256).hexdigest()[:16]
 
 
 def parse_key(text: str, source: str = LEARNER_KEY_ENV) -> bytes:
@@ -144,13 +167,20 @@ class Keys:
 
     A syncer (or the launcher, or a simulation) holds the run ``secret``: it derives every
     learner's key, so it signs for any learner and verifies all of them. A learner process
-    holds only its own ``key``. With neither, nothing is signed or verified.
+    holds only its own ``key`` and the run's ``claims`` key. With neither, nothing is
+    signed or verified.
     """
 
     run: str
     secret: str | None = field(default=None, repr=False)  # never in a log line
     learner: str | None = None
     key: bytes | None = field(default=None, repr=False)
+    claims: bytes | None = field(default=None, repr=False)
+
+    @property
+    def claims_key(self) -> bytes | None:
+        """The key that tags the run's claims (None: they are not tagged)."""
+        return claims_key(self.secret, self.run) if self.secret is not None else self.claims
 
     def signing_key(self, learner: str) -> bytes | None:
         if self.secret is not None:
@@ -169,9 +199,10 @@ class Keys:
     def from_env(
         cls, run: str, learner: str | None = None, environ: Mapping[str, str] | None = None
     ) -> Keys:
-        """Keys from ``DILOCO_RUN_SECRET`` and, for the process of ``learner``,
-        ``DILOCO_LEARNER_KEY``. A learner key that is not ``learner``'s under the secret
-        (both set) is an error now rather than every contribution rejected later."""
+        """Keys from ``DILOCO_RUN_SECRET`` or, for the process of ``learner``,
+        ``DILOCO_LEARNER_KEY`` and ``DILOCO_CLAIMS_KEY`` (one without the other is an
+        error). A learner key that is not ``learner``'s under the secret (both set) is an
+        error now rather than every contribution rejected later."""
         env = os.environ if environ is None else environ
         secret = env.get(RUN_SECRET_ENV) or None
         if secret is not None:
@@ -180,20 +211,28 @@ class Keys:
         if learner is None or raw is None:
             return cls(run, secret, learner)
         key = parse_key(raw)
-        if secret is not None and not hmac.compare_digest(key, learner_key(secret, run, learner)):
-            raise ValueError(
-                f"{LEARNER_KEY_ENV} is not {learner}'s key in run {run!r} under {RUN_SECRET_ENV}"
-            )
-        return cls(run, secret, learner, key)
+        if secret is not None:
+            if not hmac.compare_digest(key, learner_key(secret, run, learner)):
+                raise ValueError(f"{LEARNER_KEY_ENV} is not {learner}'s key in run {run!r} "
+                                 f"under {RUN_SECRET_ENV}")  # fmt: skip
+            return cls(run, secret, learner, key)
+        if not env.get(CLAIMS_KEY_ENV):
+            raise ValueError(f"{LEARNER_KEY_ENV} is set but {CLAIMS_KEY_ENV} is not: a learner "
+                             "needs both (`diloco train` and `diloco join` set them)")  # fmt: skip
+        return cls(run, None, learner, key, parse_key(env[CLAIMS_KEY_ENV], CLAIMS_KEY_ENV))
 
 
-def run_secret(path: Path, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+def run_secret(
+    path: Path | None, environ: Mapping[str, str] | None = None
+) -> tuple[str | None, str]:
     """The run secret and where it comes from: ``DILOCO_RUN_SECRET`` if set, else the
     file ``path``, created (mode 0600, exclusively) with a new secret on first use, so a
-    resumed run signs with the keys it started with."""
+    resumed run signs with the keys it started with; else (no ``path``) none."""
     env = os.environ if environ is None else environ
     if env.get(RUN_SECRET_ENV):
         return check_secret(env[RUN_SECRET_ENV]), RUN_SECRET_ENV
+    if path is None:
+        return None, ""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
@@ -206,8 +245,8 @@ def run_secret(path: Path, environ: Mapping[str, str] | None = None) -> tuple[st
 
 # Joining a running run ------------------------------------------------------------------
 JOIN_TOKEN_ENV = "DILOCO_JOIN_TOKEN"
-JOIN_TOKEN_PREFIX = "diloco-join-2:"
-OLD_JOIN_TOKEN_PREFIXES = ("diloco-join-1:",)
+JOIN_TOKEN_PREFIX = "diloco-join-3:"
+OLD_JOIN_TOKEN_PREFIXES = ("diloco-join-1:", "diloco-join-2:")
 
 
 class JoinRefused(ValueError):
@@ -224,9 +263,9 @@ def key_check(key: bytes, run: str, learner: str) -> str:
 @dataclass(frozen=True)
 class JoinToken:
     """What a run's owner gives a machine that may join ``run``: the keys of the learner
-    slots it may take (never the run secret), an id, when it was issued and when it
-    expires (None: never). The run's buckets keep its ``record``: the id and times and
-    a ``key_check`` of each key, so a joiner's token is checked against the run before
+    slots it may take and the run's claims key (never the run secret), an id, when it was
+    issued and when it expires (None: never). The run's buckets keep its ``record``: the
+    id and times and a ``key_check`` of each key, so a joiner's token is checked against the run before
     anything is taken (a token of another run, relabelled, is refused), and a token is
     revoked by a record beside it (``flows.join``)."""
 
@@ -235,17 +274,20 @@ class JoinToken:
     issued: float
     expires: float | None
     keys: dict[str, bytes]
+    claims: bytes
 
     @property
     def text(self) -> str:
         body = {"run": self.run, "id": self.id, "issued": self.issued, "expires": self.expires,
-                "keys": {lid: k.hex() for lid, k in self.keys.items()}}  # fmt: skip
+                "keys": {lid: k.hex() for lid, k in self.keys.items()},
+                "claims": self.claims.hex()}  # fmt: skip
         raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
         return JOIN_TOKEN_PREFIX + base64.urlsafe_b64encode(raw).decode()
 
     def record(self) -> dict[str, object]:
         return {"id": self.id, "issued": self.issued, "expires": self.expires,
-                "checks": {lid: key_check(k, self.run, lid) for lid, k in self.keys.items()}}  # fmt: skip
+                "checks": {lid: key_check(k, self.run, lid) for lid, k in self.keys.items()},
+                "claims_check": key_check(self.claims, self.run, "claims")}  # fmt: skip
 
 
 def join_token(
@@ -257,7 +299,7 @@ def join_token(
     issued = round(time.time() if now is None else now, 3)
     expires = None if expires_in is None else round(issued + expires_in, 3)
     keys = {lid: learner_key(secret, run, lid) for lid in learners}
-    return JoinToken(run, secrets.token_hex(8), issued, expires, keys)
+    return JoinToken(run, secrets.token_hex(8), issued, expires, keys, claims_key(secret, run))
 
 
 def parse_join_token(text: str, run: str) -> JoinToken:
@@ -275,7 +317,8 @@ def parse_join_token(text: str, run: str) -> JoinToken:
         body = json.loads(base64.urlsafe_b64decode(text[len(JOIN_TOKEN_PREFIX) :]))
         keys = {str(lid): parse_key(k, JOIN_TOKEN_ENV) for lid, k in body["keys"].items()}
         token = JoinToken(str(body["run"]), str(body["id"]), float(body["issued"]),
-                          None if body["expires"] is None else float(body["expires"]), keys)  # fmt: skip
+                          None if body["expires"] is None else float(body["expires"]), keys,
+                          parse_key(body["claims"], JOIN_TOKEN_ENV))  # fmt: skip
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise JoinRefused(f"{JOIN_TOKEN_ENV} is damaged: {exc!r}") from None
     if token.run != run:

@@ -23,6 +23,12 @@ version order, and they are logical counters, never wall-clock times. Markers si
 their own ``commits/`` prefix so discovery lists markers only, never data. Data prefixes
 carry the writer's random write id: two writers racing for one version never write the
 same object, so the loser cannot damage the winner's data.
+
+A claim (an object whose existence is the claim, made by an exclusive create: a
+generation under ``leases/``, a block of seqs, a join, a data unit, a record of a
+learner's data ledger, a span given back or offered, the run lock and its lease) is
+named here by its base, ``.../s{N}`` or ``.../{name}``; its key ends in the run's tag
+of that base, ``{base}.{tag}.json`` (``storage_layout.auth``, ``RunStore.claim_key``).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ _NUMBERED = re.compile(r"^([sv])(\d{12})\.json$")
 # with the marker's number and the write id (16 hex digits, ``storage_layout.commit``).
 _MARKER_KEY = re.compile(r"^((?:.+/)?)commits/([sv]\d{12})\.json$")
 WRITE_ID_RE = re.compile(r"^[0-9a-f]{16}$")
+_TAG = WRITE_ID_RE  # a claim's tag: 16 hex digits too
 _SEGMENT = re.compile(r"^[A-Za-z0-9_.=-]+$")
 
 
@@ -84,6 +91,18 @@ def data_prefix_of(marker_key: str, write_id: str) -> str:
     if not WRITE_ID_RE.match(write_id):
         raise LayoutError(f"write id {write_id[:80]!r} of {marker_key} is not 16 hex digits")
     return f"{match.group(1)}data/{match.group(2)}-{write_id}"
+
+
+def claim_stem(name: str) -> tuple[str, str | None] | None:
+    """A claim's object name, ``{stem}.json`` or ``{stem}.{tag}.json`` (``tag``: 16 hex
+    digits), as (stem, tag or None); None for a name no claim has."""
+    if not name.endswith(".json") or "/" in name:
+        return None
+    body = name.removesuffix(".json")
+    stem, _, tag = body.rpartition(".")
+    if stem and _TAG.match(tag):
+        return stem, tag
+    return (body, None) if body else None
 
 
 def parse_marker_name(name: str, prefix: str) -> int | None:
@@ -207,8 +226,8 @@ class RunLayout:
 
     def units_returned(self, claim: str) -> str:
         """The claim of a span given back (``claim``: the record that gave it back and the
-        span's place in it), written once by the learner that takes it."""
-        return f"{self.units_returned_folder()}/{check_name('claim', claim)}.json"
+        span's place in it), written once by the learner that takes it (a claim's base)."""
+        return f"{self.units_returned_folder()}/{check_name('claim', claim)}"
 
     def units_offered_folder(self) -> str:
         return f"{self.run}/units/offered"
@@ -217,8 +236,8 @@ class RunLayout:
         """A span of another region's pool offered to this region's learners by a syncer
         (that region had no learner in it: ``flows.ledger.UnitOffers``), written once;
         ``claim``, ``from-{region}-{its claim there}``, is taken like a span given back
-        (``units_returned``)."""
-        return f"{self.units_offered_folder()}/{check_name('claim', claim)}.json"
+        (``units_returned``); a claim's base."""
+        return f"{self.units_offered_folder()}/{check_name('claim', claim)}"
 
     def checkpoint_commits(self, learner: str) -> str:
         return f"{self.run}/learners/{check_name('learner', learner)}/checkpoints/commits"
@@ -236,8 +255,9 @@ class RunLayout:
         return f"{self.run}/launcher/claims"
 
     def launcher_lease(self, claim: int) -> str:
-        """Claim ``claim``'s lease: overwritten by its launcher each time it renews it."""
-        return f"{self.run}/launcher/leases/s{number(claim)}.json"
+        """Claim ``claim``'s lease, overwritten by its launcher each time it renews it (a
+        claim's base: tagged like the claim)."""
+        return f"{self.run}/launcher/leases/s{number(claim)}"
 
     def heartbeat(self, learner: str) -> str:
         """A learner's heartbeat (``storage_layout.heartbeat``), rewritten every few seconds."""

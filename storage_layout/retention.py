@@ -51,7 +51,7 @@ from storage_layout import record
 from storage_layout.auth import Keys, verify
 from storage_layout.bucket import Bucket
 from storage_layout.commit import REVOKED, CommitMarker, CorruptVersion, read_marker
-from storage_layout.layout import RunLayout, parse_marker_name
+from storage_layout.layout import RunLayout, claim_stem, parse_marker_name
 from storage_layout.store import RunStore
 
 log = logging.getLogger(__name__)
@@ -327,7 +327,8 @@ def read_ledger(bucket: Bucket, layout: RunLayout, fragment: int) -> list[dict[s
     out = []
     prefix = layout.ledger_commits(fragment)
     for name in bucket.list(prefix):
-        if parse_marker_name(name, "s") is None:
+        stem = claim_stem(name)  # an entry is a claim (``RunStore.put_next``): tagged
+        if stem is None or parse_marker_name(f"{stem[0]}.json", "s") is None:
             continue
         key = f"{prefix}/{name}"
         try:

@@ -46,6 +46,7 @@ from diloco.topology import learner_index, learner_region, run_deal, run_slots
 from storage_layout import heartbeat, record
 from storage_layout.auth import (
     SecretMismatch,
+    claim_tag,
     record_verifies,
     secret_fingerprint,
     sign_record,
@@ -84,6 +85,7 @@ from storage_layout.layout import (
     FORMAT_VERSION,
     RunLayout,
     check_name,
+    claim_stem,
     data_prefix_of,
     number,
     parse_marker_name,
@@ -362,6 +364,7 @@ class RunStore:
         storage_options: Mapping[str, Mapping[str, Any]] | None = None,
         traffic: Traffic | None = None,
         allow_unsafe_overwrite: bool = False,
+        claims_key: bytes | None = None,
     ):
         if client_region not in regions:
             raise ValueError(f"client region {client_region!r} is not one of {sorted(regions)}")
@@ -376,6 +379,12 @@ class RunStore:
         self._buckets: dict[str, Bucket] = {}
         self._metrics_base: dict[str, dict[str, Any]] = {}  # as stored before our first write
         self._members: dict[tuple[str, str], Any] = {}  # member records read (written once)
+        # The key that tags the run's claims (``storage_layout.auth``): with it, claims are
+        # made tagged and only those tagged with it are read; without it, untagged, and
+        # every claim is read (unchecked: a view for people, ``diloco inspect``).
+        self.claims_key = claims_key
+        self.passed_over: set[str] = set()  # objects named once as no claim of the run
+        self._tags_seen: dict[str, str] = {}  # base -> its tag as listed (without a key)
 
     def bucket(self, region: str) -> Bucket:
         """The region's bucket, opened on first use; ``RegionDown`` if it cannot be reached."""
@@ -448,10 +457,12 @@ class RunStore:
     def check_secret(self, secret: str, source: str) -> None:
         """Store the run secret's fingerprint at home on first use; later, refuse a secret
         whose fingerprint differs (``SecretMismatch``, naming ``source``): a swapped
-        secret would have every genuine contribution rejected as forged."""
+        secret would have every genuine contribution rejected as forged. So is a run
+        whose fingerprint does not say that its claims are tagged (started by an older
+        diloco: every claim it made would be passed over)."""
         key = self.layout.secret_fingerprint
         ours = secret_fingerprint(secret, self.run)
-        body = json.dumps({"alg": "hmac-sha256", "fingerprint": ours}).encode()
+        body = json.dumps({"alg": "hmac-sha256", "fingerprint": ours, "claims": "tagged"}).encode()
         try:
             patiently(lambda: self.home.put_exclusive(key, body), key)
             return
@@ -465,6 +476,13 @@ class RunStore:
                 f"(its fingerprint in {self.home.url}/{key} differs): the syncers would reject "
                 "every learner's contributions as forged. Use the original secret (the "
                 "run folder's run-secret file, or the DILOCO_RUN_SECRET it started with)"
+            )
+        if stored.get("claims") != "tagged":
+            raise SecretMismatch(
+                f"run {self.run!r} was started by an older diloco, which did not tag its "
+                "claims with the run's key (storage_layout.auth): this one would pass over "
+                "every claim it made and hand its data out again. Finish it with the "
+                "version that started it, or start another run"
             )
 
     def _extended_budget(self, bucket: Bucket) -> int | None:
@@ -517,6 +535,47 @@ class RunStore:
             out.append(n)
         return sorted(out)
 
+    def claim_key(self, base: str) -> str:
+        """The key of the claim at ``base`` (``prefix/sN`` or ``prefix/name``):
+        ``{base}.{tag}.json``, tagged with the run's claims key, where this store holds
+        one (``storage_layout.auth.claim_tag``), else ``{base}.json`` or, for a claim
+        this store listed tagged, its key as listed (a view for people)."""
+        if self.claims_key is None:
+            tag = self._tags_seen.get(base)
+            return f"{base}.json" if tag is None else f"{base}.{tag}.json"
+        return f"{base}.{claim_tag(self.claims_key, base)}.json"
+
+    def numbered_claim(self, prefix: str, n: int) -> str:
+        """The key of claim ``n`` under ``prefix``."""
+        return self.claim_key(f"{prefix}/s{number(n)}")
+
+    def claim_names(self, bucket: Bucket, prefix: str) -> list[str]:
+        """The claims listed under ``prefix``, by name (without tag and ``.json``). With
+        a claims key, only those tagged with it: any other object is named once and
+        passed over (forged, or left by a diloco that did not tag its claims), so it
+        neither blocks nor skips a claim; without one, every claim, tagged or not."""
+        out = []
+        for name in patiently(lambda: bucket.list(prefix), f"listing {prefix}"):
+            stem, tag = claim_stem(name) or ("", None)
+            if self.claims_key is None and stem and tag is not None:  # unchecked
+                self._tags_seen[f"{prefix}/{stem}"] = tag
+            ok = stem != "" and self.claim_key(f"{prefix}/{stem}") == f"{prefix}/{name}"
+            if ok:
+                out.append(stem)
+            elif f"{bucket.url}/{prefix}/{name}" not in self.passed_over:
+                self.passed_over.add(f"{bucket.url}/{prefix}/{name}")
+                log.warning("passing over %s/%s in %s: not a claim of run %s (%s)", prefix,
+                            name, bucket.url, self.run, "not tagged with the run's claims key"
+                            if self.claims_key is not None else "not a claim's name")  # fmt: skip
+        return sorted(out)
+
+    def claim_numbers(self, bucket: Bucket, prefix: str) -> list[int]:
+        """The numbers of the claims listed under ``prefix`` (``claim_names``)."""
+        names = (
+            parse_marker_name(f"{stem}.json", "s") for stem in self.claim_names(bucket, prefix)
+        )
+        return sorted(n for n in names if n is not None)
+
     def contribution_seqs(self, learner: str, fragment: int, region: str) -> list[int]:
         return self._numbers(
             self.bucket(region), self.layout.contribution_commits(learner, fragment), "s"
@@ -543,7 +602,7 @@ class RunStore:
                 theirs = self.latest_global(fragment, region)
                 if theirs is not None and (home is None or theirs > home):
                     newer[region] = theirs
-        ledger = self._numbers(self.home, self.layout.ledger_commits(fragment), "s")
+        ledger = self.claim_numbers(self.home, self.layout.ledger_commits(fragment))
         if newer or (home is None and ledger):
             where = ", ".join(f"{r} holds v{v}" for r, v in sorted(newer.items()))
             where = where or f"the ledger records {len(ledger)} retention passes"
@@ -589,7 +648,7 @@ class RunStore:
         time, a pid), so that two writers never write the same bytes."""
 
         def free(at_least: int) -> int:
-            taken = self._numbers(self.home, prefix, "s")
+            taken = self.claim_numbers(self.home, prefix)
             if not dense:
                 return max(at_least, (taken[-1] if taken else 0) + 1)
             held, n = set(taken), at_least
@@ -599,7 +658,7 @@ class RunStore:
 
         n = free(1) if after is None else after + 1
         while True:
-            key = f"{prefix}/s{number(n)}.json"
+            key = self.numbered_claim(prefix, n)
             data = body(n) if callable(body) else body
             try:
                 patiently(lambda: self.home.put_exclusive(key, data), key)  # noqa: B023
@@ -648,7 +707,7 @@ class RunStore:
         def claim(n: int) -> bytes:
             first = at_least
             if n > 1:
-                before = _read_json(self.home, f"{prefix}/s{number(n - 1)}.json", SeqBlock)
+                before = _read_json(self.home, self.numbered_claim(prefix, n - 1), SeqBlock)
                 first = max(first, before["end"])
             block.update(first=first, end=first + count)
             return self._record(block)
@@ -660,10 +719,10 @@ class RunStore:
         """The ``newest`` blocks of seqs reserved for ``learner`` (``reserve_seqs``), as
         ``(first, end)``, oldest first (a listing and one read each)."""
         prefix = self.layout.seq_claims(learner)
-        claims = self._numbers(self.home, prefix, "s")[-newest:] if newest > 0 else []
+        claims = self.claim_numbers(self.home, prefix)[-newest:] if newest > 0 else []
         out = []
         for n in claims:
-            block = _read_or_none(self.home, f"{prefix}/s{number(n)}.json", SeqBlock)
+            block = _read_or_none(self.home, self.numbered_claim(prefix, n), SeqBlock)
             if block is not None:
                 out.append((block["first"], block["end"]))
         return out
@@ -729,7 +788,7 @@ class RunStore:
         prefix = self.layout.join_commits(learner)
         if after is None:
             return self.put_next(prefix, record)
-        key, data = f"{prefix}/s{number(after + 1)}.json", record(after + 1)
+        key, data = self.numbered_claim(prefix, after + 1), record(after + 1)
         try:
             patiently(lambda: self.home.put_exclusive(key, data), key)
         except FileExistsError:
@@ -741,14 +800,14 @@ class RunStore:
         check their signatures (``auth.record_verifies``)."""
         prefix = self.layout.join_commits(learner)
         bucket = self.bucket(region or self.client_region)
-        keys = [f"{prefix}/s{number(n)}.json" for n in self._numbers(bucket, prefix, "s")]
+        keys = [self.numbered_claim(prefix, n) for n in self.claim_numbers(bucket, prefix)]
         return [r for r in (_read_or_none(bucket, key, Join) for key in keys) if r is not None]
 
     def join_count(self, learner: str, region: str | None = None) -> int:
         """How many join records ``learner``'s slot holds in ``region`` (a listing, no
         record read)."""
         prefix = self.layout.join_commits(learner)
-        return len(self._numbers(self.bucket(region or self.client_region), prefix, "s"))
+        return len(self.claim_numbers(self.bucket(region or self.client_region), prefix))
 
     def newest_join(
         self, learner: str, region: str | None = None, after: int = 0,
@@ -760,10 +819,10 @@ class RunStore:
         it: named in the log): the number is taken all the same."""
         prefix = self.layout.join_commits(learner)
         bucket = self.bucket(region or self.client_region)
-        numbers = self._numbers(bucket, prefix, "s")
+        numbers = self.claim_numbers(bucket, prefix)
         if not numbers or numbers[-1] <= after:
             return None
-        found = _read_or_none(bucket, f"{prefix}/s{number(numbers[-1])}.json", Join,
+        found = _read_or_none(bucket, self.numbered_claim(prefix, numbers[-1]), Join,
                               signed_by=key)  # fmt: skip
         return numbers[-1], found
 
@@ -781,15 +840,15 @@ class RunStore:
         exclusive create); False when another writer holds that number: a record whose
         meaning depends on the ones before it (a stream given back) is never written
         after one its writer did not read."""
-        key = f"{self.layout.unit_records(learner)}/s{number(n)}.json"
-        return self._create(key, self._record(record))
+        return self._create(self.numbered_claim(self.layout.unit_records(learner), n),
+                            self._record(record))  # fmt: skip
 
     def unit_records(self, learner: str, after: int = 0) -> list[tuple[int, Any]]:
         """``learner``'s data ledger records numbered above ``after``, oldest first, as
         stored (JSON: check them)."""
         prefix = self.layout.unit_records(learner)
-        numbers = [n for n in self._numbers(self.home, prefix, "s") if n > after]
-        keys = [f"{prefix}/s{number(n)}.json" for n in numbers]
+        numbers = [n for n in self.claim_numbers(self.home, prefix) if n > after]
+        keys = [self.numbered_claim(prefix, n) for n in numbers]
         return list(zip(numbers, _read_jsons(self.home, keys, Written), strict=True))
 
     def claim_fresh_unit(self, learner: str, after: int | None = None,
@@ -805,12 +864,12 @@ class RunStore:
 
     def has_fresh_claim(self, n: int) -> bool:
         """Whether fresh claim ``n`` is written (one request)."""
-        key = f"{self.layout.units_fresh()}/s{number(n)}.json"
+        key = self.numbered_claim(self.layout.units_fresh(), n)
         return patiently(lambda: self.home.exists(key), key)
 
     def fresh_claims(self) -> list[int]:
         """The numbers of the fresh units' claims (one listing)."""
-        return self._numbers(self.home, self.layout.units_fresh(), "s")
+        return self.claim_numbers(self.home, self.layout.units_fresh())
 
     def fresh_frontier(self) -> int:
         """The number of fresh claims made in turn from the first (one listing): claims
@@ -831,21 +890,20 @@ class RunStore:
     def _claim_key(self, claim: str) -> str:
         fresh = claim.removeprefix("fresh-")
         if fresh != claim and fresh.isdigit():
-            return f"{self.layout.units_fresh()}/s{number(int(fresh))}.json"
-        return self.layout.units_returned(claim)
+            return self.numbered_claim(self.layout.units_fresh(), int(fresh))
+        return self.claim_key(self.layout.units_returned(claim))
 
     def claim_returned(self, claim: str, learner: str, offer: str | None = None) -> bool:
         """Claim span ``claim`` that someone gave back, or that a syncer offered here
         (an exclusive create); False when another learner claimed it first. ``offer``: as
         in ``claim_fresh_unit``."""
         fields = {"learner": learner, **({"offer": offer} if offer else {})}
-        return self._create(self.layout.units_returned(claim), self._record(fields))
+        return self._create(self.claim_key(self.layout.units_returned(claim)),
+                            self._record(fields))  # fmt: skip
 
     def returned_claims(self) -> set[str]:
         """The claims of spans given back, taken so far (one listing)."""
-        prefix = self.layout.units_returned_folder()
-        names = patiently(lambda: self.home.list(prefix), f"listing {prefix}")
-        return {n.removesuffix(".json") for n in names if n.endswith(".json")}
+        return set(self.claim_names(self.home, self.layout.units_returned_folder()))
 
     def unit_claims(self, claims: list[str]) -> list[Any]:
         """The records of ``claims`` (as ``unit_claim``), read 64 at a time."""
@@ -854,29 +912,28 @@ class RunStore:
     def offer_unit(self, claim: str, record: Mapping[str, Any]) -> bool:
         """Offer a span of another region's pool to this region's learners
         (``units_offered``, an exclusive create); False if it is offered already."""
-        return self._create(self.layout.units_offered(claim), self._record(record))
+        return self._create(self.claim_key(self.layout.units_offered(claim)),
+                            self._record(record))  # fmt: skip
 
     def unit_offers(self, known: Collection[str] = ()) -> dict[str, Any]:
         """The spans offered to this region (claim -> record as stored: check it), but
         those in ``known`` (records are written once: a caller keeps what it read)."""
         claims = sorted(self.offered_claims() - set(known))
-        keys = [self.layout.units_offered(c) for c in claims]
+        keys = [self.claim_key(self.layout.units_offered(c)) for c in claims]
         return dict(zip(claims, _read_jsons(self.home, keys, Written), strict=True))
 
     def offered_claims(self) -> set[str]:
         """The names of the spans offered to this region (one listing)."""
-        prefix = self.layout.units_offered_folder()
-        names = patiently(lambda: self.home.list(prefix), f"listing {prefix}")
-        return {n.removesuffix(".json") for n in names if n.endswith(".json")}
+        return set(self.claim_names(self.home, self.layout.units_offered_folder()))
 
     def newest_generation(self, learner: str) -> int:
-        taken = self._numbers(self.home, self.layout.lease_commits(learner), "s")
+        taken = self.claim_numbers(self.home, self.layout.lease_commits(learner))
         return taken[-1] if taken else 0
 
     def generation(self, learner: str, n: int) -> dict[str, Any] | None:
         """The record of ``learner``'s generation ``n`` as stored; None if there is none,
         or it is not one (named in the log)."""
-        key = f"{self.layout.lease_commits(learner)}/s{number(n)}.json"
+        key = self.numbered_claim(self.layout.lease_commits(learner), n)
         return _read_or_none(self.home, key, Generation)
 
     def fence(self, learner: str, newest: int, why: str) -> bool:
@@ -885,7 +942,7 @@ class RunStore:
         (silent, perhaps only cut off) commits nothing more (``check_newest`` reads the
         next number before each commit). False when someone claimed it first: a process
         that started as the learner, or another fence."""
-        key = f"{self.layout.lease_commits(learner)}/s{number(newest + 1)}.json"
+        key = self.numbered_claim(self.layout.lease_commits(learner), newest + 1)
         return self._create(key, self._record({"fence": why}))
 
     # contributions ------------------------------------------------------------------

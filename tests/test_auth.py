@@ -24,11 +24,13 @@ from flows.supervision import child_env
 from flows.syncer import SyncerRuntime
 from storage_layout.auth import (
     ALGORITHM,
+    CLAIMS_KEY_ENV,
     LEARNER_KEY_ENV,
     RUN_SECRET_ENV,
     Keys,
     SecretMismatch,
     Unauthenticated,
+    claims_key,
     learner_key,
     new_run_secret,
     run_secret,
@@ -128,8 +130,12 @@ def test_keys_from_the_environment():
     assert syncer.verifying_key("learner-1") == KEY_1 == syncer.signing_key("learner-1")
     derived = Keys.from_env("r", "learner-1", environ={RUN_SECRET_ENV: SECRET})
     assert derived.signing_key("learner-1") == KEY_1
-    own = Keys.from_env("r", "learner-1", environ={LEARNER_KEY_ENV: KEY_1.hex()})
+    claims = claims_key(SECRET, "r")
+    own = Keys.from_env("r", "learner-1",
+                        environ={LEARNER_KEY_ENV: KEY_1.hex(), CLAIMS_KEY_ENV: claims.hex()})  # fmt: skip
     assert own.signing_key("learner-1") == KEY_1
+    assert own.claims_key == claims == syncer.claims_key == derived.claims_key  # one per run
+    assert claims != claims_key(SECRET, "other") and claims != KEY_1
     assert own.signing_key("learner-2") is None  # it cannot sign for anyone else
     assert own.verifying_key("learner-1") is None and not own.verifies
     none = Keys.from_env("r", "learner-1", environ={})
@@ -139,6 +145,8 @@ def test_keys_from_the_environment():
                       environ={RUN_SECRET_ENV: SECRET, LEARNER_KEY_ENV: KEY_1.hex()})  # fmt: skip
     with pytest.raises(ValueError, match="is not a learner key"):
         Keys.from_env("r", "learner-1", environ={LEARNER_KEY_ENV: "abc"})
+    with pytest.raises(ValueError, match="DILOCO_CLAIMS_KEY is not: a learner needs both"):
+        Keys.from_env("r", "learner-1", environ={LEARNER_KEY_ENV: KEY_1.hex()})
     assert SECRET not in repr(syncer) and repr(KEY_1) not in repr(own)  # safe to log
     with pytest.raises(ValueError, match="at least 16"):
         Keys.from_env("r", environ={RUN_SECRET_ENV: "short"})
@@ -163,9 +171,11 @@ def test_a_learner_gets_its_own_key_and_never_the_run_secret(monkeypatch):
     learner = child_env("r", "learner-1", SECRET)
     assert RUN_SECRET_ENV not in learner
     assert learner[LEARNER_KEY_ENV] == KEY_1.hex()
+    assert learner[CLAIMS_KEY_ENV] == claims_key(SECRET, "r").hex()
     assert SECRET not in learner.values()
     syncer = child_env("r", "syncer-0", SECRET)
     assert syncer[RUN_SECRET_ENV] == SECRET and LEARNER_KEY_ENV not in syncer
+    assert CLAIMS_KEY_ENV not in syncer  # (derived from the secret)
     other = child_env("r", "evaluator", SECRET)
     assert RUN_SECRET_ENV not in other and LEARNER_KEY_ENV not in other
     # What each worker process makes of its environment signs and verifies alike.

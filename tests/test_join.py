@@ -29,6 +29,7 @@ from storage_layout.auth import (
     RUN_SECRET_ENV,
     JoinRefused,
     JoinToken,
+    claims_key,
     join_token,
     learner_key,
     new_run_secret,
@@ -55,6 +56,7 @@ def _run(tmp_path: Path, name: str, tokens: int = 20_000, *sets: str):
     spec = initialize_run(store, cfg)
     secret = new_run_secret()
     store.check_secret(secret, "the test")
+    store.claims_key = claims_key(secret, name)  # the launcher's: it holds the secret
     return url, cfg, store, spec, secret
 
 
@@ -87,10 +89,10 @@ def test_a_joiner_without_a_token_for_a_vacant_slot_is_refused_by_name(tmp_path,
         monkeypatch.delenv(name, raising=False)
     base = ["join", url, "--run", "closed", "--region", REGION]
     other = join_token(new_run_secret(), "other", ["learner-0"])  # another run's (its owner's)
-    relabelled = JoinToken("closed", other.id, other.issued, None, other.keys)
+    relabelled = JoinToken("closed", other.id, other.issued, None, other.keys, other.claims)
     mine = join_token(secret, "closed", ["learner-0"])
     issue_token(store, mine)
-    altered = JoinToken("closed", mine.id, mine.issued, None, other.keys)
+    altered = JoinToken("closed", mine.id, mine.issued, None, other.keys, other.claims)
     past = time.time() - 100
     revoked = _token(store, secret, ["learner-0"])
     revoke_token(store, parse_join_token(revoked, "closed").id)
@@ -106,7 +108,8 @@ def test_a_joiner_without_a_token_for_a_vacant_slot_is_refused_by_name(tmp_path,
         ({JOIN_TOKEN_ENV: revoked}, [], "was revoked by the run's owner"),
         ({JOIN_TOKEN_ENV: _token(store, secret, ["learner-1"])}, ["--slot", "learner-0"],
          "learner-0: the join token does not cover it"),
-        ({JOIN_TOKEN_ENV: "diloco-join-2:bm90IGpzb24"}, [], "DILOCO_JOIN_TOKEN is damaged"),
+        ({JOIN_TOKEN_ENV: "diloco-join-3:bm90IGpzb24"}, [], "DILOCO_JOIN_TOKEN is damaged"),
+        ({JOIN_TOKEN_ENV: "diloco-join-2:e30="}, [], "was made by an older diloco"),
         ({JOIN_TOKEN_ENV: "diloco-join-1:e30="}, [], "was made by an older diloco"),
         ({JOIN_TOKEN_ENV: mine.text}, ["--region", "mars"], "has no region 'mars'"),
     ]  # fmt: skip

@@ -40,6 +40,7 @@ from infra.local_servers import Forwarder
 from infra.prefect_server import free_port, prefect_server, server_env, wait_healthy
 from infra.processes import command_line, environment_holds, write_pids
 from storage_layout.audit import audit_run
+from storage_layout.auth import claims_key, new_run_secret
 from storage_layout.store import RunStore
 
 
@@ -298,6 +299,31 @@ def test_a_forged_lock_claim_neither_blocks_a_launch_nor_takes_the_run(tmp_path,
     assert lock.claim == 2
     lock.release()
     assert f"s{n:012d}.json" in caplog.text
+
+
+def test_where_the_launcher_holds_the_run_secret_no_object_put_by_someone_else_is_a_claim(
+    tmp_path, caplog
+):
+    """Issue 56: a lock claim written by someone without the run's key, even a well-formed
+    one of the very number a launcher would take next and a live holder, neither blocks a
+    launch nor holds the run: lock claims and their leases are tagged with the run's claims
+    key (``storage_layout.auth``), and an object without the tag is named and passed over.
+    The launch then takes that same number, under its own tag."""
+    key = claims_key(new_run_secret(), "locked")
+    store = _lock_run(tmp_path)
+    store.claims_key = key
+    RunLock(store).acquire().release()
+    prefix = store.layout.launcher_claims()
+    forged = _claim_body(2, -5.0)  # claim 2, renewed just now, by a live launcher elsewhere
+    for name in ("s000000000002.json", "s000000000002.0123456789abcdef.json"):
+        store.home.put_exclusive(f"{prefix}/{name}", forged)
+        store.home.put(f"{store.layout.launcher_lease(2)}.json", forged)
+    lock = RunLock(RunStore("locked", store.urls, "us-east", claims_key=key)).acquire()
+    assert lock.claim == 2 and store.home.exists(store.numbered_claim(prefix, 2))
+    with pytest.raises(RunLocked, match="claim 2"):  # the real claim 2 holds the run
+        RunLock(RunStore("locked", store.urls, "us-east", claims_key=key)).acquire()
+    lock.release()
+    assert "s000000000002.0123456789abcdef.json" in caplog.text
 
 
 def test_a_relaunch_stops_the_workers_its_dead_predecessor_left(tmp_path, caplog):

@@ -49,7 +49,8 @@ GOOD = {
     Spec: {"config": {}}, Pipeline: {"pipeline": {}},
     LedgerEntry: {"fragment": 0, "contributions": [], "versions": [
         {"version": 1, "write_ids": {"us": "9e33ea8d"}}]},
-    TokenRecord: {"id": "9e33ea8d", "issued": 1.0e9, "expires": None, "checks": {"l0": "ab"}},
+    TokenRecord: {"id": "9e33ea8d", "issued": 1.0e9, "expires": None, "checks": {"l0": "ab"},
+                  "claims_check": "cd"},
 }  # fmt: skip
 WILD = [None, True, -1, 0, 10**30, 10**400, -(10**20), 1e308, float("inf"), "soon", "",
         "x" * 5000, [], [1, 2], {}, {"a": {"b": [None]}}, 1.5, "1e3", "9" * 50]  # fmt: skip

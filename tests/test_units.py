@@ -487,6 +487,50 @@ def test_a_forged_unit_claim_far_ahead_neither_skips_units_nor_stops_a_take(prep
     assert store.fresh_frontier() == 5 and again.frontier() == plan.fresh(5, (0, 1)).epoch
 
 
+def test_where_claims_are_tagged_a_forged_one_neither_skips_a_unit_nor_blocks_a_span(
+    prepared, tmp_path, caplog
+):
+    """Issue 56: with the run's claims key (every process of a run with a secret holds
+    it), a unit claim forged at the very next number, named plainly or with a made-up
+    tag, is no claim: the take claims that number under its own tag, so no unit is
+    skipped; a forged claim of a span given back does not keep it from being taken. Each
+    is named as it is passed over."""
+    from flows.ledger import BucketLedger
+    from storage_layout.auth import claims_key
+    from storage_layout.store import RunStore
+
+    secret = "s" * 32
+    regions = {"us": f"file://{tmp_path / 'us'}"}
+    (tmp_path / "us").mkdir()
+    plan = UnitPlan(open_dataset(prepared), context=64, seed=0)
+
+    def ledger() -> BucketLedger:
+        store = RunStore("t", regions, "us", writer="learner-0", claims_key=claims_key(secret, "t"))
+        return BucketLedger(store, plan, ["learner-0", "learner-1"])
+
+    first = ledger().take("learner-0")
+    fresh = tmp_path / "us" / "t" / "units" / "fresh"
+    (fresh / "s000000000002.json").write_text(json.dumps({"learner": "ghost"}))
+    (fresh / "s000000000003.0123456789abcdef.json").write_text(json.dumps({"learner": "ghost"}))
+    took = [ledger().take("learner-0") for _ in range(2)]
+    assert [first, *took] == [plan.fresh(u, (0, 1)) for u in (0, 1, 2)]  # none skipped
+    assert ledger().store.fresh_frontier() == 3
+    # learner-0 gives its stream back; a forged claim of the first span given back
+    ledger().release("learner-0", 0)
+    back = ledger().given_back()
+    returned = tmp_path / "us" / "t" / "units" / "returned"
+    returned.mkdir(parents=True, exist_ok=True)
+    (returned / "learner-0-s4-0.json").write_text(json.dumps({"learner": "ghost"}))
+    assert ledger().given_back() == back and ledger().take("learner-1") == back[0]
+    passed = [r.getMessage() for r in caplog.records if "passing over" in r.getMessage()]
+    for name in (
+        "s000000000002.json",
+        "s000000000003.0123456789abcdef.json",
+        "learner-0-s4-0.json",
+    ):
+        assert any(name in m for m in passed), (name, passed)
+
+
 # A syncer's liveness rule that tells a learner silent after 5 s of its (fake) clock.
 FAST_LIVENESS = LivenessConfig(heartbeat_seconds=1, silent_min_seconds=5, silent_max_seconds=5)
 
