@@ -1,8 +1,9 @@
 """A learner process's heartbeat (``storage_layout.heartbeat``; what readers make of it:
 ``diloco.liveness``): a thread of its own rewrites one small signed object every
 ``liveness.heartbeat_seconds`` from the moment the process holds its generation,
-compiling and resuming included, however long a round is. Each beat also looks at the
-learner's newest generation: once another has been claimed (a fence, or a process that
+compiling and resuming included, however long a round is. Each beat also looks for the
+learner's next generation (a read of its key: one request, never a stale listing): once
+it has been claimed (a fence, or a process that
 took over) this one stops beating and says so (``superseded``), so the learner's round
 stops early and its runtime finds out why (``LearnerRuntime.check_fenced``).
 
@@ -75,11 +76,10 @@ class Heartbeat:
 
     def beat(self, state: str | None = None) -> None:
         """Write one beat (``state``: in place of the runtime's phase)."""
-        newest = self.store.newest_generation(self.learner)
-        if newest > self.generation:
+        if self.store.superseded(self.learner, self.generation):
             if not self.superseded.is_set():
-                self.log.warning("%s: generation %d was claimed after this process's (%d); "
-                                 "it beats no more", self.learner, newest, self.generation)  # fmt: skip
+                self.log.warning("%s: generation %d was claimed after this process's; it "
+                                 "beats no more", self.learner, self.generation + 1)  # fmt: skip
             self.superseded.set()
             return
         step, sends = self.progress()

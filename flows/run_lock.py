@@ -108,7 +108,7 @@ class RunLock:
         for n in sorted(listed - self._bad, reverse=True):
             key = self.store.numbered_claim(self.prefix, n)
             try:
-                claim = read(self.store.home, key, LockClaim)
+                claim = read(self.store.home, key, LockClaim, sealed_by=self.store.seal_of(key))
             except FileNotFoundError:
                 continue
             except BadRecord as exc:
@@ -124,7 +124,8 @@ class RunLock:
         return self._claims()[0]
 
     def _read(self, key: str) -> dict[str, Any] | None:
-        found = read_or_none(self.store.home, key, LockClaim, warn=self.log.warning)
+        found = read_or_none(self.store.home, key, LockClaim, warn=self.log.warning,
+                             sealed_by=self.store.seal_of(key))  # fmt: skip
         return None if found is None else found.model_dump()
 
     def holder(self, claim: int) -> dict[str, Any]:
@@ -165,8 +166,8 @@ class RunLock:
         if claim is None:
             raise RunLocked(f"run {run!r}: no claim number is left above {newest} in "
                             f"{self.store.home.url}/{self.prefix} (forged claims?)")  # fmt: skip
-        body = self._body(claim)
         key = self.store.numbered_claim(self.prefix, claim)
+        body = self.store.sealed(key, self._body(claim))
         try:
             patiently(lambda: self.store.home.put_exclusive(key, body), key)
         except FileExistsError:
@@ -192,7 +193,7 @@ class RunLock:
 
     def _write_lease(self, released: bool = False) -> None:
         key = self.store.claim_key(self.store.layout.launcher_lease(self.claim))
-        data = self._body(self.claim, released=released)
+        data = self.store.sealed(key, self._body(self.claim, released=released))
         patiently(lambda: self.store.home.put(key, data), key)
 
     def _keep(self) -> None:

@@ -22,7 +22,10 @@ a syncer rejects a marker whose signature is missing or does not verify.
   first 16 hex digits of ``HMAC(claims key, base)`` (``claim_tag``), so whoever holds no
   key cannot name a claim before it is made: a forged object at the next number is not
   that number's claim, and neither blocks a take nor skips what it would have claimed.
-  A reader with the key passes over every object whose tag is not its own.
+  A reader with the key passes over every object whose tag is not its own. A claim's
+  JSON is **sealed** too (``seal``: an HMAC of its canonical JSON under a key of its own,
+  ``seal_key(claims key, base)``), so one overwritten by someone without the key, or
+  copied to another claim's key, reads as no claim.
 
 The keys are symmetric: a syncer holding the secret could sign for any learner. They keep
 out whoever can write to a bucket but holds no key (a leaked bucket credential, another
@@ -326,11 +329,33 @@ def parse_join_token(text: str, run: str) -> JoinToken:
     return token
 
 
-def record_signature(record: Mapping[str, object], key: bytes) -> str:
-    """HMAC-SHA256 under ``key`` of ``record``'s canonical JSON without its signature."""
-    body = {k: v for k, v in record.items() if k != "signature"}
+def _mac(record: Mapping[str, object], key: bytes, without: tuple[str, ...]) -> str:
+    body = {k: v for k, v in record.items() if k not in without}
     content = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hmac.new(key, content.encode(), hashlib.sha256).hexdigest()
+
+
+def record_signature(record: Mapping[str, object], key: bytes) -> str:
+    """HMAC-SHA256 under ``key`` of ``record``'s canonical JSON without its signature
+    (nor its seal, added after it)."""
+    return _mac(record, key, ("signature", "seal"))
+
+
+def seal_key(claims: bytes, base: str) -> bytes:
+    """The key that seals the claim at ``base`` under the run's ``claims`` key."""
+    return hmac.new(claims, f"diloco-seal/{base}".encode(), hashlib.sha256).digest()
+
+
+def seal(record: Mapping[str, object], key: bytes) -> dict[str, object]:
+    """``record`` (a claim's JSON) with its ``seal`` under ``key`` (``seal_key``)."""
+    return {**record, "seal": _mac(record, key, ("seal",))}
+
+
+def seal_holds(record: Mapping[str, object], key: bytes) -> bool:
+    value = record.get("seal")
+    return isinstance(value, str) and hmac.compare_digest(
+        value.encode(), _mac(record, key, ("seal",)).encode()
+    )
 
 
 def sign_record(record: Mapping[str, object], key: bytes) -> dict[str, object]:

@@ -9,7 +9,8 @@ claim, a lease, a budget, a heartbeat, a status, a join) is taken from it only t
 - parses it into the kind's pydantic model, whose fields are bounded: counters within
   what a run can number (``Counter``), times not ahead of the reader's clock by more
   than ``MAX_SKEW_SECONDS`` (``Time``), strings of a stated length;
-- checks its signature where its writer signs (``signed_by``).
+- checks its signature where its writer signs (``signed_by``), and its seal where it is
+  a claim of a run whose claims are sealed (``sealed_by``, ``storage_layout.auth``).
 
 A record that fails is ``BadRecord``, naming its key and what is wrong, never a raw
 ``ValueError`` and never waited on; ``read_or_none`` logs it by name and takes it as
@@ -27,7 +28,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from storage_layout.auth import record_verifies
+from storage_layout.auth import record_verifies, seal_holds
 from storage_layout.bucket import Bucket, Refused
 from storage_layout.commit import CorruptVersion, patiently
 from storage_layout.layout import MAX_NUMBER
@@ -73,8 +74,9 @@ def parse(raw: bytes, where: str, model: type[M], signed_by: bytes | None = None
     return check(_json(raw, where), where, model, signed_by)
 
 
-def check(body: Any, where: str, model: type[M], signed_by: bytes | None = None) -> M:
-    """A parsed ``body`` as a ``model`` (see ``parse``)."""
+def check(body: Any, where: str, model: type[M], signed_by: bytes | None = None,
+          sealed_by: bytes | None = None) -> M:  # fmt: skip
+    """A parsed ``body`` as a ``model`` (see ``parse``), sealed with ``sealed_by``."""
     try:
         record = model.model_validate(body)
     except ValidationError as exc:
@@ -84,6 +86,9 @@ def check(body: Any, where: str, model: type[M], signed_by: bytes | None = None)
     if signed_by is not None and not record_verifies(body, signed_by):
         raise BadRecord(f"{where} is not signed with its writer's key (forged, or of "
                         "another run)")  # fmt: skip
+    if sealed_by is not None and not seal_holds(body, sealed_by):
+        raise BadRecord(f"{where} is not sealed with the run's claims key: rewritten by "
+                        "someone without it, or copied from another claim")  # fmt: skip
     return record
 
 
@@ -106,32 +111,33 @@ def fetch(bucket: Bucket, key: str, limit: int = SMALL) -> Any:
 
 def read(
     bucket: Bucket, key: str, model: type[M], limit: int = SMALL,
-    signed_by: bytes | None = None,
+    signed_by: bytes | None = None, sealed_by: bytes | None = None,
 ) -> M:  # fmt: skip
     """The record at ``key`` (see the module's docstring); ``FileNotFoundError`` if there
     is none, ``BadRecord`` if it is not one."""
-    return check(fetch(bucket, key, limit), f"{bucket.url}/{key}", model, signed_by)
+    return check(fetch(bucket, key, limit), f"{bucket.url}/{key}", model, signed_by, sealed_by)
 
 
 def read_body(
     bucket: Bucket, key: str, model: type[M], limit: int = SMALL,
-    signed_by: bytes | None = None,
+    signed_by: bytes | None = None, sealed_by: bytes | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """``read``, but the record as stored (a dict whose fields ``model`` checked): what
     a caller re-verifies or passes on unchanged."""
     body = fetch(bucket, key, limit)
-    check(body, f"{bucket.url}/{key}", model, signed_by)
+    check(body, f"{bucket.url}/{key}", model, signed_by, sealed_by)
     return body
 
 
 def read_or_none(
     bucket: Bucket, key: str, model: type[M], limit: int = SMALL,
     signed_by: bytes | None = None, warn: Callable[..., None] = log.warning,
+    sealed_by: bytes | None = None,
 ) -> M | None:  # fmt: skip
     """``read``, with a missing record and a bad one (logged by name with ``warn``)
     both None."""
     try:
-        return read(bucket, key, model, limit, signed_by)
+        return read(bucket, key, model, limit, signed_by, sealed_by)
     except FileNotFoundError:
         return None
     except BadRecord as exc:

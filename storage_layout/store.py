@@ -48,6 +48,8 @@ from storage_layout.auth import (
     SecretMismatch,
     claim_tag,
     record_verifies,
+    seal,
+    seal_key,
     secret_fingerprint,
     sign_record,
     signer,
@@ -549,6 +551,25 @@ class RunStore:
         """The key of claim ``n`` under ``prefix``."""
         return self.claim_key(f"{prefix}/s{number(n)}")
 
+    def seal_of(self, key: str) -> bytes | None:
+        """The key that seals the claim at ``key`` (``storage_layout.auth.seal``); None
+        where this store holds no claims key (claims are then neither sealed nor
+        checked)."""
+        if self.claims_key is None:
+            return None
+        found = claim_stem(key.rsplit("/", 1)[-1])
+        stem = found[0] if found else key.rsplit("/", 1)[-1]
+        return seal_key(self.claims_key, f"{key.rsplit('/', 1)[0]}/{stem}")
+
+    def sealed(self, key: str, data: bytes) -> bytes:
+        """The claim ``data`` (a JSON object) to write at ``key``, sealed (``seal_of``)."""
+        k = self.seal_of(key)
+        return data if k is None else json.dumps(seal(json.loads(data), k), sort_keys=True).encode()
+
+    def _claim(self, key: str, data: bytes) -> bool:
+        """``_create`` of the claim ``data`` at ``key``, sealed."""
+        return self._create(key, self.sealed(key, data))
+
     def claim_names(self, bucket: Bucket, prefix: str) -> list[str]:
         """The claims listed under ``prefix``, by name (without tag and ``.json``). With
         a claims key, only those tagged with it: any other object is named once and
@@ -659,7 +680,7 @@ class RunStore:
         n = free(1) if after is None else after + 1
         while True:
             key = self.numbered_claim(prefix, n)
-            data = body(n) if callable(body) else body
+            data = self.sealed(key, body(n) if callable(body) else body)
             try:
                 patiently(lambda: self.home.put_exclusive(key, data), key)  # noqa: B023
                 return n
@@ -707,7 +728,8 @@ class RunStore:
         def claim(n: int) -> bytes:
             first = at_least
             if n > 1:
-                before = _read_json(self.home, self.numbered_claim(prefix, n - 1), SeqBlock)
+                key = self.numbered_claim(prefix, n - 1)
+                before = _read_json(self.home, key, SeqBlock, sealed_by=self.seal_of(key))
                 first = max(first, before["end"])
             block.update(first=first, end=first + count)
             return self._record(block)
@@ -722,7 +744,8 @@ class RunStore:
         claims = self.claim_numbers(self.home, prefix)[-newest:] if newest > 0 else []
         out = []
         for n in claims:
-            block = _read_or_none(self.home, self.numbered_claim(prefix, n), SeqBlock)
+            key = self.numbered_claim(prefix, n)
+            block = _read_or_none(self.home, key, SeqBlock, sealed_by=self.seal_of(key))
             if block is not None:
                 out.append((block["first"], block["end"]))
         return out
@@ -788,7 +811,8 @@ class RunStore:
         prefix = self.layout.join_commits(learner)
         if after is None:
             return self.put_next(prefix, record)
-        key, data = self.numbered_claim(prefix, after + 1), record(after + 1)
+        key = self.numbered_claim(prefix, after + 1)
+        data = self.sealed(key, record(after + 1))
         try:
             patiently(lambda: self.home.put_exclusive(key, data), key)
         except FileExistsError:
@@ -801,7 +825,8 @@ class RunStore:
         prefix = self.layout.join_commits(learner)
         bucket = self.bucket(region or self.client_region)
         keys = [self.numbered_claim(prefix, n) for n in self.claim_numbers(bucket, prefix)]
-        return [r for r in (_read_or_none(bucket, key, Join) for key in keys) if r is not None]
+        found = (_read_or_none(bucket, key, Join, sealed_by=self.seal_of(key)) for key in keys)
+        return [r for r in found if r is not None]
 
     def join_count(self, learner: str, region: str | None = None) -> int:
         """How many join records ``learner``'s slot holds in ``region`` (a listing, no
@@ -822,8 +847,8 @@ class RunStore:
         numbers = self.claim_numbers(bucket, prefix)
         if not numbers or numbers[-1] <= after:
             return None
-        found = _read_or_none(bucket, self.numbered_claim(prefix, numbers[-1]), Join,
-                              signed_by=key)  # fmt: skip
+        where = self.numbered_claim(prefix, numbers[-1])
+        found = _read_or_none(bucket, where, Join, signed_by=key, sealed_by=self.seal_of(where))
         return numbers[-1], found
 
     # data units ------------------------------------------------------------------
@@ -840,7 +865,7 @@ class RunStore:
         exclusive create); False when another writer holds that number: a record whose
         meaning depends on the ones before it (a stream given back) is never written
         after one its writer did not read."""
-        return self._create(self.numbered_claim(self.layout.unit_records(learner), n),
+        return self._claim(self.numbered_claim(self.layout.unit_records(learner), n),
                             self._record(record))  # fmt: skip
 
     def unit_records(self, learner: str, after: int = 0) -> list[tuple[int, Any]]:
@@ -849,7 +874,7 @@ class RunStore:
         prefix = self.layout.unit_records(learner)
         numbers = [n for n in self.claim_numbers(self.home, prefix) if n > after]
         keys = [self.numbered_claim(prefix, n) for n in numbers]
-        return list(zip(numbers, _read_jsons(self.home, keys, Written), strict=True))
+        return list(zip(numbers, _read_jsons(self.home, keys, Written, self.seal_of), strict=True))
 
     def claim_fresh_unit(self, learner: str, after: int | None = None,
                          offer: str | None = None) -> int:  # fmt: skip
@@ -885,7 +910,8 @@ class RunStore:
     def unit_claim(self, claim: str) -> Any:
         """The record of a unit's claim as stored (JSON: check it): ``fresh-N`` (fresh
         claim N) or the name of a span given back (``units_returned``)."""
-        return _read_or_none(self.home, self._claim_key(claim), Written)
+        key = self._claim_key(claim)
+        return _read_or_none(self.home, key, Written, sealed_by=self.seal_of(key))
 
     def _claim_key(self, claim: str) -> str:
         fresh = claim.removeprefix("fresh-")
@@ -898,7 +924,7 @@ class RunStore:
         (an exclusive create); False when another learner claimed it first. ``offer``: as
         in ``claim_fresh_unit``."""
         fields = {"learner": learner, **({"offer": offer} if offer else {})}
-        return self._create(self.claim_key(self.layout.units_returned(claim)),
+        return self._claim(self.claim_key(self.layout.units_returned(claim)),
                             self._record(fields))  # fmt: skip
 
     def returned_claims(self) -> set[str]:
@@ -907,12 +933,12 @@ class RunStore:
 
     def unit_claims(self, claims: list[str]) -> list[Any]:
         """The records of ``claims`` (as ``unit_claim``), read 64 at a time."""
-        return _read_jsons(self.home, [self._claim_key(c) for c in claims], Written)
+        return _read_jsons(self.home, [self._claim_key(c) for c in claims], Written, self.seal_of)
 
     def offer_unit(self, claim: str, record: Mapping[str, Any]) -> bool:
         """Offer a span of another region's pool to this region's learners
         (``units_offered``, an exclusive create); False if it is offered already."""
-        return self._create(self.claim_key(self.layout.units_offered(claim)),
+        return self._claim(self.claim_key(self.layout.units_offered(claim)),
                             self._record(record))  # fmt: skip
 
     def unit_offers(self, known: Collection[str] = ()) -> dict[str, Any]:
@@ -920,7 +946,7 @@ class RunStore:
         those in ``known`` (records are written once: a caller keeps what it read)."""
         claims = sorted(self.offered_claims() - set(known))
         keys = [self.claim_key(self.layout.units_offered(c)) for c in claims]
-        return dict(zip(claims, _read_jsons(self.home, keys, Written), strict=True))
+        return dict(zip(claims, _read_jsons(self.home, keys, Written, self.seal_of), strict=True))
 
     def offered_claims(self) -> set[str]:
         """The names of the spans offered to this region (one listing)."""
@@ -930,11 +956,17 @@ class RunStore:
         taken = self.claim_numbers(self.home, self.layout.lease_commits(learner))
         return taken[-1] if taken else 0
 
+    def superseded(self, learner: str, generation: int) -> bool:
+        """Whether ``learner``'s generation after ``generation`` has been claimed (a fence,
+        or a process that took over): a read of that claim's key, never a stale listing."""
+        key = self.numbered_claim(self.layout.lease_commits(learner), generation + 1)
+        return patiently(lambda: self.home.exists(key), key)
+
     def generation(self, learner: str, n: int) -> dict[str, Any] | None:
         """The record of ``learner``'s generation ``n`` as stored; None if there is none,
         or it is not one (named in the log)."""
         key = self.numbered_claim(self.layout.lease_commits(learner), n)
-        return _read_or_none(self.home, key, Generation)
+        return _read_or_none(self.home, key, Generation, sealed_by=self.seal_of(key))
 
     def fence(self, learner: str, newest: int, why: str) -> bool:
         """Claim generation ``newest + 1`` of ``learner`` for no process (an exclusive
@@ -943,7 +975,7 @@ class RunStore:
         next number before each commit). False when someone claimed it first: a process
         that started as the learner, or another fence."""
         key = self.numbered_claim(self.layout.lease_commits(learner), newest + 1)
-        return self._create(key, self._record({"fence": why}))
+        return self._claim(key, self._record({"fence": why}))
 
     # contributions ------------------------------------------------------------------
     def put_contribution(
@@ -1717,18 +1749,19 @@ def _member_problem(
 
 def _read_json(
     bucket: Bucket, key: str, kind: type[Record] = Record, limit: int = record.SMALL,
-    signed_by: bytes | None = None,
+    signed_by: bytes | None = None, sealed_by: bytes | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The ``kind`` of record at ``key``, as stored (``storage_layout.record.read_body``:
     ``FileNotFoundError`` or a named ``BadRecord``)."""
-    return record.read_body(bucket, key, kind, limit, signed_by)
+    return record.read_body(bucket, key, kind, limit, signed_by, sealed_by)
 
 
 def _read_or_none(bucket: Bucket, key: str, kind: type[Record] = Record,
-                  limit: int = record.SMALL, signed_by: bytes | None = None) -> Any:  # fmt: skip
+                  limit: int = record.SMALL, signed_by: bytes | None = None,
+                  sealed_by: bytes | None = None) -> Any:  # fmt: skip
     """``_read_json``, with a missing record and a bad one (named in the log) None."""
     try:
-        return _read_json(bucket, key, kind, limit, signed_by)
+        return _read_json(bucket, key, kind, limit, signed_by, sealed_by)
     except FileNotFoundError:
         return None
     except record.BadRecord as exc:
@@ -1737,10 +1770,12 @@ def _read_or_none(bucket: Bucket, key: str, kind: type[Record] = Record,
 
 
 def _read_jsons(bucket: Bucket, keys: list[str], kind: type[Record] = Record,
+                sealed_by: Callable[[str], bytes | None] = lambda key: None,
                 batch: int = 64) -> list[dict[str, Any] | None]:  # fmt: skip
     """``kind`` records, read ``batch`` at a time concurrently (``Bucket.get_many``: one
     round trip each, not one per object, over S3 or GCS); one that does not read is read
-    again alone, and None (named in the log) if it stays bad."""
+    again alone, and None (named in the log) if it stays bad. ``sealed_by``: the key that
+    seals the claim at a key (``RunStore.seal_of``)."""
     out: list[dict[str, Any] | None] = []
     for i in range(0, len(keys), batch):
         part = keys[i : i + batch]
@@ -1752,10 +1787,10 @@ def _read_jsons(bucket: Bucket, keys: list[str], kind: type[Record] = Record,
         for key in part:
             try:
                 body = json.loads(got[key])
-                record.check(body, key, kind)
+                record.check(body, key, kind, sealed_by=sealed_by(key))
                 out.append(body)
             except (KeyError, ValueError, RecursionError):
-                out.append(_read_or_none(bucket, key, kind))
+                out.append(_read_or_none(bucket, key, kind, sealed_by=sealed_by(key)))
     return out
 
 

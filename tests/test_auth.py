@@ -34,6 +34,7 @@ from storage_layout.auth import (
     learner_key,
     new_run_secret,
     run_secret,
+    secret_fingerprint,
     sign,
     verify,
 )
@@ -211,6 +212,46 @@ def test_a_swapped_run_secret_is_refused_at_launch(tmp_path, monkeypatch):
     monkeypatch.setenv(RUN_SECRET_ENV, SECRET)
     with pytest.raises(SecretMismatch, match=f"from {RUN_SECRET_ENV} is not the one run 'swap'"):
         authenticate("swap", tmp_path, "processes", logging.getLogger("t"), store)
+
+
+def test_a_run_started_before_claims_were_tagged_is_refused_at_launch(tmp_path):
+    """Its claims are untagged: a launcher holding the secret would pass over every one
+    and hand the run's data out again, so it refuses the run by name instead."""
+    store = _bucket_store(tmp_path, "old")
+    old = {"alg": "hmac-sha256", "fingerprint": secret_fingerprint(SECRET, "old")}
+    store.home.put(store.layout.secret_fingerprint, json.dumps(old).encode())
+    with pytest.raises(SecretMismatch, match="started by an older diloco, which did not tag"):
+        store.check_secret(SECRET, "the test")
+
+
+def test_a_claim_rewritten_or_copied_by_someone_without_the_key_is_no_claim(tmp_path, caplog):
+    """Issue 56: claims are sealed with the run's claims key. A generation rewritten as a
+    fence, a block of seqs overwritten with the bytes of the block before it (a valid
+    claim, of another key), a data unit's claim renamed to a stranger: each reads as no
+    claim, named in the log, instead of being taken at its word."""
+    (tmp_path / "us").mkdir()
+    regions = {"us": f"file://{tmp_path / 'us'}"}
+    store = RunStore("r", regions, "us", writer="learner-1", claims_key=claims_key(SECRET, "r"))
+    assert store.claim_generation("learner-1") == 1
+    first, second = (store.reserve_seqs("learner-1", 0, 8)[0] for _ in range(2))
+    assert store.seq_blocks("learner-1") == [(0, 8), (8, 16)]
+    n = store.claim_fresh_unit("learner-1")
+    assert store.unit_claim(f"fresh-{n}")["learner"] == "learner-1"
+    gen = store.numbered_claim(store.layout.lease_commits("learner-1"), 1)
+    store.home.put(gen, json.dumps({"fence": "forged", "time": 1.0}).encode())
+    seqs = store.layout.seq_claims("learner-1")
+    copied = store.home.get(store.numbered_claim(seqs, first))
+    store.home.put(store.numbered_claim(seqs, second), copied)
+    unit = store.numbered_claim(store.layout.units_fresh(), n)
+    body = {**json.loads(store.home.get(unit)), "learner": "ghost"}
+    store.home.put(unit, json.dumps(body).encode())
+    assert store.generation("learner-1", 1) is None
+    assert store.seq_blocks("learner-1") == [(0, 8)]
+    assert store.unit_claim(f"fresh-{n}") is None
+    assert caplog.text.count("is not sealed with the run's claims key") >= 3
+    # the same claims read without the key (a view for people): taken as they are
+    view = RunStore("r", regions, "us")
+    assert view.seq_blocks("learner-1") == [(0, 8), (0, 8)]
 
 
 # --- through the stores and the syncer ----------------------------------------------------

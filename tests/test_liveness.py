@@ -176,11 +176,11 @@ def test_a_failing_heartbeat_is_logged_and_goes_on(tmp_path, caplog):
     calls = []
 
     class Failing:
-        def newest_generation(self, learner):
+        def superseded(self, learner, generation):
             calls.append(1)
             if len(calls) < 3:
                 raise OSError("the bucket is away")
-            return store.newest_generation(learner)
+            return store.superseded(learner, generation)
 
         def write_heartbeat(self, beat, key):
             store.write_heartbeat(beat, key)

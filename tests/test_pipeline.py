@@ -53,7 +53,7 @@ from flows.syncer import SyncerRuntime
 from infra.chaos import read_actions
 from infra.local_servers import LocalMetadata
 from storage_layout.audit import audit_run
-from storage_layout.auth import RUN_SECRET_ENV, learner_key, sign_record
+from storage_layout.auth import RUN_SECRET_ENV, claims_key, learner_key, sign_record
 from storage_layout.commit import read_marker
 from storage_layout.faults import inject
 from storage_layout.inspect import inspect_bucket
@@ -1081,8 +1081,10 @@ def test_the_syncers_members_follow_the_learners_statuses(tmp_path, caplog, monk
     transport.liveness = Liveness(LivenessConfig(silent_max_seconds=100), 20)
     transport.clock = lambda: now[0]
     spec = RunStore("members", regions, "us-east").read_spec()
+    claims = claims_key(secret, "members")  # what each learner holds beside its own key
     writers = {
-        lid: RunStore("members", regions, r, writer=lid) for lid, r in run_slots(spec).items()
+        lid: RunStore("members", regions, r, writer=lid, claims_key=claims)
+        for lid, r in run_slots(spec).items()
     }
 
     def status(lid: str, state: str) -> None:
