@@ -417,9 +417,9 @@ def join(
     else:
         raise JoinRefused(f"{TAKE_TRIES} slots of region {region!r} of run {run!r} were each "
                           "taken by another joiner first")  # fmt: skip
-    if key is not None:
+    if key is not None and store.claims_key is not None:  # (both, or neither)
         env[LEARNER_KEY_ENV] = key.hex()
-        env[CLAIMS_KEY_ENV] = (store.claims_key or b"").hex()
+        env[CLAIMS_KEY_ENV] = store.claims_key.hex()
     env.pop(RUN_SECRET_ENV, None)  # a learner holds its own key only
     env.pop(JOIN_TOKEN_ENV, None)
     print(f"joining run {run} as {lid} in {region} (join {n}; the slot: {taken.why})",

@@ -557,9 +557,8 @@ class RunStore:
         checked)."""
         if self.claims_key is None:
             return None
-        found = claim_stem(key.rsplit("/", 1)[-1])
-        stem = found[0] if found else key.rsplit("/", 1)[-1]
-        return seal_key(self.claims_key, f"{key.rsplit('/', 1)[0]}/{stem}")
+        base = key.removesuffix(".json").rsplit(".", 1)[0]  # ``claim_key``'s, its tag cut
+        return seal_key(self.claims_key, base)
 
     def sealed(self, key: str, data: bytes) -> bytes:
         """The claim ``data`` (a JSON object) to write at ``key``, sealed (``seal_of``)."""
@@ -811,13 +810,8 @@ class RunStore:
         prefix = self.layout.join_commits(learner)
         if after is None:
             return self.put_next(prefix, record)
-        key = self.numbered_claim(prefix, after + 1)
-        data = self.sealed(key, record(after + 1))
-        try:
-            patiently(lambda: self.home.put_exclusive(key, data), key)
-        except FileExistsError:
-            return after + 1 if self._holds(key, data) else None
-        return after + 1
+        taken = self._claim(self.numbered_claim(prefix, after + 1), record(after + 1))
+        return after + 1 if taken else None
 
     def joins(self, learner: str, region: str | None = None) -> list[dict[str, Any]]:
         """``learner``'s join records in ``region`` (its own), oldest first, as stored:
