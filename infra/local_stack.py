@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+from infra import automations
 from infra.prefect_server import free_port, server_env, wait_healthy
 from storage_layout.auth import RUN_SECRET_ENV, new_run_secret
 
@@ -111,6 +112,8 @@ def up() -> dict:
         "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_WORKER_QUERY_SECONDS": "2",  # pick up new flow runs quickly (default 10 s)
+        # flow runs beat, so that one whose machine died is Crashed (infra.automations)
+        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(automations.HEARTBEAT_SECONDS),
         # the stack's runs sign their contributions: every worker (and this shell's
         # `diloco train`) holds the run secret, as docs/deploy.md says a real deployment's
         # workers do, so a syncer rejects a contribution not signed by its learner
@@ -140,6 +143,7 @@ def up() -> dict:
     (STATE / "deploy.log").write_text(deployed.stdout + deployed.stderr)
     if deployed.returncode:
         raise SystemExit(f"prefect deploy failed; see {STATE / 'deploy.log'}")
+    automations.install()  # zombie flow runs Crashed, a crashed launcher run again
     (STATE / "env").write_text(
         "".join(f"export {k}={shlex.quote(v)}\n" for k, v in stack_env.items())
     )

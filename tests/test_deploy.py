@@ -122,6 +122,58 @@ def test_prefect_yaml_deploys_a_train_deployment_that_starts_a_run(deployed):
     assert out.returncode != 0 and "'soon' is not of type 'integer'" in out.stdout + out.stderr
 
 
+def test_a_crashed_launcher_is_run_again_with_its_parameters(deployed):
+    """Issue 57: the automations ``infra.automations`` installs (the local stack does, at
+    ``up``) are on the server once, however often installed; a launcher flow run that
+    ends Crashed (its machine died) is run again from its deployment with its own
+    parameters, after its lease on the run has gone stale. (No worker here: the new flow
+    run is read and removed, never started.)"""
+    from prefect.automations import Automation
+
+    from infra import automations
+
+    names = {a.name for a in (automations.zombies(), automations.resume_launchers())}
+    assert set(automations.install()) <= names
+    assert automations.install() == []  # there already
+    try:
+        _crashed_launcher_runs_again(deployed)
+    finally:  # the other tests' launchers are theirs to restart
+        for name in names:
+            Automation.read(name=name).delete()
+
+
+def _crashed_launcher_runs_again(deployed: dict[str, str]) -> None:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
+    from prefect.states import Crashed
+
+    from infra import automations
+
+    run = f"crash-{uuid.uuid4().hex[:6]}"
+    out = _prefect("deployment", "run", "train/us-east", "--param", f"run={run}",
+                   "--param", 'overrides=["budget.tokens=1000"]', env=deployed)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    first = uuid.UUID(out.stdout.split("UUID: ")[1].split()[0])
+    with _client() as client:
+        crashed = client.read_flow_run(first)
+        client.set_flow_run_state(first, Crashed(message="its machine died (a test)"), force=True)
+        ids = FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[crashed.deployment_id]))
+        again = None
+        for _ in range(600):  # the server's trigger service acts within seconds
+            again = next((f for f in client.read_flow_runs(flow_run_filter=ids)
+                          if f.id != first and f.parameters.get("run") == run), None)  # fmt: skip
+            if again is not None:
+                break
+            time.sleep(0.1)
+        assert again is not None, "the crashed launcher was not run again"
+        for name in ("run", "regions", "via", "preset", "overrides"):
+            assert again.parameters[name] == crashed.parameters[name], name
+        assert again.state.name == "Scheduled"
+        lag = again.state.state_details.scheduled_time - again.created
+        assert lag.total_seconds() >= automations.RESUME_AFTER.total_seconds() - 1
+        for f in (first, again.id):
+            client.delete_flow_run(f)
+
+
 def test_credentials_come_from_a_secret_block(deployed, monkeypatch, tmp_path):
     """The deployments' pull step puts the variables of the Secret block that
     DILOCO_CREDENTIALS_BLOCK names into the flow run's environment (a service account key

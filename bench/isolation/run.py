@@ -15,8 +15,15 @@ home region's learners train on until their bounded flow runs end (a new one wai
 worker); the launcher neither dies with its worker (``flows.observe.PipeSafe``) nor
 cancels anything, and the run completes.
 
+``--machine``: the home region's machine dies instead: the worker and every flow run it
+started (the launcher, the region's learners and syncers) are SIGKILLed. Their flow runs
+stop beating; Prefect's zombie detection sets them Crashed, and the automation that runs
+a crashed launcher again starts a new ``train/us-east`` flow run (``infra.automations``),
+which takes the run over once a new worker is up. Reported: when the old launcher was
+Crashed, when the new one ran, and the run's end.
+
     python bench/isolation/run.py [--tokens 1500000] [--kill-at 0.3] [--down 60]
-        [--out bench/isolation]
+        [--machine] [--out bench/isolation]
 """
 
 from __future__ import annotations
@@ -51,12 +58,27 @@ def steps_by_region(run: str) -> dict[str, int]:
     return out
 
 
-def launcher_state(flow_run_id: str) -> str:
+def launchers(run: str) -> list[tuple[str, str]]:
+    """The run's launcher flow runs, oldest first: (id, state name)."""
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+    from prefect.client.schemas.sorting import FlowRunSort
 
+    tags = FlowRunFilterTags(all_=[f"run:{run}", "launcher"])
     with get_client(sync_client=True) as client:
-        state = client.read_flow_run(uuid.UUID(flow_run_id)).state
-    return state.name if state else "?"
+        found = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=tags),
+                                      sort=FlowRunSort.EXPECTED_START_TIME_ASC)  # fmt: skip
+    return [(str(f.id), f.state.name if f.state else "?") for f in found]
+
+
+def kill_machine(worker: int) -> int:
+    """SIGKILL ``worker`` and every process under it (its flow runs): a machine lost."""
+    import psutil
+
+    procs = [*psutil.Process(worker).children(recursive=True), psutil.Process(worker)]
+    for proc in procs:
+        proc.kill()
+    return len(procs)
 
 
 def main() -> int:
@@ -64,6 +86,9 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=1_500_000)
     parser.add_argument("--kill-at", type=float, default=0.3)
     parser.add_argument("--down", type=float, default=60.0)
+    parser.add_argument(
+        "--machine", action="store_true", help="kill the worker's flow runs too (the machine died)"
+    )
     parser.add_argument("--out", default=str(ROOT / "bench" / "isolation"))
     args = parser.parse_args()
     run = f"iso-{uuid.uuid4().hex[:6]}"
@@ -78,8 +103,10 @@ def main() -> int:
              f"overrides={overrides}"], env=env, cwd=ROOT, capture_output=True, text=True,
             check=True)  # fmt: skip
         flow_run_id = started.stdout.split("UUID: ")[1].split()[0]
+        print(f"the launcher: flow run {flow_run_id} of train/us-east", flush=True)
         budget_steps = None
         killed = back = None
+        events: dict[str, float] = {}  # what happened to the launchers, when
         t0 = time.time()
         while True:
             time.sleep(1.0)
@@ -99,9 +126,14 @@ def main() -> int:
                 and budget_steps
                 and sum(steps.values()) >= args.kill_at * budget_steps
             ):
-                os.kill(state["pids"]["worker-us-east"], signal.SIGKILL)
+                if args.machine:
+                    n = kill_machine(state["pids"]["worker-us-east"])
+                    what = f"the us-east machine (its worker and {n - 1} flow run processes)"
+                else:
+                    os.kill(state["pids"]["worker-us-east"], signal.SIGKILL)
+                    what = "the us-east worker"
                 killed = now - t0
-                print(f"{killed:.0f} s: killed the us-east worker at {steps}", flush=True)
+                print(f"{killed:.0f} s: killed {what} at {steps}", flush=True)
             if killed is not None and back is None and now - t0 >= killed + args.down:
                 state["pids"]["worker-us-east"] = local_stack._spawn(
                     "worker-us-east", [sys.executable, "-m", "prefect", "worker", "start",
@@ -109,8 +141,16 @@ def main() -> int:
                 local_stack._save(state)
                 back = now - t0
                 print(f"{back:.0f} s: a new us-east worker started", flush=True)
-            final = launcher_state(flow_run_id)
-            if final in ("Completed", "Failed", "Crashed", "Cancelled") or now - t0 > 3600:
+            seen = launchers(run)
+            for i, (_, name) in enumerate(seen):
+                if f"{i}:{name}" not in events:
+                    events[f"{i}:{name}"] = now - t0
+                    print(f"{now - t0:.0f} s: launcher flow run {i} is {name}", flush=True)
+            final = seen[-1][1] if seen else "?"
+            done = final in ("Completed", "Failed", "Cancelled") or (
+                final == "Crashed" and not args.machine
+            )
+            if done or now - t0 > 3600:
                 break
     finally:
         local_stack.down()
@@ -130,21 +170,28 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"run": run, "tokens": args.tokens, "killed_s": killed, "restarted_s": back,
-              "launcher": final, "rows": rows, "samples": samples}  # fmt: skip
-    (out / "results.json").write_text(json.dumps(result, indent=1))
+              "machine": args.machine, "launcher": final, "launchers": events, "rows": rows,
+              "samples": samples}  # fmt: skip
+    (out / f"results-{'machine' if args.machine else 'worker'}.json").write_text(
+        json.dumps(result, indent=1)
+    )
     table = "\n".join(f"| {r} | {b} | {d} | {a} |" for r, b, d, a in rows)
-    (out / "results.md").write_text(
-        f"# Isolation: the home region's Prefect worker killed for {args.down:g} s\n\n"
+    name = "machine" if args.machine else "worker"
+    history = ", ".join(f"flow run {k.split(':')[0]} {k.split(':')[1]} at {t:.0f} s"
+                        for k, t in events.items())  # fmt: skip
+    (out / f"results-{name}.md").write_text(
+        f"# Isolation: the home region's {'machine' if args.machine else 'Prefect worker'} "
+        f"killed, a new one {args.down:g} s later\n\n"
         f"`python bench/isolation/run.py --tokens {args.tokens} --kill-at {args.kill_at} "
-        f"--down {args.down:g}` on {machine()}.\n\n"
+        f"--down {args.down:g}{' --machine' if args.machine else ''}` on {machine()}.\n\n"
         f"Killed at {killed or 0:.0f} s, "
         + (f"a new worker at {back:.0f} s" if back else "the run ended before a new worker")
-        + f"; the launcher's flow run (a flow run of the killed worker) ended **{final}**.\n\n"
+        + f"; the run's last launcher flow run ended **{final}** (launchers: {history}).\n\n"
         "Inner steps trained per minute by each region's learners (their status objects, "
         "read every second):\n\n"
         "| region | before | during the outage | after |\n|---|---|---|---|\n" + table + "\n"
     )
-    print((out / "results.md").read_text())
+    print((out / f"results-{name}.md").read_text())
     return 0 if final == "Completed" else 1
 
 
