@@ -54,14 +54,16 @@ from flows.version_stream import (
 from storage_layout.auth import Keys, Unauthenticated
 from storage_layout.bucket import Traffic
 from storage_layout.commit import CommitConflict, CorruptVersion, Revoked, patiently, read_marker
+from storage_layout.members import SeqNotReserved
 from storage_layout.retention import prune_checkpoints
-from storage_layout.store import PublishReport, RunStore, SeqNotReserved, poll
+from storage_layout.store import RunStore, poll
 from storage_layout.stream import ChunkSpool, VersionReader
+from storage_layout.versions import PublishReport
 
 log = logging.getLogger(__name__)
 
 READ_ATTEMPTS = 3  # reads of a contribution before it is rejected as corrupt
-# Seqs a learner process reserves at a time (``RunStore.reserve_seqs``): one small write
+# Seqs a learner process reserves at a time (``RunStore.members.reserve_seqs``): one small write
 # per this many sends; a restart skips at most this many numbers.
 SEQ_BLOCK = 8
 LISTING_PATIENCE = 30.0  # seconds a syncer lists its fragment's versions before it gives up
@@ -136,7 +138,7 @@ class _OneHeld:
 class OptimizerLeaves(Mapping[str, np.ndarray]):
     """An optimizer state's leaves as float32 host arrays named by their path in the tree
     (``leaf_names``), so a checkpoint reads without our code; also ``Tensors``, which
-    ``RunStore.put_checkpoint`` streams. A leaf comes to the host (``inner.to_host``) only
+    ``RunStore.checkpoints.put_checkpoint`` streams. A leaf comes to the host (``inner.to_host``) only
     when it is read and one at a time, never the whole state: its sharded device arrays
     stay where they are. Each read transfers again; ``piece`` keeps the last leaf."""
 
@@ -337,7 +339,7 @@ def _overlap(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> bool
 
 
 def _stored_parts(reader: VersionReader, parts: Any, key: str) -> dict[str, _LeafBoxes]:
-    """A parted checkpoint's leaves (``RunStore.commit_checkpoint_parts``: its meta maps
+    """A parted checkpoint's leaves (``RunStore.checkpoints.commit_checkpoint_parts``: its meta maps
     each part's group to ``{tensor: {"leaf", "index"}}``), as boxes to read."""
     leaves: dict[str, _LeafBoxes] = {}
     if not isinstance(parts, Mapping):
@@ -538,7 +540,7 @@ class BucketStore:
         self._reserved(c.learner, c.seq)
         self.check_newest(c.learner)  # before the upload, and again just before the marker:
         key = self.keys.signing_key(c.learner)  # a process fenced meanwhile commits nothing
-        self.writer_for(c.learner).put_contribution(
+        self.writer_for(c.learner).contributions.put_contribution(
             c.learner, c.fragment, c.seq, c.payload, contribution_meta(c), key=key,
             check=lambda: self.check_newest(c.learner),
         )  # fmt: skip
@@ -546,7 +548,7 @@ class BucketStore:
     def claim_generation(self, learner: str) -> int:
         """Claim the next generation of ``learner`` for this process (``RunStore.
         claim_generation``); every later commit checks that it is still the newest."""
-        self._generations[learner] = self.writer_for(learner).claim_generation(learner)
+        self._generations[learner] = self.writer_for(learner).members.claim_generation(learner)
         return self._generations[learner]
 
     def check_newest(self, learner: str) -> None:
@@ -573,12 +575,12 @@ class BucketStore:
                 )
 
     def _reserved(self, learner: str, seq: int) -> None:
-        """Make sure this process holds ``seq`` of ``learner`` (``RunStore.reserve_seqs``)."""
+        """Make sure this process holds ``seq`` of ``learner`` (``RunStore.members.reserve_seqs``)."""
         claim, first, end = self._seqs.get(learner, (None, 0, 0))
         if first <= seq < end:
             return
         if seq >= end:
-            claim, first, end = self.writer_for(learner).reserve_seqs(
+            claim, first, end = self.writer_for(learner).members.reserve_seqs(
                 learner, seq, SEQ_BLOCK, after=claim
             )
             self._seqs[learner] = (claim, first, end)
@@ -593,7 +595,7 @@ class BucketStore:
         """(newest seq, its step) among ``learner``'s committed contributions, for a process
         that starts as ``learner``: it also reserves the first block of seqs this process
         commits, so the seq returned is the one below that block, never below a seq an
-        earlier process may have committed (``RunStore.reserve_seqs``), even when the
+        earlier process may have committed (``RunStore.members.reserve_seqs``), even when the
         listings leave the newest contributions out. The step is that of the newest
         contribution of its own (signed with its key, when it has one: a forged marker
         with a far-future seq must not carry it there), listed or found by key among the
@@ -602,14 +604,14 @@ class BucketStore:
         store, region = self.writer_for(learner), self.region_of(learner)
         seq, step = 0, 0  # of the newest own contribution listed
         for p in range(self._fragments()):
-            for listed in reversed(store.contribution_seqs(learner, p, region)):
+            for listed in reversed(store.contributions.contribution_seqs(learner, p, region)):
                 if listed <= seq:
                     break
                 meta = self._own(learner, p, listed)
                 if meta is not None:
                     seq, step = listed, int(meta.get("step", 0))
                     break
-        self._seqs[learner] = store.reserve_seqs(learner, seq + 1, SEQ_BLOCK)
+        self._seqs[learner] = store.members.reserve_seqs(learner, seq + 1, SEQ_BLOCK)
         first = self._seqs[learner][1]
         # What a stale listing left out: the predecessor's newest is in its last blocks.
         bucket = store.bucket(region)
@@ -627,17 +629,22 @@ class BucketStore:
         fragment (its newest ``REVOKED_BLOCKS`` blocks: a process commits only inside the
         blocks it holds, and each syncer that gives the learner's data back reserves one
         more, ``sent_so_far``), so that a commit still under way in a fenced process
-        lands nowhere (``RunStore.revoke_contribution``): what is committed once this
+        lands nowhere (``RunStore.contributions.revoke_contribution``): what is committed once this
         returns is all that ever will be. Returns how many keys it held."""
         region = self.region_of(learner)
         store = self.region_store(region)
         fragments = range(self._fragments())
-        sent = {s for p in fragments for s in store.contribution_seqs(learner, p, region)}
+        sent = {
+            s for p in fragments for s in store.contributions.contribution_seqs(learner, p, region)
+        }
         held = 0
-        for first, end in store.seq_blocks(learner, newest=REVOKED_BLOCKS):
+        for first, end in store.members.seq_blocks(learner, newest=REVOKED_BLOCKS):
             for seq in range(first, end):
                 if seq not in sent:
-                    held += sum(store.revoke_contribution(learner, p, seq, why) for p in fragments)
+                    held += sum(
+                        store.contributions.revoke_contribution(learner, p, seq, why)
+                        for p in fragments
+                    )
         return held
 
     def _own(self, learner: str, fragment: int, seq: int) -> dict[str, Any] | None:
@@ -647,7 +654,7 @@ class BucketStore:
         key = self.keys.signing_key(learner)
         try:
             marker = patiently(
-                lambda: store.contribution_head(learner, fragment, seq, region, key),
+                lambda: store.contributions.contribution_head(learner, fragment, seq, region, key),
                 f"{learner} fragment {fragment} seq {seq}",
                 READ_ATTEMPTS,
             )
@@ -684,23 +691,25 @@ class BucketStore:
     def save_checkpoint(self, learner: str, ckpt: LearnerCheckpoint) -> None:
         """Commit ``ckpt``; one whose state is a ``HostPart`` (a learner over several
         processes) writes this host's part, and the leader (part 0) commits once every
-        part is written (``RunStore.commit_checkpoint_parts``)."""
+        part is written (``RunStore.checkpoints.commit_checkpoint_parts``)."""
         store = self.writer_for(learner, checkpoints=True)
-        if ckpt.step in store.checkpoint_steps(learner):
+        if ckpt.step in store.checkpoints.checkpoint_steps(learner):
             return  # this step is saved already (a flow run ended right after one)
         meta = {"seq": ckpt.seq, "data_position": ckpt.step}
         part = ckpt.opt_state if isinstance(ckpt.opt_state, HostPart) else None
         if part is not None:
-            store.put_checkpoint_part(learner, ckpt.step, part.write_id, part.index, part,
+            store.checkpoints.put_checkpoint_part(learner, ckpt.step, part.write_id, part.index, part,
                                       part.slices)  # fmt: skip
             if part.index != 0:
                 return
         self.check_newest(learner)  # a superseded process mixes no checkpoint in
         try:
             if part is not None:
-                store.commit_checkpoint_parts(learner, ckpt.step, part.write_id, part.count, meta)
+                store.checkpoints.commit_checkpoint_parts(
+                    learner, ckpt.step, part.write_id, part.count, meta
+                )
             else:
-                store.put_checkpoint(
+                store.checkpoints.put_checkpoint(
                     learner, ckpt.step, {"opt": optimizer_leaves(ckpt.opt_state)}, meta
                 )
         except CommitConflict as exc:
@@ -724,7 +733,7 @@ class BucketStore:
 
         if step is not None:
             return read(step)
-        for step in reversed(store.checkpoint_steps(learner)):
+        for step in reversed(store.checkpoints.checkpoint_steps(learner)):
             try:
                 return read(step)
             except (CorruptVersion, KeyError, ValueError) as exc:
@@ -736,18 +745,18 @@ class BucketStore:
     def newest_version(self, learner: str | None, fragment: int) -> int | None:
         region = self.home if learner is None else self.region_of(learner)
         store = self.main if learner is None else self.writer_for(learner)
-        return store.latest_global(fragment, region)
+        return store.versions.latest_global(fragment, region)
 
     def read_global(
         self, learner: str, fragment: int, version: int, collect: Collect | None = None
     ) -> GlobalView:
-        state = self.writer_for(learner).get_global(
+        state = self.writer_for(learner).versions.get_global(
             fragment, version, learner_view=True, collect=collect
         )
         return GlobalView(fragment, version, state.params, state.meta)
 
     def read_delta(self, learner: str, fragment: int, version: int) -> GlobalDelta | None:
-        got = self.writer_for(learner).get_global_delta(fragment, version)
+        got = self.writer_for(learner).versions.get_global_delta(fragment, version)
         if got is None:
             return None
         base, reader, meta = got
@@ -768,12 +777,18 @@ class BucketStore:
         for seq in [s for s in heads if s <= after]:
             del heads[seq]  # settled: listed, read or passed over
         out: list[Contribution | Unreadable] = []
-        for seq in self.main.contribution_seqs(learner, fragment, region):
+        for seq in self.main.contributions.contribution_seqs(learner, fragment, region):
             if seq <= after or (learner, fragment, seq) in self._revoked:
                 continue
             try:
                 marker = heads.get(seq) or patiently(
-                    lambda: self.main.contribution_head(learner, fragment, seq, region, key),  # noqa: B023
+                    lambda: self.main.contributions.contribution_head(
+                        learner,
+                        fragment,
+                        seq,
+                        region,
+                        key,  # noqa: B023
+                    ),
                     f"{learner} fragment {fragment} seq {seq}",
                     READ_ATTEMPTS,
                 )
@@ -885,7 +900,7 @@ class BucketStore:
         self._published.pop(gv.fragment, None)
         opt = self._named_opt(gv.fragment, params, opt_leaves)
         try:
-            self.last_report = self.main.publish_global(
+            self.last_report = self.main.versions.publish_global(
                 gv.fragment, gv.version, params, opt, record, self.wire_dtype,
                 wire=wire, delta=delta, delta_base=gv.version - 1,
             )  # fmt: skip
@@ -904,7 +919,7 @@ class BucketStore:
         if held is not None and held[0] == version:
             return held[1]
         try:
-            return self.main.get_global(fragment, version, learner_view=True).params
+            return self.main.versions.get_global(fragment, version, learner_view=True).params
         except (CorruptVersion, OSError) as exc:
             log.warning("fragment %d: the learners' copy of version %d is unreadable (%s); "
                         "version %d goes out whole", fragment, version, exc, version + 1)  # fmt: skip
@@ -918,7 +933,7 @@ class BucketStore:
         store = self.main
         # Version 0 is written before any syncer starts: none listed is a listing that
         # left the newest out (a stale one), so it is asked again before it is believed.
-        versions = poll(lambda: store.global_versions(fragment), timeout=LISTING_PATIENCE)
+        versions = poll(lambda: store.versions.global_versions(fragment), timeout=LISTING_PATIENCE)
         if not versions:
             raise FileNotFoundError(f"run {self.run!r} has no version of fragment {fragment} "
                                     f"(listed for {LISTING_PATIENCE:g} s)")  # fmt: skip
@@ -988,14 +1003,16 @@ class BucketStore:
     def add_learner(self, learner: str) -> None:
         """Add ``learner`` beyond the run's slots in its region (``learner_region``), as
         ``diloco join`` does: its member record, signed with its key where this process
-        holds one, then its contributions are the run's (``RunStore.run_learners``)."""
+        holds one, then its contributions are the run's (``RunStore.members.run_learners``)."""
         spec = self.main.read_spec()
         region = learner_region(learner, run_slots(spec), run_deal(spec))
         self.learners[learner] = region
         record = {"learner": learner, "region": region, "host": "simulator", "time": time.time()}
-        if not self.writer_for(learner).put_member(learner, record, self.keys.signing_key(learner)):
+        if not self.writer_for(learner).members.put_member(
+            learner, record, self.keys.signing_key(learner)
+        ):
             raise FileExistsError(f"{learner} is added to run {self.run!r} already")
 
     def close(self, summary: dict[str, Any]) -> None:
         """Record the simulation's summary and the traffic of every writer it drove."""
-        self.main.write_metrics("simulator", {"summary": summary})
+        self.main.progress.write_metrics("simulator", {"summary": summary})

@@ -881,7 +881,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     spec = store.read_spec()
     keep = args.keep if args.keep is not None else _launched_keep(store)
     window = max(keep or 0, int(spec["config"]["outer"]["max_staleness"]) + 2)
-    learners = store.run_learners(spec, Keys.from_env(args.run).verifying_key).regions
+    learners = store.members.run_learners(spec, Keys.from_env(args.run).verifying_key).regions
     report = collect_garbage(store, len(spec["fragments"]), learners, window,
                              orphan_age=args.orphan_age, keys=Keys.from_env(args.run))  # fmt: skip
     stdout_console().print(

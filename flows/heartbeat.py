@@ -23,15 +23,15 @@ QUIET_SECONDS = 60.0  # failed beats are logged at most this often
 
 
 class Heartbeat:
-    """Beats for ``learner`` (generation ``generation``) into ``store`` (its own region's
-    ``RunStore``) every ``period`` seconds, signed with ``key``. ``progress()`` gives the
+    """Beats for ``learner`` (generation ``generation``) into ``members`` (its own region's
+    ``RunStore.members``) every ``period`` seconds, signed with ``key``. ``progress()`` gives the
     learner's step and its committed sends so far; ``state`` is its phase, set by the
     runtime."""
 
-    def __init__(self, store: Any, learner: str, generation: int, period: float,
+    def __init__(self, members: Any, learner: str, generation: int, period: float,
                  key: bytes | None, progress: Callable[[], tuple[int, int]], log: Any,
                  clock: Callable[[], float] = time.monotonic):  # fmt: skip
-        self.store, self.learner, self.generation = store, learner, generation
+        self.members, self.learner, self.generation = members, learner, generation
         self.period, self.key, self.progress, self.log = period, key, progress, log
         self.clock = clock
         self.state = "starting"
@@ -76,7 +76,7 @@ class Heartbeat:
 
     def beat(self, state: str | None = None) -> None:
         """Write one beat (``state``: in place of the runtime's phase)."""
-        if self.store.superseded(self.learner, self.generation):
+        if self.members.superseded(self.learner, self.generation):
             if not self.superseded.is_set():
                 self.log.warning("%s: generation %d was claimed after this process's; it "
                                  "beats no more", self.learner, self.generation + 1)  # fmt: skip
@@ -85,7 +85,7 @@ class Heartbeat:
         step, sends = self.progress()
         self.beats += 1
         per_step = self._measure(step)
-        self.store.write_heartbeat({
+        self.members.write_heartbeat({
             "learner": self.learner, "generation": self.generation, "beat": self.beats,
             "period": self.period, "state": state or self.state, "step": step, "sends": sends,
             "step_seconds": None if per_step is None else round(per_step, 4),

@@ -26,7 +26,7 @@ an exclusive create: two joiners never add the same one), under the first id its
 may add (``diloco.topology.learner_region``: learner-i lives in region i mod R of the
 run's deal, so two regions never add the same id, and a region the run started no
 learner in adds them too) that it holds a key for. The syncers
-read every region's member records at each look at the members (``RunStore.run_learners``,
+read every region's member records at each look at the members (``RunStore.members.run_learners``,
 each checked against its learner's key) and merge the added learner's contributions from
 the next version on; the audit, ``diloco inspect`` and the launcher's display know it
 from the same records. An added slot is then a slot like the others: vacant when its
@@ -136,10 +136,10 @@ def slot_state(
     machine's clock (``diloco.liveness.glance``). A learner that looks silent is watched
     for two of its beats first: a clock ahead of its own must not take a live one's slot."""
     now = time.time() if now is None else now
-    status = store.read_metrics(learner, region)
-    beat = store.read_heartbeat(learner, region, key)
+    status = store.progress.read_metrics(learner, region)
+    beat = store.members.read_heartbeat(learner, region, key)
     if status is None and beat is None:
-        if store.newest_generation(learner) != 0:
+        if store.members.newest_generation(learner) != 0:
             return Slot(learner, False, "starting (it has claimed the slot, no status yet)")
         why, since = "never started", -math.inf
     else:
@@ -151,7 +151,7 @@ def slot_state(
             return Slot(learner, False, f"{verdict.state} at step {step}")
         if verdict.state == "silent" and beat is not None:
             time.sleep(2 * liveness.heartbeat_seconds + 1)  # (the run's period, not the beat's)
-            again = store.read_heartbeat(learner, region, key)
+            again = store.members.read_heartbeat(learner, region, key)
             if again is not None and again.key != beat.key:
                 return Slot(learner, False, f"{again.state} at step {again.step} (its heartbeat "
                                             "moves: this machine's clock is ahead of its)")  # fmt: skip
@@ -159,7 +159,7 @@ def slot_state(
         since = beat.time if beat is not None else float((status or {}).get("time") or 0.0)
     # Vacant by its status, unless a joiner is on its way to its start: a join record
     # younger than the timeout, and newer than the status (a preempted slot joined again).
-    joined = store.newest_join(learner, region, key=key)
+    joined = store.members.newest_join(learner, region, key=key)
     at = joined[1].get("time") if joined and joined[1] else None
     if isinstance(at, (int, float)) and now - at < liveness.silent_max_seconds and at > since:
         return Slot(learner, False, f"joining (joined {now - at:.0f} s ago, not started)")
@@ -280,7 +280,7 @@ def choose_slot(
         raise JoinRefused(f"run {store.run!r} has no learner slot in region {region!r}, so "
                           f"no machine can join there: {old}{SLOT_EVERYWHERE}")  # fmt: skip
     key_of = None if keys is None else keys.get
-    learners = store.run_learners(spec, key_of).regions
+    learners = store.members.run_learners(spec, key_of).regions
     here = sorted((lid for lid, r in learners.items() if r == region), key=learner_index)
     if wanted is not None:
         if wanted not in learners:
@@ -401,7 +401,7 @@ def join(
         if interrupted():  # a Ctrl-C noted while it warmed up or chose: nothing written
             raise KeyboardInterrupt
         lid, key = taken.learner, _key(env, keys, run, taken.learner)
-        if taken.added and not store.put_member(  # its member record, written once
+        if taken.added and not store.members.put_member(  # its member record, written once
             lid, {**record, "learner": lid, "time": time.time()}, key
         ):
             taken = choose()  # another joiner added that one first
@@ -410,7 +410,7 @@ def join(
         writer = RunStore(run, {region: url}, region, writer=lid, claims_key=store.claims_key)
         # The join after the newest this joiner saw, or none: another joiner that chose
         # the same slot at the same moment wrote it first, and this one chooses again.
-        n = writer.put_join(lid, partial(_join_body, joined, key), after=taken.joins)
+        n = writer.members.put_join(lid, partial(_join_body, joined, key), after=taken.joins)
         if n is not None:
             break
         taken = choose()
@@ -450,10 +450,10 @@ def _budget_spent(store: RunStore, cfg: Any, fragments: int) -> bool:
     not a mapping of steps counts as none: the learner's start decides then."""
     progresses = []
     for p in range(fragments):
-        version = store.latest_global(p)
+        version = store.versions.latest_global(p)
         if version is None:
             continue
-        progress = store.global_marker(p, version).meta.get("progress")
+        progress = store.versions.global_marker(p, version).meta.get("progress")
         try:
             progresses.append({str(k): int(v) for k, v in dict(progress or {}).items()})
         except (TypeError, ValueError):

@@ -76,8 +76,9 @@ from flows.worker import STOP
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV
 from storage_layout.bucket import PartialFailure
 from storage_layout.commit import CommitConflict
+from storage_layout.members import SeqNotReserved
 from storage_layout.spill import SpillFolder
-from storage_layout.store import RunStore, SeqNotReserved
+from storage_layout.store import RunStore
 from storage_layout.stream import process_folder
 
 
@@ -503,7 +504,7 @@ class LearnerRuntime:
         opening = RunStore(run, {region: bucket}, region, writer=learner)
         spec = opening.read_spec()
         # the spec's slots and those joiners added in this region (``diloco join``)
-        learners = opening.run_learners(spec).regions
+        learners = opening.members.run_learners(spec).regions
         if learners.get(learner) != region:
             raise ValueError(
                 f"learner {learner!r} is not in region {region!r} in run {run!r}; "
@@ -526,7 +527,7 @@ class LearnerRuntime:
         )  # fmt: skip
         # Alive from now on, every liveness.heartbeat_seconds, however long a round is.
         self.heartbeat = Heartbeat(
-            self.store.writer_for(learner), learner, self.generation,
+            self.store.writer_for(learner).members, learner, self.generation,
             self.cfg.liveness.heartbeat_seconds, self.store.keys.signing_key(learner),
             self._beat_progress, self.log,
         ) if self.leader else None  # fmt: skip
@@ -595,7 +596,7 @@ class LearnerRuntime:
         units = unit_plan(self.cfg)
         own = self.store.writer_for(self.id)
         ledger = region_ledger(own, units, self.store.learners, self.region, self._may_take,
-                               lambda: own.run_learners(spec).regions,
+                               lambda: own.members.run_learners(spec).regions,
                                pools=region_pools(spec))  # fmt: skip
         # Over several processes, process 0 takes; the others follow its records.
         self.ledger = ledger if self.leader else FollowedLedger(
@@ -645,9 +646,9 @@ class LearnerRuntime:
         """Why this process may write no more, and whether it may take a new generation
         (a fence by a syncer, newest: nobody took the slot since), or None."""
         own = self.store.writer_for(self.id)
-        newest = own.newest_generation(self.id)
+        newest = own.members.newest_generation(self.id)
         if newest > self.generation:
-            record = own.generation(self.id, newest)
+            record = own.members.generation(self.id, newest)
             if isinstance(record, dict) and "fence" in record:  # flows.ledger.SilentReleases
                 return (f"{self.id}: fenced off by {record.get('writer')} (generation "
                         f"{newest}: {record['fence']}), its data given back", True)  # fmt: skip
@@ -698,7 +699,7 @@ class LearnerRuntime:
             entry = {**row, "time": time.time(), "generation": self.generation,
                      "region": self.region}  # fmt: skip
             history = self.store.writer_for(self.id, checkpoints=True)  # not sync traffic
-            if not history.put_round(self.id, number, entry):
+            if not history.progress.put_round(self.id, number, entry):
                 self.log.info("round %d is in the history already (an earlier process ran it "
                               "before this one resumed); the first row stays", number)  # fmt: skip
         except Exception as exc:
@@ -764,11 +765,11 @@ class LearnerRuntime:
         writer = self.store.writer_for(self.id)
         try:
             if self._progress is None:  # read once: the phases after it keep the same
-                old = writer.read_metrics(self.id) or {}
+                old = writer.progress.read_metrics(self.id) or {}
                 self._progress = {k: old[k] for k in ("step", "total_steps", "tokens") if k in old}
             # Totals of 0: this process has none yet, and the ones its predecessors left
             # (their training and start-up time) must stay, should it die before it has.
-            writer.write_metrics(self.id, {**self._progress, "state": state,
+            writer.progress.write_metrics(self.id, {**self._progress, "state": state,
                                            "region": self.region, "time": time.time()},
                                  totals={"startup_seconds": 0.0, "train_seconds": 0.0})  # fmt: skip
         except (OSError, ValueError) as exc:  # a status is news, not state: never fatal
@@ -794,7 +795,7 @@ class LearnerRuntime:
         }  # fmt: skip
         totals = {"startup_seconds": self.startup_seconds, "train_seconds": self.train_seconds}
         try:
-            self.store.writer_for(self.id).write_metrics(self.id, record, totals=totals)
+            self.store.writer_for(self.id).progress.write_metrics(self.id, record, totals=totals)
         except OSError as exc:
             if final:
                 raise

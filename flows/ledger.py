@@ -109,7 +109,7 @@ class BucketLedger:
         last, held, back = self._read.get(learner, (0, [], []))
         held, back = list(held), list(back)
         prefix = self.store.layout.unit_records(learner)
-        for n, record in self.store.unit_records(learner, after=last):
+        for n, record in self.store.units.unit_records(learner, after=last):
             where = f"{prefix}/s{n:012d}.json"
             if isinstance(record, dict) and "take" in record:
                 held.append(self._span(record["take"], where))
@@ -133,7 +133,7 @@ class BucketLedger:
 
     def _offered(self) -> list[tuple[str, Span]]:
         """The spans syncers offered this pool from others (checked; one listing)."""
-        for claim, record in self.store.unit_offers(self._offers).items():
+        for claim, record in self.store.units.unit_offers(self._offers).items():
             self._offers[claim] = self._offer(claim, record)
         return [(claim, span) for claim, (span, _) in self._offers.items()]
 
@@ -162,7 +162,7 @@ class BucketLedger:
     def _pool(self) -> list[tuple[Span, str]]:
         """What this pool's learners take before a fresh unit: the spans given back and
         those offered from other regions, not claimed yet, oldest epoch first."""
-        claimed = self.store.returned_claims()
+        claimed = self.store.units.returned_claims()
         back = [(span, claim) for lid in self.learners for claim, span in self._replay(lid)[1]]
         back += [(span, claim) for claim, span in self._offered()]
         return sorted((span, claim) for span, claim in back if claim not in claimed)
@@ -187,17 +187,17 @@ class BucketLedger:
         if self._owed[learner]:
             return self._took(learner, *self._owed[learner].pop(0))
         for span, claim in self._pool():  # given back first, oldest epoch first
-            if self.store.claim_returned(claim, learner):
+            if self.store.units.claim_returned(claim, learner):
                 return self._took(learner, span, claim)
         while True:
-            self._fresh = self.store.claim_fresh_unit(learner, self._fresh or None)
+            self._fresh = self.store.units.claim_fresh_unit(learner, self._fresh or None)
             span = self.plan.fresh(self._fresh - 1, self.pool)
             if span.windows:  # a unit of chunks shorter than a window holds none
                 return self._took(learner, span, f"fresh-{self._fresh}")
 
     def _took(self, learner: str, span: Span, claim: str) -> Span:
         newest = self._read.get(learner, (0,))[0]  # replayed by the take: no listing
-        self.store.put_unit_record(learner, {"take": list(astuple(span)), "claim": claim},
+        self.store.units.put_unit_record(learner, {"take": list(astuple(span)), "claim": claim},
                                    newest or None)  # fmt: skip
         return span
 
@@ -210,7 +210,7 @@ class BucketLedger:
         back = self._returned_and_offered()
         out = []
         for claim in self.orphans():
-            record = self.store.unit_claim(claim)
+            record = self.store.units.unit_claim(claim)
             if isinstance(record, dict) and record.get("learner") == learner:
                 if claim.startswith("fresh-"):
                     out.append((self.plan.fresh(int(claim[6:]) - 1, self.pool), claim))
@@ -229,9 +229,9 @@ class BucketLedger:
         self._admit()
         for lid in self.learners:  # each learner's new records (checked as they are read)
             self._replay(lid)
-        fresh = [f"fresh-{n}" for n in self.store.fresh_claims()  # an empty unit: no take
+        fresh = [f"fresh-{n}" for n in self.store.units.fresh_claims()  # an empty unit: no take
                  if self.plan.fresh(n - 1, self.pool).windows]  # fmt: skip
-        returned = sorted(self.store.returned_claims())
+        returned = sorted(self.store.units.returned_claims())
         return [c for c in fresh + returned if c not in self._taken]
 
     def moved(self) -> dict[str, tuple[str, Span]]:
@@ -240,7 +240,7 @@ class BucketLedger:
         once (the claims no learner here took)."""
         untaken = self._untaken()
         new = [c for c in untaken if c not in self._claims]
-        self._claims.update(zip(new, self.store.unit_claims(new), strict=True))
+        self._claims.update(zip(new, self.store.units.unit_claims(new), strict=True))
         back = self._returned_and_offered()
         out = {}
         for claim in untaken:
@@ -259,8 +259,8 @@ class BucketLedger:
         one after the newest its writer saw: ``RunStore.put_next``), so a look costs the
         claims made since the last, not the pool's whole history."""
         if not self._fresh:
-            self._fresh = self.store.fresh_frontier()
-        while self.store.has_fresh_claim(self._fresh + 1):
+            self._fresh = self.store.units.fresh_frontier()
+        while self.store.units.has_fresh_claim(self._fresh + 1):
             self._fresh += 1
         return pool_unit(self._fresh, self.pool, self.plan.units)[0]
 
@@ -279,14 +279,14 @@ class BucketLedger:
             if span.epoch > epoch:
                 break
             if len(offer_claim(self.region, claim)) <= 64 and \
-                    self.store.claim_returned(claim, who, offer=to):  # fmt: skip
+                    self.store.units.claim_returned(claim, who, offer=to):  # fmt: skip
                 self._claims[claim] = {"offer": to}
                 return span, claim
         while True:
-            after = self._fresh or self.store.fresh_frontier()
+            after = self._fresh or self.store.units.fresh_frontier()
             if pool_unit(after, self.pool, self.plan.units)[0] > epoch:
                 return None
-            self._fresh = self.store.claim_fresh_unit(who, after, offer=to)
+            self._fresh = self.store.units.claim_fresh_unit(who, after, offer=to)
             self._claims[f"fresh-{self._fresh}"] = {"offer": to}
             span = self.plan.fresh(self._fresh - 1, self.pool)
             if span.windows:
@@ -305,7 +305,9 @@ class BucketLedger:
                 return
             returned = [list(astuple(s)) for s in back]
             n = self._read[learner][0] + 1
-            if self.store.put_unit_record_at(learner, n, {"release": at, "returned": returned}):
+            if self.store.units.put_unit_record_at(
+                learner, n, {"release": at, "returned": returned}
+            ):
                 return
 
 
@@ -328,7 +330,11 @@ def audit_units(report: AuditReport) -> None:
     if cfg.data.assign != "units":
         return
     # the run's slots and the learners joiners added (a refused one is the audit's stranger)
-    plan, learners, batch = unit_plan(cfg), first.run_learners(spec).regions, cfg.data.batch_size
+    plan, learners, batch = (
+        unit_plan(cfg),
+        first.members.run_learners(spec).regions,
+        cfg.data.batch_size,
+    )
     merged: dict[tuple[int, int], list[tuple[int, int, str]]] = {}
     offers: dict[tuple[str, str], tuple[str, Span]] = {}  # (to, offer claim) -> (from, span)
     pools = region_pools(spec)
@@ -349,7 +355,7 @@ def audit_units(report: AuditReport) -> None:
             moved = ledger.moved()
             orphans = ledger.orphans()
             report.units[region] = {
-                "units_handed_out": store.fresh_frontier(),
+                "units_handed_out": store.units.fresh_frontier(),
                 "given_back_waiting": [list(astuple(s)) for s in ledger.given_back()],
                 "orphan_claims": orphans,
                 "moved_out": len(moved),  # offered to the learners of other regions
@@ -357,7 +363,7 @@ def audit_units(report: AuditReport) -> None:
             }
             # A claim no learner took, made in the name of none of the run's learners: its
             # span is trained by no one (a forged claim, or one of another run's).
-            for claim, record in zip(orphans, store.unit_claims(orphans), strict=True):
+            for claim, record in zip(orphans, store.units.unit_claims(orphans), strict=True):
                 who = record.get("learner") if isinstance(record, dict) else None
                 if who not in learners:
                     report.fail("no-strangers", f"{region}: unit claim {claim} was made by "
@@ -447,7 +453,7 @@ class SilentReleases:
     in two looks at least ``grace`` seconds apart:
 
     1. **fence**: claim the learner's next generation for no process
-       (``RunStore.fence``, an exclusive create of exactly that number), so that its
+       (``RunStore.members.fence``, an exclusive create of exactly that number), so that its
        process, if it is only cut off, commits nothing more; one syncer wins; none acts
        when the learner never wrote a status or holds no span;
     2. **release**, ``grace`` seconds after this syncer first saw the fence (its own or
@@ -493,15 +499,15 @@ class SilentReleases:
 
     def _fence(self, learner: str, region: str) -> bool:
         own = self.store.writer_for(learner)
-        newest = own.newest_generation(learner)
+        newest = own.members.newest_generation(learner)
         if newest == 0:
             return False  # never started: it holds nothing (and its slot stays vacant)
         if not self._ledger(own, region).spans(learner):
             return False
-        record = own.generation(learner, newest)
+        record = own.members.generation(learner, newest)
         if isinstance(record, dict) and "fence" in record:
             return True  # fenced by a syncer, nobody started since: released, or to be
-        return own.fence(learner, newest, SILENT)
+        return own.members.fence(learner, newest, SILENT)
 
     def _release(self, learner: str, region: str) -> None:
         own = self.store.writer_for(learner)
@@ -509,7 +515,7 @@ class SilentReleases:
         # under way (its process paused past its last check) then lands nowhere, so the
         # resume point read next counts every contribution it will ever have sent.
         self.store.revoke_unsent(learner, f"its data given back: {SILENT}")
-        steps = own.checkpoint_steps(learner)
+        steps = own.checkpoints.checkpoint_steps(learner)
         step = resume_step(steps[-1] if steps else 0, self.store.sent_so_far(learner)[1])
         ledger = self._ledger(own, region)
         back = cut(ledger.spans(learner), step * self.batch)[1]
@@ -536,7 +542,7 @@ class UnitOffers:
     while it was empty would be epochs ahead when a learner came back. Syncers write to
     every region, so one moves spans: it claims the span the region's own learners would
     take next (``BucketLedger.give``: given back first, then a fresh unit), the claim
-    naming the region it goes to, and then offers it there (``RunStore.offer_unit``),
+    naming the region it goes to, and then offers it there (``RunStore.units.offer_unit``),
     where learners take it like a span given back, before a fresh unit of their own. A
     span is claimed once in its pool and offered once, so it is trained once.
 
@@ -633,7 +639,7 @@ class UnitOffers:
 
     def _offer(self, src: str, to: str, span: Span, claim: str, why: str = "") -> None:
         record = {"from": src, "claim": claim, "span": list(astuple(span))}
-        if self.ledger(to).store.offer_unit(offer_claim(src, claim), record):
+        if self.ledger(to).store.units.offer_unit(offer_claim(src, claim), record):
             self.log.info("epoch %d unit %d (windows %d-%d) of %s's data offered to the "
                           "learners of %s%s", span.epoch, span.unit, span.start, span.end,
                           src, to, f" ({why})" if why else "")  # fmt: skip

@@ -109,7 +109,7 @@ class LiveMetrics:
         round); a damaged one is asked for again at the next ticks, a few times."""
         new: dict[str, list[dict[str, Any]]] = {}
         try:  # and the learners joiners added since (``diloco join``)
-            for lid, region in self.store.run_learners(self.spec).regions.items():
+            for lid, region in self.store.members.run_learners(self.spec).regions.items():
                 if lid not in self.learners:
                     self.learners[lid], self.rounds[lid] = region, {}
         except (OSError, ValueError) as exc:
@@ -117,9 +117,9 @@ class LiveMetrics:
         for lid, region in self.learners.items():
             held = self.rounds[lid]
             try:
-                listed = self.store.history_rounds(lid, region)
+                listed = self.store.progress.history_rounds(lid, region)
                 want = [r for r in listed if r not in held and self.tries[(lid, r)] < READ_TRIES]
-                rows, problems = self.store.get_rounds(lid, want, region)
+                rows, problems = self.store.progress.get_rounds(lid, want, region)
             except OSError as exc:
                 self._warn(f"rounds of {lid}", f"cannot read the history of {lid}: {exc}")
                 continue

@@ -2,7 +2,7 @@
 safetensors file and load it back, read text to evaluate it on.
 
 The global model is assembled the way the launcher evaluates it: every fragment's
-version read through ``RunStore.get_global`` and the tensors put together under the
+version read through ``RunStore.versions.get_global`` and the tensors put together under the
 run's ``ParamCodec`` names (``flows.run``: ``config_from_spec``, ``build_model``). In
 the syncers' home region that is the fp32 master copy; any other region holds only the
 ``wire`` copy learners download (``topology.global_dtype``, bf16 by default), which is
@@ -53,7 +53,8 @@ from diloco.model import FlatParams, ParamCodec
 from diloco.sample import Scorer, TextScore, Tokenizer
 from flows.run import build_model, config_from_spec, validation
 from storage_layout.commit import CorruptVersion
-from storage_layout.store import GlobalState, RegionDown, RunStore
+from storage_layout.store import RegionDown, RunStore
+from storage_layout.versions import GlobalState
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ def read_fragment(
     newer one is reported and skipped, as the launcher does), and whether it is the fp32
     master copy (the syncers' home region) rather than the wire copy."""
     run, where = store.run, store.home.url
-    held = store.global_versions(fragment)
+    held = store.versions.global_versions(fragment)
     if not held:
         raise FileNotFoundError(
             f"run {run!r} has no global version of fragment {fragment} yet in {where} "
@@ -155,8 +156,8 @@ def read_fragment(
         )
     for v in [version] if version is not None else reversed(held):
         try:
-            master = "params/zarr.json" in store.global_marker(fragment, v).objects
-            return store.get_global(fragment, v, learner_view=not master), master
+            master = "params/zarr.json" in store.versions.global_marker(fragment, v).objects
+            return store.versions.get_global(fragment, v, learner_view=not master), master
         except (CorruptVersion, OSError) as exc:
             if version is not None:
                 raise CorruptVersion(

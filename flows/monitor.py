@@ -23,7 +23,8 @@ from flows.observe import train_summary_rows
 from flows.pace import MEMBERS_EVERY
 from flows.run import build_model, validation
 from storage_layout.commit import CorruptVersion
-from storage_layout.store import RunStore, sum_traffic
+from storage_layout.progress import sum_traffic
+from storage_layout.store import RunStore
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class Monitor:
         """Per fragment, the learner seconds merged so far (the newest version's total)."""
         out = {}
         for p in range(len(self.model.plan)):
-            newest = self.readable(p, lambda v, p=p: self.store.global_marker(p, v))
+            newest = self.readable(p, lambda v, p=p: self.store.versions.global_marker(p, v))
             out[p] = float(newest[1].meta.get("seconds_total", 0.0)) if newest else 0.0
         return out
 
@@ -142,7 +143,7 @@ class Monitor:
         deadline = time.monotonic() + patience
         while True:
             try:
-                self.store.latest_global(0)
+                self.store.versions.latest_global(0)
                 self.storage_ok()
                 return
             except Exception as exc:
@@ -159,7 +160,7 @@ class Monitor:
         """``read`` of fragment ``p``'s newest version that reads: a corrupt or vanished
         one is reported once and the one before it is tried (never a crash: the launcher
         must outlive a bad object to stop its workers)."""
-        for v in reversed(self.store.global_versions(p)):
+        for v in reversed(self.store.versions.global_versions(p)):
             try:
                 return v, read(v)
             except (CorruptVersion, OSError) as exc:
@@ -178,7 +179,7 @@ class Monitor:
             return self._learners
         self._learners_read = now
         try:
-            self._learners = self.store.run_learners(self.spec).regions
+            self._learners = self.store.members.run_learners(self.spec).regions
         except Exception as exc:
             self.storage_error("reading the learners added to the run", exc)
         return self._learners
@@ -193,7 +194,7 @@ class Monitor:
         for learner, region in self.learners().items():
             if not failed:
                 try:
-                    out[learner] = self.store.read_metrics(learner, region) or {}
+                    out[learner] = self.store.progress.read_metrics(learner, region) or {}
                 except Exception as exc:
                     self.storage_error(f"reading {learner}'s status", exc)
                     failed = True
@@ -266,7 +267,9 @@ class Monitor:
         now, out, rounds = self.clock(), {}, []
         for learner, region in self.learners().items():
             try:
-                beat = self.store.read_heartbeat(learner, region, self.verifying_key(learner))
+                beat = self.store.members.read_heartbeat(
+                    learner, region, self.verifying_key(learner)
+                )
             except Exception as exc:
                 self.storage_error(f"reading {learner}'s heartbeat", exc)
                 beat = None
@@ -317,7 +320,7 @@ class Monitor:
             region = self.learners()[learner]
             own = RunStore(self.store.run, {region: self.store.urls[region]}, region,
                            writer="launcher")  # fmt: skip
-            record = own.generation(learner, own.newest_generation(learner))
+            record = own.members.generation(learner, own.members.newest_generation(learner))
         except Exception:  # (news only)
             return False
         return isinstance(record, dict) and "fence" in record
@@ -328,7 +331,9 @@ class Monitor:
     def versions(self) -> dict[int, int]:
         """The newest version of each fragment (on a storage error, the last read)."""
         try:
-            found = {p: self.store.latest_global(p) or 0 for p in range(len(self.model.plan))}
+            found = {
+                p: self.store.versions.latest_global(p) or 0 for p in range(len(self.model.plan))
+            }
         except Exception as exc:
             self.storage_error("listing the global versions", exc)
             return self._last_versions or dict.fromkeys(range(len(self.model.plan)), 0)
@@ -346,7 +351,7 @@ class Monitor:
             return last
         versions, params, merged, seconds = {}, {}, 0.0, 0.0
         for p in range(len(self.model.plan)):
-            found = self.readable(p, lambda v, p=p: self.store.get_global(p, v))
+            found = self.readable(p, lambda v, p=p: self.store.versions.get_global(p, v))
             if found is None:
                 raise CorruptVersion(f"no readable version of fragment {p}")
             versions[p] = found[0]
@@ -398,12 +403,14 @@ class Monitor:
         """The run's loss before any training, kept in the launcher's status object by the
         launch that evaluated version 0, so a resumed run's summary starts where the run
         began rather than where this launch did (None if no launch saw version 0)."""
-        status = self.store.read_metrics("launcher") or {}
+        status = self.store.progress.read_metrics("launcher") or {}
         if "initial_loss" in status:
             self.initial_loss = status["initial_loss"]
         elif all(v == 0 for v in point["versions"].values()):
             self.initial_loss = float(point["loss"])
-            self.store.write_metrics("launcher", {**status, "initial_loss": self.initial_loss})
+            self.store.progress.write_metrics(
+                "launcher", {**status, "initial_loss": self.initial_loss}
+            )
 
     def progress(self, statuses: dict[str, dict[str, Any]]) -> float:
         """The share of the run's inner steps done (all learners together). A learner
@@ -437,7 +444,7 @@ class Monitor:
         rejected, learner_bytes = 0, 0
         for name, region in writers:
             try:
-                record = store.read_metrics(name, region) or {}
+                record = store.progress.read_metrics(name, region) or {}
             except Exception as exc:  # its traffic is counted at the next look
                 self.storage_error(f"reading {name}'s metrics", exc)
                 record = {}

@@ -19,7 +19,7 @@ from collections.abc import Hashable
 
 LOOKS_PER_ROUND = 20
 PACE_FROM, PACE_MOST = 1.0, 5.0
-# The run's members (``RunStore.run_learners``: a LIST of ``members/`` in every region)
+# The run's members (``RunStore.members.run_learners``: a LIST of ``members/`` in every region)
 # change when a learner is added by a joiner, rarely: a syncer and the launcher's monitor
 # read them at most this often.
 MEMBERS_EVERY = PACE_MOST

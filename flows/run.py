@@ -216,7 +216,7 @@ def worker_done(
     syncers, the launcher and a resumed `diloco train` end on it. Given the run's budget
     (``tokens``), done means done at that budget: a learner that finished before the
     budget was extended trains on."""
-    status = store.read_metrics(writer, region) or {}
+    status = store.progress.read_metrics(writer, region) or {}
     if status.get("state") != "done":
         return False
     return tokens is None or int(status.get("budget_tokens", 0)) >= tokens
@@ -340,8 +340,8 @@ def initialize_run(store: RunStore, cfg: RunConfig) -> dict[str, Any]:
     extend_budget(store, spec)
     spec = store.ensure_spec(spec, spec_defaults(store.urls, spec))
     for p, names in enumerate(model.plan):
-        if store.check_home(p) is not None:
-            store.sync_regions(p)
+        if store.versions.check_home(p) is not None:
+            store.versions.sync_regions(p)
             continue
         params = {n: model.init[n] for n in names}
         opt = named_outer_leaves(
@@ -365,12 +365,12 @@ def publish_initial(
     is encoded, hashed and uploaded as it is made, never the whole version's objects at
     once, the same objects a syncer's merge writes. An optimizer keeping more than one
     state array per parameter (which a streamed version does not store) is published
-    whole (``RunStore.publish_global``). ``CommitConflict`` if version 0 is there."""
+    whole (``RunStore.versions.publish_global``). ``CommitConflict`` if version 0 is there."""
     topo, record = cfg.topology, records.initial_version(fragment, 0.0)
     shapes = {n: tuple(np.shape(v)) for n, v in params.items()}
     slots = len(opt) // max(1, len(params))
     if slots > 1:
-        store.publish_global(fragment, 0, params, opt, record, topo.global_dtype)
+        store.versions.publish_global(fragment, 0, params, opt, record, topo.global_dtype)
         return
     names = slot_names(outer_names(cfg.outer, shapes), shapes, slots)
     sink = StreamedVersion(store, fragment, 0, shapes, names, topo.global_dtype, "full",
@@ -419,7 +419,7 @@ def bucket_store(
 ) -> BucketStore:
     """The run's store as ``writer`` sees it from ``home`` (default: the syncers'); a
     learner passes its ``model``, whose trainer places what it reads on its mesh.
-    ``learners``: the run's learners as read (``RunStore.run_learners``; the spec's by
+    ``learners``: the run's learners as read (``RunStore.members.run_learners``; the spec's by
     default)."""
     model = model or build_model(cfg)
     trainer = model.trainer
@@ -444,7 +444,7 @@ def simulation_store(run: str, regions: Mapping[str, str]) -> StoreFactory:
     def make(cfg: RunConfig, plan: FragmentPlan, init: Any, ids: Sequence[str]) -> BucketStore:
         store = RunStore(run, regions, home_region(regions), writer="syncer")
         spec = store.ensure_spec(run_spec(cfg, plan, regions), spec_defaults(regions))
-        if any(store.latest_global(p) is not None for p in range(len(plan))):
+        if any(store.versions.latest_global(p) is not None for p in range(len(plan))):
             raise FileExistsError(
                 f"run {run!r} in {regions[home_region(regions)]} already holds global versions "
                 "from an earlier simulation; pass another --run name or remove that run"

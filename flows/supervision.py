@@ -155,10 +155,10 @@ def worker_progress(store: RunStore, status: Status) -> Any:
     writer, region, fragments = status
     try:
         if fragments:
-            return [store.latest_global(p) for p in fragments]
-        sent = [(store.contribution_seqs(writer, p, region) or [0])[-1]
+            return [store.versions.latest_global(p) for p in fragments]
+        sent = [(store.contributions.contribution_seqs(writer, p, region) or [0])[-1]
                 for p in range(len(store.read_spec()["fragments"]))]  # fmt: skip
-        return (store.read_metrics(writer, region) or {}).get("step"), sent
+        return (store.progress.read_metrics(writer, region) or {}).get("step"), sent
     except Exception:  # any storage error (botocore's are no OSError): progress unknown
         return None
 
@@ -167,9 +167,9 @@ def give_up(store: RunStore, writer: str, reason: str) -> None:
     """Record in the launcher's status object that ``writer`` was given up (syncers read
     it: a learner given up is not waited for)."""
     try:
-        status = store.read_metrics("launcher") or {}
+        status = store.progress.read_metrics("launcher") or {}
         given_up = {**status.get("given_up", {}), writer: reason[-300:]}
-        store.write_metrics("launcher", {**status, "given_up": given_up})
+        store.progress.write_metrics("launcher", {**status, "given_up": given_up})
     except Exception as exc:  # the launcher's own error names the worker all the same
         log.error("could not record that %s was given up (%s: %s)", writer,
                   type(exc).__name__, exc)  # fmt: skip

@@ -95,7 +95,7 @@ class PipelineSyncerTransport:
         self._lagging_since: dict[int, float] = {}
         self._catch_up_at, self._catch_up_delay = -math.inf, CATCH_UP_BACKOFF[0]
         # Set by the runtime: the run's spec, whose learners and those joiners added in
-        # any region (``RunStore.run_learners``, checked at each look) are the run's.
+        # any region (``RunStore.members.run_learners``, checked at each look) are the run's.
         self.spec: Mapping[str, Any] | None = None
         self._refused: set[str] = set()  # added learners' records refused, said once each
         self.done: set[str] = set()  # learners whose status says they are done
@@ -177,10 +177,10 @@ class PipelineSyncerTransport:
 
     def _vacant(self, learner: str, region: str) -> bool:
         """Whether no one holds ``learner``'s slot now (see ``learners_finished``)."""
-        if main_status := self.store.main.read_metrics(learner, region):
+        if main_status := self.store.main.progress.read_metrics(learner, region):
             verdict = self._look(learner, region, self.clock(), main_status)
             return verdict is not None and verdict.state in ("silent", "preempted")
-        return self.store.writer_for(learner).newest_generation(learner) == 0
+        return self.store.writer_for(learner).members.newest_generation(learner) == 0
 
     def members(self) -> list[str]:
         """The learners counted towards the quorum (``member_quorum``), read at most every
@@ -221,7 +221,7 @@ class PipelineSyncerTransport:
         return members
 
     def _admit(self, now: float) -> bool:
-        """Take the learner slots joiners added to the run (``RunStore.run_learners``:
+        """Take the learner slots joiners added to the run (``RunStore.members.run_learners``:
         each region's bucket, each record checked, signed with its learner's key when the
         run signs); a refused record is said once. A region that cannot be read is
         looked at again at the next look. Whether any was taken."""
@@ -230,7 +230,7 @@ class PipelineSyncerTransport:
             return added
         for region in self.store.regions:
             try:
-                found = self.store.main.run_learners(self.spec, self.store.keys.verifying_key,
+                found = self.store.main.members.run_learners(self.spec, self.store.keys.verifying_key,
                                                      [region])  # fmt: skip
             except (OSError, ValueError) as exc:
                 self.log.warning("cannot read the learners added in %s: %s", region, exc)
@@ -254,7 +254,7 @@ class PipelineSyncerTransport:
         are what a syncer rejects)."""
         seen = self._joined.get(learner, 0)
         try:  # a listing; the record is read only when it is new
-            newest = self.store.main.newest_join(learner, region, after=seen)
+            newest = self.store.main.members.newest_join(learner, region, after=seen)
         except (OSError, ValueError) as exc:
             self.log.warning("cannot read the join records of %s: %s", learner, exc)
             return
@@ -279,8 +279,10 @@ class PipelineSyncerTransport:
         main = self.store.main
         try:
             if status is None:
-                status = main.read_metrics(learner, region) or {}
-            beat = main.read_heartbeat(learner, region, self.store.keys.verifying_key(learner))
+                status = main.progress.read_metrics(learner, region) or {}
+            beat = main.members.read_heartbeat(
+                learner, region, self.store.keys.verifying_key(learner)
+            )
         except (OSError, ValueError):
             return None
         self._beats[learner] = beat.key if beat is not None else (
@@ -293,7 +295,7 @@ class PipelineSyncerTransport:
         if now - self._given_up_read >= 5.0:
             self._given_up_read = now
             try:
-                status = self.store.main.read_metrics("launcher") or {}
+                status = self.store.main.progress.read_metrics("launcher") or {}
             except (OSError, ValueError) as exc:
                 self.log.warning("cannot read the launcher's status: %s", exc)
                 status = {}
@@ -318,9 +320,9 @@ class PipelineSyncerTransport:
         (``CATCH_UP_BACKOFF``): no write is asked of them at every look."""
         main = self.store.main
         for p in list(self.lagging):
-            main.sync_regions(p)
-            newest = main.latest_global(p)
-            if all((main.latest_global(p, r) or -1) >= (newest or 0) for r in main.urls):
+            main.versions.sync_regions(p)
+            newest = main.versions.latest_global(p)
+            if all((main.versions.latest_global(p, r) or -1) >= (newest or 0) for r in main.urls):
                 self.lagging.discard(p)
                 since = self._lagging_since.pop(p, time.monotonic())
                 self.log.warning("fragment %d: every region holds v%s again, after %.0f s", p,
@@ -433,7 +435,7 @@ class SyncerRuntime:
         would otherwise wait for the end of a flow run (``versions_per_flow_run``
         publishes). News, not state: a failed write is logged and the shard goes on."""
         try:
-            self.store.write_metrics(syncer_id(self.shard), self.status("running"))
+            self.store.progress.write_metrics(syncer_id(self.shard), self.status("running"))
         except (OSError, ValueError) as exc:
             self.log.warning("cannot write the status of syncer %s: %s", self.label, exc)
 
@@ -504,7 +506,7 @@ def syncer_flow(
     except KeyboardInterrupt:
         return stopped(f"stopped by a signal at versions {rt.loop.versions}")
     new = rt.records[first:]
-    rt.store.write_metrics(syncer_id(shard), rt.status("done" if done else "paused"))
+    rt.store.progress.write_metrics(syncer_id(shard), rt.status("done" if done else "paused"))
     rows = [version_row(r) for r in records.of(new, "version")]
     if rows:
         create_table_artifact(

@@ -98,7 +98,7 @@ def _is_complete(run: str, regions: dict[str, str], cfg: RunConfig, root: Path) 
     spec = initialize_run(store, cfg)
     tokens = cfg.budget.tokens
     if not all(worker_done(store, lid, region, tokens)
-               for lid, region in store.run_learners(spec).regions.items()):  # fmt: skip
+               for lid, region in store.members.run_learners(spec).regions.items()):  # fmt: skip
         return False
     console.print(f"run {run!r} is complete (every learner is done, {tokens:,} tokens); "
                   "pass another --run to start a new one, or a larger --tokens to extend "

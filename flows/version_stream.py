@@ -35,8 +35,9 @@ from storage_layout.commit import (
     discard_data,
     new_write_id,
 )
-from storage_layout.store import PublishReport, RunStore
+from storage_layout.store import RunStore
 from storage_layout.stream import ObjectSink, VersionReader
+from storage_layout.versions import PublishReport
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +268,7 @@ class StreamedVersion:
         def commit_in(region: str) -> None:
             commit_marker(store.bucket(region), self.marker_key, self.data_prefix,
                           self.entries[region], "global", meta, store.writer, self.write_id)  # fmt: skip
-            store.point_latest(region, self.fragment, self.version, self.write_id)
+            store.versions.point_latest(region, self.fragment, self.version, self.write_id)
 
         try:
             commit_in(self.home)
@@ -277,4 +278,4 @@ class StreamedVersion:
                     discard_data(store.bucket(region), self.data_prefix)
             raise
         others = [r for r in self.entries if r != self.home]
-        return store.commit_elsewhere(self.fragment, commit_in, others, report)
+        return store.versions.commit_elsewhere(self.fragment, commit_in, others, report)

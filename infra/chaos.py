@@ -214,8 +214,8 @@ def _send_times(store: RunStore, learner: str, region: str, fragments: int) -> l
     """When each of ``learner``'s contributions was committed (held or in the ledger)."""
     times = []
     for p in range(fragments):
-        for seq in store.contribution_seqs(learner, p, region):
-            meta = store.contribution_meta(learner, p, seq, region)
+        for seq in store.contributions.contribution_seqs(learner, p, region):
+            meta = store.contributions.contribution_meta(learner, p, seq, region)
             times.append(float(meta.get("written_at", 0.0)))
         for entry in read_ledger(store.home, store.layout, p):
             times += [float(c.get("written_at", 0.0)) for c in entry.get("contributions", [])

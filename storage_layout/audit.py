@@ -31,7 +31,7 @@ The audit reads them and checks, naming the objects that break each invariant:
   it verifies: a run whose master copies are gone cannot go on, however sound every
   other copy is;
 - ``no-strangers``: contributions lie only under the learners dealt to each region, or
-  added to it by a joiner (``members/``, ``RunStore.run_learners``; the syncer never
+  added to it by a joiner (``members/``, ``RunStore.members.run_learners``; the syncer never
   reads others: one under an unknown learner, or a learner of another region, was
   written by someone else, and is named here, as is an added learner's record out of
   place);
@@ -185,7 +185,7 @@ def audit_run(run: str, buckets: Mapping[str, str]) -> AuditReport:
     # the run's slots and the learners joiners added (a record out of place is a stranger's;
     # with the run secret in DILOCO_RUN_SECRET, as is one not signed with its learner's
     # key: without it, the records as stored, the syncers check them)
-    found = store.run_learners(spec, Keys.from_env(run).verifying_key)
+    found = store.members.run_learners(spec, Keys.from_env(run).verifying_key)
     learners = found.regions
     fragments = len(spec.get("fragments") or [])
     for p in range(fragments):
@@ -205,7 +205,7 @@ def _account(
     """Each learner's work (``report.learners``): its status against what it sent."""
     for learner, region in sorted(learners.items()):
         try:
-            status = store.read_metrics(learner, region) or {}
+            status = store.progress.read_metrics(learner, region) or {}
         except (OSError, ValueError):
             status = {}
         acc = report.learners.setdefault(learner, {"tokens": dict.fromkeys(OUTCOMES, 0)})
@@ -213,7 +213,7 @@ def _account(
         sent = min((sent_to.get(p, 0) for p in range(fragments)), default=0)
         trained = int(status.get("step") or 0)
         try:
-            joins = store.joins(learner, region)
+            joins = store.members.joins(learner, region)
         except (OSError, ValueError):
             joins = []
         acc.update(
@@ -281,7 +281,7 @@ def _home_complete(
     included (``_versions`` has verified each copy it could read)."""
     home = store.client_region
     key = store.layout.global_marker(p, newest)
-    if newest not in store.global_versions(p, home):
+    if newest not in store.versions.global_versions(p, home):
         report.fail("home-complete", f"fragment {p}: the home region {home} does not hold "
                     f"v{newest} (its master copy is gone)")  # fmt: skip
         return
@@ -313,7 +313,7 @@ def _versions(
     home_newest = None
     for region in store.urls:
         bucket = store.bucket(region)
-        versions = store.global_versions(p, region)
+        versions = store.versions.global_versions(p, region)
         if region == store.client_region:
             home_newest = versions[-1] if versions else None
         elif versions and home_newest is not None and versions[-1] < home_newest:
@@ -354,7 +354,7 @@ def _contributions(
     sent: dict[tuple[str, int], Sent] = {}
     for learner, region in learners.items():
         bucket = store.bucket(region)
-        for seq in store.contribution_seqs(learner, p, region):
+        for seq in store.contributions.contribution_seqs(learner, p, region):
             key = store.layout.contribution_marker(learner, p, seq)
             try:
                 marker = read_marker(bucket, key)

@@ -66,7 +66,7 @@ class CorruptVersion(ValueError):
 
 
 # The kind of a marker that holds a contribution's key so that no commit can land there:
-# written by a syncer that gives back a fenced learner's data (``RunStore.revoke_contribution``).
+# written by a syncer that gives back a fenced learner's data (``RunStore.contributions.revoke_contribution``).
 REVOKED = "revoked"
 
 

@@ -2,7 +2,7 @@
 what each global version merged.
 
 - **Rounds**: every learner adds one write-once object per round to its own prefix in
-  its own region (``learners/{learner}/history/s{ROUND}.json``, ``RunStore.put_round``):
+  its own region (``learners/{learner}/history/s{ROUND}.json``, ``RunStore.progress.put_round``):
   its table row (loss, tokens, tokens/s, staleness, merge weight, bytes, seconds, time,
   generation). Round numbers follow the learner's inner step, so they are stable across
   restarts; a round redone after a restart keeps its first row.
@@ -52,9 +52,9 @@ def learner_rounds(
     out = History()
     for learner, region in learners.items():
         try:
-            rounds = [r for r in store.history_rounds(learner, region)
+            rounds = [r for r in store.progress.history_rounds(learner, region)
                       if r > (after or {}).get(learner, 0)]  # fmt: skip
-            rows, problems = store.get_rounds(learner, rounds, region)
+            rows, problems = store.progress.get_rounds(learner, rounds, region)
         except OSError as exc:
             rows, problems = [], [f"{learner} in {region}: {exc}"]
         out.rounds[learner] = rows
@@ -75,13 +75,17 @@ def global_versions(
     for p in range(fragments):
         rows = []
         try:
-            versions = [v for v in store.global_versions(p) if v > (after or {}).get(p, -1)]
+            versions = [
+                v for v in store.versions.global_versions(p) if v > (after or {}).get(p, -1)
+            ]
         except OSError as exc:
             out.damaged.append(f"fragment {p}: {exc}")
             versions = []
         for v in versions:
             try:
-                marker = patiently(lambda p=p, v=v: store.global_marker(p, v), f"f{p} v{v}")
+                marker = patiently(
+                    lambda p=p, v=v: store.versions.global_marker(p, v), f"f{p} v{v}"
+                )
                 rows.append(dict(marker.meta))
             except FileNotFoundError:
                 continue  # deleted by retention since the listing
@@ -96,6 +100,6 @@ def global_versions(
 def read_history(store: RunStore) -> History:
     """The whole run's history: every learner's rounds and every fragment's versions."""
     spec = store.read_spec()
-    rounds = learner_rounds(store, store.run_learners(spec).regions)  # with those added
+    rounds = learner_rounds(store, store.members.run_learners(spec).regions)  # with those added
     versions = global_versions(store, len(spec["fragments"]))
     return History(rounds.rounds, versions.versions, rounds.damaged + versions.damaged)

@@ -13,7 +13,8 @@ from typing import Any
 from storage_layout.bucket import Bucket, BucketError
 from storage_layout.commit import REVOKED, CorruptVersion, read_marker
 from storage_layout.layout import RunLayout, parse_marker_name
-from storage_layout.store import RunStore, sum_traffic
+from storage_layout.progress import sum_traffic
+from storage_layout.store import RunStore
 from storage_layout.stream import verify_version
 
 
@@ -78,7 +79,7 @@ def inspect_run(
             out["problems"].append(str(exc))
     out["fragments"] = _fragment_rows(store, fragments, reachable)
     newest = {row["fragment"]: row["newest"] for row in out["fragments"] if "newest" in row}
-    found = store.run_learners(spec, regions=reachable)  # with those joiners added
+    found = store.members.run_learners(spec, regions=reachable)  # with those joiners added
     learners = found.regions
     out["problems"] += [f"a learner added to the run is refused: {p}" for p in found.refused]
     added = {lid: {"added": True, **_joined_from(r)} for lid, r in found.added.items()}
@@ -119,8 +120,8 @@ def _units(store: RunStore, region: str) -> dict[str, int]:
     no learner was in). Counted from three listings; ``diloco inspect --audit`` reads and
     checks the records."""
     here = RunStore(store.run, store.urls, region, writer="inspect")
-    return {"handed_out": len(here.fresh_claims()), "returns_taken": len(here.returned_claims()),
-            "offered_here": len(here.offered_claims())}  # fmt: skip
+    return {"handed_out": len(here.units.fresh_claims()), "returns_taken": len(here.units.returned_claims()),
+            "offered_here": len(here.units.offered_claims())}  # fmt: skip
 
 
 def _fragment_rows(store: RunStore, fragments: int, reachable: list[str]) -> list[dict]:
@@ -129,10 +130,10 @@ def _fragment_rows(store: RunStore, fragments: int, reachable: list[str]) -> lis
     for p in range(fragments):
         row: dict[str, Any] = {"fragment": p, "versions": {}}
         for region in reachable:
-            versions = store.global_versions(p, region)
+            versions = store.versions.global_versions(p, region)
             row["versions"][region] = versions[-1] if versions else None
             if versions and region == store.client_region:
-                marker = store.global_marker(p, versions[-1], region)
+                marker = store.versions.global_marker(p, versions[-1], region)
                 row.update(
                     newest=versions[-1],
                     kept=len(versions),
@@ -159,18 +160,18 @@ def _learner_row(
     row: dict[str, Any] = {"learner": learner, "region": region, "fragments": {}}
     if not reachable:
         return row
-    status = store.read_metrics(learner, region) or {}
+    status = store.progress.read_metrics(learner, region) or {}
     row["state"] = status.get("state")
     if isinstance(status.get("time"), int | float):
         row["status_age_s"] = round(max(0.0, time.time() - status["time"]), 1)
-    beat = store.read_heartbeat(learner, region)
+    beat = store.members.read_heartbeat(learner, region)
     if beat is not None:
         row["beat"] = {"state": beat.state, "generation": beat.generation,
                        "age_s": round(max(0.0, time.time() - beat.time), 1)}  # fmt: skip
-    row["joins"] = store.join_count(learner, region)
+    row["joins"] = store.members.join_count(learner, region)
     lb = store.bucket(region)
     for p in range(fragments):
-        seqs = store.contribution_seqs(learner, p, region)
+        seqs = store.contributions.contribution_seqs(learner, p, region)
         markers = (read_marker(lb, store.layout.contribution_marker(learner, p, s))
                    for s in reversed(seqs))  # fmt: skip
         marker = next((m for m in markers if m.kind != REVOKED), None)  # held by a syncer
@@ -185,7 +186,7 @@ def _learner_row(
             "staleness": newest.get(p, base) - base,
             "bytes": int(meta.get("payload_bytes", 0)),
         }
-    ckpts = store.checkpoint_steps(learner, region)
+    ckpts = store.checkpoints.checkpoint_steps(learner, region)
     row["checkpoint_step"] = ckpts[-1] if ckpts else None
     return row
 
@@ -194,7 +195,7 @@ def _traffic(store: RunStore, reachable: list[str], problems: list[str]) -> dict
     """Bytes and requests per region pair, summed over every writer's metrics object."""
     statuses = []
     for region in reachable:
-        found, bad = store.statuses(region)
+        found, bad = store.progress.statuses(region)
         statuses.extend(found.values())
         problems.extend(bad)
     return dict(sorted(sum_traffic(statuses).items()))

@@ -208,7 +208,7 @@ class RunLayout:
     def member(self, learner: str) -> str:
         """The record of a learner slot a joiner added to the run (beyond the spec's
         ``learners``), in its region's bucket: written once (exclusive create), signed
-        with the learner's key (``flows.join``; ``RunStore.run_learners`` reads them)."""
+        with the learner's key (``flows.join``; ``RunStore.members.run_learners`` reads them)."""
         return f"{self.members_folder()}/{check_name('learner', learner)}.json"
 
     # data units (``data.assign = "units"``, diloco/units.py) --------------------------

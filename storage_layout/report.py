@@ -37,8 +37,10 @@ from storage_layout.bucket import Bucket, BucketError
 from storage_layout.commit import REVOKED, CorruptVersion, read_marker
 from storage_layout.inspect import find_runs
 from storage_layout.layout import RunLayout, parse_marker_name
+from storage_layout.members import Generation
+from storage_layout.progress import sum_traffic
 from storage_layout.retention import read_ledger
-from storage_layout.store import Generation, RunStore, sum_traffic
+from storage_layout.store import RunStore
 
 UNIX = 1e9  # a record time above this is Unix time (the pipeline), below simulated seconds
 READERS = 16  # markers read at once (one GET each)
@@ -59,7 +61,7 @@ class Run:
 
     @functools.cached_property
     def learners(self) -> dict[str, str]:
-        """The spec's slots and the learners joiners added (``RunStore.run_learners``);
+        """The spec's slots and the learners joiners added (``RunStore.members.run_learners``);
         what cannot be read is a problem named, and the learners that can be are shown."""
         try:
             slots = run_slots(self.spec)
@@ -67,7 +69,7 @@ class Run:
             self.problems.append(f"cannot read the run's learner slots: {exc}")
             return {}
         try:
-            return self.store.run_learners(self.spec, regions=self.reachable).regions
+            return self.store.members.run_learners(self.spec, regions=self.reachable).regions
         except (OSError, ValueError) as exc:
             self.problems.append(f"cannot read the learners added to the run: {exc}")
             return slots
@@ -177,7 +179,7 @@ def versions(run: Run) -> list[dict[str, Any]]:
     store, rows = run.store, []
     reachable = run.reachable
     for p in range(run.fragments if reachable else 0):
-        listed = {r: store.global_versions(p, r) for r in reachable}
+        listed = {r: store.versions.global_versions(p, r) for r in reachable}
         region = max(listed, key=lambda r: (len(listed[r]), r == store.client_region))
         keys = [store.layout.global_marker(p, v) for v in listed.get(region, [])]
         markers = _markers(store.bucket(region), keys, run.problems)
@@ -282,7 +284,7 @@ def contributions(
                 continue
             bucket = store.bucket(region)
             keys = [store.layout.contribution_marker(learner, p, s)
-                    for s in store.contribution_seqs(learner, p, region)]  # fmt: skip
+                    for s in store.contributions.contribution_seqs(learner, p, region)]  # fmt: skip
             for marker in _markers(bucket, keys, run.problems).values():
                 if marker.kind == REVOKED:  # a key a syncer held: nothing was sent
                     continue
@@ -435,7 +437,7 @@ def writers(run: Run) -> dict[str, dict[str, Any]]:
     (learner | syncer | launcher | simulator | other), region, record}."""
     out: dict[str, dict[str, Any]] = {}
     for region in run.reachable:
-        found, problems = run.store.statuses(region)
+        found, problems = run.store.progress.statuses(region)
         run.problems.extend(problems)
         for writer, status in found.items():
             kind = (
@@ -491,7 +493,7 @@ def find_summary(run: Run, path: str | Path | None = None) -> dict[str, Any] | N
             if path or summary.get("run") == run.name:
                 return {**summary, "source": str(candidate)}
     for region in run.reachable:
-        record = run.store.read_metrics("simulator", region)
+        record = run.store.progress.read_metrics("simulator", region)
         if record and "summary" in record:
             return {**record["summary"], "source": f"{run.regions[region]}/{run.name}/metrics"}
     return None

@@ -107,7 +107,7 @@ def prune_checkpoints(store: RunStore, learner: str, keep: int = 2) -> int:
         raise ValueError(f"keep must be at least 1, not {keep}")
     report = RetentionReport()
     try:
-        steps = store.checkpoint_steps(learner)
+        steps = store.checkpoints.checkpoint_steps(learner)
     except OSError as exc:
         log.warning("checkpoint retention: cannot list %s's checkpoints: %r", learner, exc)
         return 0
@@ -215,7 +215,7 @@ def _plan_contributions(
     layout = store.layout
     for learner, region in learners.items():
         bucket = store.bucket(region)
-        seqs = store.contribution_seqs(learner, p, region)
+        seqs = store.contributions.contribution_seqs(learner, p, region)
         signing = keys.verifying_key(learner) if keys is not None else None
         sound: list[tuple[int, str, CommitMarker, int]] = []
         for seq in seqs:
@@ -259,7 +259,7 @@ def _plan_versions(
     layout = store.layout
     for region in store.urls:
         bucket = store.bucket(region)
-        for v in store.global_versions(p, region):
+        for v in store.versions.global_versions(p, region):
             if v >= oldest_kept or v in pins:
                 continue
             key = layout.global_marker(p, v)
@@ -287,7 +287,7 @@ def _decided(store: RunStore, p: int, versions: Sequence[int]) -> set[tuple[str,
     out: set[tuple[str, int]] = set()
     for v in versions:
         try:
-            meta = store.global_marker(p, v).meta
+            meta = store.versions.global_marker(p, v).meta
             for field_name in ("consumed", "rejected", "superseded"):
                 out.update((str(row[0]), int(row[1])) for row in meta.get(field_name) or [])
         except (CorruptVersion, FileNotFoundError, TypeError, ValueError, IndexError):
@@ -359,11 +359,11 @@ def collect_garbage(
     if orphan_age is not None and 0 in fragments:  # one collector for what no fragment owns
         _abandoned_by_learners(store, learners, orphan_age, report)
     for p in fragments:
-        versions = store.global_versions(p)
+        versions = store.versions.global_versions(p)
         if not versions:
             continue
         newest = versions[-1]
-        cursor = store.global_marker(p, newest).meta.get("cursor", {})
+        cursor = store.versions.global_marker(p, newest).meta.get("cursor", {})
         plan = _Plan()
         # Without the run secret nothing can be authenticated: only what a syncer decided
         # (merged, rejected or superseded, as a committed version records) is deleted.

@@ -68,12 +68,12 @@ def test_the_audit_still_accounts_for_what_retention_deleted(run):
 
 def test_a_contribution_merged_twice_is_named(run):
     store = RunStore("r", run, "us", writer="rogue-syncer")
-    newest = store.latest_global(0)
-    state = store.get_global(0, newest)
+    newest = store.versions.latest_global(0)
+    state = store.versions.get_global(0, newest)
     twice = state.meta["consumed"][0]
     meta = {**state.meta, "version": newest + 1, "consumed": [twice], "rejected": [],
             "superseded": [], "tokens": 0}  # fmt: skip
-    store.publish_global(0, newest + 1, state.params, state.opt_leaves, meta)
+    store.versions.publish_global(0, newest + 1, state.params, state.opt_leaves, meta)
     report = audit_run("r", run)
     assert not report.ok
     (problem,) = report.violations["merged-once"]
@@ -100,13 +100,17 @@ def test_a_contribution_nothing_accounts_for_is_lost(run):
     spec = store.read_spec()
     learner = next(iter(run_slots(spec)))
     region = run_slots(spec)[learner]
-    taken = set(store.contribution_seqs(learner, 0, region))
-    cursor = store.global_marker(0, store.latest_global(0)).meta["cursor"][learner]
+    taken = set(store.contributions.contribution_seqs(learner, 0, region))
+    cursor = store.versions.global_marker(0, store.versions.latest_global(0)).meta["cursor"][
+        learner
+    ]
     seq = next(s for s in range(1, cursor) if s not in taken)  # used for another fragment
-    good = RunStore("r", run, region).get_contribution(learner, 0, max(taken), region)
+    good = RunStore("r", run, region).contributions.get_contribution(learner, 0, max(taken), region)
     tensors, meta = good
     meta = {**meta, "anchor_seq": 10**6}  # no merged send carries its work either
-    RunStore("r", run, region, writer=learner).put_contribution(learner, 0, seq, tensors, meta)
+    RunStore("r", run, region, writer=learner).contributions.put_contribution(
+        learner, 0, seq, tensors, meta
+    )
     report = audit_run("r", run)
     (problem,) = report.violations["one-outcome"]
     assert f"{learner}/{seq}" in problem and report.outcomes["lost"] == 1
@@ -118,11 +122,11 @@ def test_contributions_under_a_learner_of_another_region_are_named(run):
     store = RunStore("r", run, "us")
     spec = store.read_spec()
     learner = next(lid for lid, region in run_slots(spec).items() if region == "us")
-    seq = store.contribution_seqs(learner, 0, "us")[-1]
-    tensors, meta = store.get_contribution(learner, 0, seq, "us")
+    seq = store.contributions.contribution_seqs(learner, 0, "us")[-1]
+    tensors, meta = store.contributions.get_contribution(learner, 0, seq, "us")
     eu = RunStore("r", run, "eu", writer="intruder")
-    eu.put_contribution(learner, 0, seq + 1, tensors, meta)
-    eu.put_contribution("learner-9", 0, 1, tensors, meta)
+    eu.contributions.put_contribution(learner, 0, seq + 1, tensors, meta)
+    eu.contributions.put_contribution("learner-9", 0, 1, tensors, meta)
     found = audit_run("r", run).violations["no-strangers"]
     assert len(found) == 2
     assert any(f"learners/{learner} holds" in p and "learner of us" in p for p in found)
@@ -132,7 +136,7 @@ def test_contributions_under_a_learner_of_another_region_are_named(run):
 def test_a_version_written_twice_is_named(run):
     """Another write of a version in a region (different write id) is an overwrite."""
     eu = RunStore("r", run, "eu", writer="rogue")
-    marker = eu.global_marker(0, 1)
+    marker = eu.versions.global_marker(0, 1)
     key = eu.layout.global_marker(0, 1)
     eu.home.delete([key])
     objects = {rel: e["inline"].encode() for rel, e in marker.objects.items() if "inline" in e}
@@ -175,15 +179,15 @@ def _damage_a_pending_contribution(run):
     store = RunStore("r", run, "us", writer="syncer")
     spec = store.read_spec()
     learner = next(lid for lid, region in run_slots(spec).items() if region == "us")
-    taken = store.contribution_seqs(learner, 0, "us")
-    tensors, meta = store.get_contribution(learner, 0, taken[-1], "us")
+    taken = store.contributions.contribution_seqs(learner, 0, "us")
+    tensors, meta = store.contributions.get_contribution(learner, 0, taken[-1], "us")
     seq = spec["config"]["budget"]["tokens"]  # above every cursor; plausible enough here
     meta = {**meta, "anchor_seq": 10**6}
-    marker = RunStore("r", run, "us", writer=learner).put_contribution(learner, 0, seq, tensors,
+    marker = RunStore("r", run, "us", writer=learner).contributions.put_contribution(learner, 0, seq, tensors,
                                                                        meta)  # fmt: skip
     rel = next(r for r in marker.objects if "/c/" in r)
     store.home.put(f"{marker.data_prefix}/{rel}", b"\0" * marker.objects[rel]["size"])
-    return store, learner, seq, store.get_global(0, store.latest_global(0))
+    return store, learner, seq, store.versions.get_global(0, store.versions.latest_global(0))
 
 
 def _pass_over(store, state, learner: str, seq: int, rejected: list) -> None:
@@ -192,7 +196,7 @@ def _pass_over(store, state, learner: str, seq: int, rejected: list) -> None:
     cursor = {**state.meta["cursor"], learner: seq}
     record = {**state.meta, "version": v, "consumed": [], "tokens": 0, "superseded": [],
               "rejected": rejected, "cursor": cursor}  # fmt: skip
-    store.publish_global(0, v, state.params, state.opt_leaves, record)
+    store.versions.publish_global(0, v, state.params, state.opt_leaves, record)
 
 
 def test_damage_a_syncer_found_and_rejected_is_accounted_for(run):
@@ -237,7 +241,7 @@ def test_home_master_copies_gone_fail_the_audit_and_a_relaunch(run):
     do): the audit names it, however sound the other region's copies are, and
     initializing the run again refuses to publish version 0 over it."""
     from flows.run import config_from_spec, initialize_run
-    from storage_layout.store import HomeCopiesLost
+    from storage_layout.versions import HomeCopiesLost
 
     home = Path(run["us"].removeprefix("file://")) / "r" / "globals" / "f0000"
     shutil.rmtree(home)
@@ -252,13 +256,13 @@ def test_home_master_copies_gone_fail_the_audit_and_a_relaunch(run):
     cfg = config_from_spec(store.read_spec())
     with pytest.raises(HomeCopiesLost, match=r"fragment 0.*eu holds v"):
         initialize_run(store, cfg)
-    assert store.global_versions(0) == []  # nothing republished
+    assert store.versions.global_versions(0) == []  # nothing republished
 
 
 def test_a_home_copy_without_its_master_copy_fails_the_audit(run):
     store = RunStore("r", run, "us", writer="rogue")
-    newest = store.latest_global(0)
-    marker = store.global_marker(0, newest)
+    newest = store.versions.latest_global(0)
+    marker = store.versions.global_marker(0, newest)
     key = store.layout.global_marker(0, newest)
     path = Path(run["us"].removeprefix("file://")) / key
     body = json.loads(path.read_text())

@@ -232,11 +232,11 @@ def test_a_claim_rewritten_or_copied_by_someone_without_the_key_is_no_claim(tmp_
     (tmp_path / "us").mkdir()
     regions = {"us": f"file://{tmp_path / 'us'}"}
     store = RunStore("r", regions, "us", writer="learner-1", claims_key=claims_key(SECRET, "r"))
-    assert store.claim_generation("learner-1") == 1
-    first, second = (store.reserve_seqs("learner-1", 0, 8)[0] for _ in range(2))
-    assert store.seq_blocks("learner-1") == [(0, 8), (8, 16)]
-    n = store.claim_fresh_unit("learner-1")
-    assert store.unit_claim(f"fresh-{n}")["learner"] == "learner-1"
+    assert store.members.claim_generation("learner-1") == 1
+    first, second = (store.members.reserve_seqs("learner-1", 0, 8)[0] for _ in range(2))
+    assert store.members.seq_blocks("learner-1") == [(0, 8), (8, 16)]
+    n = store.units.claim_fresh_unit("learner-1")
+    assert store.units.unit_claim(f"fresh-{n}")["learner"] == "learner-1"
     gen = store.numbered_claim(store.layout.lease_commits("learner-1"), 1)
     store.home.put(gen, json.dumps({"fence": "forged", "time": 1.0}).encode())
     seqs = store.layout.seq_claims("learner-1")
@@ -245,13 +245,13 @@ def test_a_claim_rewritten_or_copied_by_someone_without_the_key_is_no_claim(tmp_
     unit = store.numbered_claim(store.layout.units_fresh(), n)
     body = {**json.loads(store.home.get(unit)), "learner": "ghost"}
     store.home.put(unit, json.dumps(body).encode())
-    assert store.generation("learner-1", 1) is None
-    assert store.seq_blocks("learner-1") == [(0, 8)]
-    assert store.unit_claim(f"fresh-{n}") is None
+    assert store.members.generation("learner-1", 1) is None
+    assert store.members.seq_blocks("learner-1") == [(0, 8)]
+    assert store.units.unit_claim(f"fresh-{n}") is None
     assert caplog.text.count("is not sealed with the run's claims key") >= 3
     # the same claims read without the key (a view for people): taken as they are
     view = RunStore("r", regions, "us")
-    assert view.seq_blocks("learner-1") == [(0, 8), (0, 8)]
+    assert view.members.seq_blocks("learner-1") == [(0, 8), (0, 8)]
 
 
 # --- through the stores and the syncer ----------------------------------------------------
@@ -280,8 +280,10 @@ def test_a_forged_or_tampered_contribution_is_rejected_before_its_data_is_read(a
     _, regions, _, model = auth_run
     store = RunStore("r", regions, "us", writer="learner-1")
     c = _contribution(model, 0, "learner-1", 1, 0)
-    marker = store.put_contribution("learner-1", 0, 1, c.payload, contribution_meta(c), KEY_1)
-    tensors, meta = store.get_contribution("learner-1", 0, 1, "us", KEY_1)
+    marker = store.contributions.put_contribution(
+        "learner-1", 0, 1, c.payload, contribution_meta(c), KEY_1
+    )
+    tensors, meta = store.contributions.get_contribution("learner-1", 0, 1, "us", KEY_1)
     assert meta["seq"] == 1 and set(tensors) == set(c.payload)
     # Someone swaps a data object and fixes its size and sha256 in the marker to match.
     rel = next(r for r in marker.objects if r.startswith("delta/data"))
@@ -289,15 +291,15 @@ def test_a_forged_or_tampered_contribution_is_rejected_before_its_data_is_read(a
     bucket, key = store.home, store.layout.contribution_marker("learner-1", 0, 1)
     bucket.put(f"{marker.data_prefix}/{rel}", evil)
     with pytest.raises(CorruptVersion, match="does not match its sha256"):
-        store.get_contribution("learner-1", 0, 1, "us", KEY_1)
+        store.contributions.get_contribution("learner-1", 0, 1, "us", KEY_1)
     fixed = {**marker.objects, rel: {"size": len(evil), "sha256": sha256(evil)}}
     bucket.put(key, replace(read_marker(bucket, key), objects=fixed).to_json())
     with pytest.raises(Unauthenticated, match="signature does not verify"):
-        store.get_contribution("learner-1", 0, 1, "us", KEY_1)
+        store.contributions.get_contribution("learner-1", 0, 1, "us", KEY_1)
     # Rejected on the marker alone: its data need not even exist.
     bucket.delete_prefix(marker.data_prefix)
     with pytest.raises(Unauthenticated):
-        store.get_contribution("learner-1", 0, 1, "us", KEY_1)
+        store.contributions.get_contribution("learner-1", 0, 1, "us", KEY_1)
 
 
 def test_the_syncer_rejects_what_a_learner_did_not_sign_and_merges_what_it_did(
@@ -316,7 +318,9 @@ def test_the_syncer_rejects_what_a_learner_did_not_sign_and_merges_what_it_did(
     forger = RunStore("r", regions, run_slots(spec)["learner-1"], writer="learner-1")
     for seq, key in ((1, None), (2, learner0.signing_key("learner-0"))):
         f = _contribution(model, 0, "learner-1", seq, 10 + seq)
-        forger.put_contribution("learner-1", 0, seq, f.payload, contribution_meta(f), key)
+        forger.contributions.put_contribution(
+            "learner-1", 0, seq, f.payload, contribution_meta(f), key
+        )
     # learner-0's seq 2, its tokens inflated after it was signed.
     bucket, key = forger.home, forger.layout.contribution_marker("learner-0", 0, 2)
     tampered = read_marker(bucket, key)
@@ -333,12 +337,12 @@ def test_the_syncer_rejects_what_a_learner_did_not_sign_and_merges_what_it_did(
         assert f"{forged[0]}'s key (forged or tampered)" in reasons[forged]
     row = syncer.merge_and_publish(0)
     assert row["version"] == 1
-    meta = RunStore("r", regions, "us").global_marker(0, 1).meta
+    meta = RunStore("r", regions, "us").versions.global_marker(0, 1).meta
     assert meta["consumed"] == [["learner-0", 1]]
     assert meta["tokens"] == 512  # not the inflated count
     assert {(lid, seq) for lid, seq, _ in meta["rejected"]} == set(reasons)  # for the audit
     # A forged marker ahead of the learner's real sends must not hide them.
-    forger.put_contribution("learner-0", 0, 5, f.payload, contribution_meta(f), None)
+    forger.contributions.put_contribution("learner-0", 0, 5, f.payload, contribution_meta(f), None)
     assert syncer.poll() == 0
     for seq in (3, 4):
         real.put_contribution(_contribution(model, 0, "learner-0", seq, seq))
@@ -352,7 +356,7 @@ def test_the_syncer_rejects_what_a_learner_did_not_sign_and_merges_what_it_did(
     syncer.poll()
     assert syncer.merge_and_publish(0) is None  # seqs 3 and 4 carry nothing new
     assert syncer.loop.seal(0)["version"] == 2  # the run's end: outcomes published
-    meta = RunStore("r", regions, "us").global_marker(0, 2).meta
+    meta = RunStore("r", regions, "us").versions.global_marker(0, 2).meta
     assert ["learner-0", 5] in [r[:2] for r in meta["rejected"]]
 
 
@@ -361,7 +365,7 @@ def test_without_the_run_secret_the_syncer_accepts_unsigned_contributions(auth_r
     cfg, regions, spec, model = auth_run
     writer = RunStore("r", regions, run_slots(spec)["learner-1"], writer="learner-1")
     c = _contribution(model, 0, "learner-1", 1, 0)
-    writer.put_contribution("learner-1", 0, 1, c.payload, contribution_meta(c))
+    writer.contributions.put_contribution("learner-1", 0, 1, c.payload, contribution_meta(c))
     syncer = SyncerRuntime("r", regions, "us", 0, 1, cfg.pipeline.model_dump())
     assert not syncer.transport.store.keys.verifies
     assert syncer.poll() == 1 and syncer.rejected == []

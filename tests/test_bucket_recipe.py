@@ -53,11 +53,13 @@ def test_the_docs_recipe_reads_the_newest_globals_without_the_project(tmp_path):
     for version in (0, 1):
         for p, tensors in enumerate(shapes):
             params = {n: rng.normal(size=s).astype(np.float32) for n, s in tensors.items()}
-            store.publish_global(p, version, params, [], {}, "bf16")
-    store.publish_global(1, 2, {"c": np.arange(7, dtype=np.float32)}, [], {}, "bf16")
+            store.versions.publish_global(p, version, params, [], {}, "bf16")
+    store.versions.publish_global(1, 2, {"c": np.arange(7, dtype=np.float32)}, [], {}, "bf16")
     expected = {}
     for p in range(len(shapes)):
-        expected.update(store.get_global(p, store.latest_global(p), learner_view=True).params)
+        expected.update(
+            store.versions.get_global(p, store.versions.latest_global(p), learner_view=True).params
+        )
 
     script = tmp_path / "outside" / "recipe.py"
     script.parent.mkdir()

@@ -83,13 +83,13 @@ def test_inspect_explains_its_columns(tmp_path, capsys):
     store = RunStore("r", {"us": url}, "us", writer="syncer")
     spec = {"regions": {"us": url}, "learners": {"l0": "us", "l1": "us"}, "fragments": [["w"]]}
     store.ensure_spec(spec)
-    store.publish_global(0, 0, {"w": np.zeros(3, np.float32)}, [],
+    store.versions.publish_global(0, 0, {"w": np.zeros(3, np.float32)}, [],
                          {"consumed": [], "members": ["l0"], "quorum": 1}, "bf16")  # fmt: skip
     # l0 took its slot by `diloco join` and trains; l1's slot never started
-    RunStore("r", {"us": url}, "us", writer="l0").write_metrics(
+    RunStore("r", {"us": url}, "us", writer="l0").progress.write_metrics(
         "l0", {"state": "training", "time": time.time() - 30}
     )
-    store.put_join(
+    store.members.put_join(
         "l0", lambda n: json.dumps({"learner": "l0", "join": n, "time": time.time()}).encode()
     )
     assert main(["inspect", url]) == 0

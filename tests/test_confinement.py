@@ -34,7 +34,7 @@ def _payload(seed: int) -> dict:
 
 def _publish(store: RunStore, v: int, meta: dict) -> None:
     params = {"w": np.full((8, 4), float(v), np.float32)}
-    store.publish_global(0, v, params, [np.zeros((8, 4), np.float32)], meta)
+    store.versions.publish_global(0, v, params, [np.zeros((8, 4), np.float32)], meta)
 
 
 def _forge(bucket: Bucket, seq: int, data_prefix: str) -> str:
@@ -60,7 +60,7 @@ def test_retention_never_deletes_what_a_forged_marker_names(tmp_path, with_secre
     store = RunStore(RUN, {"us": url}, "us", writer="syncer")
     key = learner_key(SECRET, RUN, "learner-0")
     for seq in (1, 2, 3):
-        store.put_contribution("learner-0", 0, seq, _payload(seq), {"base_version": 0},
+        store.contributions.put_contribution("learner-0", 0, seq, _payload(seq), {"base_version": 0},
                                key=key)  # fmt: skip
     decided = [["learner-0", s] for s in (1, 2, 3, 4, 5)]
     for v in range(4):
@@ -77,9 +77,11 @@ def test_retention_never_deletes_what_a_forged_marker_names(tmp_path, with_secre
     assert (victim / "precious").read_text() == "keep me"
     after = sorted(p.relative_to(root) for p in (root / RUN / "globals").rglob("*"))
     assert set(after) >= {p for p in globals_before if "/v000000000003" in str(p)}
-    assert store.global_versions(0)[-1] == 3 and store.get_global(0, 3).version == 3
+    assert (
+        store.versions.global_versions(0)[-1] == 3 and store.versions.get_global(0, 3).version == 3
+    )
     # The forgeries stay (named), and the genuine processed contributions went.
-    assert store.contribution_seqs("learner-0", 0, "us") == [3, 4, 5]
+    assert store.contributions.contribution_seqs("learner-0", 0, "us") == [3, 4, 5]
     assert report.contributions_deleted == 2
     named = " ".join(report.problems)
     assert "s000000000004" in named and "s000000000005" in named
@@ -92,12 +94,14 @@ def test_an_unsigned_marker_with_its_own_prefix_is_kept_when_the_run_is_signed(t
     store = RunStore(RUN, {"us": url}, "us", writer="syncer")
     key = learner_key(SECRET, RUN, "learner-0")
     for seq in (1, 3):
-        store.put_contribution("learner-0", 0, seq, _payload(seq), {"base_version": 0},
+        store.contributions.put_contribution("learner-0", 0, seq, _payload(seq), {"base_version": 0},
                                key=key)  # fmt: skip
-    store.put_contribution("learner-0", 0, 2, _payload(2), {"base_version": 0})  # unsigned
+    store.contributions.put_contribution(
+        "learner-0", 0, 2, _payload(2), {"base_version": 0}
+    )  # unsigned
     _publish(store, 0, {"cursor": {"learner-0": 3}})
     report = collect_garbage(store, 1, {"learner-0": "us"}, window=1, keys=Keys(RUN, SECRET))
-    assert store.contribution_seqs("learner-0", 0, "us") == [2, 3]
+    assert store.contributions.contribution_seqs("learner-0", 0, "us") == [2, 3]
     assert any("s000000000002" in p and "unsigned" in p for p in report.problems)
 
 
@@ -175,7 +179,7 @@ def test_sweeps_follow_no_link_out_of_the_bucket(tmp_path, caplog):
     root = tmp_path / "bucket"
     root.mkdir()
     store = RunStore(RUN, {"us": f"file://{root}"}, "us", writer="syncer")
-    store.put_contribution("learner-0", 0, 1, _payload(1), {"base_version": 0})
+    store.contributions.put_contribution("learner-0", 0, 1, _payload(1), {"base_version": 0})
     _publish(store, 0, {"cursor": {"learner-0": 1}})
     layout = store.layout
     orphan = "s000000000077-00000000deadbeef"
@@ -204,7 +208,7 @@ def test_sweeps_follow_no_link_out_of_the_bucket(tmp_path, caplog):
     for key in planted:
         assert (root / key).is_symlink(), f"{key} was deleted, not left alone"
     assert caplog.text.count("not deleted") >= len(planted)
-    assert store.global_versions(0) == [0] and store.get_global(0, 0).version == 0
+    assert store.versions.global_versions(0) == [0] and store.versions.get_global(0, 0).version == 0
 
 
 @pytest.mark.parametrize("kind", ["fifo", "link-to-fifo", "device", "link-inside"])

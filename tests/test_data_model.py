@@ -172,7 +172,7 @@ def test_a_restored_leaf_is_held_once_on_the_host_beside_the_chunks_in_flight(tm
     (name,) = leaf_names(template)
     leaf = np.arange(math.prod(shape), dtype=np.float32).reshape(shape)
     store = RunStore("r", {"us": f"file://{tmp_path}"}, "us")
-    store.put_checkpoint("l0", 1, {"opt": {name: leaf}}, {})
+    store.checkpoints.put_checkpoint("l0", 1, {"opt": {name: leaf}}, {})
     tracemalloc.start()
     try:
         state, _ = read_checkpoint(store, "l0", 1, template, trainer.place_params)

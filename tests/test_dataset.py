@@ -452,7 +452,7 @@ def test_diloco_train_on_prepared_tokens_learns_and_a_killed_learner_skips_and_r
         except (OSError, ValueError):
             return None
         learners = run_slots(spec)
-        status = {lid: store.read_metrics(lid, reg) or {} for lid, reg in learners.items()}
+        status = {lid: store.progress.read_metrics(lid, reg) or {} for lid, reg in learners.items()}
         training = sorted(lid for lid, s in status.items() if s.get("state") == "training")
         budget = config_from_spec(spec).budget_steps
         if len(training) < 2 or sum(s.get("step", 0) for s in status.values()) >= budget / 3:
@@ -460,7 +460,7 @@ def test_diloco_train_on_prepared_tokens_learns_and_a_killed_learner_skips_and_r
         workers = _workers(log)
         for lid in training:
             pid = workers.get(f"learner {learner_index(lid)}")
-            if pid and store.checkpoint_steps(lid, learners[lid]):
+            if pid and store.checkpoints.checkpoint_steps(lid, learners[lid]):
                 return lid, learners[lid], pid
         return None
 
@@ -473,7 +473,9 @@ def test_diloco_train_on_prepared_tokens_learns_and_a_killed_learner_skips_and_r
             os.kill(pid, signal.SIGKILL)
             _wait(lambda: not _alive(pid), 60, f"{lid} to die")
             mine = RunStore(run, regions, region)
-            _wait(lambda: mine.newest_generation(lid) >= 2, 420, f"{lid} to start again", proc)
+            _wait(
+                lambda: mine.members.newest_generation(lid) >= 2, 420, f"{lid} to start again", proc
+            )
         finally:
             for other in others:
                 with contextlib.suppress(ProcessLookupError):

@@ -291,7 +291,9 @@ def test_a_launcher_adopts_the_flow_runs_an_earlier_one_left_going(deployed, mon
                             lambda *a, **k: started.append(a) or runs["learner us-east/0"])  # fmt: skip
         look = mode.left_running
         monkeypatch.setattr(mode, "left_running", lambda p: found.append(look(p)) or found[-1])
-        RunStore(run, regions, "us-east").write_metrics("learner-0", {"state": "done", "step": 1})
+        RunStore(run, regions, "us-east").progress.write_metrics(
+            "learner-0", {"state": "done", "step": 1}
+        )
 
         @flow
         def launch() -> int:

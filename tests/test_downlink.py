@@ -117,7 +117,7 @@ def test_the_bucket_store_publishes_the_same_bits_and_falls_back_to_whole(tmp_pa
     versions = walk(3)
     main = RunStore("run", regions, "us", writer="syncer")
     main.ensure_spec({"learners": {"learner-0": "eu"}, "fragments": [list(SHAPES)]})
-    main.publish_global(0, 0, versions[0], [], {"weights": {}}, "bf16")
+    main.versions.publish_global(0, 0, versions[0], [], {"weights": {}}, "bf16")
     syncer = BucketStore("run", regions, "us", {"learner-0": "eu"}, "bf16", "syncer",
                          downlink="int4", block_size=128)  # fmt: skip
     memory = MemoryStore([versions[0]], "bf16", window=8, downlink="int4", block_size=128)
@@ -149,7 +149,7 @@ def test_the_bucket_store_publishes_the_same_bits_and_falls_back_to_whole(tmp_pa
     # A syncer that cannot read the version before (corrupt) publishes the next one whole.
     fresh = BucketStore("run", regions, "us", {"learner-0": "eu"}, "bf16", "syncer",
                         downlink="int4", block_size=128)  # fmt: skip
-    marker = main.global_marker(0, 2)
+    marker = main.versions.global_marker(0, 2)
     wire = next(k for k in marker.objects if k.startswith("wire/") and "/c/" in k)
     path = tmp_path / "us" / marker.data_prefix / wire
     path.write_bytes(b"\0" + path.read_bytes()[1:])
@@ -188,7 +188,7 @@ def test_a_learner_holding_its_versions_in_local_files_never_holds_one_whole(tmp
     params = {n: rng.normal(size=s).astype(np.float32) for n, s in shapes.items()}
     main = RunStore("run", regions, "us", writer="syncer")
     main.ensure_spec({"learners": {"learner-0": "us"}, "fragments": [sorted(shapes)]})
-    main.publish_global(0, 0, params, [], {"weights": {}}, "bf16")
+    main.versions.publish_global(0, 0, params, [], {"weights": {}}, "bf16")
     expected = {n: dequantize(quantize(v, "bf16")) for n, v in params.items()}
     del params
     learner = BucketStore("run", regions, "us", {"learner-0": "us"}, "bf16", "learner-0")
@@ -309,10 +309,10 @@ def test_a_learner_takes_a_version_into_its_file_a_piece_of_a_tensor_at_a_time(
     (tmp_path / "b").mkdir()
     w = np.arange(4096 * 4096, dtype=np.float32).reshape(4096, 4096) / 7  # 64 MiB
     store = RunStore("r", {"us": f"file://{tmp_path / 'b'}"}, "us")
-    store.publish_global(0, 1, {"w": w, "b": np.ones(5, np.float32)}, [], {}, "bf16")
+    store.versions.publish_global(0, 1, {"w": w, "b": np.ones(5, np.float32)}, [], {}, "bf16")
     tracemalloc.start()
     try:
-        state = store.get_global(0, 1, learner_view=True,
+        state = store.versions.get_global(0, 1, learner_view=True,
                                  collect=SpillFolder(str(tmp_path))(0, 1))  # fmt: skip
         _, peak = tracemalloc.get_traced_memory()
     finally:
@@ -351,8 +351,8 @@ def test_a_learner_applies_an_update_into_its_file_a_piece_of_a_tensor_at_a_time
     main.ensure_spec({"learners": {"learner-0": "us"}, "fragments": [sorted(before)]})
     base, _ = downlink_update(before, None, "bf16", "full", 128)
     wire, delta = downlink_update(after, base, "bf16", "int4", 128)
-    main.publish_global(0, 0, before, [], {}, "bf16")
-    main.publish_global(0, 1, after, [], {}, "bf16", wire=wire, delta=delta, delta_base=0)
+    main.versions.publish_global(0, 0, before, [], {}, "bf16")
+    main.versions.publish_global(0, 1, after, [], {}, "bf16", wire=wire, delta=delta, delta_base=0)
     del before, after, base, delta
     learner = BucketStore("run", regions, "us", {"learner-0": "us"}, "bf16", "learner-0",
                           downlink="int4", block_size=128)  # fmt: skip
@@ -384,9 +384,11 @@ def test_a_damaged_update_is_read_whole_instead_and_leaves_no_part_of_a_file(tmp
     main.ensure_spec({"learners": {"learner-0": "us"}, "fragments": [list(SHAPES)]})
     base, _ = downlink_update(versions[0], None, "bf16", "full", 128)
     wire, delta = downlink_update(versions[1], base, "bf16", "int4", 128)
-    main.publish_global(0, 0, versions[0], [], {}, "bf16")
-    main.publish_global(0, 1, versions[1], [], {}, "bf16", wire=wire, delta=delta, delta_base=0)
-    marker = main.global_marker(0, 1)
+    main.versions.publish_global(0, 0, versions[0], [], {}, "bf16")
+    main.versions.publish_global(
+        0, 1, versions[1], [], {}, "bf16", wire=wire, delta=delta, delta_base=0
+    )
+    marker = main.versions.global_marker(0, 1)
     damaged = next(k for k in marker.objects if k.startswith("delta/data/c/"))
     path = tmp_path / "us" / marker.data_prefix / damaged
     path.write_bytes(bytes([path.read_bytes()[0] ^ 1]) + path.read_bytes()[1:])

@@ -53,12 +53,14 @@ def faulty(url: str, region: str = "us", **fields) -> tuple[FaultyBucket, faults
 
 def publish(store: RunStore, fragment: int = 0, version: int = 1) -> None:
     params = {"w": np.full((4, 3), 1.5, np.float32), "b": np.arange(3, dtype=np.float32)}
-    store.publish_global(fragment, version, params, [np.ones((4, 3), np.float32)], {}, "bf16")
+    store.versions.publish_global(
+        fragment, version, params, [np.ones((4, 3), np.float32)], {}, "bf16"
+    )
 
 
 def put_contribution(store: RunStore, seq: int = 1):
     payload = {"w": quantize(np.linspace(-1, 1, 300, dtype=np.float32), "int8")}
-    return store.put_contribution("l0", 0, seq, payload, {"base_version": 0})
+    return store.contributions.put_contribution("l0", 0, seq, payload, {"base_version": 0})
 
 
 # --- activation ------------------------------------------------------------------------------
@@ -281,14 +283,14 @@ def test_outage_window(make_bucket, monkeypatch):
         with pytest.raises(RegionDown, match="outage"):
             RunStore("run", regions, "eu").bucket("eu")  # a bucket cannot even be opened
         assert syncer.home.list("run/globals") == []  # other regions are up
-        report = syncer.publish_global(0, 1, {"w": np.ones(3, np.float32)}, [], {}, "fp32")
+        report = syncer.versions.publish_global(0, 1, {"w": np.ones(3, np.float32)}, [], {}, "fp32")
         assert report.committed == ["us"] and "outage" in report.lagging["eu"]
         clock.now += 59.9
         with pytest.raises(RegionOutage):
             eu.get("run/k")  # still inside
         clock.now += 0.1  # the window is over
         assert eu.get("run/k") == DATA
-        assert syncer.sync_regions(0) == {"eu": 1}
+        assert syncer.versions.sync_regions(0) == {"eu": 1}
     assert injector.counts()["outage"] >= 4
 
 
@@ -338,11 +340,11 @@ def test_a_full_disk_fails_a_commit_and_leaves_committed_versions_readable(make_
         with pytest.raises(OSError) as caught:
             put_contribution(store, seq=2)
         assert caught.value.errno == errno.ENOSPC
-        assert store.contribution_seqs("l0", 0, "us") == [1]
-        assert store.get_contribution("l0", 0, 1, "us") is not None
+        assert store.contributions.contribution_seqs("l0", 0, "us") == [1]
+        assert store.contributions.get_contribution("l0", 0, 1, "us") is not None
         injector.free_disk("us")
         put_contribution(store, seq=2)
-        assert store.contribution_seqs("l0", 0, "us") == [1, 2]
+        assert store.contributions.contribution_seqs("l0", 0, "us") == [1, 2]
 
 
 def test_a_disk_full_window_on_the_clock(make_bucket):
@@ -430,7 +432,10 @@ def test_lost_marker_response_commits_exactly_once(bucket_url):
     assert plain.home.list("run/learners/l0/contributions/f0000/data") == [
         f"s000000000001-{marker.write_id}"
     ]
-    assert plain.global_versions(0) == [1] and plain.get_global(0, 1).params["w"][0, 0] == 1.5
+    assert (
+        plain.versions.global_versions(0) == [1]
+        and plain.versions.get_global(0, 1).params["w"][0, 0] == 1.5
+    )
 
 
 def test_a_lost_answer_to_a_numbered_claim_is_still_ours(bucket_url):
@@ -440,12 +445,12 @@ def test_a_lost_answer_to_a_numbered_claim_is_still_ours(bucket_url):
     sends)."""
     with faults.inject({"timeout_after_rate": 1.0, "ops": ["put_exclusive"]}) as injector:
         store = RunStore("run", {"us": bucket_url}, "us", writer="l0")
-        assert store.reserve_seqs("l0", 1, 8) == (1, 1, 9)
-        assert store.reserve_seqs("l0", 9, 8, after=1) == (2, 9, 17)
-        assert store.claim_generation("l0") == 1
+        assert store.members.reserve_seqs("l0", 1, 8) == (1, 1, 9)
+        assert store.members.reserve_seqs("l0", 9, 8, after=1) == (2, 9, 17)
+        assert store.members.claim_generation("l0") == 1
     assert injector.counts() == {"timeout_after": 3}
     other = RunStore("run", {"us": bucket_url}, "us", writer="l0")  # a new process
-    assert other.reserve_seqs("l0", 3, 8) == (3, 17, 25)  # above both blocks
+    assert other.members.reserve_seqs("l0", 3, 8) == (3, 17, 25)  # above both blocks
 
 
 def test_marker_write_that_timed_out_before_is_retried(bucket_url):
@@ -474,9 +479,9 @@ def test_damaged_reads_of_a_committed_version_raise_corrupt_version(bucket_url, 
     with faults.inject({f"{kind}_rate": 1.0}):
         reader = RunStore("run", {"us": bucket_url}, "us", writer="reader")
         with pytest.raises(CorruptVersion):
-            reader.get_global(0, 1)  # the marker itself reads damaged
+            reader.versions.get_global(0, 1)  # the marker itself reads damaged
         with pytest.raises(CorruptVersion):
-            reader.get_contribution("l0", 0, 1, "us")
+            reader.contributions.get_contribution("l0", 0, 1, "us")
         with pytest.raises(CorruptVersion, match=r"marker says|sha256"):
             fetch_objects(reader.home, marker, key, use_inline=False)  # the data objects
     assert faults.counts()[kind] >= 3
@@ -488,7 +493,7 @@ import numpy as np
 from diloco.quantize import quantize
 from storage_layout.store import RunStore
 store = RunStore("run", {"us": sys.argv[1]}, "us", writer="learner-0")
-store.put_contribution("learner-0", 0, 1, {"w": quantize(np.ones(4, np.float32), "fp32")},
+store.contributions.put_contribution("learner-0", 0, 1, {"w": quantize(np.ones(4, np.float32), "fp32")},
                        {"base_version": 0})
 print("survived")
 """
@@ -514,9 +519,9 @@ def test_a_crash_kills_the_writer_between_its_data_and_its_marker(tmp_path):
     (line,) = [json.loads(x) for x in log.read_text().splitlines()]
     assert line["kind"] == "crash" and line["pid"] > 0 and "/contributions/" in line["key"]
     store = RunStore("run", {"us": url}, "us")
-    assert store.contribution_seqs("learner-0", 0, "us") == []  # no marker: invisible
+    assert store.contributions.contribution_seqs("learner-0", 0, "us") == []  # no marker: invisible
     data = tmp_path / "b" / "run" / "learners" / "learner-0" / "contributions" / "f0000" / "data"
     assert len(list(data.iterdir())) == 1  # what it wrote before it died
     # Other markers (a global version) are not crash points.
     with faults.inject({**plan, "log_path": None}):
-        RunStore("run", {"us": url}, "us").publish_global(0, 0, {"w": np.ones(2)}, [], {})
+        RunStore("run", {"us": url}, "us").versions.publish_global(0, 0, {"w": np.ones(2)}, [], {})

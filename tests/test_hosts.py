@@ -90,8 +90,8 @@ def _contributions(name: str, bucket: str, lid: str) -> dict[tuple[int, int], di
     store = RunStore(name, {"us": bucket}, "us")
     out = {}
     for p in range(2):
-        for seq in store.contribution_seqs(lid, p, "us"):
-            tensors, meta = store.get_contribution(lid, p, seq, "us")
+        for seq in store.contributions.contribution_seqs(lid, p, "us"):
+            tensors, meta = store.contributions.get_contribution(lid, p, seq, "us")
             out[(p, seq)] = {n: np.asarray(dequantize(t), np.float32) for n, t in tensors.items()}
             out[(p, seq)]["step"] = meta["step"]
     return out
@@ -100,7 +100,7 @@ def _contributions(name: str, bucket: str, lid: str) -> dict[tuple[int, int], di
 def _parts(name: str, bucket: str, lid: str) -> dict[str, int] | None:
     """The values each host's part of the newest checkpoint holds (None: not in parts)."""
     store = RunStore(name, {"us": bucket}, "us")
-    key = store.layout.checkpoint_marker(lid, store.checkpoint_steps(lid)[-1])
+    key = store.layout.checkpoint_marker(lid, store.checkpoints.checkpoint_steps(lid)[-1])
     meta = read_marker(store.home, key).meta
     if "parts" not in meta:
         return None
@@ -111,7 +111,7 @@ def _parts(name: str, bucket: str, lid: str) -> dict[str, int] | None:
 def _takes(name: str, bucket: str, lid: str) -> list:
     """The spans the learner's data ledger records it took, in order."""
     store = RunStore(name, {"us": bucket}, "us")
-    return [r["take"] for _, r in store.unit_records(lid) if "take" in r]
+    return [r["take"] for _, r in store.units.unit_records(lid) if "take" in r]
 
 
 class _Restored:
@@ -164,7 +164,7 @@ def test_a_learner_over_two_processes_sends_what_one_process_sends(tmp_path, mon
         if fsdp == 4:  # started again, each process restores its part (and it is done);
             # a replicated group restarts in the next test
             assert run_group(command, processes) == 0, name
-            assert RunStore(name, {"us": bucket}, "us").newest_generation(lid) == 2
+            assert RunStore(name, {"us": bucket}, "us").members.newest_generation(lid) == 2
         found[name] = _contributions(name, bucket, lid)
         takes[name] = _takes(name, bucket, lid)
         ckpts[name] = _checkpoint(name, bucket, lid)
@@ -252,7 +252,7 @@ def test_a_learner_of_two_processes_restarts_as_a_whole_when_one_is_killed(prefe
                 (lid,) = run_slots(store.read_spec())
             except (OSError, ValueError):
                 return None
-            if not any(store.contribution_seqs(lid, p, "us") for p in range(2)):
+            if not any(store.contributions.contribution_seqs(lid, p, "us") for p in range(2)):
                 return None
             text = (tmp_path / "train.log").read_text(errors="replace")
             groups = re.findall(r"learner us/0 started \(pid (\d+)", text)
@@ -260,11 +260,13 @@ def test_a_learner_of_two_processes_restarts_as_a_whole_when_one_is_killed(prefe
             return (lid, members[1]) if 1 in members else None
 
         lid, pid = _wait(first_send, "the learner's first committed contribution", proc)
-        step = (store.read_metrics(lid) or {}).get("step", 0)
+        step = (store.progress.read_metrics(lid) or {}).get("step", 0)
         # Early, so that the restarted learner still has work: a kill later than a quarter
         # of the budget would not show that it trains on.
         assert step < steps / 4, f"the learner was at step {step} of {steps} at its first send"
-        sent_before_kill = max(s for p in range(2) for s in store.contribution_seqs(lid, p, "us"))
+        sent_before_kill = max(
+            s for p in range(2) for s in store.contributions.contribution_seqs(lid, p, "us")
+        )
         os.kill(pid, signal.SIGKILL)
         code = proc.wait(timeout=900)  # a guard against a hang, not a measure
     finally:
@@ -275,14 +277,17 @@ def test_a_learner_of_two_processes_restarts_as_a_whole_when_one_is_killed(prefe
     output = (tmp_path / "train.log").read_text(errors="replace")
     assert code == 0, output[-3000:]
     assert "learner us/0 was killed" in output  # the group ended as its member did
-    assert store.newest_generation(lid) == 2  # one claim per start of the group
-    assert store.read_metrics(lid)["state"] == "done" and store.read_metrics(lid)["step"] >= steps
+    assert store.members.newest_generation(lid) == 2  # one claim per start of the group
+    assert (
+        store.progress.read_metrics(lid)["state"] == "done"
+        and store.progress.read_metrics(lid)["step"] >= steps
+    )
     learners = sorted(p.name for p in (tmp_path / "us" / run / "learners").iterdir())
     assert learners == [lid], learners  # one writer: no process wrote under another id
     # What the syncers merged (every version is kept): one learner's, each seq once,
     # and the restarted learner's too (its seqs after those of the killed group).
-    consumed = [tuple(c[:2]) for p in range(2) for v in store.global_versions(p, "us")
-                for c in store.global_marker(p, v).meta.get("consumed", [])]  # fmt: skip
+    consumed = [tuple(c[:2]) for p in range(2) for v in store.versions.global_versions(p, "us")
+                for c in store.versions.global_marker(p, v).meta.get("consumed", [])]  # fmt: skip
     assert {who for who, _ in consumed} == {lid}, consumed
     seqs = [seq for _, seq in consumed]
     assert len(seqs) == len(set(seqs)) and max(seqs) > sent_before_kill, (seqs, sent_before_kill)

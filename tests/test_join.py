@@ -129,7 +129,7 @@ def test_a_joiner_without_a_token_for_a_vacant_slot_is_refused_by_name(tmp_path,
     monkeypatch.setenv(RUN_SECRET_ENV, secret)
     assert cli_main([*base, "--speed", "-1"]) == 2
     for lid in run_slots(spec):
-        assert store.joins(lid) == [] and store.newest_generation(lid) == 0
+        assert store.members.joins(lid) == [] and store.members.newest_generation(lid) == 0
 
 
 def test_a_joiner_trains_with_the_runs_pipeline_settings_under_its_own(tmp_path):
@@ -147,11 +147,13 @@ def test_a_joiner_trains_with_the_runs_pipeline_settings_under_its_own(tmp_path)
     store.home.put(store.layout.pipeline, b'["not", "settings"]')
     with pytest.raises(CorruptVersion, match=re.escape("pipeline.json is not a Pipeline")):
         join(url, "settings", REGION, "learner-1", environ=env)
-    assert store.joins("learner-1") == [] and store.newest_generation("learner-1") == 0
+    assert (
+        store.members.joins("learner-1") == [] and store.members.newest_generation("learner-1") == 0
+    )
     store.home.put(store.layout.pipeline, json.dumps({"pipeline": {"round_steps": -1}}).encode())
     with pytest.raises(ValueError, match="round_steps"):
         join(url, "settings", REGION, "learner-1", environ=env)
-    assert store.joins("learner-1") == []
+    assert store.members.joins("learner-1") == []
 
 
 def test_a_joiner_whose_run_trains_its_budget_while_it_warms_up_is_refused_and_takes_nothing(
@@ -165,16 +167,16 @@ def test_a_joiner_whose_run_trains_its_budget_while_it_warms_up_is_refused_and_t
 
     def run_ends_meanwhile(settings: dict) -> None:
         warmed.append(settings)
-        state = store.get_global(0, 0)
+        state = store.versions.get_global(0, 0)
         spent = {lid: cfg.budget_steps for lid in run_slots(spec)}
-        store.publish_global(0, 1, state.params, state.opt_leaves,
+        store.versions.publish_global(0, 1, state.params, state.opt_leaves,
                              {**state.meta, "version": 1, "progress": spent})  # fmt: skip
 
     with pytest.raises(JoinRefused, match="trained its budget while this joiner warmed up"):
         join(url, "ends", REGION, environ={RUN_SECRET_ENV: secret}, warm=run_ends_meanwhile)
     assert len(warmed) == 1
     for lid in run_slots(spec):
-        assert store.joins(lid) == [] and store.newest_generation(lid) == 0
+        assert store.members.joins(lid) == [] and store.members.newest_generation(lid) == 0
     # and one that comes now is refused before it warms up
     with pytest.raises(JoinRefused, match=r"has trained its budget \("):
         join(url, "ends", REGION, environ={RUN_SECRET_ENV: secret}, warm=warmed.append)
@@ -191,9 +193,9 @@ def test_two_joiners_that_choose_one_slot_at_the_same_moment_take_two(tmp_path):
     writes; the second takes learner-1 (never started)."""
     url, _, store, _, secret = _run(tmp_path, "race")
     env = {RUN_SECRET_ENV: secret}
-    RunStore("race", {REGION: url}, REGION, writer="learner-0").write_metrics(
+    RunStore("race", {REGION: url}, REGION, writer="learner-0").progress.write_metrics(
         "learner-0", {"state": "preempted", "time": time.time(), "step": 40})  # fmt: skip
-    store.put_join(
+    store.members.put_join(
         "learner-0",
         lambda n: json.dumps({"join": n, "host": "before", "time": time.time() - 100}).encode(),
     )
@@ -206,8 +208,8 @@ def test_two_joiners_that_choose_one_slot_at_the_same_moment_take_two(tmp_path):
 
     second, _ = join(url, "race", REGION, environ=env, interrupted=the_first_joins_meanwhile)
     assert first == ["learner-0"] and second.writer == "learner-1"
-    assert [r["join"] for r in store.joins("learner-0")] == [1, 2]
-    assert [r["join"] for r in store.joins("learner-1")] == [1]
+    assert [r["join"] for r in store.members.joins("learner-0")] == [1, 2]
+    assert [r["join"] for r in store.members.joins("learner-1")] == [1]
 
 
 def test_a_joiner_whose_data_is_not_the_runs_is_refused_by_name(tmp_path):
@@ -234,7 +236,7 @@ def test_a_joiner_whose_data_is_not_the_runs_is_refused_by_name(tmp_path):
                        r"not the data the run started on \(sha256 [0-9a-f]{12}\.\.\., the "
                        r"run's [0-9a-f]{12}\.\.\.\)"):  # fmt: skip
         join(url, "data", REGION, environ={RUN_SECRET_ENV: secret}, warm=warmed.append)
-    assert warmed == [] and all(store.joins(lid) == [] for lid in run_slots(spec))
+    assert warmed == [] and all(store.members.joins(lid) == [] for lid in run_slots(spec))
     with pytest.raises(DataError, match=r"run 'data': the data at .*text is not the data"):
         initialize_run(store, cfg)
     # a spec written before it recorded its data: resumed, and held to no data
@@ -257,7 +259,7 @@ def test_a_joiner_refused_in_its_region_is_told_where_else_the_run_has_slots(tmp
     spec = initialize_run(RunStore("two", regions, "us-east", writer="launcher"), cfg)
     assert run_slots(spec) == {"learner-0": "us-east", "learner-1": "eu-west"}
     eu = RunStore("two", {"eu-west": regions["eu-west"]}, "eu-west", writer="learner-1")
-    eu.write_metrics("learner-1", {"state": "training", "time": time.time(), "step": 3})
+    eu.progress.write_metrics("learner-1", {"state": "training", "time": time.time(), "step": 3})
     with pytest.raises(JoinRefused) as refused:
         join(regions["eu-west"], "two", "eu-west")
     said = " ".join(str(refused.value).split())
@@ -269,7 +271,7 @@ def test_a_joiner_refused_in_its_region_is_told_where_else_the_run_has_slots(tmp
         join(regions["eu-west"], "two", "us-east")
     with pytest.raises(JoinRefused, match="has no region 'ap-south'"):
         join(regions["eu-west"], "two", "ap-south")
-    assert eu.newest_generation("learner-0") == 0 and eu.joins("learner-0") == []
+    assert eu.members.newest_generation("learner-0") == 0 and eu.members.joins("learner-0") == []
 
 
 def test_a_joiner_adds_a_learner_in_a_region_the_run_started_none_in(tmp_path):
@@ -299,8 +301,8 @@ def test_a_joiner_adds_a_learner_in_a_region_the_run_started_none_in(tmp_path):
     worker, _ = join(regions["eu-west"], "one", "eu-west", environ=env)
     assert worker.params["index"] == 1
     eu = RunStore("one", {"eu-west": regions["eu-west"]}, "eu-west")
-    assert [r["learner"] for r in eu.joins("learner-1")] == ["learner-1"]
-    assert eu.run_learners(eu.read_spec()).regions == {"learner-0": "us-east",
+    assert [r["learner"] for r in eu.members.joins("learner-1")] == ["learner-1"]
+    assert eu.members.run_learners(eu.read_spec()).regions == {"learner-0": "us-east",
                                                        "learner-1": "eu-west"}  # fmt: skip
     start("slots", "data.assign=slots")
     spec_file = tmp_path / "us" / "old" / "spec.json"
@@ -378,7 +380,7 @@ def test_a_ctrl_c_while_a_joiner_warms_up_is_not_lost_and_it_takes_no_slot(
         assert "Ctrl-C: this joiner leaves before it takes a slot" in said
         assert "having written nothing" in said
         for lid in run_slots(spec):
-            assert store.joins(lid) == [] and store.newest_generation(lid) == 0
+            assert store.members.joins(lid) == [] and store.members.newest_generation(lid) == 0
         assert signal.getsignal(signal.SIGINT) == before  # put back
     # one noted before (`diloco join` notes them from its start, JAX's import included):
     # no warm-up at all
@@ -501,7 +503,7 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     assert -1 < added.find("Starting temporary server") < added.find("warm after") < added.find(
         "joining run"), added[-3000:]  # fmt: skip
     assert "telemetry" not in added, added[-3000:]
-    (record,) = store.joins("learner-3")
+    (record,) = store.members.joins("learner-3")
     assert record["took"] == "added to the run (no slot was vacant)"
     member = json.loads((tmp_path / run / "us" / run / "members" / "learner-3.json").read_text())
     secret = (tmp_path / run / "run-secret").read_text().strip()
@@ -511,7 +513,7 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     # in the process that warmed up
     assert -1 < said.find("warming up to join") < said.find("warm after") < said.find(
         "joining run"), said  # fmt: skip
-    (record,) = store.joins("learner-1")
+    (record,) = store.members.joins("learner-1")
     assert record["learner"] == "learner-1" and record["took"] == "never started"
     assert record["pid"] == joiner.pid
     _assert_subflows_of_the_join_flow(run, "learner us-east/1")
@@ -558,7 +560,7 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     assert "no vacant learner slot" in said and "learner-1: done" in said, said
     assert "learner-2: the join token does not cover it" in said, said
     assert "the join token covers none this region may add" in said, said
-    assert len(store.joins("learner-1")) == 1
+    assert len(store.members.joins("learner-1")) == 1
 
 
 def _assert_subflows_of_the_join_flow(run: str, name: str) -> None:
@@ -585,7 +587,7 @@ def _assert_subflows_of_the_join_flow(run: str, name: str) -> None:
 def _sent(store: RunStore, lid: str) -> bool:
     try:
         fragments = len(store.read_spec()["fragments"])
-        return any(store.contribution_seqs(lid, p, REGION) for p in range(fragments))
+        return any(store.contributions.contribution_seqs(lid, p, REGION) for p in range(fragments))
     except (OSError, ValueError):
         return False
 
@@ -609,7 +611,7 @@ def test_a_joiner_that_finds_no_slot_vacant_adds_one_to_a_run_taking_its_data_in
     now = time.time()
     for lid in run_slots(spec):
         writer = RunStore("grow", {REGION: url}, REGION, writer=lid)
-        writer.write_metrics(lid, {"state": "training", "time": now, "step": 3})
+        writer.progress.write_metrics(lid, {"state": "training", "time": now, "step": 3})
     env = {RUN_SECRET_ENV: secret}
     worker, given = join(url, "grow", REGION, environ=env)
     assert worker.writer == "learner-2" and RUN_SECRET_ENV not in given
@@ -617,9 +619,9 @@ def test_a_joiner_that_finds_no_slot_vacant_adds_one_to_a_run_taking_its_data_in
     record = json.loads((members / "learner-2.json").read_text())
     assert record["learner"] == "learner-2" and record["region"] == REGION
     assert record_verifies(record, learner_key(secret, "grow", "learner-2"))
-    (joined,) = store.joins("learner-2")
+    (joined,) = store.members.joins("learner-2")
     assert joined["took"] == "added to the run (no slot was vacant)"
-    assert store.run_learners(spec).regions == {**run_slots(spec), "learner-2": REGION}
+    assert store.members.run_learners(spec).regions == {**run_slots(spec), "learner-2": REGION}
     assert "joining" in slot_state(store, "learner-2", REGION, LIVENESS).why
     worker, _ = join(url, "grow", REGION, environ=env)
     assert worker.writer == "learner-3"
@@ -632,7 +634,7 @@ def test_a_joiner_that_finds_no_slot_vacant_adds_one_to_a_run_taking_its_data_in
     # a run whose data is dealt to its slots cannot give an added one any
     url2, _, _, spec2, secret2 = _run(tmp_path / "dealt", "dealt", 20_000, "data.assign=slots")
     for lid in run_slots(spec2):
-        RunStore("dealt", {REGION: url2}, REGION, writer=lid).write_metrics(
+        RunStore("dealt", {REGION: url2}, REGION, writer=lid).progress.write_metrics(
             lid, {"state": "training", "time": now, "step": 3})  # fmt: skip
     with pytest.raises(JoinRefused, match=re.escape("(data.assign = 'slots') adds none")):
         join(url2, "dealt", REGION, environ={RUN_SECRET_ENV: secret2})
@@ -647,7 +649,7 @@ def test_a_joiner_that_finds_no_slot_vacant_adds_one_to_a_run_taking_its_data_in
     for lid, body in bad.items():
         signed = sign_record(body, learner_key(secret, "grow", lid))
         (members / f"{lid}.json").write_text(json.dumps(body if lid == "learner-7" else signed))
-    found = store.run_learners(spec, lambda lid: learner_key(secret, "grow", lid))
+    found = store.members.run_learners(spec, lambda lid: learner_key(secret, "grow", lid))
     assert sorted(found.added) == ["learner-2", "learner-3", "learner-4"]
     said = "\n".join(found.refused)
     for expected in ("learner-7.json: it is not signed with learner-7's key",
@@ -678,20 +680,20 @@ def test_slot_states_follow_the_statuses(tmp_path):
     now = time.time()
     lid = "learner-0"
     assert slot_state(store, lid, REGION, LIVENESS, now).vacant  # never started
-    store.claim_generation(lid)
+    store.members.claim_generation(lid)
     assert not slot_state(store, lid, REGION, LIVENESS, now).vacant  # starting
     writer = RunStore("slots", {REGION: url}, REGION, writer=lid)
     for state, at, vacant in (("training", now - 10, False), ("training", now - 900, True),
                               ("preempted", now, True), ("done", now - 900, False)):  # fmt: skip
-        writer.write_metrics(lid, {"state": state, "time": at, "step": 3})
+        writer.progress.write_metrics(lid, {"state": state, "time": at, "step": 3})
         got = slot_state(store, lid, REGION, LIVENESS, now)
         assert got.vacant is vacant, (state, at, got)
     # Preempted, then joined again: its joiner is on its way (a join newer than the
     # status) until it starts, or its join is older than the timeout.
-    writer.write_metrics(lid, {"state": "preempted", "time": now - 20, "step": 3})
-    store.put_join(lid, lambda n: json.dumps({"join": n, "time": now - 30}).encode())
+    writer.progress.write_metrics(lid, {"state": "preempted", "time": now - 20, "step": 3})
+    store.members.put_join(lid, lambda n: json.dumps({"join": n, "time": now - 30}).encode())
     assert slot_state(store, lid, REGION, LIVENESS, now).vacant  # that join came before it
-    store.put_join(lid, lambda n: json.dumps({"join": n, "time": now - 10}).encode())
+    store.members.put_join(lid, lambda n: json.dumps({"join": n, "time": now - 10}).encode())
     assert (
         slot_state(store, lid, REGION, LIVENESS, now).why
         == "joining (joined 10 s ago, not started)"
@@ -711,11 +713,11 @@ def test_a_slow_learner_holds_its_slot_by_its_heartbeat_whatever_the_joiner_pass
     beats = LivenessConfig(heartbeat_seconds=0.2)  # (the run's rule, beats 0.2 s apart)
     writer = RunStore("slow", {REGION: url}, REGION, writer=lid)
     key = learner_key(secret, "slow", lid)
-    writer.claim_generation(lid)
-    writer.write_metrics(lid, {"state": "training", "time": now - 3600, "step": 3})
+    writer.members.claim_generation(lid)
+    writer.progress.write_metrics(lid, {"state": "training", "time": now - 3600, "step": 3})
 
     def beat(n: int, at: float, key: bytes | None = key) -> None:
-        writer.write_heartbeat({"learner": lid, "generation": 1, "beat": n, "period": 0.2,
+        writer.members.write_heartbeat({"learner": lid, "generation": 1, "beat": n, "period": 0.2,
                                 "state": "training", "step": 3, "sends": 0, "time": at}, key)  # fmt: skip
 
     beat(1, now - 0.5)
@@ -754,9 +756,9 @@ def test_a_joiner_stopped_with_ctrl_c_leaves_the_run_as_a_preempted_learner(tmp_
         lambda proc: proc.send_signal(signal.SIGINT),
     )  # fmt: skip
     assert "Ctrl-C: the learner sends what it trained, checkpoints and leaves" in text
-    status = store.read_metrics(lid)
+    status = store.progress.read_metrics(lid)
     assert status["state"] == "preempted", status
-    assert store.checkpoint_steps(lid)[-1] == status["step"] > 0, text[-3000:]
+    assert store.checkpoints.checkpoint_steps(lid)[-1] == status["step"] > 0, text[-3000:]
     assert f"checkpointed at step {status['step']}" in text
 
 

@@ -170,7 +170,7 @@ def test_a_run_outlives_its_prefect_server_killed_and_restarted(tmp_path):
     try:
         store = until(lambda: (root / run / "buckets" / "us-east" / run / "spec.json").exists()
                       and RunStore(run, regions, "us-east"), "the run's spec")  # fmt: skip
-        until(lambda: (store.latest_global(0) or 0) >= 1, "the first merged version")
+        until(lambda: (store.versions.latest_global(0) or 0) >= 1, "the first merged version")
         server.kill()  # the API goes away mid-run ...
         os.kill(_started(log)["learner 1"], signal.SIGKILL)  # ... and a restart needs it
         until(lambda: "the Prefect API at" in log.read_text() or proc.poll() is not None,
@@ -391,7 +391,7 @@ def test_a_ctrl_c_stops_a_run_its_flow_run_cancelled_and_the_same_command_resume
     try:
         store = until(lambda: (root / run / "buckets" / "us-east" / run / "spec.json").exists()
                       and RunStore(run, regions, "us-east"), "the run's spec")  # fmt: skip
-        until(lambda: (store.latest_global(0) or 0) >= 2, "two versions of fragment 0")
+        until(lambda: (store.versions.latest_global(0) or 0) >= 2, "two versions of fragment 0")
         workers = _started(log)
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=300)
@@ -503,16 +503,16 @@ def test_a_paused_syncer_is_named_and_a_stand_by_takes_its_fragments_over(prefec
     try:
         store = until(lambda: (root / run / "buckets" / "us-east" / run / "spec.json").exists()
                       and RunStore(run, regions, "us-east"), "the run's spec")  # fmt: skip
-        until(lambda: (store.latest_global(0) or 0) >= 2, "two versions of fragment 0")
+        until(lambda: (store.versions.latest_global(0) or 0) >= 2, "two versions of fragment 0")
         paused = _started(log)["syncer 0"]
         os.kill(paused, signal.SIGSTOP)
-        frozen = store.latest_global(0)
+        frozen = store.versions.latest_global(0)
         until(lambda: "syncer us-east/0 has published no version of fragments [0, 1]" in log.read_text(),
               "the launcher to name the paused syncer")  # fmt: skip
         # A stand-by publishes while the paused one is still stopped.
-        until(lambda: (store.latest_global(0) or 0) > frozen or proc.poll() is not None,
+        until(lambda: (store.versions.latest_global(0) or 0) > frozen or proc.poll() is not None,
               "a version from the stand-by")  # fmt: skip
-        assert _state(paused) == "T" and store.latest_global(0) > frozen
+        assert _state(paused) == "T" and store.versions.latest_global(0) > frozen
         os.kill(paused, signal.SIGCONT)
         code = proc.wait(timeout=600)
     finally:
@@ -526,12 +526,12 @@ def test_a_paused_syncer_is_named_and_a_stand_by_takes_its_fragments_over(prefec
     report = audit_run(run, regions)
     assert report.ok, dict(report.violations)
     slow = RunStore(run, regions, "eu-west")  # learner-3 lives in eu-west
-    rows, _ = slow.get_rounds("learner-3", slow.history_rounds("learner-3"))
+    rows, _ = slow.progress.get_rounds("learner-3", slow.progress.history_rounds("learner-3"))
     rounds = [r["seconds"] for r in rows]
     for lid, region in run_slots(slow.read_spec()).items():
         own = RunStore(run, regions, region)
-        fences = [g for g in range(1, own.newest_generation(lid) + 1)
-                  if "fence" in (own.generation(lid, g) or {})]  # fmt: skip
+        fences = [g for g in range(1, own.members.newest_generation(lid) + 1)
+                  if "fence" in (own.members.generation(lid, g) or {})]  # fmt: skip
         assert fences == [], (lid, fences, rounds)
     # (one not started yet, with no heartbeat, may be: as a vacant slot)
     assert "towards the quorum: no heartbeat for" not in _logs(root / run / "logs"), rounds
@@ -568,8 +568,8 @@ def test_a_run_whose_every_learner_hangs_ends_with_a_named_error(prefect_api, tm
     try:
         store = until(lambda: (root / run / "buckets" / "us-east" / run / "spec.json").exists()
                       and RunStore(run, regions, "us-east"), "the run's spec")  # fmt: skip
-        until(lambda: (store.latest_global(0) or 0) >= 2, "two versions of fragment 0")
-        until(lambda: all(store.read_heartbeat(lid, r) for lid, r in run_slots(store.read_spec()).items()),
+        until(lambda: (store.versions.latest_global(0) or 0) >= 2, "two versions of fragment 0")
+        until(lambda: all(store.members.read_heartbeat(lid, r) for lid, r in run_slots(store.read_spec()).items()),
               "both learners to beat (a process hung before its first beat is only named)")  # fmt: skip
         hung = [pid for name, pid in _started(log).items() if name.startswith("learner")]
         for pid in hung:
@@ -640,7 +640,9 @@ def test_the_one_restart_policy_resets_on_progress_and_gives_a_worker_up_by_name
     for attempt in range(4):
         restarts.start()
         if attempt == 1:  # this start got somewhere: version 0 of its fragment
-            store.publish_global(0, 0, {"w": np.ones(4, np.float32)}, [], {"weights": {}}, "bf16")
+            store.versions.publish_global(
+                0, 0, {"w": np.ones(4, np.float32)}, [], {"weights": {}}, "bf16"
+            )
         try:
             restarts.crashed(f"flow run {attempt} ended Crashed", ended="ended CRASHED")
         except RuntimeError as exc:
@@ -648,7 +650,10 @@ def test_the_one_restart_policy_resets_on_progress_and_gives_a_worker_up_by_name
         assert restarts.failed == [1, 1, 2, 3][attempt]
     assert failed == ["syncer us/0: 3 flow runs in a row ended CRASHED without progress; "
                       "last: flow run 3 ended Crashed"]  # fmt: skip
-    assert "flow run 3 ended Crashed" in store.read_metrics("launcher")["given_up"]["syncer-0"]
+    assert (
+        "flow run 3 ended Crashed"
+        in store.progress.read_metrics("launcher")["given_up"]["syncer-0"]
+    )
     assert restarts.delay == 8.0  # 2 s doubling, started again by the progress
 
 
@@ -705,13 +710,13 @@ def test_the_monitor_reads_the_members_at_most_every_few_seconds_and_at_the_end(
     store = _lock_run(tmp_path, "paced")
     cfg = load_config("tiny", overrides=["budget.tokens=20000"])
     now, reads = [0.0], []
-    listed = store.run_learners
-    store.run_learners = lambda *a, **k: reads.append(now[0]) or listed(*a, **k)
+    listed = store.members.run_learners
+    store.members.run_learners = lambda *a, **k: reads.append(now[0]) or listed(*a, **k)
     monitor = Monitor(store, cfg, store.read_spec(), clock=lambda: now[0])  # (reads them)
     spec_learners = set(run_slots(store.read_spec()))
     added = f"learner-{len(spec_learners)}"  # the id us-east adds first
     assert set(monitor.statuses()) == spec_learners
-    assert store.put_member(added, {"learner": added, "region": "us-east"}, None)
+    assert store.members.put_member(added, {"learner": added, "region": "us-east"}, None)
     for t in (1.0, 2.0, MEMBERS_EVERY - 0.5):
         now[0] = t
         assert set(monitor.statuses()) == spec_learners  # not looked at again yet
@@ -738,14 +743,14 @@ def test_the_summary_counts_the_time_of_learners_that_joined_beside_those_it_sta
 
     def report(lid: str, where: str, startup: float, train: float) -> None:
         writer = RunStore("joined", store.urls, where, writer=lid)  # a process of its own
-        writer.write_metrics(lid, {"state": "training", "time": time.time()},
+        writer.progress.write_metrics(lid, {"state": "training", "time": time.time()},
                              totals={"startup_seconds": startup, "train_seconds": train})  # fmt: skip
 
     report("learner-3", region, 1.0, 2.0)  # an earlier launch's joiner: not this one's time
     monitor = Monitor(store, cfg, spec)
     monitor.started -= 100.0  # this launch began 100 s ago
     added = "learner-4"  # the id us-east adds first
-    assert store.put_member(added, {"learner": added, "region": "us-east"}, None)
+    assert store.members.put_member(added, {"learner": added, "region": "us-east"}, None)
     monitor.learners(fresh=True)
     report("learner-0", run_slots(spec)["learner-0"], 4.0, 60.0)  # started by the launcher
     report("learner-3", region, 2.0, 6.0)  # joined the vacant slot again: 8 s in this launch
@@ -952,7 +957,7 @@ def test_the_launcher_takes_no_heartbeat_that_is_not_its_learners(tmp_path):
     keys = Keys("beats", secret)
 
     def verdict(signer: str) -> Verdict:
-        store.write_heartbeat(beat, learner_key(secret, "beats", signer))
+        store.members.write_heartbeat(beat, learner_key(secret, "beats", signer))
         monitor = Monitor(store, cfg, store.read_spec(), verifying_key=keys.verifying_key)
         return monitor.verdicts({})["learner-0"]
 

@@ -54,9 +54,11 @@ def test_round_history_is_write_once_and_read_in_order_with_damage_skipped(make_
     url = make_bucket(backend)
     store = RunStore("r", {"us": url}, "us", writer="learner-0")
     for r in (1, 2, 3, 4):
-        assert store.put_round("learner-0", r, _row(r))
-    assert store.put_round("learner-0", 2, _row(2))  # a retry whose first answer was lost
-    assert not store.put_round("learner-0", 2, _row(2, loss=9.0))  # a redo: the first stays
+        assert store.progress.put_round("learner-0", r, _row(r))
+    assert store.progress.put_round("learner-0", 2, _row(2))  # a retry whose first answer was lost
+    assert not store.progress.put_round(
+        "learner-0", 2, _row(2, loss=9.0)
+    )  # a redo: the first stays
     key = store.layout.history_entry("learner-0", 3)
     raw = store.home.get(key)
     store.home.put(key, raw.replace(b'"loss": 3.0', b'"loss": 8.0'))  # one flipped digit
@@ -80,7 +82,7 @@ def _version(store: RunStore, p: int, v: int, consumed: int) -> None:
     meta = {"time": 1_700_000_000.0 + v, "consumed": [["learner-0", i] for i in range(consumed)],
             "staleness": {"learner-0": v % 3}, "rejected": [["learner-1", v, "stale"]],
             "superseded": [], "tokens": 512 * consumed, "tokens_total": 512 * v}  # fmt: skip
-    store.publish_global(p, v, {"w": np.full(4, v, np.float32)}, [], meta)
+    store.versions.publish_global(p, v, {"w": np.full(4, v, np.float32)}, [], meta)
 
 
 def _scalars(folder: Path, run: str, tag: str) -> list[tuple[int, float]]:
@@ -101,7 +103,7 @@ def test_tensorboard_grows_with_the_history_and_a_relaunch_writes_no_point_twice
         _version(home, p, 0, 0)
     for lid in LEARNERS:
         for r in (1, 2):
-            _learner_store(regions, lid).put_round(lid, r, _row(r, loss=4.0 - r))
+            _learner_store(regions, lid).progress.put_round(lid, r, _row(r, loss=4.0 - r))
     _version(home, 0, 1, 2)
     folder = tmp_path / "runs" / "r"
     live = LiveMetrics(home, spec, folder, tables=False)
@@ -111,7 +113,7 @@ def test_tensorboard_grows_with_the_history_and_a_relaunch_writes_no_point_twice
     assert _scalars(folder, "global", "loss/validation") == [(0, 5.5)]
 
     # The next tick adds only what is new.
-    _learner_store(regions, "learner-1").put_round("learner-1", 3, _row(3, loss=0.5))
+    _learner_store(regions, "learner-1").progress.put_round("learner-1", 3, _row(3, loss=0.5))
     _version(home, 0, 2, 1)
     _version(home, 1, 1, 3)
     live.tick({"tokens": 2048, "loss": 4.0, "versions": {0: 2, 1: 1}})
@@ -124,7 +126,7 @@ def test_tensorboard_grows_with_the_history_and_a_relaunch_writes_no_point_twice
     assert _scalars(folder, "global", "loss/validation") == [(0, 5.5), (2048, 4.0)]
 
     # A relaunch of the run reads the whole history again but writes only what is new.
-    _learner_store(regions, "learner-0").put_round("learner-0", 3, _row(3, loss=1.0))
+    _learner_store(regions, "learner-0").progress.put_round("learner-0", 3, _row(3, loss=1.0))
     again = LiveMetrics(home, spec, folder, tables=False)
     again.tick({"tokens": 2048, "loss": 4.0, "versions": {0: 2, 1: 1}})
     again.tick({"tokens": 4096, "loss": 3.5, "versions": {0: 3, 1: 1}})
@@ -184,7 +186,7 @@ def test_the_round_history_survives_a_killed_learner(tmp_path):
         first = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 240
-        while len(store.history_rounds(lid, region)) < 3:
+        while len(store.progress.history_rounds(lid, region)) < 3:
             assert first.poll() is None, log.read_text()[-2000:]
             assert time.monotonic() < deadline, "no third round in time"
             time.sleep(0.05)

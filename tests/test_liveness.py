@@ -133,7 +133,7 @@ def test_a_heartbeat_beats_from_its_thread_signed_and_stops_when_superseded(tmp_
     regions = {"us": f"file://{tmp_path / 'us'}"}
     store = RunStore("hb", regions, "us", writer="learner-0")
     key = learner_key("s" * 32, "hb", "learner-0")
-    generation = store.claim_generation("learner-0")
+    generation = store.members.claim_generation("learner-0")
     progress = {"step": 0, "sends": 0}
     moved = threading.Event()
 
@@ -142,37 +142,37 @@ def test_a_heartbeat_beats_from_its_thread_signed_and_stops_when_superseded(tmp_
             if "beats no more" in msg % args:
                 moved.set()
 
-    beat = Heartbeat(store, "learner-0", generation, 0.05, key,
+    beat = Heartbeat(store.members, "learner-0", generation, 0.05, key,
                      lambda: (progress["step"], progress["sends"]), Log())  # fmt: skip
     try:
         first = None
         while first is None:
-            first = store.read_heartbeat("learner-0", key=key)
+            first = store.members.read_heartbeat("learner-0", key=key)
         assert first.generation == generation and first.state == "starting"
         beat.state, progress["step"], progress["sends"] = "training", 7, 2
         seen = first
         while seen.step != 7:
-            seen = store.read_heartbeat("learner-0", key=key)
+            seen = store.members.read_heartbeat("learner-0", key=key)
         assert seen.state == "training" and seen.sends == 2 and seen.beat > first.beat
-        assert store.read_heartbeat("learner-0", key=b"x" * 32) is None  # not its key
-        store.fence("learner-0", generation, "a test")
+        assert store.members.read_heartbeat("learner-0", key=b"x" * 32) is None  # not its key
+        store.members.fence("learner-0", generation, "a test")
         assert moved.wait(10)
         assert beat.superseded.is_set()
     finally:
         beat.close("stopped")
-    last = store.read_heartbeat("learner-0", key=key)
+    last = store.members.read_heartbeat("learner-0", key=key)
     assert last.state != "stopped"  # superseded: it writes as that learner no more
     key_path = tmp_path / "us" / "hb" / "learners" / "learner-0" / "heartbeat.json"
     for bad in (b"[1, 2]", b"x" * 5000, json.dumps({"learner": "learner-0"}).encode()):
         key_path.write_bytes(bad)
-        assert store.read_heartbeat("learner-0", key=key) is None
+        assert store.members.read_heartbeat("learner-0", key=key) is None
 
 
 def test_a_failing_heartbeat_is_logged_and_goes_on(tmp_path, caplog):
     """A beat that fails (the bucket gone) is logged by the thread, which beats on."""
     (tmp_path / "us").mkdir()
     store = RunStore("hb", {"us": f"file://{tmp_path / 'us'}"}, "us", writer="learner-0")
-    generation = store.claim_generation("learner-0")
+    generation = store.members.claim_generation("learner-0")
     calls = []
 
     class Failing:
@@ -180,18 +180,18 @@ def test_a_failing_heartbeat_is_logged_and_goes_on(tmp_path, caplog):
             calls.append(1)
             if len(calls) < 3:
                 raise OSError("the bucket is away")
-            return store.superseded(learner, generation)
+            return store.members.superseded(learner, generation)
 
         def write_heartbeat(self, beat, key):
-            store.write_heartbeat(beat, key)
+            store.members.write_heartbeat(beat, key)
 
     log = logging.getLogger("test-heartbeat")
     with caplog.at_level(logging.WARNING, "test-heartbeat"):
         beat = Heartbeat(Failing(), "learner-0", generation, 0.02, None, lambda: (0, 0), log)
         try:
-            while store.read_heartbeat("learner-0") is None:
+            while store.members.read_heartbeat("learner-0") is None:
                 pass
         finally:
             beat.close()
     assert "heartbeat of learner-0 failed 1 time(s)" in caplog.text
-    assert store.read_heartbeat("learner-0").beat >= 1
+    assert store.members.read_heartbeat("learner-0").beat >= 1

@@ -107,10 +107,10 @@ def test_simulator_and_pipeline_runtimes_publish_identical_versions(tmp_path):
     sa, sb = RunStore("eq", a, "us"), RunStore("eq", b, "us")
     merged = 0
     for p in range(cfg.topology.fragments):
-        versions = sa.global_versions(p)
-        assert sb.global_versions(p) == versions and len(versions) > 3, p
+        versions = sa.versions.global_versions(p)
+        assert sb.versions.global_versions(p) == versions and len(versions) > 3, p
         for v in versions:
-            ga, gb = sa.get_global(p, v), sb.get_global(p, v)
+            ga, gb = sa.versions.get_global(p, v), sb.versions.get_global(p, v)
             assert ga.meta["consumed"] == gb.meta["consumed"], (p, v)
             for name, value in ga.params.items():
                 np.testing.assert_array_equal(value, gb.params[name])
@@ -159,7 +159,10 @@ def test_a_learner_killed_before_its_first_checkpoint_rejoins_after_its_sends(ti
     assert source.startswith("global versions")
     for request in loop.run(23):  # no checkpoint (every 1000 steps), sends every 5 steps
         assert request is STEP
-    assert store.writer_for("learner-0", checkpoints=True).checkpoint_steps("learner-0") == []
+    assert (
+        store.writer_for("learner-0", checkpoints=True).checkpoints.checkpoint_steps("learner-0")
+        == []
+    )
     sent_seq, sent_step = loop.learner.seq, 20
     # "SIGKILL": the loop is dropped; a new one starts from the bucket.
     again, source, _ = _learner(cfg, regions, spec, model, clock)
@@ -170,7 +173,9 @@ def test_a_learner_killed_before_its_first_checkpoint_rejoins_after_its_sends(ti
     list(again.run(5))  # its next send commits (a reused seq would raise CommitConflict)
     store = RunStore("r", regions, "us")
     seqs = [
-        s for p in range(len(model.plan)) for s in store.contribution_seqs("learner-0", p, "us")
+        s
+        for p in range(len(model.plan))
+        for s in store.contributions.contribution_seqs("learner-0", p, "us")
     ]
     assert max(seqs) == resumed_seq + 1 > sent_seq
 
@@ -195,7 +200,11 @@ def test_a_preempted_learner_sends_what_it_trained_and_rejoins_where_it_stopped(
     assert "sends up to step 23 " in source and again.learner.seq >= seq
     reread = RunStore("r", regions, "us")
     for p in unsent:
-        assert seq - len(unsent) < max(reread.contribution_seqs("learner-0", p, "us")) <= seq
+        assert (
+            seq - len(unsent)
+            < max(reread.contributions.contribution_seqs("learner-0", p, "us"))
+            <= seq
+        )
 
 
 def test_a_preempted_learner_runtime_stops_after_its_step_and_leaves_within_its_deadline(
@@ -228,8 +237,8 @@ def test_a_preempted_learner_runtime_stops_after_its_step_and_leaves_within_its_
         PREEMPTED.clear()
     assert left["step"] == 7 and left["written"] and left["sent"] == list(range(len(model.plan)))
     store = RunStore("r", regions, region)
-    assert store.checkpoint_steps(lid) == [7]
-    assert store.read_metrics(lid)["state"] == "preempted"
+    assert store.checkpoints.checkpoint_steps(lid) == [7]
+    assert store.progress.read_metrics(lid)["state"] == "preempted"
     again = LearnerRuntime("r", regions[region], region, lid, pipeline)
     try:
         assert (
@@ -249,14 +258,14 @@ def test_background_io_survives_a_corrupt_global_version(tiny_run, caplog):
 
     def publish(version: int, value: float) -> None:
         params = {n: np.full_like(model.init[n], value) for n in names}
-        syncer.publish_global(0, version, params, [], {"weights": {}}, "bf16")
+        syncer.versions.publish_global(0, version, params, [], {"weights": {}}, "bf16")
 
     store = bucket_store("r", regions, spec, cfg, "learner-0", home="us")
     io = BackgroundIO(StoreLearnerView(store, "learner-0"), len(model.plan), 0.02, 0,
                       logging.getLogger("test"))  # fmt: skip
     try:
         publish(1, 1.0)
-        marker = syncer.global_marker(0, 1)
+        marker = syncer.versions.global_marker(0, 1)
         data = next(k for k in marker.objects if k.startswith("wire/") and "/c/" in k)
         path = Path(regions["us"].removeprefix("file://")) / marker.data_prefix / data
         good = path.read_bytes()
@@ -290,7 +299,7 @@ def test_a_learner_looks_for_global_versions_at_the_pace_they_come(tiny_run, cap
 
     def publish(version: int) -> None:
         params = {n: np.full_like(model.init[n], version) for n in model.plan[0]}
-        syncer.publish_global(0, version, params, [], {"weights": {}}, "bf16")
+        syncer.versions.publish_global(0, version, params, [], {"weights": {}}, "bf16")
 
     store = bucket_store("r", regions, spec, cfg, "learner-0", home="us")
     io = BackgroundIO(StoreLearnerView(store, "learner-0"), len(model.plan), 3600, 0,
@@ -378,8 +387,8 @@ def test_a_queued_upload_a_newer_send_supersedes_is_skipped(tiny_run):
     finally:
         io.close()
     written = RunStore("r", regions, "us")
-    assert written.contribution_seqs("learner-0", 0, "us") == [3, 5]  # 1 in 3, 4 in 5
-    assert written.contribution_seqs("learner-0", 1, "us") == [2]
+    assert written.contributions.contribution_seqs("learner-0", 0, "us") == [3, 5]  # 1 in 3, 4 in 5
+    assert written.contributions.contribution_seqs("learner-0", 1, "us") == [2]
     assert io.skipped == 2 and io.failures == 0
 
 
@@ -398,7 +407,7 @@ def test_background_io_says_when_global_versions_stop_coming(tiny_run, caplog):
             time.sleep(0.6)  # three stall periods more: still said once (a slower poller
             assert caplog.text.count(stalled) == 1  # looks fewer times, never more)
             params = {n: np.ones_like(model.init[n]) for n in model.plan[0]}
-            syncer.publish_global(0, 1, params, [], {"weights": {}}, "bf16")
+            syncer.versions.publish_global(0, 1, params, [], {"weights": {}}, "bf16")
             _until(lambda: "version 1 arrived after" in caplog.text)
         assert "fragment 0: version 1 arrived after" in caplog.text
         assert "fragment 1" not in caplog.text  # nothing awaited there
@@ -445,8 +454,8 @@ def test_a_learner_whose_upload_is_refused_stops_writing_at_once(tiny_run):
         assert "reserved the numbers" in str(old.io.fenced)
         assert old.io.failures == 3  # refused, then neither the next send nor the checkpoint
         written = RunStore("r", regions, "us")
-        assert written.contribution_seqs("learner-0", 0, "us") == []
-        assert written.checkpoint_steps("learner-0") == []
+        assert written.contributions.contribution_seqs("learner-0", 0, "us") == []
+        assert written.checkpoints.checkpoint_steps("learner-0") == []
         with pytest.raises(Fenced, match="another process runs as this learner"):
             old.train_round()
         assert old.step == 0
@@ -472,8 +481,8 @@ def test_a_superseded_process_commits_nothing_even_inside_its_own_block(tiny_run
         old.io.flush()
         assert "holds generation 2, this one 1" in str(old.io.fenced)
         written = RunStore("r", regions, "us")
-        assert written.contribution_seqs("learner-2", 0, "us") == []
-        assert written.checkpoint_steps("learner-2") == []
+        assert written.contributions.contribution_seqs("learner-2", 0, "us") == []
+        assert written.checkpoints.checkpoint_steps("learner-2") == []
         with pytest.raises(Fenced, match="another process took over as generation 2"):
             old.train_round()
     finally:
@@ -509,7 +518,7 @@ def test_a_learner_pauses_under_a_full_disk_and_drops_nothing_once_it_recovers(t
 
         def written() -> set[tuple[int, int]]:
             return {(p, s) for p in range(len(model.plan))
-                    for s in store.contribution_seqs("learner-0", p, "us")}  # fmt: skip
+                    for s in store.contributions.contribution_seqs("learner-0", p, "us")}  # fmt: skip
 
         try:
             drive(rt.loop.run(5), 0.02)  # a round with space: its sends are written

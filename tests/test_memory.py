@@ -72,7 +72,7 @@ def test_a_learner_the_oom_killer_killed_is_shown_so_not_as_compiling(tmp_path):
     store = RunStore("oom", regions, "us-east")
     spec = initialize_run(store, cfg)
     writer = RunStore("oom", regions, "us-east", writer="learner-0")
-    writer.write_metrics("learner-0", {"state": "compiling", "time": time.time()})
+    writer.progress.write_metrics("learner-0", {"state": "compiling", "time": time.time()})
     monitor = Monitor(store, cfg, spec, deaths=mode.deaths)
     mode.deaths["learner-0"] = (time.time() + 1, OOM_KILLED)
     mode.oom_kills["learner-0"] += 3
@@ -81,7 +81,7 @@ def test_a_learner_the_oom_killer_killed_is_shown_so_not_as_compiling(tmp_path):
     _, text = learner_phases(statuses, mode.oom_kills)
     assert "1 killed by the OOM killer" in text and "learner-0 OOM-killed 3x" in text, text
     assert "compiling" not in text
-    writer.write_metrics("learner-0", {"state": "compiling", "time": time.time() + 2})
+    writer.progress.write_metrics("learner-0", {"state": "compiling", "time": time.time() + 2})
     statuses = monitor.statuses()  # its next process reports: it compiles again
     assert statuses["learner-0"]["state"] == "compiling"
     assert "learner-0 OOM-killed 3x" in learner_phases(statuses, mode.oom_kills)[1]

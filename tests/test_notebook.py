@@ -85,7 +85,7 @@ def test_report_matches_what_the_run_recorded(tiny_run):
     assert per["learner-3"]["rejected"] == len(rejected)  # the slow one
     assert sum(row["sent"] for row in per.values()) == len(sent)
 
-    simulator = RunStore("r", regions, "us").read_metrics("simulator")
+    simulator = RunStore("r", regions, "us").progress.read_metrics("simulator")
     assert r["traffic"] == dict(sorted(simulator["traffic"].items(),
                                        key=lambda kv: -kv[1]["bytes"]))  # fmt: skip
     assert r["traffic"]["eu->us"]["bytes"] > 0  # the syncer read eu's learners
@@ -110,11 +110,11 @@ def with_status(tiny_run, tmp_path_factory):
     for lid, region in run_slots(spec).items():
         store = RunStore("r", {region: copy[region]}, region, writer=lid)
         store.read_spec()  # a real request: counted as traffic inside the region
-        store.write_metrics(lid, {"state": "done", "step": 20, "total_steps": 20,
+        store.progress.write_metrics(lid, {"state": "done", "step": 20, "total_steps": 20,
                                   "tokens": 10240, "region": region},
                             totals={"startup_seconds": 1.5, "train_seconds": 4.0})  # fmt: skip
         for n in (1, 2, 3):
-            assert store.put_round(lid, n, {"step": 7 * n, "steps": 7, "loss": 5.0 - n,
+            assert store.progress.put_round(lid, n, {"step": 7 * n, "steps": 7, "loss": 5.0 - n,
                                             "tokens_per_s": 500.0, "staleness": 1,
                                             "merge_weight": 0.25, "bytes_up": 1000,
                                             "bytes_down": 2000, "time": 1.0e9 + n})  # fmt: skip
@@ -135,7 +135,7 @@ def test_report_reads_status_objects_rounds_copies_and_summary_json(with_status)
     assert (statuses["learner-1"]["state"], statuses["learner-1"]["region"]) == ("done", "eu")
     assert statuses["learner-1"]["train_seconds"] == 4.0
     assert statuses["learner-1"]["bytes_down"] > 0
-    simulator = RunStore("r", copy, "us").read_metrics("simulator")["traffic"]
+    simulator = RunStore("r", copy, "us").progress.read_metrics("simulator")["traffic"]
     assert r["traffic"]["eu->eu"]["bytes"] > simulator["eu->eu"]["bytes"]
     assert [x["loss"] for x in r["rounds"]["learner-2"]] == [4.0, 3.0, 2.0]
     assert r["summary"]["source"] == str(root / "summary.json")

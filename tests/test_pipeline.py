@@ -57,7 +57,8 @@ from storage_layout.auth import RUN_SECRET_ENV, claims_key, learner_key, sign_re
 from storage_layout.commit import read_marker
 from storage_layout.faults import inject
 from storage_layout.inspect import inspect_bucket
-from storage_layout.store import RunStore, SeqNotReserved
+from storage_layout.members import SeqNotReserved
+from storage_layout.store import RunStore
 from tests.iam import writes_outside_policy
 
 PIPELINE = {
@@ -347,7 +348,7 @@ def faulty_run(prefect_api, tmp_path_factory):
         except (OSError, ValueError):
             return None
         learners = run_slots(spec)
-        status = {lid: store.read_metrics(lid, reg) or {} for lid, reg in learners.items()}
+        status = {lid: store.progress.read_metrics(lid, reg) or {} for lid, reg in learners.items()}
         return learners, status, config_from_spec(spec).budget_steps
 
     syncer_log = root / run / "logs" / "syncer-us-east-0.log"
@@ -385,7 +386,7 @@ def faulty_run(prefect_api, tmp_path_factory):
             w = _workers(root / "train.log")
             for lid in sorted(training):
                 pid = w.get(f"learner {learner_index(lid)}")
-                steps = store.checkpoint_steps(lid, learners[lid])
+                steps = store.checkpoints.checkpoint_steps(lid, learners[lid])
                 if pid and steps:
                     return lid, learners[lid], pid, steps[-1], status
             return None
@@ -397,7 +398,7 @@ def faulty_run(prefect_api, tmp_path_factory):
         events["others_at_kill"] = {
             other: (s.get("state"), s.get("step", 0)) for other, s in status.items() if other != lid
         }
-        v0 = store.latest_global(0) or 0
+        v0 = store.versions.latest_global(0) or 0
         # The other learners wait (stopped) until the killed one is back, so that its next
         # process finds work to do however long a restart takes on this machine: tiny
         # learners can spend the rest of the budget before it is up.
@@ -410,9 +411,11 @@ def faulty_run(prefect_api, tmp_path_factory):
             _wait(lambda: not _alive(pid), 60, f"{lid} to die")
             # The newest checkpoint the killed process left (its successor takes seconds
             # to start and a round to write one).
-            events["checkpoint_at_kill"] = store.checkpoint_steps(lid, region)[-1]
+            events["checkpoint_at_kill"] = store.checkpoints.checkpoint_steps(lid, region)[-1]
             mine = RunStore(run, regions, region)
-            _wait(lambda: mine.newest_generation(lid) >= 2, 420, f"{lid} to start again", proc)
+            _wait(
+                lambda: mine.members.newest_generation(lid) >= 2, 420, f"{lid} to start again", proc
+            )
         finally:
             for other in others:
                 with contextlib.suppress(ProcessLookupError):
@@ -421,14 +424,14 @@ def faulty_run(prefect_api, tmp_path_factory):
         def syncer_mid_run():
             seen = statuses()
             pid = _workers(root / "train.log").get("syncer 0")
-            if seen is None or not pid or (store.latest_global(0) or 0) <= v0:
+            if seen is None or not pid or (store.versions.latest_global(0) or 0) <= v0:
                 return None
             _, status, budget = seen
             return pid if sum(s.get("step", 0) for s in status.values()) < 0.75 * budget else None
 
         what = "a newer version of fragment 0 before three quarters of the run"
         pid = _wait(syncer_mid_run, 420, what, proc)
-        events["syncer_killed_at_version"] = store.latest_global(0)
+        events["syncer_killed_at_version"] = store.versions.latest_global(0)
         os.kill(pid, signal.SIGKILL)
         code = proc.wait(timeout=900)  # a guard against a hang, not a measure
     finally:
@@ -468,7 +471,8 @@ def test_killed_learner_is_retried_and_rejoins_from_its_checkpoint(faulty_run):
     spec = store.read_spec()
     cfg = config_from_spec(spec)
     final = {
-        lid: (store.read_metrics(lid, reg) or {})["step"] for lid, reg in run_slots(spec).items()
+        lid: (store.progress.read_metrics(lid, reg) or {})["step"]
+        for lid, reg in run_slots(spec).items()
     }
     training = {k: step for k, (state, step) in events["others_at_kill"].items()
                 if state == "training"}  # fmt: skip
@@ -524,24 +528,25 @@ def test_killed_syncer_restarts_without_losing_or_double_counting(faulty_run):
     run, regions, root, summary, events = faulty_run
     store = RunStore(run, regions, "us-east")
     assert summary["failed"] == []
-    assert store.latest_global(0) > events["syncer_killed_at_version"]  # it went on
+    assert store.versions.latest_global(0) > events["syncer_killed_at_version"]  # it went on
     log = (root / run / "logs" / "syncer-us-east-0.log").read_text()
     assert log.count("owns fragments [0], resumes at versions") >= 2
     spec = store.read_spec()
     rejected = {
-        (r["learner"], r["seq"]) for r in (store.read_metrics("syncer-0") or {})["rejected"]
+        (r["learner"], r["seq"])
+        for r in (store.progress.read_metrics("syncer-0") or {})["rejected"]
     }
     for p in range(2):
-        versions = store.global_versions(p)
+        versions = store.versions.global_versions(p)
         assert versions == list(range(versions[-1] + 1))  # no gap, no overwrite
-        metas = [store.global_marker(p, v).meta for v in versions]
+        metas = [store.versions.global_marker(p, v).meta for v in versions]
         consumed = [tuple(k) for m in metas for k in m["consumed"]]
         assert len(consumed) == len(set(consumed)), "a contribution was merged twice"
         final_cursor = metas[-1]["cursor"]
         for learner, region in run_slots(spec).items():
             bucket = store.bucket(region)
             by_base: dict[int, list[int]] = {}
-            for seq in store.contribution_seqs(learner, p, region):
+            for seq in store.contributions.contribution_seqs(learner, p, region):
                 key = store.layout.contribution_marker(learner, p, seq)
                 by_base.setdefault(read_marker(bucket, key).meta["base_version"], []).append(seq)
             for base, seqs in by_base.items():
@@ -580,7 +585,7 @@ def _local_run(tmp_path: Path, run: str, only_region: str | None = None):
         if only_region in (None, reg):
             writer = RunStore(run, regions, reg, writer=lid)
             c = _contribution(model, 0, lid, 1, rng)
-            writer.put_contribution(lid, 0, 1, c.payload, contribution_meta(c))
+            writer.contributions.put_contribution(lid, 0, 1, c.payload, contribution_meta(c))
             sent.append(lid)
     return cfg, regions, model, sent
 
@@ -602,7 +607,7 @@ def test_a_syncer_looks_at_a_learners_sends_at_the_pace_they_come(tmp_path):
 
     def send(seq: int) -> None:
         c = _contribution(model, 0, lid, seq, rng)
-        writer.put_contribution(lid, 0, seq, c.payload, contribution_meta(c))
+        writer.contributions.put_contribution(lid, 0, seq, c.payload, contribution_meta(c))
 
     def look(at: float, after: int) -> list[int]:
         now[0] = at
@@ -627,7 +632,7 @@ def test_a_syncer_looks_at_a_learners_sends_at_the_pace_they_come(tmp_path):
     assert look(400.0, 4) == [5]
     send(6)
     for other, region in run_slots(RunStore("pace", regions, "us-east").read_spec()).items():
-        RunStore("pace", regions, region, writer=other).write_metrics(
+        RunStore("pace", regions, region, writer=other).progress.write_metrics(
             other, {"state": "done", "budget_tokens": 10**12})  # fmt: skip
     assert transport.learners_finished() and look(400.2, 5) == [6]
 
@@ -642,7 +647,7 @@ def test_a_syncer_reads_only_the_newest_send_of_each_anchor(tmp_path, monkeypatc
     writer = RunStore("newest", regions, "us-east", writer=lid)
     for seq in (2, 3, 4):
         c = _contribution(model, 0, lid, seq, rng)
-        writer.put_contribution(lid, 0, seq, c.payload, contribution_meta(c))
+        writer.contributions.put_contribution(lid, 0, seq, c.payload, contribution_meta(c))
     for seq in (2, 4):  # both damaged: 4 is read (and rejected), 2 never is
         marker = read_marker(writer.home, writer.layout.contribution_marker(lid, 0, seq))
         obj = max(marker.objects, key=lambda k: marker.objects[k]["size"])
@@ -661,7 +666,7 @@ def test_a_syncer_reads_only_the_newest_send_of_each_anchor(tmp_path, monkeypatc
     assert syncer.poll() == len(sent)  # one per learner
     assert {seq for who, seq in read if who == lid} == {4, 3}  # never 1 or 2
     assert syncer.merge_and_publish(0)["merged"] == len(sent)
-    meta = RunStore("newest", regions, "us-east").global_marker(0, 1).meta
+    meta = RunStore("newest", regions, "us-east").versions.global_marker(0, 1).meta
     assert [lid, 3] in meta["consumed"] and [lid, 4] in [r[:2] for r in meta["rejected"]]
     assert sorted(x for x in meta["superseded"] if x[0] == lid) == [[lid, 1, 3], [lid, 2, 3]]
     # The audit: seq 4's damage was found and refused; seq 2's reached no model (it was
@@ -678,7 +683,7 @@ def test_launcher_evaluation_outlives_a_corrupt_newest_version(tmp_path, caplog)
     syncer.poll()
     assert syncer.merge_and_publish(0)["version"] == 1
     store = RunStore("bad", regions, "us-east")
-    marker = store.global_marker(0, 1)
+    marker = store.versions.global_marker(0, 1)
     obj = max(marker.objects, key=lambda k: marker.objects[k]["size"])
     path = tmp_path / "us" / marker.data_prefix / obj
     path.write_bytes(path.read_bytes()[:-3])  # truncated by a faulty disk
@@ -701,7 +706,7 @@ def test_a_corrupt_newest_version_at_home_does_not_stop_its_syncer(tmp_path, cap
     syncer.poll()
     assert syncer.merge_and_publish(0)["version"] == 1
     store = RunStore("lost", regions, "us-east")
-    marker = store.global_marker(0, 1)
+    marker = store.versions.global_marker(0, 1)
     path = tmp_path / "us" / marker.data_prefix / max(marker.objects, key=lambda k: marker.objects[k]["size"])  # fmt: skip
     path.write_bytes(b"\0" + path.read_bytes()[1:])  # a bad sector
     with caplog.at_level("ERROR"):
@@ -709,7 +714,7 @@ def test_a_corrupt_newest_version_at_home_does_not_stop_its_syncer(tmp_path, cap
     assert any("versions [1] cannot be read" in r.message for r in caplog.records)
     assert restarted.poll() == len(sent)  # v1's merges, read again
     assert restarted.merge_and_publish(0)["version"] == 2
-    meta = store.global_marker(0, 2).meta
+    meta = store.versions.global_marker(0, 2).meta
     assert meta["lost_versions"] == [1] and sorted(map(tuple, meta["consumed"])) == sorted(
         (lid, 1) for lid in sent
     )
@@ -736,7 +741,7 @@ def test_a_failed_publish_whose_reload_fails_too_leaves_no_gap(tmp_path):
     transport.publish, transport.load_fragment = publish, load
     assert syncer.poll() == len(sent)  # read back, and the contributions again
     assert syncer.merge_and_publish(0)["version"] == 1
-    meta = RunStore("gap", regions, "us-east").global_marker(0, 1).meta
+    meta = RunStore("gap", regions, "us-east").versions.global_marker(0, 1).meta
     assert sorted(map(tuple, meta["consumed"])) == sorted((lid, 1) for lid in sent)
     assert audit_run("gap", regions).ok
 
@@ -778,7 +783,7 @@ def test_start_up_says_what_each_learner_is_doing(tmp_path):
     store = RunStore("phases", regions, "us-east")
     lid, region = next(iter(run_slots(store.read_spec()).items()))
     writer = RunStore("phases", {region: regions[region]}, region, writer=lid)
-    writer.write_metrics(
+    writer.progress.write_metrics(
         lid,
         {"state": "training", "step": 40, "tokens": 1234},
         totals={"train_seconds": 12.5, "startup_seconds": 3.0},
@@ -788,7 +793,7 @@ def test_start_up_says_what_each_learner_is_doing(tmp_path):
 
     def spy(self, state):
         announce(self, state)
-        seen.append(dict(writer.read_metrics(lid)))
+        seen.append(dict(writer.progress.read_metrics(lid)))
 
     LearnerRuntime.announce = spy
     try:
@@ -834,7 +839,7 @@ def test_a_crash_looping_worker_is_given_up_by_name_and_not_waited_for(tmp_path,
         launch()
     assert "exited with status 3" in str(err.value) and "no GPU here" in str(err.value)
     store = RunStore("loop", regions, "us-east")
-    assert list(store.read_metrics("launcher")["given_up"]) == ["learner-0"]
+    assert list(store.progress.read_metrics("launcher")["given_up"]) == ["learner-0"]
     syncer = SyncerRuntime("loop", regions, "us-east", 0, 2, cfg.pipeline.model_dump())
     assert not syncer.transport.learners_finished()  # the others have not finished
     for lid in ("learner-1", "learner-2", "learner-3"):
@@ -882,7 +887,7 @@ def preempted_worker(
     plan = range(cfg.topology.fragments)
 
     def sent() -> bool:
-        return any(store.contribution_seqs(lid, p, region) for p in plan)
+        return any(store.contributions.contribution_seqs(lid, p, region) for p in plan)
 
     def tell(proc: subprocess.Popen) -> None:
         if notice is not None:
@@ -924,10 +929,10 @@ def test_a_learner_worker_told_it_is_preempted_sends_checkpoints_and_leaves(
     if notice is not None:
         assert f"watching for a preemption notice (aws at {notice.url})" in text, text[-3000:]
         assert f"preemption notice (aws at {notice.url}): terminate at" in text, text[-3000:]
-    status = store.read_metrics(lid)
+    status = store.progress.read_metrics(lid)
     assert status["state"] == "preempted", status
     step = status["step"]
-    assert store.checkpoint_steps(lid)[-1] == step, text[-3000:]
+    assert store.checkpoints.checkpoint_steps(lid)[-1] == step, text[-3000:]
     assert f"checkpointed at step {step}" in text and "preempted: learner" in text
     marker = read_marker(store.home, store.layout.checkpoint_marker(lid, step))
     assert sorted(marker.meta.get("parts", {})) == [f"opt.p{i:04d}" for i in range(processes)
@@ -1000,9 +1005,9 @@ def test_a_stop_whose_interrupt_is_lost_still_stops_a_learners_worker(
             signal.signal(signum, handler)
     assert code == 130, code  # stopped after one round (of the three in its budget)
     assert ends == (["Completed"] if lost == "as its flow run ends" else []), ends
-    status = store.read_metrics(lid)
+    status = store.progress.read_metrics(lid)
     assert status["state"] != "done" and status["step"] == 20, status
-    assert store.checkpoint_steps(lid)[-1] == 20
+    assert store.checkpoints.checkpoint_steps(lid)[-1] == 20
 
 
 def test_a_worker_stopped_by_the_launcher_checkpoints_and_its_flow_run_ends_cancelled(
@@ -1023,12 +1028,13 @@ def test_a_worker_stopped_by_the_launcher_checkpoints_and_its_flow_run_ends_canc
 
     def sent() -> bool:
         return any(
-            store.contribution_seqs(lid, p, "us-east") for p in range(cfg.topology.fragments)
+            store.contributions.contribution_seqs(lid, p, "us-east")
+            for p in range(cfg.topology.fragments)
         )
 
     _, text = told_to_leave(argv, child_env(), tmp_path / "learner.log", sent,
                             lambda proc: proc.send_signal(signal.SIGINT), status=130)  # fmt: skip
-    step = store.checkpoint_steps(lid)[-1]
+    step = store.checkpoints.checkpoint_steps(lid)[-1]
     assert f"Finished in state Cancelled('stopped by a signal: checkpointed at step {step}')" in (
         text), text[-3000:]  # fmt: skip
     assert "Traceback" not in text, text[-3000:]
@@ -1060,7 +1066,7 @@ def test_a_deployments_learner_flow_run_drains_its_io_before_its_process_ends(
     with inject(slow):
         first = flows.learner.learner_flow(**params)
     assert first["step"] == 20 and not first["done"], first
-    assert store.checkpoint_steps(lid)[-1] == 20  # written before the flow run returned
+    assert store.checkpoints.checkpoint_steps(lid)[-1] == 20  # written before the flow run returned
     assert not flows.learner._RUNTIMES, "a deployment's flow run kept its runtime"
     second = flows.learner.learner_flow(**params)  # the next flow run: a fresh runtime
     assert second["step"] == 40, second  # resumed from step 20, not trained again
@@ -1088,7 +1094,9 @@ def test_the_syncers_members_follow_the_learners_statuses(tmp_path, caplog, monk
     }
 
     def status(lid: str, state: str) -> None:
-        writers[lid].write_metrics(lid, {"state": state, "time": now[0], "step": int(now[0])})
+        writers[lid].progress.write_metrics(
+            lid, {"state": state, "time": now[0], "step": int(now[0])}
+        )
 
     def look(after: float) -> list[str]:
         now[0] += after
@@ -1112,7 +1120,7 @@ def test_the_syncers_members_follow_the_learners_statuses(tmp_path, caplog, monk
         record = {"learner": lid, "host": f"host-of-{lid}", "took": "preempted", "join": 1,
                   "time": time.time()}  # fmt: skip
         body = json.dumps(sign_record(record, learner_key(secret, "members", signer)))
-        writers[lid].put_join(lid, lambda n, body=body: body.encode())
+        writers[lid].members.put_join(lid, lambda n, body=body: body.encode())
     status("learner-1", "training")
     status("learner-2", "training")
     assert sorted(look(5)) == everyone
@@ -1408,17 +1416,17 @@ def test_a_far_future_sequence_number_is_rejected_and_disables_nothing(tmp_path)
     writer = RunStore("future", regions, region, writer=lid)
     rng = np.random.default_rng(5)
     forged = _contribution(model, 0, lid, 10**9, rng)
-    writer.put_contribution(lid, 0, 10**9, forged.payload, contribution_meta(forged))
+    writer.contributions.put_contribution(lid, 0, 10**9, forged.payload, contribution_meta(forged))
     syncer = SyncerRuntime("future", regions, "us-east", 0, 1, cfg.pipeline.model_dump())
     assert syncer.poll() == len(sent) == 4  # the forged one is not among them
     assert [(r["learner"], r["seq"]) for r in syncer.rejected] == [(lid, 10**9)]
     assert "beyond the" in syncer.rejected[0]["reason"]
     real = _contribution(model, 0, lid, 2, rng)  # the learner's next real send
-    writer.put_contribution(lid, 0, 2, real.payload, contribution_meta(real))
+    writer.contributions.put_contribution(lid, 0, 2, real.payload, contribution_meta(real))
     assert syncer.poll() == 1 and len(syncer.rejected) == 1  # reported once
     row = syncer.merge_and_publish(0)
     assert row["version"] == 1
-    cursor = RunStore("future", regions, "us-east").global_marker(0, 1).meta["cursor"]
+    cursor = RunStore("future", regions, "us-east").versions.global_marker(0, 1).meta["cursor"]
     assert cursor[lid] == 2
 
 
@@ -1445,14 +1453,14 @@ def test_a_learner_resumed_on_a_stale_listing_never_reuses_a_sequence_number(tmp
         new.put_contribution(_contribution(model, 1, lid, seq + 1, rng))
     assert injector.counts()["stale_list"] >= 2  # both fragments' listings were stale
     assert seq >= 19 and step == 19, (seq, step)
-    committed = RunStore("stale", regions, region).contribution_seqs(lid, 1, region)
+    committed = RunStore("stale", regions, region).contributions.contribution_seqs(lid, 1, region)
     assert committed[-1] == seq + 1 and committed[-2] == 19
     # The old process, still running, holds no number above the new one's first.
     with pytest.raises(SeqNotReserved, match=f"{lid}.*another process"):
         old.put_contribution(_contribution(model, 0, lid, seq + 2, rng))
     # A forged (unsigned) marker far ahead is listed, but is not the learner's own.
     forged = _contribution(model, 0, lid, 10**6, rng)
-    RunStore("stale", regions, region, writer="forger").put_contribution(
+    RunStore("stale", regions, region, writer="forger").contributions.put_contribution(
         lid, 0, 10**6, forged.payload, contribution_meta(forged)
     )
     third = bucket_store("stale", regions, spec, cfg, lid, home=region)
@@ -1470,7 +1478,7 @@ def test_a_syncers_cross_region_bytes_show_while_its_flow_run_goes_on(tmp_path):
     syncer = SyncerRuntime("live", regions, "us-east", 0, 2, cfg.pipeline.model_dump())
     assert syncer.poll() == len(sent) == 4  # two of them from eu-west, read from us-east
     assert syncer.merge_and_publish(0)["version"] == 1  # published to both regions
-    status = store.read_metrics("syncer-0")
+    status = store.progress.read_metrics("syncer-0")
     assert status["state"] == "running" and status["versions"] == {"0": 1}
     assert cross_region_bytes(monitor.traffic()[0]) > 0
 
@@ -1489,7 +1497,7 @@ def test_syncer_runtime_survives_a_region_that_is_down(tmp_path):
     os.rename(tmp_path / "eu-gone", tmp_path / "eu")
     syncer.catch_up_regions()  # ... and caught up once it is back
     assert syncer.lagging == set()
-    assert store.latest_global(0, "eu-west") == 1
+    assert store.versions.latest_global(0, "eu-west") == 1
 
 
 @pytest.mark.slow
@@ -1512,7 +1520,9 @@ def test_a_resume_keeps_the_runs_budget_and_a_larger_one_extends_it(prefect_api,
     regions = {r: f"file://{tmp_path / 'r' / 'buckets' / r}" for r in ("us-east", "eu-west")}
     store = RunStore("r", regions, "us-east")
     spec = store.read_spec()
-    steps = {lid: store.read_metrics(lid, reg)["step"] for lid, reg in run_slots(spec).items()}
+    steps = {
+        lid: store.progress.read_metrics(lid, reg)["step"] for lid, reg in run_slots(spec).items()
+    }
     # Learners sharing a budget stop once the versions they hold say it is spent, so fast
     # ones overshoot it by what they train in a round trip: the extension is set above
     # what the first run did, however far that went on this machine.
@@ -1527,7 +1537,7 @@ def test_a_resume_keeps_the_runs_budget_and_a_larger_one_extends_it(prefect_api,
     cfg = config_from_spec(store.read_spec())
     after = {}
     for lid, reg in run_slots(spec).items():
-        status = store.read_metrics(lid, reg)
+        status = store.progress.read_metrics(lid, reg)
         assert status["state"] == "done" and status["budget_tokens"] == tokens, status
         after[lid] = status["step"]
     assert sum(after.values()) >= cfg.budget_steps > sum(steps.values())
@@ -1557,18 +1567,18 @@ def test_a_syncer_catches_a_full_region_up_with_backoff_and_says_so_once(
             syncer.loop.transport.tend()  # a try to catch eu-west up: refused (ENOSPC)
             for lid in sent:  # more work, another version, and the loop looks on and on
                 c = replace(_contribution(model, 0, lid, 2, rng), base_version=1, anchor_seq=2)
-                RunStore("full", regions, "us-east", writer=lid).put_contribution(
+                RunStore("full", regions, "us-east", writer=lid).contributions.put_contribution(
                     lid, 0, 2, c.payload, contribution_meta(c)
                 )
             assert syncer.poll() == 2 and syncer.merge_and_publish(0)["version"] == 2
             tried = injector.counts()["disk_full"]  # v2's publish was refused there too
             for _ in range(50):
                 syncer.loop.transport.tend()
-            assert syncer.lagging == {0} and store.latest_global(0, "eu-west") == 0
+            assert syncer.lagging == {0} and store.versions.latest_global(0, "eu-west") == 0
             assert injector.counts()["disk_full"] == tried  # no write asked at every look
             injector.free_disk("eu-west")
             syncer.catch_up_regions()
-        assert syncer.lagging == set() and store.latest_global(0, "eu-west") == 2
+        assert syncer.lagging == set() and store.versions.latest_global(0, "eu-west") == 2
     said = [r.getMessage() for r in caplog.records if r.name.startswith("diloco")]
     assert len([m for m in said if "not in {'eu-west'" in m]) == 1, said
     assert len([m for m in said if "every region holds v2 again" in m]) == 1, said
@@ -1591,7 +1601,7 @@ def test_syncers_collect_what_no_learner_needs_and_gc_does_it_by_hand(tmp_path, 
     for lid, reg in run_slots(store.read_spec()).items():
         for seq in (2, 3):  # newer sends from the same anchor
             c = _contribution(model, 0, lid, seq, rng)
-            RunStore("gc", regions, reg, writer=lid).put_contribution(
+            RunStore("gc", regions, reg, writer=lid).contributions.put_contribution(
                 lid, 0, seq, c.payload, contribution_meta(c)
             )
     # What writers killed mid-write (or failed by a full disk) left two hours ago, and a
@@ -1615,13 +1625,13 @@ def test_syncers_collect_what_no_learner_needs_and_gc_does_it_by_hand(tmp_path, 
     assert syncer.merge_and_publish(0)["merged"] == 4
     syncer.loop.transport.tend()  # what the loop does after every look
     for lid, reg in run_slots(store.read_spec()).items():
-        assert store.contribution_seqs(lid, 0, reg) == [3], lid
+        assert store.contributions.contribution_seqs(lid, 0, reg) == [3], lid
     # Abandoned over an hour ago: collected as the syncer goes; in flight: kept.
     assert not [p for p in stale if p.exists()] and young.exists()
-    assert store.global_versions(0) == [0, 1]
+    assert store.versions.global_versions(0) == [0, 1]
     code = cli_main(["gc", regions["us-east"], "--run", "gc", "--keep", "1"])
     assert code == 0 and "deleted 0 contributions" in capsys.readouterr().out
-    assert store.global_versions(0) == [0, 1]  # max_staleness + 2 versions are always kept
+    assert store.versions.global_versions(0) == [0, 1]  # max_staleness + 2 versions are always kept
     # by default gc keeps what the run keeps: its launch's keep_versions, or what it needs
     window = cfg.outer.max_staleness + 2
     for settings, kept in (({}, window), ({"keep_versions": window + 3}, window + 3)):

@@ -17,20 +17,11 @@ from storage_layout import record
 from storage_layout.bucket import Bucket
 from storage_layout.heartbeat import MAX_BYTES, Heartbeat
 from storage_layout.inspect import inspect_bucket
+from storage_layout.members import Generation, Join, SeqBlock
+from storage_layout.part import Written
+from storage_layout.progress import STATUS_BYTES, Status
 from storage_layout.retention import LEDGER_BYTES, LedgerEntry
-from storage_layout.store import (
-    SPEC_BYTES,
-    STATUS_BYTES,
-    Budget,
-    Generation,
-    Join,
-    Pipeline,
-    RunStore,
-    SeqBlock,
-    Spec,
-    Status,
-    Written,
-)
+from storage_layout.store import SPEC_BYTES, Budget, Pipeline, RunStore, Spec
 
 KINDS = [(LockClaim, record.SMALL), (Heartbeat, MAX_BYTES), (Written, record.SMALL),
          (SeqBlock, record.SMALL), (Generation, record.SMALL), (Join, record.SMALL),

@@ -28,7 +28,7 @@ def test_retention_runs_once_per_its_cadence_after_a_publish(tmp_path):
         (tmp_path / region).mkdir()
     main = RunStore("run", regions, "us", writer="syncer")
     main.ensure_spec({"learners": {"learner-0": "eu"}, "fragments": [list(SHAPES)]})
-    main.publish_global(0, 0, _params(0), [], {"weights": {}}, "bf16")
+    main.versions.publish_global(0, 0, _params(0), [], {"weights": {}}, "bf16")
     store = BucketStore("run", regions, "us", {"learner-0": "eu"}, "bf16", "syncer")
     now = [0.0]
     transport = PipelineSyncerTransport(
@@ -45,19 +45,19 @@ def test_retention_runs_once_per_its_cadence_after_a_publish(tmp_path):
         now[0] += 5.0
         publish(version)
     assert transport.retention_passes == 0
-    assert main.global_versions(0) == [0, 1, 2, 3, 4, 5]
+    assert main.versions.global_versions(0) == [0, 1, 2, 3, 4, 5]
     now[0] = 30.0
     publish(6)  # the cadence is up: one pass, the versions past keep_versions go
     assert transport.retention_passes == 1
-    kept = main.global_versions(0)
+    kept = main.versions.global_versions(0)
     assert kept[0] > 0 and kept[-1] == 6 and len(kept) < 7, kept
     publish(7)  # the next publish, straight after: no pass
     assert transport.retention_passes == 1
-    assert main.global_versions(0) == [*kept, 7]
+    assert main.versions.global_versions(0) == [*kept, 7]
     now[0] = 100.0
     transport.tend()  # a later look, the cadence up: the pass that waited
     assert transport.retention_passes == 2
-    assert main.global_versions(0) == [v + 1 for v in kept]
+    assert main.versions.global_versions(0) == [v + 1 for v in kept]
     now[0] = 200.0
     transport.tend()  # time is up again, but nothing was published since: no pass
     assert transport.retention_passes == 2

@@ -113,17 +113,17 @@ def test_a_stored_version_of_the_old_format_reads(tmp_path):
     store = RunStore("r", {"us": f"file://{tmp_path}"}, "us", writer="syncer")
     params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
     meta = {"fragment": 0, "version": 1}
-    objects = RunStore.global_objects(params, [np.ones((2, 3), np.float32)], meta, "bf16")
+    objects = RunStore.versions.global_objects(params, [np.ones((2, 3), np.float32)], meta, "bf16")
     for group in ("params", "opt", "wire"):
         objects = as_old_format(objects, group)
     write_id = new_write_id()
     commit_version(store.home, store.layout.global_marker(0, 1),
                    store.layout.global_data(0, 1, write_id), objects, "global", meta,
                    "old-syncer", write_id)  # fmt: skip
-    state = store.get_global(0, 1)
+    state = store.versions.get_global(0, 1)
     np.testing.assert_array_equal(state.params["w"], params["w"])
     assert state.opt_names == ["0000"] and state.opt_leaves[0].tolist() == [[1.0] * 3] * 2
-    assert store.get_global(0, 1, learner_view=True).params["w"][1, 2] == 5.0
+    assert store.versions.get_global(0, 1, learner_view=True).params["w"][1, 2] == 5.0
 
 
 # --- the latest pointer -------------------------------------------------------------------
@@ -134,7 +134,9 @@ def pointer(store: RunStore, region: str, fragment: int = 0) -> dict:
 
 
 def publish(store: RunStore, version: int) -> None:
-    store.publish_global(0, version, {"w": np.full(3, version, np.float32)}, [], {}, "bf16")
+    store.versions.publish_global(
+        0, version, {"w": np.full(3, version, np.float32)}, [], {}, "bf16"
+    )
 
 
 def test_each_region_points_at_its_newest_version(make_bucket):
@@ -146,7 +148,7 @@ def test_each_region_points_at_its_newest_version(make_bucket):
         p = pointer(store, region)
         assert (p["fragment"], p["version"]) == (0, 1)
         assert p["marker"] == store.layout.global_marker(0, 1)
-        assert p["data_prefix"] == store.global_marker(0, 1, region).data_prefix
+        assert p["data_prefix"] == store.versions.global_marker(0, 1, region).data_prefix
     assert store.bucket("us").list("r/globals/f0000") == ["commits", "data", "latest.json"]
 
 
@@ -155,7 +157,7 @@ def test_a_region_brought_up_to_date_gets_its_pointer(make_bucket):
     home = RunStore("r", {"us": regions["us"]}, "us", writer="syncer")
     publish(home, 0)  # eu does not know about it
     both = RunStore("r", regions, "us", writer="syncer")
-    assert both.sync_regions(0) == {"eu": 0}
+    assert both.versions.sync_regions(0) == {"eu": 0}
     assert pointer(both, "eu")["version"] == 0
 
 
@@ -171,8 +173,8 @@ def test_a_failed_pointer_write_never_fails_the_commit(tmp_path, monkeypatch, ca
 
     monkeypatch.setattr(Bucket, "put", put)
     with caplog.at_level(logging.WARNING, logger="storage_layout.store"):
-        report = store.publish_global(0, 1, {"w": np.ones(3, np.float32)}, [], {}, "bf16")
-    assert report.committed == ["us"] and store.latest_global(0) == 1
+        report = store.versions.publish_global(0, 1, {"w": np.ones(3, np.float32)}, [], {}, "bf16")
+    assert report.committed == ["us"] and store.versions.latest_global(0) == 1
     assert "latest.json" in caplog.text and "did not answer" in caplog.text
     assert pointer(store, "us")["version"] == 0  # stale: the markers are the truth
 
@@ -182,7 +184,9 @@ def test_audit_inspect_and_retention_ignore_the_pointer(tmp_path):
     store = RunStore("r", {"us": url}, "us", writer="syncer")
     store.ensure_spec({"regions": {"us": url}, "learners": {"l0": "us"}, "fragments": [["w"]]})
     for v in range(4):
-        store.publish_global(0, v, {"w": np.full(3, v, np.float32)}, [], {"cursor": {}}, "bf16")
+        store.versions.publish_global(
+            0, v, {"w": np.full(3, v, np.float32)}, [], {"cursor": {}}, "bf16"
+        )
     report = inspect_bucket(url, verify=True)
     run = report["runs"][0]
     assert run["problems"] == [] and run["fragments"][0]["newest"] == 3
@@ -191,7 +195,7 @@ def test_audit_inspect_and_retention_ignore_the_pointer(tmp_path):
     assert audit.ok, audit.violations
     gc = collect_garbage(store, 1, {"l0": "us"}, window=1, orphan_age=0.0)
     assert gc.globals_deleted == 2 and gc.orphans_deleted == 0 and not gc.problems
-    assert store.global_versions(0) == [2, 3] and pointer(store, "us")["version"] == 3
+    assert store.versions.global_versions(0) == [2, 3] and pointer(store, "us")["version"] == 3
 
 
 # --- named optimizer leaves --------------------------------------------------------------
@@ -233,10 +237,10 @@ def test_a_syncer_publishes_named_leaves_and_resumes_from_them(tmp_path):
     leaves = [np.full((3,), 1.0, np.float32), np.full((2, 3), 2.0, np.float32)]
     gv = GlobalVersion(0, 1, PARAMS, None, (), {}, {}, {}, 0, 0.0)
     assert store.publish(gv, leaves, {"cursor": {}})
-    state = store.main.get_global(0, 1)
+    state = store.main.versions.get_global(0, 1)
     assert state.opt_names == ["0/trace/a.scale", "0/trace/b.kernel"]
     opt_zarr = json.loads(
-        store.main.home.get(f"{store.main.global_marker(0, 1).data_prefix}/opt/zarr.json")
+        store.main.home.get(f"{store.main.versions.global_marker(0, 1).data_prefix}/opt/zarr.json")
     )
     assert [t["name"] for t in opt_zarr["attributes"]["tensors"]] == state.opt_names
     stored = store.load_fragment(0, window=4)  # the state is read a piece at a time
@@ -244,8 +248,8 @@ def test_a_syncer_publishes_named_leaves_and_resumes_from_them(tmp_path):
         x.tolist() for x in leaves
     ]
     # A version with positional leaves (written before names) resumes the same way.
-    store.main.publish_global(0, 2, PARAMS, leaves, {"cursor": {}}, "bf16")
-    assert store.main.get_global(0, 2).opt_names == ["0000", "0001"]
+    store.main.versions.publish_global(0, 2, PARAMS, leaves, {"cursor": {}}, "bf16")
+    assert store.main.versions.get_global(0, 2).opt_names == ["0000", "0001"]
     stored = store.load_fragment(0, window=4)
     assert stored.version == 2
     assert [x.tolist() for x in slot_leaves(stored.opt_leaves, PARAMS)] == [

@@ -94,7 +94,7 @@ WORKER = textwrap.dedent(
                 [s.data.shape for s in arr.addressable_shards])
         if tag == "f4":
             store = RunStore("r", {"us": bucket}, "us")
-            store.put_checkpoint("l0", lrn.step, {"opt": optimizer_leaves(lrn.opt_state)}, {})
+            store.checkpoints.put_checkpoint("l0", lrn.step, {"opt": optimizer_leaves(lrn.opt_state)}, {})
             saved = dict(optimizer_leaves(lrn.opt_state))
     for tag in ("d1", "f2"):
         trainer = trainers[tag]
@@ -240,7 +240,7 @@ def test_a_streamed_checkpoint_is_the_same_objects_as_a_whole_one(tmp_path):
     ):
         (tmp_path / name).mkdir()
         store = RunStore("r", {"us": f"file://{tmp_path / name}"}, "us")
-        markers.append(store.put_checkpoint("l0", 3, {"opt": group}, {"seq": 1}))
+        markers.append(store.checkpoints.put_checkpoint("l0", 3, {"opt": group}, {"seq": 1}))
     assert markers[0].objects == markers[1].objects and markers[0].objects
 
 
@@ -268,7 +268,7 @@ def test_a_checkpoint_is_taken_from_the_devices_once_and_read_where_it_is_placed
             return super().__getitem__(name)
 
     store = RunStore("r", {"us": f"file://{tmp_path}"}, "us")
-    store.put_checkpoint("l0", 3, {"opt": Counted(opt)}, {"seq": 1})
+    store.checkpoints.put_checkpoint("l0", 3, {"opt": Counted(opt)}, {"seq": 1})
     assert sorted(taken) == sorted(optimizer_leaves(opt)) and taken
     read: dict[str, list[tuple[int, int]]] = {}
     piece = ReaderTensors.piece
@@ -333,10 +333,10 @@ def test_writing_a_checkpoint_leaves_no_host_copy_on_the_state_it_holds(tmp_path
     np.asarray(probe)
     assert probe._npy_value is not None  # jax's cache, which the writers must not fill
     store = RunStore("r", {"us": f"file://{tmp_path}"}, "us")
-    store.put_checkpoint("l0", 3, {"opt": optimizer_leaves(opt)}, {"seq": 1})
-    store.put_checkpoint_part("l0", 4, "ab" * 8, 0, part := HostPart(opt, "ab" * 8, 0, 1),
+    store.checkpoints.put_checkpoint("l0", 3, {"opt": optimizer_leaves(opt)}, {"seq": 1})
+    store.checkpoints.put_checkpoint_part("l0", 4, "ab" * 8, 0, part := HostPart(opt, "ab" * 8, 0, 1),
                               part.slices)  # fmt: skip
-    assert store.commit_checkpoint_parts("l0", 4, "ab" * 8, 1, {"seq": 1})
+    assert store.checkpoints.commit_checkpoint_parts("l0", 4, "ab" * 8, 1, {"seq": 1})
     held = [x for x in leaves if x._npy_value is not None]
     assert not held, f"{len(held)} of {len(leaves)} leaves keep a host copy"
 
@@ -357,10 +357,10 @@ def test_the_pipeline_with_sharded_learners_merges_what_the_simulator_merges(tmp
     assert trainer.fsdp == 2 and trainer._train_step._cache_size() == 1
     worst = 0.0
     for p in range(cfg.topology.fragments):
-        versions = sa.global_versions(p)
-        assert sb.global_versions(p) == versions and len(versions) > 3, p
+        versions = sa.versions.global_versions(p)
+        assert sb.versions.global_versions(p) == versions and len(versions) > 3, p
         for v in versions:
-            ga, gb = sa.get_global(p, v), sb.get_global(p, v)
+            ga, gb = sa.versions.get_global(p, v), sb.versions.get_global(p, v)
             assert ga.meta["consumed"] == gb.meta["consumed"], (p, v)
             for name, value in ga.params.items():
                 diff = np.linalg.norm(gb.params[name] - value) / max(np.linalg.norm(value), 1e-12)
@@ -377,8 +377,10 @@ def _parted_checkpoint(tmp_path: Path, boxes1: dict | None = None) -> RunStore:
     store = RunStore("r", {"us": f"file://{tmp_path}"}, "us", writer="l0")
     w = np.arange(24, dtype=np.float32).reshape(4, 6)
     boxes1 = boxes1 or {"w#0": {"leaf": "w", "index": [[2, 4], [0, 6]]}}
-    store.put_checkpoint_part("l0", 4, "ab" * 8, 1, ArrayTensors({"w#0": w[2:]}), boxes1)
-    store.put_checkpoint_part(
+    store.checkpoints.put_checkpoint_part(
+        "l0", 4, "ab" * 8, 1, ArrayTensors({"w#0": w[2:]}), boxes1
+    )
+    store.checkpoints.put_checkpoint_part(
         "l0", 4, "ab" * 8, 0, ArrayTensors({"w#0": w[:2], "count#0": np.float32(3)}),
         {"w#0": {"leaf": "w", "index": [[0, 2], [0, 6]]}, "count#0": {"leaf": "count", "index": []}},
     )  # fmt: skip
@@ -410,10 +412,12 @@ def test_a_checkpoint_in_hosts_parts_is_committed_once_all_are_written_and_read_
     from flows.bucket_io import read_checkpoint
 
     store = _parted_checkpoint(tmp_path)
-    assert store.checkpoint_steps("l0") == []  # nothing committed by the parts alone
-    marker = store.commit_checkpoint_parts("l0", 4, "ab" * 8, 2, {"seq": 7, "data_position": 4})
+    assert store.checkpoints.checkpoint_steps("l0") == []  # nothing committed by the parts alone
+    marker = store.checkpoints.commit_checkpoint_parts(
+        "l0", 4, "ab" * 8, 2, {"seq": 7, "data_position": 4}
+    )
     assert set(marker.meta["parts"]) == {"opt.p0000", "opt.p0001"}
-    assert store.checkpoint_steps("l0") == [4]
+    assert store.checkpoints.checkpoint_steps("l0") == [4]
     state, meta = read_checkpoint(store, "l0", 4, _template(), _place_on_two_devices)
     assert meta["seq"] == 7
     np.testing.assert_array_equal(np.asarray(state["w"]), np.arange(24).reshape(4, 6))
@@ -432,18 +436,20 @@ def test_a_checkpoint_in_parts_with_a_part_missing_forged_or_not_tiling_is_refus
 
     store = _parted_checkpoint(tmp_path / "a")
     with pytest.raises(TimeoutError, match="part 2 of 3 was not written"):
-        store.commit_checkpoint_parts("l0", 4, "ab" * 8, 3, {"seq": 1}, timeout=0.2, poll=0.05)
-    assert store.checkpoint_steps("l0") == []
+        store.checkpoints.commit_checkpoint_parts(
+            "l0", 4, "ab" * 8, 3, {"seq": 1}, timeout=0.2, poll=0.05
+        )
+    assert store.checkpoints.checkpoint_steps("l0") == []
     # a manifest that claims another part's objects is not taken
     prefix = store.layout.checkpoint_data("l0", 4, "ab" * 8)
     key = f"{prefix}/parts/opt.p0001.json"
     forged = store.home.get(key).replace(b'"opt.p0001/', b'"opt.p0000/')
     store.home.put(key, forged)
     with pytest.raises(CorruptVersion, match=r"outside opt\.p0001/"):
-        store.commit_checkpoint_parts("l0", 4, "ab" * 8, 2, {"seq": 1})
-    assert store.checkpoint_steps("l0") == []
+        store.checkpoints.commit_checkpoint_parts("l0", 4, "ab" * 8, 2, {"seq": 1})
+    assert store.checkpoints.checkpoint_steps("l0") == []
     # boxes that overlap (rows 1..3 and 0..1) are refused when read, naming the leaf
     store = _parted_checkpoint(tmp_path / "b", {"w#0": {"leaf": "w", "index": [[1, 3], [0, 6]]}})
-    store.commit_checkpoint_parts("l0", 4, "ab" * 8, 2, {"seq": 1})
+    store.checkpoints.commit_checkpoint_parts("l0", 4, "ab" * 8, 2, {"seq": 1})
     with pytest.raises(CorruptVersion, match="boxes of w do not tile"):
         read_checkpoint(store, "l0", 4, _template(), _place_on_two_devices)

@@ -48,12 +48,17 @@ def contribution(learner="l0", fragment=0, seq=1, base=0, kind="int4"):
 
 def put(store, c):
     """Commit ``c`` through the storage API (named tensors and JSON meta)."""
-    return store.put_contribution(c.learner, c.fragment, c.seq, c.payload, contribution_meta(c))
+    return store.contributions.put_contribution(
+        c.learner, c.fragment, c.seq, c.payload, contribution_meta(c)
+    )
 
 
 def get(store, learner, fragment, seq, region):
     return contribution_from(
-        learner, fragment, seq, *store.get_contribution(learner, fragment, seq, region)
+        learner,
+        fragment,
+        seq,
+        *store.contributions.get_contribution(learner, fragment, seq, region),
     )
 
 
@@ -67,7 +72,7 @@ def same_payload(a, b):
 
 def publish(store, fragment, version, value=1.0, meta=None):
     params = {"w": np.full((4, 3), value, np.float32), "b": np.arange(3, dtype=np.float32)}
-    return store.publish_global(
+    return store.versions.publish_global(
         fragment, version, params, [np.full((4, 3), 0.5, np.float32)], meta or {}, "bf16"
     )
 
@@ -116,11 +121,11 @@ def test_layout_keys_sort_in_version_order_and_names_are_checked():
 
 def test_contribution_round_trip_and_discovery(bucket_url):
     store = RunStore("run", {"us": bucket_url}, "us", writer="l0")
-    assert store.contribution_seqs("l0", 0, "us") == []
+    assert store.contributions.contribution_seqs("l0", 0, "us") == []
     sent = [contribution(seq=s) for s in (1, 2, 3)]
     for c in sent:
         put(store, c)
-    assert store.contribution_seqs("l0", 0, "us") == [1, 2, 3]
+    assert store.contributions.contribution_seqs("l0", 0, "us") == [1, 2, 3]
     got = get(store, "l0", 0, 2, "us")
     assert (got.base_version, got.tokens, got.steps, got.seconds) == (0, 4096, 8, 2.5)
     same_payload(sent[1], got)
@@ -159,7 +164,9 @@ def test_a_streamed_contribution_is_the_same_objects_and_marker(bucket_url):
     store = RunStore("run", {"us": bucket_url}, "us", writer="l0")
     shapes = {n: v.shape for n, v in values.items()}
     meta = {"base_version": 0, "tokens": 1, "steps": 1, "seconds": 1.0}
-    marker = store.put_contribution_stream("l0", 0, 1, shapes, "int4", 128, pieces, meta)
+    marker = store.contributions.put_contribution_stream(
+        "l0", 0, 1, shapes, "int4", 128, pieces, meta
+    )
     assert len(calls) == 2  # hashed, then uploaded: never held whole
     key = store.layout.contribution_marker("l0", 0, 1)
     objects = encode({"delta": whole}, {"kind": "contribution"})
@@ -170,10 +177,10 @@ def test_a_streamed_contribution_is_the_same_objects_and_marker(bucket_url):
     m = marker.meta
     assert (m["learner"], m["fragment"], m["seq"]) == ("l0", 0, 1)
     assert m["payload_bytes"] == sum(q.nbytes for q in whole.values()) and "written_at" in m
-    tensors, _ = store.get_contribution("l0", 0, 1, "us")
+    tensors, _ = store.contributions.get_contribution("l0", 0, 1, "us")
     same_payload(SimpleNamespace(payload=whole), SimpleNamespace(payload=tensors))
     # put_contribution of the whole tensors: the same objects, under the same write id.
-    again = store.put_contribution("l0", 0, 2, whole, meta)
+    again = store.contributions.put_contribution("l0", 0, 2, whole, meta)
     assert again.objects == marker.objects
     assert again.write_id == content_write_id(store.layout.contribution_marker("l0", 0, 2), objects)
 
@@ -182,11 +189,13 @@ def test_a_streamed_contribution_is_signed_and_checked_by_its_reader(tmp_path):
     values, whole, pieces, _ = _streamed_payload(n=200_000)
     store = RunStore("run", {"us": f"file://{tmp_path}"}, "us", writer="l0")
     shapes = {n: v.shape for n, v in values.items()}
-    store.put_contribution_stream("l0", 0, 1, shapes, "int4", 128, pieces, {}, key=b"k" * 32)
-    tensors, _ = store.get_contribution("l0", 0, 1, "us", key=b"k" * 32)
+    store.contributions.put_contribution_stream(
+        "l0", 0, 1, shapes, "int4", 128, pieces, {}, key=b"k" * 32
+    )
+    tensors, _ = store.contributions.get_contribution("l0", 0, 1, "us", key=b"k" * 32)
     same_payload(SimpleNamespace(payload=whole), SimpleNamespace(payload=tensors))
     with pytest.raises(Unauthenticated):
-        store.get_contribution("l0", 0, 1, "us", key=b"x" * 32)
+        store.contributions.get_contribution("l0", 0, 1, "us", key=b"x" * 32)
 
 
 def test_pieces_that_change_between_their_two_calls_commit_nothing(tmp_path):
@@ -201,21 +210,21 @@ def test_pieces_that_change_between_their_two_calls_commit_nothing(tmp_path):
 
     shapes = {n: v.shape for n, v in values.items()}
     with pytest.raises(ValueError, match=r"other objects on its second call.*delta/data"):
-        store.put_contribution_stream("l0", 0, 1, shapes, "int4", 128, drifting, {})
-    assert store.contribution_seqs("l0", 0, "us") == []
+        store.contributions.put_contribution_stream("l0", 0, 1, shapes, "int4", 128, drifting, {})
+    assert store.contributions.contribution_seqs("l0", 0, "us") == []
 
 
 def test_global_versions_full_and_learner_view(bucket_url):
     store = RunStore("run", {"us": bucket_url}, "us", writer="syncer")
-    assert store.latest_global(0) is None
+    assert store.versions.latest_global(0) is None
     publish(store, 0, 1, 1.0, {"consumed": [["l0", 1]], "cursor": {"l0": 1}})
     publish(store, 0, 2, 1.0 + 2**-10)
-    assert store.global_versions(0) == [1, 2] and store.latest_global(0) == 2
-    full = store.get_global(0, 2)
+    assert store.versions.global_versions(0) == [1, 2] and store.versions.latest_global(0) == 2
+    full = store.versions.get_global(0, 2)
     assert full.params["w"][0, 0] == np.float32(1.0 + 2**-10) and len(full.opt_leaves) == 1
-    view = store.get_global(0, 2, learner_view=True)
+    view = store.versions.get_global(0, 2, learner_view=True)
     assert view.params["w"][0, 0] == 1.0 and view.opt_leaves == []  # bf16 on the wire
-    assert store.get_global(0, 1).meta["cursor"] == {"l0": 1}
+    assert store.versions.get_global(0, 1).meta["cursor"] == {"l0": 1}
 
 
 def test_racing_syncers_exactly_one_wins(bucket_url):
@@ -240,7 +249,7 @@ def test_racing_syncers_exactly_one_wins(bucket_url):
     loser = 1 - winners[0]
     assert f"committed by syncer-{winners[0]}" in str(outcome[loser])
     # The winner's version is intact: the loser wrote under its own write id only.
-    assert stores[loser].get_global(0, 1).params["w"][0, 0] == float(winners[0])
+    assert stores[loser].versions.get_global(0, 1).params["w"][0, 0] == float(winners[0])
 
 
 def test_lost_response_is_resolved_by_reading_the_marker_back(bucket_url):
@@ -256,7 +265,7 @@ def test_lost_response_is_resolved_by_reading_the_marker_back(bucket_url):
 
     bucket.put_exclusive = lossy
     publish(store, 0, 1)
-    assert len(calls) == 1 and store.latest_global(0) == 1  # no duplicate, no conflict
+    assert len(calls) == 1 and store.versions.latest_global(0) == 1  # no duplicate, no conflict
 
 
 def test_a_failed_read_back_is_asked_again(bucket_url):
@@ -281,7 +290,7 @@ def test_a_failed_read_back_is_asked_again(bucket_url):
 
     bucket.put_exclusive, bucket.get = lossy, flaky
     publish(store, 0, 1)
-    assert answers == [] and store.latest_global(0) == 1
+    assert answers == [] and store.versions.latest_global(0) == 1
 
 
 KILLED_WRITER = textwrap.dedent(
@@ -294,7 +303,7 @@ KILLED_WRITER = textwrap.dedent(
         print("data written", flush=True)
         time.sleep(600)
     store.home.put_exclusive = hang
-    store.publish_global(0, 1, {"w": np.ones(3, np.float32)}, [], {}, "fp32")
+    store.versions.publish_global(0, 1, {"w": np.ones(3, np.float32)}, [], {}, "fp32")
     """
 )
 
@@ -314,14 +323,14 @@ def test_writer_killed_between_data_and_marker(backend, make_bucket):
     reader = RunStore("run", {"us": url}, "us", writer="reader")
     data_dir = "run/globals/f0000/data"
     assert len(reader.home.list(data_dir)) == 1  # the orphan data is there...
-    assert reader.latest_global(0) is None  # ...but no reader sees the version
+    assert reader.versions.latest_global(0) is None  # ...but no reader sees the version
     publish(reader, 0, 1, 7.0)  # the retry completes it
-    assert reader.get_global(0, 1).params["w"][0, 0] == 7.0
+    assert reader.versions.get_global(0, 1).params["w"][0, 0] == 7.0
     # Retention removes the orphan once it is old enough, never the committed version.
     assert collect_garbage(reader, 1, {}, window=4, orphan_age=None).orphans_deleted == 0
     report = collect_garbage(reader, 1, {}, window=4, orphan_age=0.0)
     assert report.orphans_deleted == 1 and len(reader.home.list(data_dir)) == 1
-    assert reader.get_global(0, 1).params["w"][0, 0] == 7.0
+    assert reader.versions.get_global(0, 1).params["w"][0, 0] == 7.0
 
 
 # --- bad input and faults -------------------------------------------------------------------
@@ -343,19 +352,19 @@ def test_corrupt_truncated_and_missing_objects_are_detected(bucket_url):
     data[5] ^= 0x01
     bucket.put(chunk, bytes(data))
     with pytest.raises(CorruptVersion, match="does not match its sha256"):
-        store.get_global(0, 1)
+        store.versions.get_global(0, 1)
     _, keys = _version_objects(store, 0, 2)
     bucket.put(keys["params/data/c/0"], bucket.get(keys["params/data/c/0"])[:-3])
     with pytest.raises(CorruptVersion, match="the marker says"):
-        store.get_global(0, 2)
+        store.versions.get_global(0, 2)
     _, keys = _version_objects(store, 0, 3)
     bucket.delete([keys["params/data/c/0"]])
     with pytest.raises(CorruptVersion, match="listed in the marker is missing"):
-        store.get_global(0, 3)
+        store.versions.get_global(0, 3)
     marker, _ = _version_objects(store, 0, 4)
     bucket.delete_prefix(marker.data_prefix)  # a marker without its data
     with pytest.raises(CorruptVersion, match="missing"):
-        store.get_global(0, 4)
+        store.versions.get_global(0, 4)
 
 
 def test_bad_markers_and_foreign_files(bucket_url, caplog):
@@ -366,13 +375,13 @@ def test_bad_markers_and_foreign_files(bucket_url, caplog):
     bucket.put(layout.global_marker(0, 3), b'{"format": "diloco-co')
     bucket.put(f"{layout.global_commits(0)}/notes.txt", b"hello")
     with caplog.at_level("WARNING"):
-        assert store.global_versions(0) == [1, 2, 3]
+        assert store.versions.global_versions(0) == [1, 2, 3]
     assert "foreign object" in caplog.text
     with pytest.raises(CorruptVersion, match="format version 7"):
-        store.get_global(0, 2)
+        store.versions.get_global(0, 2)
     with pytest.raises(CorruptVersion, match="not JSON"):
-        store.get_global(0, 3)
-    assert store.get_global(0, 1).version == 1  # the good version still reads
+        store.versions.get_global(0, 3)
+    assert store.versions.get_global(0, 1).version == 1  # the good version still reads
 
 
 def test_nothing_committed_is_overwritten(bucket_url):
@@ -474,8 +483,8 @@ def test_two_regions_publish_everywhere_and_a_down_region_catches_up(make_bucket
 
     fsspec.filesystem("s3").mkdir(eu_later.removeprefix("s3://"))  # the region comes back
     syncer = RunStore("run", regions, "us", writer="syncer", traffic=syncer.traffic)
-    assert syncer.sync_regions(0) == {"eu": 1}
-    there = RunStore("run", regions, "eu", writer="l1").get_global(0, 1, learner_view=True)
+    assert syncer.versions.sync_regions(0) == {"eu": 1}
+    there = RunStore("run", regions, "eu", writer="l1").versions.get_global(0, 1, learner_view=True)
     assert there.params["w"][0, 0] == 1.0
     pairs = syncer.traffic.as_dict()
     assert pairs["us->eu"]["bytes"] > 0 and pairs["us->us"]["requests"] > 0
@@ -489,7 +498,7 @@ def test_syncer_reads_learners_in_other_regions(make_bucket):
     sent = contribution(learner="l1", seq=4)
     put(RunStore("run", regions, "eu", writer="l1"), sent)
     syncer = RunStore("run", regions, "us", writer="syncer")
-    assert syncer.contribution_seqs("l1", 0, "eu") == [4]
+    assert syncer.contributions.contribution_seqs("l1", 0, "eu") == [4]
     same_payload(sent, get(syncer, "l1", 0, 4, "eu"))
     assert syncer.traffic.as_dict()["eu->us"]["bytes"] > 0
 
@@ -508,13 +517,13 @@ def test_retention_keeps_what_learners_need(bucket_url):
         publish(store, 0, v, meta={"cursor": {"a": 2}, "consumed": decided})
     report = collect_garbage(store, 1, learners, window=2)
     assert report.contributions_deleted == 2  # a/1 and a/2 processed; a/3 and b/1 are not
-    assert store.contribution_seqs("a", 0, "us") == [3] and store.contribution_seqs(
-        "b", 0, "us"
-    ) == [1]
+    assert store.contributions.contribution_seqs("a", 0, "us") == [
+        3
+    ] and store.contributions.contribution_seqs("b", 0, "us") == [1]
     # newest 7, window 2 -> keep 5, 6, 7; plus 1 and 2 that pending contributions anchor on
-    assert store.global_versions(0) == [1, 2, 5, 6, 7]
+    assert store.versions.global_versions(0) == [1, 2, 5, 6, 7]
     assert report.pinned[0] == [1, 2] and report.bytes_freed > 0
-    assert store.get_global(0, 5).version == 5
+    assert store.versions.get_global(0, 5).version == 5
 
 
 def test_retention_never_deletes_the_newest_version_a_stale_listing_left_out(tmp_path):
@@ -531,11 +540,11 @@ def test_retention_never_deletes_the_newest_version_a_stale_listing_left_out(tmp
     plan = {"seed": 1, "stale_list_rate": 1.0, "regions": ["us"], "ops": ["list"]}
     with faults.inject(plan):
         lagging = RunStore("run", regions, "us", writer="syncer")
-        assert lagging.global_versions(0) == [0, 1, 2, 3]  # v4 is left out at home
+        assert lagging.versions.global_versions(0) == [0, 1, 2, 3]  # v4 is left out at home
         collect_garbage(lagging, 1, {}, window=1)
     # (newest 3 as home listed it, window 1: versions 0 and 1 go, everywhere)
-    assert store.global_versions(0) == store.global_versions(0, "eu") == [2, 3, 4]
-    assert store.get_global(0, 4).version == 4
+    assert store.versions.global_versions(0) == store.versions.global_versions(0, "eu") == [2, 3, 4]
+    assert store.versions.get_global(0, 4).version == 4
 
 
 def test_retention_collects_abandoned_temporaries_and_data_once_they_are_old(make_bucket):
@@ -550,7 +559,9 @@ def test_retention_collects_abandoned_temporaries_and_data_once_they_are_old(mak
     c = contribution(learner="a", seq=1)
     put(store, c)
     publish(store, 0, 1)
-    store.put_checkpoint("a", 10, {"opt": {"mu.w": np.zeros((2, 2), np.float32)}}, {"seq": 1})
+    store.checkpoints.put_checkpoint(
+        "a", 10, {"opt": {"mu.w": np.zeros((2, 2), np.float32)}}, {"seq": 1}
+    )
     layout = store.layout
     folders = [layout.contribution_commits("a", 0), layout.global_commits(0),
                layout.ledger_commits(0), layout.checkpoint_commits("a"), layout.seq_claims("a"),
@@ -586,7 +597,10 @@ def test_retention_collects_abandoned_temporaries_and_data_once_they_are_old(mak
     assert not [p for p in stale + orphans if p.exists()], "abandoned ones stay"
     assert all(p.exists() for p in young) and fresh.exists(), "a write in flight went"
     same_payload(get(store, "a", 0, 1, "us"), c)  # what is committed stays whole
-    assert store.get_global(0, 1).version == 1 and store.get_checkpoint("a", 10)[1]["seq"] == 1
+    assert (
+        store.versions.get_global(0, 1).version == 1
+        and store.checkpoints.get_checkpoint("a", 10)[1]["seq"] == 1
+    )
     assert not report.problems
 
 
@@ -617,22 +631,22 @@ def test_poll_gives_up_without_sleeping_past_its_timeout(monkeypatch):
 def test_checkpoints_round_trip_and_survive_retention(bucket_url):
     store = RunStore("run", {"us": bucket_url}, "us", writer="a")
     moments = {"mu.w": np.zeros((5, 3), np.float32), "nu.w": np.ones((5, 3), np.float32)}
-    store.put_checkpoint("a", 120, {"opt": moments}, {"seq": 4})
-    store.put_checkpoint("a", 240, {"opt": moments}, {"seq": 9})
-    assert store.checkpoint_steps("a") == [120, 240]
-    groups, meta = store.get_checkpoint("a", 240)
+    store.checkpoints.put_checkpoint("a", 120, {"opt": moments}, {"seq": 4})
+    store.checkpoints.put_checkpoint("a", 240, {"opt": moments}, {"seq": 9})
+    assert store.checkpoints.checkpoint_steps("a") == [120, 240]
+    groups, meta = store.checkpoints.get_checkpoint("a", 240)
     assert np.all(groups["opt"]["nu.w"] == 1) and groups["opt"]["mu.w"].shape == (5, 3)
     assert meta["seq"] == 9 and meta["learner"] == "a" and meta["step"] == 240
     for v in range(1, 9):
         publish(store, 0, v)
     report = collect_garbage(store, 1, {"a": "us"}, window=1)
     # Learners rejoin from the newest versions: a checkpoint pins none.
-    assert store.global_versions(0) == [7, 8] and report.pinned[0] == []
-    assert store.checkpoint_steps("a") == [120, 240]
-    store.put_checkpoint("a", 360, {"opt": moments}, {"seq": 12})
+    assert store.versions.global_versions(0) == [7, 8] and report.pinned[0] == []
+    assert store.checkpoints.checkpoint_steps("a") == [120, 240]
+    store.checkpoints.put_checkpoint("a", 360, {"opt": moments}, {"seq": 12})
     assert prune_checkpoints(store, "a", keep=2) == 1  # the learner prunes its own
-    assert store.checkpoint_steps("a") == [240, 360]
-    assert store.get_checkpoint("a", 240)[1]["seq"] == 9
+    assert store.checkpoints.checkpoint_steps("a") == [240, 360]
+    assert store.checkpoints.get_checkpoint("a", 240)[1]["seq"] == 9
     with pytest.raises(ValueError, match="keep must be at least 1"):
         prune_checkpoints(store, "a", keep=0)
 
@@ -644,7 +658,7 @@ def test_a_failed_prune_never_fails_the_checkpoint(bucket_url, monkeypatch, capl
     store = RunStore("run", {"us": bucket_url}, "us", writer="a")
     moments = {"mu.w": np.zeros((2, 2), np.float32)}
     for step in (100, 200, 300):
-        store.put_checkpoint("a", step, {"opt": moments}, {"seq": step})
+        store.checkpoints.put_checkpoint("a", step, {"opt": moments}, {"seq": step})
 
     def refuse(*args):
         raise OSError("injected: delete refused")
@@ -653,28 +667,28 @@ def test_a_failed_prune_never_fails_the_checkpoint(bucket_url, monkeypatch, capl
     assert prune_checkpoints(store, "a", keep=2) == 0
     assert "could not delete" in caplog.text and "delete refused" in caplog.text
     monkeypatch.undo()
-    monkeypatch.setattr(store, "checkpoint_steps", refuse)
+    monkeypatch.setattr(store.checkpoints, "checkpoint_steps", refuse)
     assert prune_checkpoints(store, "a", keep=2) == 0
     assert "cannot list a's checkpoints" in caplog.text
     monkeypatch.undo()
     # The marker went first, so the half-deleted checkpoint is gone for readers; the
     # newest two stand and a later prune has nothing left to do.
-    assert store.checkpoint_steps("a") == [200, 300]
-    assert store.get_checkpoint("a", 300)[1]["seq"] == 300
+    assert store.checkpoints.checkpoint_steps("a") == [200, 300]
+    assert store.checkpoints.get_checkpoint("a", 300)[1]["seq"] == 300
     assert prune_checkpoints(store, "a", keep=2) == 0
 
 
 def test_metrics_accumulate_traffic_over_processes(bucket_url):
     first = RunStore("run", {"r": bucket_url}, "r", writer="l0")
     put(first, contribution(learner="l0"))
-    first.write_metrics("l0", {"state": "training"}, totals={"seconds": 1.5})
-    up = first.read_metrics("l0")["bytes_up"]
+    first.progress.write_metrics("l0", {"state": "training"}, totals={"seconds": 1.5})
+    up = first.progress.read_metrics("l0")["bytes_up"]
     assert up > 0
     second = RunStore("run", {"r": bucket_url}, "r", writer="l0")  # a restarted process
     put(second, contribution(learner="l0", seq=2))
-    second.write_metrics("l0", {"state": "training"}, totals={"seconds": 1.0})
-    second.write_metrics("l0", {"state": "done"}, totals={"seconds": 2.0})  # running total
-    record = second.read_metrics("l0")
+    second.progress.write_metrics("l0", {"state": "training"}, totals={"seconds": 1.0})
+    second.progress.write_metrics("l0", {"state": "done"}, totals={"seconds": 2.0})  # running total
+    record = second.progress.read_metrics("l0")
     assert record["state"] == "done" and record["bytes_up"] > up + up // 2
     assert record["seconds"] == pytest.approx(3.5)
 
@@ -683,7 +697,7 @@ def test_other_regions_hold_the_learner_view_only(make_bucket):
     regions = {"us": make_bucket("file"), "eu": make_bucket("memory")}
     syncer = RunStore("run", regions, "us", writer="syncer")
     publish(syncer, 0, 1)
-    assert syncer.get_global(0, 1).opt_leaves  # home: master copy and optimizer state
+    assert syncer.versions.get_global(0, 1).opt_leaves  # home: master copy and optimizer state
     with pytest.raises(CorruptVersion, match="learner view only"):
-        syncer.get_global(0, 1, region="eu")
-    assert syncer.get_global(0, 1, region="eu", learner_view=True).params["w"][0, 0] == 1.0
+        syncer.versions.get_global(0, 1, region="eu")
+    assert syncer.versions.get_global(0, 1, region="eu", learner_view=True).params["w"][0, 0] == 1.0

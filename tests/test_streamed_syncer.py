@@ -49,14 +49,14 @@ def _run(root: Path, shapes) -> dict[str, str]:
             "home": "us", "learners": {"a": "us", "b": "eu"}, "fragments": [sorted(shapes)]}  # fmt: skip
     store = RunStore("r", regions, "us", writer="syncer")
     store.ensure_spec(spec)
-    store.publish_global(0, 0, _values(shapes, 0), [np.zeros(s, np.float32) for _, s in
+    store.versions.publish_global(0, 0, _values(shapes, 0), [np.zeros(s, np.float32) for _, s in
                          sorted(shapes.items())], {"cursor": {}}, "bf16")  # fmt: skip
     for i, learner in enumerate(["a", "b"]):
         mine = RunStore("r", regions, run_slots(spec)[learner], writer=learner)
         payload = {n: quantize(v, "int4") for n, v in _values(shapes, 10 + i, 0.01).items()}
         meta = {"base_version": 0, "anchor_seq": 0, "step": 10, "tokens": 1000 + i,
                 "steps": 10, "seconds": 1.0}  # fmt: skip
-        mine.put_contribution(learner, 0, 1, payload, meta)
+        mine.contributions.put_contribution(learner, 0, 1, payload, meta)
     return regions
 
 
@@ -87,9 +87,9 @@ def _merge(store: BucketStore, streamed: bool = True) -> FragmentSyncer:
 
 def _published(regions) -> dict:
     store = RunStore("r", regions, "us")
-    state = store.get_global(0, 1)
-    wire = store.get_global(0, 1, region="eu", learner_view=True).params
-    _, reader, _ = store.get_global_delta(0, 1, region="eu")
+    state = store.versions.get_global(0, 1)
+    wire = store.versions.get_global(0, 1, region="eu", learner_view=True).params
+    _, reader, _ = store.versions.get_global_delta(0, 1, region="eu")
     delta = reader.tensors("delta")
     return {"params": state.params, "opt": state.opt_leaves, "wire": wire, "delta": delta}
 
@@ -188,7 +188,7 @@ def test_damage_in_one_chunk_is_named_by_its_chunk(tmp_path):
     shapes = _shapes(3_000_000)
     regions = _run(tmp_path, shapes)
     store = _store(regions)
-    marker = store.main.contribution_head("b", 0, 1, "eu")
+    marker = store.main.contributions.contribution_head("b", 0, 1, "eu")
     chunk = sorted(k for k in marker.objects if k.startswith("delta/data/c/"))[1]
     path = Path(regions["eu"][len("file://") :]) / marker.data_prefix / chunk
     data = bytearray(path.read_bytes())
@@ -227,7 +227,9 @@ def test_a_syncer_killed_half_way_through_a_version_commits_nothing(tmp_path):
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == -9, done.stderr[-2000:]
     store = RunStore("r", regions, "us")
-    assert store.global_versions(0) == [0] and store.global_versions(0, "eu") == [0]
+    assert store.versions.global_versions(0) == [0] and store.versions.global_versions(0, "eu") == [
+        0
+    ]
     # Its uploads are data no marker names: the next syncer goes on from version 0.
     _merge(_store(regions))
     _merge(_store(whole), streamed=False)
@@ -264,24 +266,27 @@ def test_version_0_of_a_run_is_published_streamed_with_the_values_of_a_whole_pub
         params = {n: model.init[n] for n in names}
         leaves = FragmentSyncer(p, params, cfg.outer, [], lambda _: False).opt_leaves
         opt = named_outer_leaves(cfg.outer, params, leaves)
-        whole.publish_global(p, 0, params, opt, records.initial_version(p, 0.0),
+        whole.versions.publish_global(p, 0, params, opt, records.initial_version(p, 0.0),
                              cfg.topology.global_dtype)  # fmt: skip
     streamed = RunStore("r", runs["streamed"], "us")
     for p in range(len(model.plan)):
         # The same objects but the root's metadata (a whole publish copies the meta in)
-        ours, theirs = streamed.global_marker(p, 0).objects, whole.global_marker(p, 0).objects
+        ours, theirs = (
+            streamed.versions.global_marker(p, 0).objects,
+            whole.versions.global_marker(p, 0).objects,
+        )
         assert {r: o["sha256"] for r, o in ours.items() if r != "zarr.json"} == {
             r: o["sha256"] for r, o in theirs.items() if r != "zarr.json"
         }
-        a, b = streamed.get_global(p, 0), whole.get_global(p, 0)
+        a, b = streamed.versions.get_global(p, 0), whole.versions.get_global(p, 0)
         assert a.opt_names == b.opt_names and a.meta == b.meta
         for n in b.params:
             assert a.params[n].tobytes() == b.params[n].tobytes(), n
         assert all(
             x.tobytes() == y.tobytes() for x, y in zip(a.opt_leaves, b.opt_leaves, strict=True)
         )
-        wa = streamed.get_global(p, 0, region="eu", learner_view=True).params
-        wb = whole.get_global(p, 0, region="eu", learner_view=True).params
+        wa = streamed.versions.get_global(p, 0, region="eu", learner_view=True).params
+        wb = whole.versions.get_global(p, 0, region="eu", learner_view=True).params
         assert all(wa[n].tobytes() == wb[n].tobytes() for n in wb)
 
 

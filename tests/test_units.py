@@ -449,9 +449,9 @@ def test_a_take_that_died_between_its_claim_and_its_record_is_taken_again_by_its
     ledger("learner-1").take("learner-1")
     ledger("learner-1").release("learner-1", 5)  # gives back the rest of its unit
     dying = RunStore("o", regions, "us", writer="learner-0")
-    fresh = dying.claim_fresh_unit("learner-0")  # ... and the process dies here
+    fresh = dying.units.claim_fresh_unit("learner-0")  # ... and the process dies here
     back = "learner-1-s2-0"  # span 0 that learner-1's record 2 gave back
-    assert dying.claim_returned(back, "learner-0")  # (another of its lives)
+    assert dying.units.claim_returned(back, "learner-0")  # (another of its lives)
     assert sorted(ledger("learner-2").orphans()) == sorted([f"fresh-{fresh}", back])
     other = ledger("learner-2").take("learner-2")
     assert other == plan.fresh(fresh, (0, 1))  # the next unit: not an orphan of another
@@ -484,7 +484,7 @@ def test_a_forged_unit_claim_far_ahead_neither_skips_units_nor_stops_a_take(prep
     again = BucketLedger(RunStore("f", regions, "us", writer="learner-0"), plan, ["learner-0"])
     took = [again.take("learner-0") for _ in range(3)]
     assert [first, *took] == [plan.fresh(u, (0, 1)) for u in (0, 1, 3, 4)]  # unit 2: ghost's
-    assert store.fresh_frontier() == 5 and again.frontier() == plan.fresh(5, (0, 1)).epoch
+    assert store.units.fresh_frontier() == 5 and again.frontier() == plan.fresh(5, (0, 1)).epoch
 
 
 def test_where_claims_are_tagged_a_forged_one_neither_skips_a_unit_nor_blocks_a_span(
@@ -514,7 +514,7 @@ def test_where_claims_are_tagged_a_forged_one_neither_skips_a_unit_nor_blocks_a_
     (fresh / "s000000000003.0123456789abcdef.json").write_text(json.dumps({"learner": "ghost"}))
     took = [ledger().take("learner-0") for _ in range(2)]
     assert [first, *took] == [plan.fresh(u, (0, 1)) for u in (0, 1, 2)]  # none skipped
-    assert ledger().store.fresh_frontier() == 3
+    assert ledger().store.units.fresh_frontier() == 3
     # learner-0 gives its stream back; a forged claim of the first span given back
     ledger().release("learner-0", 0)
     back = ledger().given_back()
@@ -569,7 +569,7 @@ def test_a_learner_worker_takes_units_from_its_regions_bucket_and_gives_back_as_
     source = prepared if data == "prepared" else str(Path(prepared).parent / "text")
     cfg, _regions, store, spec, lid = _worker_run(source, tmp_path, "pu")
     preempted_worker(store, cfg, lid, tmp_path / "learner.log")
-    step = store.read_metrics(lid)["step"]
+    step = store.progress.read_metrics(lid)["step"]
     plan = unit_plan(cfg)
     ledger = region_ledger(store, plan, run_slots(spec), "us-east", pools=region_pools(spec))
     held = ledger.spans(lid)
@@ -648,14 +648,14 @@ def test_units_take_a_prepared_data_set_and_a_bad_ledger_record_is_named(prepare
     plan = UnitPlan(open_dataset(prepared), context=64, seed=0)
     ledger = BucketLedger(store, plan, ["learner-0"])
     span = ledger.take("learner-0")
-    store.put_unit_record("learner-0", {"take": [0, plan.units, 0, 5], "claim": "x"})
+    store.units.put_unit_record("learner-0", {"take": [0, plan.units, 0, 5], "claim": "x"})
     with pytest.raises(DataError, match=r"learner-0/units/s000000000002.json: \[0, \d+, 0, 5\] "
                        "is not a span of a unit of this data set"):  # fmt: skip
         BucketLedger(store, plan, ["learner-0"]).spans("learner-0")
     other = RunStore("v", {"us": f"file://{tmp_path / 'us'}"}, "us")
     ledger = BucketLedger(other, plan, ["learner-0"])
     span = ledger.take("learner-0")
-    other.put_unit_record("learner-0", {"release": 0, "returned": [[0, span.unit, 0, 1]]})
+    other.units.put_unit_record("learner-0", {"release": 0, "returned": [[0, span.unit, 0, 1]]})
     with pytest.raises(DataError, match="not what learner-0 held from window 0 on"):
         BucketLedger(other, plan, ["learner-0"]).spans("learner-0")
 
@@ -689,12 +689,18 @@ def test_a_silent_learner_is_fenced_its_data_given_back_and_woken_it_rejoins(
     batch = cfg.data.batch_size
 
     def resumes_at() -> int:  # where a restart of the learner would resume (windows)
-        steps = store.checkpoint_steps(lid)
+        steps = store.checkpoints.checkpoint_steps(lid)
         # (as ``sent_so_far`` reads it, which also reserves seqs: the learner would stop)
-        seqs = [(s, p) for p in range(2) for s in store.contribution_seqs(lid, p, "us-east")]
+        seqs = [
+            (s, p)
+            for p in range(2)
+            for s in store.contributions.contribution_seqs(lid, p, "us-east")
+        ]
         sent, step = max(seqs, default=None), 0
         if sent is not None:
-            step = int(store.contribution_head(lid, sent[1], sent[0], "us-east").meta["step"])
+            step = int(
+                store.contributions.contribution_head(lid, sent[1], sent[0], "us-east").meta["step"]
+            )
         return resume_step(steps[-1] if steps else 0, step) * batch
 
     argv = [*WORKER_COMMAND, "learner", "--run", "si", "--bucket", regions["us-east"],
@@ -709,8 +715,10 @@ def test_a_silent_learner_is_fenced_its_data_given_back_and_woken_it_rejoins(
         while True:  # stopped training, past its first send and holding windows past
             # where it resumes (a learner compiling or resuming may be slow, not gone)
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            training = (store.read_metrics(lid) or {}).get("state") == "training"
-            if training and any(store.contribution_seqs(lid, p, "us-east") for p in range(2)):
+            training = (store.progress.read_metrics(lid) or {}).get("state") == "training"
+            if training and any(
+                store.contributions.contribution_seqs(lid, p, "us-east") for p in range(2)
+            ):
                 proc.send_signal(signal.SIGSTOP)
                 at = resumes_at()
                 held = ledger.spans(lid)
@@ -723,13 +731,13 @@ def test_a_silent_learner_is_fenced_its_data_given_back_and_woken_it_rejoins(
                                             clock=lambda: now[0], liveness=FAST_LIVENESS)  # fmt: skip
         transport.releases = SilentReleases(syncer_store, plan, batch, logging.getLogger(),
                                             region_pools(spec))  # fmt: skip
-        generation = store.newest_generation(lid)
+        generation = store.members.newest_generation(lid)
         for t in (0.0, 6.0):  # heard, then silent past the timeout: fenced
             now[0] = t
             assert lid in transport.members() or t > 0
         assert lid not in transport.members()
-        assert store.newest_generation(lid) == generation + 1
-        assert "fence" in store.generation(lid, generation + 1)
+        assert store.members.newest_generation(lid) == generation + 1
+        assert "fence" in store.members.generation(lid, generation + 1)
         assert ledger.given_back() == []  # not yet: a commit under way lands first
         for t in (12.0, 18.0):
             now[0] = t
@@ -738,15 +746,17 @@ def test_a_silent_learner_is_fenced_its_data_given_back_and_woken_it_rejoins(
         assert ledger.spans(lid) == kept and ledger.given_back() == back and back
         now[0] = 30.0
         transport.members()  # silent still: nothing more to do
-        assert store.newest_generation(lid) == generation + 1
+        assert store.members.newest_generation(lid) == generation + 1
         other = next(x for x in run_slots(spec) if x != lid)
-        assert store.newest_generation(other) == 0  # never started: not fenced, vacant
-        sent = {p: store.contribution_seqs(lid, p, "us-east") for p in range(2)}
+        assert store.members.newest_generation(other) == 0  # never started: not fenced, vacant
+        sent = {p: store.contributions.contribution_seqs(lid, p, "us-east") for p in range(2)}
         newest_sent = max(max(s, default=0) for s in sent.values())
         proc.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + 300  # a guard against a hang, not a measure
-        while store.newest_generation(lid) < generation + 2 or not any(
-            s > newest_sent for p in range(2) for s in store.contribution_seqs(lid, p, "us-east")
+        while store.members.newest_generation(lid) < generation + 2 or not any(
+            s > newest_sent
+            for p in range(2)
+            for s in store.contributions.contribution_seqs(lid, p, "us-east")
         ):  # back as a new generation, and sending again
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.1)
@@ -758,12 +768,16 @@ def test_a_silent_learner_is_fenced_its_data_given_back_and_woken_it_rejoins(
     text = log.read_text()
     assert text.count("was fenced off while alive") == 1, text[-6000:]
     assert "its data given back" in text and "takes a new generation" in text, text[-3000:]
-    assert store.generation(lid, generation + 2).get("pid") == proc.pid  # the same process
+    assert store.members.generation(lid, generation + 2).get("pid") == proc.pid  # the same process
     # What it sent as the fenced generation is what it had committed before the fence;
     # what it sends now starts after the resume point, from the spans it was given.
-    after = {p: [s for s in store.contribution_seqs(lid, p, "us-east") if s not in sent[p]]
+    after = {p: [s for s in store.contributions.contribution_seqs(lid, p, "us-east") if s not in sent[p]]
              for p in range(2)}  # fmt: skip
-    heads = [store.contribution_head(lid, p, s, "us-east").meta for p in range(2) for s in after[p]]
+    heads = [
+        store.contributions.contribution_head(lid, p, s, "us-east").meta
+        for p in range(2)
+        for s in after[p]
+    ]
     assert heads and min(int(m["step"]) for m in heads) * batch > at
     took = ledger.spans(lid) + ledger.spans(other)
     assert back[0] in took or back[0] in ledger.given_back()  # given back: nobody lost it
@@ -827,7 +841,7 @@ def test_a_syncer_admits_an_added_learner_within_a_second_and_reads_statuses_eve
     assert look(0.0) == list(run_slots(spec)) and lists == [0.0] and statuses
     whole = len(statuses)  # the statuses one whole look reads
     added = "learner-2"
-    assert store.put_member(added, {"learner": added, "region": "us-east"}, None)
+    assert store.members.put_member(added, {"learner": added, "region": "us-east"}, None)
     assert added not in look(ADMIT_EVERY / 2) and lists == [0.0]  # not looked for yet
     assert len(statuses) == whole
     assert added in look(ADMIT_EVERY) and lists == [0.0, ADMIT_EVERY]
@@ -848,16 +862,16 @@ def test_a_learner_is_fenced_when_its_heartbeat_stops_not_when_a_phase_is_long(p
 
     cfg, regions, store, spec, lid = _worker_run(prepared, tmp_path, "gate")
     plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
-    generation = store.claim_generation(lid)  # it started ...
+    generation = store.members.claim_generation(lid)  # it started ...
     region_ledger(store, plan, run_slots(spec), "us-east", pools=region_pools(spec)).take(
         lid
     )  # ... and took data
     look = _syncer_looks("gate", regions, spec, cfg, plan, grace=0.0)
-    store.write_metrics(lid, {"state": "compiling", "time": 0, "step": 0})  # never again
+    store.progress.write_metrics(lid, {"state": "compiling", "time": 0, "step": 0})  # never again
     beats = iter(range(1, 1000))
 
     def beat(state: str) -> None:
-        store.write_heartbeat({"learner": lid, "generation": generation, "beat": next(beats),
+        store.members.write_heartbeat({"learner": lid, "generation": generation, "beat": next(beats),
                                "period": 1.0, "state": state, "step": 0, "sends": 0,
                                "time": 0.0})  # fmt: skip
 
@@ -865,10 +879,10 @@ def test_a_learner_is_fenced_when_its_heartbeat_stops_not_when_a_phase_is_long(p
         for dt in range(0, 60, 4):  # a minute in each phase, silent after 5 s
             beat(state)
             assert lid in look(100.0 * t + dt), (state, dt)
-        assert store.newest_generation(lid) == generation, state
+        assert store.members.newest_generation(lid) == generation, state
     for dt in (0.0, 6.0, 12.0):  # its heartbeat stops: silent, and a grace later
         look(400.0 + dt)
-    assert store.newest_generation(lid) == generation + 1
+    assert store.members.newest_generation(lid) == generation + 1
     assert (
         region_ledger(store, plan, run_slots(spec), "us-east", pools=region_pools(spec)).spans(lid)
         == []
@@ -916,18 +930,18 @@ def test_a_release_never_gives_a_span_back_twice_nor_misses_a_take_under_way(pre
     again = ledger("audit")
     kept = again.spans(lid)  # reads back: no release gives back what was not held
     assert sum(s.windows for s in kept) == 3 and took[0] in again.given_back()
-    assert len(store.unit_records(lid)) == 5  # three takes, two releases
+    assert len(store.units.unit_records(lid)) == 5  # three takes, two releases
 
     # A fence whose syncer died before releasing: another syncer releases it.
     other = next(x for x in run_slots(spec) if x != lid)
-    store.claim_generation(other)
+    store.members.claim_generation(other)
     learner.take(other)
-    store.write_metrics(other, {"state": "training", "time": 0, "step": 0})
-    assert store.fence(other, 1, "silent past pipeline.member_timeout")  # ... and died
+    store.progress.write_metrics(other, {"state": "training", "time": 0, "step": 0})
+    assert store.members.fence(other, 1, "silent past pipeline.member_timeout")  # ... and died
     look = _syncer_looks("rel", regions, spec, cfg, plan, grace=5.0)
     for t in (0.0, 6.0, 12.0):  # heard, silent past the timeout, and a grace later
         look(t)
-    assert ledger("audit").spans(other) == [] and store.newest_generation(other) == 2
+    assert ledger("audit").spans(other) == [] and store.members.newest_generation(other) == 2
 
 
 def test_a_send_under_way_in_a_fenced_learner_lands_nowhere_once_its_data_is_given_back(
@@ -958,7 +972,7 @@ def test_a_send_under_way_in_a_fenced_learner_lands_nowhere_once_its_data_is_giv
     ledger = region_ledger(learner.writer_for(lid), plan, run_slots(spec), "us-east",
                            pools=region_pools(spec))  # fmt: skip
     held = [ledger.take(lid), ledger.take(lid)]
-    store.write_metrics(lid, {"state": "training", "time": 0, "step": 0})
+    store.progress.write_metrics(lid, {"state": "training", "time": 0, "step": 0})
     first = learner._seqs[lid][1]
 
     def send(seq: int, step: int) -> None:
@@ -981,7 +995,7 @@ def test_a_send_under_way_in_a_fenced_learner_lands_nowhere_once_its_data_is_giv
     with pytest.raises(CommitConflict):  # woken, its marker's key is held
         send(first + 1, 4)
     with pytest.raises(Revoked, match="revoked by syncer-0"):
-        store.contribution_head(lid, 0, first + 1, "us-east")
+        store.contributions.contribution_head(lid, 0, first + 1, "us-east")
     batch = cfg.data.batch_size
     back = cut(held, resume_step(0, 2) * batch)[1]
     again = region_ledger(store, plan, run_slots(spec), "us-east", pools=region_pools(spec))
@@ -1026,11 +1040,11 @@ def test_a_syncer_offers_the_pool_of_a_region_no_member_is_in(prepared, tmp_path
     for t in (0.0, 6.0):  # first heard, then eu silent past the timeout
         now[0] = t
         for lid in us:
-            store.write_metrics(lid, {"state": "training", "time": t, "step": 0})
+            store.progress.write_metrics(lid, {"state": "training", "time": t, "step": 0})
         runtime.transport._members_read = -float("inf")  # a look now, not 5 s later
         runtime.transport.members()
     offered = ledger.given_back()
-    assert len(offered) == len(us) and store.offered_claims()
+    assert len(offered) == len(us) and store.units.offered_claims()
     assert all(s.epoch == 0 and s.start == 0 for s in offered)
     assert {ledger.take(lid) for lid in us} == set(offered)
     # One shard tends the pools (two would each keep spans waiting there): the first.
@@ -1153,7 +1167,7 @@ def test_the_pool_of_a_region_its_learners_all_left_is_offered_to_the_others(
     # A forged offer (a span of another unit than the claim it names) is named.
     forged = RunStore("p", {"us": regions["us"]}, "us", writer="mallory")
     fake = plan.fresh(40, eu)
-    forged.offer_unit(offer_claim("eu", "fresh-999"), {"from": "eu", "claim": "fresh-999",
+    forged.units.offer_unit(offer_claim("eu", "fresh-999"), {"from": "eu", "claim": "fresh-999",
                                                         "span": list(astuple(fake))})  # fmt: skip
     with pytest.raises(DataError, match=r"from-eu-fresh-999\.json offers .* not unit 998"):
         ledger("learner-2").given_back()

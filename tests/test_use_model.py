@@ -60,7 +60,7 @@ def tiny_run(tmp_path_factory, text):
           for n in model.plan[0]}  # fmt: skip
     opt = FragmentSyncer(0, v1, cfg.outer, [], lambda _: False).opt_leaves
     record = {**records.initial_version(0, 0.0), "version": 1}
-    store.publish_global(0, 1, v1, opt, record, cfg.topology.global_dtype)
+    store.versions.publish_global(0, 1, v1, opt, record, cfg.topology.global_dtype)
     return cfg, regions, model, v1
 
 

@@ -117,14 +117,17 @@ class Forger(threading.Thread):
         region = slots[lid]
         if worker_done(store, lid, region):
             return  # the syncers may have looked for the last time
-        seqs = {p: store.contribution_seqs(lid, p, region) for p in range(len(spec["fragments"]))}
+        seqs = {
+            p: store.contributions.contribution_seqs(lid, p, region)
+            for p in range(len(spec["fragments"]))
+        }
         newest = max(((s[-1], p) for p, s in seqs.items() if s), default=None)
         if newest is None:
             return  # nothing sent yet
         p = (newest[1] + 1) % len(seqs)
         if not seqs[p] or newest[0] in seqs[p]:
             return
-        tensors, meta = store.get_contribution(lid, p, seqs[p][-1], region)
+        tensors, meta = store.contributions.get_contribution(lid, p, seqs[p][-1], region)
         secret = (self.folder / "run-secret").read_text().strip()
         key = None if kind == "unsigned" else learner_key(secret, self.run_name, lid)
         if kind in ("nan", "norm"):
@@ -134,7 +137,7 @@ class Forger(threading.Thread):
         writer = RunStore(self.run_name, {region: regions[region]}, region, writer=lid)
         if kind == "corrupt":  # signed, but its marker does not match its data
             writer._buckets[region] = _Damaging(writer.home)
-        writer.put_contribution(lid, p, newest[0], tensors, meta, key)
+        writer.contributions.put_contribution(lid, p, newest[0], tensors, meta, key)
         self.done.append({"kind": kind, "learner": lid, "fragment": p, "seq": newest[0]})
 
 
@@ -185,8 +188,8 @@ def merged_tokens(run: str, regions: dict[str, str]) -> int:
     store = RunStore(run, regions, next(iter(regions)))
     total = 0
     for p in range(len(store.read_spec()["fragments"])):
-        newest = store.latest_global(p)
-        total += int(store.global_marker(p, newest).meta.get("tokens_total", 0))
+        newest = store.versions.latest_global(p)
+        total += int(store.versions.global_marker(p, newest).meta.get("tokens_total", 0))
     return total
 
 

@@ -122,17 +122,17 @@ def first_merge(root: Path, name: str) -> dict:
 
     store = RunStore(name, urls(root), REGIONS[0], writer="bench")
     spec = store.read_spec()
-    added = {lid: r for lid, r in store.run_learners(spec, regions=REGIONS).regions.items()
+    added = {lid: r for lid, r in store.members.run_learners(spec, regions=REGIONS).regions.items()
              if lid not in run_slots(spec)}  # fmt: skip
     merged: dict[str, float] = {}  # learner -> when a version first merged its work
     for p in range(len(spec["fragments"])):
-        for v in store.global_versions(p, REGIONS[0]):
-            meta = store.global_marker(p, v).meta
+        for v in store.versions.global_versions(p, REGIONS[0]):
+            meta = store.versions.global_marker(p, v).meta
             for who, _ in meta["consumed"]:
                 merged[who] = min(float(meta["time"]), merged.get(who, math.inf))
     out = {}
     for lid, region in added.items():
-        joins = store.joins(lid, region)
+        joins = store.members.joins(lid, region)
         at = float(joins[0]["time"]) if joins else None
         first = merged.get(lid)
         out[lid] = {"region": region, "joined": at, "first_merged": first,
@@ -146,10 +146,10 @@ def merged_tokens(root: Path, run: str) -> int:
     from storage_layout.store import RunStore
 
     store = RunStore(run, urls(root), REGIONS[0], writer="bench")
-    newest = store.latest_global(0)
+    newest = store.versions.latest_global(0)
     if newest is None:
         return 0
-    return int(store.global_marker(0, newest).meta.get("tokens_total") or 0)
+    return int(store.versions.global_marker(0, newest).meta.get("tokens_total") or 0)
 
 
 def run(root: Path, args: argparse.Namespace) -> dict:
@@ -212,7 +212,7 @@ def measure(root: Path, name: str) -> dict:
     store = RunStore(name, regions, REGIONS[0], writer="bench")
     spec = store.read_spec()
     cfg = config_from_spec(spec)
-    learners = store.run_learners(spec, regions=REGIONS).regions  # with those added
+    learners = store.members.run_learners(spec, regions=REGIONS).regions  # with those added
     plan, batch = unit_plan(cfg), cfg.data.batch_size
     pools = region_pools(spec)
     owner = {}  # (epoch, unit) -> the region whose pool holds it

@@ -208,7 +208,7 @@ def measure(
     url = f"file://{root / name / 'bucket'}"
     store = RunStore(name, {REGION: url}, REGION)
     spec = store.read_spec()
-    learners = store.run_learners(spec).regions  # with those joiners added (--grow)
+    learners = store.members.run_learners(spec).regions  # with those joiners added (--grow)
     report = audit_run(name, {REGION: url})
     audit_units(report)  # with data.assign = "units": no window merged from two learners
     fragments = len(spec["fragments"])
@@ -216,8 +216,8 @@ def measure(
     merged_seconds = []
     for p in range(fragments):
         newest = 0.0
-        for v in store.global_versions(p, REGION):
-            meta = store.global_marker(p, v).meta
+        for v in store.versions.global_versions(p, REGION):
+            meta = store.versions.global_marker(p, v).meta
             versions.append((float(meta["time"]), p, {tuple(c) for c in meta["consumed"]}))
             newest = float(meta.get("seconds_total", newest))
         merged_seconds.append({"fragment": p, "seconds": newest})
@@ -243,13 +243,13 @@ def measure(
                 if isinstance(row.get("written_at"), int | float):
                     written[(str(row["learner"]), int(row["seq"]))] = float(row["written_at"])
         for lid, region in learners.items():
-            for seq in store.contribution_seqs(lid, p, region):
-                meta = store.contribution_meta(lid, p, seq, region)
+            for seq in store.contributions.contribution_seqs(lid, p, region):
+                meta = store.contributions.contribution_meta(lid, p, seq, region)
                 if isinstance(meta.get("written_at"), int | float):
                     written[(lid, seq)] = float(meta["written_at"])
     waits, warm, sends = [], [], []
     for lid in [x for x in learners if learner_index(x) >= permanent]:  # spot slots
-        for record in store.joins(lid):
+        for record in store.members.joins(lid):
             t = float(record["time"])
             if record.get("pid") in started:
                 warm.append(t - started[record["pid"]])

@@ -53,7 +53,7 @@ def steps_by_region(run: str) -> dict[str, int]:
     store = RunStore(run, local_stack.REGIONS, "us-east", writer="bench")
     out: dict[str, int] = {}
     for lid, region in run_slots(store.read_spec()).items():
-        status = store.read_metrics(lid, region) or {}
+        status = store.progress.read_metrics(lid, region) or {}
         out[region] = out.get(region, 0) + int(status.get("step") or 0)
     return out
 

@@ -160,7 +160,7 @@ def inspect(run: str, regions: dict[str, str], folder: Path, round_steps: int) -
     audit_units(report)  # data.assign = "units": no window merged from two learners
     store = RunStore(run, regions, next(iter(regions)), writer="bench")
     spec = store.read_spec()
-    learners = store.run_learners(spec).regions
+    learners = store.members.run_learners(spec).regions
     liveness = spec["config"].get("liveness") or {}  # what its syncers judged by
     rounds: dict[str, list[float]] = {}
     per_step: dict[str, float | None] = {}  # seconds per inner step over all its rounds
@@ -168,20 +168,20 @@ def inspect(run: str, regions: dict[str, str], folder: Path, round_steps: int) -
     fences: dict[str, list[str]] = {}
     generations: dict[str, int] = {}
     for lid, region in sorted(learners.items()):
-        numbers = store.history_rounds(lid, region)
-        rows, _ = store.get_rounds(lid, numbers, region)
+        numbers = store.progress.history_rounds(lid, region)
+        rows, _ = store.progress.get_rounds(lid, numbers, region)
         # Full rounds only (``pipeline.round_steps`` steps): a learner's last is cut short.
         rounds[lid] = [float(r["seconds"]) for r in rows if r.get("steps") == round_steps]
         steps = sum(int(r.get("steps", 0)) for r in rows)
         per_step[lid] = sum(float(r.get("seconds", 0)) for r in rows) / steps if steps else None
-        beat = store.read_heartbeat(lid, region)
+        beat = store.members.read_heartbeat(lid, region)
         beats[lid] = None if beat is None else beat.model_dump()
         own = RunStore(run, {region: regions[region]}, region, writer="bench")  # its home
-        generations[lid] = newest = own.newest_generation(lid)
+        generations[lid] = newest = own.members.newest_generation(lid)
         fences[lid] = []
         for n in range(1, newest + 1):
             try:
-                record = own.generation(lid, n)
+                record = own.members.generation(lid, n)
             except FileNotFoundError:
                 continue
             if isinstance(record, dict) and "fence" in record:

@@ -132,8 +132,8 @@ def latencies(store, fragments: int, since: float) -> list[float]:
     slots = run_slots(store.read_spec())
     out = []
     for p in range(fragments):
-        for v in store.global_versions(p):
-            meta = store.global_marker(p, v).meta
+        for v in store.versions.global_versions(p):
+            meta = store.versions.global_marker(p, v).meta
             if meta.get("published_at", 0) < since:
                 continue
             for learner, seq in meta.get("consumed", []):

@@ -15,7 +15,7 @@ Per size, backend and P, for one fragment (the others are the same work; with
 holds one at a time; the fragments after the first run steps 1 to 3 only), each measured step in its own fresh process:
 
 1. ``publish0``: version 0 (``RunStore.ensure_spec`` with ``flows.run.run_spec``, then
-   ``RunStore.publish_global``, as ``initialize_run`` does);
+   ``RunStore.versions.publish_global``, as ``initialize_run`` does);
 2. ``learner`` x 4: one int4 contribution per learner (``BucketStore.put_contribution``,
    after ``sent_so_far`` as a starting learner does), from its own region;
 3. ``syncer``: one version through ``diloco.loops.SyncerLoop`` over
@@ -234,7 +234,7 @@ def step_publish0(ctx: Ctx) -> dict:
 def send(ctx: Ctx, store, learner: str, seq: int, base: int, rnd: int) -> dict:
     """``learner``'s int4 outer gradient of round ``rnd``, anchored on version ``base``,
     made and quantized a piece at a time and streamed out
-    (``RunStore.put_contribution_stream``, which calls the generator twice: hashing, then
+    (``RunStore.contributions.put_contribution_stream``, which calls the generator twice: hashing, then
     uploading), after the checks ``BucketStore.put_contribution`` makes (its seq
     reserved, still the newest process, its key). Seconds: the upload alone, without
     the generation and quantization of the values."""
@@ -264,7 +264,7 @@ def send(ctx: Ctx, store, learner: str, seq: int, base: int, rnd: int) -> dict:
     # BucketStore.put_contribution's checks; it takes whole tensors, so not it.
     store._reserved(learner, seq)
     store.check_newest(learner)
-    store.writer_for(learner).put_contribution_stream(
+    store.writer_for(learner).contributions.put_contribution_stream(
         learner, ctx.fragment, seq, shapes, topo.quantization, topo.block_size, gradient,
         contribution_meta(c), key=store.keys.signing_key(learner),
     )  # fmt: skip
@@ -391,18 +391,19 @@ def step_raw(ctx: Ctx) -> dict:
 
     from diloco.topology import deal_learners
     from storage_layout.commit import read_marker
-    from storage_layout.store import WIRE, RunStore
+    from storage_layout.store import RunStore
+    from storage_layout.versions import WIRE
 
     base = rss_now()
     store = RunStore(ctx.run, ctx.regions, ctx.home, writer="bench")
     version = ctx.a["version"]
-    sets = {r: store.global_marker(ctx.fragment, version, r) for r in ctx.regions}
-    v0 = store.global_marker(ctx.fragment, version - 1, ctx.home)
+    sets = {r: store.versions.global_marker(ctx.fragment, version, r) for r in ctx.regions}
+    v0 = store.versions.global_marker(ctx.fragment, version - 1, ctx.home)
     inputs = {ctx.home: [f"{v0.data_prefix}/{rel}" for rel, o in v0.objects.items()
                          if "inline" not in o and rel.split("/", 1)[0] in ("params", "opt")]}  # fmt: skip
     contribution = None
     for learner, region in deal_learners(LEARNERS, ctx.regions).items():
-        seq = store.contribution_seqs(learner, ctx.fragment, region)[0]
+        seq = store.contributions.contribution_seqs(learner, ctx.fragment, region)[0]
         key = store.layout.contribution_marker(learner, ctx.fragment, seq)
         marker = read_marker(store.bucket(region), key)
         contribution = contribution or marker
@@ -605,10 +606,10 @@ def written_bytes(run: str, regions: dict, fragment: int, version: int) -> dict:
     store = RunStore(run, regions, REGIONS[0], writer="bench")
     out = {}
     for region in regions:
-        out[f"version_{region}"] = store.global_marker(fragment, version, region).size
+        out[f"version_{region}"] = store.versions.global_marker(fragment, version, region).size
         out[f"contributions_{region}"] = 0
     for learner, region in deal_learners(LEARNERS, regions).items():
-        seqs = store.contribution_seqs(learner, fragment, region)
+        seqs = store.contributions.contribution_seqs(learner, fragment, region)
         if seqs:  # round 1's: the first of each learner
             key = store.layout.contribution_marker(learner, fragment, seqs[0])
             out[f"contributions_{region}"] += read_marker(store.bucket(region), key).size
@@ -913,7 +914,7 @@ def report(data: dict) -> str:
         "commit as the data went out during the merge, and the load of version 0 before "
         "it); `next`: versions 2..N in one process that keeps its loop (the steady state). "
         "Version 0 is written through the syncer's `StreamedVersion` and each learner's "
-        "contribution through `RunStore.put_contribution_stream`, the values made and "
+        "contribution through `RunStore.contributions.put_contribution_stream`, the values made and "
         "quantized a piece at a time (their making is not counted); a learner's download "
         "(`BucketStore.read_global`) writes each tensor into a local file as a learner "
         "does (`SpilledParams`, since 82cbde8; before, the fragment decoded whole; since "

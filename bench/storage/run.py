@@ -109,7 +109,7 @@ def main() -> int:
         store = RunStore("bench", regions, "r0", writer="bench")
         version = iter(range(1, 10**6))
         t = best(
-            lambda store=store, version=version: store.publish_global(
+            lambda store=store, version=version: store.versions.publish_global(
                 0, next(version), values, [], {}
             ),
             args.repeats,
