@@ -158,7 +158,7 @@ def _crashed_launcher_runs_again(deployed: dict[str, str]) -> None:
         client.set_flow_run_state(first, Crashed(message="its machine died (a test)"), force=True)
         ids = FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[crashed.deployment_id]))
         again = None
-        for _ in range(600):  # the server's trigger service acts within seconds
+        for _ in range(1800):  # the trigger service acts within seconds; a guard, not a measure
             again = next((f for f in client.read_flow_runs(flow_run_filter=ids)
                           if f.id != first and f.parameters.get("run") == run), None)  # fmt: skip
             if again is not None:

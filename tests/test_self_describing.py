@@ -113,7 +113,7 @@ def test_a_stored_version_of_the_old_format_reads(tmp_path):
     store = RunStore("r", {"us": f"file://{tmp_path}"}, "us", writer="syncer")
     params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
     meta = {"fragment": 0, "version": 1}
-    objects = RunStore.versions.global_objects(params, [np.ones((2, 3), np.float32)], meta, "bf16")
+    objects = store.versions.global_objects(params, [np.ones((2, 3), np.float32)], meta, "bf16")
     for group in ("params", "opt", "wire"):
         objects = as_old_format(objects, group)
     write_id = new_write_id()

@@ -828,9 +828,10 @@ def test_a_syncer_admits_an_added_learner_within_a_second_and_reads_statuses_eve
     transport = PipelineSyncerTransport(syncer, [0, 1], 100, 4, logging.getLogger(),
                                         clock=lambda: now[0])  # fmt: skip
     transport.spec = spec
-    for name, calls in (("run_learners", lists), ("read_metrics", statuses)):
-        real = getattr(syncer.main, name)
-        monkeypatch.setattr(syncer.main, name,
+    for part, name, calls in ((syncer.main.members, "run_learners", lists),
+                              (syncer.main.progress, "read_metrics", statuses)):  # fmt: skip
+        real = getattr(part, name)
+        monkeypatch.setattr(part, name,
                             lambda *a, real=real, calls=calls, **k: calls.append(now[0])
                             or real(*a, **k))  # fmt: skip
 
