@@ -26,9 +26,9 @@ from diloco.data import ShardReader
 from diloco.fragments import FragmentPlan, due_fragment
 from diloco.inner import InnerTrainer, to_host
 from diloco.outer import Contribution, FlatParams
-from diloco.quantize import QuantizedTensor
 from diloco.quantize_device import outer_gradient
 from diloco.tensors import KeptTensors
+from protocol.quantize import QuantizedTensor
 
 DeviceParams = dict[str, jax.Array]
 

@@ -21,8 +21,8 @@ import numpy as np
 import optax
 
 from diloco.config import OuterConfig
-from diloco.quantize import QuantizedTensor, dequantize
 from diloco.tensors import as_tensors, pieces
+from protocol.quantize import QuantizedTensor, dequantize
 
 FlatParams = dict[str, np.ndarray]
 StalenessFn = Callable[[int], float]

@@ -1,4 +1,4 @@
-"""``diloco.quantize`` on the devices: the outer gradient of a sharded tensor quantized
+"""``protocol.quantize`` on the devices: the outer gradient of a sharded tensor quantized
 where the tensor lives, so only its codes and scales (a quarter of its bytes at int8)
 travel to the host, one tensor at a time.
 
@@ -16,7 +16,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from diloco.quantize import QMAX
+from protocol.quantize import QMAX
 
 
 def _blocked(flat: jax.Array, block_size: int) -> jax.Array:

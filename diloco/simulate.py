@@ -41,9 +41,11 @@ from diloco.inner import InnerTrainer
 from diloco.loops import STEP, LearnerLoop, Request, SyncerLoop, Wait, resume_step
 from diloco.model import ParamCodec
 from diloco.outer import FlatParams
-from diloco.quantize import payload_bytes
 from diloco.tensors import materialize
-from diloco.topology import (
+from diloco.transport import MemoryStore, SimulatedNetwork, Store, transfer_seconds
+from diloco.units import MemoryLedger, RegionalLedger, UnitLedger, UnitPlan, UnitReader
+from protocol.quantize import payload_bytes
+from protocol.topology import (
     learner_id,
     learner_ids,
     learner_index,
@@ -52,8 +54,6 @@ from diloco.topology import (
     shard_of,
     syncer_id,
 )
-from diloco.transport import MemoryStore, SimulatedNetwork, Store, transfer_seconds
-from diloco.units import MemoryLedger, RegionalLedger, UnitLedger, UnitPlan, UnitReader
 
 Progress = Callable[[int, int, float | None], None]  # tokens done, token budget, last eval loss
 

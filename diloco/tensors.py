@@ -34,7 +34,7 @@ import jax
 import numpy as np
 import optax
 
-from diloco.quantize import QuantizedTensor, dequantize, payload_bytes
+from protocol.quantize import QuantizedTensor, dequantize, payload_bytes
 
 T = TypeVar("T")
 

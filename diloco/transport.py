@@ -28,14 +28,6 @@ from diloco.config import SimConfig
 from diloco.learner import LearnerCheckpoint
 from diloco.loops import Clock, GlobalView, StoredFragment, Unreadable
 from diloco.outer import Contribution, FlatParams
-from diloco.quantize import (
-    Pieces,
-    QuantizedTensor,
-    dequantize,
-    payload_bytes,
-    piece_step,
-    quantize,
-)
 from diloco.records import Record
 from diloco.syncer import GlobalVersion
 from diloco.tensors import (
@@ -48,6 +40,14 @@ from diloco.tensors import (
     sizes,
 )
 from diloco.units import MemoryLedger, UnitLedger, UnitPlan
+from protocol.quantize import (
+    Pieces,
+    QuantizedTensor,
+    dequantize,
+    payload_bytes,
+    piece_step,
+    quantize,
+)
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def downlink_piece(
 
 class UpdatedTensor(Pieces):
     """Tensor ``name`` of a version, the learners' copy of its base plus the compact
-    update (``learners_copy``), made a piece at a time (``diloco.quantize.Pieces``): the
+    update (``learners_copy``), made a piece at a time (``protocol.quantize.Pieces``): the
     base's piece, the update's piece as stored, and their sum in float32."""
 
     def __init__(self, base: Tensors, update: Payload, name: str, meta: TensorMeta,

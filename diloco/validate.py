@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from diloco.outer import Contribution
-from diloco.quantize import STORAGE_DTYPE, dequantize, payload_bytes
 from diloco.tensors import Payload, loop_beside, overlapped, payload_view, piece_size, pieces
+from protocol.quantize import STORAGE_DTYPE, dequantize, payload_bytes
 
 
 class ContributionRejected(ValueError):

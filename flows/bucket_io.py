@@ -23,7 +23,7 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import jax
@@ -38,7 +38,6 @@ from diloco.outer import Contribution, outer_optimizer
 from diloco.records import Record
 from diloco.syncer import GlobalVersion
 from diloco.tensors import Tensors, materialize, pieces
-from diloco.topology import learner_region, run_deal, run_slots
 from diloco.transport import Collect, GlobalDelta, downlink_update
 from diloco.units import RegionalLedger, UnitPlan
 from diloco.validate import Scan, scan_payload
@@ -51,6 +50,7 @@ from flows.version_stream import (
     slot_names,
     uploads_in_flight,
 )
+from protocol.topology import learner_region, run_deal, run_slots
 from storage_layout.auth import Keys, Unauthenticated
 from storage_layout.bucket import Traffic
 from storage_layout.commit import CommitConflict, CorruptVersion, Revoked, patiently, read_marker
@@ -781,17 +781,11 @@ class BucketStore:
             if seq <= after or (learner, fragment, seq) in self._revoked:
                 continue
             try:
+                head = partial(self.main.contributions.contribution_head, learner, fragment)
                 marker = heads.get(seq) or patiently(
-                    lambda: self.main.contributions.contribution_head(
-                        learner,
-                        fragment,
-                        seq,
-                        region,
-                        key,  # noqa: B023
-                    ),
-                    f"{learner} fragment {fragment} seq {seq}",
+                    partial(head, seq, region, key), f"{learner} fragment {fragment} seq {seq}",
                     READ_ATTEMPTS,
-                )
+                )  # fmt: skip
                 heads[seq] = marker
                 out.append(contribution_from(learner, fragment, seq, None, marker.meta))
             except Revoked:  # no contribution there, ever (``SilentReleases``)

@@ -114,7 +114,7 @@ def config_from_args(args: argparse.Namespace, stored: dict | None = None) -> Ru
 def stored_spec(run: str, regions: dict[str, str]) -> dict | None:
     """The spec of ``run`` in its home bucket (with any extended budget), or None if the
     run does not exist yet."""
-    from diloco.topology import home_region
+    from protocol.topology import home_region
     from storage_layout.store import RunStore
 
     try:
@@ -308,8 +308,8 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 
 def cmd_join_token(args: argparse.Namespace) -> int:
-    from diloco.topology import learner_ids
     from flows.join import issue_token, revoke_token
+    from protocol.topology import learner_ids
     from storage_layout.auth import RUN_SECRET_ENV, check_secret, join_token
 
     store = _run_store(args.url, args.run, "join-token")

@@ -23,7 +23,7 @@ data in units (``data.assign = "units"``: no slot owns a share of the data, each
 takes units from its region's pool): it adds a slot beyond the spec's ``topology.learners``
 by writing a signed **member record** (``members/{learner}.json`` in its region's bucket,
 an exclusive create: two joiners never add the same one), under the first id its region
-may add (``diloco.topology.learner_region``: learner-i lives in region i mod R of the
+may add (``protocol.topology.learner_region``: learner-i lives in region i mod R of the
 run's deal, so two regions never add the same id, and a region the run started no
 learner in adds them too) that it holds a key for. The syncers
 read every region's member records at each look at the members (``RunStore.members.run_learners``,
@@ -77,7 +77,11 @@ from diloco.data import DataError
 from diloco.liveness import glance
 from diloco.simulate import check_same_data
 from diloco.syncer import budget_spent
-from diloco.topology import (
+from flows import workers
+from flows.notice import noting_ctrl_c
+from flows.run import launched_pipeline, share_compilations, user_cache
+from flows.spares import WORKER_COMMAND
+from protocol.topology import (
     LEARNER_PREFIX,
     SLOT_EVERYWHERE,
     added_learners,
@@ -87,10 +91,6 @@ from diloco.topology import (
     run_slots,
     unslotted_regions,
 )
-from flows import workers
-from flows.notice import noting_ctrl_c
-from flows.run import launched_pipeline, share_compilations, user_cache
-from flows.spares import WORKER_COMMAND
 from storage_layout import record
 from storage_layout.auth import (
     CLAIMS_KEY_ENV,

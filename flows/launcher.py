@@ -46,7 +46,6 @@ from diloco.config import (
     parse_override,
     validate_config,
 )
-from diloco.topology import home_region
 from flows.display import Display
 from flows.display import current as current_display
 from flows.metrics import LiveMetrics
@@ -71,6 +70,7 @@ from flows.supervision import (
 )
 from flows.workers import run_workers
 from infra.chaos import Chaos, ChaosPlan, kill_to_rejoin, percentiles, read_actions
+from protocol.topology import home_region
 from storage_layout import faults
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV, Keys, run_secret
 from storage_layout.commit import CorruptVersion

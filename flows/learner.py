@@ -45,7 +45,6 @@ from diloco.loops import Clock, GlobalView, LearnerLoop, WallClock, drive
 from diloco.outer import Contribution
 from diloco.quantize_device import outer_gradient
 from diloco.simulate import check_same_data, unit_plan
-from diloco.topology import learner_id, learner_index
 from diloco.transport import StoreLearnerView
 from diloco.units import UnitReader
 from flows.bucket_io import HostPart
@@ -73,6 +72,7 @@ from flows.run import (
     user_cache,
 )
 from flows.worker import STOP
+from protocol.topology import learner_id, learner_index
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV
 from storage_layout.bucket import PartialFailure
 from storage_layout.commit import CommitConflict

@@ -30,8 +30,8 @@ from typing import Any
 
 from diloco.data import DataError
 from diloco.loops import resume_step
-from diloco.topology import run_deal, run_slots
 from diloco.units import Span, UnitPlan, cut, pool_unit
+from protocol.topology import run_deal, run_slots
 from storage_layout.audit import AuditReport
 from storage_layout.auth import Keys
 from storage_layout.store import RunStore
@@ -39,7 +39,7 @@ from storage_layout.store import RunStore
 
 def region_pools(spec: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
     """Each region's pool of units (``diloco.units.pool_unit``), in sorted order: every
-    region the run deals learners to (``diloco.topology.run_deal``), so that a learner
+    region the run deals learners to (``protocol.topology.run_deal``), so that a learner
     added in a region the run started none in has its pool there (until one does,
     ``UnitOffers`` moves that pool's spans to the regions that train); for a spec written
     before the deal was, the regions of its slots."""

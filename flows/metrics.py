@@ -30,7 +30,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from diloco.topology import run_slots
+from protocol.topology import run_slots
 from storage_layout.history import global_versions
 from storage_layout.store import RunStore
 

@@ -18,10 +18,10 @@ from diloco import records
 from diloco.config import RunConfig
 from diloco.liveness import Liveness, Verdict
 from diloco.simulate import dp_bytes_per_step
-from diloco.topology import learner_index, run_slots, shard_count, shard_fragments, syncer_id
 from flows.observe import train_summary_rows
 from flows.pace import MEMBERS_EVERY
 from flows.run import build_model, validation
+from protocol.topology import learner_index, run_slots, shard_count, shard_fragments, syncer_id
 from storage_layout.commit import CorruptVersion
 from storage_layout.progress import sum_traffic
 from storage_layout.store import RunStore

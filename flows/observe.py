@@ -14,7 +14,7 @@ import stat
 import sys
 from typing import Any
 
-from diloco.topology import learner_index
+from protocol.topology import learner_index
 
 
 def run_logger(fallback: str) -> Any:

@@ -43,9 +43,9 @@ from diloco.simulate import (
 )
 from diloco.syncer import FragmentSyncer
 from diloco.tensors import pieces
-from diloco.topology import home_region, run_slots
 from flows.bucket_io import BucketStore, named_outer_leaves, outer_names
 from flows.version_stream import StreamedVersion, slot_names
+from protocol.topology import home_region, run_slots
 from storage_layout.commit import CommitConflict
 from storage_layout.store import RunStore
 

@@ -35,7 +35,6 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.settings import PREFECT_API_URL
 
-from diloco.topology import LEARNER_PREFIX, home_region
 from flows import memory
 from flows.observe import PARENT_FLOW_RUN_ENV, PARENT_TASK_RUN_ENV, parent_env
 from flows.run import worker_done
@@ -43,6 +42,7 @@ from flows.spares import Spares
 from flows.worker import API_DOWN, PARENT_ENV, api_away, prefect_api_reachable
 from flows.workers import Status, Worker
 from infra.processes import read_pids, stop_leftovers, write_pids
+from protocol.topology import LEARNER_PREFIX, home_region
 from storage_layout import faults
 from storage_layout.auth import (
     CLAIMS_KEY_ENV,

@@ -1,7 +1,7 @@
 """The syncer flow: one shard of fragments, run by the core ``SyncerLoop`` on the wall
 clock, merged and published to every region.
 
-Shard ``s`` of ``S`` owns the fragments ``p`` with ``p % S == s`` (``diloco.topology``).
+Shard ``s`` of ``S`` owns the fragments ``p`` with ``p % S == s`` (``protocol.topology``).
 A syncer process keeps one ``SyncerRuntime`` and runs bounded flow runs over it (at most
 ``pipeline.versions_per_flow_run`` publishes each); each publish is a Prefect task run
 (``syncer us-east/0 f1 v12``). A new process starts from the newest committed version of
@@ -38,7 +38,6 @@ from diloco.loops import (
 from diloco.outer import Contribution
 from diloco.simulate import unit_plan
 from diloco.syncer import GlobalVersion
-from diloco.topology import run_slots, shard_fragments, syncer_id
 from flows.bucket_io import BucketStore
 from flows.ledger import SilentReleases, UnitOffers, region_pools
 from flows.observe import (
@@ -52,6 +51,7 @@ from flows.observe import (
 from flows.pace import ADMIT_EVERY, MEMBERS_EVERY, Pace
 from flows.run import bucket_store, config_from_spec, worker_done
 from flows.worker import STOP
+from protocol.topology import run_slots, shard_fragments, syncer_id
 from storage_layout.auth import RUN_SECRET_ENV, UNAUTHENTICATED, record_verifies
 from storage_layout.retention import ORPHAN_AGE, collect_garbage
 from storage_layout.store import RunStore

@@ -21,15 +21,15 @@ from rich.console import Console
 from rich.table import Table
 
 from diloco.config import ConfigError, RunConfig
-from diloco.topology import (
+from flows.display import open_display
+from flows.observe import human_bytes, train_summary_rows
+from protocol.topology import (
     SLOT_EVERYWHERE,
     deal_learners,
     home_region,
     run_deal,
     unslotted_regions,
 )
-from flows.display import open_display
-from flows.observe import human_bytes, train_summary_rows
 
 if TYPE_CHECKING:  # (Prefect is imported only once PREFECT_HOME is set)
     from flows.launcher import Launch
@@ -141,8 +141,8 @@ def memory_lines(cfg: RunConfig, num_params: int, via: str,
     the launcher) would need more than it has available (``machine``: available and
     total bytes, by default this machine's or its memory cgroup's)."""
     from diloco.memory import learner_memory, process_memory
-    from diloco.topology import shard_count
     from flows.memory import memory_limit
+    from protocol.topology import shard_count
 
     shards = max(cfg.pipeline.fsdp, 1)  # -1 (all devices): counted as one, an upper bound
     each = learner_memory(cfg, num_params, shards)

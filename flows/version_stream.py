@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from diloco.quantize import QuantizedTensor, dequantize
 from diloco.tensors import TensorMeta, Tensors
 from diloco.transport import downlink_piece
+from protocol.quantize import QuantizedTensor, dequantize
 from storage_layout.codec import CHUNK, GroupWriter, root_objects
 from storage_layout.commit import (
     CommitConflict,

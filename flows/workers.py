@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diloco.config import RunConfig
-from diloco.topology import (
+from flows.spares import WORKER_COMMAND
+from protocol.topology import (
     home_region,
     learner_id,
     learner_index,
@@ -27,7 +28,6 @@ from diloco.topology import (
     shard_fragments,
     syncer_id,
 )
-from flows.spares import WORKER_COMMAND
 
 Status = tuple[str, str, list[int]]  # (status writer, its region, fragments a syncer owns)
 

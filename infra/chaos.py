@@ -36,7 +36,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, field_validator
 
-from diloco.topology import run_slots
+from protocol.topology import run_slots
 from storage_layout.retention import read_ledger
 from storage_layout.store import RunStore
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from diloco.quantize import quantize
+from protocol.quantize import quantize
 from storage_layout.codec import CHUNK, GroupWriter, root_objects, write_group
 from storage_layout.commit import (
     CommitMarker,

@@ -41,7 +41,7 @@ import zarr
 from zarr.core.buffer import cpu
 from zarr.storage import MemoryStore
 
-from diloco.quantize import STORAGE_DTYPE, QuantizedTensor
+from protocol.quantize import STORAGE_DTYPE, QuantizedTensor
 from storage_layout.layout import FORMAT_VERSION
 
 CHUNK = 1 << 20

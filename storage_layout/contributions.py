@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from diloco.quantize import QuantizedTensor
+from protocol.quantize import QuantizedTensor
 from storage_layout.auth import signer, verify
 from storage_layout.codec import GroupWriter, group_kind, root_objects
 from storage_layout.commit import (

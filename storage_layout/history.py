@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from diloco.topology import run_slots
+from protocol.topology import run_slots
 from storage_layout.commit import CorruptVersion, patiently
 from storage_layout.store import RunStore
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field
 
-from diloco.topology import learner_index, learner_region, run_deal, run_slots
+from protocol.topology import learner_index, learner_region, run_deal, run_slots
 from storage_layout import heartbeat
 from storage_layout.auth import record_verifies, sign_record
 from storage_layout.commit import CorruptVersion, patiently

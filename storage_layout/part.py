@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import numpy as np
 from pydantic import Field
 
-from diloco.quantize import QuantizedTensor, quantize
+from protocol.quantize import QuantizedTensor, quantize
 from storage_layout import record
 from storage_layout.bucket import Bucket, PartialFailure, Refused
 from storage_layout.commit import CommitMarker, commit_marker, get_patiently

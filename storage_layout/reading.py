@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from diloco.quantize import Pieces, QuantizedTensor, dequantize, exact_values, piece_step
+from protocol.quantize import Pieces, QuantizedTensor, dequantize, exact_values, piece_step
 from storage_layout.bucket import Bucket
 from storage_layout.codec import FormatError
 from storage_layout.commit import CommitMarker, CorruptVersion
@@ -62,7 +62,7 @@ def decoded_each(
 
 class TensorPieces(Pieces):
     """Tensor ``name`` of group ``group`` of a version, read and decoded to float32 a
-    piece of at most ``PIECE_VALUES`` at a time (``diloco.quantize.Pieces``; or kept as
+    piece of at most ``PIECE_VALUES`` at a time (``protocol.quantize.Pieces``; or kept as
     bfloat16 where it is stored so: ``exact_pieces``). A damaged object is
     ``CorruptVersion`` naming the version's key."""
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diloco.topology import run_slots
+from protocol.topology import run_slots
 from storage_layout import record
 from storage_layout.audit import OUTCOMES, AuditReport, decide_outcomes, sent_from_meta
 from storage_layout.bucket import Bucket, BucketError

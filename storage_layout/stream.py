@@ -49,7 +49,7 @@ from zarr.codecs import BytesCodec
 from zarr.core.buffer import cpu
 from zarr.storage import MemoryStore
 
-from diloco.quantize import STORAGE_DTYPE, QuantizedTensor
+from protocol.quantize import STORAGE_DTYPE, QuantizedTensor
 from storage_layout.bucket import Bucket, ObjectTooLarge
 from storage_layout.codec import (
     BLOCKED,

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from diloco.quantize import QuantizedTensor, quantize
+from protocol.quantize import QuantizedTensor, quantize
 from storage_layout.codec import encode
 from storage_layout.commit import (
     CommitConflict,

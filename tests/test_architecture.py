@@ -10,12 +10,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # What each package may not import (a top-level name, or a module of the project).
 FORBIDDEN = {
+    # a leaf both sides import: the wire codes and the learner slots
+    "protocol": {"diloco", "storage_layout", "flows", "infra", "prefect", "jax", "flax", "optax"},
     "diloco": {"storage_layout", "flows", "infra", "prefect"},  # pure: no storage, no Prefect
-    "storage_layout": {"flows", "infra", "prefect", "jax", "flax", "optax"},  # no training
+    # no training code
+    "storage_layout": {"diloco", "flows", "infra", "prefect", "jax", "flax", "optax"},
 }
-# The modules of ``diloco`` that ``storage_layout`` still imports: the wire codes and the
-# slot rule. Issue 58 moves them to a leaf both import; this list may only shrink.
-STORAGE_FROM_DILOCO = {"diloco.quantize", "diloco.topology"}
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -34,10 +34,7 @@ def _breaks(package: str) -> list[str]:
     for path in sorted((ROOT / package).rglob("*.py")):
         for line, module in _imports(path):
             top = module.split(".")[0]
-            bad = top in FORBIDDEN[package]
-            if package == "storage_layout" and top == "diloco":
-                bad = module not in STORAGE_FROM_DILOCO
-            if bad:
+            if top in FORBIDDEN[package]:
                 found.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
     return found
 
@@ -48,6 +45,10 @@ def test_diloco_imports_no_storage_and_no_prefect():
 
 def test_storage_layout_imports_no_training_code_and_no_prefect():
     assert _breaks("storage_layout") == []
+
+
+def test_protocol_is_a_leaf():
+    assert _breaks("protocol") == []
 
 
 def test_the_rules_see_an_import_that_breaks_them(tmp_path, monkeypatch):

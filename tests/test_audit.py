@@ -9,9 +9,9 @@ import pytest
 
 from diloco.config import load_config
 from diloco.simulate import simulate
-from diloco.topology import run_slots
 from flows.cli import main as cli_main
 from flows.run import simulation_store
+from protocol.topology import run_slots
 from storage_layout.audit import audit_run
 from storage_layout.commit import commit_version
 from storage_layout.retention import collect_garbage

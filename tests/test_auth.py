@@ -15,13 +15,13 @@ import pytest
 
 from diloco.config import load_config
 from diloco.outer import Contribution
-from diloco.quantize import quantize
-from diloco.topology import run_slots
 from flows.bucket_io import BucketStore, contribution_meta
 from flows.launcher import authenticate
 from flows.run import build_model, initialize_run
 from flows.supervision import child_env
 from flows.syncer import SyncerRuntime
+from protocol.quantize import quantize
+from protocol.topology import run_slots
 from storage_layout.auth import (
     ALGORITHM,
     CLAIMS_KEY_ENV,

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from diloco.quantize import quantize
+from protocol.quantize import quantize
 from storage_layout.auth import Keys, learner_key
 from storage_layout.bucket import Bucket, ForeignObject
 from storage_layout.commit import MAX_MARKER_BYTES, CommitMarker, CorruptVersion, read_marker

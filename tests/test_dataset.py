@@ -16,8 +16,8 @@ import pytest
 from diloco import dataset
 from diloco.data import DataError
 from diloco.dataset import TokenReader, open_dataset, prepare
-from diloco.topology import run_slots
 from flows.cli import main
+from protocol.topology import run_slots
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
@@ -412,9 +412,9 @@ def test_diloco_train_on_prepared_tokens_learns_and_a_killed_learner_skips_and_r
     import subprocess
     import sys
 
-    from diloco.topology import learner_index
     from flows.ledger import audit_units
     from flows.run import config_from_spec
+    from protocol.topology import learner_index
     from storage_layout.audit import audit_run
     from storage_layout.store import RunStore
     from tests.test_pipeline import _alive, _wait, _workers

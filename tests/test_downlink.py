@@ -11,7 +11,6 @@ import pytest
 
 from diloco.config import load_config
 from diloco.loops import GlobalView
-from diloco.quantize import dequantize, quantize
 from diloco.simulate import simulate
 from diloco.syncer import GlobalVersion
 from diloco.transport import (
@@ -25,6 +24,7 @@ from diloco.transport import (
 )
 from flows.bucket_io import BucketStore
 from flows.run import simulation_store
+from protocol.quantize import dequantize, quantize
 from storage_layout.spill import SpilledParams, SpillFolder
 from storage_layout.store import RunStore
 
@@ -301,7 +301,7 @@ def test_a_learner_takes_a_version_into_its_file_a_piece_of_a_tensor_at_a_time(
     bit."""
     import ml_dtypes
 
-    import diloco.quantize as quantize_module
+    import protocol.quantize as quantize_module
     from storage_layout.codec import CHUNK
     from storage_layout.stream import PARALLEL
 
@@ -335,7 +335,7 @@ def test_a_learner_applies_an_update_into_its_file_a_piece_of_a_tensor_at_a_time
     the held piece, the update's piece, their sum) with the update's chunks in flight,
     not the tensor: the update read whole and applied whole held three times the tensor's
     float32 size. The file holds the bits of the version read whole."""
-    import diloco.quantize as quantize_module
+    import protocol.quantize as quantize_module
     from storage_layout.codec import CHUNK
     from storage_layout.stream import PARALLEL
 

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from diloco.quantize import quantize
+from protocol.quantize import quantize
 from storage_layout import faults
 from storage_layout.bucket import Bucket, PartialFailure
 from storage_layout.commit import (
@@ -490,7 +490,7 @@ def test_damaged_reads_of_a_committed_version_raise_corrupt_version(bucket_url, 
 CRASHING_WRITER = """
 import sys
 import numpy as np
-from diloco.quantize import quantize
+from protocol.quantize import quantize
 from storage_layout.store import RunStore
 store = RunStore("run", {"us": sys.argv[1]}, "us", writer="learner-0")
 store.contributions.put_contribution("learner-0", 0, 1, {"w": quantize(np.ones(4, np.float32), "fp32")},

@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 
 from diloco.config import load_config
-from diloco.quantize import dequantize
-from diloco.topology import run_slots
 from flows.hosts import run_group
 from flows.run import initialize_run
+from protocol.quantize import dequantize
+from protocol.topology import run_slots
 from storage_layout.audit import audit_run
 from storage_layout.commit import read_marker
 from storage_layout.inspect import inspect_bucket

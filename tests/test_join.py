@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from diloco.config import ConfigError, LivenessConfig, load_config
-from diloco.topology import run_slots
 from flows.cli import main as cli_main
 from flows.join import choose_slot, issue_token, join, join_flow, revoke_token, slot_state
 from flows.run import initialize_run
 from flows.supervision import child_env
+from protocol.topology import run_slots
 from storage_layout.audit import audit_run
 from storage_layout.auth import (
     JOIN_TOKEN_ENV,

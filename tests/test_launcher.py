@@ -27,7 +27,6 @@ from prefect.artifacts import create_progress_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from diloco.config import load_config
-from diloco.topology import run_slots
 from flows import run_lock
 from flows.launcher import _watch
 from flows.monitor import Monitor
@@ -39,6 +38,7 @@ from flows.worker import PARENT_ENV
 from infra.local_servers import Forwarder
 from infra.prefect_server import free_port, prefect_server, server_env, wait_healthy
 from infra.processes import command_line, environment_holds, write_pids
+from protocol.topology import run_slots
 from storage_layout.audit import audit_run
 from storage_layout.auth import claims_key, new_run_secret
 from storage_layout.store import RunStore

@@ -10,7 +10,6 @@ from diloco.inner import InnerTrainer
 from diloco.learner import Learner
 from diloco.model import ParamCodec, is_embedding
 from diloco.outer import Contribution
-from diloco.quantize import quantize
 from diloco.syncer import (
     FragmentSyncer,
     budget_spent,
@@ -18,6 +17,7 @@ from diloco.syncer import (
     grace_window,
     quorum_met,
 )
+from protocol.quantize import quantize
 
 
 @pytest.fixture(scope="module")

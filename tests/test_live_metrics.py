@@ -20,9 +20,9 @@ import pytest
 from rich.console import Console
 
 from diloco.config import load_config
-from diloco.topology import run_slots
 from flows.display import Display, LiveDisplay, current, open_display
 from flows.metrics import LiveMetrics
+from protocol.topology import run_slots
 from storage_layout.history import global_versions, learner_rounds, read_history
 from storage_layout.store import RunStore
 

@@ -18,14 +18,14 @@ from diloco.config import load_config
 from diloco.fragments import fragment_sizes
 from diloco.loops import STEP, LearnerLoop, Wait, WallClock, drive
 from diloco.outer import Contribution
-from diloco.quantize import quantize
 from diloco.simulate import Scheduler, VirtualClock, simulate
-from diloco.topology import home_region, learner_ids, run_slots, shard_count, shard_of
 from diloco.transport import SimulatedNetwork, StoreLearnerView
 from flows.bucket_io import SEQ_BLOCK
 from flows.learner import BackgroundIO, Fenced, LearnerRuntime, train_round
 from flows.run import bucket_store, build_model, initialize_run, reader, simulation_store
 from flows.syncer import SyncerRuntime
+from protocol.quantize import quantize
+from protocol.topology import home_region, learner_ids, run_slots, shard_count, shard_of
 from storage_layout import faults
 from storage_layout.store import RunStore
 

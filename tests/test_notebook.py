@@ -19,8 +19,8 @@ import pytest
 
 from diloco.config import load_config
 from diloco.simulate import simulate
-from diloco.topology import run_slots
 from flows.run import simulation_store
+from protocol.topology import run_slots
 from storage_layout import report
 from storage_layout.notebook import execute, inject
 from storage_layout.store import RunStore

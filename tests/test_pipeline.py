@@ -35,9 +35,7 @@ import pytest
 from diloco.config import LivenessConfig, load_config
 from diloco.liveness import Liveness
 from diloco.outer import Contribution
-from diloco.quantize import quantize
 from diloco.tensors import materialize
-from diloco.topology import learner_index, run_slots
 from diloco.transport import StoreLearnerView
 from flows import bucket_io, workers
 from flows.bucket_io import SEQ_BLOCK, contribution_meta
@@ -52,6 +50,8 @@ from flows.supervision import Processes, child_env, give_up
 from flows.syncer import SyncerRuntime
 from infra.chaos import read_actions
 from infra.local_servers import LocalMetadata
+from protocol.quantize import quantize
+from protocol.topology import learner_index, run_slots
 from storage_layout.audit import audit_run
 from storage_layout.auth import RUN_SECRET_ENV, claims_key, learner_key, sign_record
 from storage_layout.commit import read_marker

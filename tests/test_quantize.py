@@ -2,7 +2,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from diloco.quantize import dequantize, payload_bytes, quantize, quantize_with_feedback
+from protocol.quantize import dequantize, payload_bytes, quantize, quantize_with_feedback
 
 rng = np.random.default_rng(1)
 
@@ -77,7 +77,7 @@ def test_dequantize_is_each_code_times_its_blocks_scale_bit_for_bit(kind, size):
     """Every value is its code (int4: its nibble less 8) times its block's scale, one
     float32 product, the short last block included; a payload with fewer scales than its
     blocks is refused, naming the counts."""
-    from diloco.quantize import QuantizedTensor
+    from protocol.quantize import QuantizedTensor
 
     rng = np.random.default_rng(size)
     x = (rng.standard_normal(size) * 3).astype(np.float32)

@@ -11,7 +11,6 @@ import pytest
 
 from diloco.config import InnerConfig, OuterConfig
 from diloco.inner import inner_optimizer
-from diloco.quantize import quantize
 from diloco.syncer import FragmentSyncer, GlobalVersion
 from diloco.tensors import slot_leaves
 from flows.bucket_io import (
@@ -22,6 +21,7 @@ from flows.bucket_io import (
     optimizer_state,
     ordered_outer_leaves,
 )
+from protocol.quantize import quantize
 from storage_layout.audit import audit_run
 from storage_layout.bucket import Bucket
 from storage_layout.codec import ENCODING, decode, encode
@@ -92,7 +92,7 @@ def test_encoding_notes_describe_the_bit_layouts():
     codes = np.empty(2 * q.data.size, np.int16)
     codes[0::2], codes[1::2] = q.data & 0x0F, q.data >> 4
     by_hand = (codes[:7] - 8) * np.repeat(q.scales, 4)[:7]
-    from diloco.quantize import dequantize
+    from protocol.quantize import dequantize
 
     np.testing.assert_array_equal(by_hand.astype(np.float32), dequantize(q))
 

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diloco import quantize as Q
 from diloco import quantize_device as QD
 from diloco.config import PipelineConfig, load_config
 from diloco.inner import InnerTrainer
@@ -27,6 +26,7 @@ from diloco.model import ParamCodec
 from diloco.simulate import simulate
 from flows.bucket_io import optimizer_leaves
 from flows.run import build_model, config_from_spec, simulation_store
+from protocol import quantize as Q
 from storage_layout.store import RunStore
 from tests.test_loops import OVER, regions_in, run_pipeline_runtimes
 
@@ -43,7 +43,7 @@ WORKER = textwrap.dedent(
     from diloco.inner import InnerTrainer, to_host
     from diloco.learner import Learner
     from diloco.model import ParamCodec
-    from diloco.quantize import quantize_with_feedback
+    from protocol.quantize import quantize_with_feedback
     from flows.bucket_io import optimizer_leaves, read_checkpoint
     from storage_layout.store import RunStore
 

@@ -10,7 +10,7 @@ import pytest
 from diloco import records
 from diloco.config import load_config
 from diloco.simulate import simulate, time_to_loss
-from diloco.topology import member_quorum
+from protocol.topology import member_quorum
 
 SHORT = ["budget.tokens=64000", "sim.eval_points=2"]
 

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from diloco.outer import Contribution
-from diloco.quantize import quantize
 from diloco.tensors import pieces as tensor_pieces
 from flows.bucket_io import contribution_from, contribution_meta
+from protocol.quantize import quantize
 from storage_layout.auth import Unauthenticated
 from storage_layout.bucket import Bucket, BucketError
 from storage_layout.codec import FormatError, decode, encode

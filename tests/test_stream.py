@@ -20,7 +20,7 @@ import pytest
 import zarr
 from zarr.storage import MemoryStore
 
-from diloco.quantize import STORAGE_DTYPE, QuantizedTensor, quantize
+from protocol.quantize import STORAGE_DTYPE, QuantizedTensor, quantize
 from storage_layout.bucket import Bucket
 from storage_layout.codec import (
     CHUNK,

@@ -7,9 +7,9 @@ import pytest
 import diloco.tensors as tensors_mod
 from diloco.config import OuterConfig
 from diloco.outer import Contribution, anchored_delta, outer_optimizer, outer_step, weighted_mean
-from diloco.quantize import dequantize, quantize
 from diloco.syncer import FragmentSyncer
 from diloco.tensors import MemorySink, materialize, pieces
+from protocol.quantize import dequantize, quantize
 
 SHAPES = {"blocks.0.up.kernel": (40, 33), "blocks.0.norm.scale": (33,), "embed.embedding": (7, 64)}
 

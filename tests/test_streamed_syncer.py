@@ -17,11 +17,11 @@ import pytest
 
 from diloco.config import OuterConfig
 from diloco.loops import Unreadable
-from diloco.quantize import quantize
 from diloco.syncer import FragmentSyncer
 from diloco.tensors import materialize
-from diloco.topology import run_slots
 from flows.bucket_io import BucketStore
+from protocol.quantize import quantize
+from protocol.topology import run_slots
 from storage_layout.store import RunStore
 
 OUTER = {"momentum": 0.9, "lr": 0.8}

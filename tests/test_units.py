@@ -12,8 +12,8 @@ import pytest
 
 from diloco.config import LivenessConfig, load_config
 from diloco.dataset import open_dataset, prepare
-from diloco.topology import run_slots
 from diloco.units import MemoryLedger, Span, UnitPlan, UnitReader, cut, pool_unit
+from protocol.topology import run_slots
 from tests.test_dataset import STDLIB
 
 
@@ -675,12 +675,12 @@ def test_a_silent_learner_is_fenced_its_data_given_back_and_woken_it_rejoins(
     import subprocess
 
     from diloco.loops import resume_step
-    from diloco.topology import learner_index
     from flows.ledger import SilentReleases, region_ledger, region_pools
     from flows.run import bucket_store
     from flows.spares import WORKER_COMMAND
     from flows.supervision import child_env
     from flows.syncer import PipelineSyncerTransport
+    from protocol.topology import learner_index
 
     cfg, regions, store, spec, lid = _worker_run(prepared, tmp_path, "si")
     plan = UnitPlan(open_dataset(prepared), cfg.model.context, cfg.seed)
@@ -956,9 +956,9 @@ def test_a_send_under_way_in_a_fenced_learner_lands_nowhere_once_its_data_is_giv
     ``sent_so_far``, retention and inspect read past the revoked key."""
     from diloco.loops import resume_step
     from diloco.outer import Contribution
-    from diloco.quantize import quantize
     from flows.ledger import region_ledger, region_pools
     from flows.run import bucket_store, build_model
+    from protocol.quantize import quantize
     from storage_layout.commit import CommitConflict, Revoked
     from storage_layout.inspect import inspect_bucket
     from storage_layout.retention import collect_garbage

@@ -14,7 +14,6 @@ import safetensors.numpy
 
 from diloco import records
 from diloco.config import load_config
-from diloco.quantize import dequantize, quantize
 from diloco.sample import Sampler, Scorer, text_windows
 from diloco.syncer import FragmentSyncer
 from flows.cli import main as cli_main
@@ -28,6 +27,7 @@ from flows.model_io import (
     read_global_model,
 )
 from flows.run import build_model, initialize_run, run_spec
+from protocol.quantize import dequantize, quantize
 from storage_layout.store import RunStore
 
 RUN = "use"

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 from diloco.outer import Contribution
-from diloco.quantize import QuantizedTensor, quantize
 from diloco.validate import ContributionRejected, check_contribution
+from protocol.quantize import QuantizedTensor, quantize
 
 SHAPES = {"a": (4, 3), "b": (5,)}
 

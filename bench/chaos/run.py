@@ -44,10 +44,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.machine import machine  # noqa: E402
-from diloco.quantize import quantize  # noqa: E402
-from diloco.topology import run_slots  # noqa: E402
 from flows.run import worker_done  # noqa: E402
 from infra.chaos import read_actions  # noqa: E402
+from protocol.quantize import quantize  # noqa: E402
+from protocol.topology import run_slots  # noqa: E402
 from storage_layout.audit import audit_run  # noqa: E402
 from storage_layout.auth import learner_key  # noqa: E402
 from storage_layout.store import RunStore  # noqa: E402

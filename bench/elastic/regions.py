@@ -117,7 +117,7 @@ def first_merge(root: Path, name: str) -> dict:
     """The learners added (eu-west's joiner): each one's region, its join record's time,
     the first global version that merged a contribution of it (the versions' markers
     name what they consumed: the home bucket's), and the seconds between."""
-    from diloco.topology import run_slots
+    from protocol.topology import run_slots
     from storage_layout.store import RunStore
 
     store = RunStore(name, urls(root), REGIONS[0], writer="bench")

@@ -198,9 +198,9 @@ def measure(
     its join record (``started``: pid to start; ``diloco join`` warms up before it joins,
     in the process that then trains)."""
     from diloco import records
-    from diloco.topology import learner_index
     from flows.ledger import audit_units
     from flows.run import build_model, config_from_spec
+    from protocol.topology import learner_index
     from storage_layout.audit import audit_run
     from storage_layout.retention import read_ledger
     from storage_layout.store import RunStore

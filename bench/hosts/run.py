@@ -69,10 +69,10 @@ def child(method: str, phase: str, run: str, bucket: str, pipeline: str) -> None
     from diloco import hosts
     from diloco.inner import to_host
     from diloco.learner import LearnerCheckpoint
-    from diloco.topology import run_slots
     from diloco.transport import StoreLearnerView
     from flows.bucket_io import HostPart
     from flows.run import bucket_store, build_model, config_from_spec
+    from protocol.topology import run_slots
     from storage_layout.spill import SpillFolder
     from storage_layout.store import RunStore
     from storage_layout.stream import process_folder

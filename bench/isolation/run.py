@@ -47,7 +47,7 @@ from infra import local_stack  # noqa: E402
 
 def steps_by_region(run: str) -> dict[str, int]:
     """Inner steps the learners of each region have trained (their status objects)."""
-    from diloco.topology import run_slots
+    from protocol.topology import run_slots
     from storage_layout.store import RunStore
 
     store = RunStore(run, local_stack.REGIONS, "us-east", writer="bench")

@@ -41,7 +41,7 @@ from bench.machine import machine  # noqa: E402
 SCRIPT = """
 import json, resource, sys, time
 from diloco.config import load_config
-from diloco.topology import run_slots
+from protocol.topology import run_slots
 from flows.learner import LearnerRuntime
 from flows.run import build_model, initialize_run, reader
 from storage_layout.store import RunStore

@@ -126,7 +126,7 @@ SPANS: list[tuple[int, float, float]] = []  # per learner: start of round 2, end
 
 
 def latencies(store, fragments: int, since: float) -> list[float]:
-    from diloco.topology import run_slots
+    from protocol.topology import run_slots
     from storage_layout.commit import read_marker
 
     slots = run_slots(store.read_spec())

@@ -1,5 +1,5 @@
 """Dequantizing a piece (8 Mi values, blocks of 128) of an int8 or int4 contribution,
-as the syncer's scan and merge do for each contribution: ``diloco.quantize.dequantize``
+as the syncer's scan and merge do for each contribution: ``protocol.quantize.dequantize``
 (each block's codes times its scale, in place) against the rule before 7c6d936 (the
 scales repeated to every value, then one product), which it must equal bit for bit.
 
@@ -16,7 +16,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from diloco.quantize import QuantizedTensor, dequantize, quantize
+from protocol.quantize import QuantizedTensor, dequantize, quantize
 
 VALUES, BLOCK, PASSES = 8 << 20, 128, 20
 

@@ -172,7 +172,7 @@ class Ctx:
         return run_spec(self.cfg, self.plan, self.regions)
 
     def slots(self) -> dict[str, str]:
-        from diloco.topology import run_slots
+        from protocol.topology import run_slots
 
         return run_slots(self.spec())
 
@@ -239,9 +239,9 @@ def send(ctx: Ctx, store, learner: str, seq: int, base: int, rnd: int) -> dict:
     reserved, still the newest process, its key). Seconds: the upload alone, without
     the generation and quantization of the values."""
     from diloco.outer import Contribution
-    from diloco.quantize import quantize
     from diloco.tensors import pieces
     from flows.bucket_io import contribution_meta
+    from protocol.quantize import quantize
 
     topo = ctx.cfg.topology
     index = int(learner.rsplit("-", 1)[1])
@@ -389,7 +389,7 @@ def step_raw(ctx: Ctx) -> dict:
     the marker inlines); a write of objects of the sizes of one contribution."""
     import fsspec
 
-    from diloco.topology import deal_learners
+    from protocol.topology import deal_learners
     from storage_layout.commit import read_marker
     from storage_layout.store import RunStore
     from storage_layout.versions import WIRE
@@ -599,7 +599,7 @@ def stored_bytes(url: str, prefix: str) -> int:
 def written_bytes(run: str, regions: dict, fragment: int, version: int) -> dict:
     """What version ``version`` and round ``version``'s contributions wrote per region: the
     sums of their markers' object sizes."""
-    from diloco.topology import deal_learners
+    from protocol.topology import deal_learners
     from storage_layout.commit import read_marker
     from storage_layout.store import RunStore
 
@@ -669,7 +669,7 @@ def bench_case(
            "steps": {}, "failed": None}  # fmt: skip
     rows.append(row)
     regions = new_regions(backend, tmp)
-    from diloco.topology import deal_learners
+    from protocol.topology import deal_learners
 
     learners = deal_learners(LEARNERS, regions)
     reader = next(lid for lid, r in learners.items() if r != REGIONS[0])

@@ -26,8 +26,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from machine import machine
 
-from diloco.quantize import quantize
 from infra.local_servers import LocalS3
+from protocol.quantize import quantize
 from storage_layout.bucket import Bucket
 from storage_layout.codec import decode, encode
 from storage_layout.commit import commit_version, read_version
