@@ -58,7 +58,7 @@ from flows.monitor import (
     summary_markdown,
 )
 from flows.observe import artifact_key, outlive_the_reader, stopped, tag_flow_run
-from flows.run import initialize_run, settled, share_compilations
+from flows.run import in_run_order, initialize_run, settled, share_compilations
 from flows.run_lock import RunLock, RunTakenOver, held
 from flows.supervision import (
     STAND_BY,
@@ -633,6 +633,7 @@ def _train(
     folder.mkdir(parents=True, exist_ok=True)
     fault_plan = worker_faults(cfg, folder, log)  # both checked before anything is committed
     chaos_plan = ChaosPlan(**cfg.pipeline.chaos)
+    regions = in_run_order(run, regions)
     store = RunStore(run, regions, home_region(regions), writer="launcher")
     current_display().phase("spec", "running", "writing the run spec and version 0, evaluating it")
     cfg = settled(store, cfg)  # as the spec will record it

@@ -46,8 +46,9 @@ from diloco.tensors import pieces
 from flows.bucket_io import BucketStore, named_outer_leaves, outer_names
 from flows.version_stream import StreamedVersion, slot_names
 from protocol.topology import home_region, run_slots
+from storage_layout.bucket import BucketError
 from storage_layout.commit import CommitConflict
-from storage_layout.store import RunStore
+from storage_layout.store import RunStore, spec_home
 
 # Config sections that are not part of a run: how one launch runs it, or how a
 # simulation models the machines.
@@ -159,6 +160,22 @@ def _wait_for(lock: Any, what: str, go_on: Callable[[], None]) -> bool:
                 said = True
             go_on()
             time.sleep(COMPILE_WAIT_POLL)
+
+
+def in_run_order(run: str, regions: Mapping[str, str]) -> dict[str, str]:
+    """``regions`` in the order run ``run`` recorded them, where one of them holds its spec:
+    its home first, then its deal (a region the spec lacks last). The first region given
+    is the home of a new run only: a JSON object's order is not every caller's to keep (a
+    launcher run again by a Prefect automation gets its regions sorted by name), and a
+    resume must not move the master copies, nor be refused for asking to."""
+    for region in regions:
+        try:
+            spec = RunStore(run, regions, region).read_spec(region)
+        except (OSError, BucketError):  # none there (a new run), or a region down
+            continue  # (the spec is written to every region)
+        order = [spec_home(spec), *spec.get("deal", []), *spec.get("regions", {}), *regions]
+        return {r: regions[r] for r in dict.fromkeys(order) if r in regions}
+    return dict(regions)
 
 
 def run_spec(cfg: RunConfig, plan: FragmentPlan, regions: Mapping[str, str]) -> dict[str, Any]:

@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import sys
 from datetime import timedelta
-
-from prefect.automations import Automation
-from prefect.client.schemas.objects import StateType
-from prefect.events.actions import ChangeFlowRunState, RunDeployment
-from prefect.events.schemas.automations import EventTrigger, Posture
-from prefect.events.schemas.events import ResourceSpecification
+from typing import TYPE_CHECKING
 
 from flows.run_lock import LEASE_SECONDS
+
+if TYPE_CHECKING:  # (imported where used: importing this module reads no Prefect settings)
+    from prefect.automations import Automation
 
 HEARTBEAT_SECONDS = 30  # the workers' PREFECT_FLOWS_HEARTBEAT_FREQUENCY (Prefect's least)
 MISSED = 3  # beats missed before a flow run is a zombie
@@ -42,6 +40,12 @@ FINAL = ("Completed", "Failed", "Cancelled", "Crashed")
 
 
 def zombies() -> Automation:
+    from prefect.automations import Automation
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+
     return Automation(
         name="diloco: crash flow runs whose heartbeat stopped",
         description=f"A flow run that missed {MISSED} heartbeats ({HEARTBEAT_SECONDS} s each) "
@@ -61,6 +65,11 @@ def zombies() -> Automation:
 
 
 def resume_launchers() -> Automation:
+    from prefect.automations import Automation
+    from prefect.events.actions import RunDeployment
+    from prefect.events.schemas.automations import EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+
     parameters = {p: f"{{{{ flow_run.parameters.get('{p}') }}}}" for p in LAUNCHER_PARAMETERS}
     return Automation(
         name="diloco: run a crashed launcher again",
@@ -81,6 +90,8 @@ def resume_launchers() -> Automation:
 
 def install() -> list[str]:
     """Create the automations the server does not have yet (by name); their names."""
+    from prefect.automations import Automation
+
     made = []
     for automation in (zombies(), resume_launchers()):
         try:

@@ -143,7 +143,13 @@ def up() -> dict:
     (STATE / "deploy.log").write_text(deployed.stdout + deployed.stderr)
     if deployed.returncode:
         raise SystemExit(f"prefect deploy failed; see {STATE / 'deploy.log'}")
-    automations.install()  # zombie flow runs Crashed, a crashed launcher run again
+    # zombie flow runs Crashed, a crashed launcher run again: in a process of the stack's
+    # environment (this one's Prefect settings were read before it was set)
+    installed = subprocess.run([sys.executable, "-m", "infra.automations"], env=env, cwd=REPO,
+                               capture_output=True, text=True)  # fmt: skip
+    (STATE / "automations.log").write_text(installed.stdout + installed.stderr)
+    if installed.returncode:
+        raise SystemExit(f"installing the automations failed; see {STATE / 'automations.log'}")
     (STATE / "env").write_text(
         "".join(f"export {k}={shlex.quote(v)}\n" for k, v in stack_env.items())
     )

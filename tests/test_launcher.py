@@ -687,6 +687,28 @@ def test_a_run_that_gave_a_worker_up_ends_failed_naming_it_never_completed(tmp_p
     assert summary["learner_states"] == {"learner-0": "given up", "learner-1": "given up"}
 
 
+def test_a_resume_keeps_the_runs_home_whatever_order_its_regions_come_in(tmp_path):
+    """A launcher run again by a Prefect automation gets its regions as a JSON object
+    sorted by name (seen: eu-west before us-east, and the resumed run refused as "started
+    with another spec"): the run's regions are put back in the order its spec records,
+    its home first, wherever one region can be read; a new run keeps the order given."""
+    from flows.run import in_run_order
+
+    urls = {r: f"file://{tmp_path / r}" for r in ("us-east", "eu-west", "ap-south")}
+    for url in urls.values():
+        Path(url.removeprefix("file://")).mkdir()
+    given = {r: urls[r] for r in sorted(urls)}  # ap-south, eu-west, us-east
+    assert list(in_run_order("new", given)) == ["ap-south", "eu-west", "us-east"]
+    spec = {"regions": urls, "home": "us-east", "deal": ["us-east", "eu-west", "ap-south"]}
+    RunStore("r", urls, "us-east").ensure_spec(spec)
+    assert list(in_run_order("r", given)) == ["us-east", "eu-west", "ap-south"]
+    assert in_run_order("r", given) == urls
+    down = {**given, "ap-south": "file:///nonexistent/ap-south"}  # the first one tried is down
+    assert list(in_run_order("r", down)) == ["us-east", "eu-west", "ap-south"]
+    (tmp_path / "eu-west" / "r" / "spec.json").unlink()  # the next one lost its copy
+    assert list(in_run_order("r", down)) == ["us-east", "eu-west", "ap-south"]
+
+
 def test_the_launch_config_is_validated_once_and_overrides_are_laid_over_it():
     """`diloco train` hands the launcher the config it validated: carried as it is; a
     deployment's `overrides` are laid over it (and over a preset) and checked by name."""
