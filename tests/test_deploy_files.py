@@ -56,7 +56,7 @@ def test_the_kubernetes_learner_job_sets_what_its_processes_read():
     """The indexed Job of a learner over N pods: the variables it sets are the ones
     ``flows.hosts`` reads, its pod count is the process count, the coordinator's port is
     the one the pods and the headless Service open, the Service selects the Job's pods,
-    pod 0 runs the flow run and the others follow it (``python -m flows.hosts follow``)."""
+    pod 0 runs the flow run and the others follow it (``python -m flows.worker follow``)."""
     template = yaml.safe_load((ROOT / "infra/kubernetes/learner-job.yaml").read_text())
     service = yaml.safe_load((ROOT / "infra/kubernetes/learner-service.yaml").read_text())
     assert set(template) == {"job_configuration", "variables"}  # a base job template
@@ -77,4 +77,4 @@ def test_the_kubernetes_learner_job_sets_what_its_processes_read():
     assert f"EXPOSE {port}" in dockerfile
     command = container["command"][-1]
     assert f'"${hosts.INDEXED_JOB_ENV}" = 0' in command
-    assert "exec prefect flow-run execute" in command and "python -m flows.hosts follow" in command
+    assert "exec prefect flow-run execute" in command and "python -m flows.worker follow" in command
