@@ -2,7 +2,6 @@
 supervising the group on one machine.
 
     python -m flows.hosts --processes 2 -- python -m flows.worker learner --run R ...
-    python -m flows.hosts follow [FLOW_RUN_ID]   # processes 1..N-1 of a deployment's learner
 
 starts the command N times, process i with ``DILOCO_PROCESS_ID=i``,
 ``DILOCO_PROCESS_COUNT=N`` and ``DILOCO_COORDINATOR=127.0.0.1:PORT`` (a free port, or
@@ -112,33 +111,7 @@ def run_group(argv: list[str], processes: int, port: int | None = None) -> int:
         time.sleep(0.1)
 
 
-def follow(flow_run_id: str | None = None) -> int:
-    """Run a follower of a learner whose leader is a flow run of a ``learner/REGION``
-    deployment (its process 0, on another node): the same flow with the same parameters,
-    read from that flow run (``PREFECT__FLOW_RUN_ID``, which Prefect sets in every pod
-    or process of the flow run's job), as a flow run of its own, once. The leader's flow
-    run ends after the same rounds (the group's decisions agree), and so does this one."""
-    from prefect import get_client
-    from prefect.exceptions import CancelledRun
-
-    from flows.learner import learner_flow
-
-    flow_run_id = flow_run_id or os.environ.get("PREFECT__FLOW_RUN_ID")
-    if not flow_run_id:
-        raise ValueError("a follower needs the leader's flow run: set PREFECT__FLOW_RUN_ID")
-    with get_client(sync_client=True) as client:
-        parameters = client.read_flow_run(flow_run_id).parameters
-    join()
-    try:
-        learner_flow(**parameters)
-    except CancelledRun:  # stopped by a signal: it checkpointed (observe.stopped)
-        return 130
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
-    if argv is None and sys.argv[1:2] == ["follow"]:
-        return follow(sys.argv[2] if len(sys.argv) > 2 else None)
     parser = argparse.ArgumentParser(prog="python -m flows.hosts")
     parser.add_argument("--processes", type=int, required=True)
     parser.add_argument("--port", type=int, default=None)

@@ -71,7 +71,7 @@ from flows.run import (
     share_compilations,
     user_cache,
 )
-from flows.worker import STOP
+from flows.stop import STOP
 from protocol.topology import learner_id, learner_index
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV
 from storage_layout.bucket import PartialFailure

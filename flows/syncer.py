@@ -50,7 +50,7 @@ from flows.observe import (
 )
 from flows.pace import ADMIT_EVERY, MEMBERS_EVERY, Pace
 from flows.run import bucket_store, config_from_spec, worker_done
-from flows.worker import STOP
+from flows.stop import STOP
 from protocol.topology import run_slots, shard_fragments, syncer_id
 from storage_layout.auth import RUN_SECRET_ENV, UNAUTHENTICATED, record_verifies
 from storage_layout.retention import ORPHAN_AGE, collect_garbage

@@ -7,6 +7,8 @@
     python -m flows.worker standby [--warm JSON]  # a spare: imports, then reads its job
                                                   # from stdin
     python -m flows.worker zygote                 # imports once, forks spares on demand
+    python -m flows.worker follow [FLOW_RUN_ID]   # processes 1..N-1 of a deployment's
+                                                  # learner over several nodes
 
 Every flow run resumes from the buckets (checkpoint or newest versions), so this process
 can be killed at any point and started again. Exit status: 0 when the role is done,
@@ -31,16 +33,10 @@ import threading
 import time
 import urllib.request
 
+from flows.stop import STOP
 from infra.processes import die_with_parent
 
 API_DOWN = 75  # exit status: failed while the Prefect API was unreachable (EX_TEMPFAIL)
-# Set by a stop (SIGINT: the launcher's, or a Ctrl-C; SIGTERM to a syncer) as well as
-# raised: the KeyboardInterrupt is lost where it lands in a JAX garbage collector callback
-# (Python ignores it there) or as a flow run ends (Prefect's engine swallows an exception
-# raised after the flow's own code returned), and the worker would train on. The learner
-# and syncer flows look at it every round or poll, the worker between flow runs. A
-# signal is the process's, so the flag is too.
-STOP = threading.Event()
 
 
 def prefect_api_reachable(url: str | None = None, timeout: float = 5.0) -> bool:
@@ -156,6 +152,31 @@ def main(argv: list[str] | None = None) -> int:
               f"({type(exc).__name__}: {str(exc)[:200]}); exiting with status {API_DOWN} "
               "(the launcher waits for it)", file=sys.stderr)  # fmt: skip
         return API_DOWN
+
+
+def follow(flow_run_id: str | None = None) -> int:
+    """Run a follower of a learner whose leader is a flow run of a ``learner/REGION``
+    deployment (its process 0, on another node): the same flow with the same parameters,
+    read from that flow run (``PREFECT__FLOW_RUN_ID``, which Prefect sets in every pod
+    or process of the flow run's job), as a flow run of its own, once. The leader's flow
+    run ends after the same rounds (the group's decisions agree), and so does this one."""
+    from prefect import get_client
+    from prefect.exceptions import CancelledRun
+
+    from flows.hosts import join
+    from flows.learner import learner_flow
+
+    flow_run_id = flow_run_id or os.environ.get("PREFECT__FLOW_RUN_ID")
+    if not flow_run_id:
+        raise ValueError("a follower needs the leader's flow run: set PREFECT__FLOW_RUN_ID")
+    with get_client(sync_client=True) as client:
+        parameters = client.read_flow_run(flow_run_id).parameters
+    join()
+    try:
+        learner_flow(**parameters)
+    except CancelledRun:  # stopped by a signal: it checkpointed (observe.stopped)
+        return 130
+    return 0
 
 
 class WarmUp:
@@ -326,4 +347,6 @@ if __name__ == "__main__":
         sys.exit(standby(warm))
     if sys.argv[1:2] == ["zygote"]:
         sys.exit(zygote())
+    if sys.argv[1:2] == ["follow"]:
+        sys.exit(follow(sys.argv[2] if len(sys.argv) > 2 else None))
     sys.exit(main())

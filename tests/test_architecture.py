@@ -16,6 +16,7 @@ FORBIDDEN = {
     # no training code
     "storage_layout": {"diloco", "flows", "infra", "prefect", "jax", "flax", "optax"},
 }
+PACKAGES = ("protocol", "diloco", "storage_layout", "flows", "infra")
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -58,3 +59,71 @@ def test_the_rules_see_an_import_that_breaks_them(tmp_path, monkeypatch):
     (package / "bad.py").write_text("def f():\n    from storage_layout.store import RunStore\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert _breaks("diloco") == ["diloco/bad.py:2 imports storage_layout.store"]
+
+
+def _module_imports(path: Path, modules: set[str]) -> set[str]:
+    """The project modules ``path`` imports, at any depth but under ``if TYPE_CHECKING``
+    (annotations only: never run)."""
+    tree = ast.parse(path.read_text(), str(path))
+    skipped = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+        for stmt in node.body
+        for n in ast.walk(stmt)
+    }
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        out |= {n for n in names if n in modules}
+    return out
+
+
+def _cycles(root: Path) -> list[list[str]]:
+    """The import circles among the packages' modules (each as the modules on it)."""
+    files = {
+        ".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): f
+        for package in PACKAGES
+        for f in (root / package).rglob("*.py")
+    }
+    graph = {m: _module_imports(f, set(files)) for m, f in files.items()}
+    found, done = [], set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            found.append(path[path.index(module) :])
+            return
+        if module in done:
+            return
+        for other in sorted(graph[module]):
+            visit(other, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    return found
+
+
+def test_no_module_imports_itself_through_others():
+    assert _cycles(ROOT) == []
+
+
+def test_the_circle_check_sees_a_circle(tmp_path, monkeypatch):
+    """The check itself: a circle closed by an import inside a function is found; one
+    closed only under ``TYPE_CHECKING`` is not a circle."""
+    package = tmp_path / "flows"
+    package.mkdir()
+    (package / "a.py").write_text("from flows.b import x\n")
+    (package / "b.py").write_text("x = 1\ndef f():\n    from flows import a\n")
+    (package / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                  "    from flows.d import y\n")  # fmt: skip
+    (package / "d.py").write_text("from flows.c import z\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGES", ("flows",))
+    assert _cycles(tmp_path) == [["flows.a", "flows.b"]]
