@@ -71,9 +71,15 @@ def _wait_port(port: int, timeout: float = 60) -> None:
     raise TimeoutError(f"nothing listens on port {port} after {timeout:.0f} s")
 
 
-def _prefect(*args: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "prefect", *args], env=env, cwd=REPO,
+def _module(module: str, *args: str, env: dict[str, str], check: bool = True
+            ) -> subprocess.CompletedProcess:  # fmt: skip
+    """``python -m module args`` in the stack's environment ``env``, its output captured."""
+    return subprocess.run([sys.executable, "-m", module, *args], env=env, cwd=REPO,
                           check=check, capture_output=True, text=True)  # fmt: skip
+
+
+def _prefect(*args: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:
+    return _module("prefect", *args, env=env, check=check)
 
 
 def up() -> dict:
@@ -145,8 +151,7 @@ def up() -> dict:
         raise SystemExit(f"prefect deploy failed; see {STATE / 'deploy.log'}")
     # zombie flow runs Crashed, a crashed launcher run again: in a process of the stack's
     # environment (this one's Prefect settings were read before it was set)
-    installed = subprocess.run([sys.executable, "-m", "infra.automations"], env=env, cwd=REPO,
-                               capture_output=True, text=True)  # fmt: skip
+    installed = _module("infra.automations", env=env, check=False)
     (STATE / "automations.log").write_text(installed.stdout + installed.stderr)
     if installed.returncode:
         raise SystemExit(f"installing the automations failed; see {STATE / 'automations.log'}")
