@@ -21,26 +21,24 @@ was neither checkpointed nor sent), to waiting, to rejection, and to steps never
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import itertools
-import json
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import astuple, dataclass, field
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
-from diloco import dataset, records
-from diloco.config import RunConfig, sim_events, validate_config
-from diloco.data import Corpus, DataError, ShardReader, load_corpus, validation_batches
+from diloco import records
+from diloco.config import RunConfig, sim_events
+from diloco.data import ShardReader
 from diloco.fragments import FragmentPlan, fragment_sizes, plan_fragments
 from diloco.inner import InnerTrainer
 from diloco.loops import STEP, LearnerLoop, Request, SyncerLoop, Wait, resume_step
 from diloco.model import ParamCodec
 from diloco.outer import FlatParams
+from diloco.run_data import RunData, settle_assign
 from diloco.tensors import materialize
 from diloco.transport import MemoryStore, SimulatedNetwork, Store, transfer_seconds
 from diloco.units import MemoryLedger, RegionalLedger, UnitLedger, UnitPlan, UnitReader
@@ -60,142 +58,6 @@ Progress = Callable[[int, int, float | None], None]  # tokens done, token budget
 
 # (config, fragment plan, initial parameters, learner ids) -> the store a run goes through
 StoreFactory = Callable[[RunConfig, FragmentPlan, FlatParams, Sequence[str]], Store]
-
-
-@lru_cache(maxsize=4)
-def cached_corpus(
-    source: str | None, shards: int, val_percent: int, text_field: str = "text"
-) -> Corpus:
-    return load_corpus(source, shards, val_percent, text_field)
-
-
-@lru_cache(maxsize=4)
-def cached_dataset(source: str) -> dataset.Dataset | None:
-    """The prepared data set at ``source``; None: ``source`` is text (the byte reader's)."""
-    return dataset.open_dataset(source) if dataset.is_prepared(source) else None
-
-
-@lru_cache(maxsize=4)
-def cached_text_chunks(
-    source: str | None, val_percent: int, text_field: str = "text"
-) -> dataset.TextChunks:
-    """The text corpus at ``source`` cut into chunks (``data.assign = "units"``)."""
-    corpus = cached_corpus(source, 1, val_percent, text_field)
-    return dataset.TextChunks(corpus, source or "the Python standard library")
-
-
-def _text_corpus(cfg: RunConfig) -> Corpus:
-    """The byte reader's corpus for ``cfg``: one shard per slot, or, taken in units,
-    one shard cut into chunks (its validation split is the same either way)."""
-    d = cfg.data
-    shards = 1 if d.assign == "units" else cfg.topology.learners
-    return cached_corpus(d.source, shards, d.val_percent, d.text_field)
-
-
-def settle_assign(cfg: RunConfig, stored: str | None = None, buckets: bool = False) -> RunConfig:
-    """``cfg`` with ``data.assign = "auto"`` made what it means: for a run already
-    started, what its spec records (``stored``); else units for a run through buckets
-    (``buckets``: the pipeline's, and the simulator's over a bucket store), so that
-    learners come, go and join beyond the slots whatever the data, and for a run in
-    memory units on a prepared data set and slots on text (the simulator's reference
-    runs: one process holds one pool of units where a run through buckets holds one per
-    region, so text in units would not be the same run in memory and through buckets).
-    Checked again as a whole (a join beyond the slots of a run on slots is refused by
-    name)."""
-    if cfg.data.assign != "auto":
-        return cfg
-    prepared = cfg.data.source and cached_dataset(cfg.data.source)
-    assign = stored or ("units" if buckets or prepared else "slots")
-    raw = cfg.model_dump()
-    raw["data"]["assign"] = assign
-    return validate_config(raw)
-
-
-def check_data(cfg: RunConfig) -> None:
-    """Fail, naming what is wrong, on data a run cannot train on: a missing, empty or
-    binary source, or a prepared data set that does not fit the model and learners."""
-    prepared = cfg.data.source and cached_dataset(cfg.data.source)
-    if prepared:
-        prepared.check(cfg.model.vocab_size, cfg.topology.learners, cfg.model.context)
-    elif cfg.data.assign == "units":
-        unit_plan(cfg)  # (it names a corpus that holds no window)
-    else:
-        _text_corpus(cfg)
-
-
-def data_fingerprint(cfg: RunConfig) -> str:
-    """The sha256 of the data ``cfg`` trains on, as this machine reads it: a prepared
-    data set's manifest (which holds every chunk's sha256; the same wherever the data set
-    is copied), or the text corpus as the byte reader splits it (its training shards and
-    validation split). A run's spec records it (``data.sha256``)."""
-    digest = hashlib.sha256()
-    if prepared := cfg.data.source and cached_dataset(cfg.data.source):
-        digest.update(json.dumps(prepared.manifest, sort_keys=True).encode())
-    else:
-        corpus = _text_corpus(cfg)
-        for part in (*corpus.train_shards, corpus.validation):
-            digest.update(len(part).to_bytes(8, "little"))
-            digest.update(np.ascontiguousarray(part).data)  # (no copy: the arrays are)
-    return digest.hexdigest()
-
-
-def check_same_data(cfg: RunConfig, spec: dict[str, Any], who: str, got: str | None = None) -> None:
-    """Refuse, by name, a learner or joiner (``who``) whose data is not the data the
-    run's spec recorded (another corpus at ``data.source`` on this machine, or another
-    Python's standard library): it would train windows no one else's ledger or share
-    describes. ``got``: this machine's ``data_fingerprint``, if made already. A spec
-    written before the data was recorded checks nothing."""
-    want = (spec.get("data") or {}).get("sha256")
-    if want is None:
-        return
-    got = got or data_fingerprint(cfg)
-    if got != want:
-        source = cfg.data.source or "the Python standard library (the default corpus)"
-        hint = ("; it differs between Python versions: give every machine one data.source"
-                if cfg.data.source is None else "")  # fmt: skip
-        raise DataError(
-            f"{who}: the data at {source} is not the data the run started on (sha256 "
-            f"{got[:12]}..., the run's {want[:12]}...): every machine of a run must read "
-            f"the same data{hint}"
-        )
-
-
-def make_reader(
-    cfg: RunConfig, index: int, ledger: UnitLedger | None = None
-) -> ShardReader | dataset.TokenReader | UnitReader:
-    """Learner ``index``'s reader: its chunks of a prepared data set (with ``data.assign
-    = "units"``, the spans it takes from ``ledger``), or its shard of the byte corpus."""
-    d, m = cfg.data, cfg.topology.learners
-    if d.assign == "units":
-        if ledger is None:
-            raise ValueError("data.assign = 'units' reads through a ledger; none was given")
-        return UnitReader(ledger.plan, learner_id(index), ledger, d.batch_size)
-    if prepared := d.source and cached_dataset(d.source):
-        return dataset.TokenReader(prepared, index, m, d.batch_size, cfg.model.context, cfg.seed)
-    shard = _text_corpus(cfg).train_shards[index]
-    return ShardReader(shard, d.batch_size, cfg.model.context, cfg.seed, index)
-
-
-def unit_plan(cfg: RunConfig) -> UnitPlan:
-    """The units of ``cfg``'s data (``data.assign = "units"``): a prepared data set's
-    chunks, or a text corpus cut into chunks (``dataset.TextChunks``)."""
-    d = cfg.data
-    chunks = d.source and cached_dataset(d.source)
-    if not chunks:
-        chunks = cached_text_chunks(d.source, d.val_percent, d.text_field)
-    return UnitPlan(chunks, cfg.model.context, cfg.seed)
-
-
-def make_validation(cfg: RunConfig) -> list[np.ndarray]:
-    """The fixed held-out batches, the same for every learner and syncer."""
-    d = cfg.data
-    prepared = d.source and cached_dataset(d.source)
-    if prepared:
-        return dataset.validation_batches(
-            prepared, d.batch_size, cfg.model.context, d.eval_batches, cfg.seed
-        )
-    corpus = _text_corpus(cfg)
-    return validation_batches(corpus, d.batch_size, cfg.model.context, d.eval_batches, cfg.seed)
 
 
 def dp_bytes_per_step(num_params: int, learners: int) -> int:
@@ -259,18 +121,16 @@ def simulate(
 ) -> SimResult:
     cfg = settle_assign(cfg, buckets=store is not None)
     m = cfg.topology.learners
-    check_data(cfg)
+    data = RunData(cfg)
+    data.check()
     codec, state = ParamCodec.create(cfg.model, cfg.seed)
     init = codec.to_flat(state)
     trainer = InnerTrainer(codec, cfg.inner, cfg.steps_per_learner)
-    val = make_validation(cfg)
-    units = None
-    if cfg.data.assign == "units":
-        units = unit_plan(cfg)
-    run = _Run(cfg, trainer, val, progress)
+    units = data.units if cfg.data.assign == "units" else None
+    run = _Run(cfg, trainer, data.validation, progress)
     if cfg.mode == "dp":
         ledger = MemoryLedger(units) if units else None
-        end = _simulate_dp(run, codec, init, [make_reader(cfg, i, ledger) for i in range(m)])
+        end = _simulate_dp(run, codec, init, [data.reader(i, ledger) for i in range(m)])
     else:
         # The readers are made once the store is there: with units, it keeps the ledger.
         end, ledger = _simulate_loops(run, codec, init, units, store)
@@ -546,7 +406,7 @@ class _Fleet:
         self.net.store.add_learner(lid)
         self.ids.append(lid)
         self.net.learners.append(lid)  # told of new versions
-        self.readers.append(make_reader(self.run.cfg, i, self.ledger))
+        self.readers.append(RunData(self.run.cfg).reader(i, self.ledger))
         self.vacant[i], self.vacant_seconds[i] = 0.0, 0.0
 
     def join(self, i: int) -> None:
@@ -612,7 +472,7 @@ def _simulate_loops(
         store = MemoryStore(initial, topo.global_dtype, cfg.outer.max_staleness, topo.downlink,
                             topo.block_size)  # fmt: skip
     ledger = store.ledger(units) if units else None
-    readers = [make_reader(cfg, i, ledger) for i in range(topo.learners)]
+    readers = [RunData(cfg).reader(i, ledger) for i in range(topo.learners)]
     clock = VirtualClock()
     sched = Scheduler(clock, lambda name: cfg.speed(learner_index(name)) * sim.step_seconds)
     fleet = _Fleet(run, plan, readers, sched, clock)

@@ -5,7 +5,7 @@ With ``data.assign = "slots"`` a prepared data set's chunks are dealt to the run
 ``topology.learners`` slots once and for all (``dataset.assignment``): a slot no one
 holds leaves its share untrained. (Units are the default for a new run through
 buckets, and for one in memory on a prepared data set; text in memory, and runs started
-on slots, are dealt: ``simulate.settle_assign``. Text taken in units is cut into chunks
+on slots, are dealt: ``run_data.settle_assign``. Text taken in units is cut into chunks
 as a data set is: ``dataset.TextChunks``.)
 Here the training chunks are instead cut, every epoch, into **units** of
 ``shuffle_chunks`` consecutive chunks of an order shuffled by ``(seed, epoch)`` (the

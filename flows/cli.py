@@ -900,7 +900,7 @@ def _launched_keep(store: Any) -> int | None:
     from pydantic import ValidationError
 
     from diloco.config import PipelineConfig
-    from flows.run import launched_pipeline
+    from flows.spec import launched_pipeline
 
     settings = launched_pipeline(store)
     try:

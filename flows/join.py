@@ -75,12 +75,12 @@ from pydantic import Field
 from diloco.config import LivenessConfig
 from diloco.data import DataError
 from diloco.liveness import glance
-from diloco.simulate import check_same_data
 from diloco.syncer import budget_spent
 from flows import workers
+from flows.compile import share_compilations, user_cache
 from flows.notice import noting_ctrl_c
-from flows.run import launched_pipeline, share_compilations, user_cache
 from flows.spares import WORKER_COMMAND
+from flows.spec import launched_pipeline
 from protocol.topology import (
     LEARNER_PREFIX,
     SLOT_EVERYWHERE,
@@ -344,7 +344,8 @@ def join(
     trained its budget meanwhile, and the slot is chosen again (another may have taken
     it). ``interrupted`` (a Ctrl-C seen, ``join_and_train``) is asked before anything is
     written: such a joiner raises ``KeyboardInterrupt`` having taken nothing."""
-    from flows.run import config_from_spec
+    from flows.run import Run
+    from flows.spec import config_from_spec
 
     if speed is not None and not (isinstance(speed, int | float) and math.isfinite(speed)
                                   and speed > 0):  # fmt: skip
@@ -359,7 +360,8 @@ def join(
     check_region_url(spec, run, region, url)
     # the run's own pipeline settings (its newest launch's), then what this joiner sets
     pipeline = {**launched_pipeline(store), **(pipeline or {})}
-    cfg = config_from_spec(spec, pipeline)
+    opened = Run(run, {region: url}, region, spec, config_from_spec(spec, pipeline))
+    cfg = opened.cfg
     keys = join_keys(store, env)
     if keys == {}:
         if store.home.exists(store.layout.secret_fingerprint):
@@ -378,7 +380,7 @@ def join(
 
     refuse_if_spent()
     try:  # before the warm-up: its data (another corpus here) would train nothing of the run's
-        check_same_data(cfg, spec, f"a joiner of run {run!r}")
+        opened.data.check_same(spec, f"a joiner of run {run!r}")
     except DataError as exc:
         raise JoinRefused(str(exc)) from None
     grow = cfg.data.assign == "units"  # no slot owns data: a slot may be added

@@ -46,6 +46,7 @@ from diloco.config import (
     parse_override,
     validate_config,
 )
+from flows.compile import share_compilations
 from flows.display import Display
 from flows.display import current as current_display
 from flows.metrics import LiveMetrics
@@ -58,7 +59,7 @@ from flows.monitor import (
     summary_markdown,
 )
 from flows.observe import artifact_key, outlive_the_reader, stopped, tag_flow_run
-from flows.run import in_run_order, initialize_run, settled, share_compilations
+from flows.run import Run
 from flows.run_lock import RunLock, RunTakenOver, held
 from flows.supervision import (
     STAND_BY,
@@ -70,7 +71,6 @@ from flows.supervision import (
 )
 from flows.workers import run_workers
 from infra.chaos import Chaos, ChaosPlan, kill_to_rejoin, percentiles, read_actions
-from protocol.topology import home_region
 from storage_layout import faults
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV, Keys, run_secret
 from storage_layout.commit import CorruptVersion
@@ -112,7 +112,8 @@ class Launch:
     run's end). A caller that makes one puts it in ``LAUNCH`` before it calls
     ``train_flow``; a flow run of the train deployment makes its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, run: Run | None = None) -> None:
+        self.run = run  # the run, if its caller started it already (``Run.start``)
         self.stopping = threading.Event()
         self.signalled = threading.Event()  # a SIGINT or SIGTERM: the watch ends on it too
         self.mode: LaunchMode | None = None
@@ -633,11 +634,10 @@ def _train(
     folder.mkdir(parents=True, exist_ok=True)
     fault_plan = worker_faults(cfg, folder, log)  # both checked before anything is committed
     chaos_plan = ChaosPlan(**cfg.pipeline.chaos)
-    regions = in_run_order(run, regions)
-    store = RunStore(run, regions, home_region(regions), writer="launcher")
     current_display().phase("spec", "running", "writing the run spec and version 0, evaluating it")
-    cfg = settled(store, cfg)  # as the spec will record it
-    spec = initialize_run(store, cfg)
+    opened = launch.run if launch.run is not None else Run.start(run, regions, cfg)
+    regions, cfg = opened.regions, opened.cfg
+    store = opened.store("launcher")
     lock = held(run)  # `diloco train` took it before starting its Prefect server
     with contextlib.ExitStack() as stack:
         if lock is None:  # a flow run of the train deployment: one launcher per run here too
@@ -649,8 +649,7 @@ def _train(
         mode = launch.mode = _launch_mode(launch, run, regions, cfg, logs, via, store, log,
                                           fault_plan)  # fmt: skip
         stack.callback(mode.close)
-        summary = _launch(run, regions, cfg, logs, store, spec, chaos_plan, lock, mode, log,
-                          launch.signalled)  # fmt: skip
+        summary = _launch(opened, logs, store, chaos_plan, lock, mode, log, launch.signalled)
     launch.summary = summary  # (should the API not record the flow run's end)
     return summary
 
@@ -685,12 +684,9 @@ def _launch_mode(
 
 
 def _launch(
-    run: str,
-    regions: dict[str, str],
-    cfg: RunConfig,
+    opened: Run,
     logs: str,
     store: RunStore,
-    spec: dict[str, Any],
     chaos_plan: ChaosPlan,
     lock: RunLock,
     mode: LaunchMode,
@@ -698,12 +694,13 @@ def _launch(
     signalled: threading.Event | None = None,
 ) -> dict[str, Any]:
     """The launch itself, with the run's lock held, its workers started by ``mode``."""
+    run, regions, cfg, spec = opened.name, opened.regions, opened.cfg, opened.spec
     folder = Path(logs).parent
     display = current_display()
     report = BestEffort()
     Path(logs).mkdir(parents=True, exist_ok=True)
     keys = Keys(run, mode.secret)  # (deployments' workers hold theirs: None here)
-    monitor = Monitor(store, cfg, spec, log, mode.deaths, verifying_key=keys.verifying_key)
+    monitor = Monitor(opened, store, log, mode.deaths, verifying_key=keys.verifying_key)
     first = monitor.evaluate(monitor.statuses())
     monitor.remember_start(first)
     log.info(

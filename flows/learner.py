@@ -44,10 +44,10 @@ from diloco.learner import LearnerCheckpoint, compile_apply
 from diloco.loops import Clock, GlobalView, LearnerLoop, WallClock, drive
 from diloco.outer import Contribution
 from diloco.quantize_device import outer_gradient
-from diloco.simulate import check_same_data, unit_plan
 from diloco.transport import StoreLearnerView
 from diloco.units import UnitReader
 from flows.bucket_io import HostPart
+from flows.compile import compile_turn, share_compilations, user_cache
 from flows.heartbeat import Heartbeat
 from flows.hosts import join as join_group
 from flows.ledger import BucketLedger, FollowedLedger, region_ledger, region_pools
@@ -62,15 +62,7 @@ from flows.observe import (
     worker_tags,
 )
 from flows.pace import Pace
-from flows.run import (
-    bucket_store,
-    build_model,
-    compile_turn,
-    config_from_spec,
-    reader,
-    share_compilations,
-    user_cache,
-)
+from flows.run import Run, build_model
 from flows.stop import STOP
 from protocol.topology import learner_id, learner_index
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV
@@ -78,7 +70,6 @@ from storage_layout.bucket import PartialFailure
 from storage_layout.commit import CommitConflict
 from storage_layout.members import SeqNotReserved
 from storage_layout.spill import SpillFolder
-from storage_layout.store import RunStore
 from storage_layout.stream import process_folder
 
 
@@ -469,15 +460,15 @@ def warm_up(
     corpus. A spare does it while it waits, so a learner that takes over from a killed one
     starts training seconds sooner; so does ``diloco join`` before it takes a slot (its
     ``go_on``, called between the steps, raises when it was told to stop)."""
-    cfg = config_from_spec(RunStore(run, {region: bucket}, region).read_spec(), pipeline)
-    model = build_model(cfg, learner=True, go_on=go_on)
+    opened = Run.open(run, {region: bucket}, region, pipeline, learner=True)
+    model = build_model(opened.cfg, learner=True, go_on=go_on)
     go_on()
-    compile_step(model, cfg, go_on)
+    compile_step(model, opened.cfg, go_on)
     go_on()
-    if cfg.data.assign == "units":  # the data's chunks (a learner's units: its own)
-        unit_plan(cfg)
+    if opened.cfg.data.assign == "units":  # the data's chunks (a learner's units: its own)
+        _ = opened.data.units
     else:
-        reader(cfg, 0)  # the corpus, read and split once per process
+        opened.data.reader(0)  # the corpus, read and split once per process
 
 
 class LearnerRuntime:
@@ -500,23 +491,21 @@ class LearnerRuntime:
     ):
         self.log = run_logger("diloco.learner")
         self.ledger: BucketLedger | FollowedLedger | None = None  # data.assign = "units"
-        opened = time.time()
-        opening = RunStore(run, {region: bucket}, region, writer=learner)
-        spec = opening.read_spec()
+        began = time.time()
+        self.opened = opened = Run.open(run, {region: bucket}, region, pipeline, learner=True)
+        spec = opened.spec
         # the spec's slots and those joiners added in this region (``diloco join``)
-        learners = opening.members.run_learners(spec).regions
+        learners = opened.store(learner).members.run_learners(spec).regions
         if learners.get(learner) != region:
             raise ValueError(
                 f"learner {learner!r} is not in region {region!r} in run {run!r}; "
                 f"the run has {learners}"
             )
-        self.cfg = config_from_spec(spec, pipeline)
-        self.model = build_model(self.cfg, learner=True)
+        self.cfg, self.model = opened.cfg, opened.model
         self.run, self.region, self.id = run, region, learner
         self.index = learner_index(learner)
         self.label = f"{region}/{self.index}"
-        self.store = bucket_store(run, {region: bucket}, spec, self.cfg, learner, home=region,
-                                  model=self.model, learners=learners)  # fmt: skip
+        self.store = opened.bucket_store(learner, learners)
         # Over several processes (diloco.hosts) process 0 leads: it alone writes to the
         # bucket, and the others take what it read.
         self.leader, self.processes = hosts.is_leader(), hosts.process_count()
@@ -533,14 +522,14 @@ class LearnerRuntime:
         ) if self.leader else None  # fmt: skip
         self._progress: dict[str, Any] | None = None  # what a predecessor reported
         try:
-            self._open(spec, learner, clock, io, opened)
+            self._open(spec, learner, clock, io, began)
         except BaseException:  # (a start that fails beats no more)
             if self.heartbeat is not None:
                 self.heartbeat.close()
             raise
 
     def _open(self, spec: dict[str, Any], learner: str, clock: Clock | None,
-              io: Callable[[StoreLearnerView], Any] | None, opened: float) -> None:  # fmt: skip
+              io: Callable[[StoreLearnerView], Any] | None, began: float) -> None:  # fmt: skip
         """The rest of the start, once the generation is held and the heartbeat goes:
         compile, read what the learner resumes from, and start its loop."""
         self.announce("compiling")
@@ -574,7 +563,7 @@ class LearnerRuntime:
         # Where this process's time went (the launcher's goodput breakdown; the status
         # sums them over processes): start-up is opening the run, compiling and resuming,
         # up to the first step; training is the rounds themselves.
-        self.startup_seconds = time.time() - opened
+        self.startup_seconds = time.time() - began
         self.train_seconds = 0.0
 
     def _beat_progress(self) -> tuple[int, int]:
@@ -589,11 +578,12 @@ class LearnerRuntime:
     def _reader(self, spec: dict[str, Any]) -> Any:
         """The learner's data: its dealt share, or (``data.assign = "units"``) the spans
         it takes from its region's pool in its own bucket (``flows.ledger``); the run's
-        own data, or a ``DataError`` naming the difference (``check_same_data``)."""
-        check_same_data(self.cfg, spec, f"learner {self.label}")
+        own data, or a ``DataError`` naming the difference (``RunData.check_same``)."""
+        data = self.opened.data
+        data.check_same(spec, f"learner {self.label}")
         if self.cfg.data.assign != "units":
-            return reader(self.cfg, self.index)
-        units = unit_plan(self.cfg)
+            return data.reader(self.index)
+        units = data.units
         own = self.store.writer_for(self.id)
         ledger = region_ledger(own, units, self.store.learners, self.region, self._may_take,
                                lambda: own.members.run_learners(spec).regions,

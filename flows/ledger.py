@@ -319,7 +319,7 @@ def audit_units(report: AuditReport) -> None:
     into ``report.units``. A ledger record that does not check (a forged span, a release
     that gives back what its learner did not hold) fails the invariant by its key."""
     from diloco.config import validate_config
-    from diloco.simulate import unit_plan
+    from diloco.run_data import RunData
 
     urls, run = report.regions, report.run
     # with DILOCO_RUN_SECRET set, only the run's own claims count (``storage_layout.auth``)
@@ -331,7 +331,7 @@ def audit_units(report: AuditReport) -> None:
         return
     # the run's slots and the learners joiners added (a refused one is the audit's stranger)
     plan, learners, batch = (
-        unit_plan(cfg),
+        RunData(cfg).units,
         first.members.run_learners(spec).regions,
         cfg.data.batch_size,
     )

@@ -3,7 +3,7 @@ safetensors file and load it back, read text to evaluate it on.
 
 The global model is assembled the way the launcher evaluates it: every fragment's
 version read through ``RunStore.versions.get_global`` and the tensors put together under the
-run's ``ParamCodec`` names (``flows.run``: ``config_from_spec``, ``build_model``). In
+run's ``ParamCodec`` names (``flows.run.Run``: its model). In
 the syncers' home region that is the fp32 master copy; any other region holds only the
 ``wire`` copy learners download (``topology.global_dtype``, bf16 by default), which is
 read instead and said so.
@@ -50,8 +50,10 @@ from pydantic import ValidationError
 from diloco.config import ConfigError, ModelConfig, RunConfig
 from diloco.data import DOC_SEPARATOR, DataError, list_files, read_file
 from diloco.model import FlatParams, ParamCodec
+from diloco.run_data import RunData
 from diloco.sample import Scorer, TextScore, Tokenizer
-from flows.run import build_model, config_from_spec, validation
+from flows.run import Run, build_model
+from flows.spec import config_from_spec
 from storage_layout.commit import CorruptVersion
 from storage_layout.store import RegionDown, RunStore
 from storage_layout.versions import GlobalState
@@ -89,19 +91,17 @@ class UsableModel:
 # --- from the buckets ----------------------------------------------------------------------
 
 
-def open_run(url: str, run: str) -> tuple[RunStore, dict[str, Any]]:
-    """A read-only store on the bucket at ``url`` and the run's spec. The bucket may be
-    any of the run's regions (found by its URL in the spec) or a copy of one."""
+def open_run(url: str, run: str) -> Run:
+    """The run as the bucket at ``url`` holds it, read-only. The bucket may be any of the
+    run's regions (found by its URL in the spec) or a copy of one."""
     probe = RunStore(run, {"reader": url}, "reader", writer="reader")
     try:
         spec = probe.read_spec()  # names a missing run (FileNotFoundError)
     except RegionDown as exc:  # a missing bucket: said without the made-up region name
         raise RegionDown(str(exc).removeprefix("region reader: ")) from None
     regions = spec.get("regions", {})
-    region = next((r for r, u in regions.items() if u.rstrip("/") == url.rstrip("/")), None)
-    if region is None:
-        return probe, spec
-    return RunStore(run, {region: url}, region, writer="reader"), spec
+    region = next((r for r, u in regions.items() if u.rstrip("/") == url.rstrip("/")), "reader")
+    return Run(run, {region: url}, region, spec, config_from_spec(spec))
 
 
 def parse_versions(text: str | None, fragments: int) -> list[int | None]:
@@ -171,10 +171,9 @@ def read_fragment(
 def read_global_model(url: str, run: str, versions: str | None = None) -> UsableModel:
     """The global model of ``run`` in the bucket at ``url``: the newest version of every
     fragment, or those ``versions`` names (``parse_versions``)."""
-    store, spec = open_run(url, run)
-    cfg = config_from_spec(spec)
-    codec = build_model(cfg).codec
-    wanted = parse_versions(versions, len(spec["fragments"]))
+    opened = open_run(url, run)
+    store, cfg, codec = opened.store("reader"), opened.cfg, opened.model.codec
+    wanted = parse_versions(versions, len(opened.spec["fragments"]))
     params: FlatParams = {}
     held: dict[int, int] = {}
     masters = []
@@ -548,7 +547,7 @@ def evaluate(
             raise ConfigError("an exported model has no validation set of its own; give --data")
         cfg = model.run_config
         trainer = build_model(cfg).trainer
-        batches = validation(cfg)
+        batches = RunData(cfg).validation
         loss = trainer.evaluate(trainer.place_params(model.params), batches)
         count = sum(b.shape[0] * (b.shape[1] - 1) for b in batches)
         where = cfg.data.source or "the Python standard library"

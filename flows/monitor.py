@@ -15,12 +15,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from diloco import records
-from diloco.config import RunConfig
 from diloco.liveness import Liveness, Verdict
 from diloco.simulate import dp_bytes_per_step
 from flows.observe import train_summary_rows
 from flows.pace import MEMBERS_EVERY
-from flows.run import build_model, validation
+from flows.run import Run
 from protocol.topology import learner_index, run_slots, shard_count, shard_fragments, syncer_id
 from storage_layout.commit import CorruptVersion
 from storage_layout.progress import sum_traffic
@@ -58,14 +57,14 @@ class Monitor:
 
     def __init__(
         self,
+        run: Run,
         store: RunStore,
-        cfg: RunConfig,
-        spec: dict[str, Any],
         log: Any = log,
         deaths: Mapping[str, tuple[float, str]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         verifying_key: Callable[[str], bytes | None] = lambda learner: None,
     ):
+        cfg, spec = run.cfg, run.spec
         self.store, self.cfg, self.spec, self.log = store, cfg, spec, log
         self.verifying_key = verifying_key  # a learner's key: its heartbeats must verify
         self.clock = clock  # paces the reads of the members
@@ -90,8 +89,8 @@ class Monitor:
         self.liveness = Liveness(cfg.liveness, cfg.topology.inner_steps)
         self.round_seconds = 0.0
         self._versions_moved: tuple[dict[int, int], float] | None = None
-        self.model = build_model(cfg)
-        self.val = validation(cfg)
+        self.model = run.model
+        self.val = run.data.validation
         self.total_steps = cfg.steps_per_learner
         self.curve: list[dict[str, Any]] = []
         self.furthest: dict[str, int] = {}  # learner -> the furthest step it reached

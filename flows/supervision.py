@@ -37,7 +37,6 @@ from prefect.settings import PREFECT_API_URL
 
 from flows import memory
 from flows.observe import PARENT_FLOW_RUN_ENV, PARENT_TASK_RUN_ENV, parent_env
-from flows.run import worker_done
 from flows.spares import Spares
 from flows.worker import API_DOWN, PARENT_ENV, api_away, prefect_api_reachable
 from flows.workers import Status, Worker
@@ -518,7 +517,7 @@ class Deployments(LaunchMode):
                 state = self._wait_flow_run(flow_run.id, name, log)
             finally:
                 self.flow_runs.discard(flow_run.id)
-            if worker_done(store, writer):
+            if store.progress.done(writer):
                 return 0
             if self.stopping.is_set():
                 return 130

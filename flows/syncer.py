@@ -36,7 +36,6 @@ from diloco.loops import (
     drive,
 )
 from diloco.outer import Contribution
-from diloco.simulate import unit_plan
 from diloco.syncer import GlobalVersion
 from flows.bucket_io import BucketStore
 from flows.ledger import SilentReleases, UnitOffers, region_pools
@@ -49,7 +48,7 @@ from flows.observe import (
     worker_tags,
 )
 from flows.pace import ADMIT_EVERY, MEMBERS_EVERY, Pace
-from flows.run import bucket_store, config_from_spec, worker_done
+from flows.run import Run
 from flows.stop import STOP
 from protocol.topology import run_slots, shard_fragments, syncer_id
 from storage_layout.auth import RUN_SECRET_ENV, UNAUTHENTICATED, record_verifies
@@ -164,7 +163,7 @@ class PipelineSyncerTransport:
             if learner in self.done:
                 continue
             try:
-                done = worker_done(main, learner, region, self.tokens)
+                done = main.progress.done(learner, region, self.tokens)
                 if not done and budget_spent:
                     done = self._vacant(learner, region)
             except OSError:
@@ -369,12 +368,12 @@ class SyncerRuntime:
                  shards: int, pipeline: dict | None = None, clock: Clock | None = None,
                  transport: SyncerTransport | None = None):  # fmt: skip
         self.log = run_logger("diloco.syncer")
-        spec = RunStore(run, regions, home, writer=syncer_id(shard)).read_spec()
-        self.cfg = config_from_spec(spec, pipeline)
+        opened = Run.open(run, regions, home, pipeline)
+        spec, self.cfg = opened.spec, opened.cfg
         self.run, self.home, self.shard = run, home, shard
         self.label = f"{home}/{shard}"
         self.fragments = shard_fragments(shard, shards, len(spec["fragments"]))
-        store = bucket_store(run, regions, spec, self.cfg, syncer_id(shard), home=home)
+        store = opened.bucket_store(syncer_id(shard))
         self.transport = PipelineSyncerTransport(
             store, self.fragments, self.cfg.pipeline.keep_versions or self.cfg.kept_versions,
             self.cfg.outer.max_staleness, self.log, self.cfg.budget.tokens,
@@ -384,7 +383,7 @@ class SyncerRuntime:
         self.transport.on_published = self.report
         self.transport.spec = spec  # to admit the learners joiners add
         if self.cfg.data.assign == "units":
-            units = unit_plan(self.cfg)
+            units = opened.data.units
             pools = region_pools(spec)
             self.transport.releases = SilentReleases(store, units, self.cfg.data.batch_size,
                                                      self.log, pools)  # fmt: skip

@@ -33,6 +33,7 @@ from protocol.topology import (
 
 if TYPE_CHECKING:  # (Prefect is imported only once PREFECT_HOME is set)
     from flows.launcher import Launch
+    from flows.run import Run
 
 console = Console(stderr=True, soft_wrap=True)
 
@@ -88,25 +89,20 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _is_complete(run: str, regions: dict[str, str], cfg: RunConfig, root: Path) -> bool:
-    """Check the spec and reach every bucket (a mismatch or a missing bucket is reported
-    before anything starts); True, with the stored summary printed, if the run is done."""
-    from flows.run import initialize_run, worker_done
-    from storage_layout.store import RunStore
-
-    store = RunStore(run, regions, home_region(regions), writer="launcher")
-    spec = initialize_run(store, cfg)
-    tokens = cfg.budget.tokens
-    if not all(worker_done(store, lid, region, tokens)
-               for lid, region in store.members.run_learners(spec).regions.items()):  # fmt: skip
+def _is_complete(opened: Run, root: Path) -> bool:
+    """True, with the stored summary printed, if the run ``opened`` (``Run.start``: its
+    spec checked, every bucket reached) is done."""
+    store, tokens = opened.store("launcher"), opened.cfg.budget.tokens
+    if not all(store.progress.done(lid, region, tokens)
+               for lid, region in store.members.run_learners(opened.spec).regions.items()):  # fmt: skip
         return False
-    console.print(f"run {run!r} is complete (every learner is done, {tokens:,} tokens); "
-                  "pass another --run to start a new one, or a larger --tokens to extend "
-                  "it")  # fmt: skip
+    console.print(f"run {opened.name!r} is complete (every learner is done, {tokens:,} "
+                  "tokens); pass another --run to start a new one, or a larger --tokens to "
+                  "extend it")  # fmt: skip
     saved = root / "summary.json"
     if saved.exists():
         summary = json.loads(saved.read_text())
-        stdout_console().print(train_summary_table(summary, f"diloco train {run}"))
+        stdout_console().print(train_summary_table(summary, f"diloco train {opened.name}"))
     return True
 
 
@@ -170,19 +166,22 @@ def memory_lines(cfg: RunConfig, num_params: int, via: str,
 def train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: str) -> int:
     """Run (or resume) ``run`` to the end of its budget; the exit status."""
     signal.signal(signal.SIGTERM, _raise_interrupt)  # clean up the server on `kill` too
-    if _is_complete(run, regions, cfg, root):
-        return 0
+    from flows.run import Run
     from flows.run_lock import RunLock, RunLocked
     from storage_layout.auth import claims_key, run_secret
-    from storage_layout.store import RunStore
+
+    # The spec checked and every bucket reached: a mismatch or a missing bucket is
+    # reported before anything starts.
+    opened = Run.start(run, regions, cfg)
+    if _is_complete(opened, root):
+        return 0
 
     # One launcher per run, taken before the run's Prefect server starts (two servers
     # must never share its database): a second `diloco train` of a running run is refused.
     # Its claim is tagged with the run's claims key, where the launcher holds the secret.
     root.mkdir(parents=True, exist_ok=True)
     secret = run_secret(root / "run-secret" if via == "processes" else None)[0]
-    store = RunStore(run, regions, home_region(regions), writer="launcher",
-                     claims_key=None if secret is None else claims_key(secret, run))  # fmt: skip
+    store = opened.store("launcher", claims_key=None if secret is None else claims_key(secret, run))
     # Another launcher that takes the run over (this one's lease went stale) stops the
     # workers; the launcher flow then ends naming who took over. The launch is made once
     # the run's Prefect API is up (``_train``): Prefect reads its settings when it is
@@ -196,15 +195,13 @@ def train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: st
         console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
         return 2
     try:
-        return _train(run, regions, cfg, root, via, launches)
+        return _train(opened, root, via, launches)
     finally:
         lock.release()
 
 
-def _train(
-    run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: str,
-    launches: list[Launch],
-) -> int:  # fmt: skip
+def _train(opened: Run, root: Path, via: str, launches: list[Launch]) -> int:
+    run, regions, cfg = opened.name, opened.regions, opened.cfg
     prefect_home = root / "prefect"
     os.environ.setdefault("PREFECT_HOME", str(prefect_home.resolve()))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -216,22 +213,13 @@ def _train(
         + "\n"
         + "".join(f"  region {r}: {u}\n" for r, u in regions.items())
     )
-    from flows.run import build_model  # built already: the spec check needed it
-
-    estimate, warning = memory_lines(cfg, build_model(cfg).codec.num_params, via)
+    estimate, warning = memory_lines(cfg, opened.model.codec.num_params, via)
     console.print(estimate)
     if warning:
         console.print(f"[bold yellow]warning:[/] {warning}")
     if empty := unslotted_regions(deal_learners(cfg.topology.learners, regions), regions):
-        from flows.run import settled
-        from storage_layout.store import RunStore
-
-        store = RunStore(run, regions, home_region(regions), writer="launcher")
-        try:
-            deal = run_deal(store.read_spec())  # None: a run started before deals were
-        except FileNotFoundError:
-            deal = list(regions)  # a new run's (flows.run.run_spec)
-        if settled(store, cfg).data.assign == "slots" or not deal:
+        # (a run started before deals were recorded has none)
+        if cfg.data.assign == "slots" or not run_deal(opened.spec):
             console.print(
                 f"[bold yellow]warning:[/] no learner slot in region {', '.join(empty)}: no "
                 f"learner trains there and no machine can join there (diloco join); "
@@ -260,7 +248,7 @@ def _train(
             from flows.monitor import RunStalled, StorageUnreachable
             from flows.worker import prefect_api_reachable
 
-            launch = launcher.Launch()
+            launch = launcher.Launch(opened)
             launches.append(launch)
             token = launcher.LAUNCH.set(launch)  # the launcher flow's, its workers' and handlers'
 

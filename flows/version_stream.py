@@ -24,7 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from diloco.tensors import TensorMeta, Tensors
+from diloco import records
+from diloco.config import TopologyConfig
+from diloco.tensors import TensorMeta, Tensors, pieces
 from diloco.transport import downlink_piece
 from protocol.quantize import QuantizedTensor, dequantize
 from storage_layout.codec import CHUNK, GroupWriter, root_objects
@@ -127,6 +129,33 @@ def slot_names(leaf_names: Sequence[str], shapes: Mapping[str, Any], slots: int)
         raise ValueError(f"{len(leaf_names)} optimizer leaves for {len(names)} tensors and "
                          f"{slots} state arrays each")  # fmt: skip
     return [{n: leaf_names[k * len(names) + i] for i, n in enumerate(names)} for k in range(slots)]
+
+
+def publish_initial(
+    store: RunStore,
+    fragment: int,
+    params: Mapping[str, np.ndarray],
+    leaf_names: Sequence[str],
+    topo: TopologyConfig,
+) -> None:
+    """Version 0 of ``fragment``: ``params``, and the outer optimizer's state (its stored
+    ``leaf_names``, as optax lists them) at zero, as a syncer's ``FragmentSyncer`` starts
+    it. Written a piece at a time as a merge writes a version: each chunk encoded, hashed
+    and uploaded as it is made, never the whole version's objects at once.
+    ``CommitConflict`` if version 0 is there."""
+    shapes = {n: tuple(np.shape(v)) for n, v in params.items()}
+    names = slot_names(leaf_names, shapes, len(leaf_names) // max(1, len(shapes)))
+    sink = StreamedVersion(store, fragment, 0, shapes, names, topo.global_dtype, "full",
+                           topo.block_size)  # fmt: skip
+    try:
+        for name, a, b in pieces(shapes, topo.block_size):
+            values = np.asarray(params[name], np.float32).reshape(-1)[a:b]
+            sink.write(name, a, values, [np.zeros(b - a, np.float32) for _ in names])
+        sink.finish()
+    except BaseException:
+        sink.abort()
+        raise
+    sink.commit(records.initial_version(fragment, 0.0))
 
 
 class StreamedVersion:

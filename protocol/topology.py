@@ -55,7 +55,7 @@ def deal_learners(count: int, regions: Sequence[str] | Mapping[str, str]) -> dic
 
 def run_deal(spec: Mapping[str, Any]) -> list[str] | None:
     """The regions a run deals its learners over, in order (``deal`` of the spec that
-    ``flows.run.run_spec`` writes): learner-i lives in region ``i mod len(deal)``, the
+    ``flows.spec.run_spec`` writes): learner-i lives in region ``i mod len(deal)``, the
     spec's slots and the learners joiners add beyond them alike, so a joiner may add a
     learner in any region of the run, one that starts none included. None for a spec
     written before the key existed: its added learners live where slot ``i mod M`` does

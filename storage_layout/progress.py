@@ -115,6 +115,17 @@ class Progress(Part):
         bucket = self.bucket(region or self.store.client_region)
         return read_or_none(bucket, self.layout.metrics(name), Status, STATUS_BYTES)
 
+    def done(self, writer: str, region: str | None = None, tokens: int | None = None) -> bool:
+        """Whether ``writer``'s status object says it is done: a learner writes that only
+        once its final checkpoint and every contribution before it are committed, and the
+        syncers, the launcher and a resumed `diloco train` end on it. Given the run's
+        budget (``tokens``), done means done at that budget: a learner that finished
+        before the budget was extended trains on."""
+        status = self.read_metrics(writer, region) or {}
+        if status.get("state") != "done":
+            return False
+        return tokens is None or int(status.get("budget_tokens", 0)) >= tokens
+
     def statuses(self, region: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
         """Every writer's status object in ``region`` (name -> record, each checked as a
         ``Status``), and a problem naming each that is not one."""

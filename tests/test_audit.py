@@ -240,7 +240,8 @@ def test_home_master_copies_gone_fail_the_audit_and_a_relaunch(run):
     """Every home version of fragment 0 deleted (as a forged marker once made retention
     do): the audit names it, however sound the other region's copies are, and
     initializing the run again refuses to publish version 0 over it."""
-    from flows.run import config_from_spec, initialize_run
+    from flows.run import initialize_run
+    from flows.spec import config_from_spec
     from storage_layout.versions import HomeCopiesLost
 
     home = Path(run["us"].removeprefix("file://")) / "r" / "globals" / "f0000"

@@ -14,9 +14,10 @@ from flax import nnx
 from diloco.config import ConfigError, load_config
 from diloco.data import DOC_SEPARATOR, DataError, list_files, load_corpus, read_file
 from diloco.model import ModelFactoryError, ParamCodec
+from diloco.run_data import RunData
 from diloco.simulate import simulate
 from flows.model_io import read_text
-from flows.run import build_model, reader, simulation_store
+from flows.run import build_model, simulation_store
 
 # --- a model of one's own -----------------------------------------------------------------
 
@@ -118,7 +119,7 @@ def test_factory_model_builds_and_trains(tmp_path):
     trainer = model.trainer
     params = trainer.place_params(model.init)
     opt = trainer.init_opt_state(params)
-    shard = reader(cfg, 0)
+    shard = RunData(cfg).reader(0)
     losses = []
     for i in range(2):
         params, opt, loss = trainer.step(params, opt, shard.next_batch(), i)

@@ -413,7 +413,7 @@ def test_diloco_train_on_prepared_tokens_learns_and_a_killed_learner_skips_and_r
     import sys
 
     from flows.ledger import audit_units
-    from flows.run import config_from_spec
+    from flows.spec import config_from_spec
     from protocol.topology import learner_index
     from storage_layout.audit import audit_run
     from storage_layout.store import RunStore

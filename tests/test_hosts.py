@@ -124,7 +124,8 @@ class _Restored:
 
 def _checkpoint(name: str, bucket: str, lid: str) -> _Restored:
     """The learner's newest checkpoint, restored on this process's devices."""
-    from flows.run import bucket_store, build_model, config_from_spec
+    from flows.run import bucket_store, build_model
+    from flows.spec import config_from_spec
 
     spec = RunStore(name, {"us": bucket}, "us").read_spec()
     cfg = config_from_spec(spec)

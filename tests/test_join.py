@@ -220,7 +220,7 @@ def test_a_joiner_whose_data_is_not_the_runs_is_refused_by_name(tmp_path):
     name before it warms up, having written nothing, and so is a launch of the run on
     that data. A run started before the spec recorded it resumes and takes any."""
     from diloco.data import DataError
-    from diloco.simulate import cached_corpus, data_fingerprint, settle_assign
+    from diloco.run_data import RunData, cached_corpus, settle_assign
     from tests.test_dataset import STDLIB
 
     text = tmp_path / "text"
@@ -228,7 +228,7 @@ def test_a_joiner_whose_data_is_not_the_runs_is_refused_by_name(tmp_path):
     for f in sorted((STDLIB / "json").glob("*.py")):
         (text / f.name).write_text(f.read_text())
     url, cfg, store, spec, secret = _run(tmp_path, "data", 20_000, f"data.source={text}")
-    assert spec["data"]["sha256"] == data_fingerprint(settle_assign(cfg, buckets=True))
+    assert spec["data"]["sha256"] == RunData(settle_assign(cfg, buckets=True)).fingerprint
     (text / "decoder.py").write_text((text / "decoder.py").read_text() + "# edited since\n")
     cached_corpus.cache_clear()  # (this process read it before the edit)
     warmed = []

@@ -31,7 +31,7 @@ from flows import run_lock
 from flows.launcher import _watch
 from flows.monitor import Monitor
 from flows.pace import MEMBERS_EVERY
-from flows.run import initialize_run
+from flows.run import Run, initialize_run
 from flows.run_lock import RunLock, RunLocked
 from flows.supervision import stop_predecessors
 from flows.worker import PARENT_ENV
@@ -71,7 +71,9 @@ def test_the_launcher_watches_on_while_s3_refuses_connections(prefect_api, s3_se
     options = {"endpoint_url": proxy.url, "config_kwargs": {"retries": {"max_attempts": 1}}}
     store = RunStore("outage", regions, "us-east", writer="launcher",
                      storage_options={"us-east": options})  # fmt: skip
-    monitor = Monitor(store, cfg, store.read_spec())
+    monitor = Monitor(
+        Run(store.run, store.urls, store.client_region, store.read_spec(), cfg), store
+    )
 
     @task
     def worker() -> int:
@@ -597,7 +599,9 @@ def test_a_syncer_is_called_stalled_only_while_the_learners_train_past_its_versi
     store = _lock_run(tmp_path, "stall")
     cfg = load_config("tiny", overrides=["budget.tokens=20000", "pipeline.stall_seconds=0.01",
                                          "pipeline.syncer_shards=2"])  # fmt: skip
-    monitor = Monitor(store, cfg, store.read_spec())
+    monitor = Monitor(
+        Run(store.run, store.urls, store.client_region, store.read_spec(), cfg), store
+    )
     learners = list(run_slots(store.read_spec()))
 
     def steps(n: int, state: str = "training") -> dict:
@@ -692,7 +696,7 @@ def test_a_resume_keeps_the_runs_home_whatever_order_its_regions_come_in(tmp_pat
     sorted by name (seen: eu-west before us-east, and the resumed run refused as "started
     with another spec"): the run's regions are put back in the order its spec records,
     its home first, wherever one region can be read; a new run keeps the order given."""
-    from flows.run import in_run_order
+    from flows.spec import in_run_order
 
     urls = {r: f"file://{tmp_path / r}" for r in ("us-east", "eu-west", "ap-south")}
     for url in urls.values():
@@ -734,7 +738,11 @@ def test_the_monitor_reads_the_members_at_most_every_few_seconds_and_at_the_end(
     now, reads = [0.0], []
     listed = store.members.run_learners
     store.members.run_learners = lambda *a, **k: reads.append(now[0]) or listed(*a, **k)
-    monitor = Monitor(store, cfg, store.read_spec(), clock=lambda: now[0])  # (reads them)
+    monitor = Monitor(
+        Run(store.run, store.urls, store.client_region, store.read_spec(), cfg),
+        store,
+        clock=lambda: now[0],
+    )  # (reads them)
     spec_learners = set(run_slots(store.read_spec()))
     added = f"learner-{len(spec_learners)}"  # the id us-east adds first
     assert set(monitor.statuses()) == spec_learners
@@ -769,7 +777,7 @@ def test_the_summary_counts_the_time_of_learners_that_joined_beside_those_it_sta
                              totals={"startup_seconds": startup, "train_seconds": train})  # fmt: skip
 
     report("learner-3", region, 1.0, 2.0)  # an earlier launch's joiner: not this one's time
-    monitor = Monitor(store, cfg, spec)
+    monitor = Monitor(Run(store.run, store.urls, store.client_region, spec, cfg), store)
     monitor.started -= 100.0  # this launch began 100 s ago
     added = "learner-4"  # the id us-east adds first
     assert store.members.put_member(added, {"learner": added, "region": "us-east"}, None)
@@ -862,7 +870,11 @@ def test_a_run_standing_still_is_said_why_and_ends_only_when_nobody_beats(tmp_pa
     store = _lock_run(tmp_path, "still")
     cfg = load_config("tiny", overrides=["budget.tokens=20000", "pipeline.stall_seconds=10"])
     now = [0.0]
-    monitor = Monitor(store, cfg, store.read_spec(), clock=lambda: now[0])
+    monitor = Monitor(
+        Run(store.run, store.urls, store.client_region, store.read_spec(), cfg),
+        store,
+        clock=lambda: now[0],
+    )
     monitor.round_seconds = 20.0  # (as the heartbeats measure it): stall after 60 s
     verdicts = {"learner-0": Verdict("training", beating=True),
                 "learner-1": Verdict("lagging", "no send for 90 s", beating=True),
@@ -980,7 +992,11 @@ def test_the_launcher_takes_no_heartbeat_that_is_not_its_learners(tmp_path):
 
     def verdict(signer: str) -> Verdict:
         store.members.write_heartbeat(beat, learner_key(secret, "beats", signer))
-        monitor = Monitor(store, cfg, store.read_spec(), verifying_key=keys.verifying_key)
+        monitor = Monitor(
+            Run(store.run, store.urls, store.client_region, store.read_spec(), cfg),
+            store,
+            verifying_key=keys.verifying_key,
+        )
         return monitor.verdicts({})["learner-0"]
 
     assert verdict("learner-0").beating  # its own: judged by it

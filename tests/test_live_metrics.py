@@ -236,13 +236,15 @@ def test_the_live_display_shows_the_phases_and_is_plain_off_a_terminal():
 
 def test_the_curve_holds_each_model_once_and_the_plot_has_the_learners_loss(tmp_path):
     from flows.monitor import Monitor, loss_plot_png
-    from flows.run import initialize_run
+    from flows.run import Run, initialize_run
 
     cfg = load_config("tiny", overrides=["budget.tokens=20000"])
     regions = _regions(tmp_path)
     store = RunStore("curve", regions, "us", writer="launcher")
     spec = initialize_run(store, cfg)
-    monitor = Monitor(store, cfg, spec, logging.getLogger("test"))
+    monitor = Monitor(
+        Run(store.run, store.urls, store.client_region, spec, cfg), store, logging.getLogger("test")
+    )
     first = monitor.evaluate(monitor.statuses())
     assert monitor.evaluate(monitor.statuses()) is first and len(monitor.curve) == 1
     png = loss_plot_png(monitor.curve, "run curve", [(100.0, 5.0), (200.0, 4.0)])

@@ -18,11 +18,12 @@ from diloco.config import load_config
 from diloco.fragments import fragment_sizes
 from diloco.loops import STEP, LearnerLoop, Wait, WallClock, drive
 from diloco.outer import Contribution
+from diloco.run_data import RunData
 from diloco.simulate import Scheduler, VirtualClock, simulate
 from diloco.transport import SimulatedNetwork, StoreLearnerView
 from flows.bucket_io import SEQ_BLOCK
 from flows.learner import BackgroundIO, Fenced, LearnerRuntime, train_round
-from flows.run import bucket_store, build_model, initialize_run, reader, simulation_store
+from flows.run import bucket_store, build_model, initialize_run, simulation_store
 from flows.syncer import SyncerRuntime
 from protocol.quantize import quantize
 from protocol.topology import home_region, learner_ids, run_slots, shard_count, shard_of
@@ -144,7 +145,7 @@ def tiny_run(tmp_path):
 def _learner(cfg, regions, spec, model, clock):
     store = bucket_store("r", regions, spec, cfg, "learner-0", home=run_slots(spec)["learner-0"])
     view = StoreLearnerView(store, "learner-0")
-    loop, source = LearnerLoop.start("learner-0", model.trainer, model.plan, reader(cfg, 0),
+    loop, source = LearnerLoop.start("learner-0", model.trainer, model.plan, RunData(cfg).reader(0),
                                      cfg, view, clock)  # fmt: skip
     return loop, source, store
 

@@ -14,7 +14,7 @@ from diloco.memory import learner_memory
 from flows.launcher import learner_phases
 from flows.memory import Watch, match_oom_record, parse_oom_kill, wait
 from flows.monitor import Monitor
-from flows.run import build_model, initialize_run
+from flows.run import Run, build_model, initialize_run
 from flows.supervision import OOM_KILLED, Processes
 from flows.train import memory_lines
 from storage_layout.store import RunStore
@@ -73,7 +73,9 @@ def test_a_learner_the_oom_killer_killed_is_shown_so_not_as_compiling(tmp_path):
     spec = initialize_run(store, cfg)
     writer = RunStore("oom", regions, "us-east", writer="learner-0")
     writer.progress.write_metrics("learner-0", {"state": "compiling", "time": time.time()})
-    monitor = Monitor(store, cfg, spec, deaths=mode.deaths)
+    monitor = Monitor(
+        Run(store.run, store.urls, store.client_region, spec, cfg), store, deaths=mode.deaths
+    )
     mode.deaths["learner-0"] = (time.time() + 1, OOM_KILLED)
     mode.oom_kills["learner-0"] += 3
     statuses = monitor.statuses()

@@ -44,8 +44,9 @@ from flows.hosts import PROCESS_ID_ENV
 from flows.launcher import _watch, startup_line
 from flows.monitor import Monitor, cross_region_bytes
 from flows.notice import NOTICE_ENV
-from flows.run import bucket_store, build_model, config_from_spec, initialize_run
+from flows.run import Run, bucket_store, build_model, initialize_run
 from flows.spares import WORKER_COMMAND, Spares
+from flows.spec import config_from_spec
 from flows.supervision import Processes, child_env, give_up
 from flows.syncer import SyncerRuntime
 from infra.chaos import read_actions
@@ -687,7 +688,9 @@ def test_launcher_evaluation_outlives_a_corrupt_newest_version(tmp_path, caplog)
     obj = max(marker.objects, key=lambda k: marker.objects[k]["size"])
     path = tmp_path / "us" / marker.data_prefix / obj
     path.write_bytes(path.read_bytes()[:-3])  # truncated by a faulty disk
-    monitor = Monitor(store, cfg, store.read_spec())
+    monitor = Monitor(
+        Run(store.run, store.urls, store.client_region, store.read_spec(), cfg), store
+    )
     with caplog.at_level("ERROR"):
         point = monitor.evaluate(monitor.statuses())
         monitor.evaluate(monitor.statuses())
@@ -753,7 +756,7 @@ def test_progress_and_the_curve_never_go_back_and_a_resume_keeps_the_first_loss(
     cfg, regions, _, _ = _local_run(tmp_path, "mono")
     store = RunStore("mono", regions, "us-east")
     spec = store.read_spec()
-    monitor = Monitor(store, cfg, spec)
+    monitor = Monitor(Run(store.run, store.urls, store.client_region, spec, cfg), store)
     start = monitor.evaluate(monitor.statuses())
     monitor.remember_start(start)
     assert start["tokens"] == 0 and monitor.initial_loss == start["loss"]
@@ -767,7 +770,7 @@ def test_progress_and_the_curve_never_go_back_and_a_resume_keeps_the_first_loss(
     before = monitor.progress({lid: {"step": total // 2}})
     assert before > 0 and monitor.progress({lid: {"step": total // 5}}) == before  # it holds
     assert monitor.progress({lid: {"step": total}}) > before
-    resumed = Monitor(store, cfg, spec)
+    resumed = Monitor(Run(store.run, store.urls, store.client_region, spec, cfg), store)
     again = resumed.evaluate(resumed.statuses())
     resumed.remember_start(again)
     assert resumed.initial_loss == start["loss"] != again["loss"]
@@ -1243,7 +1246,7 @@ def test_learners_of_one_machine_compile_once_and_load_it_from_the_cache(tmp_pat
     program from the cache and waits for no one."""
     import fcntl
 
-    from flows.run import COMPILE_LOCK
+    from flows.compile import COMPILE_LOCK
 
     cache = tmp_path / "jax"
     cache.mkdir()
@@ -1473,7 +1476,9 @@ def test_a_syncers_cross_region_bytes_show_while_its_flow_run_goes_on(tmp_path):
     publish now writes it: the launcher's live figures move with every version."""
     cfg, regions, _, sent = _local_run(tmp_path, "live")
     store = RunStore("live", regions, "us-east")
-    monitor = Monitor(store, cfg, store.read_spec())
+    monitor = Monitor(
+        Run(store.run, store.urls, store.client_region, store.read_spec(), cfg), store
+    )
     assert cross_region_bytes(monitor.traffic()[0]) == 0
     syncer = SyncerRuntime("live", regions, "us-east", 0, 2, cfg.pipeline.model_dump())
     assert syncer.poll() == len(sent) == 4  # two of them from eu-west, read from us-east
@@ -1648,7 +1653,7 @@ def test_a_cache_folder_that_cannot_be_written_leaves_a_learner_compiling_alone(
 ):
     """A JAX cache folder this machine cannot make (here: under a file) holds no lock for
     one compile per machine: the learner compiles on its own and says why, as JAX does."""
-    from flows.run import compile_turn
+    from flows.compile import compile_turn
 
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "a-file" / "jax"))

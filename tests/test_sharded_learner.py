@@ -25,7 +25,8 @@ from diloco.inner import InnerTrainer
 from diloco.model import ParamCodec
 from diloco.simulate import simulate
 from flows.bucket_io import optimizer_leaves
-from flows.run import build_model, config_from_spec, simulation_store
+from flows.run import build_model, simulation_store
+from flows.spec import config_from_spec
 from protocol import quantize as Q
 from storage_layout.store import RunStore
 from tests.test_loops import OVER, regions_in, run_pipeline_runtimes

@@ -239,7 +239,8 @@ def _simulate_two_regions(prepared: str, tmp_path, run: str, *events: str):
     """`simulate --store` of ``tiny`` on units of ``prepared`` (a prepared data set, or
     text) over two file:// regions (us, eu) with the membership ``events`` (``sim.*``
     overrides): its config, unit plan, regions, result."""
-    from diloco.simulate import simulate, unit_plan
+    from diloco.run_data import RunData
+    from diloco.simulate import simulate
     from flows.run import simulation_store
 
     over = [
@@ -247,7 +248,7 @@ def _simulate_two_regions(prepared: str, tmp_path, run: str, *events: str):
         "budget.tokens=120000", "sim.eval_points=2", "topology.tau=1", *events,
     ]  # fmt: skip
     cfg = load_config("tiny", mode="decoupled", overrides=over)
-    plan = unit_plan(cfg)
+    plan = RunData(cfg).units
     regions = {r: f"file://{tmp_path / r}" for r in ("us", "eu")}
     for r in regions:
         (tmp_path / r).mkdir()
@@ -262,7 +263,7 @@ def test_a_run_on_text_takes_it_in_units_and_grows_beyond_its_slots(tmp_path, mo
     and its work is merged, no window is trained twice and none of a unit handed out is
     skipped, the audit is clean; the held-out batches are those of a run on slots."""
     from diloco import dataset
-    from diloco.simulate import cached_corpus, make_validation
+    from diloco.run_data import RunData, cached_corpus
 
     monkeypatch.setattr(dataset, "TEXT_CHUNK_BYTES", 4096)  # 48 KB of text: a dozen chunks
     text = tmp_path / "text"
@@ -278,7 +279,7 @@ def test_a_run_on_text_takes_it_in_units_and_grows_beyond_its_slots(tmp_path, mo
     _audit_clean_with_added("t", regions, "learner-4")
     slots = load_config("tiny", overrides=[f"data.source={text}", "data.assign=slots",
                                           "topology.learners=1"])  # fmt: skip
-    assert all(map(np.array_equal, make_validation(cfg), make_validation(slots)))
+    assert all(map(np.array_equal, RunData(cfg).validation, RunData(slots).validation))
 
 
 def test_a_simulated_region_whose_learners_all_leave_leaves_no_data_of_an_epoch_behind(
@@ -562,7 +563,7 @@ def test_a_learner_worker_takes_units_from_its_regions_bucket_and_gives_back_as_
     bucket as it trains; told it is preempted (SIGTERM, once its first send commits) it
     sends, checkpoints and gives back its stream from that step: the rest of its unit is
     offered to the next learner of its region."""
-    from diloco.simulate import unit_plan
+    from diloco.run_data import RunData
     from flows.ledger import region_ledger, region_pools
     from tests.test_pipeline import preempted_worker
 
@@ -570,7 +571,7 @@ def test_a_learner_worker_takes_units_from_its_regions_bucket_and_gives_back_as_
     cfg, _regions, store, spec, lid = _worker_run(source, tmp_path, "pu")
     preempted_worker(store, cfg, lid, tmp_path / "learner.log")
     step = store.progress.read_metrics(lid)["step"]
-    plan = unit_plan(cfg)
+    plan = RunData(cfg).units
     ledger = region_ledger(store, plan, run_slots(spec), "us-east", pools=region_pools(spec))
     held = ledger.spans(lid)
     assert held and sum(s.windows for s in held) == step * cfg.data.batch_size, (held, step)
@@ -590,8 +591,9 @@ def test_a_new_run_through_buckets_takes_its_data_in_units_and_a_started_one_kee
     learners); the simulator in memory deals text to slots; a run started on slots, or
     before the spec recorded the key at all, resumes with the default config on slots (no
     spec mismatch, the same data order), and asking for units there is refused by name."""
-    from diloco.simulate import settle_assign
-    from flows.run import config_from_spec, initialize_run
+    from diloco.run_data import settle_assign
+    from flows.run import initialize_run
+    from flows.spec import config_from_spec
     from storage_layout.store import RunStore, SpecMismatch
 
     (tmp_path / "us").mkdir()

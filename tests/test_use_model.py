@@ -26,7 +26,8 @@ from flows.model_io import (
     read_export_metadata,
     read_global_model,
 )
-from flows.run import build_model, initialize_run, run_spec
+from flows.run import build_model, initialize_run
+from flows.spec import run_spec
 from protocol.quantize import dequantize, quantize
 from storage_layout.store import RunStore
 

@@ -44,7 +44,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.machine import machine  # noqa: E402
-from flows.run import worker_done  # noqa: E402
 from infra.chaos import read_actions  # noqa: E402
 from protocol.quantize import quantize  # noqa: E402
 from protocol.topology import run_slots  # noqa: E402
@@ -115,7 +114,7 @@ class Forger(threading.Thread):
         slots = run_slots(spec)
         lid = self.rng.choice(sorted(slots))
         region = slots[lid]
-        if worker_done(store, lid, region):
+        if store.progress.done(lid, region):
             return  # the syncers may have looked for the last time
         seqs = {
             p: store.contributions.contribution_seqs(lid, p, region)

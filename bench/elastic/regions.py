@@ -199,10 +199,10 @@ def run(root: Path, args: argparse.Namespace) -> dict:
 
 def measure(root: Path, name: str) -> dict:
     """Per epoch and pool, windows merged once, twice or never, from the audit."""
-    from diloco.simulate import unit_plan
+    from diloco.run_data import RunData
     from diloco.units import cut, pool_unit
     from flows.ledger import audit_units, region_ledger, region_pools
-    from flows.run import config_from_spec
+    from flows.spec import config_from_spec
     from storage_layout.audit import audit_run
     from storage_layout.store import RunStore
 
@@ -213,7 +213,7 @@ def measure(root: Path, name: str) -> dict:
     spec = store.read_spec()
     cfg = config_from_spec(spec)
     learners = store.members.run_learners(spec, regions=REGIONS).regions  # with those added
-    plan, batch = unit_plan(cfg), cfg.data.batch_size
+    plan, batch = RunData(cfg).units, cfg.data.batch_size
     pools = region_pools(spec)
     owner = {}  # (epoch, unit) -> the region whose pool holds it
     merged: Counter = Counter()  # (epoch, unit, window) -> times merged

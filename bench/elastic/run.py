@@ -199,7 +199,8 @@ def measure(
     in the process that then trains)."""
     from diloco import records
     from flows.ledger import audit_units
-    from flows.run import build_model, config_from_spec
+    from flows.run import build_model
+    from flows.spec import config_from_spec
     from protocol.topology import learner_index
     from storage_layout.audit import audit_run
     from storage_layout.retention import read_ledger

@@ -71,7 +71,8 @@ def child(method: str, phase: str, run: str, bucket: str, pipeline: str) -> None
     from diloco.learner import LearnerCheckpoint
     from diloco.transport import StoreLearnerView
     from flows.bucket_io import HostPart
-    from flows.run import bucket_store, build_model, config_from_spec
+    from flows.run import bucket_store, build_model
+    from flows.spec import config_from_spec
     from protocol.topology import run_slots
     from storage_layout.spill import SpillFolder
     from storage_layout.store import RunStore

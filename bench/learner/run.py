@@ -10,7 +10,7 @@ machine runs slows both alike):
   history, status objects. No syncer runs, so no version arrives: what is measured is
   the learner alone;
 - ``bare``: as many steps of a jitted train loop of the same trainer, model and batch
-  reader (``flows.run.build_model`` / ``reader``), its own parameters and optimizer
+  reader (``flows.run.build_model`` / ``RunData.reader``), its own parameters and optimizer
   state, nothing else.
 
 Both after a first round and a first bare segment (compiling, warming up). Reported:
@@ -43,7 +43,8 @@ import json, resource, sys, time
 from diloco.config import load_config
 from protocol.topology import run_slots
 from flows.learner import LearnerRuntime
-from flows.run import build_model, initialize_run, reader
+from diloco.run_data import RunData
+from flows.run import build_model, initialize_run
 from storage_layout.store import RunStore
 preset, pairs, folder = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 ROUND = 50
@@ -56,7 +57,7 @@ spec = initialize_run(RunStore("bench", regions, "us", writer="launcher"), cfg)
 lid = next(iter(run_slots(spec)))
 rt = LearnerRuntime("bench", regions["us"], "us", lid, cfg.pipeline.model_dump())
 model = build_model(cfg, learner=True)
-trainer, r = model.trainer, reader(cfg, 0)
+trainer, r = model.trainer, RunData(cfg).reader(0)
 params = trainer.place_params(model.init)
 opt = trainer.init_opt_state(params)
 step = 0

@@ -32,10 +32,11 @@ from bench.machine import machine  # noqa: E402
 BARE = """
 import json, sys, time
 from diloco.config import load_config
-from flows.run import build_model, reader
+from diloco.run_data import RunData
+from flows.run import build_model
 cfg = load_config(sys.argv[1], overrides=[f"topology.learners={sys.argv[2]}"])
 model = build_model(cfg)
-trainer, r = model.trainer, reader(cfg, 0)
+trainer, r = model.trainer, RunData(cfg).reader(0)
 params = trainer.place_params(model.init)
 opt = trainer.init_opt_state(params)
 for i in range(5):

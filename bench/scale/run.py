@@ -14,7 +14,7 @@ Per size, backend and P, for one fragment (the others are the same work; with
 ``--largest``, every fragment in turn, each one's objects deleted after it so the disk
 holds one at a time; the fragments after the first run steps 1 to 3 only), each measured step in its own fresh process:
 
-1. ``publish0``: version 0 (``RunStore.ensure_spec`` with ``flows.run.run_spec``, then
+1. ``publish0``: version 0 (``RunStore.ensure_spec`` with ``flows.spec.run_spec``, then
    ``RunStore.versions.publish_global``, as ``initialize_run`` does);
 2. ``learner`` x 4: one int4 contribution per learner (``BucketStore.put_contribution``,
    after ``sent_so_far`` as a starting learner does), from its own region;
@@ -167,7 +167,7 @@ class Ctx:
         self.names = self.plan[self.fragment]
 
     def spec(self) -> dict:
-        from flows.run import run_spec
+        from flows.spec import run_spec
 
         return run_spec(self.cfg, self.plan, self.regions)
 
@@ -196,7 +196,7 @@ def step_publish0(ctx: Ctx) -> dict:
     from diloco.outer import outer_optimizer
     from diloco.tensors import pieces, state_slots
     from flows.bucket_io import outer_names
-    from flows.run import spec_defaults
+    from flows.spec import spec_defaults
     from flows.version_stream import StreamedVersion, slot_names
     from storage_layout.store import RunStore
 
