@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from diloco.merge import MergeName
 from protocol.topology import learner_index, member_quorum
 
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -240,7 +241,7 @@ class OuterConfig(_Strict):
         0.0, description="outer SGD momentum; 0: none"
     )
     nesterov: bool = Field(True, description="Nesterov momentum (when momentum > 0)")
-    merge: Literal["mean", "rda"] = Field(
+    merge: MergeName = Field(
         "mean",
         description="how outer gradients combine: weighted mean, or rda (radial-directional "
         "average per tensor, mean for embeddings)",

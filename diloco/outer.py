@@ -1,4 +1,4 @@
-"""The outer step: contributions, their weights, the merge rules and outer Nesterov.
+"""The outer step: contributions, their weights, the anchored reference and outer Nesterov.
 
 All functions are pure and work on ``FlatParams`` (``{name: float32 ndarray}``) of one
 fragment. Conventions follow ALGORITHM.md:
@@ -12,16 +12,15 @@ fragment. Conventions follow ALGORITHM.md:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax
 import numpy as np
 import optax
 
 from diloco.config import OuterConfig
-from diloco.tensors import as_tensors, pieces
+from diloco.tensors import as_tensors
 from protocol.quantize import QuantizedTensor, dequantize
 
 FlatParams = dict[str, np.ndarray]
@@ -110,110 +109,7 @@ def contribution_weight(c: Contribution, staleness: int, g: StalenessFn) -> floa
     return token_weight(c.tokens, c.steps) * g(staleness)
 
 
-# --- merge rules ----------------------------------------------------------------------
-
-
-def _normalized(weights: Sequence[float]) -> np.ndarray:
-    w = np.asarray(weights, dtype=np.float64)
-    total = w.sum()
-    if not np.isfinite(total) or total <= 0:
-        raise ValueError(f"merge weights must sum to a positive number, got {w.tolist()}")
-    return w / total
-
-
-def weighted_mean(deltas: Sequence[FlatParams], weights: Sequence[float]) -> FlatParams:
-    """``sum_m w_m delta_m / sum_m w_m`` per tensor."""
-    w = _normalized(weights)
-    return {n: mean_piece([d[n] for d in deltas], w) for n in deltas[0]}
-
-
-def _unit(x: np.ndarray) -> np.ndarray:
-    norm = np.linalg.norm(x)
-    return x / norm if norm > 0 else np.zeros_like(x)
-
-
-def radial_directional_average(xs: Sequence[np.ndarray], w: np.ndarray) -> np.ndarray:
-    """RDA of one tensor: mean norm times the unit vector of the mean direction."""
-    xs64 = [x.astype(np.float64) for x in xs]
-    radius = sum(wi * np.linalg.norm(x) for wi, x in zip(w, xs64, strict=True))
-    direction = _unit(sum(wi * _unit(x) for wi, x in zip(w, xs64, strict=True)))
-    return (radius * direction).astype(np.float32)
-
-
-def rda_merge(
-    deltas: Sequence[FlatParams],
-    weights: Sequence[float],
-    is_embedding: Callable[[str], bool],
-) -> FlatParams:
-    """RDA per tensor, weighted mean for embeddings (ALGORITHM.md, merge rule)."""
-    w = _normalized(weights)
-    mean = weighted_mean(deltas, weights)
-    return {
-        n: mean[n] if is_embedding(n) else radial_directional_average([d[n] for d in deltas], w)
-        for n in deltas[0]
-    }
-
-
-# --- the same rules, a piece at a time (``diloco.tensors``; what the syncer runs) ------
-
-
-def normalized(weights: Sequence[float]) -> np.ndarray:
-    """Merge weights summing to one (float64); ``ValueError`` if they cannot."""
-    return _normalized(weights)
-
-
-def mean_piece(values: Sequence[np.ndarray], w: np.ndarray) -> np.ndarray:
-    """``weighted_mean`` of one piece: the same arithmetic (float64 products summed from
-    zero in order, then float32), so the same bits, in two float64 buffers made once
-    rather than two new arrays a term (five times faster for a syncer's pieces)."""
-    if len(w) != len(values):
-        raise ValueError(f"{len(values)} values for {len(w)} weights")
-    total = np.zeros(np.shape(values[0]) if values else (), np.float64)
-    term = np.empty_like(total)
-    for wi, d in zip(w, values, strict=True):
-        np.multiply(d, wi, out=term, dtype=np.float64)
-        total += term
-    return total.astype(np.float32)
-
-
-def rda_scales(
-    deltas: Sequence[Any],
-    w: np.ndarray,
-    shapes: Mapping[str, Sequence[int]],
-    is_embedding: Callable[[str], bool],
-    block_size: int,
-) -> dict[str, tuple[list[float], float]]:
-    """For ``rda`` a piece at a time: per non-embedding tensor, the norm of each outer
-    gradient and the norm of their weighted sum of unit vectors (two passes over the
-    pieces; float64 sums in piece order)."""
-    kept = {n: s for n, s in shapes.items() if not is_embedding(n)}
-    sums = {n: [0.0] * len(deltas) for n in kept}
-    for name, a, b in pieces(kept, block_size):
-        for i, d in enumerate(deltas):
-            sums[name][i] += float(np.sum(np.square(d.piece(name, a, b), dtype=np.float64)))
-    norms = {n: [math.sqrt(x) for x in v] for n, v in sums.items()}
-    direction = dict.fromkeys(kept, 0.0)
-    for name, a, b in pieces(kept, block_size):
-        s = _unit_sum([d.piece(name, a, b) for d in deltas], w, norms[name])
-        direction[name] += float(np.sum(np.square(s)))
-    return {n: (norms[n], math.sqrt(direction[n])) for n in kept}
-
-
-def _unit_sum(values: Sequence[np.ndarray], w: np.ndarray, norms: Sequence[float]) -> np.ndarray:
-    return sum(
-        wi * (x.astype(np.float64) / r if r > 0 else np.zeros(x.shape))
-        for wi, x, r in zip(w, values, norms, strict=True)
-    )
-
-
-def rda_piece(
-    values: Sequence[np.ndarray], w: np.ndarray, norms: Sequence[float], direction: float
-) -> np.ndarray:
-    """``radial_directional_average`` of one piece, given its tensor's ``rda_scales``."""
-    if direction <= 0:
-        return np.zeros(values[0].shape, np.float32)
-    radius = sum(wi * r for wi, r in zip(w, norms, strict=True))
-    return (radius * (_unit_sum(values, w, norms) / direction)).astype(np.float32)
+# --- the anchored reference (``outer.reference``; the merge rules: ``diloco.merge``) --
 
 
 class Anchored:
@@ -241,29 +137,11 @@ class Anchored:
         return self.combine(self.parts(name, start, stop))
 
 
-def anchored_delta(current: FlatParams, base: FlatParams, delta: FlatParams) -> FlatParams:
-    """``Theta_current - theta_m`` with ``theta_m = Theta_base - delta`` (the anchored merge)."""
-    return {n: current[n] - base[n] + delta[n] for n in delta}
-
-
 # --- outer optimizer and learner blend -------------------------------------------------
 
 
 def outer_optimizer(cfg: OuterConfig) -> optax.GradientTransformation:
     return optax.sgd(cfg.lr, momentum=cfg.momentum or None, nesterov=cfg.nesterov)
-
-
-def outer_step(
-    tx: optax.GradientTransformation,
-    params: FlatParams,
-    state: optax.OptState,
-    merged: FlatParams,
-) -> tuple[FlatParams, optax.OptState]:
-    """One outer step on one fragment; returns new parameters and optimizer state (NumPy)."""
-    updates, state = tx.update(merged, state, params)
-    new = optax.apply_updates(params, updates)
-    as_numpy = lambda t: jax.tree.map(lambda a: np.asarray(a, dtype=np.float32), t)  # noqa: E731
-    return as_numpy(new), as_numpy(state)
 
 
 def blend(local: FlatParams, global_: FlatParams, alpha: float) -> FlatParams:

@@ -27,16 +27,13 @@ import numpy as np
 import optax
 
 from diloco.config import OuterConfig
+from diloco.merge import MERGE_RULES, normalized
 from diloco.outer import (
     Anchored,
     Contribution,
     FlatParams,
     contribution_weight,
-    mean_piece,
-    normalized,
     outer_optimizer,
-    rda_piece,
-    rda_scales,
     staleness_fn,
 )
 from diloco.tensors import (
@@ -329,11 +326,8 @@ class FragmentSyncer:
         current = LastPiece(self.params)  # (read by the step and by anchored deltas)
         deltas = self._outer_gradients(accepted, current)
         w = normalized(weights)
-        rda = (
-            rda_scales(deltas, w, self.shapes, self.is_embedding, self.block_size)
-            if self.cfg.merge == "rda"
-            else {}
-        )
+        rule = MERGE_RULES[self.cfg.merge]
+        prepared = rule.prepare(deltas, w, self.shapes, self.is_embedding, self.block_size)
         sink = self.sink(self.fragment, self.version + 1, self.shapes, self.slots_per_param)
 
         def read() -> Iterator[tuple[str, int, list[Any], np.ndarray, list[np.ndarray]]]:
@@ -348,9 +342,7 @@ class FragmentSyncer:
             """Beside it, in piece order: the rebase, the merge, the outer step, the write."""
             name, start, parts, params, slots = item
             values = [Anchored.combine(v) if isinstance(v, tuple) else v for v in parts]
-            merged = mean_piece(values, w)
-            if name in rda:
-                merged = rda_piece(values, w, *rda[name])
+            merged = rule.piece(name, values, w, prepared)
             new, new_slots = step_piece(self.tx, name, params, slots, merged)
             sink.write(name, start, new, new_slots)
 

@@ -3,24 +3,24 @@ against a direct NumPy computation."""
 
 import math
 
+import jax
 import numpy as np
 import pytest
 
 from diloco.config import OuterConfig
+from diloco.merge import MERGE_RULES, MergeName, normalized
 from diloco.outer import (
-    anchored_delta,
+    Anchored,
     blend,
     constant_staleness,
     exponential_staleness,
     hinge_staleness,
     outer_optimizer,
-    outer_step,
     polynomial_staleness,
-    rda_merge,
     staleness_fn,
     token_weight,
-    weighted_mean,
 )
+from diloco.tensors import ArrayTensors, pieces, step_piece
 
 rng = np.random.default_rng(0)
 
@@ -54,6 +54,33 @@ def test_staleness_functions_match_formulas(s):
 def test_staleness_fn_reads_config():
     g = staleness_fn(OuterConfig(staleness="exponential", staleness_lambda=0.7))
     assert g(3) == pytest.approx(math.exp(-2.1))
+
+
+def _merge(rule, deltas, weights, is_embedding=lambda n: False, block_size=128):
+    """Rule ``rule`` of ``MERGE_RULES`` over whole fragments, a piece at a time as a syncer
+    runs it."""
+    ds = [ArrayTensors(d) for d in deltas]
+    shapes, w = ds[0].shapes, normalized(weights)
+    merge = MERGE_RULES[rule]
+    prepared = merge.prepare(ds, w, shapes, is_embedding, block_size)
+    out = {n: np.zeros(s, np.float32).reshape(-1) for n, s in shapes.items()}
+    for name, a, b in pieces(shapes, block_size):
+        out[name][a:b] = merge.piece(name, [d.piece(name, a, b) for d in ds], w, prepared)
+    return {n: v.reshape(shapes[n]) for n, v in out.items()}
+
+
+def weighted_mean(deltas, weights):
+    return _merge("mean", deltas, weights)
+
+
+def rda_merge(deltas, weights, is_embedding):
+    return _merge("rda", deltas, weights, is_embedding)
+
+
+def test_every_merge_rule_is_named_in_the_config():
+    assert set(MERGE_RULES) == set(MergeName.__args__)
+    for name in MERGE_RULES:
+        assert OuterConfig(merge=name).merge == name
 
 
 def test_weighted_mean_matches_numpy():
@@ -98,9 +125,18 @@ def test_rda_of_zero_vectors_is_zero():
 
 
 def test_anchored_delta():
-    cur, base, d = ({"w": np.array([x], np.float32)} for x in (5.0, 3.0, 0.5))
+    cur, base, d = (ArrayTensors({"w": np.array([x], np.float32)}) for x in (5.0, 3.0, 0.5))
     # theta_m = base - d = 2.5; current - theta_m = 2.5
-    assert anchored_delta(cur, base, d)["w"][0] == pytest.approx(2.5)
+    assert Anchored(cur, base, d).piece("w", 0, 1)[0] == pytest.approx(2.5)
+
+
+def outer_step(tx, params, state, merged):
+    """One outer step of ``tx``, tensor by tensor as a syncer steps its pieces."""
+    (name,) = params
+    slots = [np.asarray(x) for x in jax.tree.leaves(state)]
+    new, slots = step_piece(tx, name, params[name], slots, merged[name])
+    structure = jax.tree.structure(state)
+    return {name: new}, jax.tree.unflatten(structure, slots)
 
 
 def test_outer_nesterov_matches_numpy_over_several_steps():

@@ -1,12 +1,14 @@
 """The syncer merges a piece at a time: the same bits whatever the piece size, the same
 bits as the whole-tensor rules, and nothing left changed by a merge that fails half way."""
 
+import jax
 import numpy as np
+import optax
 import pytest
 
 import diloco.tensors as tensors_mod
 from diloco.config import OuterConfig
-from diloco.outer import Contribution, anchored_delta, outer_optimizer, outer_step, weighted_mean
+from diloco.outer import Contribution, outer_optimizer
 from diloco.syncer import FragmentSyncer
 from diloco.tensors import MemorySink, materialize, pieces
 from protocol.quantize import dequantize, quantize
@@ -64,21 +66,22 @@ def test_the_piecewise_merge_is_the_whole_tensor_rule_bit_for_bit():
     for c in cs:
         s.offer(c)
     gv = s.merge().version
+    # The rules whole, written out: the anchored outer gradients (current - base +
+    # delta), their weighted mean (float64 products summed in order, then float32) and
+    # optax's step over every tensor at once.
     tx = outer_optimizer(cfg)
     init = _init()
-    deltas = [anchored_delta(init, init, c.outer_gradient()) for c in cs]
-    merged = weighted_mean(deltas, list(gv.weights.values()))
-    params, state = outer_step(tx, init, tx.init(init), merged)
+    deltas = [{n: init[n] - init[n] + g for n, g in c.outer_gradient().items()} for c in cs]
+    w = np.asarray(list(gv.weights.values()), np.float64)
+    w = w / w.sum()
+    merged = {n: sum((wi * d[n].astype(np.float64) for wi, d in zip(w, deltas, strict=True)),
+                     np.zeros(SHAPES[n])).astype(np.float32) for n in SHAPES}  # fmt: skip
+    updates, state = tx.update(merged, tx.init(init), init)
+    params = optax.apply_updates(init, updates)
     for n in SHAPES:
-        assert params[n].tobytes() == materialize(gv.params)[n].tobytes()
-    assert all(
-        a.tobytes() == b.tobytes()
-        for a, b in zip(
-            [np.asarray(x) for x in __import__("jax").tree_util.tree_leaves(state)],
-            s.opt_leaves,
-            strict=True,
-        )
-    )
+        assert np.asarray(params[n], np.float32).tobytes() == materialize(gv.params)[n].tobytes()
+    leaves = [np.asarray(x, np.float32) for x in jax.tree_util.tree_leaves(state)]
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(leaves, s.opt_leaves, strict=True))
 
 
 def test_rda_pieces_agree_with_the_whole_tensor_rule(monkeypatch):
