@@ -1,0 +1,37 @@
+"""The algorithm, pure: the config, the learner and syncer loops, the merge rules and the
+outer step, the model and its trainer, a run's data, and the simulator that drives the
+loops on a virtual clock. No storage, no Prefect (docs/architecture.md)."""
+
+from importlib import import_module
+
+_API = {
+    "RunConfig": "diloco.config",
+    "ConfigError": "diloco.config",
+    "load_config": "diloco.config",
+    "validate_config": "diloco.config",
+    "LearnerLoop": "diloco.loops",
+    "SyncerLoop": "diloco.loops",
+    "WallClock": "diloco.loops",
+    "drive": "diloco.loops",
+    "simulate": "diloco.simulate",
+    "SimResult": "diloco.simulate",
+    "Scheduler": "diloco.simulate",
+    "VirtualClock": "diloco.simulate",
+    "RunData": "diloco.run_data",
+    "settle_assign": "diloco.run_data",
+    "MERGE_RULES": "diloco.merge",
+    "Contribution": "diloco.outer",
+    "outer_optimizer": "diloco.outer",
+    "FragmentSyncer": "diloco.syncer",
+    "ParamCodec": "diloco.model",
+    "InnerTrainer": "diloco.inner",
+}
+__all__ = sorted(_API)
+
+
+def __getattr__(name: str) -> object:
+    """A public name, its module imported on first use (JAX, Prefect and the storage
+    clients load only where they are used)."""
+    if name in _API:
+        return getattr(import_module(_API[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

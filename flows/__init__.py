@@ -1,0 +1,29 @@
+"""The shell: a run built once (``Run``), the Prefect flows of the launcher, learners and
+syncers, joining a run, the run's model read back, and the ``diloco`` command."""
+
+from importlib import import_module
+
+_API = {
+    "Run": "flows.run",
+    "initialize_run": "flows.run",
+    "build_model": "flows.run",
+    "train_flow": "flows.launcher",
+    "learner_flow": "flows.learner",
+    "LearnerRuntime": "flows.learner",
+    "syncer_flow": "flows.syncer",
+    "SyncerRuntime": "flows.syncer",
+    "join_and_train": "flows.join",
+    "read_global_model": "flows.model_io",
+    "export_model": "flows.model_io",
+    "evaluate": "flows.model_io",
+    "main": "flows.cli",
+}
+__all__ = sorted(_API)
+
+
+def __getattr__(name: str) -> object:
+    """A public name, its module imported on first use (JAX, Prefect and the storage
+    clients load only where they are used)."""
+    if name in _API:
+        return getattr(import_module(_API[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,30 @@
+"""A run in its buckets: the key tree, the Zarr encoding, write-once commits, and the
+run's records by kind (``RunStore`` and its parts); inspection, audit and a notebook's
+report. Named arrays and JSON only: no training types, no JAX."""
+
+from importlib import import_module
+
+_API = {
+    "RunStore": "storage_layout.store",
+    "SpecMismatch": "storage_layout.store",
+    "RunLayout": "storage_layout.layout",
+    "Bucket": "storage_layout.bucket",
+    "BucketError": "storage_layout.bucket",
+    "RegionDown": "storage_layout.store",
+    "CommitConflict": "storage_layout.commit",
+    "CorruptVersion": "storage_layout.commit",
+    "inject": "storage_layout.faults",
+    "open_bucket": "storage_layout.faults",
+    "inspect_bucket": "storage_layout.inspect",
+    "audit_run": "storage_layout.audit",
+    "load": "storage_layout.report",
+}
+__all__ = sorted(_API)
+
+
+def __getattr__(name: str) -> object:
+    """A public name, its module imported on first use (JAX, Prefect and the storage
+    clients load only where they are used)."""
+    if name in _API:
+        return getattr(import_module(_API[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,6 +4,7 @@ runs): a module that breaks one fails here, naming the file and line."""
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
@@ -127,3 +128,17 @@ def test_the_circle_check_sees_a_circle(tmp_path, monkeypatch):
     (package / "d.py").write_text("from flows.c import z\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGES", ("flows",))
     assert _cycles(tmp_path) == [["flows.a", "flows.b"]]
+
+
+def test_each_package_names_its_public_api_and_loads_it_only_when_used():
+    """Every name a package's ``__init__.py`` lists is there; importing the package
+    imports none of its heavy modules (``diloco inspect`` and the notebook kernel must
+    not load JAX by importing ``storage_layout``)."""
+    code = (
+        "import sys, diloco, flows, storage_layout, protocol\n"
+        "assert 'jax' not in sys.modules and 'prefect' not in sys.modules, 'loaded'\n"
+        "for p in (diloco, flows, storage_layout, protocol):\n"
+        "    assert p.__all__, p\n"
+        "    for n in p.__all__: getattr(p, n)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from diloco.config import load_config
-from flows.run import Run
+from flows import Run
 from protocol.topology import run_slots
 
 
