@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from diloco.archs import ArchName
 from diloco.merge import MergeName
 from protocol.topology import learner_index, member_quorum
 
@@ -37,7 +38,7 @@ class ModelConfig(_Strict):
     decoder (``"llama"``: RMSNorm, rotary positions, SwiGLU, grouped-query attention;
     ``diloco/llama.py``), or a Flax NNX module of your own (``factory``)."""
 
-    arch: Literal["byte", "llama"] = Field(
+    arch: ArchName = Field(
         "byte",
         description="byte: the byte-level GPT (learned positions, GELU MLP, tied head); "
         "llama: a Llama-class decoder (RMSNorm, rotary positions, SwiGLU, grouped-query "

@@ -55,9 +55,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from diloco.archs import ARCHS, FLOAT
 from diloco.config import ModelConfig, RunConfig
 
-FLOAT = 4  # bytes: parameters, optimizer state, gradients, logits are float32
 RUNTIME_BYTES = 500 * 2**20  # Python, JAX, Flax, Prefect, the corpus: measured ~0.3-0.5 GB
 
 
@@ -99,28 +99,12 @@ class MemoryEstimate:
 
 def param_count(m: ModelConfig) -> int:
     """Parameters of the built-in model ``m`` describes, without building it."""
-    if m.arch == "byte":
-        h = m.mlp_ratio * m.width
-        block = 2 * m.width + 4 * m.width**2 + 2 * m.width * h + h + m.width
-        return (m.vocab_size + m.context) * m.width + m.depth * block + m.width
-    q, kv = m.heads * m.head_dim, m.num_kv_heads * m.head_dim
-    block = 2 * m.width + 2 * m.width * q + 2 * m.width * kv + 3 * m.width * m.ffn_size
-    head = 0 if m.tie_embeddings else m.vocab_size * m.width
-    return m.vocab_size * m.width + head + m.depth * block + m.width
+    return ARCHS[m.arch].param_count(m)
 
 
 def model_flops_per_token(m: ModelConfig) -> int:
-    """Model FLOPs a Llama's training step spends per token, ``6 N + 12 L d T`` (PaLM,
-    appendix B): N the parameters of the matmuls (every block's kernels and the output
-    head: the token table itself when tied; not an untied embedding table, a lookup, nor
-    the norms' scales), L layers, d width, T context. What MFU counts: remat's
-    recomputation is not in it."""
-    if m.arch != "llama":
-        raise ValueError(f"model FLOPs are counted for model.arch 'llama', not {m.arch!r}")
-    lookup = 0 if m.tie_embeddings else m.vocab_size * m.width
-    norms = m.width * (2 * m.depth + 1)
-    matmuls = param_count(m) - lookup - norms
-    return 6 * matmuls + 12 * m.depth * m.width * m.context
+    """Model FLOPs a training step spends per token (``Arch.flops_per_token``)."""
+    return ARCHS[m.arch].flops_per_token(m)
 
 
 def activation_bytes_per_token(
@@ -128,18 +112,9 @@ def activation_bytes_per_token(
 ) -> int:
     """What a step keeps per token for its backward pass (the module docstring);
     ``remat`` overrides the config's; ``platform`` decides the attention kernel."""
-    logits = 3 * m.vocab_size * FLOAT
-    if m.arch == "byte":
-        block = ((10 + 2 * m.mlp_ratio) * m.width + 4 * m.heads * m.context) * FLOAT
-        return m.depth * block + logits
-    size = 2 if m.compute_dtype == "bfloat16" else 4
-    kv = m.num_kv_heads * m.head_dim
-    fused = m.attention_kernel(platform) == "cudnn"
-    scores = m.heads if fused else 2 * m.heads * m.context
-    block = (8 * m.width + 4 * kv + 4 * m.ffn_size) * size + scores * FLOAT
-    if m.remat if remat is None else remat:
-        return m.depth * m.width * size + block + logits
-    return m.depth * block + logits
+    arch = ARCHS[m.arch]
+    remat = bool(arch.remat(m)) if remat is None else remat
+    return arch.block_bytes_per_token(m, remat, platform) + 3 * m.vocab_size * FLOAT
 
 
 def learner_memory(
@@ -156,7 +131,7 @@ def learner_memory(
     m = cfg.model
     tokens = math.ceil(cfg.data.batch_size / devices) * m.context
     weights = math.ceil(num_params / devices) * FLOAT
-    bf16 = m.arch == "llama" and m.compute_dtype == "bfloat16"
+    bf16 = ARCHS[m.arch].compute_copies(m)
     return MemoryEstimate(
         parameters=weights,
         optimizer=2 * weights,

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from diloco.archs import ARCHS
 from diloco.config import ConfigError, ModelConfig
 
 FlatParams = dict[str, np.ndarray]
@@ -108,17 +109,12 @@ def load_factory(factory: str) -> Any:
 
 
 def create_model(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
-    """The model ``cfg`` describes: the byte ``Transformer``, the ``Llama``
-    (``arch = "llama"``, ``diloco/llama.py``), or, with ``cfg.factory``,
+    """The model ``cfg`` describes: the built-in one of ``arch`` (``diloco.archs``), or, with ``cfg.factory``,
     ``factory(cfg, rngs, **cfg.factory_args)``, checked once on a dummy batch (shapes
     only, ``jax.eval_shape``): it must be an ``nnx.Module`` holding ``nnx.Param``
     variables only, mapping int32 ``[2, context]`` to logits ``[2, context, vocab_size]``."""
     if cfg.factory is None:
-        if cfg.arch == "llama":
-            from diloco.llama import Llama
-
-            return Llama(cfg, rngs)
-        return Transformer(cfg, rngs)
+        return ARCHS[cfg.arch].create(cfg, rngs)
     where = f"model.factory {cfg.factory!r}"
     factory = load_factory(cfg.factory)
     try:

@@ -547,11 +547,13 @@ def _open_model(args: argparse.Namespace) -> Any:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from diloco.archs import ARCHS
     from flows.model_io import export_model
 
     model = _open_model(args)
     size = export_model(model, args.out)
-    layout = " (a Hugging Face Llama folder)" if model.config.arch == "llama" else ""
+    family = ARCHS[model.config.arch].hugging_face
+    layout = f" (a Hugging Face {family} folder)" if family else ""
     stdout_console().print(
         f"exported {model.label}: {model.codec.num_params:,} parameters, "
         f"{human_bytes(size)} -> {args.out}{layout}"
@@ -808,6 +810,7 @@ def cmd_plan_bandwidth(args: argparse.Namespace) -> int:
 def cmd_plan_memory(args: argparse.Namespace) -> int:
     """Per device, what one learner of the preset needs at each device count, by part,
     with and without rematerialization (numpy only: the model is counted, not built)."""
+    from diloco.archs import ARCHS
     from diloco.memory import learner_memory, param_count
 
     cfg = load_config(preset=args.preset, file=args.config, overrides=list(args.set or []))
@@ -816,7 +819,8 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
     params = param_count(cfg.model)
     m = cfg.model
     estimates = {n: learner_memory(cfg, params, n) for n in args.devices}
-    other = None if m.arch != "llama" else not m.remat
+    remat = ARCHS[m.arch].remat(m)  # None: the architecture has no such choice
+    other = None if remat is None else not remat
     flipped = (
         {n: learner_memory(cfg, params, n, other) for n in args.devices}
         if other is not None
@@ -834,7 +838,7 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
                   f"{params / 1e6:,.1f} M parameters, {cfg.data.batch_size} x {m.context} "
                   f"= {tokens:,} tokens a step"
                   + (f", {m.compute_dtype} compute, remat {'on' if m.remat else 'off'}"
-                     if m.arch == "llama" else ""))  # fmt: skip
+                     if remat is not None else ""))  # fmt: skip
     table.add_column("", style="bold")
     for n in args.devices:
         table.add_column(f"{n} device{'s' if n > 1 else ''}", justify="right")

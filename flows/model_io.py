@@ -47,6 +47,7 @@ import safetensors
 import safetensors.numpy
 from pydantic import ValidationError
 
+from diloco.archs import ARCHS
 from diloco.config import ConfigError, ModelConfig, RunConfig
 from diloco.data import DOC_SEPARATOR, DataError, list_files, read_file
 from diloco.model import FlatParams, ParamCodec
@@ -278,7 +279,7 @@ def export_model(
     and versions in the metadata; returns the bytes written. A local file is written
     under a temporary name and renamed, so a failed export leaves no partial file. A
     Llama goes to a folder in the Hugging Face layout (``export_hf``)."""
-    if model.config.arch == "llama":
+    if ARCHS[model.config.arch].hugging_face:
         return export_hf(model, out, tokenizer_file)
     metadata = _export_metadata(model, _tokenizer_file(model, tokenizer_file))
     tensors = {

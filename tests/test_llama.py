@@ -347,6 +347,18 @@ def test_export_eval_and_generate_from_the_cli(tmp_path, capsysbinary):
     assert "more than the model's vocabulary (4096)" in err, err
 
 
+def test_every_architecture_is_named_in_the_config_and_counts_what_it_builds():
+    """``diloco.archs``: each entry of ``ARCHS`` is a ``model.arch`` the config takes, and
+    its parameter count is that of the model it builds."""
+    from diloco.archs import ARCHS, ArchName
+    from diloco.memory import param_count
+
+    assert set(ARCHS) == set(ArchName.__args__)
+    for arch in ARCHS:
+        m = load_config("llama-tiny" if arch == "llama" else "tiny").model
+        assert m.arch == arch and param_count(m) == ParamCodec.create(m, 0)[0].num_params
+
+
 def test_memory_estimate_of_the_llama_presets(capsys):
     """Counted parameters match the built model; sharding over N devices divides the
     sharded parts by N; remat keeps less; bf16 adds its weight copies; `diloco plan
