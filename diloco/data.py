@@ -16,6 +16,7 @@ import hashlib
 import json
 import sysconfig
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +24,6 @@ import fsspec
 import numpy as np
 
 DOC_SEPARATOR = b"\n\x00\n"  # between files, so no window silently joins two files
-TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".toml", ".c", ".h")
-RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")  # one document per record
 SKIPPED_FOLDERS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 
@@ -52,7 +51,7 @@ def list_files(source: str | None) -> tuple[fsspec.AbstractFileSystem, list[tupl
     if fs.isfile(path):
         return fs, [(path, Path(path).name)]
     found = []
-    suffixes = (".py",) if source is None else TEXT_SUFFIXES + RECORD_SUFFIXES
+    suffixes = (".py",) if source is None else tuple(FORMATS)
     base = fs._strip_protocol(path).rstrip("/")
     for folder, dirs, files in fs.walk(path, topdown=True):
         # Pruned, not filtered: the stdlib folder holds the installed packages (thousands
@@ -64,10 +63,7 @@ def list_files(source: str | None) -> tuple[fsspec.AbstractFileSystem, list[tupl
                 found.append((file, file[len(base) :].lstrip("/")))
     found.sort()
     if not found:
-        raise DataError(
-            f"data source {root!r} holds no text files "
-            f"({', '.join(TEXT_SUFFIXES + RECORD_SUFFIXES)})"
-        )
+        raise DataError(f"data source {root!r} holds no text files ({', '.join(FORMATS)})")
     return fs, found
 
 
@@ -129,14 +125,9 @@ def read_documents(
 ) -> list[bytes]:
     """One listed file's documents, as ``read_file`` finds them: a text file is one
     document, a JSON lines or Parquet file one per record (the same errors)."""
-    name = path.lower()
-    if name.endswith((".jsonl", ".jsonl.gz")):
-        docs = _jsonl_texts(fs.cat_file(path), path, text_field)
-    elif name.endswith(".parquet"):
-        docs = _parquet_texts(fs, path, text_field)
-    else:
-        return [_text(fs.cat_file(path), path)]
-    if not docs:
+    form = file_format(path)
+    docs = form.read(fs, path, text_field)
+    if form.records and not docs:
         raise DataError(f"{path} holds no records")
     return docs
 
@@ -157,7 +148,8 @@ def _record_text(value: object, path: str, where: str, field: str) -> bytes:
         raise DataError(f"{path} {where}: {field} is not valid Unicode: {exc}") from None
 
 
-def _jsonl_texts(data: bytes, path: str, field: str) -> list[bytes]:
+def _jsonl_texts(fs: fsspec.AbstractFileSystem, path: str, field: str) -> list[bytes]:
+    data = fs.cat_file(path)
     if path.lower().endswith(".gz"):
         try:
             data = gzip.decompress(data)
@@ -220,6 +212,38 @@ def _text(data: bytes, path: str) -> bytes:
             "must be text files"
         )
     return data
+
+
+def _text_file(fs: fsspec.AbstractFileSystem, path: str, field: str) -> list[bytes]:
+    return [_text(fs.cat_file(path), path)]
+
+
+@dataclass(frozen=True)
+class Format:
+    """How a corpus file's documents are read (``read(fs, path, text_field)``), and
+    whether it holds one per record (a data set names those ``path#i``)."""
+
+    read: Callable[[fsspec.AbstractFileSystem, str, str], list[bytes]]
+    records: bool
+
+
+# The files a corpus folder's walk takes, by suffix: a new format is a reader above and
+# an entry here.
+FORMATS: dict[str, Format] = {
+    **dict.fromkeys((".py", ".txt", ".md", ".rst", ".json", ".toml", ".c", ".h"),
+                    Format(_text_file, records=False)),
+    ".jsonl": Format(_jsonl_texts, records=True),
+    ".jsonl.gz": Format(_jsonl_texts, records=True),
+    ".parquet": Format(_parquet_texts, records=True),
+}  # fmt: skip
+
+
+def file_format(path: str) -> Format:
+    """The format of the file at ``path`` by its longest known suffix (any case); text
+    for a file given by name whose suffix is none of them."""
+    name = path.lower()
+    known = [s for s in FORMATS if name.endswith(s)]
+    return FORMATS[max(known, key=len)] if known else FORMATS[".txt"]
 
 
 def _checked(corpus: Corpus, source: str | None, min_tokens: int = 4096) -> Corpus:

@@ -42,7 +42,7 @@ from pydantic import (
     model_validator,
 )
 
-from diloco.data import Corpus, DataError, is_held_out, list_files, read_documents
+from diloco.data import Corpus, DataError, file_format, is_held_out, list_files, read_documents
 
 FORMAT = "diloco-tokens"
 VERSION = 1
@@ -877,7 +877,7 @@ def _identified(
     done = 0
     for path, rel in files:
         docs = read_documents(fs, path, text_field)
-        records = path.lower().endswith((".jsonl", ".jsonl.gz", ".parquet"))
+        records = file_format(path).records
         for i, doc in enumerate(docs):
             try:
                 text = doc.decode("utf-8")
