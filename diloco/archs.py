@@ -5,21 +5,17 @@ one of its blocks keeps per token for the backward pass (``diloco.memory``'s est
 whose docstring derives the counts), whether it computes in bf16 beside float32 weights,
 and whether it is exported in the Hugging Face layout. The estimate, the export and the
 command line ask the architecture, never its name: a new architecture is a class here
-and an entry in ``ARCHS`` and ``ArchName``. Numpy-free and JAX-free to import (the
-model's module is imported when one is built), so the config and ``diloco plan memory``
-stay light.
+and an entry in ``ARCHS`` and the config's ``ArchName``. It imports nothing (the model's
+module is imported when one is built), so ``diloco plan memory`` stays light.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from flax import nnx
-
     from diloco.config import ModelConfig
 
-ArchName = Literal["byte", "llama"]
 FLOAT = 4  # bytes: activations the float32 way
 
 
@@ -27,8 +23,9 @@ class Arch(Protocol):
     # The Hugging Face family it is exported as, a folder in that layout
     # (``flows.model_io.export_hf``); None: one safetensors file of the codec's names.
     hugging_face: str | None
-
-    def create(self, m: ModelConfig, rngs: nnx.Rngs) -> nnx.Module: ...
+    # The model's class, "module:name", called as ``Model(model_config, rngs)``
+    # (``diloco.model.create_model``; imported only when a model is built).
+    model: str
 
     def param_count(self, m: ModelConfig) -> int: ...
 
@@ -53,11 +50,7 @@ class Byte:
     """The byte-level GPT (``diloco.model.Transformer``)."""
 
     hugging_face: str | None = None
-
-    def create(self, m: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
-        from diloco.model import Transformer
-
-        return Transformer(m, rngs)
+    model = "diloco.model:Transformer"
 
     def param_count(self, m: ModelConfig) -> int:
         h = m.mlp_ratio * m.width
@@ -81,11 +74,7 @@ class Llama:
     """The Llama-class decoder (``diloco.llama.Llama``)."""
 
     hugging_face: str | None = "Llama"
-
-    def create(self, m: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
-        from diloco.llama import Llama as Model
-
-        return Model(m, rngs)
+    model = "diloco.llama:Llama"
 
     def param_count(self, m: ModelConfig) -> int:
         q, kv = m.heads * m.head_dim, m.num_kv_heads * m.head_dim

@@ -16,13 +16,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from diloco.archs import ArchName
-from diloco.merge import MergeName
 from protocol.topology import learner_index, member_quorum
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 Fraction = Annotated[float, Field(ge=0, le=1)]
+
+
+ArchName = Literal["byte", "llama"]  # diloco.archs.ARCHS
 
 
 class ConfigError(ValueError):
@@ -230,6 +231,7 @@ class InnerConfig(_Strict):
 
 StalenessName = Literal["constant", "polynomial", "exponential", "hinge"]
 QuantName = Literal["fp32", "bf16", "int8", "int4"]
+MergeName = Literal["mean", "rda"]  # diloco.merge.MERGE_RULES
 
 
 class OuterConfig(_Strict):
@@ -242,6 +244,14 @@ class OuterConfig(_Strict):
         0.0, description="outer SGD momentum; 0: none"
     )
     nesterov: bool = Field(True, description="Nesterov momentum (when momentum > 0)")
+    optimizer: Literal["sgd", "adam"] = Field(
+        "sgd",
+        description="the outer optimizer (diloco.outer.OUTER_OPTIMIZERS): sgd (lr, momentum, "
+        "nesterov) or adam (lr, adam_b1, adam_b2, adam_eps; its step count is the fragment's)",
+    )
+    adam_b1: Annotated[float, Field(ge=0, lt=1)] = Field(0.9, description="outer Adam's beta1")
+    adam_b2: Annotated[float, Field(ge=0, lt=1)] = Field(0.999, description="outer Adam's beta2")
+    adam_eps: PositiveFloat = Field(1e-8, description="outer Adam's epsilon")
     merge: MergeName = Field(
         "mean",
         description="how outer gradients combine: weighted mean, or rda (radial-directional "

@@ -3,8 +3,8 @@ the one its outer optimizer steps with, a piece at a time (``diloco.tensors``), 
 contributions' weights normalized to sum to one (``normalized``).
 
 A rule is chosen by name (``outer.merge``) from ``MERGE_RULES``; a new rule is a class
-here with the two methods of ``MergeRule`` and an entry in ``MERGE_RULES`` and
-``MergeName``. The arithmetic is float64 summed in piece order, then float32, so a
+here with the two methods of ``MergeRule`` and an entry in ``MERGE_RULES`` and the
+config's ``MergeName``. The arithmetic is float64 summed in piece order, then float32, so a
 fragment merged in pieces of any size gives the bits of one merged whole.
 """
 
@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from diloco.tensors import Tensors, pieces
-
-MergeName = Literal["mean", "rda"]
 
 
 class MergeRule(Protocol):

@@ -114,7 +114,7 @@ def create_model(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
     only, ``jax.eval_shape``): it must be an ``nnx.Module`` holding ``nnx.Param``
     variables only, mapping int32 ``[2, context]`` to logits ``[2, context, vocab_size]``."""
     if cfg.factory is None:
-        return ARCHS[cfg.arch].create(cfg, rngs)
+        return load_factory(ARCHS[cfg.arch].model)(cfg, rngs)
     where = f"model.factory {cfg.factory!r}"
     factory = load_factory(cfg.factory)
     try:

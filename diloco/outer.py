@@ -140,8 +140,17 @@ class Anchored:
 # --- outer optimizer and learner blend -------------------------------------------------
 
 
+# The outer optimizers by name (``outer.optimizer``): any optax transform whose state is
+# arrays of each parameter's shape and step counts (``tensors.state_slots``), which the
+# syncer steps a piece at a time. A new one is an entry here and in the config's names.
+OUTER_OPTIMIZERS: dict[str, Callable[[OuterConfig], optax.GradientTransformation]] = {
+    "sgd": lambda cfg: optax.sgd(cfg.lr, momentum=cfg.momentum or None, nesterov=cfg.nesterov),
+    "adam": lambda cfg: optax.adam(cfg.lr, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps),
+}
+
+
 def outer_optimizer(cfg: OuterConfig) -> optax.GradientTransformation:
-    return optax.sgd(cfg.lr, momentum=cfg.momentum or None, nesterov=cfg.nesterov)
+    return OUTER_OPTIMIZERS[cfg.optimizer](cfg)
 
 
 def blend(local: FlatParams, global_: FlatParams, alpha: float) -> FlatParams:

@@ -86,6 +86,7 @@ def version(
         "seconds": gv.seconds,
         "merged": dict(gv.merged),
         "progress": dict(gv.progress),
+        "outer_steps": gv.steps,
         "tokens_total": int(before.get("tokens_total", 0)) + gv.tokens,
         "seconds_total": float(before.get("seconds_total", 0.0)) + gv.seconds,
         "rejected": [list(r) for r in gv.rejected],
@@ -98,7 +99,8 @@ def initial_version(fragment: int, time: float) -> Record:
     return {
         "event": "version", "time": time, "fragment": fragment, "version": 0, "consumed": [],
         "cursor": {}, "weights": {}, "staleness": {}, "tokens": 0, "seconds": 0.0, "merged": {},
-        "progress": {}, "tokens_total": 0, "seconds_total": 0.0, "rejected": [], "superseded": [],
+        "progress": {}, "outer_steps": 0, "tokens_total": 0, "seconds_total": 0.0, "rejected": [],
+        "superseded": [],
     }  # fmt: skip
 
 

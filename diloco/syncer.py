@@ -108,6 +108,7 @@ class GlobalVersion:
     seconds: float  # learner time behind them (new work only), for goodput
     merged: dict[str, list[float]] = field(default_factory=dict)  # see FragmentSyncer.merged
     progress: dict[str, int] = field(default_factory=dict)  # see FragmentSyncer.progress
+    steps: int = 0  # the fragment's outer steps, this version's included (FragmentSyncer.steps)
     # The other outcomes decided since the previous version, so that the versions alone
     # account for every contribution (``storage_layout.audit``):
     rejected: tuple[tuple[str, int, str], ...] = ()  # (learner, seq, reason)
@@ -137,6 +138,7 @@ class FragmentSyncer:
         progress: dict[str, int] | None = None,
         sink: SinkFactory | None = None,
         block_size: int = 128,
+        steps: int | None = None,
     ):
         self.fragment = fragment
         self.cfg = cfg
@@ -156,6 +158,13 @@ class FragmentSyncer:
             zeros = ArrayTensors({n: np.zeros(s, np.float32) for n, s in self.shapes.items()})
             self.slots = [zeros] * self.slots_per_param
         self.version = version
+        # The outer steps taken (the optimizer's step count: a version that merges
+        # nothing, ``seal``, takes none); a version stored before it was recorded is
+        # counted one a version.
+        self.steps = version if steps is None else steps
+        if not isinstance(self.steps, int) or self.steps < 0:
+            raise ValueError(f"fragment {fragment} version {version}: outer step count "
+                             f"{self.steps!r} is not a count")  # fmt: skip
         self.cursor: dict[str, int] = dict(cursor or {})
         # Per learner, the inner step of its newest merged contribution: the learners read
         # the run's progress from it (a shared budget ends when their sum reaches it).
@@ -203,8 +212,10 @@ class FragmentSyncer:
     def opt_state(self) -> optax.OptState:
         """The outer optimizer state as optax holds it, whole (tests, small fragments)."""
         template = self.tx.init({n: np.zeros(s, np.float32) for n, s in self.shapes.items()})
-        treedef = jax.tree_util.tree_structure(template)
-        return jax.tree_util.tree_unflatten(treedef, self.opt_leaves)
+        given = iter(self.opt_leaves)
+        leaves = [np.asarray(self.steps, np.int32) if np.shape(x) == () else next(given)
+                  for x in jax.tree_util.tree_leaves(template)]  # fmt: skip
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), leaves)
 
     def is_new(self, learner: str, seq: int) -> bool:
         """Not yet processed by any committed version (restarts must not double-count)."""
@@ -343,7 +354,7 @@ class FragmentSyncer:
             name, start, parts, params, slots = item
             values = [Anchored.combine(v) if isinstance(v, tuple) else v for v in parts]
             merged = rule.piece(name, values, w, prepared)
-            new, new_slots = step_piece(self.tx, name, params, slots, merged)
+            new, new_slots = step_piece(self.tx, name, params, slots, merged, self.steps)
             sink.write(name, start, new, new_slots)
 
         try:
@@ -353,6 +364,7 @@ class FragmentSyncer:
             sink.abort()
             raise
         self.version += 1
+        self.steps += 1
         self.history[self.version] = self.params
         oldest = self.version - self.cfg.max_staleness
         for old in [v for v in self.history if v < oldest]:
@@ -378,6 +390,7 @@ class FragmentSyncer:
                 seconds=sum(c.seconds for c, _ in accepted),
                 merged=self.merged,
                 progress=dict(self.progress),
+                steps=self.steps,
                 rejected=tuple(self._take(self.rejections)),
                 superseded=tuple(self._take(self.superseded)),
             ),
@@ -406,6 +419,7 @@ class FragmentSyncer:
             fragment=self.fragment, version=self.version, params=self.params,
             slots=self.slots, consumed=(), cursor=dict(self.cursor), weights={},
             staleness={}, tokens=0, seconds=0.0, merged=self.merged, progress=dict(self.progress),
+            steps=self.steps,
             rejected=tuple(self._take(self.rejections)),
             superseded=tuple(self._take(self.superseded)),
         )  # fmt: skip

@@ -303,22 +303,36 @@ def loop_beside(shapes: Mapping[str, Sequence[int]], block_size: int = 128) -> b
 
 def state_slots(tx: optax.GradientTransformation, shapes: Mapping[str, Sequence[int]]) -> int:
     """How many state arrays ``tx`` keeps per parameter (0 for plain SGD, 1 with
-    momentum). A piece is stepped alone, so every leaf must belong to one parameter and
-    have its shape (elementwise state); a step count or any global leaf is refused."""
+    momentum, 2 for Adam). A piece is stepped alone, so every array must belong to one
+    parameter and have its shape (elementwise state); besides them the state may hold
+    step counts (Adam's ``count``: an integer scalar from 0, one more each update), which
+    the syncer gives each step (``step_piece``: its fragment's outer steps). Any other
+    leaf is refused by name."""
     probe = {n: np.zeros(2, np.float32) for n in shapes}
-    leaves = jax.tree_util.tree_flatten_with_path(tx.init(probe))[0]
+    state = tx.init(probe)
+    stepped = jax.tree_util.tree_leaves(tx.update(probe, state, probe)[1])
     per: dict[str, int] = {n: 0 for n in shapes}
-    for path, leaf in leaves:
+    for (path, leaf), after in zip(jax.tree_util.tree_flatten_with_path(state)[0], stepped,
+                                   strict=True):  # fmt: skip
         names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-        if not names or names[-1] not in per or np.shape(leaf) != (2,):
+        if names and names[-1] in per and np.shape(leaf) == (2,):
+            per[names[-1]] += 1
+        elif not _is_count(leaf, after):
             raise ValueError(f"the outer optimizer's state leaf {jax.tree_util.keystr(path)} is "
-                             "not elementwise per parameter; it cannot be stepped a piece at "
-                             "a time")  # fmt: skip
-        per[names[-1]] += 1
+                             "neither elementwise per parameter nor a step count; it cannot "
+                             "be stepped a piece at a time")  # fmt: skip
     counts = set(per.values())
     if len(counts) > 1:
         raise ValueError(f"the outer optimizer keeps unequal state per parameter: {per}")
     return counts.pop() if counts else 0
+
+
+def _is_count(leaf: Any, after: Any) -> bool:
+    """Whether a state leaf is a step count: an integer scalar, 0 at first and 1 after one
+    update."""
+    leaf, after = np.asarray(leaf), np.asarray(after)
+    return (leaf.shape == () and np.issubdtype(leaf.dtype, np.integer) and int(leaf) == 0
+            and int(after) == 1)  # fmt: skip
 
 
 def step_piece(
@@ -327,8 +341,10 @@ def step_piece(
     params: np.ndarray,
     slots: Sequence[np.ndarray],
     merged: np.ndarray,
+    steps: int = 0,
 ) -> tuple[np.ndarray, list[np.ndarray]]:
-    """One outer step on one piece of tensor ``name``: new values and state slots. The
+    """One outer step on one piece of tensor ``name``: new values and state slots, the
+    optimizer's step counts being ``steps`` (the outer steps its fragment has taken). The
     optimizer is elementwise, so stepping pieces apart gives the bits stepping the whole
     tensor gives.
 
@@ -339,16 +355,24 @@ def step_piece(
     zeros on a device), and the update is added as ``optax.apply_updates`` adds it
     (``p + u`` in the parameter's dtype) without the round trip through a device array:
     a piece's step took 1.4 ms that way, 0.2 ms this way."""
-    state = jax.tree_util.tree_unflatten(_state_structure(tx, name), list(slots))
+    structure, counts = _state_structure(tx, name)
+    given = iter(slots)
+    leaves = [np.asarray(steps, np.int32) if c else next(given) for c in counts]
+    state = jax.tree_util.tree_unflatten(structure, leaves)
     updates, state = tx.update({name: merged}, state, {name: params})
     new = np.asarray(params + updates[name], dtype=np.float32)
-    return new, [np.asarray(x, dtype=np.float32) for x in jax.tree_util.tree_leaves(state)]
+    stepped = jax.tree_util.tree_leaves(state)
+    return new, [np.asarray(x, dtype=np.float32) for x, c in zip(stepped, counts, strict=True)
+                 if not c]  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4096)
-def _state_structure(tx: optax.GradientTransformation, name: str) -> Any:
-    """The tree structure of ``tx``'s state for one tensor named ``name``."""
-    return jax.tree_util.tree_structure(tx.init({name: np.zeros(2, np.float32)}))
+def _state_structure(tx: optax.GradientTransformation, name: str) -> tuple[Any, tuple[bool, ...]]:
+    """The tree structure of ``tx``'s state for one tensor named ``name``, and which of
+    its leaves are step counts (the scalars: the tensor's own are arrays)."""
+    state = tx.init({name: np.zeros(2, np.float32)})
+    counts = tuple(np.shape(x) == () for x in jax.tree_util.tree_leaves(state))
+    return jax.tree_util.tree_structure(state), counts
 
 
 def slot_leaves(slots: Sequence[Tensors], shapes: Mapping[str, Sequence[int]]) -> list[np.ndarray]:

@@ -177,8 +177,13 @@ def _positional(names: Sequence[str]) -> bool:
 
 @lru_cache(maxsize=64)
 def _outer_names(cfg: OuterConfig, shapes: tuple[tuple[str, tuple[int, ...]], ...]) -> list[str]:
+    """The stored names of the state's arrays, those of a parameter (its name a key of
+    their path): a step count is not stored (the version's ``outer_steps`` holds it)."""
     structs = {n: jax.ShapeDtypeStruct(s, np.float32) for n, s in shapes}
-    return leaf_names(jax.eval_shape(outer_optimizer(cfg).init, structs))
+    state = jax.eval_shape(outer_optimizer(cfg).init, structs)
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    return [name for name, path in zip(leaf_names(state), paths, strict=True)
+            if any(getattr(k, "key", None) in structs for k in path)]  # fmt: skip
 
 
 def outer_leaf_names(cfg: OuterConfig, params: Mapping[str, Any]) -> list[str]:

@@ -19,7 +19,8 @@ size: its memory is flat in model size.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -158,6 +159,49 @@ def publish_initial(
     sink.commit(records.initial_version(fragment, 0.0))
 
 
+class _StateOrder:
+    """The outer optimizer's state slots into the ``opt`` group, whose tensors go in
+    sorted order of their stored names, while a merge makes every slot's piece of one
+    parameter at a time. The slot whose names sort first (when each of them sorts before
+    every other slot's: SGD's momentum, Adam's ``mu`` before ``nu``) is appended as it
+    comes (``direct``); the others' pieces wait in a temporary file on this machine's disk
+    and are appended in order at the end (``kept``), a piece at a time: memory stays a
+    piece, whatever the model's size."""
+
+    def __init__(self, leaf_names: list[dict[str, str]]):
+        self.leaf_names = leaf_names
+        first = [names[n] for names in leaf_names[:1] for n in sorted(names)]  # as they come
+        rest = [n for names in leaf_names[1:] for n in names.values()]
+        ahead = first == sorted(first) and all(first[-1] < n for n in rest)
+        self.direct = 0 if first and ahead else None
+        self.file: Any = None
+        self.pieces: dict[str, list[tuple[int, int]]] = {}  # stored name -> (offset, values)
+
+    def keep(self, slot: int, name: str, values: np.ndarray) -> None:
+        if self.file is None:
+            self.file = tempfile.TemporaryFile(prefix="diloco-opt-")  # noqa: SIM115 (closed in kept)
+        data = np.ascontiguousarray(values, np.float32)
+        self.pieces.setdefault(self.leaf_names[slot][name], []).append(
+            (self.file.tell(), data.size)
+        )
+        self.file.write(data.tobytes())
+
+    def kept(self) -> Iterator[tuple[str, np.ndarray]]:
+        """The kept pieces in the group's order: by stored name, each tensor's in order."""
+        try:
+            for leaf in sorted(self.pieces):
+                for offset, size in self.pieces[leaf]:
+                    self.file.seek(offset)
+                    yield leaf, np.frombuffer(self.file.read(4 * size), np.float32)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
 class StreamedVersion:
     """Version ``version`` of ``fragment`` written to the buckets as it is merged (see
     the module docstring). ``base`` is the learners' copy of the previous version (its
@@ -182,9 +226,7 @@ class StreamedVersion:
         self.wire_dtype, self.downlink, self.block_size = wire_dtype, downlink, block_size
         self.base = base if downlink != "full" else None
         self.leaf_names = leaf_names
-        if len(leaf_names) > 1:
-            raise ValueError("a streamed version stores one optimizer state array per "
-                             f"parameter; this optimizer keeps {len(leaf_names)}")  # fmt: skip
+        self.state = _StateOrder(leaf_names)
         self.write_id = write_id or new_write_id()
         layout = store.layout
         self.marker_key = layout.global_marker(fragment, version)
@@ -201,11 +243,10 @@ class StreamedVersion:
                 self._lag(region, exc)
         home = self._to(self.home)
         everywhere = self._to_all
-        leaves = leaf_names[0] if leaf_names else {}
         self.groups = {
             "params": GroupWriter(home, "params", "fp32", self.shapes),
-            "opt": GroupWriter(home, "opt", "fp32",
-                               {leaves[n]: s for n, s in self.shapes.items() if n in leaves}),
+            "opt": GroupWriter(home, "opt", "fp32", {names[n]: s for names in leaf_names
+                                                     for n, s in self.shapes.items()}),
             "wire": GroupWriter(everywhere, "wire", wire_dtype, self.shapes, block_size),
         }  # fmt: skip
         if self.base is not None:
@@ -241,9 +282,12 @@ class StreamedVersion:
     def write(self, name: str, start: int, params: np.ndarray, slots: Sequence[np.ndarray]) -> None:
         n = params.size
         self.groups["params"].append(name, QuantizedTensor("fp32", (n,), params))
-        for values in slots:
-            self.groups["opt"].append(self.leaf_names[0][name],
-                                      QuantizedTensor("fp32", (n,), values))  # fmt: skip
+        for k, values in enumerate(slots):
+            if k == self.state.direct:
+                self.groups["opt"].append(self.leaf_names[k][name],
+                                          QuantizedTensor("fp32", (n,), values))  # fmt: skip
+            else:
+                self.state.keep(k, name, values)
         base = None if self.base is None else self.base.piece(name, start, start + n)
         wire, delta = downlink_piece(params, base, self.wire_dtype, self.downlink,
                                      self.block_size)  # fmt: skip
@@ -254,6 +298,8 @@ class StreamedVersion:
     def finish(self) -> tuple[Tensors, list[Tensors]]:
         """Close every group, write the root metadata, wait for the uploads; the new
         version's master copy and state, readable from home (not yet committed)."""
+        for leaf, values in self.state.kept():
+            self.groups["opt"].append(leaf, QuantizedTensor("fp32", values.shape, values))
         for group in self.groups.values():
             group.close()
         attrs = {"kind": "global", "wire_dtype": self.wire_dtype, "fragment": self.fragment,
@@ -277,6 +323,7 @@ class StreamedVersion:
         return params, slots
 
     def abort(self) -> None:
+        self.state.close()
         for region, sink in list(self.sinks.items()):
             try:
                 sink.abort()

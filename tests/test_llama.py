@@ -350,7 +350,8 @@ def test_export_eval_and_generate_from_the_cli(tmp_path, capsysbinary):
 def test_every_architecture_is_named_in_the_config_and_counts_what_it_builds():
     """``diloco.archs``: each entry of ``ARCHS`` is a ``model.arch`` the config takes, and
     its parameter count is that of the model it builds."""
-    from diloco.archs import ARCHS, ArchName
+    from diloco.archs import ARCHS
+    from diloco.config import ArchName
     from diloco.memory import param_count
 
     assert set(ARCHS) == set(ArchName.__args__)

@@ -7,8 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from diloco.config import OuterConfig
-from diloco.merge import MERGE_RULES, MergeName, normalized
+from diloco.config import MergeName, OuterConfig
+from diloco.merge import MERGE_RULES, normalized
 from diloco.outer import (
     Anchored,
     blend,

@@ -72,3 +72,19 @@ def test_inspect_cli_json_and_verify_fails_on_a_flipped_byte(tmp_path):
         [*env_bin, "simulate", *args], capture_output=True, text=True, timeout=300
     )
     assert again.returncode == 2 and "already holds global versions" in again.stderr
+
+
+def test_an_outer_adam_resumes_its_step_count_from_the_bucket(tmp_path):
+    """With ``outer.optimizer = "adam"`` a syncer that reloads a fragment from its bucket
+    (every merge through a bucket store does) takes up Adam's moments and step count
+    where the stored version left them: the same run in memory and through a bucket, and
+    each version records its fragment's outer steps."""
+    over = [*OVER, "outer.optimizer=adam", "outer.lr=0.001"]
+    memory = simulate(load_config("tiny", overrides=over))
+    (tmp_path / "us").mkdir()
+    stored = simulate(load_config("tiny", overrides=over),
+                      store=simulation_store("adam", {"us": f"file://{tmp_path / 'us'}"}))  # fmt: skip
+    assert json.dumps(stored.metrics, sort_keys=True) == json.dumps(memory.metrics, sort_keys=True)
+    versions = [m for m in stored.metrics if m["event"] == "version"]
+    assert versions and all(m["outer_steps"] == m["version"] for m in versions)
+    assert stored.summary["final_loss"] < stored.summary["initial_loss"]

@@ -213,3 +213,54 @@ def test_a_loop_of_a_few_pieces_runs_on_its_own_thread_and_a_long_one_beside_it(
         assert len(threads) == len(list(pieces(shapes)))
         assert (set(threads) == {threading.get_ident()}) is (not beside)
     assert not tensors_mod.loop_beside(small) and tensors_mod.loop_beside(large)
+
+
+def test_an_outer_adam_is_stepped_a_piece_at_a_time_as_optax_steps_it_whole(monkeypatch):
+    """An optax transform whose state holds a step count (Adam's) is an outer optimizer
+    like SGD: its arrays stepped a piece at a time, its count the fragment's outer steps
+    (a version that merges nothing takes none), the same values as optax's whole step
+    and the same bits whatever the piece size."""
+    cfg = OuterConfig(optimizer="adam", lr=0.01, reference="delta")
+    tx = outer_optimizer(cfg)
+    s = FragmentSyncer(0, _init(), cfg, ["a", "b"], lambda n: False)
+    params, state = _init(), tx.init(_init())
+    for seq, seeds in ((1, (1, 2)), (2, (3, 4))):
+        cs = [
+            _contribution("a", seq, seq - 1, seeds[0]),
+            _contribution("b", seq, seq - 1, seeds[1]),
+        ]
+        for c in cs:
+            s.offer(c)
+        gv = s.merge().version
+        w = np.asarray(list(gv.weights.values()), np.float64)
+        w = w / w.sum()
+        merged = {n: sum((wi * c.outer_gradient()[n].astype(np.float64) for wi, c in
+                          zip(w, cs, strict=True)), np.zeros(SHAPES[n])).astype(np.float32)
+                  for n in SHAPES}  # fmt: skip
+        updates, state = tx.update(merged, state, params)
+        params = {
+            n: np.asarray(v, np.float32) for n, v in optax.apply_updates(params, updates).items()
+        }
+        for n in SHAPES:
+            np.testing.assert_allclose(materialize(gv.params)[n], params[n], rtol=1e-6, atol=1e-7)
+        assert gv.steps == s.steps == seq and int(s.opt_state[0].count) == seq
+    s.rejections.append(("a", 9, "a rejection to record"))
+    assert s.seal().steps == 2  # (no step)
+    assert _run(cfg) and len(_run(cfg)[0][1]) == 2  # mu and nu per parameter
+    _bits_equal(_run(cfg), _run(cfg, piece=256, monkeypatch=monkeypatch))
+
+
+def test_an_optimizer_state_that_cannot_be_stepped_by_pieces_is_refused_by_name():
+    """A leaf neither of a parameter's shape nor a step count (here, a scalar that is not
+    counted up) cannot be stepped a piece at a time: named, before anything merges."""
+    from diloco.tensors import state_slots
+
+    def init(params):
+        return {"scale": np.float32(1.0)}
+
+    def update(updates, state, params=None):
+        return updates, state
+
+    with pytest.raises(ValueError, match=r"'scale'.*neither elementwise per parameter nor a step"):
+        state_slots(optax.GradientTransformation(init, update), SHAPES)
+    assert state_slots(optax.adam(0.1), SHAPES) == 2 and state_slots(optax.sgd(0.1), SHAPES) == 0
