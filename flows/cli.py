@@ -423,9 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "exist yet (without it, such a region is refused as a likely typo)")  # fmt: skip
     tr.add_argument(
         "--via",
-        choices=["processes", "deployments"],
         default="processes",
-        help="start workers as local processes (default) or as flow runs of the "
+        help="the launch mode (flows.supervision.LAUNCH_MODES): start workers as local "
+        "processes (processes, the default) or as flow runs of the "
         "learner/REGION and syncer/REGION deployments (needs PREFECT_API_URL and workers)",
     )
     tr.set_defaults(func=cmd_train)

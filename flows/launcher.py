@@ -28,7 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import (
@@ -64,10 +64,9 @@ from flows.run_lock import RunLock, RunTakenOver, held
 from flows.supervision import (
     STAND_BY,
     STOP_SECONDS,
-    Deployments,
     LaunchMode,
-    Processes,
-    stop_predecessors,
+    Via,
+    launch_mode,
 )
 from flows.workers import run_workers
 from infra.chaos import Chaos, ChaosPlan, kill_to_rejoin, percentiles, read_actions
@@ -463,14 +462,14 @@ def startup_line(
     return f"starting up | learners: {learners} | {first}"
 
 
-def authenticate(run: str, folder: Path, via: str, log: Any, store: RunStore) -> str | None:
+def authenticate(run: str, folder: Path, local: bool, log: Any, store: RunStore) -> str | None:
     """Sign the run's contributions: the run secret is ``DILOCO_RUN_SECRET`` or, if that
     is not set, one kept in ``folder/run-secret`` (made on the first launch, mode 0600), so
     a resumed run keeps its keys; one that is not the run's (its fingerprint in the
     bucket differs) is refused. Deployments' workers take theirs from their work pools
     (None). The secret is returned, never logged, and never a flow or task parameter:
-    Prefect records those."""
-    if via != "processes":
+    Prefect records those. ``local``: the launch's workers are processes here."""
+    if not local:
         log.info("contributions are authenticated if the work pools set %s (syncers) and %s "
                  "(learners); see docs/deploy.md", RUN_SECRET_ENV, LEARNER_KEY_ENV)  # fmt: skip
         return None
@@ -501,7 +500,7 @@ def start_chaos(plan: ChaosPlan, folder: Path, mode: LaunchMode, log: Any,
     objects (``monitor``)."""
     if not plan.active:
         return None
-    if not isinstance(mode, Processes):
+    if not mode.local:
         log.warning("pipeline.chaos needs the workers as local processes; no chaos")
         return None
 
@@ -571,7 +570,7 @@ def train_flow(
     regions: dict[str, str],
     config: RunConfig | None = None,
     logs: str | None = None,
-    via: Literal["processes", "deployments"] = "processes",
+    via: Via = "processes",
     preset: str = "tiny",
     overrides: list[str] | None = None,
 ) -> dict[str, Any] | State:
@@ -599,8 +598,7 @@ def train_flow(
     log = get_run_logger()
     outlive_the_reader()  # a deployment's: its worker may die first
     tag_flow_run([f"run:{run}", "launcher", f"via:{via}"])
-    if via not in ("processes", "deployments"):
-        raise ValueError(f"via must be 'processes' or 'deployments', not {via!r}")
+    launch_mode(via)  # (one that exists)
     cfg = launch_config(config, preset, overrides)
     logs = logs or str(default_run_dir(run) / "logs")
     launch = LAUNCH.get(None) or Launch()
@@ -665,22 +663,15 @@ def _launch_mode(
     log: Any,
     fault_plan: faults.FaultPlan | None,
 ) -> LaunchMode:
-    """The launch mode for ``via``, with the run's lock held: local processes (after
-    stopping what a launcher of this run that died left running, with the run secret
-    and the spares), or deployments' flow runs."""
+    """The launch mode ``via`` names (``supervision.LAUNCH_MODES``), with the run's lock
+    held and the run's contributions signed (``authenticate``)."""
     # Workers share a persistent JAX compilation cache: a restarted learner does not
     # compile its step again (the variables reach them, and the spares, through
     # child_env()).
     share_compilations(Path(logs).parent / "jax-cache")
-    limit = cfg.pipeline.max_failed_starts
-    if via == "deployments":
-        authenticate(run, Path(logs).parent, via, log, store)
-        return Deployments(run, regions, limit, launch.stopping)
-    Path(logs).mkdir(parents=True, exist_ok=True)
-    stop_predecessors(Path(logs) / "pids.json", log)
-    secret = authenticate(run, Path(logs).parent, via, log, store)
-    return Processes(run, regions, limit, Path(logs), launch.stopping, secret,
-                     fault_plan.to_env() if fault_plan else None, cfg.pipeline.spares)  # fmt: skip
+    kind = launch_mode(via)
+    secret = authenticate(run, Path(logs).parent, kind.local, log, store)
+    return kind.for_launch(run, regions, cfg, Path(logs), launch.stopping, log, secret, fault_plan)
 
 
 def _launch(

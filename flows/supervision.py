@@ -29,12 +29,9 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
-from prefect.settings import PREFECT_API_URL
-
+from diloco.config import ConfigError, RunConfig
 from flows import memory
 from flows.observe import PARENT_FLOW_RUN_ENV, PARENT_TASK_RUN_ENV, parent_env
 from flows.spares import Spares
@@ -77,6 +74,28 @@ class ApiDown(RuntimeError):
     runs cannot start or end without it): the API is waited for, and no crash counted."""
 
 
+# Prefect is imported on first use, not with this module: ``diloco train`` picks its launch
+# mode (``launch_mode``) before PREFECT_HOME points at the run, and Prefect reads its
+# settings when it is first imported.
+def _api_url() -> str | None:
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value()
+
+
+def _run_log() -> Any:
+    from prefect import get_run_logger
+
+    return get_run_logger()
+
+
+def _task(fn: Any, **names: str) -> Any:
+    from prefect import task
+    from prefect.cache_policies import NO_CACHE
+
+    return task(**names, cache_policy=NO_CACHE, persist_result=False)(fn)
+
+
 def child_env(
     run: str = "",
     worker: str = "",
@@ -99,7 +118,7 @@ def child_env(
         env[faults.ENV_VAR] = json.dumps({**plan, "salt": f"{worker}/{start}"})
     env["PYTHONUNBUFFERED"] = "1"
     env[PARENT_ENV] = str(os.getpid())  # a worker dies with its launcher (flows.worker)
-    url = PREFECT_API_URL.value()
+    url = _api_url()
     if url:
         env["PREFECT_API_URL"] = url
     if secret is not None:
@@ -123,7 +142,7 @@ def wait_for_api(
     towards giving a worker up. After ``API_PATIENCE`` seconds unreachable the wait ends
     in an error naming the API (the run then ends with its summary rather than waiting
     for ever)."""
-    url = PREFECT_API_URL.value()
+    url = _api_url()
     if prefect_api_reachable(url):
         if exc is None or not api_away(exc):
             return False
@@ -274,6 +293,18 @@ class LaunchMode:
     # the UI's cancel, a run that cannot progress): a deployment's flow runs, in their
     # regions' pools, do; a local process dies with its launcher.
     outlives_launcher = False
+    # Whether the workers are processes on this machine: their memory counts here, and
+    # the run secret is kept beside the run (else each region's work pool holds its
+    # workers' keys, and the workers reach the Prefect API the launcher uses: a server
+    # of the run's own will not do).
+    local = False
+
+    @classmethod
+    def for_launch(cls, run: str, regions: dict[str, str], cfg: RunConfig, logs: Path,
+                   stopping: threading.Event, log: Any, secret: str | None,
+                   fault_plan: faults.FaultPlan | None) -> LaunchMode:  # fmt: skip
+        """The mode for one launch of ``run``, the run's lock held."""
+        raise NotImplementedError
 
     def start(self, worker: Worker) -> Any:
         """Submit the task that keeps ``worker`` going; its future."""
@@ -305,7 +336,7 @@ class LaunchMode:
     def restarts(
         self, name: str, store: RunStore, status: Status, unit: str = "starts"
     ) -> Restarts:
-        return Restarts(name, store, status, self.limit, get_run_logger(), self.stopping, unit,
+        return Restarts(name, store, status, self.limit, _run_log(), self.stopping, unit,
                         self.deaths)  # fmt: skip
 
 
@@ -317,6 +348,17 @@ class Processes(LaunchMode):
     the workers run under ``fault_env`` if given, and ``spares`` processes wait warm to
     be taken (``flows.spares``). The pids of the live workers are kept in
     ``logs/pids.json`` (``stop_predecessors``)."""
+
+    local = True
+
+    @classmethod
+    def for_launch(cls, run: str, regions: dict[str, str], cfg: RunConfig, logs: Path,
+                   stopping: threading.Event, log: Any, secret: str | None,
+                   fault_plan: faults.FaultPlan | None) -> LaunchMode:  # fmt: skip
+        logs.mkdir(parents=True, exist_ok=True)
+        stop_predecessors(logs / "pids.json", log)  # what a launcher that died left running
+        return cls(run, regions, cfg.pipeline.max_failed_starts, logs, stopping, secret,
+                   fault_plan.to_env() if fault_plan else None, cfg.pipeline.spares)  # fmt: skip
 
     def __init__(
         self,
@@ -340,10 +382,8 @@ class Processes(LaunchMode):
         self.spares = (
             Spares(spares, self.logs / "spares.log", child_env(), warm) if spares else None
         )
-        self.supervise = task(name="worker", task_run_name="{name}", cache_policy=NO_CACHE,
-                              persist_result=False)(self._supervise)  # fmt: skip
-        self.run_process = task(name="process", task_run_name="start {name}",
-                                cache_policy=NO_CACHE, persist_result=False)(self._run_process)  # fmt: skip
+        self.supervise = _task(self._supervise, name="worker", task_run_name="{name}")
+        self.run_process = _task(self._run_process, name="process", task_run_name="start {name}")
 
     def start(self, worker: Worker) -> Any:
         path = str(self.logs / _log_name(worker.name))
@@ -387,7 +427,7 @@ class Processes(LaunchMode):
         proc, warm = (self.spares or Spares(0, log_path, env)).take(argv, log_path, env)
         started = time.monotonic()
         watch = memory.Watch(proc.pid, started)  # why it died, should a signal end it
-        get_run_logger().info("%s started (pid %d%s); its output goes to %s", name, proc.pid,
+        _run_log().info("%s started (pid %d%s); its output goes to %s", name, proc.pid,
                               ", a spare" if warm else "", log_path)  # fmt: skip
         with self.lock:
             self.children.add(proc)
@@ -474,12 +514,17 @@ class Deployments(LaunchMode):
 
     outlives_launcher = True
 
+    @classmethod
+    def for_launch(cls, run: str, regions: dict[str, str], cfg: RunConfig, logs: Path,
+                   stopping: threading.Event, log: Any, secret: str | None,
+                   fault_plan: faults.FaultPlan | None) -> LaunchMode:  # fmt: skip
+        return cls(run, regions, cfg.pipeline.max_failed_starts, stopping)
+
     def __init__(self, run: str, regions: dict[str, str], limit: int,
                  stopping: threading.Event | None = None):  # fmt: skip
         super().__init__(run, regions, limit, stopping)
         self.flow_runs: set[Any] = set()  # ids of the flow runs in progress
-        self.supervise = task(name="deployment", task_run_name="run {name}",
-                              cache_policy=NO_CACHE, persist_result=False)(self._supervise)  # fmt: skip
+        self.supervise = _task(self._supervise, name="deployment", task_run_name="run {name}")
 
     def start(self, worker: Worker) -> Any:
         return self.supervise.submit(worker.name, worker.deployment, worker.params,
@@ -494,7 +539,7 @@ class Deployments(LaunchMode):
         writer, region, _ = status
         store = RunStore(self.run, self.regions, region, writer="launcher")
         home = RunStore(self.run, self.regions, home_region(self.regions), writer="launcher")
-        log = get_run_logger()
+        log = _run_log()
         restarts = self.restarts(name, home, status, unit="flow runs")
         adopting = True  # the first start looks for a flow run left going
         while not self.stopping.is_set():
@@ -573,8 +618,21 @@ class Deployments(LaunchMode):
         from prefect.client.orchestration import get_client
         from prefect.states import Cancelling
 
-        if not self.flow_runs or not prefect_api_reachable(PREFECT_API_URL.value()):
+        if not self.flow_runs or not prefect_api_reachable(_api_url()):
             return
         with get_client(sync_client=True) as client:
             for flow_run_id in list(self.flow_runs):
                 client.set_flow_run_state(flow_run_id, Cancelling(), force=True)
+
+
+# The launch modes by name (``train --via``, the train flow's ``via``): a new one is a
+# class above and an entry here.
+LAUNCH_MODES: dict[str, type[LaunchMode]] = {"processes": Processes, "deployments": Deployments}
+Via = Literal[tuple(LAUNCH_MODES)]  # (the train flow's parameter: Prefect checks it)
+
+
+def launch_mode(via: str) -> type[LaunchMode]:
+    """The launch mode named ``via``; ``ConfigError`` naming the modes if there is none."""
+    if via not in LAUNCH_MODES:
+        raise ConfigError(f"via must be one of {', '.join(LAUNCH_MODES)}, not {via!r}")
+    return LAUNCH_MODES[via]

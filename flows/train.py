@@ -23,6 +23,7 @@ from rich.table import Table
 from diloco.config import ConfigError, RunConfig
 from flows.display import open_display
 from flows.observe import human_bytes, train_summary_rows
+from flows.supervision import launch_mode
 from protocol.topology import (
     SLOT_EVERYWHERE,
     deal_learners,
@@ -121,9 +122,9 @@ def _prefect_api(prefect_home: Path, via: str) -> AbstractContextManager[str]:
                 "start it, or unset PREFECT_API_URL to run with a server of the run's own"
             ) from None
         return nullcontext(external)
-    if via == "deployments":
+    if not launch_mode(via).local:
         raise ConfigError(
-            "--via deployments needs a Prefect server with a worker per region: set "
+            f"--via {via} needs a Prefect server with a worker per region: set "
             f"PREFECT_API_URL ({_bin('python')} -m infra.local_stack up starts one; see "
             "docs/deploy.md)"
         )
@@ -145,7 +146,7 @@ def memory_lines(cfg: RunConfig, num_params: int, via: str,
     per = f" per device (sharded over {shards})" if shards > 1 else ""
     line = (f"memory per learner process{per}: about {human_bytes(each.total)} ("
             + ", ".join(f"{k} {human_bytes(v)}" for k, v in each.parts()) + ")")  # fmt: skip
-    if via != "processes":
+    if not launch_mode(via).local:
         return line, None
     m = cfg.topology.learners
     others = shard_count(cfg.pipeline.syncer_shards, cfg.topology.fragments) + 1
@@ -166,6 +167,7 @@ def memory_lines(cfg: RunConfig, num_params: int, via: str,
 def train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: str) -> int:
     """Run (or resume) ``run`` to the end of its budget; the exit status."""
     signal.signal(signal.SIGTERM, _raise_interrupt)  # clean up the server on `kill` too
+    local = launch_mode(via).local  # (one that exists: before anything starts)
     from flows.run import Run
     from flows.run_lock import RunLock, RunLocked
     from storage_layout.auth import claims_key, run_secret
@@ -180,7 +182,7 @@ def train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: st
     # must never share its database): a second `diloco train` of a running run is refused.
     # Its claim is tagged with the run's claims key, where the launcher holds the secret.
     root.mkdir(parents=True, exist_ok=True)
-    secret = run_secret(root / "run-secret" if via == "processes" else None)[0]
+    secret = run_secret(root / "run-secret" if local else None)[0]
     store = opened.store("launcher", claims_key=None if secret is None else claims_key(secret, run))
     # Another launcher that takes the run over (this one's lease went stale) stops the
     # workers; the launcher flow then ends naming who took over. The launch is made once

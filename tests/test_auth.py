@@ -195,7 +195,7 @@ def _bucket_store(tmp_path, run: str) -> RunStore:
 def test_the_launcher_keeps_the_run_secret_out_of_its_log(tmp_path, caplog):
     store = _bucket_store(tmp_path, "auth-run")
     with caplog.at_level(logging.INFO):
-        secret = authenticate("auth-run", tmp_path, "processes", logging.getLogger("t"), store)
+        secret = authenticate("auth-run", tmp_path, True, logging.getLogger("t"), store)
     assert (tmp_path / "run-secret").read_text().strip() == secret
     assert "contributions are signed" in caplog.text and secret not in caplog.text
     stored = (tmp_path / "bucket" / "auth-run" / "secret-fingerprint.json").read_text()
@@ -207,11 +207,11 @@ def test_a_swapped_run_secret_is_refused_at_launch(tmp_path, monkeypatch):
     run-secret file lost, DILOCO_RUN_SECRET changed) is refused by name, instead of
     every genuine contribution being rejected as forged later."""
     store = _bucket_store(tmp_path, "swap")
-    first = authenticate("swap", tmp_path, "processes", logging.getLogger("t"), store)
-    assert authenticate("swap", tmp_path, "processes", logging.getLogger("t"), store) == first
+    first = authenticate("swap", tmp_path, True, logging.getLogger("t"), store)
+    assert authenticate("swap", tmp_path, True, logging.getLogger("t"), store) == first
     monkeypatch.setenv(RUN_SECRET_ENV, SECRET)
     with pytest.raises(SecretMismatch, match=f"from {RUN_SECRET_ENV} is not the one run 'swap'"):
-        authenticate("swap", tmp_path, "processes", logging.getLogger("t"), store)
+        authenticate("swap", tmp_path, True, logging.getLogger("t"), store)
 
 
 def test_a_run_started_before_claims_were_tagged_is_refused_at_launch(tmp_path):
