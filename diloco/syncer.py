@@ -158,13 +158,11 @@ class FragmentSyncer:
             zeros = ArrayTensors({n: np.zeros(s, np.float32) for n, s in self.shapes.items()})
             self.slots = [zeros] * self.slots_per_param
         self.version = version
-        # The outer steps taken (the optimizer's step count: a version that merges
-        # nothing, ``seal``, takes none); a version stored before it was recorded is
-        # counted one a version.
+        # The outer steps taken (the optimizer's count: ``seal`` takes none); one a version
+        # for a version stored before they were recorded.
         self.steps = version if steps is None else steps
         if not isinstance(self.steps, int) or self.steps < 0:
-            raise ValueError(f"fragment {fragment} version {version}: outer step count "
-                             f"{self.steps!r} is not a count")  # fmt: skip
+            raise ValueError(f"fragment {fragment} v{version}: outer_steps {self.steps!r}")
         self.cursor: dict[str, int] = dict(cursor or {})
         # Per learner, the inner step of its newest merged contribution: the learners read
         # the run's progress from it (a shared budget ends when their sum reaches it).

@@ -264,3 +264,13 @@ def test_an_optimizer_state_that_cannot_be_stepped_by_pieces_is_refused_by_name(
     with pytest.raises(ValueError, match=r"'scale'.*neither elementwise per parameter nor a step"):
         state_slots(optax.GradientTransformation(init, update), SHAPES)
     assert state_slots(optax.adam(0.1), SHAPES) == 2 and state_slots(optax.sgd(0.1), SHAPES) == 0
+
+
+def test_a_stored_step_count_that_is_not_a_count_is_named():
+    """A version's ``outer_steps`` is read from its record: one that is not a count is an
+    error naming it, not an optimizer stepped from garbage."""
+    for bad in ("3", -1, 2.5):
+        with pytest.raises(ValueError, match="fragment 0 v4: outer_steps"):
+            FragmentSyncer(0, _init(), OuterConfig(optimizer="adam"), [], lambda n: False,
+                           version=4, steps=bad)  # fmt: skip
+    assert FragmentSyncer(0, _init(), OuterConfig(), [], lambda n: False, version=4).steps == 4
