@@ -1002,3 +1002,17 @@ def test_the_launcher_takes_no_heartbeat_that_is_not_its_learners(tmp_path):
     assert verdict("learner-0").beating  # its own: judged by it
     forged = verdict("learner-1")  # signed with another learner's key: no heartbeat
     assert not forged.beating and forged.state == "starting", forged
+
+
+def test_a_launch_mode_is_found_by_name_in_one_place():
+    """``--via`` and the train flow's ``via`` name a class of ``LAUNCH_MODES``; what
+    differs between modes is asked of the class, and an unknown name is refused with the
+    modes there are (``diloco train`` does it before anything starts)."""
+    from diloco.config import ConfigError
+    from flows.supervision import LAUNCH_MODES, Deployments, Processes, Via, launch_mode
+
+    assert launch_mode("processes") is Processes and launch_mode("deployments") is Deployments
+    assert Processes.local and not Deployments.local and Deployments.outlives_launcher
+    assert set(Via.__args__) == set(LAUNCH_MODES)
+    with pytest.raises(ConfigError, match="via must be one of processes, deployments, not 'ray'"):
+        launch_mode("ray")

@@ -10,6 +10,7 @@ import pytest
 from diloco.config import MergeName, OuterConfig
 from diloco.merge import MERGE_RULES, normalized
 from diloco.outer import (
+    OUTER_OPTIMIZERS,
     Anchored,
     blend,
     constant_staleness,
@@ -77,10 +78,14 @@ def rda_merge(deltas, weights, is_embedding):
     return _merge("rda", deltas, weights, is_embedding)
 
 
-def test_every_merge_rule_is_named_in_the_config():
+def test_every_merge_rule_and_outer_optimizer_is_named_in_the_config():
     assert set(MERGE_RULES) == set(MergeName.__args__)
     for name in MERGE_RULES:
         assert OuterConfig(merge=name).merge == name
+    names = OuterConfig.model_fields["optimizer"].annotation.__args__
+    assert set(OUTER_OPTIMIZERS) == set(names)
+    for name in OUTER_OPTIMIZERS:
+        assert outer_optimizer(OuterConfig(optimizer=name)) is not None
 
 
 def test_weighted_mean_matches_numpy():
