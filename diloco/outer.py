@@ -158,9 +158,3 @@ def blend(local: FlatParams, global_: FlatParams, alpha: float) -> FlatParams:
     if alpha == 0.0:
         return {n: np.array(v, dtype=np.float32) for n, v in global_.items()}
     return {n: (alpha * local[n] + (1.0 - alpha) * global_[n]).astype(np.float32) for n in global_}
-
-
-def global_norm(tree: Mapping[str, np.ndarray]) -> float:
-    return float(
-        math.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in tree.values()))
-    )

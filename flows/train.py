@@ -202,11 +202,10 @@ def train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: st
         lock.release()
 
 
-def _train(opened: Run, root: Path, via: str, launches: list[Launch]) -> int:
+def _announce(opened: Run, via: str) -> None:
+    """What ``diloco train`` says before it starts: the run, the memory its learners need
+    here, and a region no learner starts in."""
     run, regions, cfg = opened.name, opened.regions, opened.cfg
-    prefect_home = root / "prefect"
-    os.environ.setdefault("PREFECT_HOME", str(prefect_home.resolve()))
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     console.print(
         f"[bold]train[/] run {run!r}: mode={cfg.mode} learners={cfg.topology.learners} "
         f"quorum={cfg.quorum} fragments={cfg.topology.fragments} "
@@ -233,6 +232,13 @@ def _train(opened: Run, root: Path, via: str, launches: list[Launch]) -> int:
                 "with diloco join (it adds a learner); until one does, the learners of "
                 "the other regions train its data", soft_wrap=True,
             )  # fmt: skip
+
+
+def _train(opened: Run, root: Path, via: str, launches: list[Launch]) -> int:
+    run, prefect_home = opened.name, root / "prefect"
+    os.environ.setdefault("PREFECT_HOME", str(prefect_home.resolve()))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    _announce(opened, via)
     external = os.environ.get("PREFECT_API_URL")
     started = time.perf_counter()
     # On a terminal, a live display of the run's phases (flows/display.py); else log lines.
@@ -248,7 +254,6 @@ def _train(opened: Run, root: Path, via: str, launches: list[Launch]) -> int:
 
             from flows import launcher  # (Prefect: its settings are the run's from here)
             from flows.monitor import RunStalled, StorageUnreachable
-            from flows.worker import prefect_api_reachable
 
             launch = launcher.Launch(opened)
             launches.append(launch)
@@ -258,7 +263,8 @@ def _train(opened: Run, root: Path, via: str, launches: list[Launch]) -> int:
             signal.signal(signal.SIGINT, launch.on_signal)
             signal.signal(signal.SIGTERM, launch.on_signal)
             try:
-                summary = launcher.train_flow(run, regions, cfg, str(root / "logs"), via=via)
+                summary = launcher.train_flow(run, opened.regions, opened.cfg, str(root / "logs"),
+                                              via=via)  # fmt: skip
             except (KeyboardInterrupt, CancelledRun):  # (its flow run ends Cancelled)
                 console.print("[yellow]interrupted[/]: stopping learners and syncers (they "
                               "checkpoint)")  # fmt: skip
@@ -272,23 +278,39 @@ def _train(opened: Run, root: Path, via: str, launches: list[Launch]) -> int:
                 console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
                 return 1
             except Exception as exc:
-                # Prefect's engine raises when it cannot record the flow run's end (the
-                # API gone): the run's own outcome still stands.
-                summary, interrupted = launch.summary, launch.stopping.is_set()
-                if summary is None and prefect_api_reachable():
-                    raise
-                launch.stop()
-                console.print(f"[bold red]error:[/] the Prefect API at {api_url} is unreachable "
-                              f"({type(exc).__name__}: {exc}); the launcher's flow run could not "
-                              "be recorded", soft_wrap=True)  # fmt: skip
-                if summary is None:
-                    console.print(f"the workers stopped (they checkpoint); resume with the same "
-                                  f"command (run {run!r})")  # fmt: skip
+                interrupted = launch.stopping.is_set()  # (before the stop below sets it)
+                if (summary := _unrecorded(launch, exc, api_url, run)) is None:
                     return 130 if interrupted else 1
             finally:
                 launcher.flush_prefect()
                 launcher.LAUNCH.reset(token)
-    wall = time.perf_counter() - started
+    return _report(summary, opened, root, time.perf_counter() - started, external)
+
+
+def _unrecorded(launch: Launch, exc: Exception, api_url: str, run: str) -> dict | None:
+    """Prefect's engine raises when it cannot record the flow run's end (the API gone):
+    the run's own outcome still stands. The run's summary, or None if it has none (the
+    workers are stopped: they checkpoint); ``exc`` again if the API is there."""
+    from flows.worker import prefect_api_reachable
+
+    summary = launch.summary
+    if summary is None and prefect_api_reachable():
+        raise exc
+    launch.stop()
+    console.print(f"[bold red]error:[/] the Prefect API at {api_url} is unreachable "
+                  f"({type(exc).__name__}: {exc}); the launcher's flow run could not be "
+                  "recorded", soft_wrap=True)  # fmt: skip
+    if summary is None:
+        console.print(f"the workers stopped (they checkpoint); resume with the same command "
+                      f"(run {run!r})")  # fmt: skip
+    return summary
+
+
+def _report(summary: dict, opened: Run, root: Path, wall: float, external: str | None) -> int:
+    """The run's end: its summary kept and shown, where to look next; the exit status."""
+    from flows.launcher import first_line
+
+    run, regions = opened.name, opened.regions
     root.mkdir(parents=True, exist_ok=True)
     (root / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
     stdout_console().print(train_summary_table(summary, f"diloco train {run} ({wall:.0f} s)"))
@@ -296,12 +318,11 @@ def _train(opened: Run, root: Path, via: str, launches: list[Launch]) -> int:
         f"summary: {root / 'summary.json'}  worker logs: {root / 'logs'}\n"
         f"inspect the buckets:  {_inspect_hint(regions[home_region(regions)], run)}\n"
         f"the curves in TensorBoard:  {_bin('tensorboard')} --logdir {root / 'tensorboard'}\n"
-        + (f"browse the run in the Prefect UI:  {browse_command(prefect_home)}"
+        + (f"browse the run in the Prefect UI:  {browse_command(root / 'prefect')}"
            if not external else f"Prefect UI: {external.removesuffix('/api')}")
     )  # fmt: skip
     for name, why in summary["given_up"].items():
-        console.print(f"[bold red]gave up on {name}:[/] {launcher.first_line(why)}",
-                      soft_wrap=True)  # fmt: skip
+        console.print(f"[bold red]gave up on {name}:[/] {first_line(why)}", soft_wrap=True)
     if summary["failed"]:
         console.print(f"the run went on without {', '.join(summary['failed'])}; see the logs")
         return 1
