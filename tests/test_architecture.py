@@ -142,3 +142,20 @@ def test_each_package_names_its_public_api_and_loads_it_only_when_used():
         "    for n in p.__all__: getattr(p, n)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# What in ``diloco`` touches files, sockets or processes: the config file and the corpus
+# (docs/architecture.md: "its only I/O is reading the corpus").
+IO_MODULES = {"fsspec", "subprocess", "socket", "urllib", "tempfile", "shutil", "os", "pathlib"}
+DILOCO_IO = {"diloco/config.py", "diloco/data.py", "diloco/dataset.py"}
+
+
+def test_diloco_reads_its_config_and_corpus_and_nothing_else():
+    found = set()
+    for path in sorted((ROOT / "diloco").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        calls_open = any(isinstance(n, ast.Call) and getattr(n.func, "id", None) == "open"
+                         for n in ast.walk(tree))  # fmt: skip
+        if calls_open or any(m.split(".")[0] in IO_MODULES for _, m in _imports(path)):
+            found.add(str(path.relative_to(ROOT)))
+    assert found == DILOCO_IO, found
