@@ -13,7 +13,6 @@ _API = {
     "SyncerLoop": "diloco.loops",
     "WallClock": "diloco.loops",
     "drive": "diloco.loops",
-    "simulate": "diloco.simulate",
     "SimResult": "diloco.simulate",
     "Scheduler": "diloco.simulate",
     "VirtualClock": "diloco.simulate",

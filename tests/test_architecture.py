@@ -159,3 +159,14 @@ def test_diloco_reads_its_config_and_corpus_and_nothing_else():
         if calls_open or any(m.split(".")[0] in IO_MODULES for _, m in _imports(path)):
             found.add(str(path.relative_to(ROOT)))
     assert found == DILOCO_IO, found
+
+
+def test_no_package_exports_a_name_of_one_of_its_modules():
+    """``protocol.quantize`` is a module and was also the exported function: the function
+    took the module's place (``import protocol.quantize as q`` gave the function)."""
+    for package in ("protocol", "diloco", "flows", "storage_layout"):
+        modules = {p.stem for p in (ROOT / package).glob("*.py")}
+        code = f"import {package}; print(' '.join({package}.__all__))"
+        names = subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT,
+                               capture_output=True, text=True).stdout.split()  # fmt: skip
+        assert not modules & set(names), (package, modules & set(names))
