@@ -82,7 +82,7 @@ class _Run:
 
     cfg: RunConfig
     trainer: InnerTrainer
-    val: list[np.ndarray]
+    data: RunData  # the readers and the validation batches
     progress: Progress | None
     metrics: list[dict[str, Any]] = field(default_factory=list)
     tokens: int = 0
@@ -107,7 +107,7 @@ class _Run:
             self.next_eval += 1
 
     def evaluate(self, now: float, params: dict, final: bool = False) -> float:
-        loss = self.trainer.evaluate(params, self.val)
+        loss = self.trainer.evaluate(params, self.data.validation)
         self.metrics.append(records.evaluation(self.tokens, loss, now, final))
         if self.progress:
             self.progress(self.tokens, self.budget, loss)
@@ -127,7 +127,7 @@ def simulate(
     init = codec.to_flat(state)
     trainer = InnerTrainer(codec, cfg.inner, cfg.steps_per_learner)
     units = data.units if cfg.data.assign == "units" else None
-    run = _Run(cfg, trainer, data.validation, progress)
+    run = _Run(cfg, trainer, data, progress)
     if cfg.mode == "dp":
         ledger = MemoryLedger(units) if units else None
         end = _simulate_dp(run, codec, init, [data.reader(i, ledger) for i in range(m)])
@@ -406,7 +406,7 @@ class _Fleet:
         self.net.store.add_learner(lid)
         self.ids.append(lid)
         self.net.learners.append(lid)  # told of new versions
-        self.readers.append(RunData(self.run.cfg).reader(i, self.ledger))
+        self.readers.append(self.run.data.reader(i, self.ledger))
         self.vacant[i], self.vacant_seconds[i] = 0.0, 0.0
 
     def join(self, i: int) -> None:
@@ -472,7 +472,7 @@ def _simulate_loops(
         store = MemoryStore(initial, topo.global_dtype, cfg.outer.max_staleness, topo.downlink,
                             topo.block_size)  # fmt: skip
     ledger = store.ledger(units) if units else None
-    readers = [RunData(cfg).reader(i, ledger) for i in range(topo.learners)]
+    readers = [run.data.reader(i, ledger) for i in range(topo.learners)]
     clock = VirtualClock()
     sched = Scheduler(clock, lambda name: cfg.speed(learner_index(name)) * sim.step_seconds)
     fleet = _Fleet(run, plan, readers, sched, clock)
