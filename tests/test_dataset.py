@@ -17,7 +17,6 @@ from diloco import dataset
 from diloco.data import DataError
 from diloco.dataset import TokenReader, open_dataset, prepare
 from flows.cli import main
-from protocol.topology import run_slots
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
@@ -391,113 +390,6 @@ def test_the_audit_names_a_batch_merged_twice_into_a_fragment():
     assert report.violations["data-once"] == [
         "fragment 1: learner l0 merged its data 0-12 and 10-30 (batches) from two anchors"
     ]
-
-
-@pytest.mark.slow
-def test_diloco_train_on_prepared_tokens_learns_and_a_killed_learner_skips_and_repeats_nothing(
-    prefect_api, tmp_path
-):
-    """`diloco data prepare` on about 2 MB of text, then `diloco train` on its tokens with
-    the CPU Llama preset (llama-tiny, its vocabulary cut to the data set's 1024) and a learner SIGKILLed mid-run (once it has a checkpoint, while the other trains; the
-    other is stopped until the killed one is back, so that it finds work whatever a
-    restart costs here). The data is taken in units (``data.assign = "units"``), each
-    region's pool in its bucket; the killed learner's restart reads its slot's spans
-    again. The run learns (validation loss falls by 1.0 at least from about ln 1024 =
-    6.9) and the audit finds each learner's merged data one run of its batches from 0,
-    no window merged from two learners and no claim that no learner recorded: nothing
-    merged twice (data-once), nothing skipped."""
-    import contextlib
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    from flows.ledger import audit_units
-    from flows.spec import config_from_spec
-    from protocol.topology import learner_index
-    from storage_layout.audit import audit_run
-    from storage_layout.store import RunStore
-    from tests.test_pipeline import _alive, _wait, _workers
-
-    src = tmp_path / "text"
-    for name in ("email", "logging", "json", "http", "xml", "asyncio"):
-        for f in sorted((STDLIB / name).rglob("*.py")):
-            (src / f.relative_to(STDLIB)).parent.mkdir(parents=True, exist_ok=True)
-            (src / f.relative_to(STDLIB)).write_text(f.read_text())
-    assert sum(f.stat().st_size for f in src.rglob("*.py")) > 1_500_000
-    tokens = tmp_path / "tokens"
-    assert main(["data", "prepare", str(src), "--out", str(tokens), "--vocab-size", "1024",
-                 "--chunk-tokens", "16384", "--quiet"]) == 0  # fmt: skip
-    root, run = tmp_path / "runs", "tok"
-    regions = {r: f"file://{root / 'buckets' / r}" for r in ("us-east", "eu-west")}
-    argv = [sys.executable, "-m", "flows.cli", "train", "--dir", str(root), "--run", run,
-            "--tokens", "300000", "--create-buckets", "--preset", "llama-tiny",
-            f"--set=data.source={tokens}",
-            "--set=model.vocab_size=1024", "--set=topology.learners=2",
-            "--set=data.assign=units",
-            "--set=topology.keep_unsent=true", "--set=pipeline.keep_versions=1000"]  # fmt: skip
-    argv += [f"--region={r}={u}" for r, u in regions.items()]
-    argv += [f"--set=pipeline.{k}={v}" for k, v in {
-        "round_steps": 20, "rounds_per_flow_run": 3, "checkpoint_every": 20,
-        "poll_seconds": 0.1, "eval_seconds": 5.0, "syncer_shards": 1}.items()]  # fmt: skip
-    log = root / "train.log"
-    root.mkdir()
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
-    store = RunStore(run, regions, "us-east")
-
-    def learner_mid_run():
-        try:
-            spec = store.read_spec()
-        except (OSError, ValueError):
-            return None
-        learners = run_slots(spec)
-        status = {lid: store.progress.read_metrics(lid, reg) or {} for lid, reg in learners.items()}
-        training = sorted(lid for lid, s in status.items() if s.get("state") == "training")
-        budget = config_from_spec(spec).budget_steps
-        if len(training) < 2 or sum(s.get("step", 0) for s in status.values()) >= budget / 3:
-            return None
-        workers = _workers(log)
-        for lid in training:
-            pid = workers.get(f"learner {learner_index(lid)}")
-            if pid and store.checkpoints.checkpoint_steps(lid, learners[lid]):
-                return lid, learners[lid], pid
-        return None
-
-    try:
-        lid, region, pid = _wait(learner_mid_run, 420, "a learner with a checkpoint", proc)
-        others = [p for k, p in _workers(log).items() if k.startswith("learner") and p != pid]
-        for other in others:
-            os.kill(other, signal.SIGSTOP)
-        try:
-            os.kill(pid, signal.SIGKILL)
-            _wait(lambda: not _alive(pid), 60, f"{lid} to die")
-            mine = RunStore(run, regions, region)
-            _wait(
-                lambda: mine.members.newest_generation(lid) >= 2, 420, f"{lid} to start again", proc
-            )
-        finally:
-            for other in others:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(other, signal.SIGCONT)
-        code = proc.wait(timeout=900)  # a guard against a hang, not a measure
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=90)
-    output = log.read_text()
-    assert code == 0, output[-3000:]
-    assert f"learner {region}/{learner_index(lid)} was killed" in output, output[-3000:]
-    summary = json.loads((root / run / "summary.json").read_text())
-    assert summary["final_loss"] < summary["initial_loss"] - 1.0, summary["curve"]
-    report = audit_run(run, regions)
-    audit_units(report)
-    assert report.ok, dict(report.violations)
-    assert sorted(report.data) == sorted(run_slots(store.read_spec())), report.data
-    for learner, spans in report.data.items():
-        assert len(spans) == 1 and spans[0][0] == 0, (learner, spans)
-    assert sorted(report.units) == sorted(regions), report.units  # a pool per region
-    assert all(pool["orphan_claims"] == [] for pool in report.units.values()), report.units
 
 
 def test_a_missing_shard_is_named(prepared, tmp_path):
