@@ -380,6 +380,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diloco", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"diloco {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_simulate, _add_train, _add_join, _add_inspect, add_plan_parser,
+                add_data_parser, add_config_parser, add_model_parsers):  # fmt: skip
+        add(sub)
+    return parser
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
     sim = sub.add_parser("simulate", help="run M learners and the syncer on a simulated clock")
     sim.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     sim.add_argument("--mode", choices=["dp", "diloco", "decoupled"])
@@ -398,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--run", help="run name in the buckets (default sim-MODE-seedN)")
     sim.set_defaults(func=cmd_simulate)
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
     tr = sub.add_parser("train", help="run learners and syncers as Prefect flows over buckets")
     tr.add_argument("--run", default="quickstart", help="run name (same name: resume)")
     tr.add_argument("--dir", default="runs", help="local folder for the run (default runs)")
@@ -429,6 +439,10 @@ def build_parser() -> argparse.ArgumentParser:
         "learner/REGION and syncer/REGION deployments (needs PREFECT_API_URL and workers)",
     )
     tr.set_defaults(func=cmd_train)
+
+
+def _add_join(sub: argparse._SubParsersAction) -> None:
+    """``diloco join`` and ``diloco join-token``."""
     jn = sub.add_parser("join", help="take a vacant learner slot of a running run (from its "
                         "region's bucket alone) and train as its learner")  # fmt: skip
     jn.add_argument("url", metavar="URL", help="the bucket of the region to train in")
@@ -463,6 +477,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="every slot of a run of M learners (learner-0 .. learner-M-1)",
     )
     tok.set_defaults(func=cmd_join_token)
+
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
+    """``diloco inspect`` and ``diloco gc``."""
     ins = sub.add_parser("inspect", help="show what a bucket holds", epilog=INSPECT_LEGEND,
                          formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ins.add_argument("url", nargs="+", metavar="[REGION=]URL",
@@ -485,11 +503,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="delete uncommitted data and temporaries older than this many "
                          "seconds")  # fmt: skip
     gc.set_defaults(func=cmd_gc)
-    add_plan_parser(sub)
-    add_data_parser(sub)
-    add_config_parser(sub)
-    add_model_parsers(sub)
-    return parser
 
 
 def _model_source(parser: argparse.ArgumentParser, file_too: bool) -> None:

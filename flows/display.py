@@ -9,7 +9,7 @@ with ``extra={"display": True}``: they still reach the Prefect API, so the flow 
 logs read like the run). Anywhere else (CI, a pipe, a log file) nothing changes: plain
 log lines, no control codes.
 
-The launcher flow finds the display of its process with ``current()``; a flow run with
+The launcher flow finds the display its caller opened with ``current()``; a flow run with
 none (a test, a deployment) gets a plain one that does nothing.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextvars import ContextVar
 from typing import Any
 
 from rich.console import Console, Group
@@ -168,9 +169,8 @@ class LiveDisplay(Display):
         self.adopted.clear()
         if self.screen.is_started:
             self.screen.stop()
-        global _CURRENT
-        if _CURRENT is self:
-            _CURRENT = Display()
+        if _CURRENT.get() is self:
+            _CURRENT.set(None)
 
 
 class _Above:
@@ -190,18 +190,18 @@ class _Above:
         return getattr(self.own, name)
 
 
-_CURRENT: Display = Display()
+_CURRENT: ContextVar[Display | None] = ContextVar("diloco_display", default=None)
 
 
 def open_display(console: Console, title: str = "") -> Display:
     """A live display on ``console`` if it is a terminal (not a dumb one), else a plain
     one; either becomes ``current()`` until closed."""
-    global _CURRENT
     live = console.is_terminal and not console.is_dumb_terminal
-    _CURRENT = LiveDisplay(console, title) if live else Display()
-    return _CURRENT
+    display = LiveDisplay(console, title) if live else Display()
+    _CURRENT.set(display)
+    return display
 
 
 def current() -> Display:
-    """This process's display (a plain one if none is open)."""
-    return _CURRENT
+    """The display the caller's context opened (a plain one if none is open)."""
+    return _CURRENT.get() or Display()

@@ -362,15 +362,7 @@ def join(
     pipeline = {**launched_pipeline(store), **(pipeline or {})}
     opened = Run(run, {region: url}, region, spec, config_from_spec(spec, pipeline))
     cfg = opened.cfg
-    keys = join_keys(store, env)
-    if keys == {}:
-        if store.home.exists(store.layout.secret_fingerprint):
-            raise JoinRefused(
-                f"run {run!r} signs its contributions: a joiner needs a join token in "
-                f"{JOIN_TOKEN_ENV} (the run's owner makes one with `diloco join-token`) or "
-                f"the run secret in {RUN_SECRET_ENV}"
-            )
-        keys = None  # a run that signs nothing: any slot, its sends unsigned as the others'
+    keys = _signing_keys(store, env, run)
 
     def refuse_if_spent(when: str = "") -> None:
         if _budget_spent(store, cfg, len(spec.get("fragments") or [])):
@@ -399,6 +391,41 @@ def join(
         print(f"warm after {time.time() - began:.1f} s", flush=True)
     record = {"region": region, "host": socket.gethostname(), "pid": os.getpid(),
               "devices": _devices(), "speed": speed}  # fmt: skip
+    taken, key, n = _take(store, url, taken, choose, record, env, keys, interrupted)
+    lid = taken.learner
+    if key is not None and store.claims_key is not None:  # (both, or neither)
+        env[LEARNER_KEY_ENV] = key.hex()
+        env[CLAIMS_KEY_ENV] = store.claims_key.hex()
+    env.pop(RUN_SECRET_ENV, None)  # a learner holds its own key only
+    env.pop(JOIN_TOKEN_ENV, None)
+    print(f"joining run {run} as {lid} in {region} (join {n}; the slot: {taken.why})",
+          flush=True)  # fmt: skip
+    return workers.learner(run, url, region, learner_index(lid), cfg, pipeline), env
+
+
+def _signing_keys(store: RunStore, env: Mapping[str, str], run: str) -> dict | None:
+    """The slots' keys the joiner's token (or the run secret) gives (``join_keys``);
+    None for a run that signs nothing (any slot, its sends unsigned as the others');
+    ``JoinRefused`` for a run that signs, to a joiner holding neither."""
+    keys = join_keys(store, env)
+    if keys != {}:
+        return keys
+    if store.home.exists(store.layout.secret_fingerprint):
+        raise JoinRefused(
+            f"run {store.run!r} signs its contributions: a joiner needs a join token in "
+            f"{JOIN_TOKEN_ENV} (the run's owner makes one with `diloco join-token`) or "
+            f"the run secret in {RUN_SECRET_ENV}"
+        )
+    return None
+
+
+def _take(store: RunStore, url: str, taken: Slot, choose: Callable[[], Slot],
+          record: dict[str, Any], env: Mapping[str, str], keys: dict | None,
+          interrupted: Callable[[], bool]) -> tuple[Slot, bytes | None, int]:  # fmt: skip
+    """Take ``taken`` (choosing again, ``choose``, while other joiners take the slots
+    first): a slot it adds gets its member record, then its join record, each written
+    once. Returns the slot, its signing key and the join's number."""
+    run, region = store.run, store.client_region
     for _ in range(TAKE_TRIES):
         if interrupted():  # a Ctrl-C noted while it warmed up or chose: nothing written
             raise KeyboardInterrupt
@@ -414,19 +441,10 @@ def join(
         # the same slot at the same moment wrote it first, and this one chooses again.
         n = writer.members.put_join(lid, partial(_join_body, joined, key), after=taken.joins)
         if n is not None:
-            break
+            return taken, key, n
         taken = choose()
-    else:
-        raise JoinRefused(f"{TAKE_TRIES} slots of region {region!r} of run {run!r} were each "
-                          "taken by another joiner first")  # fmt: skip
-    if key is not None and store.claims_key is not None:  # (both, or neither)
-        env[LEARNER_KEY_ENV] = key.hex()
-        env[CLAIMS_KEY_ENV] = store.claims_key.hex()
-    env.pop(RUN_SECRET_ENV, None)  # a learner holds its own key only
-    env.pop(JOIN_TOKEN_ENV, None)
-    print(f"joining run {run} as {lid} in {region} (join {n}; the slot: {taken.why})",
-          flush=True)  # fmt: skip
-    return workers.learner(run, url, region, learner_index(lid), cfg, pipeline), env
+    raise JoinRefused(f"{TAKE_TRIES} slots of region {region!r} of run {run!r} were each "
+                      "taken by another joiner first")  # fmt: skip
 
 
 def _join_body(record: dict[str, Any], key: bytes | None, n: int) -> bytes:
@@ -595,7 +613,7 @@ def join_flow(
 def become(command: list[str], env: Mapping[str, str], replace: bool = True) -> int:
     """Run the learner worker as this process: its exit status is the joiner's, and a
     SIGTERM or a first Ctrl-C to this process is the worker's preemption notice (it
-    leaves: ``flows.learner.leave_on_interrupt``). A ``flows.worker`` command
+    leaves: ``WorkerProcess.leave_on_interrupt``). A ``flows.worker`` command
     runs here, in this process's environment made ``env`` (as a spare takes its job), so
     what the joiner warmed is the worker's. Any other (a learner of several processes,
     ``flows.hosts`` starting them), or any off the main thread (where no signal handler
@@ -605,13 +623,14 @@ def become(command: list[str], env: Mapping[str, str], replace: bool = True) -> 
     sys.stderr.flush()
     here = threading.current_thread() is threading.main_thread()
     if command[:3] == WORKER_COMMAND and here:
-        from flows.learner import leave_on_interrupt
+        from flows.process import WorkerProcess
         from flows.worker import main
 
-        leave_on_interrupt()  # the Ctrl-C of whoever lent this machine: a leave
+        process = WorkerProcess()
+        process.leave_on_interrupt()  # the Ctrl-C of whoever lent this machine: a leave
         os.environ.clear()
         os.environ.update(env)
-        return main(command[3:])
+        return main(command[3:], process)
     if replace:
         os.execvpe(command[0], command, dict(env))
     proc = subprocess.Popen(command, env=dict(env))

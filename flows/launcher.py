@@ -237,13 +237,7 @@ def _watch(
         if signalled is not None and signalled.is_set():
             raise KeyboardInterrupt
         running = concurrent.futures.wait(pool, timeout=0.5).not_done
-        for name, future in zip(names, pool, strict=True):
-            if future.done() and name not in ended:
-                ended[name] = time.time()
-                why = None if name.endswith(STAND_BY) else failure(future)
-                if why is not None:
-                    given_up.append(name)
-                    log.error("%s", given_up_line(name, why, names, given_up))
+        _note_ends(names, pool, ended, given_up, log)
         if not running:
             return ended
         if time.monotonic() - last_eval < every:
@@ -252,18 +246,10 @@ def _watch(
                 show_phases(display, monitor.statuses(), monitor.versions(), oom=oom)
             continue
         last_eval = last_look = time.monotonic()
-        errors = monitor.errors
-        statuses = monitor.statuses()
-        try:
-            point = monitor.evaluate(statuses)
-        except CorruptVersion as exc:
-            log.error("evaluation failed, trying again in %.0f s: %r", every, exc)
+        errors, statuses = monitor.errors, monitor.statuses()
+        point = _evaluate(monitor, statuses, errors, every, log)
+        if point is None:
             continue
-        except Exception as exc:  # the workers go on; so does watching them
-            monitor.storage_error("evaluating the newest versions", exc)
-            continue
-        if monitor.errors == errors:
-            monitor.storage_ok()
         pct = monitor.progress(statuses)
         verdicts = monitor.verdicts(statuses)
         still = monitor.standstill(point["versions"], verdicts)
@@ -277,7 +263,7 @@ def _watch(
             )
         for name in monitor.stalled_syncers(statuses, point["versions"]):
             extra = stand_by(name) if stand_by is not None else None
-            if extra is not None:
+            if extra is not None:  # watched from now on like the others
                 names.append(extra[0])
                 futures.append(extra[1])
                 pool.append(extra[1].wrapped_future)
@@ -286,23 +272,60 @@ def _watch(
         show_phases(display, statuses, point["versions"], point, pct, oom)
         if metrics is not None:
             report(report_metrics, metrics, monitor, point, statuses, log)
-        if still is not None:  # (said above)
-            continue
-        starting = None if started else startup_line(statuses, point["versions"], oom)
-        if starting:
-            log.info("%s | validation loss %.4f", starting, point["loss"], extra=SHOWN)
-            continue
-        started = True
-        restarting = Counter(s.get("state") for s in statuses.values() if s.get("state") in STARTUP)
-        log.info(
-            "%5.1f%% | tokens %s | validation loss %.4f | versions %s%s",
-            pct,
-            f"{point['tokens']:,}",
-            point["loss"],
-            " ".join(f"f{p}:v{v}" for p, v in point["versions"].items()),
-            "".join(f" | {n} restarting ({phase})" for phase, n in restarting.items()),
-            extra=SHOWN,
-        )
+        if still is None:  # (else said above)
+            started = _progress_line(log, statuses, point, pct, oom, started)
+
+
+def _evaluate(monitor: Monitor, statuses: dict[str, dict], errors: int, every: float,
+              log: Any) -> dict[str, Any] | None:  # fmt: skip
+    """The newest versions' evaluation, or None when it failed (said: the workers go on,
+    and so does watching them); storage is said to answer again if no read failed since
+    the monitor counted ``errors``."""
+    try:
+        point = monitor.evaluate(statuses)
+    except CorruptVersion as exc:
+        log.error("evaluation failed, trying again in %.0f s: %r", every, exc)
+        return None
+    except Exception as exc:
+        monitor.storage_error("evaluating the newest versions", exc)
+        return None
+    if monitor.errors == errors:
+        monitor.storage_ok()
+    return point
+
+
+def _note_ends(names: list[str], pool: list[Any], ended: dict[str, float],
+               given_up: list[str], log: Any) -> None:  # fmt: skip
+    """Note when each worker whose task ended since the last look ended; name each one
+    given up (a stand-by's end is only noted)."""
+    for name, future in zip(names, pool, strict=True):
+        if future.done() and name not in ended:
+            ended[name] = time.time()
+            why = None if name.endswith(STAND_BY) else failure(future)
+            if why is not None:
+                given_up.append(name)
+                log.error("%s", given_up_line(name, why, names, given_up))
+
+
+def _progress_line(log: Any, statuses: dict[str, dict], point: dict[str, Any], pct: float,
+                   oom: Mapping[str, int] | None, started: bool) -> bool:  # fmt: skip
+    """Log where the learners' start-up is until every learner has started, then the
+    progress line; returns whether they all have (``started``: they had already)."""
+    starting = None if started else startup_line(statuses, point["versions"], oom)
+    if starting:
+        log.info("%s | validation loss %.4f", starting, point["loss"], extra=SHOWN)
+        return False
+    restarting = Counter(s.get("state") for s in statuses.values() if s.get("state") in STARTUP)
+    log.info(
+        "%5.1f%% | tokens %s | validation loss %.4f | versions %s%s",
+        pct,
+        f"{point['tokens']:,}",
+        point["loss"],
+        " ".join(f"f{p}:v{v}" for p, v in point["versions"].items()),
+        "".join(f" | {n} restarting ({phase})" for phase, n in restarting.items()),
+        extra=SHOWN,
+    )
+    return True
 
 
 def stop_asked(exc: BaseException) -> bool:
@@ -674,6 +697,61 @@ def _launch_mode(
     return kind.for_launch(run, regions, cfg, Path(logs), launch.stopping, log, secret, fault_plan)
 
 
+def _first_look(opened: Run, monitor: Monitor, store: RunStore, folder: Path,
+                display: Display, report: BestEffort, log: Any) -> tuple[dict, LiveMetrics, Any]:  # fmt: skip
+    """The run's start, said: the validation loss of the versions it starts from (logged,
+    on the display, in TensorBoard) and the progress artifact. Returns that evaluation,
+    the live metrics and the progress artifact (None if it could not be made)."""
+    run, regions, cfg = opened.name, opened.regions, opened.cfg
+    first = monitor.evaluate(monitor.statuses())
+    monitor.remember_start(first)
+    log.info("run %s: %d learners in %s, validation loss %.4f at versions %s", run,
+             cfg.topology.learners, ", ".join(regions), first["loss"], first["versions"])  # fmt: skip
+    display.phase("spec", "done", f"{cfg.topology.learners} learners in {', '.join(regions)}; "
+                  f"validation loss {first['loss']:.4f}")  # fmt: skip
+    metrics = LiveMetrics(store, opened.spec, folder, log=log)  # runs/NAME/tensorboard
+    log.info("live metrics: tensorboard --logdir %s", metrics.dir)
+    report_metrics(metrics, monitor, first, monitor.statuses(), log)
+    bar = report(
+        create_progress_artifact,
+        monitor.progress(monitor.statuses()),
+        key=artifact_key(run, "progress"),
+        description=f"run {run}: share of all learners' inner steps done",
+    )
+    return first, metrics, bar
+
+
+def _given_up(names: list[str], futures: list[Any], log: Any) -> dict[str, str]:
+    """The workers given up, each with why (a stand-by's failure is only said: the
+    shard's own process is judged, not its help)."""
+    failed: dict[str, str] = {}
+    for name, future in zip(names, futures, strict=True):
+        try:
+            future.result()
+        except Exception as exc:
+            if name.endswith(STAND_BY):
+                log.warning("%s failed: %s", name, exc)
+                continue
+            failed[name] = reason(name, exc)
+    return failed
+
+
+def _last_look(monitor: Monitor, metrics: LiveMetrics, bar: Any, report: BestEffort,
+               log: Any) -> None:  # fmt: skip
+    """The final evaluation, the progress artifact and TensorBoard brought to the end."""
+    try:
+        monitor.evaluate(monitor.statuses())
+    except Exception as exc:  # the summary still reports the curve so far
+        log.error("final evaluation failed: %r", exc)
+    statuses = monitor.statuses()
+    if bar is not None:
+        report(update_progress_artifact, bar, monitor.progress(statuses),
+               progress_note(monitor, statuses))  # fmt: skip
+    if monitor.curve:
+        report(report_metrics, metrics, monitor, monitor.curve[-1], statuses, log, wait=60.0)
+    metrics.close()
+
+
 def _launch(
     opened: Run,
     logs: str,
@@ -692,27 +770,7 @@ def _launch(
     Path(logs).mkdir(parents=True, exist_ok=True)
     keys = Keys(run, mode.secret)  # (deployments' workers hold theirs: None here)
     monitor = Monitor(opened, store, log, mode.deaths, verifying_key=keys.verifying_key)
-    first = monitor.evaluate(monitor.statuses())
-    monitor.remember_start(first)
-    log.info(
-        "run %s: %d learners in %s, validation loss %.4f at versions %s",
-        run,
-        cfg.topology.learners,
-        ", ".join(regions),
-        first["loss"],
-        first["versions"],
-    )
-    display.phase("spec", "done", f"{cfg.topology.learners} learners in {', '.join(regions)}; "
-                  f"validation loss {first['loss']:.4f}")  # fmt: skip
-    metrics = LiveMetrics(store, spec, folder, log=log)  # runs/NAME/tensorboard
-    log.info("live metrics: tensorboard --logdir %s", metrics.dir)
-    report_metrics(metrics, monitor, first, monitor.statuses(), log)
-    bar = report(
-        create_progress_artifact,
-        monitor.progress(monitor.statuses()),
-        key=artifact_key(run, "progress"),
-        description=f"run {run}: share of all learners' inner steps done",
-    )
+    first, metrics, bar = _first_look(opened, monitor, store, folder, display, report, log)
     started = time.time()
     workers = run_workers(run, regions, cfg, spec)
     names = [w.name for w in workers]
@@ -741,15 +799,7 @@ def _launch(
     if lock.lost:
         raise RunTakenOver(f"run {run} was taken over by {lock.lost}; this launcher stopped "
                            "its workers")  # fmt: skip
-    failed: dict[str, str] = {}  # a worker given up -> why
-    for name, future in zip(names, futures, strict=True):
-        try:
-            future.result()
-        except Exception as exc:
-            if name.endswith(STAND_BY):  # the shard's own process is judged, not its help
-                log.warning("%s failed: %s", name, exc)
-                continue
-            failed[name] = reason(name, exc)
+    failed = _given_up(names, futures, log)
     display.phase("training", "failed" if failed else "done")
     display.phase("finishing", "running", "final evaluation, summary, loss curve")
     now = time.time()
@@ -758,17 +808,7 @@ def _launch(
     monitor.learners(fresh=True)  # every learner a joiner added, to the last
     # Allocated learner time: each learner from the launch until its worker ended.
     allocated = sum(ended.get(n, now) - started for n in names if n.startswith("learner"))
-    try:
-        monitor.evaluate(monitor.statuses())
-    except Exception as exc:  # the summary still reports the curve so far
-        log.error("final evaluation failed: %r", exc)
-    statuses = monitor.statuses()
-    if bar is not None:
-        report(update_progress_artifact, bar, monitor.progress(statuses),
-               progress_note(monitor, statuses))  # fmt: skip
-    if monitor.curve:
-        report(report_metrics, metrics, monitor, monitor.curve[-1], statuses, log, wait=60.0)
-    metrics.close()
+    _last_look(monitor, metrics, bar, report, log)
     summary = monitor.summary(wall, allocated)
     summary["failed"], summary["given_up"] = list(failed), failed
     if cfg.pipeline.faults or chaos_plan.active:

@@ -19,12 +19,9 @@ training never waits on the network in ``decoupled`` mode.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import math
-import os
 import shutil
-import signal
 import sys
 import threading
 import time
@@ -51,7 +48,6 @@ from flows.compile import compile_turn, share_compilations, user_cache
 from flows.heartbeat import Heartbeat
 from flows.hosts import join as join_group
 from flows.ledger import BucketLedger, FollowedLedger, region_ledger, region_pools
-from flows.notice import NOTICE_ENV, NoticeWatcher, notice_source
 from flows.observe import (
     LiveTable,
     artifact_key,
@@ -62,8 +58,8 @@ from flows.observe import (
     worker_tags,
 )
 from flows.pace import Pace
+from flows.process import this_process
 from flows.run import Run, build_model
-from flows.stop import STOP
 from protocol.topology import learner_id, learner_index
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV
 from storage_layout.bucket import PartialFailure
@@ -490,6 +486,7 @@ class LearnerRuntime:
         io: Callable[[StoreLearnerView], Any] | None = None,
     ):
         self.log = run_logger("diloco.learner")
+        self.process = this_process()  # told it will be preempted: ``preempted``
         self.ledger: BucketLedger | FollowedLedger | None = None  # data.assign = "units"
         began = time.time()
         self.opened = opened = Run.open(run, {region: bucket}, region, pipeline, learner=True)
@@ -662,7 +659,7 @@ class LearnerRuntime:
         stop = None
         if self.processes == 1:  # (and a round of a fenced process ends early)
             beat = self.heartbeat.superseded if self.heartbeat is not None else threading.Event()
-            stop = lambda: PREEMPTED.is_set() or beat.is_set()  # noqa: E731
+            stop = lambda: self.process.preempted.is_set() or beat.is_set()  # noqa: E731
         drive(self.loop.run(self.cfg.pipeline.round_steps), self.cfg.pipeline.poll_seconds, stop)
         losses = [float(x) for x in self.loop.losses]  # waits for the device
         seconds = time.perf_counter() - start
@@ -704,11 +701,11 @@ class LearnerRuntime:
             self.io.flush()
 
     def preempting(self) -> bool:
-        """Whether this learner was told it will be preempted (``PREEMPTED``: SIGTERM to a
-        worker, or its machine's notice); over several processes, whether any of them was
+        """Whether this learner was told it will be preempted (``WorkerProcess.preempted``:
+        SIGTERM to a worker, or its machine's notice); over several processes, whether any of them was
         (each host has its own notice, and a spot VM that goes takes the group with it):
         the group leaves as one."""
-        return hosts.any_process(PREEMPTED.is_set())
+        return hosts.any_process(self.process.preempted.is_set())
 
     def leave(self) -> dict[str, Any]:
         """Preempted: send every fragment's unsent steps (``LearnerLoop.send_pending``),
@@ -801,12 +798,6 @@ class LearnerRuntime:
         shutil.rmtree(self.spill_dir, ignore_errors=True)
 
 
-_RUNTIMES: dict[tuple[str, str, str], LearnerRuntime] = {}  # this process's learner
-# Set when this process is told it will be preempted (the first SIGTERM: ``take_sigterm``);
-# a signal is the process's, so the flag is too.
-PREEMPTED = threading.Event()
-
-
 def stop_between_flow_runs() -> None:
     """A worker stopped by a signal outside its learner's flow runs (between two, or as
     one ended: Prefect's engine swallows an interrupt raised after a flow's own code
@@ -814,88 +805,13 @@ def stop_between_flow_runs() -> None:
     checkpoints where it is, waits for it (and every upload before it) to be written and
     closes, as a flow run stopped by a signal does. (A learner of several processes
     does not: a checkpoint is all of theirs; it resumes from its last one.)"""
-    for key in list(_RUNTIMES):
-        rt = _RUNTIMES.pop(key)
+    runtimes = this_process().runtimes
+    for key in [k for k in runtimes if k[0] == "learner"]:
+        rt = runtimes.pop(key)
         if rt.processes == 1:
             rt.checkpoint(wait=True)
             print(f"interrupted: checkpointed at step {rt.step}", file=sys.stderr, flush=True)
         rt.close("stopped")
-
-
-def take_sigterm() -> None:
-    """Take a first SIGTERM as a preemption notice (a spot VM shut down, a pod deleted,
-    the launcher gone), as the cloud's own notice where one is named
-    (``watch_preemption_notice``): set ``PREEMPTED``, so the learner finishes its step,
-    sends what it trained, checkpoints and leaves (``LearnerRuntime.leave``). A second
-    SIGTERM stops it at once: a ``KeyboardInterrupt``, on which the learner flow
-    checkpoints and ends.
-
-    Called by the worker and again at the start of each learner flow run: Prefect's flow
-    engine installs its own SIGTERM handler for the run (and restores the one before it
-    after), which would raise ``TerminationSignal`` wherever the learner is, mid-step
-    included, and end the run without a checkpoint."""
-
-    def notice(signum: int, frame: Any) -> None:
-        if PREEMPTED.is_set():
-            raise KeyboardInterrupt
-        PREEMPTED.set()
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        print(f"{name}: the learner sends what it trained, checkpoints and leaves "
-              "(again: stop at once)", file=sys.stderr, flush=True)  # fmt: skip
-
-    with contextlib.suppress(ValueError):  # not the main thread: not ours to take
-        for signum in _NOTICES:
-            signal.signal(signum, notice)
-    watch_preemption_notice()
-
-
-_NOTICES = [signal.SIGTERM]  # the signals this process takes as a preemption notice
-
-
-def leave_on_interrupt() -> None:
-    """Take Ctrl-C (SIGINT) as SIGTERM is taken, in this process: for ``diloco join``,
-    whose machine was lent by whoever runs it, and whose Ctrl-C gives it back. The
-    learner leaves as a preempted one does (its work sent, a checkpoint, its status
-    ``preempted``, its data given back): the syncers stop counting it at once, not after
-    its heartbeat goes silent. A second Ctrl-C stops it at once. (A worker the launcher
-    started keeps Python's own: the launcher's Ctrl-C stops the whole run.)"""
-    if signal.SIGINT not in _NOTICES:
-        _NOTICES.append(signal.SIGINT)
-
-
-_WATCHING: list[NoticeWatcher] = []  # this process's watch (one at most), as PREEMPTED
-
-
-def watch_preemption_notice() -> None:
-    """Watch this machine's preemption notice (``DILOCO_PREEMPTION_NOTICE``, see
-    ``flows.notice``), once per process: a notice sets ``PREEMPTED`` as a first SIGTERM
-    does, with the notice's lead time (two minutes on AWS) to send and checkpoint. A
-    value that names no source is an error naming it, before the learner starts."""
-    source = notice_source(os.environ.get(NOTICE_ENV))
-    if source is None or _WATCHING:
-        return
-
-    def noticed(text: str) -> None:
-        PREEMPTED.set()
-        print(f"preemption notice ({source}): {text}: the learner sends what it trained, "
-              "checkpoints and leaves", file=sys.stderr, flush=True)  # fmt: skip
-
-    watcher = NoticeWatcher(source, noticed)
-    _WATCHING.append(watcher)
-    watcher.start()
-    print(f"watching for a preemption notice ({source}) every {watcher.every:g} s",
-          file=sys.stderr, flush=True)  # fmt: skip
-
-
-def runtime(
-    run: str, bucket: str, region: str, learner: str, pipeline: dict | None
-) -> LearnerRuntime:
-    """The process's runtime of ``learner``: created by the first flow run, continued by
-    the next ones (a flow-run boundary is bookkeeping, not a restart)."""
-    key = (run, region, learner)
-    if key not in _RUNTIMES:
-        _RUNTIMES[key] = LearnerRuntime(run, bucket, region, learner, pipeline)
-    return _RUNTIMES[key]
 
 
 @task(name="learner-round", task_run_name="{label}", retries=0, cache_policy=NO_CACHE,
@@ -933,14 +849,17 @@ def learner_flow(
     before it returns: nothing trained is lost at the boundary."""
     log = get_run_logger()
     outlive_the_reader()  # a deployment's: its worker may die first
-    take_sigterm()  # in place of the flow engine's handler, for this run
+    process = this_process()
+    process.take_sigterm()  # in place of the flow engine's handler, for this run
     tag_flow_run(worker_tags(run, region, f"learner:{index}"))
     join_group()  # one of a learner's N processes (flows.hosts): join the others first
     lid = learner_id(index)
-    fresh = (run, region, lid) not in _RUNTIMES
+    key = ("learner", run, region, lid)
+    fresh = key not in process.runtimes
     if fresh:  # (a deployment's flow run on a machine of its own: kept there)
         share_compilations(user_cache() / "jax")
-    rt = runtime(run, bucket, region, lid, pipeline)
+        process.runtimes[key] = LearnerRuntime(run, bucket, region, lid, pipeline)
+    rt = process.runtimes[key]
     rt.loop.log = rt.io.log = rt.log = log
     if fresh and rt.processes > 1:
         log.info("this is process %d of the %d of learner %s (%s)", jax.process_index(),
@@ -961,7 +880,7 @@ def learner_flow(
                       f"learner {rt.label} of run {run}: one row per round") if rt.leader else None  # fmt: skip
     try:
         for _ in range(rt.cfg.pipeline.rounds_per_flow_run):
-            if STOP.is_set():  # a stop whose interrupt was lost on its way (flows.worker)
+            if process.stop.is_set():  # its interrupt was lost on its way (flows.worker)
                 raise KeyboardInterrupt
             if rt.finished or rt.preempting():
                 break
@@ -976,7 +895,7 @@ def learner_flow(
                     log.warning("cannot update the table %s: %r", table.key, exc)
         if not rt.finished and rt.preempting():
             left = rt.leave()
-            _RUNTIMES.pop((run, region, lid), None)
+            process.runtimes.pop(key, None)
             return {"done": False, "preempted": True, "rounds": len(rows), **left}
         # Once: a shared budget may end between two looks, and "done" must follow the
         # final checkpoint and every upload before it (the syncers end on it).
@@ -986,7 +905,7 @@ def learner_flow(
         log.warning("interrupted: checkpointing at step %d", rt.step)
         rt.checkpoint(wait=True)
         rt.close("stopped")
-        _RUNTIMES.pop((run, region, lid), None)
+        process.runtimes.pop(key, None)
         return stopped(f"stopped by a signal: checkpointed at step {rt.step}")
     except Fenced as exc:
         if not exc.rejoin:
@@ -996,7 +915,7 @@ def learner_flow(
         log.warning("learner %s was fenced off while alive (%s): it takes a new generation "
                     "and resumes from its newest checkpoint", rt.label, exc)  # fmt: skip
         rt.close()
-        _RUNTIMES.pop((run, region, lid), None)
+        process.runtimes.pop(key, None)
         return {"done": False, "rejoins": True, "step": rt.step, "rounds": len(rows)}
     if finished:
         rt.write_status("done", final=True)
@@ -1008,5 +927,5 @@ def learner_flow(
         rt.write_status("paused")
     if finished or not continued:  # ("done": the look it was written on; the worker ends)
         rt.close("done" if finished else None)
-        _RUNTIMES.pop((run, region, lid), None)
+        process.runtimes.pop(key, None)
     return {"done": finished, "step": rt.step, "rounds": len(rows)}

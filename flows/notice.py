@@ -4,7 +4,7 @@ A spot or preemptible VM is told before it is taken away: AWS posts an interrupt
 notice two minutes ahead (``spot/instance-action`` in the instance metadata, through
 IMDSv2's session token); GCP sets ``instance/preempted`` to ``TRUE`` about 30 s ahead
 (and then shuts the VM down, which sends SIGTERM). A learner that watches for the
-notice leaves as on SIGTERM (``flows.learner.PREEMPTED``): it sends what it trained,
+notice leaves as on SIGTERM (``WorkerProcess.preempted``, ``flows.process``): it sends what it trained,
 checkpoints and leaves, with the notice's whole lead time to do it in.
 
 ``DILOCO_PREEMPTION_NOTICE`` (this machine's: a work pool's job variables, a VM's

@@ -48,8 +48,8 @@ from flows.observe import (
     worker_tags,
 )
 from flows.pace import ADMIT_EVERY, MEMBERS_EVERY, Pace
+from flows.process import this_process
 from flows.run import Run
-from flows.stop import STOP
 from protocol.topology import run_slots, shard_fragments, syncer_id
 from storage_layout.auth import RUN_SECRET_ENV, UNAUTHENTICATED, record_verifies
 from storage_layout.retention import ORPHAN_AGE, collect_garbage
@@ -450,9 +450,6 @@ def version_row(r: records.Record) -> dict[str, Any]:
     }  # fmt: skip
 
 
-_RUNTIMES: dict[tuple[str, str, int], SyncerRuntime] = {}  # this process's shard
-
-
 @task(name="syncer-publish", task_run_name="{label}", cache_policy=NO_CACHE, persist_result=False)
 def publish(call: Callable[[], bool], label: str) -> bool:
     return call()
@@ -474,20 +471,21 @@ def syncer_flow(
     log = get_run_logger()
     outlive_the_reader()  # a deployment's: its worker may die first
     tag_flow_run(worker_tags(run, home, "syncer"))
-    key = (run, home, shard)
-    if key not in _RUNTIMES:
+    process = this_process()
+    key = ("syncer", run, home, shard)
+    if key not in process.runtimes:
         rt = SyncerRuntime(run, regions, home, shard, shards, pipeline)
         keys = rt.transport.store.keys
         if keys.verifies:  # a swapped secret is refused before anything is read with it
             rt.transport.store.main.check_secret(keys.secret, RUN_SECRET_ENV)
-        _RUNTIMES[key] = rt
+        process.runtimes[key] = rt
         log.info("syncer %s owns fragments %s, resumes at versions %s",
                  rt.label, rt.fragments, rt.loop.versions)  # fmt: skip
         if keys.verifies:
             log.info("contributions are authenticated: each must carry its learner's signature")
         else:
             log.warning(UNAUTHENTICATED)  # once per process: the runtime lives as long
-    rt = _RUNTIMES[key]
+    rt = process.runtimes[key]
     rt.loop.log = rt.transport.log = rt.log = log
     rt.transport.wrap = lambda gv, call: publish(
         call, f"syncer {rt.label} f{gv.fragment} v{gv.version}"
@@ -496,7 +494,7 @@ def syncer_flow(
     first, opts = len(rt.records), rt.cfg.pipeline
 
     def enough() -> bool:  # a bounded flow run; the next one goes on from here
-        if STOP.is_set():  # a stop whose interrupt was lost on its way (flows.worker)
+        if process.stop.is_set():  # its interrupt was lost on its way (flows.worker)
             raise KeyboardInterrupt
         return len(records.of(rt.records[first:], "version")) >= opts.versions_per_flow_run
 
@@ -515,6 +513,6 @@ def syncer_flow(
         )
     if done:
         rt.transport.collect_garbage()  # the run is over: leave the buckets lean
-        _RUNTIMES.pop(key, None)
+        process.runtimes.pop(key, None)
     return {"done": done, "versions": rt.loop.versions, "published": len(rows),
             "rejected": len(records.of(new, "rejected"))}  # fmt: skip

@@ -32,8 +32,9 @@ import sys
 import threading
 import time
 import urllib.request
+from typing import Any
 
-from flows.stop import STOP
+from flows.process import WorkerProcess, worker_process
 from infra.processes import die_with_parent
 
 API_DOWN = 75  # exit status: failed while the Prefect API was unreachable (EX_TEMPFAIL)
@@ -70,7 +71,9 @@ def api_away(exc: BaseException) -> bool:
     return False
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, process: WorkerProcess | None = None) -> int:
+    """Serve the role ``argv`` names, as ``process`` (a fresh ``WorkerProcess`` unless
+    given: ``diloco join`` gives one that takes Ctrl-C as a preemption notice)."""
     parser = argparse.ArgumentParser(prog="python -m flows.worker")
     sub = parser.add_subparsers(dest="role", required=True)
     lrn = sub.add_parser("learner")
@@ -87,52 +90,57 @@ def main(argv: list[str] | None = None) -> int:
     for p in (lrn, syn):
         p.add_argument("--pipeline", default="{}", help="JSON object of pipeline.* fields")
     args = parser.parse_args(argv)
-    pipeline = json.loads(args.pipeline)
-    STOP.clear()
+    with worker_process(process) as process:
+        return _serve(args.role, args, json.loads(args.pipeline), process)
 
+
+def _flow_run(role: str, args: argparse.Namespace, pipeline: dict) -> tuple[Any, dict, list]:
+    """The flow ``role``'s next flow run runs, its parameters and its tags."""
+    from flows.observe import worker_tags
+
+    if role == "learner":
+        from flows.learner import learner_flow
+
+        params = {"run": args.run, "bucket": args.bucket, "region": args.region,
+                  "index": args.index, "pipeline": pipeline, "continued": True}  # fmt: skip
+        return learner_flow, params, worker_tags(args.run, args.region, f"learner:{args.index}")
+    from flows.syncer import syncer_flow
+
+    params = {"run": args.run, "regions": json.loads(args.regions), "home": args.home,
+              "shard": args.shard, "shards": args.shards, "pipeline": pipeline}  # fmt: skip
+    return syncer_flow, params, worker_tags(args.run, args.home, "syncer")
+
+
+def _serve(role: str, args: argparse.Namespace, pipeline: dict, process: WorkerProcess) -> int:
+    """Run ``role``'s flow runs one after another until it is done (``main``)."""
     from prefect.exceptions import CancelledRun
 
-    from flows.observe import run_linked, worker_tags
+    from flows.observe import run_linked
     from storage_layout.bucket import BucketError  # slow imports: after argument errors
 
     def interrupted(signum: int, frame: object) -> None:
-        STOP.set()
+        process.stop.set()
         raise KeyboardInterrupt  # the learner flow checkpoints on its way out
 
     signal.signal(signal.SIGINT, interrupted)
     signal.signal(signal.SIGTERM, interrupted)
-    if args.role == "learner":
+    if role == "learner":
         from flows.hosts import join
-        from flows.learner import take_sigterm
 
-        take_sigterm()  # a first SIGTERM is a preemption notice: send, checkpoint, leave
+        process.take_sigterm()  # a first SIGTERM is a preemption notice: send, leave
         join()  # one of a learner's several processes: join the others
     try:
         while True:
-            if args.role == "learner":
-                from flows.learner import learner_flow
-
-                params = {"run": args.run, "bucket": args.bucket, "region": args.region,
-                          "index": args.index, "pipeline": pipeline,
-                          "continued": True}  # fmt: skip
-                tags = worker_tags(args.run, args.region, f"learner:{args.index}")
-                result = run_linked(learner_flow, params, os.environ, tags)
-            else:
-                from flows.syncer import syncer_flow
-
-                params = {"run": args.run, "regions": json.loads(args.regions),
-                          "home": args.home, "shard": args.shard, "shards": args.shards,
-                          "pipeline": pipeline}  # fmt: skip
-                tags = worker_tags(args.run, args.home, "syncer")
-                result = run_linked(syncer_flow, params, os.environ, tags)
+            flow, params, tags = _flow_run(role, args, pipeline)
+            result = run_linked(flow, params, os.environ, tags)
             if result["done"]:
                 return 0
             if result.get("preempted"):
                 return 128 + signal.SIGTERM  # it left as told: ended by SIGTERM, cleanly
-            if STOP.is_set():  # the stop came as the flow run ended: it stops here
+            if process.stop.is_set():  # the stop came as the flow run ended: it stops here
                 raise KeyboardInterrupt
     except (KeyboardInterrupt, CancelledRun):  # (its flow run ended Cancelled)
-        if args.role == "learner":
+        if role == "learner":
             from flows.learner import stop_between_flow_runs
 
             stop_between_flow_runs()

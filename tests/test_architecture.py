@@ -170,3 +170,42 @@ def test_no_package_exports_a_name_of_one_of_its_modules():
         names = subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT,
                                capture_output=True, text=True).stdout.split()  # fmt: skip
         assert not modules & set(names), (package, modules & set(names))
+
+
+# Module-level state that stays, each for its reason: a test's fault plan (``inject``),
+# which every thread's buckets must see; one thread pool for the whole process.
+STATE_ALLOWED = {"storage_layout/faults.py", "storage_layout/stream.py"}
+MUTABLE_CALLS = {"Event", "local", "Counter", "defaultdict"}
+
+
+def _module_state(path: Path) -> list[str]:
+    """``path``'s ``global`` statements and module-level flags, thread-locals and
+    counters (``threading.Event()`` and the like)."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = [f"{node.lineno}: global {', '.join(node.names)}"
+             for node in ast.walk(tree) if isinstance(node, ast.Global)]  # fmt: skip
+    for node in tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        if isinstance(value, ast.Call):
+            name = getattr(value.func, "attr", getattr(value.func, "id", ""))
+            if name in MUTABLE_CALLS:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_keeps_state_between_calls():
+    """A worker process's stop, preemption notice and runtimes are one object
+    (``flows.process.WorkerProcess``) the worker enters; the launcher's display is its
+    caller's (a context variable): no module holds a flag or a ``global``."""
+    found = [f"{path.relative_to(ROOT)}:{line}"
+             for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))
+             if str(path.relative_to(ROOT)) not in STATE_ALLOWED
+             for line in _module_state(path)]  # fmt: skip
+    assert found == [], found
+
+
+def test_the_state_check_sees_a_flag_and_a_global(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("import threading\nSTOP = threading.Event()\n"
+                    "def f():\n    global X\n    X = 1\n")  # fmt: skip
+    assert _module_state(path) == ["4: global X", "2: STOP = threading.Event()"]

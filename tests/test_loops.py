@@ -211,10 +211,11 @@ def test_a_preempted_learner_sends_what_it_trained_and_rejoins_where_it_stopped(
 def test_a_preempted_learner_runtime_stops_after_its_step_and_leaves_within_its_deadline(
     tiny_run,
 ):
-    """Told it will be preempted (``PREEMPTED``, the worker's first SIGTERM) mid-round,
+    """Told it will be preempted (``WorkerProcess.preempted``, the worker's first SIGTERM)
+    mid-round,
     the pipeline's learner stops after the step it is in, sends, checkpoints, says
     "preempted" in its status, and its next process resumes at that step."""
-    from flows.learner import PREEMPTED
+    from flows.process import worker_process
 
     _, regions, spec, model = tiny_run
     lid = "learner-0"
@@ -227,15 +228,13 @@ def test_a_preempted_learner_runtime_stops_after_its_step_and_leaves_within_its_
         def stepped(self, started, result):
             NoticeAt.steps += 1
             if NoticeAt.steps == 7:
-                PREEMPTED.set()
+                process.preempted.set()
 
-    try:
+    with worker_process() as process:
         rt = LearnerRuntime("r", regions[region], region, lid, pipeline, clock=NoticeAt())
         row = rt.train_round()
         assert row["steps"] == 7 and rt.preempting()
         left = rt.leave()
-    finally:
-        PREEMPTED.clear()
     assert left["step"] == 7 and left["written"] and left["sent"] == list(range(len(model.plan)))
     store = RunStore("r", regions, region)
     assert store.checkpoints.checkpoint_steps(lid) == [7]

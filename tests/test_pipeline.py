@@ -45,6 +45,7 @@ from flows.hosts import PROCESS_ID_ENV
 from flows.launcher import _watch, startup_line
 from flows.monitor import Monitor, cross_region_bytes
 from flows.notice import NOTICE_ENV
+from flows.process import this_process, worker_process
 from flows.run import Run, bucket_store, build_model, initialize_run
 from flows.spares import WORKER_COMMAND, Spares
 from flows.spec import config_from_spec
@@ -995,7 +996,7 @@ def test_a_stop_whose_interrupt_is_lost_still_stops_a_learners_worker(
     started its next flow run and trained on to the end of the budget (a stopped run then
     resumed to find itself complete, seen in CI); one raised inside a JAX garbage
     collector callback is ignored by Python ("Exception ignored in _xla_gc_callback"),
-    and the flow run trained on. Now the worker keeps the stop (``flows.worker.STOP``)
+    and the flow run trained on. Now the worker keeps the stop (``WorkerProcess.stop``)
     and stops at the next round or between flow runs: it checkpoints at the step it
     reached and exits 130. Here the SIGINT is sent by the flow run's completion hook,
     after its code returned, where Prefect swallows it; or the stop is set as a lost
@@ -1022,7 +1023,7 @@ def test_a_stop_whose_interrupt_is_lost_still_stops_a_learners_worker(
         os.kill(os.getpid(), signal.SIGINT)
 
     def stop_lost(task, task_run, state):
-        worker.STOP.set()
+        this_process().stop.set()  # (the worker's: the flow run runs in its context)
 
     if lost == "as its flow run ends":
         hooked = flows.learner.learner_flow.with_options(on_completion=[stop_as_it_ends])
@@ -1034,7 +1035,6 @@ def test_a_stop_whose_interrupt_is_lost_still_stops_a_learners_worker(
     try:
         code = worker.main(argv[argv.index("flows.worker") + 1 :])
     finally:
-        worker.STOP.clear()  # (the flag is the process's: this one goes on with the suite)
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
     assert code == 130, code  # stopped after one round (of the three in its budget)
@@ -1097,11 +1097,11 @@ def test_a_deployments_learner_flow_run_drains_its_io_before_its_process_ends(
     lid = next(iter(run_slots(initialize_run(store, cfg))))
     params = workers.learner("drain", regions["us-east"], "us-east", 0, cfg).params
     slow = {"seed": 1, "latency_rate": 1.0, "latency_seconds": 0.5, "ops": ["put_exclusive"]}
-    with inject(slow):
+    with inject(slow), worker_process() as process:
         first = flows.learner.learner_flow(**params)
     assert first["step"] == 20 and not first["done"], first
     assert store.checkpoints.checkpoint_steps(lid)[-1] == 20  # written before the flow run returned
-    assert not flows.learner._RUNTIMES, "a deployment's flow run kept its runtime"
+    assert process.runtimes == {}, "a deployment's flow run kept its runtime"
     second = flows.learner.learner_flow(**params)  # the next flow run: a fresh runtime
     assert second["step"] == 40, second  # resumed from step 20, not trained again
 
