@@ -378,77 +378,61 @@ def test_a_prefect_server_left_by_a_dead_launcher_is_stopped_before_another_star
 
 
 @pytest.mark.slow
-def test_a_ctrl_c_stops_a_run_its_flow_run_cancelled_and_the_same_command_resumes_it(tmp_path):
-    """A user's Ctrl-C to `diloco train` (SIGINT), once versions are published: it exits
-    130 saying how to resume, no worker outlives it, and its flow run ends Cancelled (it
-    ended Crashed: "Crash detected!", an error in the log and in the Prefect UI). The same
-    command then resumes the run to its end: the summary keeps the run's first loss, and
-    the audit finds every contribution merged once across the stop."""
+def test_a_runs_launchers_one_refused_one_stopped_one_killed_and_the_last_resumes_it(tmp_path):
+    """One run's launchers in turn, on the run's own Prefect server:
+
+    - two `diloco train` of the run started together (defect: the second died with a raw
+      SQLite traceback, or, later, both ran): one is refused by name;
+    - a user's Ctrl-C (SIGINT) to the one that runs, once versions are published: it
+      exits 130 saying how to resume, no worker outlives it, and its flow run ends
+      Cancelled (defect: it ended Crashed, "Crash detected!", an error in the log and in
+      the Prefect UI);
+    - the same command again, SIGKILLed once its workers run (defect: its Prefect server
+      and workers ran on unsupervised): its workers and server die with it, and no other
+      process of the run's Prefect home is left;
+    - the same command once more takes the run over at once (its predecessor is gone)
+      and finishes it: the summary keeps the run's first loss, and the audit finds every
+      contribution merged once across the stop and the kill."""
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
-    root, run = tmp_path / "runs", "stopped"
+    root, run = tmp_path / "runs", "turns"
     root.mkdir()
-    log = root / "first.log"
-    proc = _train(root, run, 200_000, env, log, learners=2)
     regions = {r: f"file://{root / run / 'buckets' / r}" for r in ("us-east", "eu-west")}
-    try:
-        store = until(lambda: (root / run / "buckets" / "us-east" / run / "spec.json").exists()
-                      and RunStore(run, regions, "us-east"), "the run's spec")  # fmt: skip
-        until(lambda: (store.versions.latest_global(0) or 0) >= 2, "two versions of fragment 0")
-        workers = _started(log)
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    output = log.read_text()
-    assert code == 130, output[-3000:]
-    assert f"resume with the same command (run '{run}')" in output, output[-3000:]
-    assert "Flow run 'train stopped' - Finished in state Cancelled(" in output, output[-3000:]
-    assert "Crash detected" not in output and "Traceback" not in output, output[-3000:]
-    assert len(workers) == 3 and not any(command_line(pid) for pid in workers.values())
-    assert not (root / run / "summary.json").exists()
-    again = _train(root, run, 200_000, env, root / "again.log", learners=2)
-    code = again.wait(timeout=600)
-    output = (root / "again.log").read_text()
-    assert code == 0, output[-4000:]
-    summary = json.loads((root / run / "summary.json").read_text())
-    assert set(summary["learner_states"].values()) == {"done"}, summary
-    assert summary["tokens"] >= 200_000 and "this launch began at" in output
-    report = audit_run(run, regions)
-    assert report.ok, dict(report.violations)
-
-
-@pytest.mark.slow
-def test_two_launchers_of_one_run_and_a_killed_launchers_workers(tmp_path):
-    """Defects: two `diloco train` of one run started together: the second died with a
-    raw SQLite traceback (or, later, both ran); a launcher killed with SIGKILL left its
-    Prefect server and workers running unsupervised. Now the second is refused by name;
-    the killed launcher's workers and server die with it; and a relaunch takes the run
-    over at once (its predecessor is gone) and finishes it."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
-    root, run = tmp_path / "runs", "twice"
-    root.mkdir()
     procs = {name: _train(root, run, 200_000, env, root / f"{name}.log", learners=2)
              for name in "ab"}  # fmt: skip
     left: list[int] = []
     try:
         first = until(lambda: next((n for n, p in procs.items() if p.poll() is not None), None),
                       "one of the two launchers to end")  # fmt: skip
-        loser, winner = procs[first], procs["b" if first == "a" else "a"]
+        name = "b" if first == "a" else "a"
+        loser, winner, log = procs[first], procs[name], root / f"{name}.log"
         output = (root / f"{first}.log").read_text()
         assert loser.returncode == 2, output[-3000:]
         assert f"run '{run}' is already running: launcher pid {winner.pid}" in output or (
             f"run '{run}' was claimed by another launcher at the same moment" in output
         ), output[-3000:]
         assert "Traceback" not in output and "sqlite" not in output.lower()
-        log = root / f"{'b' if first == 'a' else 'a'}.log"
-        workers = until(lambda: len(found := _started(log)) == 3 and found,
-                        "the winner's 2 learners and its syncer")  # fmt: skip
+        store = until(lambda: (root / run / "buckets" / "us-east" / run / "spec.json").exists()
+                      and RunStore(run, regions, "us-east"), "the run's spec")  # fmt: skip
+        until(lambda: (store.versions.latest_global(0) or 0) >= 2, "two versions of fragment 0")
+        workers = _started(log)
+        winner.send_signal(signal.SIGINT)
+        code = winner.wait(timeout=300)
+        output = log.read_text()
+        assert code == 130, output[-3000:]
+        assert f"resume with the same command (run '{run}')" in output, output[-3000:]
+        assert f"Flow run 'train {run}' - Finished in state Cancelled(" in output, output[-3000:]
+        assert "Crash detected" not in output and "Traceback" not in output, output[-3000:]
+        assert len(workers) == 3 and not any(command_line(pid) for pid in workers.values())
+        assert not (root / run / "summary.json").exists()
+
+        procs["c"] = killed = _train(root, run, 200_000, env, root / "c.log", learners=2)
+        workers = until(lambda: len(found := _started(root / "c.log")) == 3 and found,
+                        "the relaunch's 2 learners and its syncer")  # fmt: skip
         server = json.loads((root / run / "prefect" / "server.pid").read_text())["server"]
         left = [*workers.values(), server]
         assert all(command_line(pid) for pid in left)
-        winner.send_signal(signal.SIGKILL)
-        winner.wait()
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
         until(lambda: not any(command_line(pid) for pid in left),
               "the killed launcher's workers and server to die with it", timeout=120)  # fmt: skip
         # nor any other process of the run's Prefect home: the launcher's own Prefect used
@@ -458,14 +442,17 @@ def test_two_launchers_of_one_run_and_a_killed_launchers_workers(tmp_path):
                 and int(d) != os.getpid() and environment_holds(int(d), home)]  # fmt: skip
         left += mine
         assert not [command_line(pid) for pid in mine if command_line(pid)]
-        relaunch = _train(root, run, 200_000, env, root / "c.log", learners=2)
-        procs["c"] = relaunch
-        code = relaunch.wait(timeout=600)
-        output = (root / "c.log").read_text()
+
+        procs["d"] = _train(root, run, 200_000, env, root / "d.log", learners=2)
+        code = procs["d"].wait(timeout=600)
+        output = (root / "d.log").read_text()
         assert code == 0, output[-4000:]
         assert "already running" not in output
         summary = json.loads((root / run / "summary.json").read_text())
         assert summary["failed"] == [] and set(summary["learner_states"].values()) == {"done"}
+        assert summary["tokens"] >= 200_000 and "this launch began at" in output
+        report = audit_run(run, regions)
+        assert report.ok, dict(report.violations)
     finally:
         for proc in procs.values():
             if proc.poll() is None:

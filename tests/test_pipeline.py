@@ -1545,6 +1545,12 @@ def test_a_resume_keeps_the_runs_budget_and_a_larger_one_extends_it(prefect_api,
     (recorded beside the spec, read by every learner and syncer: the learners done at the
     old budget train on to the new one); a smaller one is refused by name."""
     sets = [x for k, v in PIPELINE.items() for x in ("--set", f"pipeline.{k}={v}")]
+    sets += [
+        "--set",
+        "topology.learners=2",
+        "--set",
+        "pipeline.syncer_shards=1",
+    ]  # (fewer processes)
     base = ["train", "--dir", str(tmp_path), "--run", "r", *sets]
     assert cli_main([*base, "--tokens", "20000"]) == 0
     capsys.readouterr()
