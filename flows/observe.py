@@ -193,7 +193,11 @@ def linked_flow_run(flow: Any, parameters: dict[str, Any], env: Any, tags: list[
     parent_flow_run, parent_task_run = env.get(PARENT_FLOW_RUN_ENV), env.get(PARENT_TASK_RUN_ENV)
     if not (parent_flow_run and parent_task_run):
         return None
-    stand_in = Task(name=flow.name, fn=lambda: None)
+    # Named now, as the flow's ``flow_run_name`` names it when it starts: a worker killed
+    # before it starts leaves a Pending flow run the UI (and a search by name) can place.
+    template = flow.flow_run_name
+    name = template.format(**parameters) if isinstance(template, str) else None
+    stand_in = Task(name=name or flow.name, fn=lambda: None)
     stand_in.task_key = f"{__name__}.linked_flow_run.{flow.name}"
     with get_client(sync_client=True) as client:
         task_run = client.create_task_run(
@@ -205,6 +209,7 @@ def linked_flow_run(flow: Any, parameters: dict[str, Any], env: Any, tags: list[
         )
         return client.create_flow_run(
             flow=flow,
+            name=name,
             parameters=flow.serialize_parameters(parameters),
             state=Pending(),
             parent_task_run_id=task_run.id,

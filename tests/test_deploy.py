@@ -358,6 +358,35 @@ def test_a_flow_run_outlives_the_worker_that_reads_its_output(prefect_api, tmp_p
     assert code == 0 and done.read_text() == "done", code
 
 
+def test_a_linked_flow_run_is_named_before_its_worker_starts_it(prefect_api):
+    """Defect: a worker killed between creating its flow run and starting it left a
+    Pending flow run with a random name ("crimson-caiman") that no one could place. The
+    flow run is named at creation, as the flow's ``flow_run_name`` names it at start."""
+    from prefect import flow, task
+    from prefect.client.orchestration import get_client
+
+    from flows.learner import learner_flow
+    from flows.observe import linked_flow_run, parent_env, worker_tags
+
+    @task
+    def start_a_worker():
+        params = {"run": "r", "bucket": "file:///b", "region": "us-east", "index": 3,
+                  "pipeline": None, "continued": False}  # fmt: skip
+        tags = worker_tags("r", "us-east", "learner:3")
+        return linked_flow_run(learner_flow, params, parent_env(), tags).id
+
+    @flow
+    def launcher():
+        return start_a_worker()
+
+    flow_run_id = launcher()
+    with get_client(sync_client=True) as client:
+        created = client.read_flow_run(flow_run_id)
+        assert created.name == "learner us-east/3" and created.state.is_pending(), created
+        assert {"run:r", "region:us-east", "learner:3"} <= set(created.tags)
+        client.delete_flow_run(flow_run_id)
+
+
 @pytest.fixture(scope="module")
 def workers(deployed, s3_server, tmp_path_factory):
     """A process worker per region's pool. They hold no S3 credentials: the flow runs take
