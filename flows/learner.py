@@ -58,7 +58,7 @@ from flows.observe import (
     worker_tags,
 )
 from flows.pace import Pace
-from flows.process import this_process
+from flows.process import WorkerProcess, this_process
 from flows.run import Run, build_model
 from protocol.topology import learner_id, learner_index
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV
@@ -833,6 +833,32 @@ def train_round(rt: LearnerRuntime, label: str) -> dict[str, Any] | None:
     return row
 
 
+def _runtime(process: WorkerProcess, key: tuple, bucket: str, pipeline: dict | None,
+             log: Any) -> LearnerRuntime:  # fmt: skip
+    """The learner ``key`` names, as the process's last flow run left it, or made now (its
+    first flow run in this process) and said where it resumes from."""
+    rt = process.runtimes.get(key)
+    if rt is not None:
+        rt.loop.log = rt.io.log = rt.log = log
+        return rt
+    _, run, region, lid = key
+    share_compilations(user_cache() / "jax")
+    rt = process.runtimes[key] = LearnerRuntime(run, bucket, region, lid, pipeline)
+    rt.loop.log = rt.io.log = rt.log = log
+    if rt.processes > 1:
+        log.info("this is process %d of the %d of learner %s (%s)", jax.process_index(),
+                 rt.processes, rt.label, "it writes" if rt.leader else "process 0 writes")  # fmt: skip
+    log.info("learner %s resumes from %s (step %d of %d, generation %d)", rt.label,
+             rt.resumed_from, rt.step, rt.loop.total_steps, rt.generation)  # fmt: skip
+    if rt.cfg.slowdown(rt.index) > 1:
+        log.info("learner %s emulates a chip %.3g times slower (pipeline.speeds): it "
+                 "sleeps after each step", rt.label, rt.cfg.slowdown(rt.index))  # fmt: skip
+    if rt.store.keys.signing_key(lid) is None:
+        log.warning("contributions are unsigned (no %s or %s): a syncer holding the run "
+                    "secret rejects them", LEARNER_KEY_ENV, RUN_SECRET_ENV)  # fmt: skip
+    return rt
+
+
 @flow(name="learner", flow_run_name="learner {region}/{index}", persist_result=False)
 def learner_flow(
     run: str, bucket: str, region: str, index: int, pipeline: dict | None = None,
@@ -853,27 +879,8 @@ def learner_flow(
     process.take_sigterm()  # in place of the flow engine's handler, for this run
     tag_flow_run(worker_tags(run, region, f"learner:{index}"))
     join_group()  # one of a learner's N processes (flows.hosts): join the others first
-    lid = learner_id(index)
-    key = ("learner", run, region, lid)
-    fresh = key not in process.runtimes
-    if fresh:  # (a deployment's flow run on a machine of its own: kept there)
-        share_compilations(user_cache() / "jax")
-        process.runtimes[key] = LearnerRuntime(run, bucket, region, lid, pipeline)
-    rt = process.runtimes[key]
-    rt.loop.log = rt.io.log = rt.log = log
-    if fresh and rt.processes > 1:
-        log.info("this is process %d of the %d of learner %s (%s)", jax.process_index(),
-                 rt.processes, rt.label, "it writes" if rt.leader else "process 0 writes")  # fmt: skip
-    if fresh:
-        log.info("learner %s resumes from %s (step %d of %d, generation %d)",
-                 rt.label, rt.resumed_from, rt.step, rt.loop.total_steps,
-                 rt.generation)  # fmt: skip
-        if rt.cfg.slowdown(rt.index) > 1:
-            log.info("learner %s emulates a chip %.3g times slower (pipeline.speeds): it "
-                     "sleeps after each step", rt.label, rt.cfg.slowdown(rt.index))  # fmt: skip
-        if rt.store.keys.signing_key(lid) is None:
-            log.warning("contributions are unsigned (no %s or %s): a syncer holding the run "
-                        "secret rejects them", LEARNER_KEY_ENV, RUN_SECRET_ENV)  # fmt: skip
+    key = ("learner", run, region, learner_id(index))
+    rt = _runtime(process, key, bucket, pipeline, log)
     rows: list[dict[str, Any]] = []
     # this flow run's rounds as they happen (a crashed run shows the ones it trained)
     table = LiveTable(artifact_key(run, rt.id, "rounds"),

@@ -217,6 +217,46 @@ def linked_flow_run(flow: Any, parameters: dict[str, Any], env: Any, tags: list[
         )
 
 
+def crash_linked(env: Any, name: str, why: str) -> int:
+    """Set Crashed, saying ``why``, each unfinished flow run named ``name`` that a process
+    started with ``env`` (``parent_env``) linked under its task run: a process that was
+    killed or died cannot end its own flow run, which would show Running (or Pending) in
+    the UI for ever. Returns how many; links are for people: a caller catches what the
+    API raises."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterName,
+        FlowRunFilterParentFlowRunId,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    parent_flow_run, parent_task_run = env.get(PARENT_FLOW_RUN_ENV), env.get(PARENT_TASK_RUN_ENV)
+    if not (parent_flow_run and parent_task_run):
+        return 0
+    unfinished = [StateType.PENDING, StateType.SCHEDULED, StateType.RUNNING,
+                  StateType.PAUSED, StateType.CANCELLING]  # fmt: skip
+    crashed = 0
+    with get_client(sync_client=True) as client:
+        flow_runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            name=FlowRunFilterName(any_=[name]),
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[UUID(parent_flow_run)]),
+            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=unfinished)),
+        ))  # fmt: skip
+        for flow_run in flow_runs:
+            stand_in = client.read_task_run(flow_run.parent_task_run_id)
+            parents = {str(p.id) for p in stand_in.task_inputs.get("__parents__", [])}
+            if parent_task_run in parents:  # this process's, not a stand-by's of that name
+                client.set_flow_run_state(flow_run.id, Crashed(message=why), force=True)
+                crashed += 1
+    return crashed
+
+
 def stopped(what: str) -> Any:
     """The state a flow run told to stop returns (a Ctrl-C to `diloco train`, the
     launcher's SIGINT to its workers): Cancelled, saying ``what`` it did, not Crashed

@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from diloco.config import ConfigError, RunConfig
 from flows import memory
-from flows.observe import PARENT_FLOW_RUN_ENV, PARENT_TASK_RUN_ENV, parent_env
+from flows.observe import PARENT_FLOW_RUN_ENV, PARENT_TASK_RUN_ENV, crash_linked, parent_env
 from flows.spares import Spares
 from flows.worker import API_DOWN, PARENT_ENV, api_away, prefect_api_reachable
 from flows.workers import Status, Worker
@@ -268,6 +268,15 @@ class Restarts:
         self.delay = min(60.0, self.delay * 2)
 
 
+def _crash_flow_runs(name: str, env: dict[str, str], why: str) -> None:
+    """The flow runs a worker process left unfinished as it died, Crashed with ``why``
+    (``observe.crash_linked``); the UI would show them running for ever."""
+    try:
+        crash_linked(env, name, why)
+    except Exception as exc:  # for people: a supervisor never stops for it
+        _run_log().warning("could not mark %s's flow run Crashed: %s", name, exc)
+
+
 def _log_name(name: str) -> str:
     return f"{name.replace(' ', '-').replace('/', '-')}.log"
 
@@ -446,8 +455,9 @@ class Processes(LaunchMode):
         if code == API_DOWN:
             raise ApiDown(f"{name} could not reach the Prefect API (exit status {code}); log "
                           f"{log_path}:\n{tail}")  # fmt: skip
+        why, oom = watch.death(code) if code < 0 else (f"exited with status {code}", False)
+        _crash_flow_runs(name.removesuffix(f" {STAND_BY}"), env, f"its process ended: {why}")
         if code < 0:
-            why, oom = watch.death(code)
             with self.lock:
                 self.deaths[worker or name] = (time.time(), OOM_KILLED if oom else "killed")
                 self.oom_kills[worker or name] += oom

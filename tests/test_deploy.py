@@ -358,33 +358,47 @@ def test_a_flow_run_outlives_the_worker_that_reads_its_output(prefect_api, tmp_p
     assert code == 0 and done.read_text() == "done", code
 
 
-def test_a_linked_flow_run_is_named_before_its_worker_starts_it(prefect_api):
-    """Defect: a worker killed between creating its flow run and starting it left a
-    Pending flow run with a random name ("crimson-caiman") that no one could place. The
-    flow run is named at creation, as the flow's ``flow_run_name`` names it at start."""
+def test_a_linked_flow_run_is_named_before_its_worker_starts_it_and_crashed_if_it_dies(
+    prefect_api,
+):
+    """Defects: a worker killed between creating its flow run and starting it left a
+    Pending flow run with a random name ("crimson-caiman") that no one could place, and a
+    worker killed mid-run left its flow run Running in the UI for ever. The flow run is
+    named at creation, as the flow's ``flow_run_name`` names it at start; its supervisor
+    sets it Crashed, saying why, and leaves alone a flow run of the same name that another
+    task run (a stand-by's) started."""
     from prefect import flow, task
     from prefect.client.orchestration import get_client
 
     from flows.learner import learner_flow
-    from flows.observe import linked_flow_run, parent_env, worker_tags
+    from flows.observe import crash_linked, linked_flow_run, parent_env, worker_tags
+
+    params = {"run": "r", "bucket": "file:///b", "region": "us-east", "index": 3,
+              "pipeline": None, "continued": False}  # fmt: skip
+    tags = worker_tags("r", "us-east", "learner:3")
 
     @task
-    def start_a_worker():
-        params = {"run": "r", "bucket": "file:///b", "region": "us-east", "index": 3,
-                  "pipeline": None, "continued": False}  # fmt: skip
-        tags = worker_tags("r", "us-east", "learner:3")
-        return linked_flow_run(learner_flow, params, parent_env(), tags).id
+    def start_a_worker(dies: bool):
+        flow_run = linked_flow_run(learner_flow, params, parent_env(), tags)
+        crashed = (
+            crash_linked(parent_env(), "learner us-east/3", "killed by signal 9") if dies else 0
+        )
+        return flow_run.id, crashed
 
     @flow
     def launcher():
-        return start_a_worker()
+        return start_a_worker(False), start_a_worker(True)
 
-    flow_run_id = launcher()
+    (alive, none), (dead, crashed) = launcher()
     with get_client(sync_client=True) as client:
-        created = client.read_flow_run(flow_run_id)
-        assert created.name == "learner us-east/3" and created.state.is_pending(), created
+        created, killed = client.read_flow_run(alive), client.read_flow_run(dead)
+        assert created.name == killed.name == "learner us-east/3", (created, killed)
+        assert created.state.is_pending() and none == 0, created
         assert {"run:r", "region:us-east", "learner:3"} <= set(created.tags)
-        client.delete_flow_run(flow_run_id)
+        assert crashed == 1 and killed.state.is_crashed(), killed
+        assert killed.state.message == "killed by signal 9", killed.state
+        for flow_run in (created, killed):
+            client.delete_flow_run(flow_run.id)
 
 
 @pytest.fixture(scope="module")

@@ -200,8 +200,13 @@ def test_a_two_region_run_on_s3_and_gcs_under_chaos(prefect_api, s3_server, gcs_
         assert {"learner us-east/0", "learner eu-west/1", "syncer us-east/0"} <= names
         tags = {t for f in flows for t in f.tags}
         assert {"region:us-east", "region:eu-west", "learner:3"} <= tags
-        # A worker that died (killed, or crashed by a storage fault) left its flow run
-        # unfinished; each ended with a flow run completed after it.
+        # A worker that died (killed, or crashed by a storage fault) could not end its
+        # flow run: its launcher did, Crashed with why, and a flow run of that name
+        # completed after it.
+        left = [(f.name, f.state) for f in flows if not f.state.is_final()]
+        assert left == [], left
+        assert any(f.name == labels[killed] and f.state.is_crashed()
+                   and "ended: killed by" in f.state.message for f in flows), flows  # fmt: skip
         unfinished = [(f.name, f.state) for f in flows if not f.state.is_completed() and not any(
             g.name == f.name and g.state.is_completed()
             and (f.start_time is None or g.start_time > f.start_time)
