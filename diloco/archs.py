@@ -21,7 +21,7 @@ FLOAT = 4  # bytes: activations the float32 way
 
 class Arch(Protocol):
     # The Hugging Face family it is exported as, a folder in that layout
-    # (``flows.model_io.export_hf``); None: one safetensors file of the codec's names.
+    # (``flows.model_export.export_hf``); None: one safetensors file of the codec's names.
     hugging_face: str | None
     # The model's class, "module:name", called as ``Model(model_config, rngs)``
     # (``diloco.model.create_model``; imported only when a model is built).

@@ -19,30 +19,25 @@ data set, and reads a bucket in a few large requests rather than one per window.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import hashlib
 import json
-import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
-from typing import Annotated, Any, Literal, Protocol
+from typing import Any
 
 import fsspec
 import numpy as np
 from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    StringConstraints,
     ValidationError,
-    model_validator,
 )
 
-from diloco.data import Corpus, DataError, file_format, is_held_out, list_files, read_documents
+from diloco.data import Corpus, DataError
+from diloco.manifest import Manifest
+from diloco.tokenizer import HFTokenizer, SentencePieceTokenizer, load_tokenizer
 
 FORMAT = "diloco-tokens"
 VERSION = 1
@@ -51,66 +46,9 @@ CHUNK_TOKENS = 1 << 20  # 2 MiB of uint16 tokens: one ranged read, one checksum
 SHARD_CHUNKS = 64  # chunks per shard file (128 MiB of uint16 tokens)
 SHUFFLE_CHUNKS = 4  # windows are shuffled within groups of this many chunks
 TEXT_CHUNK_BYTES = 1 << 16  # a text corpus's chunks, taken in units (``TextChunks``)
-DEFAULT_VOCAB = 4096
-TRAIN_TEXT_BYTES = 512 << 20  # text a BPE is trained on, at most (the corpus's start)
-EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>")
 VALIDATION_STREAM = 1_000_003
 MANIFEST_BYTES = 256 << 20  # a manifest, at most (~70 bytes a chunk: 2 Mi chunks, 2 T tokens)
 TOKENIZER_BYTES = 64 << 20  # a tokenizer file, at most (Llama 3's tokenizer.json: 9 MB)
-PIECE_CHARS = 1 << 18  # a longer document is tokenized in pieces of about this size
-BATCH_CHARS = 4 << 20  # text tokenized at once, at most (the tokenizer's output: ~50x)
-
-
-# A file the manifest names: a plain name in the data set's folder (no path, no "..").
-FileName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
-Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
-Count = Annotated[int, Field(ge=0, lt=1 << 53)]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="allow", frozen=True, strict=True)
-
-
-class TokenizerEntry(_Strict):
-    kind: str
-    file: FileName
-    sha256: Sha256
-    vocab_size: Annotated[int, Field(ge=1, le=1 << 32)]
-    eos_id: Count
-
-
-class ShardEntry(_Strict):
-    name: FileName
-    split: Literal["train", "validation"]
-    tokens: Count
-    chunk_tokens: Annotated[int, Field(ge=1, le=1 << 40)]
-    chunk_sha256: list[Sha256]
-
-    @model_validator(mode="after")
-    def _chunks_cover_the_tokens(self) -> ShardEntry:
-        if len(self.chunk_sha256) != -(-self.tokens // self.chunk_tokens):
-            raise ValueError(f"shard {self.name}: {len(self.chunk_sha256)} chunk checksums for "
-                             f"{self.tokens} tokens in chunks of {self.chunk_tokens}")  # fmt: skip
-        return self
-
-
-class Manifest(_Strict):
-    """What a reader takes from ``manifest.json``, bounded: plain file names, checksums
-    of sha256's form, counts within what a data set can hold."""
-
-    format: Literal["diloco-tokens"]
-    version: Literal[1]
-    tokenizer: TokenizerEntry
-    dtype: Literal["uint16", "uint32"]
-    chunk_tokens: Annotated[int, Field(ge=1, le=1 << 40)]
-    shards: list[ShardEntry]
-
-    @model_validator(mode="after")
-    def _eos_in_vocabulary(self) -> Manifest:
-        if self.tokenizer.eos_id >= self.tokenizer.vocab_size:
-            raise ValueError(f"tokenizer.eos_id {self.tokenizer.eos_id} is not below "
-                             f"vocab_size {self.tokenizer.vocab_size}")  # fmt: skip
-        return self
 
 
 def read_capped(fs: fsspec.AbstractFileSystem, path: str, limit: int, what: str) -> bytes:
@@ -122,125 +60,7 @@ def read_capped(fs: fsspec.AbstractFileSystem, path: str, limit: int, what: str)
     return data
 
 
-class Tokenizer(Protocol):
-    kind: str
-    file: str
-    vocab_size: int
-    eos_id: int
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
-
-
-class HFTokenizer:
-    """A Hugging Face ``tokenizers`` tokenizer (``tokenizer.json``)."""
-
-    kind = "hf"
-    file = "tokenizer.json"
-
-    def __init__(self, data: bytes, name: str = "tokenizer.json"):
-        from tokenizers import Tokenizer as _Tokenizer
-
-        self.data = data  # the file's bytes, stored beside the shards
-        self._tok = _Tokenizer.from_str(data.decode())
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        eos = [self._tok.token_to_id(n) for n in EOS_NAMES]
-        eos = [i for i in eos if i is not None]
-        if not eos:
-            raise DataError(
-                f"tokenizer {name} has no end-of-text token (one of {', '.join(EOS_NAMES)}); "
-                "documents are separated by it"
-            )
-        self.eos_id = eos[0]
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        # Parallel in Rust (RAYON_RS_NUM_CPUS threads).
-        # (``_fast``: no offsets kept, which a data set never needs: less memory and time)
-        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=False)
-
-
-class SentencePieceTokenizer:
-    """A SentencePiece model (``tokenizer.model``)."""
-
-    kind = "sentencepiece"
-    file = "tokenizer.model"
-
-    def __init__(self, data: bytes, name: str = "tokenizer.model", threads: int = 1):
-        import sentencepiece as spm
-
-        self._sp = spm.SentencePieceProcessor(model_proto=data)
-        self.vocab_size = int(self._sp.get_piece_size())
-        self.eos_id = int(self._sp.eos_id())
-        self.threads = threads
-        if self.eos_id < 0:
-            raise DataError(f"SentencePiece model {name} has no end-of-sentence token (eos_id)")
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._sp.encode(text))
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [list(ids) for ids in self._sp.encode(texts, num_threads=self.threads)]
-
-    def decode(self, ids: list[int]) -> str:
-        return self._sp.decode([int(i) for i in ids])
-
-
-def load_tokenizer(
-    data: bytes, name: str, threads: int = 1
-) -> HFTokenizer | SentencePieceTokenizer:
-    """A tokenizer from a file's bytes: a ``tokenizer.json`` or a SentencePiece model."""
-    try:
-        json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        pass
-    else:
-        try:
-            return HFTokenizer(data, name)
-        except DataError:
-            raise
-        except Exception as exc:
-            raise DataError(f"{name} is JSON but not a Hugging Face tokenizer: {exc}") from None
-    try:
-        return SentencePieceTokenizer(data, name, threads)
-    except DataError:
-        raise
-    except Exception:
-        raise DataError(
-            f"{name} is neither a Hugging Face tokenizer.json nor a SentencePiece model"
-        ) from None
-
-
-def train_bpe(texts: Iterator[str], vocab_size: int) -> HFTokenizer:
-    """A byte-level BPE trained on ``texts``: every string encodes (no unknown token) and
-    decodes back to itself; ``<|endoftext|>`` (id 0) ends each document."""
-    from tokenizers import Tokenizer as _Tokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    if vocab_size < 257 + 1:
-        raise DataError(f"--vocab-size {vocab_size} is too small: a byte-level BPE needs >= 258")
-    tok = _Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS_NAMES[0]],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    return HFTokenizer(tok.to_str().encode())
-
-
-def _join(root: str, name: str) -> str:
+def join_url(root: str, name: str) -> str:
     return f"{root.rstrip('/')}/{name}"
 
 
@@ -250,10 +70,10 @@ def is_prepared(url: str | None) -> bool:
     if not url:
         return False
     fs, path = fsspec.core.url_to_fs(url)
-    if not (fs.isdir(path) and fs.exists(_join(path, MANIFEST))):
+    if not (fs.isdir(path) and fs.exists(join_url(path, MANIFEST))):
         return False
     try:
-        data = read_capped(fs, _join(path, MANIFEST), MANIFEST_BYTES, MANIFEST)
+        data = read_capped(fs, join_url(path, MANIFEST), MANIFEST_BYTES, MANIFEST)
         return json.loads(data).get("format") == FORMAT
     except (ValueError, AttributeError):  # too large, not JSON, or not an object
         return False
@@ -278,7 +98,7 @@ class Dataset:
     def __init__(self, url: str):
         self.url = url
         self.fs, self.root = fsspec.core.url_to_fs(url)
-        path = _join(self.root, MANIFEST)
+        path = join_url(self.root, MANIFEST)
         if not self.fs.exists(path):
             raise DataError(f"{url} is not a prepared data set (it has no {MANIFEST})")
         data = read_capped(self.fs, path, MANIFEST_BYTES, f"{url}/{MANIFEST}")
@@ -317,7 +137,7 @@ class Dataset:
         """The tokenizer's file name and bytes, checked against the manifest's sha256."""
         entry = self.manifest["tokenizer"]
         where = f"tokenizer {self.url}/{entry['file']}"
-        data = read_capped(self.fs, _join(self.root, entry["file"]), TOKENIZER_BYTES, where)
+        data = read_capped(self.fs, join_url(self.root, entry["file"]), TOKENIZER_BYTES, where)
         digest = hashlib.sha256(data).hexdigest()
         if digest != entry["sha256"]:
             raise DataError(
@@ -347,7 +167,7 @@ class Dataset:
     def read_chunk(self, chunk: Chunk) -> np.ndarray:
         """One chunk's tokens, by one ranged read, checked against the manifest."""
         size = self.dtype.itemsize
-        path = _join(self.root, chunk.shard)
+        path = join_url(self.root, chunk.shard)
         try:
             data = self.fs.cat_file(
                 path, start=chunk.start * size, end=(chunk.start + chunk.tokens) * size
@@ -643,267 +463,3 @@ def validation_batches(
 
 
 # --- prepare -------------------------------------------------------------------------
-
-
-@dataclass
-class _ShardWriter:
-    """Writes one split's tokens to shard files, hashing each chunk as it goes."""
-
-    fs: fsspec.AbstractFileSystem
-    root: str
-    split: str
-    dtype: np.dtype
-    chunk_tokens: int
-    shard_chunks: int
-    shards: list[dict[str, Any]] = field(default_factory=list)
-    _file: Any = None
-    _hash: Any = None
-    _in_chunk: int = 0
-
-    def _open(self) -> None:
-        name = f"{self.split}-{len(self.shards):05d}.bin"
-        self._file = self.fs.open(_join(self.root, name), "wb")
-        self.shards.append(
-            {"name": name, "split": self.split, "documents": 0, "tokens": 0,
-             "chunk_tokens": self.chunk_tokens, "chunk_sha256": []}
-        )  # fmt: skip
-        self._hash, self._in_chunk = hashlib.sha256(), 0
-
-    def _end_chunk(self) -> None:
-        if self._in_chunk:
-            self.shards[-1]["chunk_sha256"].append(self._hash.hexdigest())
-        self._hash, self._in_chunk = hashlib.sha256(), 0
-
-    def write(self, ids: np.ndarray) -> None:
-        """One document's tokens (EOS included); a document may span chunks and shards."""
-        if self._file is None:
-            self._open()
-        self.shards[-1]["documents"] += 1
-        ids = ids.astype(self.dtype)
-        while len(ids):
-            shard = self.shards[-1]
-            if shard["tokens"] == self.chunk_tokens * self.shard_chunks:
-                self._end_chunk()
-                self._file.close()
-                self._open()
-                shard = self.shards[-1]
-            room = self.chunk_tokens - self._in_chunk
-            room = min(room, self.chunk_tokens * self.shard_chunks - shard["tokens"])
-            part, ids = ids[:room], ids[room:]
-            data = part.tobytes()
-            self._file.write(data)
-            self._hash.update(data)
-            self._in_chunk += len(part)
-            shard["tokens"] += len(part)
-            if self._in_chunk == self.chunk_tokens:
-                self._end_chunk()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._end_chunk()
-            self._file.close()
-            self._file = None
-
-
-def prepare(
-    source: str,
-    out: str,
-    tokenizer: str | None = None,
-    vocab_size: int = DEFAULT_VOCAB,
-    val_percent: int = 5,
-    text_field: str = "text",
-    workers: int | None = None,
-    chunk_tokens: int = CHUNK_TOKENS,
-    shard_chunks: int = SHARD_CHUNKS,
-    progress: Callable[[str, int, int], None] | None = None,
-) -> dict[str, Any]:
-    """Tokenize ``source`` into a data set at ``out``; return its manifest.
-
-    Documents stream from the source (one source file in memory at a time) through the
-    tokenizer in batches to the shard files; the manifest is written last. A document is
-    held out for validation by a hash of its identity (its path, and its record number
-    in a JSON lines or Parquet file), the same on every machine. ``progress(stage, done,
-    total)`` is called with source bytes done.
-    """
-    if workers:
-        os.environ.setdefault("RAYON_RS_NUM_CPUS", str(workers))
-    src_fs, files = list_files(source)
-    total = sum(src_fs.size(p) or 0 for p, _ in files)
-    fs, root = fsspec.core.url_to_fs(out)
-    _check_out(fs, root, out)
-
-    if tokenizer:
-        tfs, tpath = fsspec.core.url_to_fs(tokenizer)
-        if not tfs.exists(tpath):
-            raise DataError(f"--tokenizer {tokenizer} does not exist")
-        tok_bytes = read_capped(tfs, tpath, TOKENIZER_BYTES, f"--tokenizer {tokenizer}")
-        tok = load_tokenizer(tok_bytes, tokenizer, workers or 1)
-    else:
-        stage = "training tokenizer"
-        texts = _identified(src_fs, files, text_field, progress, total, stage, TRAIN_TEXT_BYTES)
-        tok = train_bpe((text for _, text in texts), vocab_size)
-        tok_bytes = tok.data
-    source_info = {"url": source, "files": len(files), "bytes": total,
-                   "val_percent": val_percent, "text_field": text_field}  # fmt: skip
-    texts = _identified(src_fs, files, text_field, progress, total, "tokenizing")
-    documents = _tokenized(texts, tok, val_percent, source)
-    return write_dataset(out, tok, tok_bytes, documents, chunk_tokens, shard_chunks, source_info)
-
-
-def _pieces(text: str, size: int) -> Iterator[str]:
-    """``text`` in pieces of at most ``size`` characters, each cut just before a space that
-    follows a non-space where there is one: where a byte-level BPE's pre-tokenizer cuts
-    too, so the pieces' tokens are the whole text's (docs/data.md)."""
-    start = 0
-    while len(text) - start > size:
-        cut = text.rfind(" ", start + 1, start + size + 1)
-        while cut > start and text[cut - 1].isspace():
-            cut = text.rfind(" ", start + 1, cut)
-        cut = cut if cut > start else start + size  # no such space: cut anywhere
-        yield text[start:cut]
-        start = cut
-    yield text[start:]
-
-
-def _tokenized(
-    texts: Iterator[tuple[str, str]], tok: Tokenizer, val_percent: int, source: str
-) -> Iterator[tuple[str, np.ndarray]]:
-    """(split, tokens with EOS) of each document, tokenized in batches (in parallel) of
-    about ``BATCH_CHARS`` of text; a long document in pieces (``_pieces``), so that the tokenizer's
-    output, many times its text's size, stays bounded however long a document is."""
-    batch: list[tuple[str, str, bool]] = []  # (identity, piece, whether the document's last)
-    parts: list[np.ndarray] = []  # the tokens of the document the batch ends in, so far
-    size = text_tokens = held_out = 0
-
-    def flush(last: bool) -> Iterator[tuple[str, np.ndarray]]:
-        nonlocal text_tokens, held_out
-        ids = tok.encode_batch([t for _, t, _ in batch])
-        for n, ((ident, _, ends), seq) in enumerate(zip(batch, ids, strict=True)):
-            text_tokens += len(seq)
-            parts.append(np.asarray(seq, dtype=np.uint32))
-            if not ends:
-                continue
-            split = "validation" if is_held_out(ident, val_percent) else "train"
-            if last and n == len(batch) - 1 and not held_out:
-                split = "validation"  # a small corpus where the hash held nothing out
-            held_out += split == "validation"
-            yield split, np.concatenate([*parts, [tok.eos_id]])
-            parts.clear()
-        batch.clear()
-
-    for ident, text in texts:
-        pieces = list(_pieces(text, PIECE_CHARS))
-        for i, piece in enumerate(pieces):
-            if size >= BATCH_CHARS or len(batch) >= 4096:  # never the last: flush(True)'s
-                yield from flush(False)
-                size = 0
-            batch.append((ident, piece, i == len(pieces) - 1))
-            size += len(piece)
-    yield from flush(True)
-    if text_tokens == 0:
-        raise DataError(f"data source {source} holds no text to tokenize (its documents are empty)")
-
-
-def write_dataset(
-    out: str,
-    tok: Tokenizer,
-    tok_bytes: bytes,
-    documents: Iterable[tuple[str, np.ndarray]],
-    chunk_tokens: int = CHUNK_TOKENS,
-    shard_chunks: int = SHARD_CHUNKS,
-    source: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Write ``documents`` ((split, tokens) each, EOS included) as a data set at ``out``:
-    shards as they come, then the tokenizer, then the manifest."""
-    fs, root = fsspec.core.url_to_fs(out)
-    fs.makedirs(root, exist_ok=True)
-    dtype = np.dtype("<u2") if tok.vocab_size <= 1 << 16 else np.dtype("<u4")
-    writers = {
-        split: _ShardWriter(fs, root, split, dtype, chunk_tokens, shard_chunks)
-        for split in ("train", "validation")
-    }
-    docs = {"train": 0, "validation": 0}
-    try:
-        for split, ids in documents:
-            writers[split].write(ids)
-            docs[split] += 1
-        for w in writers.values():
-            w.close()
-        if not writers["train"].shards:
-            raise DataError(
-                f"every document of {(source or {}).get('url', out)} was held out for "
-                "validation; give a smaller --val-percent or more documents"
-            )
-    except BaseException:  # a refused source (or an interrupt) leaves no shard behind
-        for w in writers.values():
-            with contextlib.suppress(Exception):
-                w.close()
-        written = [_join(root, s["name"]) for w in writers.values() for s in w.shards]
-        with contextlib.suppress(Exception):
-            fs.rm([p for p in written if fs.exists(p)])
-        raise
-    fs.pipe_file(_join(root, tok.file), tok_bytes)
-    manifest = {
-        "format": FORMAT,
-        "version": VERSION,
-        "tokenizer": {
-            "kind": tok.kind, "file": tok.file, "sha256": hashlib.sha256(tok_bytes).hexdigest(),
-            "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
-        },
-        "dtype": dtype.name,
-        "chunk_tokens": chunk_tokens,
-        "shards": writers["train"].shards + writers["validation"].shards,
-        "totals": {
-            split: {"documents": docs[split], "tokens": sum(s["tokens"] for s in w.shards)}
-            for split, w in writers.items()
-        },
-        "source": source or {},
-    }  # fmt: skip
-    fs.pipe_file(_join(root, MANIFEST), json.dumps(manifest, indent=1).encode())
-    return manifest
-
-
-def _identified(
-    fs: fsspec.AbstractFileSystem,
-    files: list[tuple[str, str]],
-    text_field: str,
-    progress: Callable[[str, int, int], None] | None,
-    total: int,
-    stage: str,
-    limit: int | None = None,
-) -> Iterator[tuple[str, str]]:
-    """(identity, text) of every document, one source file in memory at a time; its
-    identity is its path, and its record number in a JSON lines or Parquet file."""
-    done = 0
-    for path, rel in files:
-        docs = read_documents(fs, path, text_field)
-        records = file_format(path).records
-        for i, doc in enumerate(docs):
-            try:
-                text = doc.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise DataError(f"{path} is not UTF-8 text: {exc}") from None
-            yield (f"{rel}#{i}" if records else rel), text
-        done += fs.size(path) or 0
-        if progress:
-            progress(stage, min(done, total), total)
-        if limit is not None and done >= limit:
-            return
-
-
-def _check_out(fs: fsspec.AbstractFileSystem, root: str, out: str) -> None:
-    """Refuse an output that holds a data set, or files that are not a data set's."""
-    if fs.exists(_join(root, MANIFEST)):
-        raise DataError(
-            f"{out} already holds a data set (it has a {MANIFEST}); give another --out or remove it"
-        )
-    if fs.exists(root) and fs.isdir(root):
-        others = [
-            p for p in fs.ls(root, detail=False)
-            if not p.rstrip("/").rsplit("/", 1)[-1].startswith(("train-", "validation-", "tokenizer."))
-        ]  # fmt: skip
-        if others:
-            raise DataError(
-                f"{out} holds files that are not a data set's ({others[0]}, ...); give an "
-                "empty or new folder as --out"
-            )

@@ -56,7 +56,7 @@ def compile_apply(value: jax.Array) -> None:
     """Compile (or load from the JAX cache) what applying a global version runs on a
     tensor of ``value``'s shape and sharding (the widening of a bf16 wire's values, the
     blend, the re-base of ``keep_unsent``), so a learner's first versions do not wait on
-    it (``flows.learner.compile_step``)."""
+    it (``flows.learner_runtime.compile_step``)."""
     widen(value.astype(jnp.bfloat16)).block_until_ready()
     _blend(value, value, np.float32(0.5), np.float32(0.5)).block_until_ready()
     _keep_unsent(value, value, value).block_until_ready()

@@ -2,7 +2,7 @@
 attention, no biases, a tied or untied output head.
 
 It follows the Hugging Face ``LlamaForCausalLM`` definition closely enough that an
-export is a renaming and a transpose of each kernel (``flows/model_io.py``): rotary
+export is a renaming and a transpose of each kernel (``flows/model_export.py``): rotary
 embeddings use the ``rotate_half`` convention (the two halves of a head, not
 interleaved pairs), so q and k need no permutation, and the head dimension of
 ``q_proj``'s output is laid out ``[heads, head_dim]`` as there.

@@ -2,7 +2,7 @@
 
 Text meets the model through a ``Tokenizer`` (``encode``, ``decode``, ``vocab_size``,
 ``eos_id``): the byte model's is ``ByteTokenizer`` (a byte is a token), a Llama's the
-run's data set's (``diloco.dataset.load_tokenizer``: a ``tokenizer.json`` or a
+run's data set's (``diloco.tokenizer.load_tokenizer``: a ``tokenizer.json`` or a
 SentencePiece model). The sampler and the scorer work on token ids either way; below, "byte" reads "token" for a
 model with a tokenizer of its own.
 

@@ -1,7 +1,7 @@
 """Many learners and the syncers in one process, on a simulated clock.
 
-The simulator is a scheduler: it drives the same ``LearnerLoop`` and ``SyncerLoop``
-(``diloco.loops``) that the Prefect pipeline runs, over a ``SimulatedNetwork`` on a
+The simulator is a scheduler (``diloco.scheduler``): it drives the same ``LearnerLoop``
+and ``SyncerLoop`` that the Prefect pipeline runs, over a ``SimulatedNetwork`` on a
 virtual clock instead of the wall clock. Learners do real inner steps on real data (the
 compute is real, the clock is not): learner ``m`` takes ``speeds[m] * step_seconds``
 simulated seconds per inner step (``pipeline.speeds``, which a learner of the pipeline
@@ -21,7 +21,6 @@ was neither checkpointed nor sent), to waiting, to rejection, and to steps never
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -35,12 +34,16 @@ from diloco.config import RunConfig, sim_events
 from diloco.data import ShardReader
 from diloco.fragments import FragmentPlan, fragment_sizes, plan_fragments
 from diloco.inner import InnerTrainer
-from diloco.loops import STEP, LearnerLoop, Request, SyncerLoop, Wait, resume_step
+from diloco.learner_loop import LearnerLoop, resume_step
+from diloco.loops import Request, Wait
 from diloco.model import ParamCodec
+from diloco.network import SimulatedNetwork, transfer_seconds
 from diloco.outer import FlatParams
 from diloco.run_data import RunData, settle_assign
+from diloco.scheduler import Scheduler, VirtualClock
+from diloco.syncer_loop import SyncerLoop
 from diloco.tensors import materialize
-from diloco.transport import MemoryStore, SimulatedNetwork, Store, transfer_seconds
+from diloco.transport import MemoryStore, Store
 from diloco.units import MemoryLedger, RegionalLedger, UnitLedger, UnitPlan, UnitReader
 from protocol.quantize import payload_bytes
 from protocol.topology import (
@@ -209,101 +212,6 @@ def _simulate_dp(run: _Run, codec: ParamCodec, init: dict, readers: list[ShardRe
     return now
 
 
-class VirtualClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    def stepped(self, started: float, result: Any) -> None:
-        """Nothing: the scheduler advanced the clock by the learner's step time on STEP."""
-
-
-@dataclass
-class _Process:
-    loop: Iterator[Request]
-    token: int = 0
-    wake: float = 0.0
-    waiting: bool = False
-    stepping: bool = False
-    background: bool = False
-
-
-class Scheduler:
-    """Resumes each loop at its own wake time on the virtual clock: after its step time
-    for a ``STEP``, at the end of a ``Wait`` or earlier when news arrives for it."""
-
-    def __init__(self, clock: VirtualClock, step_seconds: Callable[[str], float]):
-        self.clock = clock
-        self.step_seconds = step_seconds
-        self.procs: dict[str, _Process] = {}
-        self.news: dict[str, list[float]] = {}
-        self.queue: list[tuple[float, int, str, int]] = []
-        self.order = itertools.count()
-
-    def _push(self, name: str, proc: _Process, at: float) -> None:
-        proc.token += 1
-        proc.wake = at
-        heapq.heappush(self.queue, (at, next(self.order), name, proc.token))
-
-    def start(self, name: str, loop: Iterator[Request], background: bool = False) -> None:
-        """Run ``loop`` from now; a ``background`` one (a schedule of events) does not
-        keep the run going: the run ends when only such loops are left."""
-        self.procs[name] = proc = _Process(loop, background=background)
-        self._push(name, proc, self.clock.now())
-
-    def stop(self, name: str) -> bool:
-        """Stop a loop where it stands (its generator is closed); False if none runs."""
-        proc = self.procs.pop(name, None)
-        if proc is None:
-            return False
-        proc.loop.close()
-        return True
-
-    def notify(self, name: str, at: float) -> None:
-        heapq.heappush(self.news.setdefault(name, []), at)
-        proc = self.procs.get(name)
-        if proc is not None and proc.waiting and at < proc.wake:
-            self._push(name, proc, at)
-
-    def _next_news(self, name: str, now: float) -> float:
-        news = self.news.get(name, [])
-        while news and news[0] <= now:
-            heapq.heappop(news)  # arrived by now: the loop has just looked
-        return news[0] if news else math.inf
-
-    def run(self, on_step: Callable[[str], None], on_end: Callable[[str], None]) -> None:
-        while self.queue and not all(p.background for p in self.procs.values()):
-            at, _, name, token = heapq.heappop(self.queue)
-            proc = self.procs.get(name)
-            if proc is None or token != proc.token:
-                continue  # stopped, or woken earlier
-            self.clock.t = at
-            try:
-                request = next(proc.loop)
-            except StopIteration:
-                del self.procs[name]
-                if proc.stepping:
-                    on_step(name)
-                on_end(name)
-                continue
-            if proc.stepping:
-                on_step(name)
-            now = self.clock.now()
-            proc.stepping = request is STEP
-            proc.waiting = isinstance(request, Wait)
-            if isinstance(request, Wait):
-                wake = min(now + request.seconds, self._next_news(name, now))
-                if math.isfinite(wake):
-                    self._push(name, proc, wake)
-                else:
-                    proc.token += 1
-                    proc.wake = math.inf  # until news
-            else:
-                self._push(name, proc, now + self.step_seconds(name))
-
-
 def _membership_schedule(cfg: RunConfig, clock: VirtualClock, fleet: _Fleet) -> Iterator[Request]:
     """Failures, leaves, rejoins and joins (``sim_events``) at their shares of the
     nominal run time."""
@@ -446,13 +354,8 @@ class _Fleet:
                 self.sched.notify(s, self.clock.now())
 
 
-def _simulate_loops(
-    run: _Run,
-    codec: ParamCodec,
-    init: FlatParams,
-    units: UnitPlan | None,
-    make_store: StoreFactory | None,
-) -> tuple[float, UnitLedger | None]:
+def _simulate_loops(run: _Run, codec: ParamCodec, init: FlatParams, units: UnitPlan | None,
+                    make_store: StoreFactory | None) -> tuple[float, UnitLedger | None]:  # fmt: skip
     """Decoupled or synchronous DiLoCo: the pipeline's loops under the scheduler. Returns
     the end's time and, with ``units``, the store's data ledger."""
     cfg, sim, topo = run.cfg, run.cfg.sim, run.cfg.topology
@@ -462,15 +365,9 @@ def _simulate_loops(
     # one (a learner that holds the version before; one that does not reads the full copy,
     # which the network model does not delay longer).
     wire = topo.global_dtype if topo.downlink == "full" else topo.downlink
-    global_bytes = [payload_bytes(s, wire, topo.block_size) for s in sizes]
     ids = learner_ids(topo.learners)
     shards = shard_count(cfg.pipeline.syncer_shards, len(plan))
-    if make_store is not None:
-        store = make_store(cfg, plan, init, ids)
-    else:
-        initial = [{n: init[n] for n in names} for names in plan]
-        store = MemoryStore(initial, topo.global_dtype, cfg.outer.max_staleness, topo.downlink,
-                            topo.block_size)  # fmt: skip
+    store = (make_store or _memory_store)(cfg, plan, init, ids)
     ledger = store.ledger(units) if units else None
     readers = [run.data.reader(i, ledger) for i in range(topo.learners)]
     clock = VirtualClock()
@@ -478,7 +375,7 @@ def _simulate_loops(
     fleet = _Fleet(run, plan, readers, sched, clock)
     fleet.ledger = ledger
     fleet.net = net = SimulatedNetwork(
-        store, clock, sim, global_bytes, ids,
+        store, clock, sim, [payload_bytes(s, wire, topo.block_size) for s in sizes], ids,
         owner=lambda p: syncer_id(shard_of(p, shards)),
         notify=sched.notify,
         finished=fleet.finished,
@@ -487,11 +384,8 @@ def _simulate_loops(
         members=(lambda: ledger.tend(fleet.members())) if isinstance(ledger, RegionalLedger)
         else fleet.members,
     )  # fmt: skip
-    emit = run.metrics.append
-    syncers = {
-        syncer_id(s): SyncerLoop(cfg, shard_fragments(s, shards, len(plan)), ids, net, clock, emit)
-        for s in range(shards)
-    }
+    syncers = {syncer_id(s): SyncerLoop(cfg, shard_fragments(s, shards, len(plan)), ids, net,
+                                        clock, run.metrics.append) for s in range(shards)}  # fmt: skip
     fleet.syncers = list(syncers)
 
     def global_params() -> dict:
@@ -516,12 +410,26 @@ def _simulate_loops(
     end = clock.now()
     loss = run.evaluate(end, global_params(), final=True)
     store.close({"tokens": run.tokens, "sim_seconds": end, "final_loss": loss})
-    run.bytes_up, run.bytes_down = records.payload_traffic(run.metrics)
-    run.finished = fleet.present_seconds(end)
-    shares = [s / codec.num_params for s in sizes]
-    versions = records.of(run.metrics, "version")
-    run.goodput = records.goodput(versions, shares, sum(run.finished.values()))
+    _account(run, fleet.present_seconds(end), [s / codec.num_params for s in sizes])
     return end, ledger
+
+
+def _account(run: _Run, present: dict[str, float], shares: list[float]) -> None:
+    """The run's payload traffic, each learner's time present and the goodput, from its
+    records."""
+    run.bytes_up, run.bytes_down = records.payload_traffic(run.metrics)
+    run.finished = present
+    run.goodput = records.goodput(records.of(run.metrics, "version"), shares,
+                                  sum(present.values()))  # fmt: skip
+
+
+def _memory_store(cfg: RunConfig, plan: FragmentPlan, init: FlatParams,
+                  ids: Sequence[str]) -> MemoryStore:  # fmt: skip
+    """The simulator's own store (no buckets): the initial parameters as version 0."""
+    topo = cfg.topology
+    initial = [{n: init[n] for n in names} for names in plan]
+    return MemoryStore(initial, topo.global_dtype, cfg.outer.max_staleness, topo.downlink,
+                       topo.block_size)  # fmt: skip
 
 
 def time_to_loss(evals: list[dict[str, Any]], target: float) -> float:

@@ -332,35 +332,7 @@ class FragmentSyncer:
         weights = [
             contribution_weight(c, s, self.g) for (c, _), s in zip(accepted, staleness, strict=True)
         ]
-        current = LastPiece(self.params)  # (read by the step and by anchored deltas)
-        deltas = self._outer_gradients(accepted, current)
-        w = normalized(weights)
-        rule = MERGE_RULES[self.cfg.merge]
-        prepared = rule.prepare(deltas, w, self.shapes, self.is_embedding, self.block_size)
-        sink = self.sink(self.fragment, self.version + 1, self.shapes, self.slots_per_param)
-
-        def read() -> Iterator[tuple[str, int, list[Any], np.ndarray, list[np.ndarray]]]:
-            """On this thread: each piece's inputs (the reads, the decoding)."""
-            for name, start, stop in pieces(self.shapes, self.block_size):
-                values = [d.parts(name, start, stop) if isinstance(d, Anchored)
-                          else d.piece(name, start, stop) for d in deltas]  # fmt: skip
-                slots = [s.piece(name, start, stop) for s in self.slots]
-                yield name, start, values, current.piece(name, start, stop), slots
-
-        def step(item: tuple[str, int, list[Any], np.ndarray, list[np.ndarray]]) -> None:
-            """Beside it, in piece order: the rebase, the merge, the outer step, the write."""
-            name, start, parts, params, slots = item
-            values = [Anchored.combine(v) if isinstance(v, tuple) else v for v in parts]
-            merged = rule.piece(name, values, w, prepared)
-            new, new_slots = step_piece(self.tx, name, params, slots, merged, self.steps)
-            sink.write(name, start, new, new_slots)
-
-        try:
-            overlapped(read(), step, beside=loop_beside(self.shapes, self.block_size))
-            self.params, self.slots = sink.finish()
-        except BaseException:
-            sink.abort()
-            raise
+        self._write_next(accepted, normalized(weights))
         self.version += 1
         self.steps += 1
         self.history[self.version] = self.params
@@ -394,6 +366,37 @@ class FragmentSyncer:
             ),
             rejected,
         )
+
+    def _write_next(self, accepted: list[tuple[Contribution, Tensors]], w: list[float]) -> None:
+        """Version v + 1's parameters and optimizer state, a piece at a time: for each
+        piece the reads and the decoding (on this thread) and, beside them in piece order,
+        the rebase, the merge, the outer step and the write to the sink."""
+        current = LastPiece(self.params)  # (read by the step and by anchored deltas)
+        deltas = self._outer_gradients(accepted, current)
+        rule = MERGE_RULES[self.cfg.merge]
+        prepared = rule.prepare(deltas, w, self.shapes, self.is_embedding, self.block_size)
+        sink = self.sink(self.fragment, self.version + 1, self.shapes, self.slots_per_param)
+
+        def read() -> Iterator[tuple[str, int, list[Any], np.ndarray, list[np.ndarray]]]:
+            for name, start, stop in pieces(self.shapes, self.block_size):
+                values = [d.parts(name, start, stop) if isinstance(d, Anchored)
+                          else d.piece(name, start, stop) for d in deltas]  # fmt: skip
+                slots = [s.piece(name, start, stop) for s in self.slots]
+                yield name, start, values, current.piece(name, start, stop), slots
+
+        def step(item: tuple[str, int, list[Any], np.ndarray, list[np.ndarray]]) -> None:
+            name, start, parts, params, slots = item
+            values = [Anchored.combine(v) if isinstance(v, tuple) else v for v in parts]
+            merged = rule.piece(name, values, w, prepared)
+            new, new_slots = step_piece(self.tx, name, params, slots, merged, self.steps)
+            sink.write(name, start, new, new_slots)
+
+        try:
+            overlapped(read(), step, beside=loop_beside(self.shapes, self.block_size))
+            self.params, self.slots = sink.finish()
+        except BaseException:
+            sink.abort()
+            raise
 
     def seal(self) -> GlobalVersion | None:
         """A version that merges nothing and records the outcomes decided since the last

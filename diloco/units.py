@@ -192,7 +192,7 @@ class MemoryLedger:
 class RegionalLedger:
     """One ledger per region's pool, each learner taking from its own region's.
     ``offers``: called with the members at each look the syncers take at them (``tend``):
-    it moves the pool of a region no member is in to the others (``flows.ledger.UnitOffers``,
+    it moves the pool of a region no member is in to the others (``flows.unit_offers.UnitOffers``,
     as the pipeline's syncers do)."""
 
     def __init__(self, ledgers: Mapping[str, UnitLedger], region_of: Mapping[str, str],

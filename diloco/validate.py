@@ -14,7 +14,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from diloco.outer import Contribution
-from diloco.tensors import Payload, loop_beside, overlapped, payload_view, piece_size, pieces
+from diloco.tensors import (
+    Payload,
+    TensorMeta,
+    loop_beside,
+    overlapped,
+    payload_view,
+    piece_size,
+    pieces,
+)
 from protocol.quantize import STORAGE_DTYPE, dequantize, payload_bytes
 
 
@@ -86,6 +94,21 @@ def scan_payload(payload: Payload, block: int) -> Scan:
     return Scan(math.sqrt(total[0]))
 
 
+def _tensor_problem(name: str, meta: TensorMeta, shape: tuple[int, ...]) -> str | None:
+    """What is wrong with tensor ``name`` of a payload, as its index describes it."""
+    if tuple(meta.shape) != shape:
+        return f"tensor {name} has shape {tuple(meta.shape)}, expected {shape}"
+    if meta.kind not in STORAGE_DTYPE:
+        return f"tensor {name} has an unknown payload kind {meta.kind!r}"
+    if meta.dtype is not None and meta.dtype != np.dtype(STORAGE_DTYPE[meta.kind]).name:
+        return f"tensor {name} has payload dtype {meta.dtype} for kind {meta.kind!r}"
+    if meta.nbytes is not None and meta.nbytes != payload_bytes(
+        meta.size, meta.kind, meta.block_size or 128
+    ):
+        return f"tensor {name} payload has {meta.nbytes} bytes, expected a complete one"
+    return None
+
+
 def check_contribution(
     c: Contribution,
     shapes: Mapping[str, tuple[int, ...]],
@@ -122,18 +145,9 @@ def check_contribution(
     if missing or extra:
         raise reject(f"tensors do not match the fragment (missing {missing}, unexpected {extra})")
     for name, meta in index.items():
-        if tuple(meta.shape) != tuple(shapes[name]):
-            raise reject(
-                f"tensor {name} has shape {tuple(meta.shape)}, expected {tuple(shapes[name])}"
-            )
-        if meta.kind not in STORAGE_DTYPE:
-            raise reject(f"tensor {name} has an unknown payload kind {meta.kind!r}")
-        if meta.dtype is not None and meta.dtype != np.dtype(STORAGE_DTYPE[meta.kind]).name:
-            raise reject(f"tensor {name} has payload dtype {meta.dtype} for kind {meta.kind!r}")
-        if meta.nbytes is not None and meta.nbytes != payload_bytes(
-            meta.size, meta.kind, meta.block_size or 128
-        ):
-            raise reject(f"tensor {name} payload has {meta.nbytes} bytes, expected a complete one")
+        problem = _tensor_problem(name, meta, tuple(shapes[name]))
+        if problem:
+            raise reject(problem)
     blocks = {m.block_size for m in index.values() if m.kind in ("int8", "int4")}
     if blocks - {expected_block}:
         raise reject(f"quantization block size {sorted(blocks)}, expected {expected_block}")

@@ -53,11 +53,9 @@ default).
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import json
 import math
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -65,105 +63,36 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from functools import partial
-from typing import Annotated, Any
+from typing import Any
 
 from prefect import flow
-from pydantic import Field
 
-from diloco.config import LivenessConfig
 from diloco.data import DataError
-from diloco.liveness import glance
 from diloco.syncer import budget_spent
 from flows import workers
 from flows.compile import share_compilations, user_cache
+from flows.join_tokens import join_keys
 from flows.notice import noting_ctrl_c
+from flows.slots import Slot, choose_slot
 from flows.spares import WORKER_COMMAND
 from flows.spec import launched_pipeline
 from protocol.topology import (
-    LEARNER_PREFIX,
-    SLOT_EVERYWHERE,
-    added_learners,
     learner_index,
-    learner_region,
-    run_deal,
-    run_slots,
-    unslotted_regions,
 )
-from storage_layout import record
 from storage_layout.auth import (
     CLAIMS_KEY_ENV,
     JOIN_TOKEN_ENV,
     LEARNER_KEY_ENV,
     RUN_SECRET_ENV,
     JoinRefused,
-    JoinToken,
-    check_secret,
-    claims_key,
-    key_check,
     learner_key,
-    parse_join_token,
     sign_record,
 )
 from storage_layout.bucket import same_bucket
-from storage_layout.record import Name, Record, Time
 from storage_layout.store import RunStore
 
 TAKE_TRIES = 8  # slots a joiner tries to take or add, each time another joiner was first
-LEARNER_ID = re.compile(rf"{LEARNER_PREFIX}\d+")  # a token may name anything
-
-
-@dataclass(frozen=True)
-class Slot:
-    learner: str
-    vacant: bool
-    why: str  # why it is vacant, or what it is doing
-    added: bool = False  # a slot this joiner adds to the run (none was vacant)
-    joins: int = 0  # the number of its newest join record, when it was chosen
-
-
-def slot_state(
-    store: RunStore,
-    learner: str,
-    region: str,
-    liveness: LivenessConfig,
-    now: float | None = None,
-    key: bytes | None = None,
-) -> Slot:
-    """Whether ``learner``'s slot is vacant now, and why (see the module docstring), by
-    one look at its heartbeat (checked with ``key`` if given) and status against this
-    machine's clock (``diloco.liveness.glance``). A learner that looks silent is watched
-    for two of its beats first: a clock ahead of its own must not take a live one's slot."""
-    now = time.time() if now is None else now
-    status = store.progress.read_metrics(learner, region)
-    beat = store.members.read_heartbeat(learner, region, key)
-    if status is None and beat is None:
-        if store.members.newest_generation(learner) != 0:
-            return Slot(learner, False, "starting (it has claimed the slot, no status yet)")
-        why, since = "never started", -math.inf
-    else:
-        verdict = glance(liveness, beat, status, now)
-        step = beat.step if beat is not None else (status or {}).get("step", 0)
-        if verdict.state == "done":
-            return Slot(learner, False, "done: it has trained its budget")
-        if verdict.counted:
-            return Slot(learner, False, f"{verdict.state} at step {step}")
-        if verdict.state == "silent" and beat is not None:
-            time.sleep(2 * liveness.heartbeat_seconds + 1)  # (the run's period, not the beat's)
-            again = store.members.read_heartbeat(learner, region, key)
-            if again is not None and again.key != beat.key:
-                return Slot(learner, False, f"{again.state} at step {again.step} (its heartbeat "
-                                            "moves: this machine's clock is ahead of its)")  # fmt: skip
-        why = str(verdict.why)
-        since = beat.time if beat is not None else float((status or {}).get("time") or 0.0)
-    # Vacant by its status, unless a joiner is on its way to its start: a join record
-    # younger than the timeout, and newer than the status (a preempted slot joined again).
-    joined = store.members.newest_join(learner, region, key=key)
-    at = joined[1].get("time") if joined and joined[1] else None
-    if isinstance(at, (int, float)) and now - at < liveness.silent_max_seconds and at > since:
-        return Slot(learner, False, f"joining (joined {now - at:.0f} s ago, not started)")
-    return Slot(learner, True, why.split(" (")[0], joins=joined[0] if joined else 0)
 
 
 def check_region_url(spec: Mapping[str, Any], run: str, region: str, url: str) -> None:
@@ -179,144 +108,6 @@ def check_region_url(spec: Mapping[str, Any], run: str, region: str, url: str) -
         where = f" (it is region {named[0]!r}'s: pass --region {named[0]})" if named else ""
         raise JoinRefused(f"{url} is not region {region!r}'s bucket in run {run!r}: its spec "
                           f"gives {urls[region]!r}{where}")  # fmt: skip
-
-
-def join_keys(store: RunStore, environ: Mapping[str, str]) -> dict[str, bytes] | None:
-    """The learner keys this machine holds for the run (None: every slot's, from the run
-    secret), from ``DILOCO_RUN_SECRET`` or ``DILOCO_JOIN_TOKEN`` (checked against the
-    run's bucket: ``check_token``); {} when it holds none. ``store`` takes the run's
-    claims key from either (``storage_layout.auth``)."""
-    if environ.get(RUN_SECRET_ENV):
-        store.claims_key = claims_key(check_secret(environ[RUN_SECRET_ENV]), store.run)
-        return None
-    if environ.get(JOIN_TOKEN_ENV):
-        token = parse_join_token(environ[JOIN_TOKEN_ENV], store.run)
-        check_token(store, token)
-        store.claims_key = token.claims
-        return token.keys
-    return {}
-
-
-class TokenRecord(Record):
-    id: Name
-    issued: Time
-    expires: Annotated[float, Field(allow_inf_nan=False)] | None = None
-    checks: dict[Name, Name]
-    claims_check: Name
-
-
-def issue_token(store: RunStore, token: JoinToken) -> None:
-    """Keep ``token``'s record (never its keys) in every region of the run, so a joiner
-    anywhere can check its token against the run (``check_token``)."""
-    body = json.dumps(token.record(), sort_keys=True).encode()
-    for region in store.urls:
-        store.bucket(region).put_exclusive(store.layout.join_token(token.id), body)
-
-
-def revoke_token(store: RunStore, token_id: str) -> None:
-    """Revoke a join token in every region: no joiner takes a slot with it after this
-    (one that joined with it already trains on: stop its process to end it)."""
-    body = json.dumps({"id": token_id, "revoked": time.time()}).encode()
-    for region in store.urls:
-        store.bucket(region).put(store.layout.revoked_token(token_id), body)
-
-
-def check_token(store: RunStore, token: JoinToken, now: float | None = None) -> None:
-    """``JoinRefused`` unless ``token`` is one the run's owner issued for this run (its
-    record is in the joiner's bucket and each of its keys matches the record's check),
-    has not expired and is not revoked: checked before anything is taken."""
-    bucket, now = store.home, time.time() if now is None else now
-    key = store.layout.join_token(token.id)
-    try:
-        kept = record.read(bucket, key, TokenRecord)
-    except FileNotFoundError:
-        raise JoinRefused(f"join token {token.id} was not issued for run {store.run!r} (no "
-                          f"record of it in {bucket.url}): a token of another run, or one "
-                          "made without the run's bucket (`diloco join-token --url`)") from None  # fmt: skip
-    except record.BadRecord as exc:
-        raise JoinRefused(f"join token {token.id} cannot be checked: {exc}") from None
-    wrong = [lid for lid, k in token.keys.items()
-             if kept.checks.get(lid) != key_check(k, store.run, lid)]  # fmt: skip
-    if kept.claims_check != key_check(token.claims, store.run, "claims"):
-        wrong.append("the run's claims")
-    if wrong:
-        raise JoinRefused(f"join token {token.id} holds keys that are not run {store.run!r}'s "
-                          f"for {', '.join(wrong)} (a token of another run, relabelled, or "
-                          "altered): refused before anything was taken")  # fmt: skip
-    expires = min((t for t in (token.expires, kept.expires) if t is not None), default=None)
-    if expires is not None and now > expires:
-        ago = dt.datetime.fromtimestamp(expires, dt.UTC).isoformat(timespec="seconds")
-        raise JoinRefused(f"join token {token.id} expired at {ago}: ask the run's owner for "
-                          "a new one (`diloco join-token --expires ...`)")  # fmt: skip
-    if bucket.exists(store.layout.revoked_token(token.id)):
-        raise JoinRefused(f"join token {token.id} was revoked by the run's owner")
-
-
-def choose_slot(
-    store: RunStore,
-    spec: Mapping[str, Any],
-    region: str,
-    keys: dict[str, bytes] | None,
-    liveness: LivenessConfig,
-    wanted: str | None = None,
-    grow: bool = False,
-) -> Slot:
-    """The slot a joiner in ``region`` takes (``wanted``, or the first vacant one it
-    holds a key for, among the spec's and those joiners added in this region); with
-    ``grow`` (the run takes its data in units, which no slot owns) and none vacant, a new
-    one (``Slot.added``: ``added_learners``' first id it holds a key for and no one
-    added). ``JoinRefused`` naming each slot and why it is not to be taken."""
-    regions = list(spec.get("regions") or {})
-    if region not in regions:
-        raise JoinRefused(f"run {store.run!r} has no region {region!r}; its regions are "
-                          f"{sorted(regions)}")  # fmt: skip
-    try:
-        dealt, deal = run_slots(spec), run_deal(spec)
-    except ValueError as exc:  # a damaged or forged spec
-        raise JoinRefused(f"run {store.run!r} cannot be joined: {exc}") from exc
-    if unslotted_regions(dealt, [region]) and not (grow and deal):  # nor a pool of data
-        old = ("it was started before runs recorded how they deal learners to regions, "
-               "and adds learners only in regions with a slot; " if grow else "")  # fmt: skip
-        raise JoinRefused(f"run {store.run!r} has no learner slot in region {region!r}, so "
-                          f"no machine can join there: {old}{SLOT_EVERYWHERE}")  # fmt: skip
-    key_of = None if keys is None else keys.get
-    learners = store.members.run_learners(spec, key_of).regions
-    here = sorted((lid for lid, r in learners.items() if r == region), key=learner_index)
-    if wanted is not None:
-        if wanted not in learners:
-            raise JoinRefused(f"run {store.run!r} has no learner {wanted!r}")
-        if learners[wanted] != region:
-            raise JoinRefused(f"{wanted} trains in region {learners[wanted]!r}, not {region!r}")
-        here = [wanted]
-    seen = []
-    for lid in here:
-        if keys is not None and lid not in keys:
-            seen.append(f"{lid}: the join token does not cover it")
-            continue
-        slot = slot_state(store, lid, region, liveness, key=None if keys is None else keys[lid])
-        if slot.vacant:
-            return slot
-        seen.append(f"{lid}: {slot.why}")
-    if grow and wanted is None:
-        if keys is None:
-            new = next(lid for lid in added_learners(dealt, region, deal) if lid not in learners)
-            return Slot(new, True, "added to the run (no slot was vacant)", added=True)
-        ids = [lid for lid in keys if LEARNER_ID.fullmatch(lid) and lid not in learners]
-        for lid in sorted(ids, key=learner_index):
-            if learner_region(lid, dealt, deal) == region:
-                return Slot(lid, True, "added to the run (no slot was vacant)", added=True)
-        seen.append("no slot to add: the join token covers none this region may add")
-    elif not grow and wanted is None:
-        seen.append(
-            "a run that deals its data to its slots (data.assign = 'slots') adds none "
-            "(a run started on units, diloco train's default, grows)"
-        )
-    elsewhere = sorted({r for lid, r in learners.items() if r != region})
-    if elsewhere and wanted is None:  # (their states are in their regions' buckets)
-        seen.append(f"the run has slots in {', '.join(map(repr, elsewhere))} too: a machine "
-                    "that reaches one of those buckets joins there (--region)")  # fmt: skip
-    raise JoinRefused(f"no vacant learner slot in region {region!r} of run {store.run!r}: "
-                      + "; ".join(seen))  # fmt: skip
 
 
 def join(
@@ -344,37 +135,17 @@ def join(
     trained its budget meanwhile, and the slot is chosen again (another may have taken
     it). ``interrupted`` (a Ctrl-C seen, ``join_and_train``) is asked before anything is
     written: such a joiner raises ``KeyboardInterrupt`` having taken nothing."""
-    from flows.run import Run
-    from flows.spec import config_from_spec
-
     if speed is not None and not (isinstance(speed, int | float) and math.isfinite(speed)
                                   and speed > 0):  # fmt: skip
         raise JoinRefused(f"--speed {speed!r} is not a positive number (this machine's speed "
                           "hint, kept in its records)")  # fmt: skip
     env = dict(os.environ if environ is None else environ)
     store = RunStore(run, {region: url}, region, writer="joiner")
-    try:
-        spec = store.read_spec()
-    except FileNotFoundError as exc:
-        raise JoinRefused(f"{url} holds no run {run!r} (its spec is missing)") from exc
-    check_region_url(spec, run, region, url)
-    # the run's own pipeline settings (its newest launch's), then what this joiner sets
-    pipeline = {**launched_pipeline(store), **(pipeline or {})}
-    opened = Run(run, {region: url}, region, spec, config_from_spec(spec, pipeline))
-    cfg = opened.cfg
+    opened, pipeline = _open(store, url, pipeline)
+    cfg, spec = opened.cfg, opened.spec
     keys = _signing_keys(store, env, run)
 
-    def refuse_if_spent(when: str = "") -> None:
-        if _budget_spent(store, cfg, len(spec.get("fragments") or [])):
-            raise JoinRefused(f"run {run!r} has trained its budget{when} ({cfg.budget.tokens:,} "
-                              "tokens, shared by its learners): there is nothing left to join "
-                              "for")  # fmt: skip
-
-    refuse_if_spent()
-    try:  # before the warm-up: its data (another corpus here) would train nothing of the run's
-        opened.data.check_same(spec, f"a joiner of run {run!r}")
-    except DataError as exc:
-        raise JoinRefused(str(exc)) from None
+    _refuse_if_spent(store, opened)
     grow = cfg.data.assign == "units"  # no slot owns data: a slot may be added
 
     def choose() -> Slot:
@@ -386,21 +157,59 @@ def join(
         print(f"warming up to join run {run} in {region} (the model, its compiled step, "
               f"the corpus) before taking a slot", flush=True)  # fmt: skip
         warm(pipeline)
-        refuse_if_spent(" while this joiner warmed up")  # the run may have ended meanwhile
+        _refuse_if_spent(
+            store, opened, " while this joiner warmed up"
+        )  # the run may have ended meanwhile
         taken = choose()
         print(f"warm after {time.time() - began:.1f} s", flush=True)
     record = {"region": region, "host": socket.gethostname(), "pid": os.getpid(),
               "devices": _devices(), "speed": speed}  # fmt: skip
     taken, key, n = _take(store, url, taken, choose, record, env, keys, interrupted)
-    lid = taken.learner
-    if key is not None and store.claims_key is not None:  # (both, or neither)
+    print(f"joining run {run} as {taken.learner} in {region} (join {n}; the slot: "
+          f"{taken.why})", flush=True)  # fmt: skip
+    learner = workers.learner(run, url, region, learner_index(taken.learner), cfg, pipeline)
+    return learner, _learner_env(env, key, store.claims_key)
+
+
+def _learner_env(env: dict[str, str], key: bytes | None, claims_key: bytes | None) -> dict:
+    """``env`` for the learner: its own key and the claims key (both, or neither), not
+    the run secret nor the join token."""
+    if key is not None and claims_key is not None:
         env[LEARNER_KEY_ENV] = key.hex()
-        env[CLAIMS_KEY_ENV] = store.claims_key.hex()
-    env.pop(RUN_SECRET_ENV, None)  # a learner holds its own key only
-    env.pop(JOIN_TOKEN_ENV, None)
-    print(f"joining run {run} as {lid} in {region} (join {n}; the slot: {taken.why})",
-          flush=True)  # fmt: skip
-    return workers.learner(run, url, region, learner_index(lid), cfg, pipeline), env
+        env[CLAIMS_KEY_ENV] = claims_key.hex()
+    for secret in (RUN_SECRET_ENV, JOIN_TOKEN_ENV):
+        env.pop(secret, None)
+    return env
+
+
+def _refuse_if_spent(store: RunStore, opened: Any, when: str = "") -> None:
+    cfg = opened.cfg
+    if _budget_spent(store, cfg, len(opened.spec.get("fragments") or [])):
+        raise JoinRefused(f"run {store.run!r} has trained its budget{when} "
+                          f"({cfg.budget.tokens:,} tokens, shared by its learners): there is "
+                          "nothing left to join for")  # fmt: skip
+
+
+def _open(store: RunStore, url: str, pipeline: Mapping[str, Any] | None) -> tuple[Any, dict]:
+    """The run as the joiner sees it in ``store``'s region, with the run's own pipeline
+    settings (its newest launch's) under ``pipeline``, and those settings; refused if
+    this machine's data is not the run's."""
+    from flows.run import Run
+    from flows.spec import config_from_spec
+
+    try:
+        spec = store.read_spec()
+    except FileNotFoundError as exc:
+        raise JoinRefused(f"{url} holds no run {store.run!r} (its spec is missing)") from exc
+    region = store.client_region
+    check_region_url(spec, store.run, region, url)
+    pipeline = {**launched_pipeline(store), **(pipeline or {})}
+    opened = Run(store.run, {region: url}, region, spec, config_from_spec(spec, pipeline))
+    try:  # before the warm-up: its data (another corpus here) would train nothing of the run's
+        opened.data.check_same(spec, f"a joiner of run {store.run!r}")
+    except DataError as exc:
+        raise JoinRefused(str(exc)) from None
+    return opened, pipeline
 
 
 def _signing_keys(store: RunStore, env: Mapping[str, str], run: str) -> dict | None:
@@ -528,7 +337,7 @@ def take_slot(
     ``stop`` (a Ctrl-C noted by ``flows.notice.noting_ctrl_c``, which its caller holds;
     ``diloco join`` from before it imports JAX) between two steps of the warm-up or before
     anything is written: then None, having taken nothing."""
-    from flows.learner import warm_up
+    from flows.learner_runtime import warm_up
 
     # What it compiles is kept on this machine: back after a preemption, it loads it.
     share_compilations(user_cache() / "jax")

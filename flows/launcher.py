@@ -17,16 +17,13 @@ markdown artifact with the loss curve.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import contextvars
 import logging
-import math
 import os
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,45 +46,34 @@ from diloco.config import (
 from flows.compile import share_compilations
 from flows.display import Display
 from flows.display import current as current_display
+from flows.launch_chaos import failure_report, start_chaos, worker_faults
+from flows.launch_modes import Via, launch_mode
 from flows.metrics import LiveMetrics
-from flows.monitor import (
-    QUIET_SECONDS,
-    Monitor,
-    RunStalled,
-    cross_region_bytes,
-    loss_plot_png,
-    summary_markdown,
-)
+from flows.monitor import Monitor, RunStalled
 from flows.observe import artifact_key, outlive_the_reader, stopped, tag_flow_run
 from flows.run import Run
 from flows.run_lock import RunLock, RunTakenOver, held
-from flows.supervision import (
-    STAND_BY,
-    STOP_SECONDS,
-    LaunchMode,
-    Via,
-    launch_mode,
+from flows.summary import loss_plot_png, run_summary, summary_markdown
+from flows.supervision import STAND_BY, STOP_SECONDS, LaunchMode
+from flows.watch import (
+    BestEffort,
+    first_line,
+    progress_note,
+    reason,
+    report_metrics,
+    show_phases,
+    watch,
 )
 from flows.workers import run_workers
-from infra.chaos import Chaos, ChaosPlan, kill_to_rejoin, percentiles, read_actions
+from infra.chaos import ChaosPlan
 from storage_layout import faults
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV, Keys, run_secret
-from storage_layout.commit import CorruptVersion
 from storage_layout.store import RunStore
 
 log = logging.getLogger(__name__)
 
 STOP_GRACE = STOP_SECONDS + 5.0  # a reap under way gets this long from a stopping launch
 LAUNCH_ONLY = {"faults", "chaos"}  # pipeline settings a joiner does not take from a launch
-
-
-def first_line(text: str) -> str:
-    return text.splitlines()[0].removesuffix(":") if text else text
-
-
-def reason(name: str, exc: BaseException) -> str:
-    """Why worker ``name`` was given up: its error, less its name."""
-    return str(exc).removeprefix(f"{name}: ")
 
 
 class WorkersGivenUp(RuntimeError):
@@ -132,7 +118,7 @@ class Launch:
         """SIGINT / SIGTERM in the launcher: ask the workers to checkpoint and stop right
         away (the flow's task runner waits for them), then unwind as a KeyboardInterrupt.
         One raised inside a garbage collector callback (JAX has some) is swallowed by
-        Python; ``signalled`` makes the watch raise it again (``_watch``)."""
+        Python; ``signalled`` makes the watch raise it again (``watch``)."""
         self.signalled.set()
         self.interrupt()
         raise KeyboardInterrupt
@@ -142,192 +128,6 @@ class Launch:
 LAUNCH: contextvars.ContextVar[Launch] = contextvars.ContextVar("diloco_launch")
 
 
-REPORT_SECONDS = 10.0  # the watch waits at most this long for a report to the Prefect API
-
-
-class BestEffort:
-    """Calls for what only reports (a progress or summary artifact, the live metrics'
-    tables): each run off the calling thread and waited for at most ``wait`` seconds, so
-    an API that is gone (whose client retries for minutes) never holds up the watch or a
-    Ctrl-C; one at a time per call (one still under way skips the next). A failure or a
-    call that takes too long is logged by name, at most once every ``QUIET_SECONDS`` per
-    call, and never raised: the run needs none of it. One per launch."""
-
-    def __init__(self) -> None:
-        self.reported: dict[str, float] = {}  # call -> when its failure was last logged
-        self.running: dict[str, threading.Thread] = {}  # call -> its call still under way
-
-    def __call__(self, call: Callable[..., Any], *args: Any, wait: float = REPORT_SECONDS,
-                 **kwargs: Any) -> Any:  # fmt: skip
-        """``call(*args, **kwargs)``'s result, or None."""
-        name = getattr(call, "__name__", str(call))
-
-        def report(what: str) -> None:
-            now = time.monotonic()
-            if now - self.reported.get(name, -math.inf) >= QUIET_SECONDS:
-                self.reported[name] = now
-                log.warning("%s %s; the run goes on without it", name, what)
-
-        busy = self.running.get(name)
-        if busy is not None and busy.is_alive():
-            busy.join(wait)
-            if busy.is_alive():
-                report("is still waiting on an earlier call (the Prefect API may be down)")
-                return None
-        result: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                result["value"] = call(*args, **kwargs)
-            except Exception as exc:
-                report(f"failed ({type(exc).__name__}: {str(exc)[:300]})")
-
-        context = contextvars.copy_context()  # (the flow run's, for the artifacts' links)
-        thread = threading.Thread(target=context.run, args=(run,), daemon=True, name=name)
-        self.running[name] = thread
-        thread.start()
-        thread.join(wait)
-        if wait > 0 and thread.is_alive():
-            report(f"did not answer in {wait:.0f} s")
-        return result.get("value")
-
-
-def flush_prefect(timeout: float = 10.0) -> None:
-    """Send the logs and events still queued to the API (before a local server stops)."""
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-
-    for worker in (APILogWorker, EventsWorker):
-        worker.drain_all(timeout=timeout)
-
-
-def _watch(
-    names: list[str],
-    futures: list[Any],
-    monitor: Monitor,
-    bar: Any,
-    every: float,
-    log: Any,
-    display: Display | None = None,
-    metrics: LiveMetrics | None = None,
-    stand_by: Callable[[str], tuple[str, Any] | None] | None = None,
-    oom: Mapping[str, int] | None = None,
-    report: BestEffort | None = None,
-    signalled: threading.Event | None = None,
-) -> dict[str, float]:
-    """Evaluate and log progress every ``every`` seconds until every worker's task has
-    ended; returns when each ended (its machine was freed: the end of its allocation).
-    Each evaluation also updates the progress artifact, the live ``metrics`` and the
-    ``display``; a live display also shows the learners' phases every few seconds. A
-    syncer shard seen stalled gets a stand-by (``stand_by(name)``: the name and future of
-    the worker it started, watched from then on like the others). ``oom``: how many times
-    the OOM killer killed each worker (``LaunchMode.oom_kills``). ``signalled`` (the
-    launch's: a Ctrl-C whose KeyboardInterrupt may have been swallowed on its way) ends
-    the watch with a KeyboardInterrupt within half a second."""
-    display, report = display or Display(), report or BestEffort()
-    last_eval, last_look = time.monotonic(), time.monotonic()
-    ended: dict[str, float] = {}
-    given_up: list[str] = []
-    started = False  # every learner has started up: progress lines from then on
-    # The thread pool's own futures, waited on plainly: ``prefect.futures.wait`` with a
-    # timeout arms an asynchronous exception (an alarm signal in the main thread), which
-    # can land inside a lock and end a run with "release unlocked lock".
-    pool = [f.wrapped_future for f in futures]
-    while True:
-        if signalled is not None and signalled.is_set():
-            raise KeyboardInterrupt
-        running = concurrent.futures.wait(pool, timeout=0.5).not_done
-        _note_ends(names, pool, ended, given_up, log)
-        if not running:
-            return ended
-        if time.monotonic() - last_eval < every:
-            if display.live and time.monotonic() - last_look >= LOOK_SECONDS:
-                last_look = time.monotonic()  # (a failed read shows the last state read)
-                show_phases(display, monitor.statuses(), monitor.versions(), oom=oom)
-            continue
-        last_eval = last_look = time.monotonic()
-        errors, statuses = monitor.errors, monitor.statuses()
-        point = _evaluate(monitor, statuses, errors, every, log)
-        if point is None:
-            continue
-        pct = monitor.progress(statuses)
-        verdicts = monitor.verdicts(statuses)
-        still = monitor.standstill(point["versions"], verdicts)
-        if still is not None:  # why, in place of the same progress line again
-            log.warning("%5.1f%% | %s", pct, still[1], extra=SHOWN)
-        if still is not None and monitor.hopeless(still[0], verdicts):
-            raise RunStalled(
-                f"the run cannot make progress by itself: {still[1]}. Every learner not done "
-                "is silent and nobody takes its slot (a hung process holds it, or a dead one "
-                "is not restarted): mend that, and the same command resumes the run"
-            )
-        for name in monitor.stalled_syncers(statuses, point["versions"]):
-            extra = stand_by(name) if stand_by is not None else None
-            if extra is not None:  # watched from now on like the others
-                names.append(extra[0])
-                futures.append(extra[1])
-                pool.append(extra[1].wrapped_future)
-        if bar is not None:
-            report(update_progress_artifact, bar, pct, progress_note(monitor, statuses))
-        show_phases(display, statuses, point["versions"], point, pct, oom)
-        if metrics is not None:
-            report(report_metrics, metrics, monitor, point, statuses, log)
-        if still is None:  # (else said above)
-            started = _progress_line(log, statuses, point, pct, oom, started)
-
-
-def _evaluate(monitor: Monitor, statuses: dict[str, dict], errors: int, every: float,
-              log: Any) -> dict[str, Any] | None:  # fmt: skip
-    """The newest versions' evaluation, or None when it failed (said: the workers go on,
-    and so does watching them); storage is said to answer again if no read failed since
-    the monitor counted ``errors``."""
-    try:
-        point = monitor.evaluate(statuses)
-    except CorruptVersion as exc:
-        log.error("evaluation failed, trying again in %.0f s: %r", every, exc)
-        return None
-    except Exception as exc:
-        monitor.storage_error("evaluating the newest versions", exc)
-        return None
-    if monitor.errors == errors:
-        monitor.storage_ok()
-    return point
-
-
-def _note_ends(names: list[str], pool: list[Any], ended: dict[str, float],
-               given_up: list[str], log: Any) -> None:  # fmt: skip
-    """Note when each worker whose task ended since the last look ended; name each one
-    given up (a stand-by's end is only noted)."""
-    for name, future in zip(names, pool, strict=True):
-        if future.done() and name not in ended:
-            ended[name] = time.time()
-            why = None if name.endswith(STAND_BY) else failure(future)
-            if why is not None:
-                given_up.append(name)
-                log.error("%s", given_up_line(name, why, names, given_up))
-
-
-def _progress_line(log: Any, statuses: dict[str, dict], point: dict[str, Any], pct: float,
-                   oom: Mapping[str, int] | None, started: bool) -> bool:  # fmt: skip
-    """Log where the learners' start-up is until every learner has started, then the
-    progress line; returns whether they all have (``started``: they had already)."""
-    starting = None if started else startup_line(statuses, point["versions"], oom)
-    if starting:
-        log.info("%s | validation loss %.4f", starting, point["loss"], extra=SHOWN)
-        return False
-    restarting = Counter(s.get("state") for s in statuses.values() if s.get("state") in STARTUP)
-    log.info(
-        "%5.1f%% | tokens %s | validation loss %.4f | versions %s%s",
-        pct,
-        f"{point['tokens']:,}",
-        point["loss"],
-        " ".join(f"f{p}:v{v}" for p, v in point["versions"].items()),
-        "".join(f" | {n} restarting ({phase})" for phase, n in restarting.items()),
-        extra=SHOWN,
-    )
-    return True
-
-
 def stop_asked(exc: BaseException) -> bool:
     """Whether the launcher ends because the run was told to stop (Ctrl-C, a signal, the
     UI's cancel: ``TerminationSignal``) or cannot go on (``RunStalled``), not because the
@@ -335,36 +135,6 @@ def stop_asked(exc: BaseException) -> bool:
     from prefect.exceptions import TerminationSignal
 
     return isinstance(exc, KeyboardInterrupt | TerminationSignal | RunStalled)
-
-
-def progress_note(monitor: Monitor, statuses: dict[str, dict[str, Any]]) -> str:
-    """The progress artifact's description: what it measures, and who trains where."""
-    return (f"run {monitor.store.run}: share of all learners' inner steps done; "
-            f"{monitor.by_region(statuses)}")  # fmt: skip
-
-
-def failure(future: concurrent.futures.Future) -> BaseException | None:
-    """The error a worker's finished task (its thread's future: a Prefect state) ended
-    with; None when it ended well or was cancelled."""
-    if future.cancelled():
-        return None
-    outcome = future.exception() or future.result()
-    if isinstance(outcome, State) and outcome.is_failed():
-        error = outcome.result(raise_on_failure=False)
-        return error if isinstance(error, BaseException) else RuntimeError(outcome.message)
-    return outcome if isinstance(outcome, BaseException) else None
-
-
-def given_up_line(name: str, exc: BaseException, names: list[str], given_up: list[str]) -> str:
-    """What the launcher says as it gives ``name`` up (``exc``: why), the moment it does:
-    and, for a learner, when its region has no learner left (``names``: every worker
-    watched; ``given_up``: those given up so far, ``name`` included)."""
-    line = f"gave up on {name} ({first_line(reason(name, exc))}): the run goes on without it"
-    region = name.split(" ")[-1].split("/")[0]
-    mates = [n for n in names if n.startswith(f"learner {region}/")]
-    if name.startswith("learner ") and set(mates) <= set(given_up):
-        line += f"; region {region} has no learner left"
-    return line
 
 
 class StandBys:
@@ -396,95 +166,6 @@ class StandBys:
         return extra
 
 
-LOOK_SECONDS = 2.0  # how often a live display shows the learners' phases between evaluations
-SHOWN = {"display": True}  # log lines a live display shows instead (flows/display.py)
-
-
-def show_phases(
-    display: Display,
-    statuses: dict[str, dict[str, Any]],
-    versions: dict[int, int],
-    point: dict[str, Any] | None = None,
-    pct: float | None = None,
-    oom: Mapping[str, int] | None = None,
-) -> None:
-    """Set the display's learner, first-contribution and training phases from the
-    learners' status objects and the newest versions (and ``point``, an evaluation)."""
-    if not display.live:
-        return
-    counts, detail = learner_phases(statuses, oom)
-    display.phase("learners", "running" if any(counts.get(p) for p in STARTUP) else "done", detail)
-    shown = " ".join(f"f{p}:v{v}" for p, v in versions.items())
-    if any(v > 0 for v in versions.values()):
-        if display.state("first") != "done":  # the first versions merged, and when
-            display.phase("first", "done", f"versions {shown}")
-    else:
-        display.phase("first", "running", "waiting for the first contribution to be merged")
-    if counts.get("training") or counts.get("done") or any(v > 0 for v in versions.values()):
-        display.phase("training", "running", "")
-    if point is not None and pct is not None:
-        display.progress(pct, f"tokens {point['tokens']:,} · validation loss "
-                              f"{point['loss']:.4f} · versions {shown}")  # fmt: skip
-
-
-def report_metrics(
-    metrics: LiveMetrics,
-    monitor: Monitor,
-    point: dict[str, Any],
-    statuses: dict[str, dict[str, Any]],
-    log: Any,
-) -> None:
-    """Add what is new to the live metrics (TensorBoard, Prefect tables); a failure is
-    logged and the run goes on."""
-    try:
-        traffic, learner_bytes, _ = monitor.traffic()
-        extra = {
-            "goodput/so_far": monitor.goodput_so_far(point, statuses),
-            "bytes/learners_up_down": learner_bytes,
-            "bytes/cross_region": cross_region_bytes(traffic),
-        }
-        metrics.tick(point, extra, statuses)
-    except Exception as exc:  # (logged by name, once a minute per kind)
-        monitor.storage_error("updating the live metrics", exc)
-
-
-# A learner's start-up phases, in order, as its status object names them (``starting``:
-# no word from it yet: its process starts, imports, opens its flow run).
-STARTUP = ("starting", "compiling", "resuming")
-
-
-def learner_phases(
-    statuses: dict[str, dict[str, Any]], oom: Mapping[str, int] | None = None
-) -> tuple[Counter, str]:
-    """How many learners are in each state (start-up phases first, then training), and
-    that as text: ``1 compiling, 3 training``; with ``oom`` (worker -> OOM kills), those
-    the OOM killer killed, and how often."""
-    counts = Counter(s.get("state") or "starting" for s in statuses.values())
-    order = [*STARTUP, "training", *sorted(set(counts) - {*STARTUP, "training"})]
-    text = ", ".join(f"{counts[phase]} {phase}" for phase in order if counts.get(phase))
-    oom = {w: n for w, n in dict(oom or {}).items() if n and w in statuses}
-    if oom:  # restarted after each, it shows "compiling" most of the time: say so apart
-        text += " (" + ", ".join(f"{w} OOM-killed {n}x" for w, n in sorted(oom.items())) + ")"
-    return counts, text
-
-
-def startup_line(
-    statuses: dict[str, dict[str, Any]],
-    versions: dict[int, int],
-    oom: Mapping[str, int] | None = None,
-) -> str | None:
-    """What the run is doing while it starts, instead of a progress line at 0 %: how many
-    learners are in each phase, and whether a contribution has been merged yet. None once
-    every learner trains and a version beyond 0 exists (from then on the watch loop logs
-    progress, and names the learners that are restarting)."""
-    counts, learners = learner_phases(statuses, oom)
-    merged = any(v > 0 for v in versions.values())
-    if merged and not any(counts.get(phase) for phase in STARTUP):
-        return None
-    first = "first versions published" if merged else "waiting for the first contribution"
-    return f"starting up | learners: {learners} | {first}"
-
-
 def authenticate(run: str, folder: Path, local: bool, log: Any, store: RunStore) -> str | None:
     """Sign the run's contributions: the run secret is ``DILOCO_RUN_SECRET`` or, if that
     is not set, one kept in ``folder/run-secret`` (made on the first launch, mode 0600), so
@@ -502,61 +183,6 @@ def authenticate(run: str, folder: Path, local: bool, log: Any, store: RunStore)
     log.info("contributions are signed: each learner gets its own key, the syncers the run "
              "secret (from %s)", source)  # fmt: skip
     return secret
-
-
-def worker_faults(cfg: RunConfig, folder: Path, log: Any) -> faults.FaultPlan | None:
-    """The storage fault plan the run's workers get (``pipeline.faults``), checked before
-    the run starts: one ``t0`` for all (a restarted worker keeps the outage window) and a
-    shared fault log, ``folder/faults.jsonl``. The launcher itself stays fault-free."""
-    if not cfg.pipeline.faults:
-        return None
-    data = {"log_path": str(folder / "faults.jsonl"), **cfg.pipeline.faults, "t0": time.time()}
-    plan = faults.FaultPlan.from_dict(data, source="pipeline.faults")
-    log.warning("the workers run with injected storage faults: %s", plan.to_json())
-    return plan
-
-
-def start_chaos(plan: ChaosPlan, folder: Path, mode: LaunchMode, log: Any,
-                monitor: Monitor | None = None) -> Chaos | None:  # fmt: skip
-    """The process chaos driver over the launch's live worker processes (``mode.live``),
-    if ``plan`` acts; its actions at shares of the run follow the learners' status
-    objects (``monitor``)."""
-    if not plan.active:
-        return None
-    if not mode.local:
-        log.warning("pipeline.chaos needs the workers as local processes; no chaos")
-        return None
-
-    def progress() -> tuple[float, set[str]]:
-        assert monitor is not None
-        statuses, cap = monitor.statuses(), monitor.cfg.learner_step_cap
-        steps = sum(min(int(s.get("step", 0)), cap) for s in statuses.values())
-        training = {lid for lid, s in statuses.items() if s.get("state") == "training"}
-        return steps / monitor.cfg.budget_steps, training
-
-    log.warning("chaos on: %s; its actions go to %s", plan.model_dump(), folder / "chaos.jsonl")
-    return Chaos(plan, mode.live, folder / "chaos.jsonl", log,
-                 progress if monitor else None).start()  # fmt: skip
-
-
-def failure_report(store: RunStore, spec: dict, folder: Path,
-                   missed: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
-    """What was done to the run on purpose (chaos actions and injected storage faults,
-    by kind), the chaos actions at shares of the run that were ``missed`` (it ended
-    first), and what a learner kill cost: the seconds to its next contribution."""
-    actions = read_actions(folder / "chaos.jsonl")
-    injected = read_actions(folder / "faults.jsonl")
-    kills = [a for a in actions if a["action"] == "kill_learner"]
-    for fault in injected:  # a learner's own death during an upload or checkpoint write
-        parts = fault["key"].split("/")
-        if fault["kind"] == "crash" and "learners" in parts:
-            kills.append({"time": fault["time"], "worker": parts[parts.index("learners") + 1]})
-    return {
-        "actions": dict(Counter(a["action"] for a in actions)),
-        "missed": list(missed or []),
-        "faults": dict(Counter(f["kind"] for f in injected)),
-        "kill_to_rejoin": percentiles(kill_to_rejoin(store, spec, kills)),
-    }
 
 
 def default_run_dir(run: str) -> Path:
@@ -686,7 +312,7 @@ def _launch_mode(
     log: Any,
     fault_plan: faults.FaultPlan | None,
 ) -> LaunchMode:
-    """The launch mode ``via`` names (``supervision.LAUNCH_MODES``), with the run's lock
+    """The launch mode ``via`` names (``flows.launch_modes.LAUNCH_MODES``), with the run's lock
     held and the run's contributions signed (``authenticate``)."""
     # Workers share a persistent JAX compilation cache: a restarted learner does not
     # compile its step again (the variables reach them, and the spares, through
@@ -780,18 +406,10 @@ def _launch(
     syncers = {w.name: w for w in workers if w.role == "syncer"}
     stand_by = StandBys(mode, syncers, log)
     try:
-        ended = _watch(names, futures, monitor, bar, cfg.pipeline.eval_seconds, log, display,
+        ended = watch(names, futures, monitor, bar, cfg.pipeline.eval_seconds, log, display,
                        metrics, stand_by.start, mode.oom_kills, report, signalled)  # fmt: skip
     except BaseException as exc:
-        if mode.outlives_launcher and not mode.stopping.is_set() and not stop_asked(exc):
-            log.error("the launcher ends (%r); the workers' flow runs go on in their regions: "
-                      "run the train deployment again, and it adopts them", exc)  # fmt: skip
-            raise
-        # Cancelled from the UI (the worker's SIGTERM) or interrupted: the workers stop with
-        # this flow run (each checkpoints) rather than run on unsupervised.
-        if not mode.stopping.is_set():
-            mode.interrupt()
-        report(mode.reap, wait=STOP_GRACE)
+        _on_exit(mode, exc, report, log)
         raise
     finally:
         if chaos is not None:
@@ -809,17 +427,27 @@ def _launch(
     # Allocated learner time: each learner from the launch until its worker ended.
     allocated = sum(ended.get(n, now) - started for n in names if n.startswith("learner"))
     _last_look(monitor, metrics, bar, report, log)
-    summary = monitor.summary(wall, allocated)
+    summary = run_summary(monitor, wall, allocated)
     summary["failed"], summary["given_up"] = list(failed), failed
     if cfg.pipeline.faults or chaos_plan.active:
         summary["chaos"] = failure_report(store, spec, folder, chaos.missed if chaos else [])
     png = loss_plot_png(monitor.curve, f"run {run}", metrics.training_curve())
     store.home.put(f"{run}/metrics/loss.png", png)
-    report(
-        create_markdown_artifact,
-        summary_markdown(summary, png),
-        key=artifact_key(run, "summary"),
-        description=f"run {run}: summary and loss curve",
-    )
+    report(create_markdown_artifact, summary_markdown(summary, png),
+           key=artifact_key(run, "summary"), description=f"run {run}: summary and loss curve")  # fmt: skip
     display.phase("finishing", "done", f"summary: Prefect artifact {artifact_key(run, 'summary')}")
     return summary
+
+
+def _on_exit(mode: LaunchMode, exc: BaseException, report: BestEffort, log: Any) -> None:
+    """The launcher ends with ``exc`` before its run does: a deployment's workers go on in
+    their regions (a launcher run again adopts them); otherwise (cancelled from the UI,
+    the worker's SIGTERM, or interrupted) the workers stop with it, each checkpointing,
+    rather than run on unsupervised."""
+    if mode.outlives_launcher and not mode.stopping.is_set() and not stop_asked(exc):
+        log.error("the launcher ends (%r); the workers' flow runs go on in their regions: "
+                  "run the train deployment again, and it adopts them", exc)  # fmt: skip
+        return
+    if not mode.stopping.is_set():
+        mode.interrupt()
+    report(mode.reap, wait=STOP_GRACE)

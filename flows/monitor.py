@@ -5,8 +5,6 @@ launcher (``flows/launcher.py``) drives it and reports what it finds."""
 
 from __future__ import annotations
 
-import base64
-import io
 import logging
 import math
 import time
@@ -14,16 +12,13 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from diloco import records
 from diloco.liveness import Liveness, Verdict
-from diloco.simulate import dp_bytes_per_step
-from flows.observe import train_summary_rows
 from flows.pace import MEMBERS_EVERY
 from flows.run import Run
 from protocol.topology import learner_index, run_slots, shard_count, shard_fragments, syncer_id
 from storage_layout.commit import CorruptVersion
-from storage_layout.progress import sum_traffic
 from storage_layout.store import RunStore
+from storage_layout.traffic import sum_traffic
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +93,7 @@ class Monitor:
         self.started = time.time()
         # Learners' time counters and the work merged before this launch (a resumed run
         # has some already).
-        self.before = {k: _learner_seconds(v) for k, v in self.statuses().items()}
+        self.before = {k: learner_seconds(v) for k, v in self.statuses().items()}
         self.merged_before = self.merged_seconds()
 
     def merged_seconds(self) -> dict[int, float]:
@@ -392,7 +387,7 @@ class Monitor:
         for learner, status in statuses.items():
             if learner in self.launched:
                 continue
-            now, then = _learner_seconds(dict(status)), self.before.get(learner, (0.0, 0.0))
+            now, then = learner_seconds(dict(status)), self.before.get(learner, (0.0, 0.0))
             seconds = (now[0] - then[0]) + (now[1] - then[1])
             if seconds > 0:
                 out[learner] = seconds
@@ -453,112 +448,10 @@ class Monitor:
             records.append(record)
         return sum_traffic(records), learner_bytes, rejected
 
-    def summary(self, wall: float, allocated: float) -> dict[str, Any]:
-        """Totals from the buckets: traffic of every writer, goodput from the versions.
-        ``allocated``: the time of the learners this launcher started (its workers'); the
-        joiners' (``joined``) is added to it."""
-        store, spec = self.store, self.spec
-        statuses = self.statuses()
-        joined = self.joined(statuses)
-        allocated += sum(joined.values())
-        traffic, learner_bytes, rejected = self.traffic()
-        merged = self.merged_seconds()
-        versions = self.versions()
-        since = [
-            {"fragment": p, "seconds": s - self.merged_before.get(p, 0.0)}
-            for p, s in merged.items()
-        ]
-        useful = records.useful_seconds(since, self.model.shares)
-        m = len(run_slots(spec))
-        startup = train = 0.0
-        for learner, status in statuses.items():
-            now, then = _learner_seconds(status), self.before.get(learner, (0.0, 0.0))
-            startup += now[0] - then[0]
-            train += now[1] - then[1]
-        tokens = self.tokens(statuses)
-        cross = cross_region_bytes(traffic)
-        num_params = self.model.codec.num_params
-        dp_bytes = dp_bytes_per_step(num_params, m) * (tokens // (m * self.cfg.tokens_per_step))
-        first, last = (self.curve[0], self.curve[-1]) if self.curve else ({}, {})
-        return {
-            "run": store.run,
-            "mode": self.cfg.mode,
-            "params": num_params,
-            "learners": m,
-            "started": len(self.launched),
-            "joined": sorted(joined, key=learner_index),
-            "quorum": self.cfg.quorum,
-            "tokens": tokens,
-            "initial_loss": self.initial_loss,
-            "launch_loss": first.get("loss"),
-            "final_loss": last.get("loss"),
-            "wall_seconds": round(wall, 1),
-            "goodput": records.goodput(since, self.model.shares, allocated),
-            # Shares of the allocated learner time: start-up (compile, resume), training
-            # whose work reached a global version (kept) or did not (lost), and other:
-            # process start, checkpoints, restarts and time between flow runs.
-            "time_breakdown": {
-                "start-up": startup / allocated,
-                "kept": useful / allocated,
-                "lost": max(0.0, train - useful) / allocated,
-                "other": max(0.0, allocated - startup - max(train, useful)) / allocated,
-            }
-            if allocated > 0
-            else {},
-            "versions": versions,
-            "rejected": rejected,
-            "traffic": traffic,
-            "learner_bytes": learner_bytes,
-            "cross_region_bytes": cross,
-            "dp_bytes": dp_bytes,
-            "bandwidth_ratio_vs_dp": dp_bytes / learner_bytes if learner_bytes else None,
-            "learner_states": {k: v.get("state", "not started") for k, v in statuses.items()},
-            "curve": self.curve,
-        }
 
-
-def _learner_seconds(status: dict[str, Any]) -> tuple[float, float]:
+def learner_seconds(status: dict[str, Any]) -> tuple[float, float]:
     """(start-up, training) seconds a learner's status reports, summed over its flow runs."""
     return float(status.get("startup_seconds", 0.0)), float(status.get("train_seconds", 0.0))
-
-
-def loss_plot_png(
-    curve: list[dict[str, Any]], title: str, training: list[tuple[float, float]] | None = None
-) -> bytes:
-    """The validation loss of each global model evaluated, at the tokens merged into it,
-    and (``training``: (tokens, loss) pairs from the learners' history) the learners'
-    training loss per round, at the tokens all learners had processed by then."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    if training:
-        ax.plot([t for t, _ in training], [loss for _, loss in training], ".", ms=3,
-                alpha=0.35, color="tab:gray", label="learners' training loss (tokens processed)")  # fmt: skip
-    ax.plot([c["tokens"] for c in curve], [c["loss"] for c in curve], marker="o",
-            label="validation loss of the global model (tokens merged)")  # fmt: skip
-    if training:
-        ax.legend(fontsize=7)
-    ax.set_xlabel("tokens (all learners)")
-    ax.set_ylabel("loss (nats/byte)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return buf.getvalue()
-
-
-def summary_markdown(summary: dict[str, Any], png: bytes | None) -> str:
-    rows = train_summary_rows(summary)
-    lines = [f"# Run {summary['run']}", "", "| | |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in rows]
-    if png:
-        lines += ["", f"![loss curve](data:image/png;base64,{base64.b64encode(png).decode()})"]
-    return "\n".join(lines)
 
 
 def cross_region_bytes(traffic: dict[str, dict[str, int]]) -> int:

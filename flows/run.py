@@ -23,7 +23,7 @@ from diloco.inner import InnerTrainer
 from diloco.model import ParamCodec
 from diloco.run_data import RunData
 from diloco.simulate import StoreFactory
-from flows.bucket_io import BucketStore, outer_names
+from flows.bucket_io import BucketStore
 from flows.compile import compile_turn
 from flows.spec import (
     config_from_spec,
@@ -34,6 +34,7 @@ from flows.spec import (
     settled,
     spec_defaults,
 )
+from flows.state_io import outer_names
 from flows.version_stream import publish_initial
 from protocol.topology import home_region, run_slots
 from storage_layout.commit import CommitConflict

@@ -188,7 +188,7 @@ class Spares:
     ):
         self.count, self.log_path, self.env = count, Path(log_path), env
         # {"run", "bucket", "region"}: a spare also builds the run's model and compiles its
-        # train step while it waits (``flows.learner.warm_up``).
+        # train step while it waits (``flows.learner_runtime.warm_up``).
         self.warm = warm
         self.zygote = Zygote(self.log_path, env) if count > 0 else None
         self.idle: list[Any] = []

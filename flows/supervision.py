@@ -4,10 +4,10 @@ A launch mode starts each of the run's workers (``flows.workers.Worker``: a lear
 syncer shard) as a Prefect task run of the launcher's flow run, and keeps it going until
 its work is done:
 
-- ``Processes``: a process beside the launcher (``python -m flows.worker ...``), each
-  start a nested task run (``start learner us-east/2``);
-- ``Deployments``: flow runs of the region's deployment, one after another, each picked up
-  by the region's work pool.
+- ``Processes`` (``flows.launch_processes``): a process beside the launcher (``python -m
+  flows.worker ...``), each start a nested task run (``start learner us-east/2``);
+- ``Deployments`` (``flows.launch_deployments``): flow runs of the region's deployment,
+  one after another, each picked up by the region's work pool.
 
 Both restart a worker under the one policy (``Restarts``) and answer the launcher
 through one interface (``LaunchMode``): ``start`` a worker, start a ``stand_by`` beside a
@@ -15,7 +15,7 @@ stalled syncer, ``interrupt`` every worker (each checkpoints), ``reap`` what is 
 ``close``, and the deaths the monitor shows. A mode holds all of its launch's state (its
 processes, their starts and deaths, the run secret, the spares), none of it at module
 level: two launches in one process never share any, and a new way to launch is one
-class here.
+class in a file of its own and its name in ``flows.launch_modes``.
 """
 
 from __future__ import annotations
@@ -23,22 +23,18 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
-import subprocess
 import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from diloco.config import ConfigError, RunConfig
-from flows import memory
-from flows.observe import PARENT_FLOW_RUN_ENV, PARENT_TASK_RUN_ENV, crash_linked, parent_env
-from flows.spares import Spares
-from flows.worker import API_DOWN, PARENT_ENV, api_away, prefect_api_reachable
+from diloco.config import RunConfig
+from flows.observe import PARENT_FLOW_RUN_ENV, PARENT_TASK_RUN_ENV, crash_linked
+from flows.worker import PARENT_ENV, api_away, prefect_api_reachable
 from flows.workers import Status, Worker
-from infra.processes import read_pids, stop_leftovers, write_pids
-from protocol.topology import LEARNER_PREFIX, home_region
+from infra.processes import read_pids, stop_leftovers
+from protocol.topology import LEARNER_PREFIX
 from storage_layout import faults
 from storage_layout.auth import (
     CLAIMS_KEY_ENV,
@@ -77,19 +73,19 @@ class ApiDown(RuntimeError):
 # Prefect is imported on first use, not with this module: ``diloco train`` picks its launch
 # mode (``launch_mode``) before PREFECT_HOME points at the run, and Prefect reads its
 # settings when it is first imported.
-def _api_url() -> str | None:
+def api_url() -> str | None:
     from prefect.settings import PREFECT_API_URL
 
     return PREFECT_API_URL.value()
 
 
-def _run_log() -> Any:
+def run_log() -> Any:
     from prefect import get_run_logger
 
     return get_run_logger()
 
 
-def _task(fn: Any, **names: str) -> Any:
+def as_task(fn: Any, **names: str) -> Any:
     from prefect import task
     from prefect.cache_policies import NO_CACHE
 
@@ -118,7 +114,7 @@ def child_env(
         env[faults.ENV_VAR] = json.dumps({**plan, "salt": f"{worker}/{start}"})
     env["PYTHONUNBUFFERED"] = "1"
     env[PARENT_ENV] = str(os.getpid())  # a worker dies with its launcher (flows.worker)
-    url = _api_url()
+    url = api_url()
     if url:
         env["PREFECT_API_URL"] = url
     if secret is not None:
@@ -142,7 +138,7 @@ def wait_for_api(
     towards giving a worker up. After ``API_PATIENCE`` seconds unreachable the wait ends
     in an error naming the API (the run then ends with its summary rather than waiting
     for ever)."""
-    url = _api_url()
+    url = api_url()
     if prefect_api_reachable(url):
         if exc is None or not api_away(exc):
             return False
@@ -268,16 +264,16 @@ class Restarts:
         self.delay = min(60.0, self.delay * 2)
 
 
-def _crash_flow_runs(name: str, env: dict[str, str], why: str) -> None:
+def crash_flow_runs(name: str, env: dict[str, str], why: str) -> None:
     """The flow runs a worker process left unfinished as it died, Crashed with ``why``
     (``observe.crash_linked``); the UI would show them running for ever."""
     try:
         crash_linked(env, name, why)
     except Exception as exc:  # for people: a supervisor never stops for it
-        _run_log().warning("could not mark %s's flow run Crashed: %s", name, exc)
+        run_log().warning("could not mark %s's flow run Crashed: %s", name, exc)
 
 
-def _log_name(name: str) -> str:
+def log_name(name: str) -> str:
     return f"{name.replace(' ', '-').replace('/', '-')}.log"
 
 
@@ -345,304 +341,5 @@ class LaunchMode:
     def restarts(
         self, name: str, store: RunStore, status: Status, unit: str = "starts"
     ) -> Restarts:
-        return Restarts(name, store, status, self.limit, _run_log(), self.stopping, unit,
+        return Restarts(name, store, status, self.limit, run_log(), self.stopping, unit,
                         self.deaths)  # fmt: skip
-
-
-class Processes(LaunchMode):
-    """Each worker a process beside the launcher (``Worker.argv``), its output in
-    ``logs/NAME.log``. A process that dies (a crash, a SIGKILL, a region that stays down)
-    fails its ``start`` task run and is started again under ``Restarts``; the new process
-    resumes from the buckets. The learners get their keys from ``secret`` (``child_env``),
-    the workers run under ``fault_env`` if given, and ``spares`` processes wait warm to
-    be taken (``flows.spares``). The pids of the live workers are kept in
-    ``logs/pids.json`` (``stop_predecessors``)."""
-
-    local = True
-
-    @classmethod
-    def for_launch(cls, run: str, regions: dict[str, str], cfg: RunConfig, logs: Path,
-                   stopping: threading.Event, log: Any, secret: str | None,
-                   fault_plan: faults.FaultPlan | None) -> LaunchMode:  # fmt: skip
-        logs.mkdir(parents=True, exist_ok=True)
-        stop_predecessors(logs / "pids.json", log)  # what a launcher that died left running
-        return cls(run, regions, cfg.pipeline.max_failed_starts, logs, stopping, secret,
-                   fault_plan.to_env() if fault_plan else None, cfg.pipeline.spares)  # fmt: skip
-
-    def __init__(
-        self,
-        run: str,
-        regions: dict[str, str],
-        limit: int,
-        logs: Path,
-        stopping: threading.Event | None = None,
-        secret: str | None = None,
-        fault_env: dict[str, str] | None = None,
-        spares: int = 0,
-    ):
-        super().__init__(run, regions, limit, stopping)
-        self.logs, self.secret, self.fault_env = Path(logs), secret, fault_env
-        self.children: set[subprocess.Popen] = set()
-        self.workers: dict[str, subprocess.Popen] = {}  # writer id -> its live process
-        self.starts: Counter[str] = Counter()  # writer id -> processes started
-        self.pids = self.logs / "pids.json"
-        home = next(iter(regions))
-        warm = {"run": run, "bucket": regions[home], "region": home}
-        self.spares = (
-            Spares(spares, self.logs / "spares.log", child_env(), warm) if spares else None
-        )
-        self.supervise = _task(self._supervise, name="worker", task_run_name="{name}")
-        self.run_process = _task(self._run_process, name="process", task_run_name="start {name}")
-
-    def start(self, worker: Worker) -> Any:
-        path = str(self.logs / _log_name(worker.name))
-        return self.supervise.submit(worker.name, worker.argv(), path, worker.status)
-
-    def stand_by(self, worker: Worker) -> tuple[str, Any] | None:
-        label = f"{worker.name} {STAND_BY}"
-        path = str(self.logs / _log_name(label))
-        return label, self.supervise.submit(label, worker.argv(), path, worker.status)
-
-    def _supervise(self, name: str, argv: list[str], log_path: str, status: Status) -> int:
-        """Keep one worker process running until it ends its work, under ``Restarts``."""
-        store = RunStore(self.run, self.regions, home_region(self.regions), writer="launcher")
-        restarts = self.restarts(name, store, status)
-        while not self.stopping.is_set():
-            restarts.start()
-            try:
-                return self.run_process(name, argv, log_path, status[0])
-            except Killed as exc:
-                if self.stopping.is_set():
-                    return 130
-                restarts.lost(str(exc).splitlines()[0], exc.lived)
-            except Exception as exc:
-                if self.stopping.is_set():
-                    return 130
-                if not restarts.api_waited(exc):  # (one that failed on the API goes again)
-                    restarts.crashed(str(exc), exc)
-        return 130
-
-    def _run_process(self, name: str, argv: list[str], log_path: str, worker: str) -> int:
-        """Run one worker process (``worker``: its writer id, a learner's or ``syncer-N``)
-        to its end; a non-zero exit fails the task run."""
-        if self.stopping.is_set():
-            return 130
-        key = name if name.endswith(STAND_BY) else worker or name  # (a stand-by: its own)
-        with self.lock:
-            self.starts[key] += 1
-            start = self.starts[key]
-        # parent_env(): the process's flow runs are linked as subflows of this task run
-        env = {**child_env(self.run, worker, self.secret, start, self.fault_env), **parent_env()}
-        proc, warm = (self.spares or Spares(0, log_path, env)).take(argv, log_path, env)
-        started = time.monotonic()
-        watch = memory.Watch(proc.pid, started)  # why it died, should a signal end it
-        _run_log().info("%s started (pid %d%s); its output goes to %s", name, proc.pid,
-                              ", a spare" if warm else "", log_path)  # fmt: skip
-        with self.lock:
-            self.children.add(proc)
-            self.workers[key] = proc
-            self._record_pids()
-        try:
-            code = memory.wait(proc, watch)
-        finally:
-            with self.lock:
-                self.children.discard(proc)
-                if self.workers.get(key) is proc:
-                    del self.workers[key]
-        if code == 0 or self.stopping.is_set():
-            return code
-        tail = Path(log_path).read_text(errors="replace")[-800:]
-        if code == API_DOWN:
-            raise ApiDown(f"{name} could not reach the Prefect API (exit status {code}); log "
-                          f"{log_path}:\n{tail}")  # fmt: skip
-        why, oom = watch.death(code) if code < 0 else (f"exited with status {code}", False)
-        _crash_flow_runs(name.removesuffix(f" {STAND_BY}"), env, f"its process ended: {why}")
-        if code < 0:
-            with self.lock:
-                self.deaths[worker or name] = (time.time(), OOM_KILLED if oom else "killed")
-                self.oom_kills[worker or name] += oom
-            if oom:  # it would be again: a crash, so that a loop of them is given up by name
-                raise RuntimeError(f"{name} was {why}; log {log_path}:\n{tail}")
-            raise Killed(f"{name} was {why}; log {log_path}:\n{tail}",
-                         lived=time.monotonic() - started)  # fmt: skip
-        raise RuntimeError(f"{name} exited with status {code}; log {log_path}:\n{tail}")
-
-    def _record_pids(self) -> None:
-        """Keep the pids of the live workers (and the spares' zygote) in ``pids.json``, so
-        that a launcher of the run that starts after this one died can stop what it left
-        (``stop_predecessors``). Called with ``lock`` held."""
-        pids = {name: p.pid for name, p in self.workers.items() if p.poll() is None}
-        if self.spares is not None and self.spares.zygote is not None:
-            pids["zygote"] = self.spares.zygote.proc.pid
-        pids[PARENT_ENV] = os.getpid()  # (each of them has it in its environment)
-        try:
-            write_pids(self.pids, pids)
-        except OSError as exc:
-            log.warning("could not record the workers' pids in %s: %s", self.pids, exc)
-
-    def interrupt(self) -> None:
-        """Send SIGINT to every live worker (each checkpoints and ends)."""
-        self.stopping.set()
-        with self.lock:
-            procs = list(self.children)
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                proc.send_signal(signal.SIGCONT)  # one paused by the chaos driver must hear it
-
-    def reap(self, timeout: float = STOP_SECONDS) -> None:
-        """Wait for the workers already asked to stop, ``timeout`` seconds in all, then kill
-        what is left: a worker that has checkpointed may still wait minutes on a Prefect
-        API that is gone to record its flow run's end. (No second SIGINT: it could
-        interrupt a checkpoint being written.)"""
-        with self.lock:
-            procs = list(self.children)
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-    def live(self) -> dict[str, int]:
-        with self.lock:
-            return {name: p.pid for name, p in self.workers.items() if p.poll() is None}
-
-    def close(self) -> None:
-        if self.spares is not None:
-            self.spares.close()
-            self.spares = None
-
-
-class Deployments(LaunchMode):
-    """Each worker as flow runs of its region's deployment (``Worker.deployment``, its
-    parameters ``Worker.params``), one after another until the worker's status object in
-    the bucket says ``done``, each resuming from the buckets; a flow run that does not
-    complete is a crash under ``Restarts``. Stopping cancels the flow runs in progress.
-    A launcher that dies otherwise leaves them going, and the next one adopts them
-    (``left_running``) rather than start a second of each."""
-
-    outlives_launcher = True
-
-    @classmethod
-    def for_launch(cls, run: str, regions: dict[str, str], cfg: RunConfig, logs: Path,
-                   stopping: threading.Event, log: Any, secret: str | None,
-                   fault_plan: faults.FaultPlan | None) -> LaunchMode:  # fmt: skip
-        return cls(run, regions, cfg.pipeline.max_failed_starts, stopping)
-
-    def __init__(self, run: str, regions: dict[str, str], limit: int,
-                 stopping: threading.Event | None = None):  # fmt: skip
-        super().__init__(run, regions, limit, stopping)
-        self.flow_runs: set[Any] = set()  # ids of the flow runs in progress
-        self.supervise = _task(self._supervise, name="deployment", task_run_name="run {name}")
-
-    def start(self, worker: Worker) -> Any:
-        return self.supervise.submit(worker.name, worker.deployment, worker.params,
-                                     worker.tags(self.run), worker.status)  # fmt: skip
-
-    def _supervise(
-        self, name: str, deployment: str, parameters: dict[str, Any], tags: list[str],
-        status: Status,
-    ) -> int:  # fmt: skip
-        from prefect.deployments import run_deployment
-
-        writer, region, _ = status
-        store = RunStore(self.run, self.regions, region, writer="launcher")
-        home = RunStore(self.run, self.regions, home_region(self.regions), writer="launcher")
-        log = _run_log()
-        restarts = self.restarts(name, home, status, unit="flow runs")
-        adopting = True  # the first start looks for a flow run left going
-        while not self.stopping.is_set():
-            restarts.start()
-            try:
-                flow_run = self.left_running(parameters) if adopting else None
-                if flow_run is not None:
-                    log.info("%s: adopting its flow run %s (%s), left going by an earlier "
-                             "launcher", name, flow_run.name, flow_run.id)  # fmt: skip
-                # as_subflow: linked under this task run, in the launcher's flow run
-                flow_run = flow_run or run_deployment(deployment, parameters=parameters,
-                                                      tags=tags, timeout=0, as_subflow=True)  # fmt: skip
-            except Exception as exc:
-                if restarts.api_waited(exc):  # (no flow run: nothing counts)
-                    continue
-                raise
-            adopting = False
-            self.flow_runs.add(flow_run.id)
-            try:
-                state = self._wait_flow_run(flow_run.id, name, log)
-            finally:
-                self.flow_runs.discard(flow_run.id)
-            if store.progress.done(writer):
-                return 0
-            if self.stopping.is_set():
-                return 130
-            if not state.is_completed():
-                restarts.crashed(f"flow run ended {state.name}", ended=f"ended {state.type.value}")
-        return 130
-
-    def left_running(self, parameters: dict[str, Any]) -> Any:
-        """The flow run of the worker ``parameters`` name (its region and index, or its
-        home and shard) that a deployment started for this run and that is still
-        scheduled, pending or running (an earlier launcher's, which died), or None."""
-        from prefect.client.orchestration import get_client
-        from prefect.client.schemas.filters import (
-            FlowRunFilter,
-            FlowRunFilterDeploymentId,
-            FlowRunFilterState,
-            FlowRunFilterStateType,
-            FlowRunFilterTags,
-        )
-        from prefect.client.schemas.objects import StateType
-
-        who = {k: parameters[k] for k in ("region", "index", "home", "shard") if k in parameters}
-        going = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING]
-        found = FlowRunFilter(
-            tags=FlowRunFilterTags(all_=[f"run:{self.run}"]),
-            deployment_id=FlowRunFilterDeploymentId(is_null_=False),
-            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=going)),
-        )
-        with get_client(sync_client=True) as client:
-            runs = client.read_flow_runs(flow_run_filter=found, limit=200)
-        mine = [r for r in runs if all(r.parameters.get(k) == v for k, v in who.items())]
-        return mine[0] if mine else None
-
-    def _wait_flow_run(self, flow_run_id: Any, name: str, log: Any, poll: float = 2.0) -> Any:
-        """The final state of a flow run; while the API is unreachable, waits for it."""
-        from prefect.client.orchestration import get_client
-
-        with get_client(sync_client=True) as client:
-            while True:
-                try:
-                    state = client.read_flow_run(flow_run_id).state
-                except Exception as exc:
-                    if wait_for_api(name, log, self.stopping, exc=exc):
-                        continue
-                    raise
-                if state is not None and state.is_final():
-                    return state
-                time.sleep(poll)
-
-    def reap(self, timeout: float = STOP_SECONDS) -> None:
-        """Ask the work pools' workers to cancel the flow runs this launch started (not
-        with the API unreachable: its client would retry for minutes)."""
-        from prefect.client.orchestration import get_client
-        from prefect.states import Cancelling
-
-        if not self.flow_runs or not prefect_api_reachable(_api_url()):
-            return
-        with get_client(sync_client=True) as client:
-            for flow_run_id in list(self.flow_runs):
-                client.set_flow_run_state(flow_run_id, Cancelling(), force=True)
-
-
-# The launch modes by name (``train --via``, the train flow's ``via``): a new one is a
-# class above and an entry here.
-LAUNCH_MODES: dict[str, type[LaunchMode]] = {"processes": Processes, "deployments": Deployments}
-Via = Literal[tuple(LAUNCH_MODES)]  # (the train flow's parameter: Prefect checks it)
-
-
-def launch_mode(via: str) -> type[LaunchMode]:
-    """The launch mode named ``via``; ``ConfigError`` naming the modes if there is none."""
-    if via not in LAUNCH_MODES:
-        raise ConfigError(f"via must be one of {', '.join(LAUNCH_MODES)}, not {via!r}")
-    return LAUNCH_MODES[via]

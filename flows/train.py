@@ -22,8 +22,8 @@ from rich.table import Table
 
 from diloco.config import ConfigError, RunConfig
 from flows.display import open_display
+from flows.launch_modes import launch_mode
 from flows.observe import human_bytes, train_summary_rows
-from flows.supervision import launch_mode
 from protocol.topology import (
     SLOT_EVERYWHERE,
     deal_learners,
@@ -254,6 +254,7 @@ def _train(opened: Run, root: Path, via: str, launches: list[Launch]) -> int:
 
             from flows import launcher  # (Prefect: its settings are the run's from here)
             from flows.monitor import RunStalled, StorageUnreachable
+            from flows.watch import flush_prefect
 
             launch = launcher.Launch(opened)
             launches.append(launch)
@@ -282,7 +283,7 @@ def _train(opened: Run, root: Path, via: str, launches: list[Launch]) -> int:
                 if (summary := _unrecorded(launch, exc, api_url, run)) is None:
                     return 130 if interrupted else 1
             finally:
-                launcher.flush_prefect()
+                flush_prefect()
                 launcher.LAUNCH.reset(token)
     return _report(summary, opened, root, time.perf_counter() - started, external)
 
@@ -308,7 +309,7 @@ def _unrecorded(launch: Launch, exc: Exception, api_url: str, run: str) -> dict 
 
 def _report(summary: dict, opened: Run, root: Path, wall: float, external: str | None) -> int:
     """The run's end: its summary kept and shown, where to look next; the exit status."""
-    from flows.launcher import first_line
+    from flows.watch import first_line
 
     run, regions = opened.name, opened.regions
     root.mkdir(parents=True, exist_ok=True)

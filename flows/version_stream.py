@@ -30,6 +30,7 @@ from diloco.config import TopologyConfig
 from diloco.tensors import TensorMeta, Tensors, pieces
 from diloco.transport import downlink_piece
 from protocol.quantize import QuantizedTensor, dequantize
+from storage_layout.chunks import ObjectSink
 from storage_layout.codec import CHUNK, GroupWriter, root_objects
 from storage_layout.commit import (
     CommitConflict,
@@ -39,7 +40,7 @@ from storage_layout.commit import (
     new_write_id,
 )
 from storage_layout.store import RunStore
-from storage_layout.stream import ObjectSink, VersionReader
+from storage_layout.stream import VersionReader
 from storage_layout.versions import PublishReport
 
 log = logging.getLogger(__name__)

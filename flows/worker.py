@@ -188,7 +188,7 @@ def follow(flow_run_id: str | None = None) -> int:
 
 
 class WarmUp:
-    """A spare's warm-up for a learner of the run (``flows.learner.warm_up``) in a thread
+    """A spare's warm-up for a learner of the run (``flows.learner_runtime.warm_up``) in a thread
     of its own, so that a job that comes first does not wait for it. A spare that becomes
     a syncer ends it at its next step (``not_needed``): it compiles no learner's step it
     would never run (seconds of a core, beside the learners starting on it)."""
@@ -206,10 +206,10 @@ class WarmUp:
             raise self.Stopped
 
     def _run(self, warm: dict[str, str]) -> None:
-        import flows.learner
+        from flows.learner_runtime import warm_up
 
         try:
-            flows.learner.warm_up(**warm, go_on=self._go_on)
+            warm_up(**warm, go_on=self._go_on)
         except self.Stopped:
             pass
         except Exception as exc:  # a spare that could not warm up still serves, cold
@@ -270,76 +270,97 @@ def zygote() -> int:
     Why by hand: ``multiprocessing``'s fork server imports in the launcher's environment,
     not the worker's (Prefect reads its settings at import), gives its children no
     stdin, and ends them with ``os._exit``, which skips Prefect's flush of their logs."""
-    import selectors
-
     import flows.learner
     import flows.syncer  # noqa: F401
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the workers: report them
-    answers = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # stray prints go to the zygote's log, not into the answers
-    jobs: dict[int, int] = {}  # spare -> the write end of its stdin, until its job is given
-    children: dict[int, int] = {}  # pid -> spare
-    sel = selectors.DefaultSelector()
-    sel.register(0, selectors.EVENT_READ)
-    pending, reading = b"", True
+    server = _ForkServer()
+    pending = b""
+    while server.reading or server.children:
+        if server.reading and server.sel.select(timeout=0.05):
+            chunk = os.read(0, 1 << 16)
+            if not chunk:
+                server.stop_reading()
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                msg = json.loads(line)
+                if "job" in msg:
+                    server.give(msg["job"], (msg["line"].rstrip("\n") + "\n").encode())
+                elif server.fork(msg) == 0:  # the spare
+                    return standby(msg.get("warm"))
+        elif not server.reading:
+            time.sleep(0.05)
+        server.reap()
+    return 0
 
-    def answer(**msg: object) -> None:
+
+class _ForkServer:
+    """The zygote's bookkeeping: its answers (stdout, the launcher's), each spare's stdin
+    until its job is given, and its children."""
+
+    def __init__(self) -> None:
+        import selectors
+
+        self.answers = os.fdopen(os.dup(1), "w", buffering=1)
+        os.dup2(2, 1)  # stray prints go to the zygote's log, not into the answers
+        self.jobs: dict[int, int] = {}  # spare -> the write end of its stdin, until its job
+        self.children: dict[int, int] = {}  # pid -> spare
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(0, selectors.EVENT_READ)
+        self.reading = True
+
+    def answer(self, **msg: object) -> None:
         with contextlib.suppress(OSError):  # the launcher is gone: nobody to tell
-            answers.write(json.dumps(msg) + "\n")
+            self.answers.write(json.dumps(msg) + "\n")
 
-    def give(spare: int, line: bytes) -> None:
-        fd = jobs.pop(spare, None)
+    def give(self, spare: int, line: bytes) -> None:
+        fd = self.jobs.pop(spare, None)
         if fd is None:
             return
         with contextlib.suppress(OSError):  # it ended before its job: reported as it exits
             os.write(fd, line)
         os.close(fd)
 
-    while reading or children:
-        if reading and sel.select(timeout=0.05):
-            chunk = os.read(0, 1 << 16)
-            if not chunk:
-                reading = False
-                for spare in list(jobs):
-                    give(spare, b"")  # idle spares end quietly
-            pending += chunk
-            while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
-                msg = json.loads(line)
-                if "job" in msg:
-                    give(msg["job"], (msg["line"].rstrip("\n") + "\n").encode())
-                    continue
-                read_end, write_end = os.pipe()
-                zygote_pid = os.getpid()
-                pid = os.fork()
-                if pid == 0:  # the spare: its own stdin and log, the default Ctrl-C
-                    die_with_parent(signal.SIGTERM, zygote_pid)  # (a fork clears it)
-                    os.dup2(read_end, 0)
-                    for fd in (read_end, write_end, *jobs.values()):
-                        os.close(fd)
-                    answers.close()
-                    sel.close()
-                    fd = os.open(msg["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-                    os.dup2(fd, 1)
-                    os.dup2(fd, 2)
-                    os.close(fd)
-                    signal.signal(signal.SIGINT, signal.default_int_handler)
-                    return standby(msg.get("warm"))
-                os.close(read_end)
-                jobs[msg["spawn"]], children[pid] = write_end, msg["spawn"]
-                answer(spawned=msg["spawn"], pid=pid)
-        elif not reading:
-            time.sleep(0.05)
-        while children:
+    def stop_reading(self) -> None:
+        self.reading = False
+        for spare in list(self.jobs):
+            self.give(spare, b"")  # idle spares end quietly
+
+    def fork(self, msg: dict[str, Any]) -> int:
+        """Fork spare ``msg["spawn"]``: 0 in the spare (its own stdin and log, the default
+        Ctrl-C), its pid in the zygote."""
+        read_end, write_end = os.pipe()
+        zygote_pid = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            die_with_parent(signal.SIGTERM, zygote_pid)  # (a fork clears it)
+            os.dup2(read_end, 0)
+            for fd in (read_end, write_end, *self.jobs.values()):
+                os.close(fd)
+            self.answers.close()
+            self.sel.close()
+            fd = os.open(msg["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            return 0
+        os.close(read_end)
+        self.jobs[msg["spawn"]], self.children[pid] = write_end, msg["spawn"]
+        self.answer(spawned=msg["spawn"], pid=pid)
+        return pid
+
+    def reap(self) -> None:
+        """Answer each spare that ended."""
+        while self.children:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
-                break
-            spare = children.pop(pid, None)
+                return
+            spare = self.children.pop(pid, None)
             if spare is not None:
-                give(spare, b"")
-                answer(exit=spare, code=os.waitstatus_to_exitcode(status))
-    return 0
+                self.give(spare, b"")
+                self.answer(exit=spare, code=os.waitstatus_to_exitcode(status))
 
 
 PARENT_ENV = "DILOCO_PARENT_PID"  # the launcher's pid, as it starts a worker

@@ -12,7 +12,7 @@ infra.automations` on any other).
   ``train/REGION`` deployments) that ends Crashed is run again from its deployment with
   its own parameters, ``RESUME_AFTER`` later: by then the dead launcher's lease on the
   run has gone stale (``flows.run_lock``), the new one takes the run over and adopts the
-  learners and syncers still going (``flows.supervision.Deployments.left_running``). A
+  learners and syncers still going (``flows.launch_deployments.Deployments.left_running``). A
   launcher that ends Failed (a worker given up) or Cancelled (stopped) is left as it is.
 
 This is Prefect's own machinery (events, automations, deployments), not a loop of ours;

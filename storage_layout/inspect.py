@@ -13,9 +13,9 @@ from typing import Any
 from storage_layout.bucket import Bucket, BucketError
 from storage_layout.commit import REVOKED, CorruptVersion, read_marker
 from storage_layout.layout import RunLayout, parse_marker_name
-from storage_layout.progress import sum_traffic
 from storage_layout.store import RunStore
 from storage_layout.stream import verify_version
+from storage_layout.traffic import sum_traffic
 
 
 def find_runs(bucket: Bucket) -> list[str]:

@@ -234,7 +234,7 @@ class RunLayout:
 
     def units_offered(self, claim: str) -> str:
         """A span of another region's pool offered to this region's learners by a syncer
-        (that region had no learner in it: ``flows.ledger.UnitOffers``), written once;
+        (that region had no learner in it: ``flows.unit_offers.UnitOffers``), written once;
         ``claim``, ``from-{region}-{its claim there}``, is taken like a span given back
         (``units_returned``); a claim's base."""
         return f"{self.units_offered_folder()}/{check_name('claim', claim)}"

@@ -16,9 +16,9 @@ from pydantic import Field
 from protocol.quantize import QuantizedTensor, quantize
 from storage_layout import record
 from storage_layout.bucket import Bucket, PartialFailure, Refused
+from storage_layout.chunks import ObjectSink
 from storage_layout.commit import CommitMarker, commit_marker, get_patiently
 from storage_layout.record import Name, Record, Time
-from storage_layout.stream import ObjectSink
 
 if TYPE_CHECKING:
     from storage_layout.store import RunStore

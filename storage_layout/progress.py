@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field
@@ -40,18 +40,6 @@ class Status(Record):
     bytes_up: Amount = 0
     bytes_down: Amount = 0
     rejected: list[Any] = Field(default_factory=list)
-
-
-def sum_traffic(statuses: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
-    """Bytes and requests per region pair (``source->destination``), summed over status
-    records (each checked as a ``Status``), largest first."""
-    out: dict[str, dict[str, int]] = {}
-    for status in statuses:
-        for pair, t in (status.get("traffic") or {}).items():
-            acc = out.setdefault(pair, {"bytes": 0, "requests": 0})
-            acc["bytes"] += int(t.get("bytes", 0))
-            acc["requests"] += int(t.get("requests", 0))
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]["bytes"]))
 
 
 STATUS_BYTES = 1 << 20  # a status holds a few dozen fields and a traffic table

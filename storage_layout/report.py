@@ -21,150 +21,24 @@ Results are plain dicts and lists (no pandas), so a notebook cell only plots the
 
 from __future__ import annotations
 
-import functools
 import json
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from protocol.topology import run_slots
 from storage_layout import record
-from storage_layout.audit import OUTCOMES, AuditReport, decide_outcomes, sent_from_meta
-from storage_layout.bucket import Bucket, BucketError
-from storage_layout.commit import REVOKED, CorruptVersion, read_marker
-from storage_layout.inspect import find_runs
-from storage_layout.layout import RunLayout, parse_marker_name
+from storage_layout.audit import decide_outcomes, sent_from_meta
+from storage_layout.audit_report import OUTCOMES, AuditReport
+from storage_layout.bucket import BucketError
+from storage_layout.commit import REVOKED, CorruptVersion
+from storage_layout.layout import parse_marker_name
 from storage_layout.members import Generation
-from storage_layout.progress import sum_traffic
 from storage_layout.retention import read_ledger
-from storage_layout.store import RunStore
+from storage_layout.run_view import Run, open_run, read_markers
+from storage_layout.traffic import sum_traffic
 
 UNIX = 1e9  # a record time above this is Unix time (the pipeline), below simulated seconds
-READERS = 16  # markers read at once (one GET each)
-
-
-@dataclass
-class Run:
-    """A run opened for reading: its name, region -> bucket URL read, its spec, a store
-    whose own region is the first bucket given, the regions that could be reached, and
-    what could not be read (filled as the readers below go)."""
-
-    name: str
-    regions: dict[str, str]
-    spec: dict[str, Any]
-    store: RunStore
-    reachable: list[str]
-    problems: list[str]
-
-    @functools.cached_property
-    def learners(self) -> dict[str, str]:
-        """The spec's slots and the learners joiners added (``RunStore.members.run_learners``);
-        what cannot be read is a problem named, and the learners that can be are shown."""
-        try:
-            slots = run_slots(self.spec)
-        except ValueError as exc:  # a damaged spec: the report goes on without learners
-            self.problems.append(f"cannot read the run's learner slots: {exc}")
-            return {}
-        try:
-            return self.store.members.run_learners(self.spec, regions=self.reachable).regions
-        except (OSError, ValueError) as exc:
-            self.problems.append(f"cannot read the learners added to the run: {exc}")
-            return slots
-
-    @property
-    def fragments(self) -> int:
-        return len(self.spec.get("fragments") or [])
-
-
-def _same_url(a: str, b: str) -> bool:
-    """Whether two bucket URLs name the same place (``file://`` and plain paths alike)."""
-
-    def norm(u: str) -> str:
-        u = u.rstrip("/")
-        if "://" not in u:
-            return str(Path(u).resolve())
-        return str(Path(u.removeprefix("file://")).resolve()) if u.startswith("file://") else u
-
-    return norm(a) == norm(b)
-
-
-def parse_buckets(buckets: str | Sequence[str] | Mapping[str, str]) -> list[tuple[str | None, str]]:
-    """``"URL"``, ``["us=URL", "URL", ...]`` or ``{"us": URL}`` as (region or None, URL)."""
-    if isinstance(buckets, Mapping):
-        return [(str(r), str(u)) for r, u in buckets.items()]
-    items = [buckets] if isinstance(buckets, str) else list(buckets)
-    out: list[tuple[str | None, str]] = []
-    for item in items:
-        region, sep, url = str(item).partition("=")
-        # A bare URL may hold '=' in its query, never before '://'.
-        if not sep or "://" in region or "/" in region:
-            out.append((None, str(item)))
-        else:
-            out.append((region, url))
-    if not out:
-        raise ValueError("no bucket given")
-    return out
-
-
-def open_run(buckets: str | Sequence[str] | Mapping[str, str], run: str | None = None) -> Run:
-    """Open ``run`` (the only run in the first bucket when None) for reading.
-
-    ``buckets`` names one or more of the run's buckets, as a URL (its region is found by
-    its URL in the run's spec) or ``REGION=URL`` (a copy somewhere else). Regions not
-    given are read at the URLs in the spec, as ``diloco inspect --audit`` does."""
-    given = parse_buckets(buckets)
-    first_region, first_url = given[0]
-    probe = Bucket(first_url, region=first_region or "report")
-    if run is None:
-        runs = find_runs(probe)
-        if len(runs) != 1:
-            raise ValueError(f"{first_url} holds runs {runs}; name one (run = ...)")
-        run = runs[0]
-    RunLayout(run)  # a valid name, or a clear error
-    spec = RunStore(run, {probe.region: first_url}, probe.region, writer="report").read_spec()
-    urls = dict(spec.get("regions") or {})
-    resolved = []
-    for region, url in given:
-        if region is None:
-            region = next((r for r, u in urls.items() if _same_url(u, url)), None)
-            if region is None:
-                raise ValueError(
-                    f"{url} is not one of run {run!r}'s buckets {urls}; "
-                    "give it as REGION=URL if it is a copy"
-                )
-        elif region not in urls:
-            raise ValueError(f"run {run!r} has no region {region!r}; it has {sorted(urls)}")
-        resolved.append(region)
-        urls[region] = url
-    home = resolved[0]
-    store = RunStore(run, urls, home, writer="report")
-    reachable, problems = [], []
-    for region in urls:  # once: a region that is down is not asked again
-        try:
-            store.bucket(region)
-            reachable.append(region)
-        except BucketError as exc:
-            problems.append(str(exc))
-    return Run(run, urls, spec, store, reachable, problems)
-
-
-def _markers(bucket: Bucket, keys: list[str], problems: list[str]) -> dict[str, Any]:
-    """key -> its commit marker, read in parallel; unreadable ones are named in
-    ``problems`` and left out."""
-
-    def read(key: str) -> Any:
-        try:
-            return read_marker(bucket, key)
-        except (CorruptVersion, OSError) as exc:
-            problems.append(f"{bucket.region}: {key}: {exc}")
-            return None
-
-    with ThreadPoolExecutor(READERS) as pool:
-        found = dict(zip(keys, pool.map(read, keys), strict=True))
-    return {k: m for k, m in found.items() if m is not None}
 
 
 # global versions -------------------------------------------------------------------
@@ -182,7 +56,7 @@ def versions(run: Run) -> list[dict[str, Any]]:
         listed = {r: store.versions.global_versions(p, r) for r in reachable}
         region = max(listed, key=lambda r: (len(listed[r]), r == store.client_region))
         keys = [store.layout.global_marker(p, v) for v in listed.get(region, [])]
-        markers = _markers(store.bucket(region), keys, run.problems)
+        markers = read_markers(store.bucket(region), keys, run.problems)
         by_version: dict[int, dict[str, Any]] = {}
         for key, marker in markers.items():
             meta = dict(marker.meta)
@@ -285,7 +159,7 @@ def contributions(
             bucket = store.bucket(region)
             keys = [store.layout.contribution_marker(learner, p, s)
                     for s in store.contributions.contribution_seqs(learner, p, region)]  # fmt: skip
-            for marker in _markers(bucket, keys, run.problems).values():
+            for marker in read_markers(bucket, keys, run.problems).values():
                 if marker.kind == REVOKED:  # a key a syncer held: nothing was sent
                     continue
                 m = dict(marker.meta)

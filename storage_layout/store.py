@@ -43,7 +43,7 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from storage_layout.auth import SecretMismatch, claim_tag, seal, seal_key, secret_fingerprint
-from storage_layout.bucket import Bucket, BucketError, Traffic
+from storage_layout.bucket import Bucket, BucketError
 from storage_layout.checkpoints import Checkpoints
 from storage_layout.commit import CorruptVersion, patiently, writer_identity
 from storage_layout.contributions import Contributions
@@ -60,6 +60,7 @@ from storage_layout.members import Members
 from storage_layout.part import read_json, read_or_none
 from storage_layout.progress import Progress
 from storage_layout.record import Record, Time, Tokens
+from storage_layout.traffic import Traffic
 from storage_layout.unit_claims import Units
 from storage_layout.versions import Versions
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from protocol.quantize import QuantizedTensor, quantize
+from storage_layout.chunks import ObjectSink
 from storage_layout.codec import encode
 from storage_layout.commit import (
     CommitConflict,
@@ -28,7 +29,7 @@ from storage_layout.commit import (
 )
 from storage_layout.part import Part, fp32
 from storage_layout.reading import decoded_pieces, named_damage, read_decoded
-from storage_layout.stream import PARALLEL, ObjectSink, VersionReader, checked_object
+from storage_layout.stream import PARALLEL, VersionReader, checked_object
 
 log = logging.getLogger(__name__)
 

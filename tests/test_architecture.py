@@ -135,9 +135,9 @@ def test_each_package_names_its_public_api_and_loads_it_only_when_used():
     imports none of its heavy modules (``diloco inspect`` and the notebook kernel must
     not load JAX by importing ``storage_layout``)."""
     code = (
-        "import sys, diloco, flows, storage_layout, protocol\n"
+        "import sys, diloco, flows, storage_layout, protocol, infra\n"
         "assert 'jax' not in sys.modules and 'prefect' not in sys.modules, 'loaded'\n"
-        "for p in (diloco, flows, storage_layout, protocol):\n"
+        "for p in (diloco, flows, storage_layout, protocol, infra):\n"
         "    assert p.__all__, p\n"
         "    for n in p.__all__: getattr(p, n)\n"
     )
@@ -147,7 +147,7 @@ def test_each_package_names_its_public_api_and_loads_it_only_when_used():
 # What in ``diloco`` touches files, sockets or processes: the config file and the corpus
 # (docs/architecture.md: "its only I/O is reading the corpus").
 IO_MODULES = {"fsspec", "subprocess", "socket", "urllib", "tempfile", "shutil", "os", "pathlib"}
-DILOCO_IO = {"diloco/config.py", "diloco/data.py", "diloco/dataset.py"}
+DILOCO_IO = {"diloco/config/run.py", "diloco/data.py", "diloco/dataset.py", "diloco/prepare.py"}
 
 
 def test_diloco_reads_its_config_and_corpus_and_nothing_else():

@@ -13,7 +13,8 @@ import pytest
 from pydantic import BaseModel
 
 from diloco.config import RunConfig
-from flows.cli import INSPECT_LEGEND, build_parser, config_rows, main, package_version
+from flows.cli import build_parser, config_rows, main, package_version
+from flows.cli_buckets import INSPECT_LEGEND
 from storage_layout.store import RunStore
 
 

@@ -9,7 +9,7 @@ from diloco.config import InnerConfig, load_config
 from diloco.data import DataError, ShardReader, list_files, load_corpus, validation_batches
 from diloco.inner import InnerTrainer, inner_lr
 from diloco.model import ParamCodec
-from flows.bucket_io import optimizer_leaves, optimizer_state
+from flows.state_io import optimizer_leaves, optimizer_state
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def test_a_restored_leaf_is_held_once_on_the_host_beside_the_chunks_in_flight(tm
     decode of an fp32 leaf copied it, and placing it copied it again."""
     import tracemalloc
 
-    from flows.bucket_io import leaf_names, read_checkpoint
+    from flows.state_io import leaf_names, read_checkpoint
     from storage_layout.codec import CHUNK
     from storage_layout.store import RunStore
     from storage_layout.stream import PARALLEL

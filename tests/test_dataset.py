@@ -14,8 +14,11 @@ import numpy as np
 import pytest
 
 from diloco import dataset
-from diloco.data import DataError
-from diloco.dataset import TokenReader, open_dataset, prepare
+from diloco import prepare as prepare_module
+from diloco.data import DataError, is_held_out
+from diloco.dataset import TokenReader, open_dataset
+from diloco.prepare import prepare, write_dataset
+from diloco.tokenizer import HFTokenizer
 from flows.cli import main
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -83,7 +86,7 @@ def test_prepare_jsonl_holds_out_records_by_identity_the_same_every_time(tmp_pat
     b = prepare(str(src), str(tmp_path / "b"), vocab_size=400, text_field="body",
                 val_percent=10, chunk_tokens=4096)  # fmt: skip
     assert a["shards"] == b["shards"] and a["tokenizer"] == b["tokenizer"]  # deterministic
-    held = [t for i, t in enumerate(texts) if dataset.is_held_out(f"docs.jsonl#{i}", 10)]
+    held = [t for i, t in enumerate(texts) if is_held_out(f"docs.jsonl#{i}", 10)]
     assert a["totals"]["validation"]["documents"] == len(held) > 0
     ds = open_dataset(str(tmp_path / "a"))
     tok = ds.tokenizer()
@@ -148,7 +151,7 @@ def _synthetic(out: Path, tokenizer: Path, tokens: int, chunk_tokens: int = 1 <<
     docs = (("train", rng.integers(1, 500, 5000)) for _ in range(tokens // 5000))
     val = [("validation", rng.integers(1, 500, 5000))]
     documents = itertools.chain(docs, val)
-    dataset.write_dataset(str(out), dataset.HFTokenizer(data), data, documents, chunk_tokens)
+    write_dataset(str(out), HFTokenizer(data), data, documents, chunk_tokens)
     return str(out)
 
 
@@ -301,9 +304,11 @@ def test_a_long_document_is_tokenized_in_pieces_to_its_whole_tokens(prepared, mo
     before a space, so its encoding is never held whole; its tokens are the whole's."""
     tok = open_dataset(prepared).tokenizer()
     text = ("def f(x):\n    return  x  +  1   # a   comment\n\n" * 400) + "z" * 3000
-    monkeypatch.setattr(dataset, "PIECE_CHARS", 1000)
-    assert len(list(dataset._pieces(text, 1000))) > len(text) // 1000
-    (_, ids), (_, short) = dataset._tokenized(iter([("a", text), ("b", "x y")]), tok, 0, "src")
+    monkeypatch.setattr(prepare_module, "PIECE_CHARS", 1000)
+    assert len(list(prepare_module._pieces(text, 1000))) > len(text) // 1000
+    (_, ids), (_, short) = prepare_module._tokenized(
+        iter([("a", text), ("b", "x y")]), tok, 0, "src"
+    )
     assert ids.tolist() == [*tok.encode(text), tok.eos_id]
     assert short.tolist() == [*tok.encode("x y"), tok.eos_id]
 
@@ -376,7 +381,8 @@ def test_a_run_on_a_prepared_data_set_learns_and_merges_each_batch_once(prepared
 
 
 def test_the_audit_names_a_batch_merged_twice_into_a_fragment():
-    from storage_layout.audit import AuditReport, Sent, _data_once
+    from storage_layout.audit import _data_once
+    from storage_layout.audit_report import AuditReport, Sent
 
     def sent(seq, anchor_seq, data):
         return Sent("l0", seq, 1, anchor_seq, 10, "w", outcome="merged", data=data)
@@ -425,7 +431,7 @@ def test_a_vocabulary_above_65536_is_stored_as_uint32(tmp_path):
     rng = np.random.default_rng(1)
     docs = [("train", rng.integers(60_000, 70_000, 3000)) for _ in range(4)]
     docs.append(("validation", rng.integers(0, 70_000, 500)))
-    m = dataset.write_dataset(str(tmp_path / "big"), dataset.HFTokenizer(data), data, docs, 2048)
+    m = write_dataset(str(tmp_path / "big"), HFTokenizer(data), data, docs, 2048)
     assert m["dtype"] == "uint32" and m["tokenizer"]["vocab_size"] == 70_001
     ds = open_dataset(str(tmp_path / "big"))
     ds.check(70_001, 2, 32)

@@ -261,7 +261,7 @@ def test_a_launcher_adopts_the_flow_runs_an_earlier_one_left_going(deployed, mon
     from prefect.states import Cancelled, Completed
 
     from diloco.config import load_config
-    from flows import supervision, workers
+    from flows import launch_deployments, workers
     from flows.run import initialize_run
     from storage_layout.store import RunStore
 
@@ -279,7 +279,7 @@ def test_a_launcher_adopts_the_flow_runs_an_earlier_one_left_going(deployed, mon
         other = run_deployment(elsewhere.deployment, parameters=elsewhere.params,
                                tags=elsewhere.tags("another-run"), timeout=0)  # fmt: skip
         client.set_flow_run_state(runs["learner us-east/1"].id, Cancelled(), force=True)
-        mode = supervision.Deployments(run, regions, 2)
+        mode = launch_deployments.Deployments(run, regions, 2)
         assert mode.left_running(left[0].params).id == runs["learner us-east/0"].id
         assert mode.left_running(left[1].params) is None  # it ended
         syncer = workers.syncer(run, regions, 0, cfg)

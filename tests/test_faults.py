@@ -23,9 +23,8 @@ from storage_layout.commit import (
     put_patiently,
     read_marker,
 )
+from storage_layout.fault_plan import FaultPlan, FaultPlanError
 from storage_layout.faults import (
-    FaultPlan,
-    FaultPlanError,
     FaultyBucket,
     InjectedDiskFull,
     InjectedFault,

@@ -59,7 +59,7 @@ if os.environ.get("NO_GATHER"):  # every process holds every tensor: to_host gat
             raise AssertionError("to_host gathered a tensor across processes")
         return gather(*args, **kwargs)  # (JAX's own checks gather too)
     multihost_utils.process_allgather = refused
-from flows.learner import LearnerRuntime
+from flows.learner_runtime import LearnerRuntime
 run, bucket, region, lid, pipeline = sys.argv[1:]
 rt = LearnerRuntime(run, bucket, region, lid, json.loads(pipeline))
 while not rt.finished:

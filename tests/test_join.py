@@ -19,8 +19,10 @@ import pytest
 
 from diloco.config import ConfigError, LivenessConfig, load_config
 from flows.cli import main as cli_main
-from flows.join import choose_slot, issue_token, join, join_flow, revoke_token, slot_state
+from flows.join import join, join_flow
+from flows.join_tokens import issue_token, revoke_token
 from flows.run import initialize_run
+from flows.slots import choose_slot, slot_state
 from flows.supervision import child_env
 from protocol.topology import run_slots
 from storage_layout.audit import audit_run
@@ -351,7 +353,7 @@ def test_a_ctrl_c_while_a_joiner_warms_up_is_not_lost_and_it_takes_no_slot(
     step of the warm-up under way ends, no other begins, and the joiner leaves having
     written nothing. A second
     raises at once; swallowed too (as that callback did), it is still not lost."""
-    import flows.learner
+    import flows.learner_runtime
     from flows.join import join_and_train
 
     url, _, store, spec, secret = _run(tmp_path, "ctrlc")
@@ -371,7 +373,7 @@ def test_a_ctrl_c_while_a_joiner_warms_up_is_not_lost_and_it_takes_no_slot(
             go_on()  # and the next does not begin
             warmed.append("next step")
 
-        monkeypatch.setattr(flows.learner, "warm_up", warm_up)
+        monkeypatch.setattr(flows.learner_runtime, "warm_up", warm_up)
         monkeypatch.setattr("flows.join.prefect_api_up", lambda w=warmed: w.append("api"))
         monkeypatch.setattr("flows.join.become", lambda *a, w=warmed, **k: w.append("trained"))
         assert join_and_train(url, "ctrlc", REGION) == ("", 130)

@@ -28,12 +28,13 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from diloco.config import load_config
 from flows import run_lock
-from flows.launcher import _watch
 from flows.monitor import Monitor
 from flows.pace import MEMBERS_EVERY
 from flows.run import Run, initialize_run
 from flows.run_lock import RunLock, RunLocked
+from flows.summary import run_summary
 from flows.supervision import stop_predecessors
+from flows.watch import watch
 from flows.worker import PARENT_ENV
 from infra.local_servers import Forwarder
 from infra.prefect_server import free_port, prefect_server, server_env, wait_healthy
@@ -86,9 +87,9 @@ def test_the_launcher_watches_on_while_s3_refuses_connections(prefect_api, s3_se
     @flow(task_runner=ThreadPoolTaskRunner(max_workers=2))
     def launch() -> tuple[dict, dict]:
         bar = create_progress_artifact(0.0)
-        ended = _watch(["learner us-east/0"], [worker.submit()], monitor, bar, 0.05,
+        ended = watch(["learner us-east/0"], [worker.submit()], monitor, bar, 0.05,
                        get_run_logger())  # fmt: skip
-        return ended, monitor.summary(1.0, 1.0)
+        return ended, run_summary(monitor, 1.0, 1.0)
 
     try:
         with caplog.at_level("WARNING"):
@@ -777,7 +778,7 @@ def test_the_summary_counts_the_time_of_learners_that_joined_beside_those_it_sta
     before = sum(monitor.model.shares[p] * s for p, s in monitor.merged_before.items())
     so_far = monitor.goodput_so_far({"learner_seconds_merged": before + 50.0}, statuses)
     assert so_far == pytest.approx(50.0 / (2 * 100.0 + 13.0), rel=1e-2)
-    summary = monitor.summary(wall=100.0, allocated=200.0)
+    summary = run_summary(monitor, wall=100.0, allocated=200.0)
     assert (summary["started"], summary["joined"]) == (2, ["learner-3", added])
     shares = summary["time_breakdown"]
     assert shares["start-up"] == pytest.approx((4.0 + 2.0 + 1.0) / 213.0)
@@ -811,7 +812,7 @@ def test_a_ctrl_c_swallowed_on_its_way_still_ends_the_watch():
         wrapped_future: concurrent.futures.Future = concurrent.futures.Future()
 
     with pytest.raises(KeyboardInterrupt):
-        _watch(["learner us-east/0"], [Running()], None, None, 1e9, None,
+        watch(["learner us-east/0"], [Running()], None, None, 1e9, None,
                signalled=launch.signalled)  # fmt: skip
 
 
@@ -996,7 +997,9 @@ def test_a_launch_mode_is_found_by_name_in_one_place():
     differs between modes is asked of the class, and an unknown name is refused with the
     modes there are (``diloco train`` does it before anything starts)."""
     from diloco.config import ConfigError
-    from flows.supervision import LAUNCH_MODES, Deployments, Processes, Via, launch_mode
+    from flows.launch_deployments import Deployments
+    from flows.launch_modes import LAUNCH_MODES, Via, launch_mode
+    from flows.launch_processes import Processes
 
     assert launch_mode("processes") is Processes and launch_mode("deployments") is Deployments
     assert Processes.local and not Deployments.local and Deployments.outlives_launcher

@@ -85,7 +85,7 @@ def test_a_learner_loop_times_its_steps_to_the_end_of_their_device_time(setup):
     fragments carry are the device's time of every step of a call, the last ones
     included (timed at the next step's start, they came after every mark: two of a
     call's steps were not timed), and what comes after the call is not counted."""
-    from diloco.loops import LearnerLoop
+    from diloco.learner_loop import LearnerLoop
     from diloco.transport import MemoryStore, StoreLearnerView
 
     cfg, _, init, trainer, plan, _ = setup

@@ -149,7 +149,7 @@ def test_tensorboard_grows_with_the_history_and_a_relaunch_writes_no_point_twice
 
 DRIVER = """
 import json, sys
-from flows.learner import LearnerRuntime
+from flows.learner_runtime import LearnerRuntime
 run, bucket, region, lid, pipeline = sys.argv[1:]
 rt = LearnerRuntime(run, bucket, region, lid, json.loads(pipeline))
 print("generation", rt.generation, "resumes from", rt.resumed_from, flush=True)
@@ -165,7 +165,7 @@ def test_the_round_history_survives_a_killed_learner(tmp_path):
     """A learner process SIGKILLed mid-run: its successor (here in the test's process)
     resumes from its checkpoint and goes on; the history holds every round the first one
     wrote, unchanged, then the successor's, each round once and none missing."""
-    from flows.learner import LearnerRuntime
+    from flows.learner_runtime import LearnerRuntime
     from flows.run import initialize_run
 
     pipeline = {"round_steps": 4, "checkpoint_every": 4, "poll_seconds": 0.05}
@@ -235,8 +235,9 @@ def test_the_live_display_shows_the_phases_and_is_plain_off_a_terminal():
 
 
 def test_the_curve_holds_each_model_once_and_the_plot_has_the_learners_loss(tmp_path):
-    from flows.monitor import Monitor, loss_plot_png
+    from flows.monitor import Monitor
     from flows.run import Run, initialize_run
+    from flows.summary import loss_plot_png
 
     cfg = load_config("tiny", overrides=["budget.tokens=20000"])
     regions = _regions(tmp_path)

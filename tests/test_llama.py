@@ -20,12 +20,13 @@ from jax.ad_checkpoint import print_saved_residuals
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from diloco.config import ConfigError, load_config
-from diloco.dataset import HFTokenizer
 from diloco.fragments import plan_fragments
 from diloco.inner import InnerTrainer
 from diloco.model import ParamCodec, is_embedding
 from diloco.sample import Sampler, Scorer
-from flows.model_io import UsableModel, export_model, open_exported
+from diloco.tokenizer import HFTokenizer
+from flows.model_export import export_model, open_exported
+from flows.model_io import UsableModel
 
 SMALL = ["model.arch=llama", "model.vocab_size=320", "model.width=32", "model.depth=2",
          "model.heads=4", "model.kv_heads=2", "model.hidden=48", "model.context=16",
@@ -443,7 +444,8 @@ def test_a_run_on_a_prepared_data_set_exports_its_tokenizer(tmp_path, capsysbina
     tokenizer.json beside the weights with its end-of-text id in config.json, and the
     folder generates text through it; eval without --data scores the run's validation
     tokens."""
-    from diloco.dataset import open_dataset, prepare
+    from diloco.dataset import open_dataset
+    from diloco.prepare import prepare
     from flows.cli import main
     from flows.run import initialize_run
     from storage_layout.store import RunStore

@@ -16,13 +16,18 @@ import pytest
 
 from diloco.config import load_config
 from diloco.fragments import fragment_sizes
-from diloco.loops import STEP, LearnerLoop, Wait, WallClock, drive
+from diloco.learner_loop import LearnerLoop
+from diloco.loops import STEP, Wait, WallClock, drive
+from diloco.network import SimulatedNetwork
 from diloco.outer import Contribution
 from diloco.run_data import RunData
-from diloco.simulate import Scheduler, VirtualClock, simulate
-from diloco.transport import SimulatedNetwork, StoreLearnerView
+from diloco.scheduler import Scheduler, VirtualClock
+from diloco.simulate import simulate
+from diloco.transport import StoreLearnerView
 from flows.bucket_io import SEQ_BLOCK
-from flows.learner import BackgroundIO, Fenced, LearnerRuntime, train_round
+from flows.learner import train_round
+from flows.learner_io import BackgroundIO
+from flows.learner_runtime import Fenced, LearnerRuntime
 from flows.run import bucket_store, build_model, initialize_run, simulation_store
 from flows.syncer import SyncerRuntime
 from protocol.quantize import quantize
@@ -570,7 +575,7 @@ def test_a_learner_started_on_a_full_disk_waits_for_space_instead_of_crashing(
     for space, said once, instead of failing the process (a restart would meet the same
     disk, and each failed start counts towards giving the learner up)."""
     cfg, regions, _, _ = tiny_run
-    monkeypatch.setattr("flows.learner.BACKOFF", (0.05, 0.2))
+    monkeypatch.setattr("flows.learner_io.BACKOFF", (0.05, 0.2))
     pipeline = {**cfg.pipeline.model_dump(), "round_steps": 5}
     started: dict[str, LearnerRuntime] = {}
     with faults.inject({"disk_full": {"region": "us"}}) as injector:

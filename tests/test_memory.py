@@ -11,12 +11,13 @@ import pytest
 
 from diloco.config import load_config
 from diloco.memory import learner_memory
-from flows.launcher import learner_phases
+from flows.launch_processes import Processes
 from flows.memory import Watch, match_oom_record, parse_oom_kill, wait
 from flows.monitor import Monitor
 from flows.run import Run, build_model, initialize_run
-from flows.supervision import OOM_KILLED, Processes
+from flows.supervision import OOM_KILLED
 from flows.train import memory_lines
+from flows.watch import learner_phases
 from storage_layout.store import RunStore
 
 # Records as the kernel writes them to /dev/kmsg (PRIO,SEQ,MICROSECONDS,FLAGS;MESSAGE),

@@ -42,15 +42,16 @@ from flows import bucket_io, workers
 from flows.bucket_io import SEQ_BLOCK, contribution_meta
 from flows.cli import main as cli_main
 from flows.hosts import PROCESS_ID_ENV
-from flows.launcher import _watch, startup_line
+from flows.launch_processes import Processes
 from flows.monitor import Monitor, cross_region_bytes
 from flows.notice import NOTICE_ENV
 from flows.process import this_process, worker_process
 from flows.run import Run, bucket_store, build_model, initialize_run
 from flows.spares import WORKER_COMMAND, Spares
 from flows.spec import config_from_spec
-from flows.supervision import Processes, child_env, give_up
+from flows.supervision import child_env, give_up
 from flows.syncer import SyncerRuntime
+from flows.watch import startup_line, watch
 from infra.chaos import read_actions
 from infra.local_servers import LocalMetadata
 from protocol.quantize import quantize
@@ -514,7 +515,7 @@ def test_the_killed_learner_skips_no_data_and_repeats_none(faulty_run):
     (``topology.keep_unsent``: the steps after a send count towards the next one), no
     window merged from two learners, and no claim that no learner recorded: nothing merged
     twice (data-once), nothing skipped."""
-    from flows.ledger import audit_units
+    from flows.ledger_audit import audit_units
 
     run, regions, _, summary, _ = faulty_run
     assert summary["final_loss"] < summary["initial_loss"] - 1.0, summary["curve"]
@@ -817,7 +818,7 @@ def test_start_up_says_what_each_learner_is_doing(tmp_path):
     """Defect: `diloco train` logged "0.0% | tokens 0" for minutes while learners started
     and compiled. A learner now reports its start-up phases in its status object
     (keeping the progress an earlier process reported), and the launcher shows them."""
-    from flows.learner import LearnerRuntime
+    from flows.learner_runtime import LearnerRuntime
 
     cfg, regions, _, _ = _local_run(tmp_path, "phases")
     store = RunStore("phases", regions, "us-east")
@@ -1203,7 +1204,7 @@ def test_watching_the_workers_arms_no_asynchronous_timeout(prefect_api, monkeypa
     @flow(task_runner=ThreadPoolTaskRunner(max_workers=2))
     def launch() -> dict[str, float]:
         futures = [quick.submit(), slow.submit()]
-        return _watch(["quick", "slow"], futures, None, None, 1e9, None)
+        return watch(["quick", "slow"], futures, None, None, 1e9, None)
 
     start = time.time()
     ended = launch()
@@ -1246,7 +1247,7 @@ def test_a_spares_warm_up_ends_at_its_next_step_once_it_is_not_needed(monkeypatc
     """A spare warms up for a learner in a thread beside its wait for a job; one that
     becomes a syncer stops it at the next step (no learner's step compiled in a syncer,
     seconds of a core at a run's start), quietly. A warm-up that fails says so."""
-    import flows.learner
+    import flows.learner_runtime
     from flows.worker import WarmUp
 
     steps: list[int] = []
@@ -1259,7 +1260,7 @@ def test_a_spares_warm_up_ends_at_its_next_step_once_it_is_not_needed(monkeypatc
             steps.append(step)
             time.sleep(0.001)
 
-    monkeypatch.setattr(flows.learner, "warm_up", warm_up)
+    monkeypatch.setattr(flows.learner_runtime, "warm_up", warm_up)
     warming = WarmUp({"run": "r", "bucket": "file:///nowhere", "region": "us"})
     assert started.wait(60)
     warming.not_needed()
@@ -1270,7 +1271,7 @@ def test_a_spares_warm_up_ends_at_its_next_step_once_it_is_not_needed(monkeypatc
     def broken(**_):
         raise OSError("no spec in file:///nowhere")
 
-    monkeypatch.setattr(flows.learner, "warm_up", broken)
+    monkeypatch.setattr(flows.learner_runtime, "warm_up", broken)
     WarmUp({"run": "r", "bucket": "file:///nowhere", "region": "us"}).thread.join(60)
     assert "warm-up failed, the worker will start cold" in capsys.readouterr().err
 
@@ -1290,7 +1291,7 @@ def test_learners_of_one_machine_compile_once_and_load_it_from_the_cache(tmp_pat
         import jax
         from jax import monitoring
         from diloco.config import load_config
-        from flows.learner import compile_step
+        from flows.learner_runtime import compile_step
         from flows.run import build_model
         seen = {"asked": 0, "hits": 0}
         def count(event, **kwargs):
@@ -1601,7 +1602,7 @@ def test_a_syncer_catches_a_full_region_up_with_backoff_and_says_so_once(
     version; it asks the region again with backoff, not at every look (here an hour: no
     second try however often it looks); and it says when every region holds the newest
     version again."""
-    monkeypatch.setattr("flows.syncer.CATCH_UP_BACKOFF", (3600.0, 3600.0))
+    monkeypatch.setattr("flows.syncer_transport.CATCH_UP_BACKOFF", (3600.0, 3600.0))
     cfg, regions, model, sent = _local_run(tmp_path, "full", only_region="us-east")
     rng = np.random.default_rng(2)
     store = RunStore("full", regions, "us-east")

@@ -8,12 +8,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from diloco.bandwidth import BandwidthModel, bandwidth_plan, breakeven_step_seconds
 from diloco.plan import (
-    BandwidthModel,
     FailureModel,
     absorbing_stops,
-    bandwidth_plan,
-    breakeven_step_seconds,
     calibrate,
     decoupled_cell,
     dp_goodput_closed_form,

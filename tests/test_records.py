@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from flows.join import TokenRecord
+from flows.join_tokens import TokenRecord
 from flows.run_lock import LockClaim
 from storage_layout import record
 from storage_layout.bucket import Bucket

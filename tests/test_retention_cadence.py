@@ -11,7 +11,7 @@ import numpy as np
 from diloco.config import RunConfig
 from diloco.syncer import GlobalVersion
 from flows.bucket_io import BucketStore
-from flows.syncer import PipelineSyncerTransport
+from flows.syncer_transport import PipelineSyncerTransport
 from storage_layout.store import RunStore
 
 SHAPES = {"w": (8, 16), "b": (16,)}

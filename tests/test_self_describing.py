@@ -13,8 +13,8 @@ from diloco.config import InnerConfig, OuterConfig
 from diloco.inner import inner_optimizer
 from diloco.syncer import FragmentSyncer, GlobalVersion
 from diloco.tensors import slot_leaves
-from flows.bucket_io import (
-    BucketStore,
+from flows.bucket_io import BucketStore
+from flows.state_io import (
     leaf_names,
     named_outer_leaves,
     optimizer_leaves,

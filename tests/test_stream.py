@@ -22,6 +22,7 @@ from zarr.storage import MemoryStore
 
 from protocol.quantize import STORAGE_DTYPE, QuantizedTensor, quantize
 from storage_layout.bucket import Bucket
+from storage_layout.chunks import ChunkSpool, ObjectSink
 from storage_layout.codec import (
     CHUNK,
     ENCODING,
@@ -43,7 +44,7 @@ from storage_layout.commit import (
     read_version,
 )
 from storage_layout.layout import FORMAT_VERSION, data_prefix_of
-from storage_layout.stream import ChunkSpool, ObjectSink, VersionReader, verify_version
+from storage_layout.stream import VersionReader, verify_version
 
 KEY = "run/globals/f0000/commits/v000000000001.json"
 SMALL = 2048  # values per chunk in most tests, so tensors span chunks cheaply

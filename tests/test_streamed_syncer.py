@@ -249,8 +249,8 @@ def test_version_0_of_a_run_is_published_streamed_with_the_values_of_a_whole_pub
     the other region."""
     from diloco import records
     from diloco.config import load_config
-    from flows.bucket_io import named_outer_leaves
     from flows.run import build_model, initialize_run
+    from flows.state_io import named_outer_leaves
 
     cfg = load_config("tiny", overrides=["budget.tokens=64000"])
     model = build_model(cfg)
@@ -296,7 +296,8 @@ def test_a_syncer_that_meets_a_stale_listing_at_start_lists_again(tmp_path):
     was restarted. Version 0 is written before any syncer starts, so none listed is a
     stale listing: it lists again. (The plan's seed makes the first listing stale, the
     next one whole: the faults replay from the seed.)"""
-    from storage_layout.faults import inject, uniform
+    from storage_layout.fault_plan import uniform
+    from storage_layout.faults import inject
 
     regions = _run(tmp_path, _shapes(2))
     key = "r/globals/f0000/commits"

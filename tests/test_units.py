@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from diloco.config import LivenessConfig, load_config
-from diloco.dataset import open_dataset, prepare
+from diloco.dataset import open_dataset
+from diloco.prepare import prepare
 from diloco.units import MemoryLedger, Span, UnitPlan, UnitReader, cut, pool_unit
 from protocol.topology import run_slots
 from tests.test_dataset import STDLIB
@@ -150,7 +151,7 @@ def test_a_simulated_run_whose_learners_come_and_go_trains_each_window_once(
         store = simulation_store("u", regions)
     result = simulate(cfg, store=store)
     if through == "bucket":
-        from flows.ledger import audit_units
+        from flows.ledger_audit import audit_units
         from storage_layout.audit import audit_run
 
         spec = RunStore("u", regions, "us").read_spec()
@@ -225,7 +226,7 @@ def _trained_once(result, cfg, plan: UnitPlan, vacant: set[str]) -> Counter:
 def _audit_clean_with_added(run: str, regions: dict, added: str):
     """The run's audit, with its data ledger's: clean, and ``added`` known as a learner a
     joiner added, its work merged. Returns the report."""
-    from flows.ledger import audit_units
+    from flows.ledger_audit import audit_units
     from storage_layout.audit import audit_run
 
     report = audit_run(run, regions)
@@ -289,7 +290,7 @@ def test_a_simulated_region_whose_learners_all_leave_leaves_no_data_of_an_epoch_
     notice): the syncers offer eu's pool to the learners of ``us`` (``UnitOffers``, at
     their looks at the members, as in the pipeline), so every window of the first epoch
     is trained once, none twice, and the audit's data check is clean."""
-    from flows.ledger import audit_units
+    from flows.ledger_audit import audit_units
     from storage_layout.audit import audit_run
     from storage_layout.inspect import inspect_bucket
 
@@ -334,7 +335,7 @@ def test_a_simulated_run_adds_learners_beyond_its_slots_and_merges_their_work(pr
     loop) and merge its work, the versions record it among their members while it is
     there, no window is trained twice, and the audit is clean and knows them as added."""
     from diloco import records
-    from flows.ledger import audit_units
+    from flows.ledger_audit import audit_units
     from storage_layout.audit import audit_run
     from storage_layout.inspect import inspect_bucket
 
@@ -676,12 +677,13 @@ def test_a_silent_learner_is_fenced_its_data_given_back_and_woken_it_rejoins(
     import signal
     import subprocess
 
-    from diloco.loops import resume_step
-    from flows.ledger import SilentReleases, region_ledger, region_pools
+    from diloco.learner_loop import resume_step
+    from flows.ledger import region_ledger, region_pools
     from flows.run import bucket_store
     from flows.spares import WORKER_COMMAND
     from flows.supervision import child_env
-    from flows.syncer import PipelineSyncerTransport
+    from flows.syncer_transport import PipelineSyncerTransport
+    from flows.unit_offers import SilentReleases
     from protocol.topology import learner_index
 
     cfg, regions, store, spec, lid = _worker_run(prepared, tmp_path, "si")
@@ -791,9 +793,10 @@ def _syncer_looks(run, regions, spec, cfg, plan, grace: float):
     time of a fake clock: ``look(t)``."""
     import logging
 
-    from flows.ledger import SilentReleases, region_pools
+    from flows.ledger import region_pools
     from flows.run import bucket_store
-    from flows.syncer import PipelineSyncerTransport
+    from flows.syncer_transport import PipelineSyncerTransport
+    from flows.unit_offers import SilentReleases
 
     store = bucket_store(run, regions, spec, cfg, "syncer-0", home="us-east")
     now = [0.0]
@@ -822,7 +825,7 @@ def test_a_syncer_admits_an_added_learner_within_a_second_and_reads_statuses_eve
 
     from flows.pace import ADMIT_EVERY, MEMBERS_EVERY
     from flows.run import bucket_store
-    from flows.syncer import PipelineSyncerTransport
+    from flows.syncer_transport import PipelineSyncerTransport
 
     cfg, regions, store, spec, _ = _worker_run(prepared, tmp_path, "admit")
     syncer = bucket_store("admit", regions, spec, cfg, "syncer-0", home="us-east")
@@ -956,7 +959,7 @@ def test_a_send_under_way_in_a_fenced_learner_lands_nowhere_once_its_data_is_giv
     (revoked markers), so the marker's write fails when it wakes, and the release counts
     exactly what was committed: nothing is trained twice. The syncers, a restart's
     ``sent_so_far``, retention and inspect read past the revoked key."""
-    from diloco.loops import resume_step
+    from diloco.learner_loop import resume_step
     from diloco.outer import Contribution
     from flows.ledger import region_ledger, region_pools
     from flows.run import bucket_store, build_model
@@ -1097,7 +1100,8 @@ def test_the_pool_of_a_region_its_learners_all_left_is_offered_to_the_others(
     on from its pool where the moves left it; a claim whose offer was never written (the
     syncer died between the two) is offered by the next syncer; a forged offer is named."""
     from diloco.dataset import DataError
-    from flows.ledger import UnitOffers, offer_claim, region_ledger, region_pools
+    from flows.ledger import offer_claim, region_ledger, region_pools
+    from flows.unit_offers import UnitOffers
     from storage_layout.store import RunStore
 
     regions = {r: f"file://{tmp_path / r}" for r in ("us", "eu")}
@@ -1184,7 +1188,8 @@ def test_a_region_whose_pool_is_behind_has_its_spans_trained_by_a_region_ahead(p
     learners take before a fresh unit of their own; none of the epoch the region ahead
     is in, and nothing once level: the run trains every window of an epoch once before
     going on, whoever is faster."""
-    from flows.ledger import UnitOffers, region_ledger, region_pools
+    from flows.ledger import region_ledger, region_pools
+    from flows.unit_offers import UnitOffers
     from storage_layout.store import RunStore
 
     regions = {r: f"file://{tmp_path / r}" for r in ("us", "eu")}

@@ -17,15 +17,8 @@ from diloco.config import load_config
 from diloco.sample import Sampler, Scorer, text_windows
 from diloco.syncer import FragmentSyncer
 from flows.cli import main as cli_main
-from flows.model_io import (
-    ModelFileError,
-    evaluate,
-    export_model,
-    load_exported,
-    open_exported,
-    read_export_metadata,
-    read_global_model,
-)
+from flows.model_export import export_model, load_exported, open_exported, read_export_metadata
+from flows.model_io import ModelFileError, evaluate, read_global_model
 from flows.run import build_model, initialize_run
 from flows.spec import run_spec
 from protocol.quantize import dequantize, quantize

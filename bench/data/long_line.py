@@ -2,7 +2,7 @@
 very long document (default 64 MiB of words), beside two short ones, with a given
 byte-level BPE of 512 tokens (so no tokenizer is trained): the tokenizer's output is many
 times its text's size, so what bounds it is the pieces a long document is cut into
-(``diloco.dataset._pieces``). Prints one row of ``results.md``.
+(``diloco.prepare._pieces``). Prints one row of ``results.md``.
 
     python bench/data/long_line.py [--mib 64] [--root /tmp/long-line]
 """

@@ -201,7 +201,8 @@ def measure(root: Path, name: str) -> dict:
     """Per epoch and pool, windows merged once, twice or never, from the audit."""
     from diloco.run_data import RunData
     from diloco.units import cut, pool_unit
-    from flows.ledger import audit_units, region_ledger, region_pools
+    from flows.ledger import region_ledger, region_pools
+    from flows.ledger_audit import audit_units
     from flows.spec import config_from_spec
     from storage_layout.audit import audit_run
     from storage_layout.store import RunStore

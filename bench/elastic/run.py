@@ -198,7 +198,7 @@ def measure(
     its join record (``started``: pid to start; ``diloco join`` warms up before it joins,
     in the process that then trains)."""
     from diloco import records
-    from flows.ledger import audit_units
+    from flows.ledger_audit import audit_units
     from flows.run import build_model
     from flows.spec import config_from_spec
     from protocol.topology import learner_index

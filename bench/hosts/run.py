@@ -70,13 +70,13 @@ def child(method: str, phase: str, run: str, bucket: str, pipeline: str) -> None
     from diloco.inner import to_host
     from diloco.learner import LearnerCheckpoint
     from diloco.transport import StoreLearnerView
-    from flows.bucket_io import HostPart
     from flows.run import bucket_store, build_model
     from flows.spec import config_from_spec
+    from flows.state_io import HostPart
     from protocol.topology import run_slots
+    from storage_layout.chunks import process_folder
     from storage_layout.spill import SpillFolder
     from storage_layout.store import RunStore
-    from storage_layout.stream import process_folder
 
     spec = RunStore(run, {"us": bucket}, "us").read_spec()
     cfg = config_from_spec(spec, json.loads(pipeline))

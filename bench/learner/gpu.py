@@ -5,7 +5,7 @@ process on one device, both after a warm-up that compiles everything they run:
 
 - ``bare``: a jitted train loop, ``InnerTrainer.step`` of the preset's model on its own
   parameters and AdamW state, nothing else;
-- ``learner``: the pipeline's learner loop (``diloco.loops.LearnerLoop`` driving a
+- ``learner``: the pipeline's learner loop (``diloco.learner_loop.LearnerLoop`` driving a
   ``diloco.learner.Learner`` on the wall clock), with everything it does on the device:
   when a fragment is due, its outer gradient taken and quantized where the parameters
   live and the codes brought to the host; tau steps later, the answer (a global version
@@ -162,7 +162,8 @@ def measure_one(spec: str, steps: int) -> dict:
     from diloco.fragments import plan_fragments
     from diloco.inner import InnerTrainer
     from diloco.learner import Learner
-    from diloco.loops import STEP, GlobalView, LearnerLoop, WallClock
+    from diloco.learner_loop import LearnerLoop
+    from diloco.loops import STEP, GlobalView, WallClock
     from diloco.memory import learner_memory, model_flops_per_token
     from diloco.model import ParamCodec
     from storage_layout.spill import SpilledParams

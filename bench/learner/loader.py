@@ -28,6 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.machine import machine  # noqa: E402
 from diloco import dataset  # noqa: E402
+from diloco.prepare import write_dataset  # noqa: E402
+from diloco.tokenizer import HFTokenizer  # noqa: E402
 
 
 def synthesize(out: Path, megabytes: int, vocab: int = 4096) -> str:
@@ -41,7 +43,7 @@ def synthesize(out: Path, megabytes: int, vocab: int = 4096) -> str:
     doc = 50_000  # tokens a document
     docs = (("train", rng.integers(0, vocab, doc)) for _ in range(megabytes * 10**6 // 2 // doc))
     val = [("validation", rng.integers(0, vocab, doc))]
-    dataset.write_dataset(str(out), dataset.HFTokenizer(data), data, itertools.chain(docs, val))
+    write_dataset(str(out), HFTokenizer(data), data, itertools.chain(docs, val))
     return str(out)
 
 

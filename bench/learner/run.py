@@ -42,7 +42,7 @@ SCRIPT = """
 import json, resource, sys, time
 from diloco.config import load_config
 from protocol.topology import run_slots
-from flows.learner import LearnerRuntime
+from flows.learner_runtime import LearnerRuntime
 from diloco.run_data import RunData
 from flows.run import build_model, initialize_run
 from storage_layout.store import RunStore

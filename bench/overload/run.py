@@ -60,7 +60,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.machine import machine  # noqa: E402
-from flows.ledger import audit_units  # noqa: E402
+from flows.ledger_audit import audit_units  # noqa: E402
 from flows.supervision import STAND_BY  # noqa: E402
 from storage_layout.audit import audit_run  # noqa: E402
 from storage_layout.store import RunStore  # noqa: E402

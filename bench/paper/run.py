@@ -26,8 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.machine import machine  # noqa: E402
-from diloco.plan import BandwidthModel, FailureModel, bandwidth_plan, goodput_table  # noqa: E402
-from flows.cli import plot_goodput  # noqa: E402
+from diloco.bandwidth import BandwidthModel, bandwidth_plan  # noqa: E402
+from diloco.plan import FailureModel, goodput_table  # noqa: E402
+from flows.cli_plan import plot_goodput  # noqa: E402
 
 # The 12 B scenario: 4 regions on 2-5 Gbps, the paper's H = P = 24 and tau = 2. The
 # compute step keeps the parameters per second per site of the 198 Gbps case (5 B in

@@ -181,8 +181,9 @@ def main() -> int:
         import os
 
         os.environ["PREFECT_API_URL"] = api
-        from flows.launcher import flush_prefect, train_flow
+        from flows.launcher import train_flow
         from flows.run import initialize_run
+        from flows.watch import flush_prefect
         from storage_layout.store import RunStore
 
         store = RunStore("bench", regions, "us-east")

@@ -18,7 +18,7 @@ holds one at a time; the fragments after the first run steps 1 to 3 only), each 
    ``RunStore.versions.publish_global``, as ``initialize_run`` does);
 2. ``learner`` x 4: one int4 contribution per learner (``BucketStore.put_contribution``,
    after ``sent_so_far`` as a starting learner does), from its own region;
-3. ``syncer``: one version through ``diloco.loops.SyncerLoop`` over
+3. ``syncer``: one version through ``diloco.syncer_loop.SyncerLoop`` over
    ``flows.syncer.PipelineSyncerTransport`` (as ``SyncerRuntime`` wires them): load the
    fragment, collect the contributions, merge, outer step, publish to both regions;
 4. ``download``: a learner of the other region reads the new version
@@ -195,8 +195,8 @@ def step_publish0(ctx: Ctx) -> dict:
     from diloco import records
     from diloco.outer import outer_optimizer
     from diloco.tensors import pieces, state_slots
-    from flows.bucket_io import outer_names
     from flows.spec import spec_defaults
+    from flows.state_io import outer_names
     from flows.version_stream import StreamedVersion, slot_names
     from storage_layout.store import RunStore
 
@@ -286,8 +286,9 @@ def syncer_loop(ctx: Ctx, store, timings: dict):
     publish is timed through the transport's ``wrap`` hook (a Prefect task in the flow)."""
     import logging
 
-    from diloco.loops import SyncerLoop, WallClock
-    from flows.syncer import PipelineSyncerTransport
+    from diloco.loops import WallClock
+    from diloco.syncer_loop import SyncerLoop
+    from flows.syncer_transport import PipelineSyncerTransport
 
     log = logging.getLogger("bench.syncer")
     cfg = ctx.cfg
@@ -349,8 +350,8 @@ def step_download(ctx: Ctx) -> dict:
     if version != ctx.a["version"]:
         raise RuntimeError(f"{learner} sees version {version}, expected {ctx.a['version']}")
     from diloco.transport import StoreLearnerView
+    from storage_layout.chunks import process_folder
     from storage_layout.spill import SpillFolder
-    from storage_layout.stream import process_folder
 
     # As a learner reads it: into its spill folder, a tensor at a time (flows.learner).
     folder = process_folder("global-views")

@@ -1,0 +1,122 @@
+"""A run's summary at its end (``run_summary``: totals read from the buckets, goodput from
+the versions, the share of learner time each way went) and how it is shown: the loss
+plot and the markdown artifact."""
+
+from __future__ import annotations
+
+import base64
+import io
+from typing import Any
+
+from diloco import records
+from diloco.simulate import dp_bytes_per_step
+from flows.monitor import Monitor, cross_region_bytes, learner_seconds
+from flows.observe import train_summary_rows
+from protocol.topology import learner_index, run_slots
+
+
+def time_breakdown(monitor: Monitor, statuses: dict[str, dict], useful: float,
+               allocated: float) -> dict[str, float]:  # fmt: skip
+    """Shares of the allocated learner time (since this launch): start-up (compile,
+    resume), training whose work reached a global version (kept) or did not (lost),
+    and other: process start, checkpoints, restarts and time between flow runs."""
+    if allocated <= 0:
+        return {}
+    startup = train = 0.0
+    for learner, status in statuses.items():
+        now, then = learner_seconds(status), monitor.before.get(learner, (0.0, 0.0))
+        startup += now[0] - then[0]
+        train += now[1] - then[1]
+    return {
+        "start-up": startup / allocated,
+        "kept": useful / allocated,
+        "lost": max(0.0, train - useful) / allocated,
+        "other": max(0.0, allocated - startup - max(train, useful)) / allocated,
+    }
+
+
+def run_summary(monitor: Monitor, wall: float, allocated: float) -> dict[str, Any]:
+    """Totals from the buckets: traffic of every writer, goodput from the versions.
+    ``allocated``: the time of the learners this launcher started (its workers'); the
+    joiners' (``joined``) is added to it."""
+    store, spec = monitor.store, monitor.spec
+    statuses = monitor.statuses()
+    joined = monitor.joined(statuses)
+    allocated += sum(joined.values())
+    traffic, learner_bytes, rejected = monitor.traffic()
+    merged = monitor.merged_seconds()
+    versions = monitor.versions()
+    since = [
+        {"fragment": p, "seconds": s - monitor.merged_before.get(p, 0.0)} for p, s in merged.items()
+    ]
+    useful = records.useful_seconds(since, monitor.model.shares)
+    m = len(run_slots(spec))
+    tokens = monitor.tokens(statuses)
+    cross = cross_region_bytes(traffic)
+    num_params = monitor.model.codec.num_params
+    dp_bytes = dp_bytes_per_step(num_params, m) * (tokens // (m * monitor.cfg.tokens_per_step))
+    first, last = (monitor.curve[0], monitor.curve[-1]) if monitor.curve else ({}, {})
+    return {
+        "run": store.run,
+        "mode": monitor.cfg.mode,
+        "params": num_params,
+        "learners": m,
+        "started": len(monitor.launched),
+        "joined": sorted(joined, key=learner_index),
+        "quorum": monitor.cfg.quorum,
+        "tokens": tokens,
+        "initial_loss": monitor.initial_loss,
+        "launch_loss": first.get("loss"),
+        "final_loss": last.get("loss"),
+        "wall_seconds": round(wall, 1),
+        "goodput": records.goodput(since, monitor.model.shares, allocated),
+        "time_breakdown": time_breakdown(monitor, statuses, useful, allocated),
+        "versions": versions,
+        "rejected": rejected,
+        "traffic": traffic,
+        "learner_bytes": learner_bytes,
+        "cross_region_bytes": cross,
+        "dp_bytes": dp_bytes,
+        "bandwidth_ratio_vs_dp": dp_bytes / learner_bytes if learner_bytes else None,
+        "learner_states": {k: v.get("state", "not started") for k, v in statuses.items()},
+        "curve": monitor.curve,
+    }
+
+
+def loss_plot_png(
+    curve: list[dict[str, Any]], title: str, training: list[tuple[float, float]] | None = None
+) -> bytes:
+    """The validation loss of each global model evaluated, at the tokens merged into it,
+    and (``training``: (tokens, loss) pairs from the learners' history) the learners'
+    training loss per round, at the tokens all learners had processed by then."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    if training:
+        ax.plot([t for t, _ in training], [loss for _, loss in training], ".", ms=3,
+                alpha=0.35, color="tab:gray", label="learners' training loss (tokens processed)")  # fmt: skip
+    ax.plot([c["tokens"] for c in curve], [c["loss"] for c in curve], marker="o",
+            label="validation loss of the global model (tokens merged)")  # fmt: skip
+    if training:
+        ax.legend(fontsize=7)
+    ax.set_xlabel("tokens (all learners)")
+    ax.set_ylabel("loss (nats/byte)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def summary_markdown(summary: dict[str, Any], png: bytes | None) -> str:
+    rows = train_summary_rows(summary)
+    lines = [f"# Run {summary['run']}", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+    if png:
+        lines += ["", f"![loss curve](data:image/png;base64,{base64.b64encode(png).decode()})"]
+    return "\n".join(lines)
