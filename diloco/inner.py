@@ -1,4 +1,5 @@
-"""Inner optimization of one learner: AdamW with warm-up, cosine decay and clipping.
+"""Inner optimization of one learner: AdamW (or Muon) with warm-up, cosine decay and
+clipping.
 
 The learning rate is an argument of the step, not a count inside the optimizer state: its
 warm-up follows the state's own age (Adam's moments need it whoever the learner is), its
@@ -30,7 +31,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from diloco.config import InnerConfig
-from diloco.model import ParamCodec
+from diloco.model import ParamCodec, is_embedding
 
 JaxParams = dict[str, jax.Array]
 
@@ -142,17 +143,49 @@ def learner_mesh(devices: Sequence[jax.Device], fsdp: int = 1) -> Mesh:
     return Mesh(np.array(devices).reshape(n // size, size), ("data", "fsdp"))
 
 
-def inner_optimizer(cfg: InnerConfig) -> optax.GradientTransformation:
-    """Clip by global norm, then AdamW at rate 1: the step scales the update by
-    ``inner_lr`` (a schedule inside the state could follow only the state's own count).
+def _decayed(params: JaxParams) -> JaxParams:
+    """Weight decay applies to matrices only (not to norms' scales or biases)."""
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
 
-    Weight decay applies to matrices only (not to norms' scales or biases).
-    """
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+
+def _adamw(cfg: InnerConfig) -> optax.GradientTransformation:
+    return optax.adamw(1.0, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=_decayed)
+
+
+def _muon(cfg: InnerConfig) -> optax.GradientTransformation:
+    """Muon (optax's) on the hidden matrices, AdamW on the rest: the embedding tables and
+    the output head (``model.is_embedding``: vocabulary-sized, where Muon is not used),
+    norms' scales and biases. ``consistent_rms``: each orthogonalized update is scaled to
+    AdamW's typical RMS (0.2), so the run's ``lr`` and its schedule apply unchanged."""
+    from optax.contrib import MuonDimensionNumbers, muon
+
+    def matrices(params: JaxParams) -> dict[str, MuonDimensionNumbers | None]:
+        return {name: MuonDimensionNumbers() if getattr(p, "ndim", 0) == 2
+                and not is_embedding(name) else None for name, p in params.items()}  # fmt: skip
+
+    return muon(1.0, beta=cfg.b1, weight_decay=cfg.weight_decay, weight_decay_mask=_decayed,
+                adam_b1=cfg.b1, adam_b2=cfg.b2, adam_weight_decay=cfg.weight_decay,
+                muon_weight_dimension_numbers=matrices, consistent_rms=0.2)  # fmt: skip
+
+
+# The inner optimizers by name (``inner.optimizer``): a new one is a function here and its
+# name in the config's ``Literal``; its state is stored leaf by leaf whatever its structure.
+INNER_OPTIMIZERS = {"adamw": _adamw, "muon": _muon}
+
+
+def inner_optimizer(cfg: InnerConfig) -> optax.GradientTransformation:
+    """Clip by global norm, then the optimizer ``inner.optimizer`` names at rate 1: the
+    step scales the update by ``inner_lr`` (a schedule inside the state could follow only
+    the state's own count)."""
     return optax.chain(
-        optax.clip_by_global_norm(cfg.clip_norm),
-        optax.adamw(1.0, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask),
+        optax.clip_by_global_norm(cfg.clip_norm), INNER_OPTIMIZERS[cfg.optimizer](cfg)
     )
+
+
+def state_age(opt_state: optax.OptState) -> jax.Array:
+    """How many updates the state has taken (its first ``count``: AdamW has one, Muon one
+    for its matrices and one for the rest, always equal)."""
+    return optax.tree_utils.tree_get_all_with_path(opt_state, "count")[0][1]
 
 
 def inner_lr(cfg: InnerConfig, total_steps: int, age: jax.Array, position: jax.Array) -> jax.Array:
@@ -193,8 +226,8 @@ class InnerTrainer:
             labels = batch[:, 1:]
             return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
-        self._lr = lambda opt_state, position: inner_lr(  # Adam's count: the state's age
-            cfg, total_steps, optax.tree_utils.tree_get(opt_state, "count"), position
+        self._lr = lambda opt_state, position: inner_lr(
+            cfg, total_steps, state_age(opt_state), position
         )
 
         def train_step(params, opt_state, batch, position):

@@ -134,7 +134,7 @@ def learner_memory(
     bf16 = ARCHS[m.arch].compute_copies(m)
     return MemoryEstimate(
         parameters=weights,
-        optimizer=2 * weights,
+        optimizer=2 * weights,  # AdamW's two moments (Muon keeps one per matrix: less)
         gradients=weights,
         copies=weights,
         activations=tokens * activation_bytes_per_token(m, remat, platform),

@@ -7,7 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from diloco.config import MergeName, OuterConfig
+from diloco.config import InnerConfig, MergeName, OuterConfig
+from diloco.inner import INNER_OPTIMIZERS, inner_optimizer, state_age
 from diloco.merge import MERGE_RULES, normalized
 from diloco.outer import (
     OUTER_OPTIMIZERS,
@@ -86,6 +87,37 @@ def test_every_merge_rule_and_outer_optimizer_is_named_in_the_config():
     assert set(OUTER_OPTIMIZERS) == set(names)
     for name in OUTER_OPTIMIZERS:
         assert outer_optimizer(OuterConfig(optimizer=name)) is not None
+    names = InnerConfig.model_fields["optimizer"].annotation.__args__
+    assert set(INNER_OPTIMIZERS) == set(names)
+    for name in INNER_OPTIMIZERS:
+        assert inner_optimizer(InnerConfig(optimizer=name)) is not None
+
+
+def test_muon_orthogonalizes_the_hidden_matrices_and_adamw_takes_the_rest():
+    """``inner.optimizer = "muon"``: a hidden matrix's update is its momentum made
+    orthogonal (its singular values all one, scaled to AdamW's RMS of 0.2 times the
+    larger side's root); the embedding table, the output head, norms and biases get
+    AdamW's update (optax's, with Nesterov momentum as Muon's: its first is the gradient's
+    sign times ``1 + b1 / (1 + b1)``, whatever the gradient's size)."""
+    import jax
+
+    rng = np.random.default_rng(0)
+    params = {"blocks.0.up.kernel": rng.normal(size=(8, 16)).astype(np.float32),
+              "embed.embedding": rng.normal(size=(32, 8)).astype(np.float32),
+              "lm_head.kernel": rng.normal(size=(8, 32)).astype(np.float32),
+              "norm.scale": np.ones(8, np.float32)}  # fmt: skip
+    grads = {n: rng.normal(size=v.shape).astype(np.float32) for n, v in params.items()}
+    cfg = InnerConfig(optimizer="muon", weight_decay=0.0, clip_norm=1e9)
+    tx = inner_optimizer(cfg)
+    updates, state = tx.update(grads, tx.init(params), params)
+    updates = {n: np.asarray(u) for n, u in jax.device_get(updates).items()}
+    singular = np.linalg.svd(updates["blocks.0.up.kernel"], compute_uv=False)
+    scale = 0.2 * np.sqrt(16)  # optax's consistent_rms: RMS 0.2 over the larger side
+    np.testing.assert_allclose(singular / scale, 1.0, atol=0.35)  # 5 Newton-Schulz steps
+    for name in ("embed.embedding", "lm_head.kernel", "norm.scale"):
+        first = 1 + cfg.b1 / (1 + cfg.b1)
+        np.testing.assert_allclose(np.abs(updates[name]), first, rtol=1e-3, err_msg=name)
+    assert int(state_age(state)) == 1
 
 
 def test_weighted_mean_matches_numpy():

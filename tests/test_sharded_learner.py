@@ -24,9 +24,9 @@ from diloco.config import PipelineConfig, load_config
 from diloco.inner import InnerTrainer
 from diloco.model import ParamCodec
 from diloco.simulate import simulate
-from flows.bucket_io import optimizer_leaves
 from flows.run import build_model, simulation_store
 from flows.spec import config_from_spec
+from flows.state_io import optimizer_leaves
 from protocol import quantize as Q
 from storage_layout.store import RunStore
 from tests.test_loops import OVER, regions_in, run_pipeline_runtimes
@@ -45,7 +45,7 @@ WORKER = textwrap.dedent(
     from diloco.learner import Learner
     from diloco.model import ParamCodec
     from protocol.quantize import quantize_with_feedback
-    from flows.bucket_io import optimizer_leaves, read_checkpoint
+    from flows.state_io import optimizer_leaves, read_checkpoint
     from storage_layout.store import RunStore
 
     out, bucket = sys.argv[1], sys.argv[2]
@@ -106,6 +106,27 @@ WORKER = textwrap.dedent(
             np.array_equal(back[n], saved[n]) for n in saved)
         res[f"ckpt/{tag}/shards"] = np.array(
             [s.data.shape for s in restored[1][0].nu[big].addressable_shards])
+    # Muon (inner.optimizer): its momentum sharded like the matrix, the same steps
+    muon = load_config("tiny", overrides=["inner.optimizer=muon"])
+    for tag, devices, fsdp in (("d1", 1, 1), ("f2", 4, 2)):
+        trainer = InnerTrainer(codec, muon.inner, 100, devices=jax.devices()[:devices], fsdp=fsdp)
+        reader = ShardReader(corpus.train_shards[0], 8, cfg.model.context, 0, 0)
+        lrn = Learner("m0", trainer, plan, muon.topology, init, reader)
+        for _ in range(3):
+            lrn.train_step()
+        res[f"muon/{tag}/param"] = to_host(lrn.params[big])
+        (mu,) = [x for path, x in jax.tree_util.tree_leaves_with_path(lrn.opt_state)
+                 if "'muon'" in jax.tree_util.keystr(path) and big in jax.tree_util.keystr(path)]
+        res[f"muon/{tag}/shards"] = np.array([s.data.shape for s in mu.addressable_shards])
+        if tag == "f2":
+            store.checkpoints.put_checkpoint("m0", lrn.step, {"opt": optimizer_leaves(lrn.opt_state)}, {})
+            saved = dict(optimizer_leaves(lrn.opt_state))
+    one = InnerTrainer(codec, muon.inner, 100, devices=jax.devices()[:1])
+    restored, _ = read_checkpoint(store, "m0", 3, one.init_opt_state(one.place_params(init)),
+                                  one.place_params)
+    back = optimizer_leaves(restored)
+    res["muon/ckpt/equal"] = sorted(back) == sorted(saved) and all(
+        np.array_equal(back[n], saved[n]) for n in saved)
     np.savez(out, **res)
     """
 )
@@ -170,6 +191,18 @@ def test_parameters_and_optimizer_state_are_sharded(sharded, tag, fsdp):
     for what in ("param", "mu", "anchor", "newanchor", "carry"):
         shapes = sharded[f"{tag}/shards/{what}"]
         assert shapes.tolist() == [[256 // fsdp, 64]] * devices, what
+
+
+def test_muon_shards_its_momentum_like_the_matrix_and_restores_on_one_device(sharded):
+    """``inner.optimizer = "muon"`` at fsdp=2 on 4 devices: the Muon momentum of a (256,
+    64) kernel is split along its rows as the kernel is, three steps land where one
+    device's do (float sums in another order: 1e-4 of the values' size), and its
+    checkpoint restores on one device leaf for leaf."""
+    assert sharded["muon/f2/shards"].tolist() == [[128, 64]] * 4
+    assert sharded["muon/d1/shards"].tolist() == [[256, 64]]
+    ref, got = sharded["muon/d1/param"], sharded["muon/f2/param"]
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4 * float(np.abs(ref).max()))
+    assert sharded["muon/ckpt/equal"]
 
 
 def test_checkpoint_saved_at_fsdp4_restores_on_one_device_and_fsdp2(sharded):
@@ -253,7 +286,7 @@ def test_a_checkpoint_is_taken_from_the_devices_once_and_read_where_it_is_placed
     reads its own rows of a leaf from the bucket: every value is read once, and a leaf
     split by rows never comes to the host whole (a 1 B model's embedding moments are
     gigabytes a leaf)."""
-    from flows.bucket_io import OptimizerLeaves, read_checkpoint
+    from flows.state_io import OptimizerLeaves, read_checkpoint
     from flows.version_stream import ReaderTensors
 
     cfg = load_config("tiny")
@@ -323,7 +356,7 @@ def test_writing_a_checkpoint_leaves_no_host_copy_on_the_state_it_holds(tmp_path
     leaf, or the whole state ends on the host while it is written (9.5 GB for a 1 B
     learner on a GPU, ``bench/hosts``). A leaf sharded over conftest's 2 CPU devices
     keeps its copy as a GPU's arrays do."""
-    from flows.bucket_io import HostPart
+    from flows.state_io import HostPart
 
     cfg = load_config("tiny")
     codec, state = ParamCodec.create(cfg.model, 0)
@@ -410,7 +443,7 @@ def test_a_checkpoint_in_hosts_parts_is_committed_once_all_are_written_and_read_
     """Each host writes its part of a checkpoint (its shards, and their boxes); the leader
     commits the whole once every part is there, and a reader places each leaf from the
     boxes it overlaps, whatever mesh it has."""
-    from flows.bucket_io import read_checkpoint
+    from flows.state_io import read_checkpoint
 
     store = _parted_checkpoint(tmp_path)
     assert store.checkpoints.checkpoint_steps("l0") == []  # nothing committed by the parts alone
@@ -432,7 +465,7 @@ def test_a_checkpoint_in_hosts_parts_is_committed_once_all_are_written_and_read_
 
 
 def test_a_checkpoint_in_parts_with_a_part_missing_forged_or_not_tiling_is_refused(tmp_path):
-    from flows.bucket_io import read_checkpoint
+    from flows.state_io import read_checkpoint
     from storage_layout.commit import CorruptVersion
 
     store = _parted_checkpoint(tmp_path / "a")

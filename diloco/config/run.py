@@ -54,8 +54,16 @@ class DataConfig(Strict):
 
 
 class InnerConfig(Strict):
-    """AdamW with linear warm-up, cosine decay and global-norm clipping."""
+    """The inner optimizer (AdamW, or Muon on the matrices) with linear warm-up, cosine
+    decay and global-norm clipping."""
 
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw",
+        description="the inner optimizer (diloco.inner.INNER_OPTIMIZERS): adamw, or muon "
+        "(MuLoCo, arXiv 2505.23725: Muon's orthogonalized momentum on the hidden matrices, "
+        "AdamW on embeddings, the output head, norms and biases; its updates scaled to "
+        "AdamW's RMS, so lr carries over)",
+    )
     lr: PositiveFloat = Field(3e-3, description="peak learning rate (after the warm-up)")
     min_lr_ratio: Fraction = Field(
         0.1, description="learning rate at the end of the cosine decay, as a share of lr"
@@ -64,7 +72,7 @@ class InnerConfig(Strict):
     weight_decay: Annotated[float, Field(ge=0)] = Field(
         0.1, description="AdamW weight decay (matrices only, not norms or biases)"
     )
-    b1: Fraction = Field(0.9, description="AdamW beta1 (first-moment decay)")
+    b1: Fraction = Field(0.9, description="AdamW beta1 (first-moment decay); Muon's momentum")
     b2: Fraction = Field(0.95, description="AdamW beta2 (second-moment decay)")
     clip_norm: PositiveFloat = Field(1.0, description="clip gradients to this global L2 norm")
 
