@@ -219,19 +219,23 @@ def linked_flow_run(flow: Any, parameters: dict[str, Any], env: Any, tags: list[
 
 def crash_linked(env: Any, name: str, why: str) -> int:
     """Set Crashed, saying ``why``, each unfinished flow run named ``name`` that a process
-    started with ``env`` (``parent_env``) linked under its task run: a process that was
-    killed or died cannot end its own flow run, which would show Running (or Pending) in
-    the UI for ever. Returns how many; links are for people: a caller catches what the
-    API raises."""
+    started with ``env`` (``parent_env``) linked under its task run, and the task runs
+    inside it left unfinished (a learner's round): a process that was killed or died
+    cannot end them, and the UI would show them Running (or Pending) for ever. Returns how
+    many flow runs; links are for people: a caller catches what the API raises."""
     from uuid import UUID
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         FlowRunFilter,
+        FlowRunFilterId,
         FlowRunFilterName,
         FlowRunFilterParentFlowRunId,
         FlowRunFilterState,
         FlowRunFilterStateType,
+        TaskRunFilter,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
     )
     from prefect.client.schemas.objects import StateType
     from prefect.states import Crashed
@@ -251,9 +255,17 @@ def crash_linked(env: Any, name: str, why: str) -> int:
         for flow_run in flow_runs:
             stand_in = client.read_task_run(flow_run.parent_task_run_id)
             parents = {str(p.id) for p in stand_in.task_inputs.get("__parents__", [])}
-            if parent_task_run in parents:  # this process's, not a stand-by's of that name
-                client.set_flow_run_state(flow_run.id, Crashed(message=why), force=True)
-                crashed += 1
+            if parent_task_run not in parents:  # a stand-by's of that name
+                continue
+            client.set_flow_run_state(flow_run.id, Crashed(message=why), force=True)
+            crashed += 1
+            inside = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])),
+                task_run_filter=TaskRunFilter(state=TaskRunFilterState(
+                    type=TaskRunFilterStateType(any_=unfinished))),
+            )  # fmt: skip
+            for task_run in inside:
+                client.set_task_run_state(task_run.id, Crashed(message=why), force=True)
     return crashed
 
 

@@ -363,12 +363,14 @@ def test_a_linked_flow_run_is_named_before_its_worker_starts_it_and_crashed_if_i
 ):
     """Defects: a worker killed between creating its flow run and starting it left a
     Pending flow run with a random name ("crimson-caiman") that no one could place, and a
-    worker killed mid-run left its flow run Running in the UI for ever. The flow run is
-    named at creation, as the flow's ``flow_run_name`` names it at start; its supervisor
-    sets it Crashed, saying why, and leaves alone a flow run of the same name that another
-    task run (a stand-by's) started."""
-    from prefect import flow, task
+    worker killed mid-run left its flow run, and the round inside it, Running in the UI for
+    ever. The flow run is named at creation, as the flow's ``flow_run_name`` names it at
+    start; its supervisor sets it and its unfinished task runs Crashed, saying why, and
+    leaves alone a flow run of the same name that another task run (a stand-by's)
+    started."""
+    from prefect import Task, flow, task
     from prefect.client.orchestration import get_client
+    from prefect.states import Running
 
     from flows.learner import learner_flow
     from flows.observe import crash_linked, linked_flow_run, parent_env, worker_tags
@@ -380,18 +382,24 @@ def test_a_linked_flow_run_is_named_before_its_worker_starts_it_and_crashed_if_i
     @task
     def start_a_worker(dies: bool):
         flow_run = linked_flow_run(learner_flow, params, parent_env(), tags)
-        crashed = (
-            crash_linked(parent_env(), "learner us-east/3", "killed by signal 9") if dies else 0
-        )
-        return flow_run.id, crashed
+        if not dies:
+            return flow_run.id, 0, None
+        with get_client(sync_client=True) as client:  # the round it was in when it died
+            client.set_flow_run_state(flow_run.id, Running(), force=True)
+            round_ = client.create_task_run(Task(fn=lambda: None, name="learner us-east/3 round 0"),
+                                            flow_run.id, "0", state=Running())  # fmt: skip
+        crashed = crash_linked(parent_env(), "learner us-east/3", "killed by signal 9")
+        return flow_run.id, crashed, round_.id
 
     @flow
     def launcher():
         return start_a_worker(False), start_a_worker(True)
 
-    (alive, none), (dead, crashed) = launcher()
+    (alive, none, _), (dead, crashed, round_) = launcher()
     with get_client(sync_client=True) as client:
         created, killed = client.read_flow_run(alive), client.read_flow_run(dead)
+        task_run = client.read_task_run(round_)
+        assert task_run.state.is_crashed() and task_run.state.message == "killed by signal 9"
         assert created.name == killed.name == "learner us-east/3", (created, killed)
         assert created.state.is_pending() and none == 0, created
         assert {"run:r", "region:us-east", "learner:3"} <= set(created.tags)
