@@ -2,7 +2,7 @@
 outer step, the model and its trainer, a run's data, and the simulator that drives the
 loops on a virtual clock. No storage, no Prefect (docs/architecture.md)."""
 
-from importlib import import_module
+from protocol.lazy import lazy_api
 
 _API = {
     "RunConfig": "diloco.config",
@@ -27,10 +27,4 @@ _API = {
 }
 __all__ = sorted(_API)
 
-
-def __getattr__(name: str) -> object:
-    """A public name, its module imported on first use (JAX, Prefect and the storage
-    clients load only where they are used)."""
-    if name in _API:
-        return getattr(import_module(_API[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_api(__name__, _API)

@@ -1,7 +1,7 @@
 """The shell: a run built once (``Run``), the Prefect flows of the launcher, learners and
 syncers, joining a run, the run's model read back, and the ``diloco`` command."""
 
-from importlib import import_module
+from protocol.lazy import lazy_api
 
 _API = {
     "Run": "flows.run",
@@ -20,10 +20,4 @@ _API = {
 }
 __all__ = sorted(_API)
 
-
-def __getattr__(name: str) -> object:
-    """A public name, its module imported on first use (JAX, Prefect and the storage
-    clients load only where they are used)."""
-    if name in _API:
-        return getattr(import_module(_API[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_api(__name__, _API)

@@ -3,7 +3,7 @@ on loopback, a Prefect server), the local multi-region stack itself, process cha
 the helpers that start and stop processes, and the Prefect automations a deployment
 installs. ``terraform/``, ``kubernetes/`` and ``container/`` hold the cloud definitions."""
 
-from importlib import import_module
+from protocol.lazy import lazy_api
 
 _API = {
     "LocalS3": "infra.local_servers",
@@ -16,10 +16,4 @@ _API = {
 }
 __all__ = sorted(_API)
 
-
-def __getattr__(name: str) -> object:
-    """A public name, its module imported on first use (the servers' clients load only
-    where they are used)."""
-    if name in _API:
-        return getattr(import_module(_API[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_api(__name__, _API)

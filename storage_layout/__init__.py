@@ -2,7 +2,7 @@
 run's records by kind (``RunStore`` and its parts); inspection, audit and a notebook's
 report. Named arrays and JSON only: no training types, no JAX."""
 
-from importlib import import_module
+from protocol.lazy import lazy_api
 
 _API = {
     "RunStore": "storage_layout.store",
@@ -21,10 +21,4 @@ _API = {
 }
 __all__ = sorted(_API)
 
-
-def __getattr__(name: str) -> object:
-    """A public name, its module imported on first use (JAX, Prefect and the storage
-    clients load only where they are used)."""
-    if name in _API:
-        return getattr(import_module(_API[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_api(__name__, _API)
