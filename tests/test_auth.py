@@ -15,8 +15,9 @@ import pytest
 
 from diloco.config import load_config
 from diloco.outer import Contribution
-from flows.bucket_io import BucketStore, contribution_meta
+from flows.bucket_io import BucketStore
 from flows.launcher import authenticate
+from flows.learner_buckets import contribution_meta
 from flows.run import build_model, initialize_run
 from flows.supervision import child_env
 from flows.syncer import SyncerRuntime

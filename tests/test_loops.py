@@ -24,8 +24,8 @@ from diloco.run_data import RunData
 from diloco.scheduler import Scheduler, VirtualClock
 from diloco.simulate import simulate
 from diloco.transport import StoreLearnerView
-from flows.bucket_io import SEQ_BLOCK
 from flows.learner import train_round
+from flows.learner_buckets import SEQ_BLOCK
 from flows.learner_io import BackgroundIO
 from flows.learner_runtime import Fenced, LearnerRuntime
 from flows.run import bucket_store, build_model, initialize_run, simulation_store

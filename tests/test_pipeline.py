@@ -38,11 +38,11 @@ from diloco.liveness import Liveness
 from diloco.outer import Contribution
 from diloco.tensors import materialize
 from diloco.transport import StoreLearnerView
-from flows import bucket_io, workers
-from flows.bucket_io import SEQ_BLOCK, contribution_meta
+from flows import syncer_buckets, workers
 from flows.cli import main as cli_main
 from flows.hosts import PROCESS_ID_ENV
 from flows.launch_processes import Processes
+from flows.learner_buckets import SEQ_BLOCK, contribution_meta
 from flows.monitor import Monitor, cross_region_bytes
 from flows.notice import NOTICE_ENV
 from flows.process import this_process, worker_process
@@ -692,7 +692,7 @@ def test_a_syncer_reads_only_the_newest_send_of_each_anchor(tmp_path, monkeypatc
         obj = max(marker.objects, key=lambda k: marker.objects[k]["size"])
         path = tmp_path / "us" / marker.data_prefix / obj
         path.write_bytes(path.read_bytes()[:-3])
-    read, real = [], bucket_io.scan_payload
+    read, real = [], syncer_buckets.scan_payload
 
     def counting(payload, block):  # every contribution read is scanned first
         learner, seq = re.search(r"learners/([^/]+)/.*/s(\d+)\.json$",
@@ -700,7 +700,7 @@ def test_a_syncer_reads_only_the_newest_send_of_each_anchor(tmp_path, monkeypatc
         read.append((learner, int(seq)))
         return real(payload, block)
 
-    monkeypatch.setattr(bucket_io, "scan_payload", counting)
+    monkeypatch.setattr(syncer_buckets, "scan_payload", counting)
     syncer = SyncerRuntime("newest", regions, "us-east", 0, 2, cfg.pipeline.model_dump())
     assert syncer.poll() == len(sent)  # one per learner
     assert {seq for who, seq in read if who == lid} == {4, 3}  # never 1 or 2

@@ -17,7 +17,8 @@ import pytest
 
 from diloco.outer import Contribution
 from diloco.tensors import pieces as tensor_pieces
-from flows.bucket_io import contribution_from, contribution_meta
+from flows.learner_buckets import contribution_meta
+from flows.syncer_buckets import contribution_from
 from protocol.quantize import quantize
 from storage_layout.auth import Unauthenticated
 from storage_layout.bucket import Bucket, BucketError

@@ -240,7 +240,7 @@ def send(ctx: Ctx, store, learner: str, seq: int, base: int, rnd: int) -> dict:
     the generation and quantization of the values."""
     from diloco.outer import Contribution
     from diloco.tensors import pieces
-    from flows.bucket_io import contribution_meta
+    from flows.learner_buckets import contribution_meta
     from protocol.quantize import quantize
 
     topo = ctx.cfg.topology
