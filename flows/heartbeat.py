@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-QUIET_SECONDS = 60.0  # failed beats are logged at most this often
+from flows.observe import QUIET_SECONDS
 
 
 class Heartbeat:

@@ -27,7 +27,6 @@ from flows.supervision import (
     LaunchMode,
     as_task,
     child_env,
-    crash_flow_runs,
     log_name,
     run_log,
     stop_predecessors,
@@ -149,7 +148,7 @@ class Processes(LaunchMode):
             raise ApiDown(f"{name} could not reach the Prefect API (exit status {code}); log "
                           f"{log_path}:\n{tail}")  # fmt: skip
         why, oom = watch.death(code) if code < 0 else (f"exited with status {code}", False)
-        crash_flow_runs(name.removesuffix(f" {STAND_BY}"), env, f"its process ended: {why}")
+        self.crash_flow_runs(name.removesuffix(f" {STAND_BY}"), env, f"its process ended: {why}")
         if code < 0:
             with self.lock:
                 self.deaths[worker or name] = (time.time(), OOM_KILLED if oom else "killed")

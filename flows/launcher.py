@@ -50,13 +50,12 @@ from flows.launch_chaos import failure_report, start_chaos, worker_faults
 from flows.launch_modes import Via, launch_mode
 from flows.metrics import LiveMetrics
 from flows.monitor import Monitor, RunStalled
-from flows.observe import artifact_key, outlive_the_reader, stopped, tag_flow_run
+from flows.observe import BestEffort, artifact_key, outlive_the_reader, stopped, tag_flow_run
 from flows.run import Run
 from flows.run_lock import RunLock, RunTakenOver, held
 from flows.summary import loss_plot_png, run_summary, summary_markdown
 from flows.supervision import STAND_BY, STOP_SECONDS, LaunchMode
 from flows.watch import (
-    BestEffort,
     first_line,
     progress_note,
     reason,

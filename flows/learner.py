@@ -31,6 +31,7 @@ from flows.compile import share_compilations, user_cache
 from flows.hosts import join as join_group
 from flows.learner_runtime import Fenced, LearnerRuntime
 from flows.observe import (
+    BestEffort,
     LiveTable,
     artifact_key,
     outlive_the_reader,
@@ -41,6 +42,8 @@ from flows.observe import (
 from flows.process import WorkerProcess, this_process
 from protocol.topology import learner_id
 from storage_layout.auth import LEARNER_KEY_ENV, RUN_SECRET_ENV
+
+TABLE_SECONDS = 1.0  # a round's wait, at most, for its row in the flow run's table
 
 
 def stop_between_flow_runs() -> None:
@@ -104,27 +107,29 @@ def _runtime(process: WorkerProcess, key: tuple, bucket: str, pipeline: dict | N
     return rt
 
 
-def _train_rounds(rt: LearnerRuntime, process: WorkerProcess, log: Any,
-                  rows: list[dict[str, Any]]) -> None:  # fmt: skip
+def _train_rounds(rt: LearnerRuntime, process: WorkerProcess, rows: list[dict[str, Any]]) -> None:
     """This flow run's rounds (``pipeline.rounds_per_flow_run`` at most, fewer when the
     learner is done or preempted), each a row of ``rows`` and of the flow run's table as
-    it happens (a crashed run shows the ones it trained)."""
+    it happens (a crashed run shows the ones it trained). The table is for people: the
+    learner waits at most ``TABLE_SECONDS`` a round for it, so an API that is away (its
+    client retries for a minute) does not hold training up."""
     table = LiveTable(artifact_key(rt.run, rt.id, "rounds"),
                       f"learner {rt.label} of run {rt.run}: one row per round") if rt.leader else None  # fmt: skip
-    for _ in range(rt.cfg.pipeline.rounds_per_flow_run):
-        if process.stop.is_set():  # its interrupt was lost on its way (flows.worker)
-            raise KeyboardInterrupt
-        if rt.finished or rt.preempting():
-            return
-        row = train_round(rt, f"learner {rt.label} round {rt.round}")
-        if row is None:  # (the round's task took the interrupt)
-            raise KeyboardInterrupt
-        rows.append(row)
-        if table is not None:
-            try:
-                table.show(list(rows))
-            except Exception as exc:  # the table is for people; training goes on
-                log.warning("cannot update the table %s: %r", table.key, exc)
+    report = BestEffort()
+    try:
+        for _ in range(rt.cfg.pipeline.rounds_per_flow_run):
+            if process.stop.is_set():  # its interrupt was lost on its way (flows.worker)
+                raise KeyboardInterrupt
+            if rt.finished or rt.preempting():
+                return
+            row = train_round(rt, f"learner {rt.label} round {rt.round}")
+            if row is None:  # (the round's task took the interrupt)
+                raise KeyboardInterrupt
+            rows.append(row)
+            if table is not None:
+                report(table.show, list(rows), wait=TABLE_SECONDS, label=f"table {table.key}")
+    finally:
+        report.drain()  # the last rows, before the flow run ends
 
 
 @flow(name="learner", flow_run_name="learner {region}/{index}", persist_result=False)
@@ -151,7 +156,7 @@ def learner_flow(
     rt = _runtime(process, key, bucket, pipeline, log)
     rows: list[dict[str, Any]] = []
     try:
-        _train_rounds(rt, process, log, rows)
+        _train_rounds(rt, process, rows)
         if not rt.finished and rt.preempting():
             left = rt.leave()
             process.runtimes.pop(key, None)

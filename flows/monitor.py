@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from diloco.liveness import Liveness, Verdict
+from flows.observe import QUIET_SECONDS
 from flows.pace import MEMBERS_EVERY
 from flows.run import Run
 from protocol.topology import learner_index, run_slots, shard_count, shard_fragments, syncer_id
@@ -22,7 +23,6 @@ from storage_layout.traffic import sum_traffic
 
 log = logging.getLogger(__name__)
 
-QUIET_SECONDS = 60.0  # one kind of error while watching is logged at most this often
 STORAGE_PATIENCE = 600.0  # seconds the summary waits for the home bucket to answer
 
 

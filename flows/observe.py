@@ -7,14 +7,23 @@ start-up and most of its subcommands never touch Prefect.
 
 from __future__ import annotations
 
+import contextvars
 import logging
+import math
 import os
 import re
 import stat
 import sys
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from protocol.topology import learner_index
+
+log = logging.getLogger(__name__)
+
+QUIET_SECONDS = 60.0  # one kind of failure to report is logged at most this often
 
 
 def run_logger(fallback: str) -> Any:
@@ -26,6 +35,66 @@ def run_logger(fallback: str) -> Any:
         return get_run_logger()
     except Exception:
         return logging.getLogger(fallback)
+
+
+REPORT_SECONDS = 10.0  # the watch waits at most this long for a report to the Prefect API
+
+
+class BestEffort:
+    """Calls for what only reports (a progress or summary artifact, the live metrics'
+    tables): each run off the calling thread and waited for at most ``wait`` seconds, so
+    an API that is gone (whose client retries for minutes) never holds up the watch or a
+    Ctrl-C; one at a time per call (one still under way skips the next). A failure or a
+    call that takes too long is logged by name, at most once every ``QUIET_SECONDS`` per
+    call, and never raised: the run needs none of it. The launcher's watch and
+    supervisors hold one, and each learner process for its round table: a learner
+    trains on while the API is away."""
+
+    def __init__(self) -> None:
+        self.reported: dict[str, float] = {}  # call -> when its failure was last logged
+        self.running: dict[str, threading.Thread] = {}  # call -> its call still under way
+
+    def __call__(self, call: Callable[..., Any], *args: Any, wait: float = REPORT_SECONDS,
+                 label: str | None = None, **kwargs: Any) -> Any:  # fmt: skip
+        """``call(*args, **kwargs)``'s result, or None; ``label`` names the call in the log
+        (one at a time per label; the call's name by default)."""
+        name = label or getattr(call, "__name__", str(call))
+
+        def report(what: str) -> None:
+            now = time.monotonic()
+            if now - self.reported.get(name, -math.inf) >= QUIET_SECONDS:
+                self.reported[name] = now
+                log.warning("%s %s; the run goes on without it", name, what)
+
+        busy = self.running.get(name)
+        if busy is not None and busy.is_alive():
+            busy.join(wait)
+            if busy.is_alive():
+                report("is still waiting on an earlier call (the Prefect API may be down)")
+                return None
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                result["value"] = call(*args, **kwargs)
+            except Exception as exc:
+                report(f"failed ({type(exc).__name__}: {str(exc)[:300]})")
+
+        context = contextvars.copy_context()  # (the flow run's, for the artifacts' links)
+        thread = threading.Thread(target=context.run, args=(run,), daemon=True, name=name)
+        self.running[name] = thread
+        thread.start()
+        thread.join(wait)
+        if wait > 0 and thread.is_alive():
+            report(f"did not answer in {wait:.0f} s")
+        return result.get("value")
+
+    def drain(self, timeout: float = REPORT_SECONDS) -> None:
+        """Wait, at most ``timeout`` seconds in all, for the calls still under way (before
+        the flow run or the process that would end them ends)."""
+        deadline = time.monotonic() + timeout
+        for thread in list(self.running.values()):
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def artifact_key(*parts: str) -> str:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco.config import RunConfig
-from flows.observe import PARENT_FLOW_RUN_ENV, PARENT_TASK_RUN_ENV, crash_linked
+from flows.observe import PARENT_FLOW_RUN_ENV, PARENT_TASK_RUN_ENV, BestEffort, crash_linked
 from flows.worker import PARENT_ENV, api_away, prefect_api_reachable
 from flows.workers import Status, Worker
 from infra.processes import read_pids, stop_leftovers
@@ -264,15 +264,6 @@ class Restarts:
         self.delay = min(60.0, self.delay * 2)
 
 
-def crash_flow_runs(name: str, env: dict[str, str], why: str) -> None:
-    """The flow runs a worker process left unfinished as it died, Crashed with ``why``
-    (``observe.crash_linked``); the UI would show them running for ever."""
-    try:
-        crash_linked(env, name, why)
-    except Exception as exc:  # for people: a supervisor never stops for it
-        run_log().warning("could not mark %s's flow run Crashed: %s", name, exc)
-
-
 def log_name(name: str) -> str:
     return f"{name.replace(' ', '-').replace('/', '-')}.log"
 
@@ -293,6 +284,7 @@ class LaunchMode:
         self.oom_kills: Counter[str] = Counter()
         self.lock = threading.Lock()
         self.secret: str | None = None  # the run secret, where this launch holds it
+        self.report = BestEffort()  # what is only for people, off the supervisors' threads
 
     # Whether the workers go on when the launcher dies of anything but a stop (a signal,
     # the UI's cancel, a run that cannot progress): a deployment's flow runs, in their
@@ -319,6 +311,14 @@ class LaunchMode:
         """A second worker beside a stalled syncer shard (its name and future), or None
         where this mode cannot start one."""
         return None
+
+    def crash_flow_runs(self, name: str, env: dict[str, str], why: str) -> None:
+        """The flow runs a worker process left unfinished as it died, Crashed with ``why``
+        (``observe.crash_linked``): the UI would show them running for ever. Not waited
+        for: with the API away, its client retries for a minute, and the worker's restart
+        must not wait on what is only shown."""
+        self.report(crash_linked, env, name, why, wait=0,
+                    label=f"marking {name}'s flow runs Crashed")  # fmt: skip
 
     def interrupt(self) -> None:
         """The run stops: ask every worker to checkpoint and end."""

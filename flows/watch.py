@@ -7,9 +7,7 @@ learners' phases on a live display. Reports to the Prefect API are best effort."
 from __future__ import annotations
 
 import concurrent.futures
-import contextvars
 import logging
-import math
 import threading
 import time
 from collections import Counter
@@ -21,60 +19,12 @@ from prefect.states import State
 
 from flows.display import Display
 from flows.metrics import LiveMetrics
-from flows.monitor import QUIET_SECONDS, Monitor, RunStalled, cross_region_bytes
+from flows.monitor import Monitor, RunStalled, cross_region_bytes
+from flows.observe import BestEffort
 from flows.supervision import STAND_BY
 from storage_layout.commit import CorruptVersion
 
 log = logging.getLogger(__name__)
-
-REPORT_SECONDS = 10.0  # the watch waits at most this long for a report to the Prefect API
-
-
-class BestEffort:
-    """Calls for what only reports (a progress or summary artifact, the live metrics'
-    tables): each run off the calling thread and waited for at most ``wait`` seconds, so
-    an API that is gone (whose client retries for minutes) never holds up the watch or a
-    Ctrl-C; one at a time per call (one still under way skips the next). A failure or a
-    call that takes too long is logged by name, at most once every ``QUIET_SECONDS`` per
-    call, and never raised: the run needs none of it. One per launch."""
-
-    def __init__(self) -> None:
-        self.reported: dict[str, float] = {}  # call -> when its failure was last logged
-        self.running: dict[str, threading.Thread] = {}  # call -> its call still under way
-
-    def __call__(self, call: Callable[..., Any], *args: Any, wait: float = REPORT_SECONDS,
-                 **kwargs: Any) -> Any:  # fmt: skip
-        """``call(*args, **kwargs)``'s result, or None."""
-        name = getattr(call, "__name__", str(call))
-
-        def report(what: str) -> None:
-            now = time.monotonic()
-            if now - self.reported.get(name, -math.inf) >= QUIET_SECONDS:
-                self.reported[name] = now
-                log.warning("%s %s; the run goes on without it", name, what)
-
-        busy = self.running.get(name)
-        if busy is not None and busy.is_alive():
-            busy.join(wait)
-            if busy.is_alive():
-                report("is still waiting on an earlier call (the Prefect API may be down)")
-                return None
-        result: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                result["value"] = call(*args, **kwargs)
-            except Exception as exc:
-                report(f"failed ({type(exc).__name__}: {str(exc)[:300]})")
-
-        context = contextvars.copy_context()  # (the flow run's, for the artifacts' links)
-        thread = threading.Thread(target=context.run, args=(run,), daemon=True, name=name)
-        self.running[name] = thread
-        thread.start()
-        thread.join(wait)
-        if wait > 0 and thread.is_alive():
-            report(f"did not answer in {wait:.0f} s")
-        return result.get("value")
 
 
 def flush_prefect(timeout: float = 10.0) -> None:
