@@ -464,8 +464,11 @@ def test_a_run_from_the_train_deployment_is_tagged_and_links_its_flow_runs(worke
     (tmp_path / "eu").mkdir()
     regions = {"us-east": f"s3://{bucket}", "eu-west": f"file://{tmp_path / 'eu'}"}
     run = f"dep-{via[:4]}-{uuid.uuid4().hex[:6]}"
+    # A deployment's flow run is a process of its own (tens of seconds to start here):
+    # fewer of them (the chain of bounded flow runs is checked in the processes mode).
+    chained = ["pipeline.rounds_per_flow_run=2", "pipeline.versions_per_flow_run=8"]
     params = {"run": run, "regions": regions, "via": via, "logs": str(tmp_path / "logs"),
-              "overrides": TINY}  # fmt: skip
+              "overrides": TINY + (chained if via == "deployments" else [])}  # fmt: skip
     launcher = run_deployment("train/us-east", parameters=params, timeout=0)
     deadline = time.monotonic() + 600
     with _client() as client:

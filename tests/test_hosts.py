@@ -234,7 +234,7 @@ def test_a_learner_of_two_processes_restarts_as_a_whole_when_one_is_killed(prefe
     rejoins and trains its budget. The syncers saw one learner: contributions under one
     id only, every seq once, two generations (the first start and the restart), and a
     clean audit."""
-    run, steps = "hosts", 160
+    run, steps = "hosts", 60
     bucket = f"file://{tmp_path / 'us'}"
     argv = [sys.executable, "-m", "flows.cli", "train", "--dir", str(tmp_path), "--run", run,
             "--tokens", str(steps * 8 * 64), "--create-buckets", f"--region=us={bucket}"]  # fmt: skip
