@@ -17,6 +17,7 @@ from typing import Any
 from prefect.artifacts import update_progress_artifact
 from prefect.states import State
 
+from diloco.rate import Rate, duration_text, rate_text
 from flows.display import Display
 from flows.metrics import LiveMetrics
 from flows.monitor import Monitor, RunStalled, cross_region_bytes
@@ -55,6 +56,7 @@ def watch(names: list[str], futures: list[Any], monitor: Monitor, bar: Any, ever
     ended: dict[str, float] = {}
     given_up: list[str] = []
     started = False  # every learner has started up: progress lines from then on
+    tokens, share = Rate(), Rate()  # merged tokens and the budget's share: speed, time left
     # The thread pool's own futures, waited on plainly: ``prefect.futures.wait`` with a
     # timeout arms an asynchronous exception (an alarm signal in the main thread), which
     # can land inside a lock and end a run with "release unlocked lock".
@@ -77,18 +79,21 @@ def watch(names: list[str], futures: list[Any], monitor: Monitor, bar: Any, ever
         if point is None:
             continue
         pct = monitor.progress(statuses)
+        tokens.add(time.monotonic(), point["tokens"])
+        share.add(time.monotonic(), pct)
+        pace = pace_text(tokens, share)
         still = _standstill(monitor, statuses, point, pct, log)
         for name, future in _stand_bys(monitor, statuses, point, stand_by):
             names.append(name)  # watched from now on like the others
             futures.append(future)
             pool.append(future.wrapped_future)
         if bar is not None:
-            report(update_progress_artifact, bar, pct, progress_note(monitor, statuses))
-        show_phases(display, statuses, point["versions"], point, pct, oom)
+            report(update_progress_artifact, bar, pct, progress_note(monitor, statuses, pace))
+        show_phases(display, statuses, point["versions"], point, pct, oom, pace)
         if metrics is not None:
             report(report_metrics, metrics, monitor, point, statuses, log)
         if still is None:  # (else said above)
-            started = _progress_line(log, statuses, point, pct, oom, started)
+            started = _progress_line(log, statuses, point, pct, pace, oom, started)
 
 
 def _stand_bys(monitor: Monitor, statuses: dict[str, dict], point: dict[str, Any],
@@ -150,18 +155,21 @@ def _note_ends(names: list[str], pool: list[Any], ended: dict[str, float],
 
 
 def _progress_line(log: Any, statuses: dict[str, dict], point: dict[str, Any], pct: float,
-                   oom: Mapping[str, int] | None, started: bool) -> bool:  # fmt: skip
+                   pace: str, oom: Mapping[str, int] | None, started: bool) -> bool:  # fmt: skip
     """Log where the learners' start-up is until every learner has started, then the
-    progress line; returns whether they all have (``started``: they had already)."""
+    progress line (``pace``: the merged tokens' recent rate and the time left at the
+    budget's recent rate, ``diloco.rate``); returns whether they all have (``started``:
+    they had already)."""
     starting = None if started else startup_line(statuses, point["versions"], oom)
     if starting:
         log.info("%s | validation loss %.4f", starting, point["loss"], extra=SHOWN)
         return False
     restarting = Counter(s.get("state") for s in statuses.values() if s.get("state") in STARTUP)
     log.info(
-        "%5.1f%% | tokens %s | validation loss %.4f | versions %s%s",
+        "%5.1f%% | tokens %s at %s | validation loss %.4f | versions %s%s",
         pct,
         f"{point['tokens']:,}",
+        pace,
         point["loss"],
         " ".join(f"f{p}:v{v}" for p, v in point["versions"].items()),
         "".join(f" | {n} restarting ({phase})" for phase, n in restarting.items()),
@@ -170,10 +178,21 @@ def _progress_line(log: Any, statuses: dict[str, dict], point: dict[str, Any], p
     return True
 
 
-def progress_note(monitor: Monitor, statuses: dict[str, dict[str, Any]]) -> str:
-    """The progress artifact's description: what it measures, and who trains where."""
-    return (f"run {monitor.store.run}: share of all learners' inner steps done; "
+def progress_note(monitor: Monitor, statuses: dict[str, dict[str, Any]], pace: str = "") -> str:
+    """The progress artifact's description: what it measures, how fast it goes (``pace``,
+    while the run goes on), and who trains where."""
+    pace = f" (tokens at {pace})" if pace else ""
+    return (f"run {monitor.store.run}: share of all learners' inner steps done{pace}; "
             f"{monitor.by_region(statuses)}")  # fmt: skip
+
+
+def pace_text(tokens: Rate, share: Rate) -> str:
+    """The merged tokens' recent rate and the time left at the budget's recent rate:
+    ``9,412/s | 25 s left`` (``time left unknown`` until the run moves)."""
+    left = share.time_to(100.0)
+    return f"{rate_text(tokens.per_second())} | " + (
+        "time left unknown" if left is None else f"{duration_text(left)} left"
+    )
 
 
 def failure(future: concurrent.futures.Future) -> BaseException | None:
@@ -213,9 +232,11 @@ def show_phases(
     point: dict[str, Any] | None = None,
     pct: float | None = None,
     oom: Mapping[str, int] | None = None,
+    pace: str = "",
 ) -> None:
     """Set the display's learner, first-contribution and training phases from the
-    learners' status objects and the newest versions (and ``point``, an evaluation)."""
+    learners' status objects and the newest versions (and ``point``, an evaluation, with
+    its ``pace``: ``pace_text``)."""
     if not display.live:
         return
     counts, detail = learner_phases(statuses, oom)
@@ -229,7 +250,8 @@ def show_phases(
     if counts.get("training") or counts.get("done") or any(v > 0 for v in versions.values()):
         display.phase("training", "running", "")
     if point is not None and pct is not None:
-        display.progress(pct, f"tokens {point['tokens']:,} · validation loss "
+        at = f" at {pace.replace(' | ', ' · ')}" if pace else ""
+        display.progress(pct, f"tokens {point['tokens']:,}{at} · validation loss "
                               f"{point['loss']:.4f} · versions {shown}")  # fmt: skip
 
 

@@ -118,7 +118,7 @@ class OwnPrefectServer:
                 "--port", str(self.port), "--no-scheduler", "--no-late-runs"]  # fmt: skip
         with (self.home / "server.log").open("ab") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                         env=server_env(self.home), start_new_session=True)  # fmt: skip
+                                         env=server_env(self.home, self.port), start_new_session=True)  # fmt: skip
         wait_healthy(self.url, self.proc, self.home / "server.log", timeout=180)
         return self
 
@@ -191,6 +191,9 @@ def test_a_run_outlives_its_prefect_server_killed_and_restarted(tmp_path):
     assert "gave up" not in output and "failed without progress" not in output
     summary = json.loads((root / run / "summary.json").read_text())
     assert summary["failed"] == [] and set(summary["learner_states"].values()) == {"done"}
+    # Its progress lines say how fast it goes and how long it has left (diloco.rate).
+    assert re.search(r"\d% \| tokens [\d,]+ at [\d,]+/s \| (\d+ s|\d+ min \d\d s) left \|",
+                     output), output[-3000:]  # fmt: skip
 
 
 def _lock_run(tmp_path: Path, run: str = "locked") -> RunStore:

@@ -232,6 +232,17 @@ def test_the_live_display_shows_the_phases_and_is_plain_off_a_terminal():
     text = buf.getvalue()
     for words in ("Prefect server", "2 compiling, 2 training", "validation loss 3.2100", "42%"):
         assert words in text, text
+    # The watch's evaluation shows the speed and the time left beside the tokens.
+    from flows.watch import show_phases
+
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=True, width=160)
+    with open_display(console, "diloco train demo") as display:
+        point = {"tokens": 1024, "loss": 3.21, "versions": {0: 1, 1: 1}}
+        show_phases(display, {"learner-0": {"state": "training"}}, point["versions"], point,
+                    42.0, pace="500/s | 40 s left")  # fmt: skip
+        console.print(display.render())
+    assert "tokens 1,024 at 500/s · 40 s left · validation loss 3.2100" in buf.getvalue()
 
 
 def test_the_curve_holds_each_model_once_and_the_plot_has_the_learners_loss(tmp_path):
