@@ -116,20 +116,18 @@ def _train_rounds(rt: LearnerRuntime, process: WorkerProcess, rows: list[dict[st
     table = LiveTable(artifact_key(rt.run, rt.id, "rounds"),
                       f"learner {rt.label} of run {rt.run}: one row per round") if rt.leader else None  # fmt: skip
     report = BestEffort()
-    try:
-        for _ in range(rt.cfg.pipeline.rounds_per_flow_run):
-            if process.stop.is_set():  # its interrupt was lost on its way (flows.worker)
-                raise KeyboardInterrupt
-            if rt.finished or rt.preempting():
-                return
-            row = train_round(rt, f"learner {rt.label} round {rt.round}")
-            if row is None:  # (the round's task took the interrupt)
-                raise KeyboardInterrupt
-            rows.append(row)
-            if table is not None:
-                report(table.show, list(rows), wait=TABLE_SECONDS, label=f"table {table.key}")
-    finally:
-        report.drain()  # the last rows, before the flow run ends
+    for _ in range(rt.cfg.pipeline.rounds_per_flow_run):
+        if process.stop.is_set():  # its interrupt was lost on its way (flows.worker)
+            raise KeyboardInterrupt
+        if rt.finished or rt.preempting():
+            break
+        row = train_round(rt, f"learner {rt.label} round {rt.round}")
+        if row is None:  # (the round's task took the interrupt)
+            raise KeyboardInterrupt
+        rows.append(row)
+        if table is not None:
+            report(table.show, list(rows), wait=TABLE_SECONDS, label=f"table {table.key}")
+    report.drain()  # the last rows, before the flow run ends (a stop does not wait on them)
 
 
 @flow(name="learner", flow_run_name="learner {region}/{index}", persist_result=False)
