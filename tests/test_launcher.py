@@ -157,45 +157,6 @@ def _train(root: Path, run: str, tokens: int, env: dict[str, str], log: Path,
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
-@pytest.mark.slow
-def test_a_run_outlives_its_prefect_server_killed_and_restarted(tmp_path):
-    """Defect: with the Prefect server killed mid-run, worker restarts failed to reach
-    the API and counted towards giving up, and the launcher's flow crashed and hung
-    without a summary. A restart now waits for the API, counts no crash, and the run
-    ends with its summary once the server is back."""
-    server = OwnPrefectServer(tmp_path / "prefect").start()
-    env = {**os.environ, "PREFECT_API_URL": server.url, "PREFECT_HOME": str(server.home)}
-    root, run = tmp_path / "runs", "api"
-    root.mkdir()
-    log = root / f"{run}.log"
-    proc = _train(root, run, 200_000, env, log, learners=2)  # learner 1: eu-west's
-    regions = {r: f"file://{root / run / 'buckets' / r}" for r in ("us-east", "eu-west")}
-    try:
-        store = until(lambda: (root / run / "buckets" / "us-east" / run / "spec.json").exists()
-                      and RunStore(run, regions, "us-east"), "the run's spec")  # fmt: skip
-        until(lambda: (store.versions.latest_global(0) or 0) >= 1, "the first merged version")
-        server.kill()  # the API goes away mid-run ...
-        os.kill(_started(log)["learner 1"], signal.SIGKILL)  # ... and a restart needs it
-        until(lambda: "the Prefect API at" in log.read_text() or proc.poll() is not None,
-              "the launcher to wait for the API")  # fmt: skip
-        server.start()  # the same port and database
-        code = proc.wait(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=120)
-        server.kill()
-    output = log.read_text()
-    assert code == 0, output[-4000:]
-    assert "is unreachable; waiting for it before starting learner eu-west/1 again" in output
-    assert "gave up" not in output and "failed without progress" not in output
-    summary = json.loads((root / run / "summary.json").read_text())
-    assert summary["failed"] == [] and set(summary["learner_states"].values()) == {"done"}
-    # Its progress lines say how fast it goes and how long it has left (diloco.rate).
-    assert re.search(r"\d% \| tokens [\d,]+ at [\d,]+/s \| (\d+ s|\d+ min \d\d s) left \|",
-                     output), output[-3000:]  # fmt: skip
-
-
 def _lock_run(tmp_path: Path, run: str = "locked") -> RunStore:
     (tmp_path / "us").mkdir(parents=True, exist_ok=True)
     regions = {"us-east": f"file://{tmp_path / 'us'}"}
@@ -381,6 +342,9 @@ def test_a_prefect_server_left_by_a_dead_launcher_is_stopped_before_another_star
         left.kill()
 
 
+TURNS_TOKENS = 120_000  # a 2-learner run long enough for two versions before its stop
+
+
 @pytest.mark.slow
 def test_a_runs_launchers_one_refused_one_stopped_one_killed_and_the_last_resumes_it(tmp_path):
     """One run's launchers in turn, on the run's own Prefect server:
@@ -401,7 +365,7 @@ def test_a_runs_launchers_one_refused_one_stopped_one_killed_and_the_last_resume
     root, run = tmp_path / "runs", "turns"
     root.mkdir()
     regions = {r: f"file://{root / run / 'buckets' / r}" for r in ("us-east", "eu-west")}
-    procs = {name: _train(root, run, 200_000, env, root / f"{name}.log", learners=2)
+    procs = {name: _train(root, run, TURNS_TOKENS, env, root / f"{name}.log", learners=2)
              for name in "ab"}  # fmt: skip
     left: list[int] = []
     try:
@@ -429,7 +393,7 @@ def test_a_runs_launchers_one_refused_one_stopped_one_killed_and_the_last_resume
         assert len(workers) == 3 and not any(command_line(pid) for pid in workers.values())
         assert not (root / run / "summary.json").exists()
 
-        procs["c"] = killed = _train(root, run, 200_000, env, root / "c.log", learners=2)
+        procs["c"] = killed = _train(root, run, TURNS_TOKENS, env, root / "c.log", learners=2)
         workers = until(lambda: len(found := _started(root / "c.log")) == 3 and found,
                         "the relaunch's 2 learners and its syncer")  # fmt: skip
         server = json.loads((root / run / "prefect" / "server.pid").read_text())["server"]
@@ -447,14 +411,14 @@ def test_a_runs_launchers_one_refused_one_stopped_one_killed_and_the_last_resume
         left += mine
         assert not [command_line(pid) for pid in mine if command_line(pid)]
 
-        procs["d"] = _train(root, run, 200_000, env, root / "d.log", learners=2)
+        procs["d"] = _train(root, run, TURNS_TOKENS, env, root / "d.log", learners=2)
         code = procs["d"].wait(timeout=600)
         output = (root / "d.log").read_text()
         assert code == 0, output[-4000:]
         assert "already running" not in output
         summary = json.loads((root / run / "summary.json").read_text())
         assert summary["failed"] == [] and set(summary["learner_states"].values()) == {"done"}
-        assert summary["tokens"] >= 200_000 and "this launch began at" in output
+        assert summary["tokens"] >= TURNS_TOKENS and "this launch began at" in output
         report = audit_run(run, regions)
         assert report.ok, dict(report.violations)
     finally:
@@ -476,27 +440,45 @@ def _state(pid: int) -> str:
 
 
 @pytest.mark.slow
-def test_a_paused_syncer_is_named_and_a_stand_by_takes_its_fragments_over(prefect_api, tmp_path):
-    """Defect: a syncer paused (SIGSTOP) froze its fragments while the learners trained
-    on, and nothing said so. The launcher names it once its fragments have had no new
-    version for ``stall_seconds`` while the learners trained, and starts a stand-by that
-    publishes the next versions while it is still paused; when it wakes, the commit
-    protocol fences the two: the audit finds every contribution merged once.
+def test_a_run_outlives_its_prefect_server_killed_and_a_paused_syncer(tmp_path):
+    """One run, two faults in turn (the launcher watching throughout):
+
+    - its Prefect server killed mid-run, and a learner with it, whose restart needs the
+      API (defect: worker restarts failed to reach the API and counted towards giving
+      up, and the launcher's flow crashed and hung without a summary): the restart
+      waits for the API, counts no crash, and the run ends with its summary once the
+      server is back;
+    - a syncer paused (SIGSTOP) once the server is back (defect: it froze its fragments
+      while the learners trained on, and nothing said so): the launcher names it once
+      its fragments have had no new version for ``stall_seconds`` while the learners
+      trained, and starts a stand-by that publishes the next versions while it is still
+      paused; when it wakes, the commit protocol fences the two: the audit finds every
+      contribution merged once.
 
     And a slow learner is not a dead one: learner 3 is slowed 100 times, so that its
     rounds (and its status, written once a round) take longer than the run's silence
     limit (3 s): its heartbeat keeps it a member, and no learner is ever fenced."""
+    server = OwnPrefectServer(tmp_path / "prefect").start()
+    env = {**os.environ, "PREFECT_API_URL": server.url, "PREFECT_HOME": str(server.home)}
     root, run = tmp_path / "runs", "paused"
     root.mkdir()
     log = root / "train.log"
-    proc = _train(root, run, 300_000, dict(os.environ), log, stall_seconds=10,
+    proc = _train(root, run, 300_000, env, log, stall_seconds=10,
                   sets=(*FAST_LIVENESS, "--set=pipeline.speeds=[1,1,1,100]"))  # fmt: skip
     regions = {r: f"file://{root / run / 'buckets' / r}" for r in ("us-east", "eu-west")}
     paused = None
     try:
         store = until(lambda: (root / run / "buckets" / "us-east" / run / "spec.json").exists()
                       and RunStore(run, regions, "us-east"), "the run's spec")  # fmt: skip
-        until(lambda: (store.versions.latest_global(0) or 0) >= 2, "two versions of fragment 0")
+        until(lambda: (store.versions.latest_global(0) or 0) >= 1, "the first merged version")
+        server.kill()  # the API goes away mid-run ...
+        killed = _started(log)["learner 1"]
+        os.kill(killed, signal.SIGKILL)  # ... and a restart needs it
+        until(lambda: "the Prefect API at" in log.read_text() or proc.poll() is not None,
+              "the launcher to wait for the API")  # fmt: skip
+        server.start()  # the same port and database
+        until(lambda: _started(log)["learner 1"] != killed or proc.poll() is not None,
+              "learner 1 started again")  # fmt: skip
         paused = _started(log)["syncer 0"]
         os.kill(paused, signal.SIGSTOP)
         frozen = store.versions.latest_global(0)
@@ -510,12 +492,18 @@ def test_a_paused_syncer_is_named_and_a_stand_by_takes_its_fragments_over(prefec
         code = proc.wait(timeout=600)
     finally:
         _wake_and_stop([paused] if paused is not None else [], proc)
+        server.kill()
     output = log.read_text()
     assert code == 0, output[-4000:]
+    assert "is unreachable; waiting for it before starting learner eu-west/1 again" in output
+    assert "gave up" not in output and "failed without progress" not in output
     assert "syncer us-east/0: starting a stand-by for fragments [0, 1]" in output
     assert output.count("starting a stand-by") == 1, output[-4000:]  # one while it lives
     summary = json.loads((root / run / "summary.json").read_text())
     assert summary["failed"] == [] and set(summary["learner_states"].values()) == {"done"}
+    # Its progress lines say how fast it goes and how long it has left (diloco.rate).
+    assert re.search(r"\d% \| tokens [\d,]+ at [\d,]+/s \| (\d+ s|\d+ min \d\d s) left \|",
+                     output), output[-3000:]  # fmt: skip
     report = audit_run(run, regions)
     assert report.ok, dict(report.violations)
     slow = RunStore(run, regions, "eu-west")  # learner-3 lives in eu-west
