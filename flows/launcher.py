@@ -336,7 +336,7 @@ def _first_look(opened: Run, monitor: Monitor, store: RunStore, folder: Path,
                   f"validation loss {first['loss']:.4f}")  # fmt: skip
     metrics = LiveMetrics(store, opened.spec, folder, log=log)  # runs/NAME/tensorboard
     log.info("live metrics: tensorboard --logdir %s", metrics.dir)
-    report_metrics(metrics, monitor, first, monitor.statuses(), log)
+    report_metrics(metrics, monitor, first, monitor.statuses())
     bar = report(
         create_progress_artifact,
         monitor.progress(monitor.statuses()),

@@ -56,7 +56,7 @@ def watch(names: list[str], futures: list[Any], monitor: Monitor, bar: Any, ever
     ended: dict[str, float] = {}
     given_up: list[str] = []
     started = False  # every learner has started up: progress lines from then on
-    tokens, share = Rate(), Rate()  # merged tokens and the budget's share: speed, time left
+    rates = Pace()  # speed and time left
     # The thread pool's own futures, waited on plainly: ``prefect.futures.wait`` with a
     # timeout arms an asynchronous exception (an alarm signal in the main thread), which
     # can land inside a lock and end a run with "release unlocked lock".
@@ -79,9 +79,9 @@ def watch(names: list[str], futures: list[Any], monitor: Monitor, bar: Any, ever
         if point is None:
             continue
         pct = monitor.progress(statuses)
-        tokens.add(time.monotonic(), point["tokens"])
-        share.add(time.monotonic(), pct)
-        pace = pace_text(tokens, share)
+        steps = sum(int(s.get("step", 0)) for s in statuses.values())
+        rates.add(time.monotonic(), point["tokens"], pct, steps, point["versions"])
+        pace = rates.text()
         still = _standstill(monitor, statuses, point, pct, log)
         for name, future in _stand_bys(monitor, statuses, point, stand_by):
             names.append(name)  # watched from now on like the others
@@ -91,9 +91,9 @@ def watch(names: list[str], futures: list[Any], monitor: Monitor, bar: Any, ever
             report(update_progress_artifact, bar, pct, progress_note(monitor, statuses, pace))
         show_phases(display, statuses, point["versions"], point, pct, oom, pace)
         if metrics is not None:
-            report(report_metrics, metrics, monitor, point, statuses, log)
+            report(report_metrics, metrics, monitor, point, statuses, rates)
         if still is None:  # (else said above)
-            started = _progress_line(log, statuses, point, pct, pace, oom, started)
+            started = _progress_line(log, statuses, point, pct, rates, oom, started)
 
 
 def _stand_bys(monitor: Monitor, statuses: dict[str, dict], point: dict[str, Any],
@@ -155,11 +155,10 @@ def _note_ends(names: list[str], pool: list[Any], ended: dict[str, float],
 
 
 def _progress_line(log: Any, statuses: dict[str, dict], point: dict[str, Any], pct: float,
-                   pace: str, oom: Mapping[str, int] | None, started: bool) -> bool:  # fmt: skip
+                   rates: Pace, oom: Mapping[str, int] | None, started: bool) -> bool:  # fmt: skip
     """Log where the learners' start-up is until every learner has started, then the
-    progress line (``pace``: the merged tokens' recent rate and the time left at the
-    budget's recent rate, ``diloco.rate``); returns whether they all have (``started``:
-    they had already)."""
+    progress line (``rates``: the run's recent rates and the time left, ``Pace``);
+    returns whether they all have (``started``: they had already)."""
     starting = None if started else startup_line(statuses, point["versions"], oom)
     if starting:
         log.info("%s | validation loss %.4f", starting, point["loss"], extra=SHOWN)
@@ -169,9 +168,9 @@ def _progress_line(log: Any, statuses: dict[str, dict], point: dict[str, Any], p
         "%5.1f%% | tokens %s at %s | validation loss %.4f | versions %s%s",
         pct,
         f"{point['tokens']:,}",
-        pace,
+        rates.text(),
         point["loss"],
-        " ".join(f"f{p}:v{v}" for p, v in point["versions"].items()),
+        rates.versions_text(point["versions"]),
         "".join(f" | {n} restarting ({phase})" for phase, n in restarting.items()),
         extra=SHOWN,
     )
@@ -186,13 +185,47 @@ def progress_note(monitor: Monitor, statuses: dict[str, dict[str, Any]], pace: s
             f"{monitor.by_region(statuses)}")  # fmt: skip
 
 
-def pace_text(tokens: Rate, share: Rate) -> str:
-    """The merged tokens' recent rate and the time left at the budget's recent rate:
-    ``9,412/s | 25 s left`` (``time left unknown`` until the run moves)."""
-    left = share.time_to(100.0)
-    return f"{rate_text(tokens.per_second())} | " + (
-        "time left unknown" if left is None else f"{duration_text(left)} left"
-    )
+class Pace:
+    """The run's recent rates (``diloco.rate``), from what the launcher reads at each
+    evaluation: the merged tokens, the budget's share (the time left), the learners'
+    inner steps and the fragments' versions (their mean over the fragments)."""
+
+    def __init__(self) -> None:
+        self.tokens, self.share, self.steps, self.versions = Rate(), Rate(), Rate(), Rate()
+
+    def add(self, when: float, tokens: float, pct: float, steps: float,
+            versions: Mapping[int, int]) -> None:  # fmt: skip
+        self.tokens.add(when, tokens)
+        self.share.add(when, pct)
+        self.steps.add(when, steps)
+        self.versions.add(when, sum(versions.values()) / max(len(versions), 1))
+
+    def text(self) -> str:
+        """``9,412/s | 25 s left | 12.5 steps/s``: the tokens' rate, the time left at
+        the budget's rate (``time left unknown`` until the run moves), the steps' rate."""
+        left = self.share.time_to(100.0)
+        steps = self.steps.per_second()
+        return " | ".join([
+            rate_text(self.tokens.per_second()),
+            "time left unknown" if left is None else f"{duration_text(left)} left",
+            f"{'?' if steps is None else f'{steps:,.1f}'} steps/s",
+        ])  # fmt: skip
+
+    def scalars(self) -> dict[str, float | None]:
+        """The same for TensorBoard (None while unknown: not written)."""
+        steps, versions = self.steps.per_second(), self.versions.per_second()
+        return {
+            "throughput/learner_steps_per_s": steps,
+            "throughput/versions_per_min": None if versions is None else versions * 60,
+            "time/seconds_left": self.share.time_to(100.0),
+        }
+
+    def versions_text(self, versions: Mapping[int, int]) -> str:
+        """``f0:v12 f1:v11 at 3.2/min``: each fragment's newest version and how many a
+        fragment gets a minute."""
+        rate = self.versions.per_second()
+        each = " ".join(f"f{p}:v{v}" for p, v in versions.items())
+        return f"{each} at {'?' if rate is None else f'{rate * 60:,.1f}'}/min"
 
 
 def failure(future: concurrent.futures.Future) -> BaseException | None:
@@ -236,7 +269,7 @@ def show_phases(
 ) -> None:
     """Set the display's learner, first-contribution and training phases from the
     learners' status objects and the newest versions (and ``point``, an evaluation, with
-    its ``pace``: ``pace_text``)."""
+    its ``pace``: ``Pace.text``)."""
     if not display.live:
         return
     counts, detail = learner_phases(statuses, oom)
@@ -260,16 +293,17 @@ def report_metrics(
     monitor: Monitor,
     point: dict[str, Any],
     statuses: dict[str, dict[str, Any]],
-    log: Any,
+    rates: Pace | None = None,
 ) -> None:
-    """Add what is new to the live metrics (TensorBoard, Prefect tables); a failure is
-    logged and the run goes on."""
+    """Add what is new to the live metrics (TensorBoard, Prefect tables), ``rates`` among
+    them; a failure is logged and the run goes on."""
     try:
         traffic, learner_bytes, _ = monitor.traffic()
         extra = {
             "goodput/so_far": monitor.goodput_so_far(point, statuses),
             "bytes/learners_up_down": learner_bytes,
             "bytes/cross_region": cross_region_bytes(traffic),
+            **(rates.scalars() if rates is not None else {}),
         }
         metrics.tick(point, extra, statuses)
     except Exception as exc:  # (logged by name, once a minute per kind)

@@ -52,13 +52,20 @@ def test_a_rate_reads_with_thousands_separated_and_unknown_as_a_question_mark():
     assert rate_text(12_345.6) == "12,346/s" and rate_text(None) == "?/s"
 
 
-def test_the_launchers_pace_says_the_rate_and_the_time_left_or_that_it_is_unknown():
-    from flows.watch import pace_text
+def test_the_launchers_pace_says_its_rates_and_the_time_left_or_that_they_are_unknown():
+    """From a known history: 5,000 tokens, a fifth of the budget, 120 inner steps and 2
+    versions of each of 2 fragments in 10 s."""
+    from flows.watch import Pace
 
-    tokens, share = Rate(), Rate()
-    tokens.add(0.0, 0.0)
-    share.add(0.0, 0.0)
-    assert pace_text(tokens, share) == "?/s | time left unknown"
-    tokens.add(10.0, 5_000.0)
-    share.add(10.0, 20.0)  # a fifth of the budget in 10 s: 40 s to go
-    assert pace_text(tokens, share) == "500/s | 40 s left"
+    pace = Pace()
+    pace.add(0.0, 0.0, 0.0, 0, {0: 0, 1: 0})
+    assert pace.text() == "?/s | time left unknown | ? steps/s"
+    assert pace.versions_text({0: 0, 1: 0}) == "f0:v0 f1:v0 at ?/min"
+    pace.add(10.0, 5_000.0, 20.0, 120, {0: 2, 1: 2})  # 40 s to go at this rate
+    assert pace.text() == "500/s | 40 s left | 12.0 steps/s"
+    assert pace.versions_text({0: 2, 1: 2}) == "f0:v2 f1:v2 at 12.0/min"
+    assert pace.scalars() == {
+        "throughput/learner_steps_per_s": 12.0,
+        "throughput/versions_per_min": 12.0,
+        "time/seconds_left": 40.0,
+    }
