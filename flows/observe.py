@@ -413,6 +413,7 @@ def _learners(summary: dict[str, Any]) -> str:
 
 
 def _base_rows(summary: dict[str, Any], loss: str, ratio: float | None) -> list[tuple[str, str]]:
+    speed = summary.get("tokens_per_second")  # (a summary written before it: none)
     return [
         ("mode", summary["mode"]),
         ("parameters", f"{summary['params']:,}"),
@@ -421,6 +422,7 @@ def _base_rows(summary: dict[str, Any], loss: str, ratio: float | None) -> list[
         ("tokens", f"{summary['tokens']:,}"),
         ("validation loss", loss),
         ("wall time", f"{summary['wall_seconds']:.0f} s"),
+        *([("speed", f"{speed:,.0f} tokens/s over this launch")] if speed is not None else []),
         ("goodput", f"{summary['goodput']:.1%}"),
         (
             "learner time",

@@ -69,6 +69,11 @@ def run_summary(monitor: Monitor, wall: float, allocated: float) -> dict[str, An
         "launch_loss": first.get("loss"),
         "final_loss": last.get("loss"),
         "wall_seconds": round(wall, 1),
+        # this launch's speed: the tokens merged since it began (a resumed run's earlier
+        # ones left out) over its wall time
+        "tokens_per_second": round((tokens - first.get("tokens", 0)) / wall, 1)
+        if wall > 0
+        else None,
         "goodput": records.goodput(since, monitor.model.shares, allocated),
         "time_breakdown": time_breakdown(monitor, statuses, useful, allocated),
         "versions": versions,

@@ -752,8 +752,9 @@ def test_the_summary_counts_the_time_of_learners_that_joined_beside_those_it_sta
 
     def report(lid: str, where: str, startup: float, train: float) -> None:
         writer = RunStore("joined", store.urls, where, writer=lid)  # a process of its own
-        writer.progress.write_metrics(lid, {"state": "training", "time": time.time()},
-                             totals={"startup_seconds": startup, "train_seconds": train})  # fmt: skip
+        status = {"state": "training", "time": time.time(), "tokens": 3_000}
+        writer.progress.write_metrics(lid, status, totals={"startup_seconds": startup,
+                                                           "train_seconds": train})  # fmt: skip
 
     report("learner-3", region, 1.0, 2.0)  # an earlier launch's joiner: not this one's time
     monitor = Monitor(Run(store.run, store.urls, store.client_region, spec, cfg), store)
@@ -769,12 +770,16 @@ def test_the_summary_counts_the_time_of_learners_that_joined_beside_those_it_sta
     before = sum(monitor.model.shares[p] * s for p, s in monitor.merged_before.items())
     so_far = monitor.goodput_so_far({"learner_seconds_merged": before + 50.0}, statuses)
     assert so_far == pytest.approx(50.0 / (2 * 100.0 + 13.0), rel=1e-2)
+    monitor.curve = [{"tokens": 1_000, "loss": 5.0}]  # this launch's first evaluation
     summary = run_summary(monitor, wall=100.0, allocated=200.0)
     assert (summary["started"], summary["joined"]) == (2, ["learner-3", added])
+    # its speed: the 3 x 3,000 tokens the statuses report, less the 1,000 before, in 100 s
+    assert summary["tokens"] == 9_000 and summary["tokens_per_second"] == 80.0
     shares = summary["time_breakdown"]
     assert shares["start-up"] == pytest.approx((4.0 + 2.0 + 1.0) / 213.0)
     assert sum(shares.values()) == pytest.approx(1.0)
     rows = dict(train_summary_rows({**summary, "final_loss": None}))
+    assert rows["speed"] == "80 tokens/s over this launch"
     assert (
         rows["learners / quorum"]
         == f"2 started + 2 joined (4 slots + 1 added) / {summary['quorum']}"
