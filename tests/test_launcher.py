@@ -640,7 +640,7 @@ def test_the_one_restart_policy_resets_on_progress_and_gives_a_worker_up_by_name
     assert restarts.delay == 8.0  # 2 s doubling, started again by the progress
 
 
-def test_a_run_that_gave_a_worker_up_ends_failed_naming_it_never_completed(tmp_path):
+def test_a_run_that_gave_a_worker_up_ends_failed_naming_it_never_completed(prefect_api, tmp_path):
     """Defect: a launch that gave workers up ended its flow run Completed (green in the
     UI), its summary silent about them. Here each learner's node is misconfigured (a
     preemption notice source that names none) and fails every start before it trains:
