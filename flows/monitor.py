@@ -220,7 +220,7 @@ class Monitor:
         paused, hung or cut off from home. Each is warned about by name, once per stall,
         and once more when it publishes again."""
         now = time.monotonic()
-        steps = sum(int(s.get("step", 0)) for s in statuses.values())
+        steps = self.steps(statuses)
         training = any(s.get("state") != "done" for s in statuses.values())
         out = []
         for name, fragments in self.syncers().items():
@@ -321,6 +321,10 @@ class Monitor:
 
     def tokens(self, statuses: dict[str, dict[str, Any]]) -> int:
         return sum(int(s.get("tokens", 0)) for s in statuses.values())
+
+    def steps(self, statuses: dict[str, dict[str, Any]]) -> int:
+        """The learners' inner steps, all together, as their statuses report them."""
+        return sum(int(s.get("step", 0)) for s in statuses.values())
 
     def versions(self) -> dict[int, int]:
         """The newest version of each fragment (on a storage error, the last read)."""

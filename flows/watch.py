@@ -79,7 +79,7 @@ def watch(names: list[str], futures: list[Any], monitor: Monitor, bar: Any, ever
         if point is None:
             continue
         pct = monitor.progress(statuses)
-        steps = sum(int(s.get("step", 0)) for s in statuses.values())
+        steps = monitor.steps(statuses)
         rates.add(time.monotonic(), point["tokens"], pct, steps, point["versions"])
         pace = rates.text()
         still = _standstill(monitor, statuses, point, pct, log)
