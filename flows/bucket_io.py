@@ -38,6 +38,7 @@ from flows.version_stream import StreamedVersion, reads_ahead
 from protocol.topology import learner_region, run_deal, run_slots
 from storage_layout.auth import Keys
 from storage_layout.chunks import ChunkSpool
+from storage_layout.faults import Injector
 from storage_layout.store import RunStore
 from storage_layout.traffic import Traffic
 from storage_layout.versions import PublishReport
@@ -72,8 +73,10 @@ class BucketStore(LearnerBuckets, SyncerBuckets):
         block_size: int = 128,
         syncer_memory_mb: int = 512,
         syncer_spool_mb: int = 2048,
+        faults: Injector | None = None,
     ):
         self.run, self.regions, self.home = run, dict(regions), home
+        self.faults = faults  # every bucket this store opens meets its faults
         self.syncer_memory_mb = syncer_memory_mb
         # chunks per array the syncer's readers fetch ahead of its merge
         self.ahead = reads_ahead(syncer_memory_mb, len(self.regions), len(learners))
@@ -107,7 +110,7 @@ class BucketStore(LearnerBuckets, SyncerBuckets):
         self.traffic = traffic if traffic is not None else Traffic()
         self.checkpoint_traffic = Traffic()  # not synchronization traffic
         self.main = RunStore(run, regions, home, writer=writer, traffic=self.traffic,
-                             claims_key=keys.claims_key)  # fmt: skip
+                             claims_key=keys.claims_key, faults=faults)  # fmt: skip
         self._writers: dict[str, RunStore] = {}
         self._checkpoints: dict[str, RunStore] = {}
         self.last_report: PublishReport | None = None
@@ -125,13 +128,15 @@ class BucketStore(LearnerBuckets, SyncerBuckets):
                 writer=learner,
                 traffic=traffic,
                 claims_key=self.keys.claims_key,
+                faults=self.faults,
             )
         return cache[learner]
 
     def region_store(self, region: str) -> RunStore:
         """A store of ``region``'s bucket alone, this process its writer."""
         return RunStore(self.run, {region: self.regions[region]}, region, writer=self.main.writer,
-                        traffic=self.traffic, claims_key=self.keys.claims_key)  # fmt: skip
+                        traffic=self.traffic, claims_key=self.keys.claims_key,
+                        faults=self.faults)  # fmt: skip
 
     def region_of(self, learner: str) -> str:
         if learner not in self.learners:
@@ -153,9 +158,8 @@ class BucketStore(LearnerBuckets, SyncerBuckets):
         """The data ledger: each region's pool in its own bucket (``flows.ledger``); the
         pool of a region with no member is offered to the others as the syncers do."""
         pools = region_pools(self.main.read_spec())
-        offers = UnitOffers(self.run, self.regions, self.learners, plan, self.main.writer,
-                            logging.getLogger("diloco.syncer"), pools, self.traffic,
-                            self.keys.claims_key)  # fmt: skip
+        offers = UnitOffers(self.region_store, self.learners, plan,
+                            logging.getLogger("diloco.syncer"), pools)  # fmt: skip
         return RegionalLedger(
             {r: region_ledger(self.region_store(r), plan, self.learners, r,
                               members=lambda: self.learners, pools=pools)

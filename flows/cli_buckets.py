@@ -67,15 +67,18 @@ def run_store(url: str, run: str, writer: str) -> Any:
     spec's), that region as its client's."""
     from storage_layout.auth import Keys
     from storage_layout.bucket import same_bucket
+    from storage_layout.faults import Injector
     from storage_layout.store import RunStore
 
     url = bucket_url(url)
-    regions = RunStore(run, {"given": url}, "given").read_spec().get("regions") or {}
+    faults = Injector.from_env()  # a command's storage faults: its environment's (tests)
+    regions = RunStore(run, {"given": url}, "given", faults=faults).read_spec().get("regions") or {}
     region = next((r for r, u in regions.items() if same_bucket(str(u), url)), None)
     if region is None:
         raise ConfigError(f"{url} is none of run {run!r}'s regions: {regions}")
     # with DILOCO_RUN_SECRET set, the run's claims are checked (``storage_layout.auth``)
-    return RunStore(run, regions, region, writer=writer, claims_key=Keys.from_env(run).claims_key)
+    return RunStore(run, regions, region, writer=writer, claims_key=Keys.from_env(run).claims_key,
+                    faults=faults)  # fmt: skip
 
 
 def cmd_gc(args: argparse.Namespace) -> int:

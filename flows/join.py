@@ -90,6 +90,7 @@ from storage_layout.auth import (
     sign_record,
 )
 from storage_layout.bucket import same_bucket
+from storage_layout.faults import Injector
 from storage_layout.store import RunStore
 
 TAKE_TRIES = 8  # slots a joiner tries to take or add, each time another joiner was first
@@ -140,7 +141,8 @@ def join(
         raise JoinRefused(f"--speed {speed!r} is not a positive number (this machine's speed "
                           "hint, kept in its records)")  # fmt: skip
     env = dict(os.environ if environ is None else environ)
-    store = RunStore(run, {region: url}, region, writer="joiner")
+    faults = Injector.from_env(env)  # what it reads and writes meets the plan given it, if any
+    store = RunStore(run, {region: url}, region, writer="joiner", faults=faults)
     opened, pipeline = _open(store, url, pipeline)
     cfg, spec = opened.cfg, opened.spec
     keys = _signing_keys(store, env, run)
@@ -204,7 +206,8 @@ def _open(store: RunStore, url: str, pipeline: Mapping[str, Any] | None) -> tupl
     region = store.client_region
     check_region_url(spec, store.run, region, url)
     pipeline = {**launched_pipeline(store), **(pipeline or {})}
-    opened = Run(store.run, {region: url}, region, spec, config_from_spec(spec, pipeline))
+    cfg = config_from_spec(spec, pipeline)
+    opened = Run(store.run, {region: url}, region, spec, cfg, faults=store.faults)
     try:  # before the warm-up: its data (another corpus here) would train nothing of the run's
         opened.data.check_same(spec, f"a joiner of run {store.run!r}")
     except DataError as exc:
@@ -245,7 +248,8 @@ def _take(store: RunStore, url: str, taken: Slot, choose: Callable[[], Slot],
             taken = choose()  # another joiner added that one first
             continue
         joined = {**record, "learner": lid, "time": time.time(), "took": taken.why}
-        writer = RunStore(run, {region: url}, region, writer=lid, claims_key=store.claims_key)
+        writer = RunStore(run, {region: url}, region, writer=lid, claims_key=store.claims_key,
+                          faults=store.faults)  # fmt: skip
         # The join after the newest this joiner saw, or none: another joiner that chose
         # the same slot at the same moment wrote it first, and this one chooses again.
         n = writer.members.put_join(lid, partial(_join_body, joined, key), after=taken.joins)

@@ -115,7 +115,8 @@ class LearnerRuntime:
         self.process = this_process()  # told it will be preempted: ``preempted``
         self.ledger: BucketLedger | FollowedLedger | None = None  # data.assign = "units"
         began = time.time()
-        self.opened = opened = Run.open(run, {region: bucket}, region, pipeline, learner=True)
+        self.opened = opened = Run.open(run, {region: bucket}, region, pipeline, learner=True,
+                                        faults=self.process.faults)  # fmt: skip
         spec = opened.spec
         # the spec's slots and those joiners added in this region (``diloco join``)
         learners = opened.store(learner).members.run_learners(spec).regions

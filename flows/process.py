@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flows.notice import NOTICE_ENV, NoticeWatcher, notice_source
+from storage_layout.faults import Injector
 
 
 def _say(text: str) -> None:
@@ -40,13 +41,17 @@ class WorkerProcess:
       ``diloco join``);
     - ``runtimes``: the learner's or syncer's runtime by (role, run, region, id), created
       by its first flow run and continued by the next (a flow-run boundary is
-      bookkeeping, not a restart)."""
+      bookkeeping, not a restart);
+    - ``faults``: the storage faults its buckets meet (``storage_layout.faults``): the
+      plan ``DILOCO_FAULTS`` holds as the process state is made (its start), or a
+      test's."""
 
     stop: threading.Event = field(default_factory=threading.Event)
     preempted: threading.Event = field(default_factory=threading.Event)
     notices: list[int] = field(default_factory=lambda: [signal.SIGTERM])
     runtimes: dict[tuple, Any] = field(default_factory=dict)
     watcher: NoticeWatcher | None = None
+    faults: Injector | None = field(default_factory=Injector.from_env)
 
     def take_sigterm(self) -> None:
         """Take a first SIGTERM as a preemption notice (a spot VM shut down, a pod

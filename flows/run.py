@@ -38,6 +38,7 @@ from flows.state_io import outer_names
 from flows.version_stream import publish_initial
 from protocol.topology import home_region, run_slots
 from storage_layout.commit import CommitConflict
+from storage_layout.faults import Injector
 from storage_layout.store import RunStore
 
 
@@ -94,7 +95,9 @@ class Run:
     ``region``, the one this process reads and writes (the launcher's and the syncers':
     the home; a learner's: its own); ``spec`` as stored; ``cfg``, the spec's config with
     this launch's pipeline settings (``data.assign`` settled); ``learner``: the model is
-    a learner's, sharded over its devices and compiled once per machine."""
+    a learner's, sharded over its devices and compiled once per machine; ``faults``: the
+    injector every bucket it opens is given (``storage_layout.faults``: the process's,
+    read once where it starts)."""
 
     name: str
     regions: dict[str, str]
@@ -102,6 +105,7 @@ class Run:
     spec: dict[str, Any]
     cfg: RunConfig
     learner: bool = False
+    faults: Injector | None = None  # the storage faults its buckets meet (tests, chaos)
 
     @classmethod
     def open(
@@ -111,24 +115,28 @@ class Run:
         region: str | None = None,
         pipeline: Mapping[str, Any] | None = None,
         learner: bool = False,
+        faults: Injector | None = None,
     ) -> Run:
         """The run ``name`` as its spec in ``region`` (default: the first of ``regions``)
         records it, with ``pipeline`` (this launch's settings) over the defaults.
         ``FileNotFoundError`` if the bucket holds no such run."""
         region = region or home_region(regions)
-        spec = RunStore(name, regions, region).read_spec()
-        return cls(name, dict(regions), region, spec, config_from_spec(spec, pipeline), learner)
+        spec = RunStore(name, regions, region, faults=faults).read_spec()
+        cfg = config_from_spec(spec, pipeline)
+        return cls(name, dict(regions), region, spec, cfg, learner, faults)
 
     @classmethod
-    def start(cls, name: str, regions: Mapping[str, str], cfg: RunConfig) -> Run:
+    def start(cls, name: str, regions: Mapping[str, str], cfg: RunConfig,
+              faults: Injector | None = None) -> Run:  # fmt: skip
         """Start or resume ``name`` with ``cfg`` (``initialize_run``): a new run's spec
         and version 0 are written; a stored run's are checked against ``cfg`` (its budget
         extended if ``cfg``'s is larger). ``regions`` are put in the run's order; the
         config is the spec's with ``cfg``'s pipeline settings, as ``Run.open`` reads it."""
         regions = in_run_order(name, regions)
-        spec = initialize_run(RunStore(name, regions, home_region(regions), writer="launcher"), cfg)
-        pipeline = cfg.pipeline.model_dump(mode="json")
-        return cls(name, regions, home_region(regions), spec, config_from_spec(spec, pipeline))
+        home = home_region(regions)
+        spec = initialize_run(RunStore(name, regions, home, writer="launcher", faults=faults), cfg)
+        cfg = config_from_spec(spec, cfg.pipeline.model_dump(mode="json"))
+        return cls(name, regions, home, spec, cfg, faults=faults)
 
     @cached_property
     def data(self) -> RunData:
@@ -141,13 +149,14 @@ class Run:
     def store(self, writer: str, region: str | None = None, **options: Any) -> RunStore:
         """The run's buckets as ``writer`` reads and writes them from ``region`` (default:
         this process's); ``options``: ``RunStore``'s."""
-        return RunStore(self.name, self.regions, region or self.region, writer=writer, **options)
+        return RunStore(self.name, self.regions, region or self.region, writer=writer,
+                        faults=self.faults, **options)  # fmt: skip
 
     def bucket_store(self, writer: str, learners: Mapping[str, str] | None = None) -> BucketStore:
         """The run as the loops' store, for ``writer`` in this process's region
         (``bucket_store``)."""
         return bucket_store(self.name, self.regions, self.spec, self.cfg, writer, self.region,
-                            self.model, learners)  # fmt: skip
+                            self.model, learners, self.faults)  # fmt: skip
 
 
 def initialize_run(store: RunStore, cfg: RunConfig) -> dict[str, Any]:
@@ -192,6 +201,7 @@ def bucket_store(
     home: str | None = None,
     model: Model | None = None,
     learners: Mapping[str, str] | None = None,
+    faults: Injector | None = None,
 ) -> BucketStore:
     """The run's store as ``writer`` sees it from ``home`` (default: the syncers'); a
     learner passes its ``model``, whose trainer places what it reads on its mesh.
@@ -208,7 +218,7 @@ def bucket_store(
         opt_template=lambda: jax.eval_shape(trainer.tx.init, model.init),
         downlink=cfg.topology.downlink, block_size=cfg.topology.block_size,
         syncer_memory_mb=cfg.pipeline.syncer_memory_mb,
-        syncer_spool_mb=cfg.pipeline.syncer_spool_mb,
+        syncer_spool_mb=cfg.pipeline.syncer_spool_mb, faults=faults,
     )  # fmt: skip
 
 

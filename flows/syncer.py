@@ -51,7 +51,7 @@ class SyncerRuntime:
                  shards: int, pipeline: dict | None = None, clock: Clock | None = None,
                  transport: SyncerTransport | None = None):  # fmt: skip
         self.log = run_logger("diloco.syncer")
-        opened = Run.open(run, regions, home, pipeline)
+        opened = Run.open(run, regions, home, pipeline, faults=this_process().faults)
         spec, self.cfg = opened.spec, opened.cfg
         self.run, self.home, self.shard = run, home, shard
         self.label = f"{home}/{shard}"
@@ -71,9 +71,8 @@ class SyncerRuntime:
             self.transport.releases = SilentReleases(store, units, self.cfg.data.batch_size,
                                                      self.log, pools)  # fmt: skip
             if shard == 0:  # one tends the pools: each would keep its own spans waiting
-                self.transport.offers = UnitOffers(run, store.regions, store.learners, units,
-                                                   syncer_id(shard), self.log, pools,
-                                                   store.traffic, store.keys.claims_key)  # fmt: skip
+                self.transport.offers = UnitOffers(store.region_store, store.learners, units,
+                                                   self.log, pools)  # fmt: skip
         self.records: list[records.Record] = []
         self.loop = SyncerLoop(self.cfg, self.fragments, list(run_slots(spec)),
                                transport or self.transport, clock or WallClock(),

@@ -171,10 +171,11 @@ def train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: st
     from flows.run import Run
     from flows.run_lock import RunLock, RunLocked
     from storage_layout.auth import claims_key, run_secret
+    from storage_layout.faults import Injector
 
     # The spec checked and every bucket reached: a mismatch or a missing bucket is
     # reported before anything starts.
-    opened = Run.start(run, regions, cfg)
+    opened = Run.start(run, regions, cfg, Injector.from_env())
     if _is_complete(opened, root):
         return 0
 

@@ -4,7 +4,7 @@ has its pool offered to the learners of other regions (``UnitOffers``)."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import astuple
 from typing import Any
 
@@ -131,13 +131,14 @@ class UnitOffers:
     pool where the moves left it, the others' spans first while it is ahead; spans
     already offered stay with the region they were offered to."""
 
-    def __init__(self, run: str, regions: Mapping[str, str], learners: Mapping[str, str],
-                 plan: UnitPlan, who: str, log: Any, pools: Mapping[str, tuple[int, int]],
-                 traffic: Any = None, claims_key: bytes | None = None):  # fmt: skip
+    def __init__(self, store_of: Callable[[str], RunStore], learners: Mapping[str, str],
+                 plan: UnitPlan, log: Any, pools: Mapping[str, tuple[int, int]]):  # fmt: skip
+        # ``store_of(region)``: that region's bucket alone, this process its writer (its
+        # claims tagged with the run's key where it holds one, its faults its own)
+        self.store_of = store_of
         # ``learners`` as given, not a copy: the syncer's store adds those joiners add
-        self.run, self.regions, self.learners = run, dict(regions), learners
-        self.claims_key = claims_key  # the run's (``storage_layout.auth``), if it tags claims
-        self.plan, self.who, self.log, self.traffic = plan, who, log, traffic
+        self.learners = learners
+        self.plan, self.log = plan, log
         self.pools = dict(pools)
         self._ledgers: dict[str, BucketLedger] = {}
         self._repair = True  # look for claims without their offer (at the start, after an error)
@@ -147,9 +148,7 @@ class UnitOffers:
 
     def ledger(self, region: str) -> BucketLedger:
         if region not in self._ledgers:
-            store = RunStore(self.run, {region: self.regions[region]}, region,
-                             writer=self.who, traffic=self.traffic,
-                             claims_key=self.claims_key)  # fmt: skip
+            store = self.store_of(region)
             self._ledgers[region] = region_ledger(store, self.plan, self.learners, region,
                                                   members=lambda: self.learners,
                                                   pools=self.pools)  # fmt: skip
@@ -201,7 +200,8 @@ class UnitOffers:
         order = sorted(limits)
         for k in range(len(order)):
             src = order[(self._turn + k) % len(order)]
-            got = self.ledger(src).give(to, self.who, limits[src])
+            ledger = self.ledger(src)
+            got = ledger.give(to, ledger.store.writer, limits[src])
             if got is not None:
                 self._turn = (self._turn + k + 1) % len(order)
                 self._offer(src, to, *got, "no learner is in it" if not live[src] else

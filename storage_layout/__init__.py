@@ -13,7 +13,7 @@ _API = {
     "RegionDown": "storage_layout.store",
     "CommitConflict": "storage_layout.commit",
     "CorruptVersion": "storage_layout.commit",
-    "inject": "storage_layout.faults",
+    "Injector": "storage_layout.faults",
     "open_bucket": "storage_layout.faults",
     "inspect_bucket": "storage_layout.inspect",
     "audit_run": "storage_layout.audit",

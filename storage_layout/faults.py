@@ -1,6 +1,7 @@
 """Seeded, replayable storage faults: a ``Bucket`` that misbehaves on purpose.
 
-With a fault plan active (``DILOCO_FAULTS``, JSON, or ``inject(plan)`` in tests),
+Given an ``Injector`` (of a plan: ``Injector(plan)``, or ``Injector.from_env()``, which a
+process reads once from ``DILOCO_FAULTS``, JSON, and hands to the stores it makes),
 ``open_bucket`` returns a ``FaultyBucket``; without one it returns a plain ``Bucket``, so
 normal runs are unchanged. Fault kinds (each with its own ``{kind}_rate`` in the plan,
 all 0 by default):
@@ -29,7 +30,7 @@ all 0 by default):
   run's own progress: CI cannot mount a small filesystem).
 
 Every fault is logged (logger ``storage_layout.faults``, WARNING) as ``injected <kind>
-fault: <op> <key> in region <r>`` and counted per kind (``counts()``); with ``log_path``
+fault: <op> <key> in region <r>`` and counted per kind (``Injector.counts``); with ``log_path``
 set, also appended as a JSON line (time, pid, kind, op, key, region) to that file, which
 every process of a run can share (a benchmark counts the faults of all its workers).
 With ``trace_path`` set, every request (not only a fault) is appended there as a JSON
@@ -69,7 +70,8 @@ from functools import partial
 from typing import Any, TypeVar
 
 from storage_layout.bucket import Bucket, BucketError, PartialFailure, raise_partial
-from storage_layout.fault_plan import ENV_VAR, FaultPlan, FaultPlanError, plan_from_env, uniform
+from storage_layout.fault_plan import ENV_VAR as ENV_VAR  # (its name, re-exported)
+from storage_layout.fault_plan import FaultPlan, FaultPlanError, plan_from_env, uniform
 from storage_layout.traffic import Traffic
 
 log = logging.getLogger(__name__)
@@ -120,30 +122,36 @@ class Request:
         return rate > 0 and self.draw(kind) < rate
 
 
-_totals: Counter[str] = Counter()
-_totals_lock = threading.Lock()
-
-
-def counts() -> dict[str, int]:
-    """Faults injected in this process so far, by kind."""
-    with _totals_lock:
-        return dict(_totals)
-
-
-def reset_counts() -> None:
-    with _totals_lock:
-        _totals.clear()
-
-
 class Injector:
     """One active plan: numbers the requests per (region, op, key) and records faults."""
 
-    def __init__(self, plan: FaultPlan):
-        self.plan = plan
+    def __init__(self, plan: FaultPlan | Mapping[str, Any]):
+        self.plan = FaultPlan.from_dict(plan) if isinstance(plan, Mapping) else plan
         self._asked: Counter[tuple[str, str, str]] = Counter()
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._filled: set[str] = set()  # regions whose disk ``fill_disk`` filled
+        self._local = threading.local()  # depth > 0: inside a request already drawn
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Injector | None:
+        """The injector of the plan ``DILOCO_FAULTS`` holds (None without one): what a
+        process reads once, where it starts, and gives the stores it opens."""
+        plan = plan_from_env(environ)
+        return cls(plan) if plan is not None else None
+
+    @contextlib.contextmanager
+    def inside(self) -> Iterator[None]:
+        """A request drawn already: the bucket's own calls within it are not drawn again."""
+        self._local.depth = self.depth + 1
+        try:
+            yield
+        finally:
+            self._local.depth -= 1
+
+    @property
+    def depth(self) -> int:
+        return getattr(self._local, "depth", 0)
 
     def request(self, region: str, op: str, key: str) -> Request:
         with self._lock:
@@ -197,8 +205,6 @@ class Injector:
         message += f" ({detail})" if detail else ""
         with self._lock:
             self._counts[kind] += 1
-        with _totals_lock:
-            _totals[kind] += 1
         log.warning("%s", message)
         if self.plan.log_path:
             line = {"time": time.time(), "pid": os.getpid(), "kind": kind, "op": request.op,
@@ -213,48 +219,6 @@ class Injector:
             return dict(self._counts)
 
 
-# --- activation --------------------------------------------------------------------------------
-
-_UNSET: Any = object()
-_override: Any = _UNSET  # an Injector, None (faults off), or _UNSET (read the environment)
-_env_cache: tuple[str, Injector] | None = None
-_state_lock = threading.Lock()
-
-
-def active_injector() -> Injector | None:
-    """The injector of ``inject(...)`` if one is entered, else of ``DILOCO_FAULTS``
-    (one per value of the variable, so request numbers run on across buckets)."""
-    global _env_cache
-    if _override is not _UNSET:
-        return _override
-    raw = os.environ.get(ENV_VAR, "")
-    if not raw.strip():
-        return None
-    with _state_lock:
-        if _env_cache is None or _env_cache[0] != raw:
-            plan = plan_from_env({ENV_VAR: raw})
-            _env_cache = (raw, Injector(plan)) if plan else None
-        return _env_cache[1] if _env_cache else None
-
-
-@contextlib.contextmanager
-def inject(plan: FaultPlan | Mapping[str, Any] | None) -> Iterator[Injector | None]:
-    """Buckets opened inside use ``plan`` (a fresh injector, request numbers from 0),
-    whatever ``DILOCO_FAULTS`` says; ``inject(None)`` turns faults off. A bucket keeps
-    the plan it was opened with."""
-    global _override
-    if isinstance(plan, Mapping):
-        plan = FaultPlan.from_dict(plan)
-    injector = Injector(plan) if plan is not None else None
-    with _state_lock:
-        previous, _override = _override, injector
-    try:
-        yield injector
-    finally:
-        with _state_lock:
-            _override = previous
-
-
 def open_bucket(
     url: str,
     region: str = "default",
@@ -263,8 +227,10 @@ def open_bucket(
     traffic: Traffic | None = None,
     allow_unsafe_overwrite: bool = False,
     scope: str | None = None,
+    injector: Injector | None = None,
 ) -> Bucket:
-    """A ``Bucket`` (same arguments); a ``FaultyBucket`` while a fault plan is active."""
+    """A ``Bucket`` (same arguments); a ``FaultyBucket`` meeting ``injector``'s faults when
+    one is given and its plan injects any."""
     kwargs: dict[str, Any] = dict(
         region=region,
         client_region=client_region,
@@ -273,24 +239,12 @@ def open_bucket(
         allow_unsafe_overwrite=allow_unsafe_overwrite,
         scope=scope,
     )
-    injector = active_injector()
     if injector is None or injector.plan.inert:
         return Bucket(url, **kwargs)
     return FaultyBucket(url, injector=injector, **kwargs)
 
 
 # --- the bucket ----------------------------------------------------------------------------------
-
-_local = threading.local()  # depth > 0: inside a request already drawn
-
-
-@contextlib.contextmanager
-def _inside() -> Iterator[None]:
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _local.depth -= 1
 
 
 class FaultyBucket(Bucket):
@@ -312,11 +266,11 @@ class FaultyBucket(Bucket):
     ) -> T:
         """Draw one request per key, fail or delay before ``effect``, lose its response
         after it, or damage what it returns (``finish``)."""
-        if getattr(_local, "depth", 0) or not keys:
+        if self.injector.depth or not keys:
             return effect()
         requests = [self.injector.request(self.region, op, key) for key in keys]
         self._before(requests)
-        with _inside():
+        with self.injector.inside():
             result = effect()
         for r in requests:
             if r.hits("timeout_after"):
@@ -365,7 +319,7 @@ class FaultyBucket(Bucket):
         it, those whose response is lost fail after it, the others go through; then
         ``PartialFailure`` (or the error itself when every key failed) names the failed
         keys and carries what the others read."""
-        if getattr(_local, "depth", 0) or not keys:
+        if self.injector.depth or not keys:
             return effect(keys)
         requests = {key: self.injector.request(self.region, op, key) for key in keys}
         self._outage_and_latency(list(requests.values()))
@@ -378,7 +332,7 @@ class FaultyBucket(Bucket):
         sent = [k for k in keys if k not in failed]
         done: dict[str, Any] = {}
         if sent:
-            with _inside():
+            with self.injector.inside():
                 try:
                     done = effect(sent)
                 except PartialFailure as exc:  # a real failure beneath the injected ones

@@ -47,7 +47,7 @@ from storage_layout.bucket import Bucket, BucketError
 from storage_layout.checkpoints import Checkpoints
 from storage_layout.commit import CorruptVersion, patiently, writer_identity
 from storage_layout.contributions import Contributions
-from storage_layout.faults import open_bucket
+from storage_layout.faults import Injector, open_bucket
 from storage_layout.layout import (
     FORMAT_VERSION,
     RunLayout,
@@ -143,6 +143,7 @@ class RunStore:
         traffic: Traffic | None = None,
         allow_unsafe_overwrite: bool = False,
         claims_key: bytes | None = None,
+        faults: Injector | None = None,
     ):
         if client_region not in regions:
             raise ValueError(f"client region {client_region!r} is not one of {sorted(regions)}")
@@ -155,6 +156,7 @@ class RunStore:
         self._options = storage_options or {}
         self._unsafe = allow_unsafe_overwrite
         self._buckets: dict[str, Bucket] = {}
+        self.faults = faults  # its buckets meet this injector's faults (``storage_layout.faults``)
         # The key that tags the run's claims (``storage_layout.auth``): with it, claims are
         # made tagged and only those tagged with it are read; without it, untagged, and
         # every claim is read (unchecked: a view for people, ``diloco inspect``).
@@ -178,7 +180,7 @@ class RunStore:
                               client_region=self.client_region,
                               storage_options=self._options.get(region), traffic=self.traffic,
                               allow_unsafe_overwrite=self._unsafe,
-                              scope=self.run)  # fmt: skip
+                              scope=self.run, injector=self.faults)  # fmt: skip
             try:
                 self._buckets[region] = patiently(opening, f"opening region {region}")
             except BucketError as exc:

@@ -39,13 +39,12 @@ DATA = bytes(range(64))
 @pytest.fixture(autouse=True)
 def no_env_plan(monkeypatch):
     monkeypatch.delenv(faults.ENV_VAR, raising=False)
-    faults.reset_counts()
 
 
 def faulty(url: str, region: str = "us", **fields) -> tuple[FaultyBucket, faults.Injector]:
     """A bucket of ``url`` under a plan of ``fields`` (seed 1), and its injector."""
-    with faults.inject(FaultPlan(seed=1, **fields)) as injector:
-        bucket = open_bucket(url, region=region)
+    injector = faults.Injector(FaultPlan(seed=1, **fields))
+    bucket = open_bucket(url, region=region, injector=injector)
     assert isinstance(bucket, FaultyBucket)
     return bucket, injector
 
@@ -65,16 +64,19 @@ def put_contribution(store: RunStore, seq: int = 1):
 # --- activation ------------------------------------------------------------------------------
 
 
-def test_without_a_plan_buckets_are_plain(bucket_url):
+def test_only_a_bucket_given_an_injector_meets_faults(bucket_url, monkeypatch):
+    """A bucket is faulty only where its opener gives it an injector that injects: a plan
+    in the environment reaches none by itself (a process reads it once, where it starts:
+    ``Injector.from_env``, and hands it on)."""
     assert type(open_bucket(bucket_url, region="us")) is Bucket
     assert type(RunStore("run", {"us": bucket_url}, "us").home) is Bucket
-    with faults.inject({"seed": 4}):  # a plan that injects nothing
-        assert type(open_bucket(bucket_url, region="us")) is Bucket
-    with faults.inject({"error_rate": 0.5}):
-        assert isinstance(RunStore("run", {"us": bucket_url}, "us").home, FaultyBucket)
-        with faults.inject(None):  # faults off inside
-            assert type(open_bucket(bucket_url, region="us")) is Bucket
-    assert type(open_bucket(bucket_url, region="us")) is Bucket  # nothing leaks out
+    inert = faults.Injector({"seed": 4})  # a plan that injects nothing
+    assert type(open_bucket(bucket_url, region="us", injector=inert)) is Bucket
+    lossy = faults.Injector({"error_rate": 0.5})
+    assert isinstance(RunStore("run", {"us": bucket_url}, "us", faults=lossy).home, FaultyBucket)
+    monkeypatch.setenv(faults.ENV_VAR, '{"error_rate": 0.5}')
+    assert type(RunStore("run", {"us": bucket_url}, "us").home) is Bucket
+    assert type(open_bucket(bucket_url, region="us")) is Bucket
 
 
 def test_plan_from_the_environment(monkeypatch, make_bucket):
@@ -83,12 +85,12 @@ def test_plan_from_the_environment(monkeypatch, make_bucket):
     for name, value in plan.to_env().items():
         monkeypatch.setenv(name, value)
     assert faults.plan_from_env() == plan  # t0 travels with it
-    store = RunStore("run", {"us": url}, "us")
+    store = RunStore("run", {"us": url}, "us", faults=faults.Injector.from_env())
     assert isinstance(store.home, FaultyBucket)
     with pytest.raises(InjectedFault, match="injected error fault: put k in region us"):
         store.home.put("k", DATA)
     monkeypatch.setenv(faults.ENV_VAR, "")
-    assert type(RunStore("run", {"us": url}, "us").home) is Bucket
+    assert faults.Injector.from_env() is None
 
 
 @pytest.mark.parametrize(
@@ -107,10 +109,10 @@ def test_plan_from_the_environment(monkeypatch, make_bucket):
         ("{error_rate: 1}", "DILOCO_FAULTS is not JSON"),
     ],
 )
-def test_a_malformed_plan_names_the_field(monkeypatch, make_bucket, value, named):
+def test_a_malformed_plan_names_the_field(monkeypatch, value, named):
     monkeypatch.setenv(faults.ENV_VAR, value)
     with pytest.raises(FaultPlanError, match=named) as caught:
-        RunStore("run", {"us": make_bucket("memory")}, "us").bucket("us")
+        faults.Injector.from_env()
     assert str(caught.value).startswith(faults.ENV_VAR)
 
 
@@ -131,13 +133,13 @@ def test_errors_fail_before_the_request(bucket_url, caplog):
     assert "injected error fault: get a/old in region us" in caplog.text
     assert plain.list("a") == ["old"]  # nothing written
     assert bucket.exists("a/old") and bucket.traffic.as_dict() == {"us->us": {"bytes": 0, "requests": 1}}  # fmt: skip
-    assert injector.counts() == faults.counts() == {"error": 4}
+    assert injector.counts() == {"error": 4}
 
 
 def test_an_unreachable_open_is_a_region_down(bucket_url):
     plan = {"error_rate": 1.0, "ops": ["open"]}
-    with faults.inject(plan), pytest.raises(RegionDown, match="injected error fault: open / in"):
-        RunStore("run", {"us": bucket_url}, "us").bucket("us")
+    with pytest.raises(RegionDown, match="injected error fault: open / in"):
+        RunStore("run", {"us": bucket_url}, "us", faults=faults.Injector(plan)).bucket("us")
 
 
 def test_timeouts_before_and_after_the_effect(bucket_url):
@@ -272,24 +274,26 @@ def test_outage_window(make_bucket, monkeypatch):
     clock = _Clock(1_000.0)
     monkeypatch.setattr(faults, "time", clock)
     plan = {"outage": {"region": "eu", "start": 10.0, "seconds": 60.0}, "t0": clock.now}
-    with faults.inject(plan) as injector:
-        syncer = RunStore("run", regions, "us", writer="syncer")
-        eu = syncer.bucket("eu")  # opened before the window
-        eu.put("run/k", DATA)
-        clock.now += 10.0  # the window opens
-        with pytest.raises(RegionOutage, match="injected outage fault: get run/k in region eu"):
-            eu.get("run/k")
-        with pytest.raises(RegionDown, match="outage"):
-            RunStore("run", regions, "eu").bucket("eu")  # a bucket cannot even be opened
-        assert syncer.home.list("run/globals") == []  # other regions are up
-        report = syncer.versions.publish_global(0, 1, {"w": np.ones(3, np.float32)}, [], {}, "fp32")
-        assert report.committed == ["us"] and "outage" in report.lagging["eu"]
-        clock.now += 59.9
-        with pytest.raises(RegionOutage):
-            eu.get("run/k")  # still inside
-        clock.now += 0.1  # the window is over
-        assert eu.get("run/k") == DATA
-        assert syncer.versions.sync_regions(0) == {"eu": 1}
+    injector = faults.Injector(plan)
+    syncer = RunStore("run", regions, "us", writer="syncer", faults=injector)
+    eu = syncer.bucket("eu")  # opened before the window
+    eu.put("run/k", DATA)
+    clock.now += 10.0  # the window opens
+    with pytest.raises(RegionOutage, match="injected outage fault: get run/k in region eu"):
+        eu.get("run/k")
+    with pytest.raises(RegionDown, match="outage"):
+        RunStore("run", regions, "eu", faults=injector).bucket(
+            "eu"
+        )  # a bucket cannot even be opened
+    assert syncer.home.list("run/globals") == []  # other regions are up
+    report = syncer.versions.publish_global(0, 1, {"w": np.ones(3, np.float32)}, [], {}, "fp32")
+    assert report.committed == ["us"] and "outage" in report.lagging["eu"]
+    clock.now += 59.9
+    with pytest.raises(RegionOutage):
+        eu.get("run/k")  # still inside
+    clock.now += 0.1  # the window is over
+    assert eu.get("run/k") == DATA
+    assert syncer.versions.sync_regions(0) == {"eu": 1}
     assert injector.counts()["outage"] >= 4
 
 
@@ -332,18 +336,18 @@ def test_a_full_disk_fails_a_commit_and_leaves_committed_versions_readable(make_
     (readers never see it); the version committed before stays readable; freed, the same
     commit goes through."""
     url = make_bucket("file")
-    with faults.inject({"disk_full": {"region": "us"}}) as injector:
-        store = RunStore("run", {"us": url}, "us", writer="l0")
-        put_contribution(store, seq=1)
-        injector.fill_disk("us")
-        with pytest.raises(OSError) as caught:
-            put_contribution(store, seq=2)
-        assert caught.value.errno == errno.ENOSPC
-        assert store.contributions.contribution_seqs("l0", 0, "us") == [1]
-        assert store.contributions.get_contribution("l0", 0, 1, "us") is not None
-        injector.free_disk("us")
+    injector = faults.Injector({"disk_full": {"region": "us"}})
+    store = RunStore("run", {"us": url}, "us", writer="l0", faults=injector)
+    put_contribution(store, seq=1)
+    injector.fill_disk("us")
+    with pytest.raises(OSError) as caught:
         put_contribution(store, seq=2)
-        assert store.contributions.contribution_seqs("l0", 0, "us") == [1, 2]
+    assert caught.value.errno == errno.ENOSPC
+    assert store.contributions.contribution_seqs("l0", 0, "us") == [1]
+    assert store.contributions.get_contribution("l0", 0, 1, "us") is not None
+    injector.free_disk("us")
+    put_contribution(store, seq=2)
+    assert store.contributions.contribution_seqs("l0", 0, "us") == [1, 2]
 
 
 def test_a_disk_full_window_on_the_clock(make_bucket):
@@ -359,8 +363,10 @@ def test_a_disk_full_window_on_the_clock(make_bucket):
     with pytest.raises(FaultPlanError, match="with no start and seconds"):
         injector.fill_disk("eu")  # this window follows the clock
     t0 = time.time()
-    with faults.inject({"disk_full": {"region": "us", "start": 0, "seconds": 3600}, "t0": t0}):
-        bucket = open_bucket(make_bucket("memory"), region="us")
+    injector = faults.Injector(
+        {"disk_full": {"region": "us", "start": 0, "seconds": 3600}, "t0": t0}
+    )
+    bucket = open_bucket(make_bucket("memory"), region="us", injector=injector)
     with pytest.raises(InjectedDiskFull):
         bucket.put("k", DATA)
 
@@ -372,8 +378,8 @@ def outcomes(url: str, seed: int, keys: list[str]) -> dict[str, list[str]]:
     """Per key, what 6 puts and 6 gets met under a plan of several kinds."""
     plan = FaultPlan(seed=seed, error_rate=0.2, timeout_before_rate=0.2, truncate_rate=0.3,
                      ops=("put", "get"))  # fmt: skip
-    with faults.inject(plan):
-        bucket = open_bucket(url, region="us")
+    injector = faults.Injector(plan)
+    bucket = open_bucket(url, region="us", injector=injector)
     seen: dict[str, list[str]] = {}
 
     def run(key: str) -> None:
@@ -420,10 +426,10 @@ def test_nested_requests_draw_once_and_traffic_stays_true(make_bucket):
 
 
 def test_lost_marker_response_commits_exactly_once(bucket_url):
-    with faults.inject({"timeout_after_rate": 1.0, "ops": ["put_exclusive"]}) as injector:
-        store = RunStore("run", {"us": bucket_url}, "us", writer="l0")
-        marker = put_contribution(store)
-        publish(store)
+    injector = faults.Injector({"timeout_after_rate": 1.0, "ops": ["put_exclusive"]})
+    store = RunStore("run", {"us": bucket_url}, "us", writer="l0", faults=injector)
+    marker = put_contribution(store)
+    publish(store)
     assert injector.counts() == {"timeout_after": 2}
     plain = RunStore("run", {"us": bucket_url}, "us", writer="reader")
     key = plain.layout.contribution_marker("l0", 0, 1)
@@ -442,11 +448,11 @@ def test_a_lost_answer_to_a_numbered_claim_is_still_ours(bucket_url):
     it is this writer's, not another's, so blocks of seqs stay contiguous and no learner
     refuses its own numbers (bench/chaos: each lost answer cost a learner up to 8
     sends)."""
-    with faults.inject({"timeout_after_rate": 1.0, "ops": ["put_exclusive"]}) as injector:
-        store = RunStore("run", {"us": bucket_url}, "us", writer="l0")
-        assert store.members.reserve_seqs("l0", 1, 8) == (1, 1, 9)
-        assert store.members.reserve_seqs("l0", 9, 8, after=1) == (2, 9, 17)
-        assert store.members.claim_generation("l0") == 1
+    injector = faults.Injector({"timeout_after_rate": 1.0, "ops": ["put_exclusive"]})
+    store = RunStore("run", {"us": bucket_url}, "us", writer="l0", faults=injector)
+    assert store.members.reserve_seqs("l0", 1, 8) == (1, 1, 9)
+    assert store.members.reserve_seqs("l0", 9, 8, after=1) == (2, 9, 17)
+    assert store.members.claim_generation("l0") == 1
     assert injector.counts() == {"timeout_after": 3}
     other = RunStore("run", {"us": bucket_url}, "us", writer="l0")  # a new process
     assert other.members.reserve_seqs("l0", 3, 8) == (3, 17, 25)  # above both blocks
@@ -461,8 +467,10 @@ def test_marker_write_that_timed_out_before_is_retried(bucket_url):
 
     seed = next(s for s in range(200) if fails_once(s))  # the replay rule, used directly
     plan = {"seed": seed, "timeout_before_rate": 0.5, "ops": ["put_exclusive"]}
-    with faults.inject(plan) as injector:
-        marker = put_contribution(RunStore("run", {"us": bucket_url}, "us", writer="l0"))
+    injector = faults.Injector(plan)
+    marker = put_contribution(
+        RunStore("run", {"us": bucket_url}, "us", writer="l0", faults=injector)
+    )
     assert injector.counts() == {"timeout_before": 1}
     plain = RunStore("run", {"us": bucket_url}, "us")
     assert read_marker(plain.home, key).write_id == marker.write_id
@@ -475,23 +483,24 @@ def test_damaged_reads_of_a_committed_version_raise_corrupt_version(bucket_url, 
     put_contribution(writer)
     key = writer.layout.global_marker(0, 1)
     marker = read_marker(writer.home, key)
-    with faults.inject({f"{kind}_rate": 1.0}):
-        reader = RunStore("run", {"us": bucket_url}, "us", writer="reader")
-        with pytest.raises(CorruptVersion):
-            reader.versions.get_global(0, 1)  # the marker itself reads damaged
-        with pytest.raises(CorruptVersion):
-            reader.contributions.get_contribution("l0", 0, 1, "us")
-        with pytest.raises(CorruptVersion, match=r"marker says|sha256"):
-            fetch_objects(reader.home, marker, key, use_inline=False)  # the data objects
-    assert faults.counts()[kind] >= 3
+    injector = faults.Injector({f"{kind}_rate": 1.0})
+    reader = RunStore("run", {"us": bucket_url}, "us", writer="reader", faults=injector)
+    with pytest.raises(CorruptVersion):
+        reader.versions.get_global(0, 1)  # the marker itself reads damaged
+    with pytest.raises(CorruptVersion):
+        reader.contributions.get_contribution("l0", 0, 1, "us")
+    with pytest.raises(CorruptVersion, match=r"marker says|sha256"):
+        fetch_objects(reader.home, marker, key, use_inline=False)  # the data objects
+    assert injector.counts()[kind] >= 3
 
 
 CRASHING_WRITER = """
 import sys
 import numpy as np
 from protocol.quantize import quantize
+from storage_layout.faults import Injector
 from storage_layout.store import RunStore
-store = RunStore("run", {"us": sys.argv[1]}, "us", writer="learner-0")
+store = RunStore("run", {"us": sys.argv[1]}, "us", writer="learner-0", faults=Injector.from_env())
 store.contributions.put_contribution("learner-0", 0, 1, {"w": quantize(np.ones(4, np.float32), "fp32")},
                        {"base_version": 0})
 print("survived")
@@ -522,5 +531,7 @@ def test_a_crash_kills_the_writer_between_its_data_and_its_marker(tmp_path):
     data = tmp_path / "b" / "run" / "learners" / "learner-0" / "contributions" / "f0000" / "data"
     assert len(list(data.iterdir())) == 1  # what it wrote before it died
     # Other markers (a global version) are not crash points.
-    with faults.inject({**plan, "log_path": None}):
-        RunStore("run", {"us": url}, "us").versions.publish_global(0, 0, {"w": np.ones(2)}, [], {})
+    injector = faults.Injector({**plan, "log_path": None})
+    RunStore("run", {"us": url}, "us", faults=injector).versions.publish_global(
+        0, 0, {"w": np.ones(2)}, [], {}
+    )

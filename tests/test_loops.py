@@ -4,6 +4,7 @@ I/O that survives bad objects, and a storage layer that loads no training code."
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import subprocess
 import sys
@@ -28,11 +29,12 @@ from flows.learner import train_round
 from flows.learner_buckets import SEQ_BLOCK
 from flows.learner_io import BackgroundIO
 from flows.learner_runtime import Fenced, LearnerRuntime
+from flows.process import WorkerProcess, worker_process
 from flows.run import bucket_store, build_model, initialize_run, simulation_store
 from flows.syncer import SyncerRuntime
 from protocol.quantize import quantize
 from protocol.topology import home_region, learner_ids, run_slots, shard_count, shard_of
-from storage_layout import faults
+from storage_layout.faults import Injector
 from storage_layout.store import RunStore
 
 PIPELINE = {"round_steps": 7, "checkpoint_every": 9, "syncer_shards": 2}
@@ -513,7 +515,8 @@ def test_a_learner_pauses_under_a_full_disk_and_drops_nothing_once_it_recovers(t
     log = logging.getLogger("test.disk")
     first, longest = 0.05, 0.4
     every = cfg.topology.inner_steps // len(model.plan)  # steps between two sends
-    with faults.inject({"disk_full": {"region": "us"}}) as injector:
+    injector = Injector({"disk_full": {"region": "us"}})  # the learner's buckets meet it
+    with worker_process(WorkerProcess(faults=injector)):
         rt = LearnerRuntime(
             "r", regions["us"], "us", "learner-0", pipeline,
             io=lambda view: BackgroundIO(view, len(model.plan), 0.02, 0, log,
@@ -578,11 +581,13 @@ def test_a_learner_started_on_a_full_disk_waits_for_space_instead_of_crashing(
     monkeypatch.setattr("flows.learner_io.BACKOFF", (0.05, 0.2))
     pipeline = {**cfg.pipeline.model_dump(), "round_steps": 5}
     started: dict[str, LearnerRuntime] = {}
-    with faults.inject({"disk_full": {"region": "us"}}) as injector:
+    injector = Injector({"disk_full": {"region": "us"}})
+    with worker_process(WorkerProcess(faults=injector)):
         injector.fill_disk("us")
         with caplog.at_level(logging.WARNING):
-            start = threading.Thread(target=lambda: started.update(
-                rt=LearnerRuntime("r", regions["us"], "us", "learner-0", pipeline)))  # fmt: skip
+            here = contextvars.copy_context()  # (a thread starts with none: this process's)
+            start = threading.Thread(target=lambda: here.run(lambda: started.update(
+                rt=LearnerRuntime("r", regions["us"], "us", "learner-0", pipeline))))  # fmt: skip
             start.start()
             while injector.counts().get("disk_full", 0) < 9 and start.is_alive():
                 time.sleep(0.02)  # three tries of its claim (each asked three times)

@@ -45,7 +45,7 @@ from flows.launch_processes import Processes
 from flows.learner_buckets import SEQ_BLOCK, contribution_meta
 from flows.monitor import Monitor, cross_region_bytes
 from flows.notice import NOTICE_ENV
-from flows.process import this_process, worker_process
+from flows.process import WorkerProcess, this_process, worker_process
 from flows.run import Run, bucket_store, build_model, initialize_run
 from flows.spares import WORKER_COMMAND, Spares
 from flows.spec import config_from_spec
@@ -59,7 +59,8 @@ from protocol.topology import learner_index, run_slots
 from storage_layout.audit import audit_run
 from storage_layout.auth import RUN_SECRET_ENV, claims_key, learner_key, sign_record
 from storage_layout.commit import read_marker
-from storage_layout.faults import inject
+from storage_layout.faults import ENV_VAR as FAULTS_ENV
+from storage_layout.faults import Injector
 from storage_layout.inspect import inspect_bucket
 from storage_layout.members import SeqNotReserved
 from storage_layout.store import RunStore
@@ -95,7 +96,8 @@ def _started_after(log: str, line: str, when: float) -> bool:
 
 
 @pytest.mark.slow
-def test_a_two_region_run_on_s3_and_gcs_under_chaos(prefect_api, s3_server, gcs_server, tmp_path):
+def test_a_two_region_run_on_s3_and_gcs_under_chaos(prefect_api, s3_server, gcs_server, tmp_path,
+                                                    monkeypatch):  # fmt: skip
     """A short run over S3 and GCS under process chaos (kills, a pause) and injected
     storage faults (errors, lost responses, damaged reads, stale listings, a learner dying
     mid-write): every learner finishes, the loss falls, both directions crossed regions,
@@ -139,8 +141,8 @@ def test_a_two_region_run_on_s3_and_gcs_under_chaos(prefect_api, s3_server, gcs_
     cfg = tiny(160_000)
     cfg = cfg.model_copy(update={"pipeline": cfg.pipeline.model_copy(
         update={"chaos": chaos, "faults": faults})})  # fmt: skip
-    with inject({"trace_path": str(trace)}):
-        summary = train_flow(run, regions, cfg.model_dump(mode="json"), str(tmp_path / "logs"))
+    monkeypatch.setenv(FAULTS_ENV, json.dumps({"trace_path": str(trace)}))  # the launcher's
+    summary = train_flow(run, regions, cfg.model_dump(mode="json"), str(tmp_path / "logs"))
 
     assert summary["failed"] == [], summary["failed"]
     assert set(summary["learner_states"].values()) == {"done"}, summary["learner_states"]
@@ -1103,7 +1105,7 @@ def test_a_deployments_learner_flow_run_drains_its_io_before_its_process_ends(
     lid = next(iter(run_slots(initialize_run(store, cfg))))
     params = workers.learner("drain", regions["us-east"], "us-east", 0, cfg).params
     slow = {"seed": 1, "latency_rate": 1.0, "latency_seconds": 0.5, "ops": ["put_exclusive"]}
-    with inject(slow), worker_process() as process:
+    with worker_process(WorkerProcess(faults=Injector(slow))) as process:
         first = flows.learner.learner_flow(**params)
     assert first["step"] == 20 and not first["done"], first
     assert store.checkpoints.checkpoint_steps(lid)[-1] == 20  # written before the flow run returned
@@ -1487,10 +1489,10 @@ def test_a_learner_resumed_on_a_stale_listing_never_reuses_a_sequence_number(tmp
     for seq in range(1, 20):  # to fragments 1 and 0 in turn; step = seq
         old.put_contribution(_contribution(model, seq % 2, lid, seq, rng))
     stale = {"stale_list_rate": 1.0, "stale_list_drop": 3, "ops": ["list"], "seed": 1}
-    with inject(stale) as injector:
-        new = bucket_store("stale", regions, spec, cfg, lid, home=region)
-        seq, step = new.sent_so_far(lid)
-        new.put_contribution(_contribution(model, 1, lid, seq + 1, rng))
+    injector = Injector(stale)
+    new = bucket_store("stale", regions, spec, cfg, lid, home=region, faults=injector)
+    seq, step = new.sent_so_far(lid)
+    new.put_contribution(_contribution(model, 1, lid, seq + 1, rng))
     assert injector.counts()["stale_list"] >= 2  # both fragments' listings were stale
     assert seq >= 19 and step == 19, (seq, step)
     committed = RunStore("stale", regions, region).contributions.contribution_seqs(lid, 1, region)
@@ -1606,7 +1608,8 @@ def test_a_syncer_catches_a_full_region_up_with_backoff_and_says_so_once(
     cfg, regions, model, sent = _local_run(tmp_path, "full", only_region="us-east")
     rng = np.random.default_rng(2)
     store = RunStore("full", regions, "us-east")
-    with inject({"disk_full": {"region": "eu-west"}}) as injector:
+    injector = Injector({"disk_full": {"region": "eu-west"}})
+    with worker_process(WorkerProcess(faults=injector)):
         syncer = SyncerRuntime("full", regions, "us-east", 0, 1, cfg.pipeline.model_dump())
         injector.fill_disk("eu-west")
         with caplog.at_level(logging.WARNING):

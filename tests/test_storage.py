@@ -530,7 +530,7 @@ def test_retention_keeps_what_learners_need(bucket_url):
 def test_retention_never_deletes_the_newest_version_a_stale_listing_left_out(tmp_path):
     """Home's listing leaves the newest version out (listings lag): every version from
     ``newest - window`` up stays, in every region, listed at home or not."""
-    from storage_layout import faults
+    from storage_layout.faults import Injector
 
     regions = {r: f"file://{tmp_path / r}" for r in ("us", "eu")}
     for r in regions:
@@ -539,10 +539,9 @@ def test_retention_never_deletes_the_newest_version_a_stale_listing_left_out(tmp
     for v in range(5):
         publish(store, 0, v, meta={"cursor": {}})
     plan = {"seed": 1, "stale_list_rate": 1.0, "regions": ["us"], "ops": ["list"]}
-    with faults.inject(plan):
-        lagging = RunStore("run", regions, "us", writer="syncer")
-        assert lagging.versions.global_versions(0) == [0, 1, 2, 3]  # v4 is left out at home
-        collect_garbage(lagging, 1, {}, window=1)
+    lagging = RunStore("run", regions, "us", writer="syncer", faults=Injector(plan))
+    assert lagging.versions.global_versions(0) == [0, 1, 2, 3]  # v4 is left out at home
+    collect_garbage(lagging, 1, {}, window=1)
     # (newest 3 as home listed it, window 1: versions 0 and 1 go, everywhere)
     assert store.versions.global_versions(0) == store.versions.global_versions(0, "eu") == [2, 3, 4]
     assert store.versions.get_global(0, 4).version == 4

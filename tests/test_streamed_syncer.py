@@ -22,6 +22,7 @@ from diloco.tensors import materialize
 from flows.bucket_io import BucketStore
 from protocol.quantize import quantize
 from protocol.topology import run_slots
+from storage_layout.faults import Injector
 from storage_layout.store import RunStore
 
 OUTER = {"momentum": 0.9, "lr": 0.8}
@@ -60,9 +61,9 @@ def _run(root: Path, shapes) -> dict[str, str]:
     return regions
 
 
-def _store(regions, memory_mb: int = 512) -> BucketStore:
+def _store(regions, memory_mb: int = 512, faults: Injector | None = None) -> BucketStore:
     return BucketStore("r", regions, "us", {"a": "us", "b": "eu"}, "bf16", "syncer",
-                       downlink="int8", syncer_memory_mb=memory_mb)  # fmt: skip
+                       downlink="int8", syncer_memory_mb=memory_mb, faults=faults)  # fmt: skip
 
 
 def _merge(store: BucketStore, streamed: bool = True) -> FragmentSyncer:
@@ -297,14 +298,12 @@ def test_a_syncer_that_meets_a_stale_listing_at_start_lists_again(tmp_path):
     stale listing: it lists again. (The plan's seed makes the first listing stale, the
     next one whole: the faults replay from the seed.)"""
     from storage_layout.fault_plan import uniform
-    from storage_layout.faults import inject
 
     regions = _run(tmp_path, _shapes(2))
     key = "r/globals/f0000/commits"
     seed = next(s for s in range(1000) if uniform(s, "", "us", "list", key, 0, "stale_list") < 0.5
                 and uniform(s, "", "us", "list", key, 1, "stale_list") >= 0.5)  # fmt: skip
-    with inject({"seed": seed, "stale_list_rate": 0.5, "ops": ["list"]}) as injector:
-        store = _store(regions)
-        stored = store.load_fragment(0, 8)
+    injector = Injector({"seed": seed, "stale_list_rate": 0.5, "ops": ["list"]})
+    stored = _store(regions, faults=injector).load_fragment(0, 8)
     assert injector.counts().get("stale_list", 0) >= 1  # it met one, and went on
     assert stored.version == 0

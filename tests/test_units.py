@@ -1119,7 +1119,13 @@ def test_the_pool_of_a_region_its_learners_all_left_is_offered_to_the_others(
     def offers():  # a new syncer process's
         import logging
 
-        return UnitOffers("p", regions, learners, plan, "syncer-0", logging.getLogger("t"), pools)
+        return UnitOffers(
+            lambda r: RunStore("p", {r: regions[r]}, r, writer="syncer-0"),
+            learners,
+            plan,
+            logging.getLogger("t"),
+            pools,
+        )
 
     own = {lid: ledger(lid) for lid in learners}
     for lid in learners:
@@ -1206,7 +1212,13 @@ def test_a_region_whose_pool_is_behind_has_its_spans_trained_by_a_region_ahead(p
 
     import logging
 
-    syncer = UnitOffers("b", regions, learners, plan, "syncer-0", logging.getLogger("t"), pools)
+    syncer = UnitOffers(
+        lambda r: RunStore("b", {r: regions[r]}, r, writer="syncer-0"),
+        learners,
+        plan,
+        logging.getLogger("t"),
+        pools,
+    )
     own = {lid: ledger(lid) for lid in learners}
     us, took = ["learner-0", "learner-2"], []
     own["learner-1"].take("learner-1")  # eu's one (slow) learner: its first unit
