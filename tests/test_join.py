@@ -440,7 +440,9 @@ def test_a_learner_joins_a_running_run_in_a_vacant_slot_and_its_work_is_merged(
     vacant, none is left to add, and a further joiner (the `join` flow of the
     `join/REGION` deployments) is refused, naming each slot's state."""
     run = "open"
-    proc, url = _train(tmp_path, run, 90_000)
+    # The paused joiner keeps its slot however long the adder takes to start and warm up
+    # on a loaded machine: a learner is silent (its slot vacant) only after 5 minutes.
+    proc, url = _train(tmp_path, run, 90_000, "liveness.silent_min_seconds=300")
     store = RunStore(run, {REGION: url}, REGION)
     trace = tmp_path / "trace.jsonl"  # what the joiners and the token's issuer write
 
