@@ -116,6 +116,19 @@ def bandwidth_plan(bm: BandwidthModel, wan_gbps: float | None = None) -> Bandwid
     )
 
 
+def egress_bytes_per_step(bm: BandwidthModel) -> tuple[float, float]:
+    """Bytes that cross between sites per step, all sites together (what egress is billed
+    on, ``docs/cost.md``), for (data-parallel, Decoupled DiLoCo). dp: each of the D sites
+    sends ``2 (D - 1) / D * |theta|`` values of its ring. Decoupled DiLoCo: the syncer sits
+    in one site, so each exchange crosses D - 1 times up (a remote learner's fragment) and
+    D - 1 times down (the merged fragment to each remote site's bucket), once every dh
+    steps."""
+    dp = 2 * (bm.sites - 1) * bm.params * bm.dp_bits / 8
+    frag = bm.params / bm.fragments
+    decoupled = (bm.sites - 1) * frag * (bm.bits + bm.down_bits) / 8 / exchange_spacing(bm)
+    return dp, decoupled
+
+
 def breakeven_step_seconds(bm: BandwidthModel, wan_gbps: float, speedup: float) -> float:
     """The longest compute step at which Decoupled DiLoCo is still ``speedup`` times
     faster than data-parallel at this link (when neither is link-bound the two run at

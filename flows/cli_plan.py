@@ -10,9 +10,9 @@ from typing import Any
 
 from rich.table import Table
 
-from diloco.config import PRESETS, ConfigError, load_config
+from diloco.config import PRESETS, ConfigError, CostConfig, load_config
 from flows.cli_args import SET_HELP, count
-from flows.observe import human_bytes
+from flows.observe import dollar, human_bytes
 from flows.train import console, stdout_console
 
 
@@ -88,6 +88,11 @@ def _add_plan_bandwidth(kinds: argparse._SubParsersAction) -> None:
                     help="links to time a step at")  # fmt: skip
     bw.add_argument("--target", type=float, default=20.0,
                     help="speed-up whose break-even compute step is reported (default 20)")  # fmt: skip
+    bw.add_argument("--egress-per-gb", type=float, default=CostConfig().cross_region_per_gb,
+                    help="US dollars per GB between two sites (default %(default)g: "
+                    "docs/cost.md)")  # fmt: skip
+    bw.add_argument("--steps", type=count, default=100_000,
+                    help="steps the egress cost is given for (default %(default)d)")  # fmt: skip
     bw.add_argument("--json", action="store_true")
     bw.set_defaults(func=cmd_plan_bandwidth)
 
@@ -184,7 +189,12 @@ def plot_goodput(cells: list, path: str) -> None:
 def cmd_plan_bandwidth(args: argparse.Namespace) -> int:
     from dataclasses import fields
 
-    from diloco.bandwidth import BandwidthModel, bandwidth_plan, breakeven_step_seconds
+    from diloco.bandwidth import (
+        BandwidthModel,
+        bandwidth_plan,
+        breakeven_step_seconds,
+        egress_bytes_per_step,
+    )
 
     bm = BandwidthModel(**{f.name: getattr(args, f.name) for f in fields(BandwidthModel)})
     if min(bm.params, bm.step_seconds, bm.fragments, bm.inner_steps) <= 0:
@@ -194,9 +204,15 @@ def cmd_plan_bandwidth(args: argparse.Namespace) -> int:
     base = bandwidth_plan(bm)
     timed = [bandwidth_plan(bm, g) for g in args.wan_gbps]
     breakeven = {g: breakeven_step_seconds(bm, g, args.target) for g in args.wan_gbps}
+    if args.egress_per_gb < 0:
+        raise ConfigError("--egress-per-gb must not be negative")
+    egress = {"steps": args.steps, "dollars_per_gb": args.egress_per_gb}
+    for name, per_step in zip(("dp", "decoupled"), egress_bytes_per_step(bm), strict=True):
+        egress[name] = {"bytes": per_step * args.steps,
+                        "dollars": per_step * args.steps / 1e9 * args.egress_per_gb}  # fmt: skip
     if args.json:
         print(json.dumps({"model": {f.name: getattr(bm, f.name) for f in fields(bm)},
-                          "required": base.as_dict(),
+                          "required": base.as_dict(), "egress": egress,
                           "links": [dict(p.as_dict(), breakeven_step_seconds=breakeven[p.wan_gbps])
                                     for p in timed]}, indent=1))  # fmt: skip
         return 0
@@ -218,6 +234,13 @@ def cmd_plan_bandwidth(args: argparse.Namespace) -> int:
                 f"{base.decoupled_required_gbps:.3g} Gbps")  # fmt: skip
     req.add_row("ratio", "", f"{base.ratio:.1f}x")
     out.print(req)
+    cost = Table(title=f"egress between sites over {args.steps:,} steps at "
+                       f"${args.egress_per_gb:g}/GB (docs/cost.md)")  # fmt: skip
+    for col in ("", "bytes", "cost"):
+        cost.add_column(col, justify="right")
+    for name, label in (("dp", "data-parallel"), ("decoupled", "Decoupled DiLoCo")):
+        cost.add_row(label, human_bytes(egress[name]["bytes"]), dollar(egress[name]["dollars"]))
+    out.print(cost)
     if timed:
         t = Table(title="time per step at a given link")
         bound = f"{args.target:g}x while the step is under"

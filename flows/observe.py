@@ -430,9 +430,39 @@ def _base_rows(summary: dict[str, Any], loss: str, ratio: float | None) -> list[
         ),
         ("global versions", " ".join(f"f{p}:v{v}" for p, v in summary["versions"].items())),
         ("rejected contributions", str(summary["rejected"])),
-        *[(f"bytes {pair}", human_bytes(t["bytes"])) for pair, t in summary["traffic"].items()],
+        *_traffic_rows(summary),
         ("learners' bytes up + down", human_bytes(summary["learner_bytes"])),
         ("cross-region bytes", human_bytes(summary["cross_region_bytes"])),
         ("data-parallel would move", human_bytes(summary["dp_bytes"])),
         ("bandwidth saving vs dp", f"{ratio:.1f}x" if ratio else "-"),
+        *_cost_rows(summary.get("cost")),
     ]
+
+
+def _traffic_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """Bytes per region pair, and what they cost (a summary written before costs: none)."""
+    dollars = (summary.get("cost") or {}).get("pairs", {})
+    return [(f"bytes {pair}", human_bytes(t["bytes"])
+             + (f" · {dollar(dollars[pair])}" if pair in dollars else ""))
+            for pair, t in summary["traffic"].items()]  # fmt: skip
+
+
+def dollar(x: float) -> str:
+    """US dollars, to the cent, or to 4 significant figures below a dollar."""
+    return f"${x:,.2f}" if x >= 1 else f"${x:.4g}"
+
+
+def _cost_rows(cost: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """What the run's traffic cost (``diloco.cost``), its projection to the budget's end,
+    and what data-parallel's would have."""
+    if not cost:
+        return []
+    ahead = (
+        "" if cost["projected"] is None else f"; {dollar(cost['projected'])} at the budget's end"
+    )
+    return [
+        ("traffic cost", f"{dollar(cost['total'])} (bytes between regions "
+                         f"{dollar(cost['egress'])}, requests {dollar(cost['requests'])}){ahead}"),
+        ("data-parallel's egress", f"{dollar(cost['dp_egress'])} for "
+                                   f"{human_bytes(cost['dp_cross_region_bytes'])} between regions"),
+    ]  # fmt: skip

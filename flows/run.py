@@ -131,11 +131,13 @@ class Run:
         """Start or resume ``name`` with ``cfg`` (``initialize_run``): a new run's spec
         and version 0 are written; a stored run's are checked against ``cfg`` (its budget
         extended if ``cfg``'s is larger). ``regions`` are put in the run's order; the
-        config is the spec's with ``cfg``'s pipeline settings, as ``Run.open`` reads it."""
+        config is the spec's with ``cfg``'s pipeline settings, as ``Run.open`` reads it, and
+        its prices (``cost``)."""
         regions = in_run_order(name, regions)
         home = home_region(regions)
         spec = initialize_run(RunStore(name, regions, home, writer="launcher", faults=faults), cfg)
-        cfg = config_from_spec(spec, cfg.pipeline.model_dump(mode="json"))
+        launch = {"cost": cfg.cost}  # (priced by this launch's table: not in the spec)
+        cfg = config_from_spec(spec, cfg.pipeline.model_dump(mode="json")).model_copy(update=launch)
         return cls(name, regions, home, spec, cfg, faults=faults)
 
     @cached_property

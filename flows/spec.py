@@ -21,7 +21,7 @@ from storage_layout.store import RunStore, spec_home
 
 # Config sections that are not part of a run: how one launch runs it, or how a
 # simulation models the machines.
-NOT_IN_SPEC = {"sim", "pipeline"}
+NOT_IN_SPEC = {"sim", "pipeline", "cost"}
 
 
 def in_run_order(run: str, regions: Mapping[str, str]) -> dict[str, str]:

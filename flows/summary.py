@@ -9,6 +9,7 @@ import io
 from typing import Any
 
 from diloco import records
+from diloco.cost import bill, dp_egress
 from diloco.simulate import dp_bytes_per_step
 from flows.monitor import Monitor, cross_region_bytes, learner_seconds
 from flows.observe import train_summary_rows
@@ -56,6 +57,9 @@ def run_summary(monitor: Monitor, wall: float, allocated: float) -> dict[str, An
     num_params = monitor.model.codec.num_params
     dp_bytes = dp_bytes_per_step(num_params, m) * (tokens // (m * monitor.cfg.tokens_per_step))
     first, last = (monitor.curve[0], monitor.curve[-1]) if monitor.curve else ({}, {})
+    prices = monitor.cfg.cost
+    spent = bill(traffic, prices)
+    dp_cross, dp_dollars = dp_egress(dp_bytes, m, list(store.urls), prices)
     return {
         "run": store.run,
         "mode": monitor.cfg.mode,
@@ -83,6 +87,12 @@ def run_summary(monitor: Monitor, wall: float, allocated: float) -> dict[str, An
         "cross_region_bytes": cross,
         "dp_bytes": dp_bytes,
         "bandwidth_ratio_vs_dp": dp_bytes / learner_bytes if learner_bytes else None,
+        "cost": {
+            **spent.as_dict(),
+            "projected": spent.projected(tokens, monitor.cfg.budget.tokens),
+            "dp_cross_region_bytes": dp_cross,
+            "dp_egress": dp_dollars,
+        },
         "learner_states": {k: v.get("state", "not started") for k, v in statuses.items()},
         "curve": monitor.curve,
     }

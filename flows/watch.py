@@ -17,6 +17,7 @@ from typing import Any
 from prefect.artifacts import update_progress_artifact
 from prefect.states import State
 
+from diloco.cost import bill
 from diloco.rate import Rate, duration_text, rate_text
 from flows.display import Display
 from flows.metrics import LiveMetrics
@@ -299,10 +300,14 @@ def report_metrics(
     them; a failure is logged and the run goes on."""
     try:
         traffic, learner_bytes, _ = monitor.traffic()
+        spent = bill(traffic, monitor.cfg.cost)
+        ahead = spent.projected(point["tokens"], monitor.cfg.budget.tokens)
         extra = {
             "goodput/so_far": monitor.goodput_so_far(point, statuses),
             "bytes/learners_up_down": learner_bytes,
             "bytes/cross_region": cross_region_bytes(traffic),
+            "cost/dollars": spent.total,
+            **({"cost/projected_dollars": ahead} if ahead is not None else {}),
             **(rates.scalars() if rates is not None else {}),
         }
         metrics.tick(point, extra, statuses)

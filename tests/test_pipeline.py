@@ -33,7 +33,8 @@ import httpx
 import numpy as np
 import pytest
 
-from diloco.config import LivenessConfig, load_config
+from diloco.config import CostConfig, LivenessConfig, load_config
+from diloco.cost import bill
 from diloco.liveness import Liveness
 from diloco.outer import Contribution
 from diloco.tensors import materialize
@@ -182,6 +183,13 @@ def test_a_two_region_run_on_s3_and_gcs_under_chaos(prefect_api, s3_server, gcs_
     assert sum(shares.values()) == pytest.approx(1.0), shares
     assert shares["kept"] == pytest.approx(summary["goodput"])
     assert {"us-east->eu-west", "eu-west->us-east"} <= set(summary["traffic"])
+    # What it cost at the default prices: its bytes between the two regions and every
+    # request; less than data-parallel's egress for the same tokens would have.
+    cost = summary["cost"]
+    assert cost == {**bill(summary["traffic"], CostConfig()).as_dict(), **{
+        k: cost[k] for k in ("projected", "dp_cross_region_bytes", "dp_egress")}}  # fmt: skip
+    assert cost["egress"] > 0 and cost["pairs"]["us-east->eu-west"] > 0
+    assert 0 < cost["egress"] < cost["dp_egress"], cost
     for url in regions.values():
         report = inspect_bucket(url, run=run, verify=True)
         (r,) = report["runs"]

@@ -8,7 +8,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from diloco.bandwidth import BandwidthModel, bandwidth_plan, breakeven_step_seconds
+from diloco.bandwidth import (
+    BandwidthModel,
+    bandwidth_plan,
+    breakeven_step_seconds,
+    egress_bytes_per_step,
+)
 from diloco.plan import (
     FailureModel,
     absorbing_stops,
@@ -199,6 +204,11 @@ def test_bandwidth_closed_forms_by_hand():
     duplex = bandwidth_plan(replace(bm, link="duplex"))
     assert duplex.dp_required_gbps == pytest.approx(24.0)
     assert duplex.decoupled_required_gbps == pytest.approx(3.2)  # the bf16 download binds
+    # Egress, all sites: dp's 4 sites each send 2 x 3/4 x 1e9 values of 2 bytes; the
+    # decoupled exchange crosses 3 times up (0.5 byte a value) and 3 times down (2 bytes)
+    # for a fragment of 2e8 values, every 2 steps.
+    dp, decoupled = egress_bytes_per_step(bm)
+    assert dp == pytest.approx(12e9) and decoupled == pytest.approx(3 * 2e8 * 2.5 / 2)
 
 
 def test_bandwidth_defaults_reproduce_the_published_pair():
@@ -233,6 +243,14 @@ def test_cli_bandwidth_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert [link["wan_gbps"] for link in out["links"]] == [2.0, 5.0]
     assert all(link["speedup"] > 20 for link in out["links"])
+    # What each moves between the sites over 100,000 steps, at $0.02/GB (the default).
+    dp, decoupled = out["egress"]["dp"], out["egress"]["decoupled"]
+    assert dp["bytes"] == pytest.approx(2 * 3 * 12e9 * 2 * 100_000)
+    assert decoupled["bytes"] == pytest.approx(3 * 12e9 / 24 * 2.5 * 100_000)
+    assert dp["dollars"] == pytest.approx(dp["bytes"] / 1e9 * 0.02)
+    assert main(["plan", "bandwidth", "--json", "--egress-per-gb", "0.09", "--steps", "10"]) == 0
+    priced = json.loads(capsys.readouterr().out)["egress"]["decoupled"]
+    assert priced["dollars"] == pytest.approx(priced["bytes"] / 1e9 * 0.09)
 
 
 def test_cli_caps_the_quorum_and_refuses_zero(capsys):

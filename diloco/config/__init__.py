@@ -8,6 +8,7 @@ launch's settings and liveness), ``sim`` (the simulator's), ``presets``, ``base`
 """
 
 from diloco.config.base import ArchName, ConfigError, Fraction, PositiveFloat, PositiveInt
+from diloco.config.cost import CostConfig
 from diloco.config.model import LLAMA_FIELDS, ModelConfig
 from diloco.config.pipeline import LivenessConfig, PipelineConfig
 from diloco.config.presets import PRESETS
@@ -35,6 +36,7 @@ __all__ = [
     "ArchName",
     "BudgetConfig",
     "ConfigError",
+    "CostConfig",
     "DataConfig",
     "Failure",
     "Fraction",

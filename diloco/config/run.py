@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from diloco.config.base import ConfigError, Fraction, PositiveFloat, PositiveInt, Strict
+from diloco.config.cost import CostConfig
 from diloco.config.model import ModelConfig
 from diloco.config.pipeline import LivenessConfig, PipelineConfig
 from diloco.config.presets import PRESETS
@@ -221,6 +222,7 @@ class RunConfig(Strict):
     liveness: LivenessConfig = LivenessConfig()
     sim: SimConfig = SimConfig()
     pipeline: PipelineConfig = PipelineConfig()
+    cost: CostConfig = CostConfig()
 
     @model_validator(mode="before")
     @classmethod
