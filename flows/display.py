@@ -52,6 +52,9 @@ class Display:
         """Phase ``name``'s state (``pending``, ``running``, ``done``...)."""
         return "pending"
 
+    def workers(self, rows: list[dict[str, str]]) -> None:
+        """What every worker is doing (``flows.worker_table``: one row each, as text)."""
+
     def adopt_prefect_logging(self) -> None:
         """Route Prefect's console log lines through the display (once Prefect is set up)."""
 
@@ -91,6 +94,7 @@ class LiveDisplay(Display):
             console=console,
         )
         self.task = self.bar.add_task("", total=100.0, start=False)
+        self.rows: list[dict[str, str]] = []  # the workers' table
         self.quiet = _Quiet()
         self.adopted: list[tuple[Any, Any]] = []  # (Prefect console handler, its file)
         from rich.live import Live
@@ -118,6 +122,9 @@ class LiveDisplay(Display):
     def progress(self, percent: float, detail: str) -> None:
         self.bar.update(self.task, completed=min(100.0, percent), description=detail)
 
+    def workers(self, rows: list[dict[str, str]]) -> None:
+        self.rows = rows
+
     def render(self) -> Any:
         grid = Table.grid(padding=(0, 1))
         grid.add_column(width=2)
@@ -137,7 +144,18 @@ class LiveDisplay(Display):
         parts.append(grid)
         if self.states["training"][0] != "pending":
             parts.append(self.bar)
+        if self.rows:
+            parts.append(self._workers_table())
         return Group(*parts)
+
+    def _workers_table(self) -> Table:
+        table = Table(box=None, padding=(0, 2), header_style="dim")
+        for column in self.rows[0]:
+            table.add_column(column, justify="right" if column in ("at", "speed") else "left")
+        for row in self.rows:
+            style = "yellow" if row["state"] in ("lagging", "silent", "fenced", "stalled") else None
+            table.add_row(*row.values(), style=style)
+        return table
 
     def adopt_prefect_logging(self) -> None:
         """Print Prefect's console log lines above the display and drop the ones it

@@ -76,8 +76,9 @@ class Monitor:
         self._last_versions: dict[int, int] = {}
         # Syncer shard -> (its fragments' versions, when they last changed, the learners'
         # steps then); and the shards reported stalled.
-        self._publishing: dict[str, tuple[tuple[int, ...], float, int]] = {}
+        self.publishing: dict[str, tuple[tuple[int, ...], float, int]] = {}
         self.stalled: set[str] = set()
+        self.beats: dict[str, Any] = {}  # learner -> its newest heartbeat read (verdicts)
         # Who is alive and who takes part (diloco.liveness), on this launcher's clock; the
         # learners' round (topology.inner_steps at their median measured step time); and
         # since when no version has been published (the run stands still).
@@ -225,9 +226,9 @@ class Monitor:
         out = []
         for name, fragments in self.syncers().items():
             held = tuple(versions.get(p, 0) for p in fragments)
-            seen = self._publishing.get(name)
+            seen = self.publishing.get(name)
             if seen is None or seen[0] != held:
-                self._publishing[name] = (held, now, steps)
+                self.publishing[name] = (held, now, steps)
                 if name in self.stalled:
                     self.stalled.discard(name)
                     self.log.warning("%s publishes again (versions %s)", name,
@@ -267,6 +268,7 @@ class Monitor:
             except Exception as exc:
                 self.storage_error(f"reading {learner}'s heartbeat", exc)
                 beat = None
+            self.beats[learner] = beat
             if beat is not None and beat.step_seconds and beat.state == "training":
                 rounds.append(self.cfg.topology.inner_steps * beat.step_seconds)
             out[learner] = self.liveness.look(learner, beat, statuses.get(learner), now)
@@ -290,7 +292,7 @@ class Monitor:
         why = []
         for learner, verdict in sorted(verdicts.items(), key=lambda kv: learner_index(kv[0])):
             state = verdict.state
-            if state == "silent" and self._fenced(learner):  # (its data given back)
+            if state == "silent" and self.fenced(learner):  # (its data given back)
                 state = "fenced"
             why.append(f"{learner} {state}" + (f" ({verdict.why})" if verdict.why else ""))
         shown = " ".join(f"f{p}:v{v}" for p, v in versions.items())
@@ -308,7 +310,7 @@ class Monitor:
         stopped = all(v.state == "silent" and v.beating for v in live)
         return quiet > limit and bool(live) and stopped
 
-    def _fenced(self, learner: str) -> bool:
+    def fenced(self, learner: str) -> bool:
         """Whether ``learner``'s newest generation is a syncer's fence."""
         try:
             region = self.learners()[learner]

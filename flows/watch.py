@@ -18,12 +18,14 @@ from prefect.artifacts import update_progress_artifact
 from prefect.states import State
 
 from diloco.cost import bill
+from diloco.liveness import Verdict
 from diloco.rate import Rate, duration_text, rate_text
 from flows.display import Display
 from flows.metrics import LiveMetrics
 from flows.monitor import Monitor, RunStalled, cross_region_bytes
-from flows.observe import BestEffort
+from flows.observe import BestEffort, LiveTable, artifact_key
 from flows.supervision import STAND_BY
+from flows.worker_table import worker_rows
 from storage_layout.commit import CorruptVersion
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,8 @@ def watch(names: list[str], futures: list[Any], monitor: Monitor, bar: Any, ever
     given_up: list[str] = []
     started = False  # every learner has started up: progress lines from then on
     rates = Pace()  # speed and time left
+    run = monitor.store.run
+    table = LiveTable(artifact_key(run, "workers"), f"run {run}: what every worker is doing")
     # The thread pool's own futures, waited on plainly: ``prefect.futures.wait`` with a
     # timeout arms an asynchronous exception (an alarm signal in the main thread), which
     # can land inside a lock and end a run with "release unlocked lock".
@@ -83,13 +87,17 @@ def watch(names: list[str], futures: list[Any], monitor: Monitor, bar: Any, ever
         steps = monitor.steps(statuses)
         rates.add(time.monotonic(), point["tokens"], pct, steps, point["versions"])
         pace = rates.text()
-        still = _standstill(monitor, statuses, point, pct, log)
+        verdicts = monitor.verdicts(statuses)
+        still = _standstill(monitor, verdicts, point, pct, log)
         for name, future in _stand_bys(monitor, statuses, point, stand_by):
             names.append(name)  # watched from now on like the others
             futures.append(future)
             pool.append(future.wrapped_future)
+        rows = worker_rows(monitor, statuses, verdicts)
+        display.workers(rows)
         if bar is not None:
             report(update_progress_artifact, bar, pct, progress_note(monitor, statuses, pace))
+            report(table.show, rows)
         show_phases(display, statuses, point["versions"], point, pct, oom, pace)
         if metrics is not None:
             report(report_metrics, metrics, monitor, point, statuses, rates)
@@ -106,11 +114,10 @@ def _stand_bys(monitor: Monitor, statuses: dict[str, dict], point: dict[str, Any
     return [extra for extra in started if extra is not None]
 
 
-def _standstill(monitor: Monitor, statuses: dict[str, dict], point: dict[str, Any], pct: float,
-                log: Any) -> tuple | None:  # fmt: skip
+def _standstill(monitor: Monitor, verdicts: dict[str, Verdict], point: dict[str, Any],
+                pct: float, log: Any) -> tuple | None:  # fmt: skip
     """Why the run stands still (said, in place of the same progress line again), or
     None; ``RunStalled`` when it cannot move by itself."""
-    verdicts = monitor.verdicts(statuses)
     still = monitor.standstill(point["versions"], verdicts)
     if still is None:
         return None

@@ -243,7 +243,7 @@ def test_a_two_region_run_on_s3_and_gcs_under_chaos(prefect_api, s3_server, gcs_
     # API directly.
     # learners, versions, curve: the live tables, updated during the run
     kinds = (f"{busiest}-rounds", "syncer-1-versions", "summary", "progress", "learners")
-    kinds += ("versions", "curve")
+    kinds += ("versions", "curve", "workers")
     expected = {f"{run}-{k}" for k in kinds}
     body = {"artifacts": {"key": {"any_": sorted(expected)}}, "limit": 50, "offset": 0}
     body["sort"] = "KEY_ASC"
@@ -268,6 +268,9 @@ def test_a_two_region_run_on_s3_and_gcs_under_chaos(prefect_api, s3_server, gcs_
     assert versions[f"{run}-learners"] == versions[f"{run}-curve"] == 1, versions
     learners = json.loads(next(a for a in artifacts if a["key"] == f"{run}-learners")["data"])
     assert {row["state"] for row in learners} == {"done"}, learners
+    workers = json.loads(next(a for a in artifacts if a["key"] == f"{run}-workers")["data"])
+    assert versions[f"{run}-workers"] == 1 and len(workers) == len(learners) + 2, workers
+    assert {row["worker"] for row in workers} >= {"syncer us-east/0", "syncer us-east/1"}
     runs = len([f for f in flows if f.name == labels[busiest]])  # (a last one may train none)
     per_run = PIPELINE["rounds_per_flow_run"]
     assert -(-len(rounds[busiest]) // per_run) <= versions[f"{run}-{busiest}-rounds"] <= runs
