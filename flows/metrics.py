@@ -296,6 +296,12 @@ class LiveMetrics:
         self._writers.clear()
 
     # the final curve --------------------------------------------------------------------
+    def merged_staleness(self) -> list[int]:
+        """The staleness of every contribution merged into a version read (versions behind
+        the one it was merged into)."""
+        return [int(s) for rows in self.versions.values() for row in rows
+                for s in (row.get("staleness") or {}).values()]  # fmt: skip
+
     def training_curve(self) -> list[tuple[float, float]]:
         """The learners' training loss per round at the tokens all learners had processed
         by the end of that round (its time), from the history read."""

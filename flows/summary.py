@@ -99,28 +99,42 @@ def run_summary(monitor: Monitor, wall: float, allocated: float) -> dict[str, An
 
 
 def loss_plot_png(
-    curve: list[dict[str, Any]], title: str, training: list[tuple[float, float]] | None = None
+    curve: list[dict[str, Any]],
+    title: str,
+    training: list[tuple[float, float]] | None = None,
+    staleness: list[int] | None = None,
 ) -> bytes:
-    """The validation loss of each global model evaluated, at the tokens merged into it,
-    and (``training``: (tokens, loss) pairs from the learners' history) the learners'
-    training loss per round, at the tokens all learners had processed by then."""
+    """Three panels: the validation loss of each global model evaluated, at the tokens
+    merged into it (with ``training``: (tokens, loss) pairs from the learners' history,
+    the learners' training loss per round, at the tokens all learners had processed by
+    then); the same validation loss against the launch's wall time; and how stale the
+    merged contributions were (``staleness``: versions behind, one per contribution)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, (tokens, wall, stale) = plt.subplots(1, 3, figsize=(13, 3.5))
     if training:
-        ax.plot([t for t, _ in training], [loss for _, loss in training], ".", ms=3,
-                alpha=0.35, color="tab:gray", label="learners' training loss (tokens processed)")  # fmt: skip
-    ax.plot([c["tokens"] for c in curve], [c["loss"] for c in curve], marker="o",
-            label="validation loss of the global model (tokens merged)")  # fmt: skip
+        tokens.plot([t for t, _ in training], [loss for _, loss in training], ".", ms=3,
+                    alpha=0.35, color="tab:gray", label="learners' training loss (tokens processed)")  # fmt: skip
+    tokens.plot([c["tokens"] for c in curve], [c["loss"] for c in curve], marker="o",
+                label="validation loss of the global model (tokens merged)")  # fmt: skip
     if training:
-        ax.legend(fontsize=7)
-    ax.set_xlabel("tokens (all learners)")
-    ax.set_ylabel("loss (nats/byte)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
+        tokens.legend(fontsize=7)
+    tokens.set_xlabel("tokens (all learners)")
+    timed = [c for c in curve if c.get("seconds") is not None]
+    wall.plot([c["seconds"] / 60 for c in timed], [c["loss"] for c in timed], marker="o")
+    wall.set_xlabel("wall time of this launch (minutes)")
+    for ax in (tokens, wall):
+        ax.set_ylabel("validation loss (nats/token)" if ax is wall else "loss (nats/token)")
+        ax.grid(alpha=0.3)
+    if staleness:
+        stale.hist(staleness, bins=range(max(staleness) + 2), align="left", rwidth=0.8)
+    stale.set_xlabel("staleness of a merged contribution (versions behind)")
+    stale.set_ylabel("contributions")
+    stale.grid(alpha=0.3, axis="y")
+    fig.suptitle(title)
     buf = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buf, format="png", dpi=100)

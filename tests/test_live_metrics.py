@@ -143,6 +143,9 @@ def test_tensorboard_grows_with_the_history_and_a_relaunch_writes_no_point_twice
     assert tables["learners"][0]["rounds"] == 3 and tables["learners"][0]["loss"] == 1.0
     assert [v["version"] for v in tables["versions"]] == [2, 1]
     assert [v["rejected_so_far"] for v in tables["versions"]] == [3, 2]  # v0 has one too
+    # the staleness of each contribution merged into a version read (v % 3 in _version)
+    merged = [row["version"] % 3 for rows in again.versions.values() for row in rows]
+    assert again.merged_staleness() == merged and len(merged) >= 5
     versions = global_versions(home, 2)
     assert [m["version"] for m in versions.versions[0]] == [0, 1, 2]
 
@@ -259,5 +262,8 @@ def test_the_curve_holds_each_model_once_and_the_plot_has_the_learners_loss(tmp_
     )
     first = monitor.evaluate(monitor.statuses())
     assert monitor.evaluate(monitor.statuses()) is first and len(monitor.curve) == 1
-    png = loss_plot_png(monitor.curve, "run curve", [(100.0, 5.0), (200.0, 4.0)])
+    png = loss_plot_png(monitor.curve, "run curve", [(100.0, 5.0), (200.0, 4.0)], [0, 1, 1, 3])
     assert png.startswith(b"\x89PNG")
+    # three panels side by side: against tokens, against wall time, the staleness merged
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    assert (width, height) == (1300, 350)
