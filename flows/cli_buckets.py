@@ -10,12 +10,14 @@ from typing import Any
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from diloco.config import ConfigError
+from diloco.config import ConfigError, CostConfig
+from diloco.cost import bill
 from diloco.data import DataError
 from diloco.dataset import CHUNK_TOKENS
 from diloco.prepare import DEFAULT_VOCAB
+from diloco.rate import duration_text, rate_text
 from flows.cli_args import bucket_url
-from flows.observe import human_bytes
+from flows.observe import dollar, human_bytes
 from flows.train import console, stdout_console
 
 INSPECT_LEGEND = """\
@@ -33,7 +35,10 @@ columns:
              stored: its contributions still held; base: the global version that one
              started from; staleness: newest version - base; size: its payload bytes;
              checkpoint: inner step of its newest checkpoint
-  traffic    bytes and requests per source -> destination region, over every writer"""
+  speed      tokens merged per second over each fragment's last versions (their
+             mean), the tokens merged, the time left at that pace to the budget
+  traffic    bytes and requests per source -> destination region, over every writer,
+             and what they cost at docs/cost.md's default prices"""
 
 
 def add_bucket_parsers(sub: argparse._SubParsersAction) -> None:
@@ -239,6 +244,8 @@ def _print_report(report: dict[str, Any], url: str) -> None:
                          human_bytes(f.get("bytes", 0)), str(f.get("consumed", "-")), str(f.get("tokens", "-")),
                          quorum)  # fmt: skip
         out.print(frag)
+        if run.get("speed"):
+            out.print(speed_line(run["speed"]))
         out.print(_learner_table(run))
         for region, pool in sorted(run.get("units", {}).items()):
             out.print(f"data units of {region}'s pool: {pool['handed_out']} handed out, "
@@ -246,9 +253,12 @@ def _print_report(report: dict[str, Any], url: str) -> None:
                       f"{pool['returns_taken']} spans given back or offered and taken "
                       "(--audit checks the ledger)")  # fmt: skip
         if run["traffic"]:
-            tr = Table("source -> destination", "bytes", "requests")
+            spent = bill(run["traffic"], CostConfig())
+            tr = Table("source -> destination", "bytes", "requests", "cost (docs/cost.md)")
             for pair, t in run["traffic"].items():
-                tr.add_row(pair, human_bytes(t["bytes"]), str(t["requests"]))
+                tr.add_row(pair, human_bytes(t["bytes"]), str(t["requests"]),
+                           dollar(spent.pairs[pair]))  # fmt: skip
+            tr.add_row("all", "", "", dollar(spent.total))
             out.print(tr)
         out.print(INSPECT_LEGEND, style="dim", markup=False, highlight=False)
         if "verified_versions" in run:
@@ -256,6 +266,16 @@ def _print_report(report: dict[str, Any], url: str) -> None:
             out.print(f"verified {run['verified_versions']} committed versions in {where}")
         for problem in run["problems"]:
             out.print(f"[red]problem:[/] {problem}")
+
+
+def speed_line(speed: dict[str, Any]) -> str:
+    """The run's pace as ``inspect`` measured it (``storage_layout.inspect.run_speed``)."""
+    of = f" of {speed['budget']:,}" if speed.get("budget") else ""
+    left = speed["seconds_left"]
+    return (f"speed: {rate_text(speed['tokens_per_second'])} tokens merged over the last "
+            f"versions · {speed['tokens']:,.0f}{of} tokens · "
+            f"{'done' if left == 0 else duration_text(left) + ' left'} · newest version "
+            f"{duration_text(speed['newest_age_s'])} ago")  # fmt: skip
 
 
 def _learner_table(run: dict[str, Any]) -> Table:

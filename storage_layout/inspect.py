@@ -88,6 +88,8 @@ def inspect_run(
         | added.get(learner, {})
         for learner, region in sorted(learners.items())
     ]
+    budget = ((spec.get("config") or {}).get("budget") or {}).get("tokens")
+    out["speed"] = run_speed(out["fragments"], budget, time.time())
     out["traffic"] = _traffic(store, reachable, out["problems"])
     if (spec.get("config") or {}).get("data", {}).get("assign") == "units":
         out["units"] = {r: _units(store, r) for r in reachable}
@@ -143,9 +145,50 @@ def _fragment_rows(store: RunStore, fragments: int, reachable: list[str]) -> lis
                     # who the syncer counted, and the quorum it merged under (records.version)
                     members=list(marker.meta.get("members") or []),
                     quorum=marker.meta.get("quorum"),
+                    pace=_pace(store, p, versions, marker.meta),
                 )
         rows.append(row)
     return rows
+
+
+# The versions a fragment's recent pace is measured over (its newest and the one this
+# many before it, or its oldest kept).
+PACE_VERSIONS = 10
+
+
+def _pace(store: RunStore, p: int, versions: list[int], newest: dict[str, Any]
+          ) -> dict[str, float] | None:  # fmt: skip
+    """Fragment ``p``'s tokens merged in all (``tokens_total``), when its newest version
+    was published, and the tokens per second merged over its last ``PACE_VERSIONS``
+    versions (None: too few, or a record without times)."""
+    then = versions[max(0, len(versions) - 1 - PACE_VERSIONS)]
+    old = store.versions.global_marker(p, then).meta if then != versions[-1] else newest
+    t1, t0 = newest.get("time"), old.get("time")
+    n1, n0 = newest.get("tokens_total"), old.get("tokens_total")
+    if not all(isinstance(x, int | float) for x in (t1, t0, n1, n0)):
+        return None
+    rate = (n1 - n0) / (t1 - t0) if t1 > t0 else None
+    return {"tokens_total": float(n1), "time": float(t1), "tokens_per_second": rate}
+
+
+def run_speed(fragments: list[dict[str, Any]], budget: int | None, now: float
+              ) -> dict[str, Any] | None:  # fmt: skip
+    """The run's speed from its fragments' paces (mean over fragments: each fragment's
+    versions carry every learner's tokens): tokens merged, tokens per second over the
+    last versions, the newest version's age, and the seconds left at that rate to the
+    spec's ``budget`` (None: unknown)."""
+    paces = [f["pace"] for f in fragments if f.get("pace")]
+    if not paces:
+        return None
+    tokens = sum(p["tokens_total"] for p in paces) / len(paces)
+    rates = [p["tokens_per_second"] for p in paces if p["tokens_per_second"]]
+    rate = sum(rates) / len(rates) if len(rates) == len(paces) else None
+    left = None
+    if budget and rate and tokens < budget:
+        left = (budget - tokens) / rate
+    return {"tokens": tokens, "budget": budget, "tokens_per_second": rate,
+            "newest_age_s": max(0.0, now - max(p["time"] for p in paces)),
+            "seconds_left": 0.0 if budget and tokens >= budget else left}  # fmt: skip
 
 
 def _learner_row(

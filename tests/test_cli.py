@@ -82,10 +82,14 @@ def test_set_help_says_where_the_keys_are(command, capsys):
 def test_inspect_explains_its_columns(tmp_path, capsys):
     url = f"file://{tmp_path}"
     store = RunStore("r", {"us": url}, "us", writer="syncer")
-    spec = {"regions": {"us": url}, "learners": {"l0": "us", "l1": "us"}, "fragments": [["w"]]}
+    spec = {"regions": {"us": url}, "learners": {"l0": "us", "l1": "us"}, "fragments": [["w"]],
+            "config": {"budget": {"tokens": 19_000}}}  # fmt: skip
     store.ensure_spec(spec)
-    store.versions.publish_global(0, 0, {"w": np.zeros(3, np.float32)}, [],
-                         {"consumed": [], "members": ["l0"], "quorum": 1}, "bf16")  # fmt: skip
+    now = time.time()
+    for v, (age, tokens) in enumerate([(100.0, 0), (10.0, 9_000)]):  # 100 tokens/s between
+        store.versions.publish_global(0, v, {"w": np.zeros(3, np.float32)}, [],
+                                      {"consumed": [], "members": ["l0"], "quorum": 1,
+                                       "time": now - age, "tokens_total": tokens}, "bf16")  # fmt: skip
     # l0 took its slot by `diloco join` and trains; l1's slot never started
     RunStore("r", {"us": url}, "us", writer="l0").progress.write_metrics(
         "l0", {"state": "training", "time": time.time() - 30}
@@ -100,6 +104,9 @@ def test_inspect_explains_its_columns(tmp_path, capsys):
         assert column in out and column in INSPECT_LEGEND
     rows = {line.split("│")[1].strip(): line for line in out.splitlines() if "│" in line}
     assert "1 / 1" in rows["0"]  # fragment 0: merged under quorum 1 of the 1 member
+    # its pace over its versions, and the time left at it to the budget
+    assert re.search(r"speed: 100/s tokens merged over the last versions · 9,000 of 19,000 "
+                     r"tokens · 1 min 40 s left · newest version 1\d s ago", out), out  # fmt: skip
     l0, l1 = [c.strip() for c in rows["l0"].split("│")], [c.strip() for c in rows["l1"].split("│")]
     assert re.fullmatch(r"training, (29|3\d) s ago", l0[3]) and l0[4] == "1", l0
     assert l1[3:5] == ["never started", "0"], l1
