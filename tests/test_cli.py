@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from diloco.config import RunConfig
 from flows.cli import build_parser, config_rows, main, package_version
-from flows.cli_buckets import INSPECT_LEGEND
+from flows.cli_buckets import INSPECT_LEGEND, speed_line
 from storage_layout.store import RunStore
 
 
@@ -241,3 +241,18 @@ def test_train_takes_the_presets_budget_unless_tokens_are_given(tmp_path, monkey
     assert seen["b"].budget.tokens == TRAIN_TOKENS and seen["b"].model.width == 64
     assert seen["c"].budget.tokens == PRESETS["tiny"]["budget"]["tokens"]
     assert seen["d"].budget.tokens == 5000 and seen["d"].model.width == 192
+
+
+def test_the_speed_of_a_run_done_or_with_too_few_versions():
+    from storage_layout.inspect import run_speed
+
+    def pace(tokens, rate):
+        return {"pace": {"tokens_total": tokens, "time": 90.0, "tokens_per_second": rate}}
+
+    done = run_speed([pace(2_000, 50.0), pace(2_100, 70.0)], 2_000, now=100.0)
+    assert done == {"tokens": 2_050, "budget": 2_000, "tokens_per_second": 60.0,
+                    "newest_age_s": 10.0, "seconds_left": 0.0}  # fmt: skip
+    young = run_speed([pace(500, 50.0), pace(400, None)], 2_000, now=100.0)  # one has 1 version
+    assert young["tokens_per_second"] is None and young["seconds_left"] is None
+    assert run_speed([{"fragment": 0}], 2_000, now=100.0) is None  # no record with times
+    assert "done" in speed_line(done) and "unknown left" in speed_line(young)
