@@ -281,7 +281,11 @@ def _train(
     fault_plan = worker_faults(cfg, folder, log)  # both checked before anything is committed
     chaos_plan = ChaosPlan(**cfg.pipeline.chaos)
     current_display().phase("spec", "running", "writing the run spec and version 0, evaluating it")
-    opened = launch.run if launch.run is not None else Run.start(run, regions, cfg)
+    opened = (
+        launch.run
+        if launch.run is not None
+        else Run.start(run, regions, cfg, faults.Injector.from_env())
+    )
     regions, cfg = opened.regions, opened.cfg
     store = opened.store("launcher")
     lock = held(run)  # `diloco train` took it before starting its Prefect server

@@ -60,8 +60,7 @@ def watch(names: list[str], futures: list[Any], monitor: Monitor, bar: Any, ever
     given_up: list[str] = []
     started = False  # every learner has started up: progress lines from then on
     rates = Pace()  # speed and time left
-    run = monitor.store.run
-    table = LiveTable(artifact_key(run, "workers"), f"run {run}: what every worker is doing")
+    table: LiveTable | None = None  # the workers' table artifact, made at the first look
     # The thread pool's own futures, waited on plainly: ``prefect.futures.wait`` with a
     # timeout arms an asynchronous exception (an alarm signal in the main thread), which
     # can land inside a lock and end a run with "release unlocked lock".
@@ -97,6 +96,8 @@ def watch(names: list[str], futures: list[Any], monitor: Monitor, bar: Any, ever
         display.workers(rows)
         if bar is not None:
             report(update_progress_artifact, bar, pct, progress_note(monitor, statuses, pace))
+            table = table or LiveTable(artifact_key(monitor.store.run, "workers"),
+                                       f"run {monitor.store.run}: what every worker is doing")  # fmt: skip
             report(table.show, rows)
         show_phases(display, statuses, point["versions"], point, pct, oom, pace)
         if metrics is not None:
