@@ -197,7 +197,7 @@ def _simulate_dp(run: _Run, codec: ParamCodec, init: dict, readers: list[ShardRe
         while failures and failures[0][0] <= now:
             start, end, learner = failures.pop(0)
             lost = step - last_ckpt
-            run.metrics.append(records.failure(f"replica-{learner}", step, start))
+            run.metrics.append(records.failure(learner_id(learner), step, start))
             now = max(now, end) + lost * step_time
         if step % cfg.pipeline.checkpoint_every == 0:
             last_ckpt = step
@@ -208,7 +208,7 @@ def _simulate_dp(run: _Run, codec: ParamCodec, init: dict, readers: list[ShardRe
         run.maybe_evaluate(now, lambda p=params: p)
     run.evaluate(now, params, final=True)
     run.goodput = useful / (m * now) if now > 0 else 0.0
-    run.finished = {f"replica-{i}": now for i in range(m)}
+    run.finished = dict.fromkeys(learner_ids(m), now)  # (a replica is named as a learner)
     return now
 
 
