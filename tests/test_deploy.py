@@ -6,9 +6,10 @@ from the `train` deployment on real process workers (the session's Prefect serve
   job variables hold no credentials;
 - the pull steps: credentials from a Secret block into the flow run's environment; a
   git clone of the project imported from the clone;
-- a run started from the `train` deployment, in both launch modes: the launcher's flow
-  run is tagged with the run, and every learner and syncer flow run it started is its
-  subflow. The S3 bucket's credentials reach the flow runs only through a Secret block.
+- a run started from the `train` deployment, its workers flow runs of the regions'
+  deployments: the launcher's flow run is tagged with the run, and every learner and
+  syncer flow run it started is its subflow. The S3 bucket's credentials reach the flow
+  runs only through a Secret block.
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ import sys
 import threading
 import time
 import uuid
-from collections import Counter
 from pathlib import Path
 
 import fsspec
 import pytest
 import yaml
+
+from tests.prefect_runs import subflow_of
 
 REPO = Path(__file__).resolve().parents[1]
 POOLS = ("us-east", "eu-west")
@@ -450,12 +452,13 @@ TINY = ["topology.learners=2", "budget.tokens=40960", "pipeline.syncer_shards=1"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("via", ["processes", "deployments"])
-def test_a_run_from_the_train_deployment_is_tagged_and_links_its_flow_runs(workers, via, tmp_path):
-    """`train/us-east` run on a worker, in both launch modes, over an S3 region (whose
-    credentials only a Secret block holds) and a file:// one: the launcher's flow run is
-    tagged run:NAME, launcher and via:MODE, and every learner and syncer flow run of the
-    run is a subflow of it, under the task run that started it."""
+def test_a_run_from_the_train_deployment_is_tagged_and_links_its_flow_runs(workers, tmp_path):
+    """`train/us-east` run on a worker, its workers launched as flow runs of the regions'
+    deployments, over an S3 region (whose credentials only a Secret block holds) and a
+    file:// one: the launcher's flow run is tagged run:NAME, launcher and via:deployments,
+    and every learner and syncer flow run of the run is a subflow of it, under the task
+    run that started it. (Launched as processes, the same links are checked by
+    ``tests/test_pipeline.py``'s chaos run, and the chain of bounded flow runs too.)"""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
     from prefect.deployments import run_deployment
 
@@ -463,12 +466,12 @@ def test_a_run_from_the_train_deployment_is_tagged_and_links_its_flow_runs(worke
     fsspec.filesystem("s3").mkdir(bucket)
     (tmp_path / "eu").mkdir()
     regions = {"us-east": f"s3://{bucket}", "eu-west": f"file://{tmp_path / 'eu'}"}
-    run = f"dep-{via[:4]}-{uuid.uuid4().hex[:6]}"
+    via, run = "deployments", f"dep-{uuid.uuid4().hex[:6]}"
     # A deployment's flow run is a process of its own (tens of seconds to start here):
-    # fewer of them (the chain of bounded flow runs is checked in the processes mode).
+    # fewer of them.
     chained = ["pipeline.rounds_per_flow_run=2", "pipeline.versions_per_flow_run=8"]
     params = {"run": run, "regions": regions, "via": via, "logs": str(tmp_path / "logs"),
-              "overrides": TINY + (chained if via == "deployments" else [])}  # fmt: skip
+              "overrides": TINY + chained}  # fmt: skip
     launcher = run_deployment("train/us-east", parameters=params, timeout=0)
     deadline = time.monotonic() + 600
     with _client() as client:
@@ -486,22 +489,10 @@ def test_a_run_from_the_train_deployment_is_tagged_and_links_its_flow_runs(worke
         children = [f for f in flow_runs if f.id != launcher.id]
         names = {f.name for f in children}
         assert {"learner us-east/0", "learner eu-west/1", "syncer us-east/0"} <= names, names
-        starters = "start" if via == "processes" else "run"
         for child in children:
             assert child.state.is_completed(), (child.name, child.state)
-            assert child.parent_task_run_id is not None, child.name
-            stand_in = client.read_task_run(child.parent_task_run_id)
-            assert stand_in.flow_run_id == launcher.id, child.name  # a subflow of the launcher
+            stand_in = subflow_of(client, child, launcher.id, "run")
             assert stand_in.state.is_completed(), (child.name, stand_in.state)
-            (parent,) = stand_in.task_inputs["__parents__"]
-            starter = client.read_task_run(parent.id)
-            assert starter.name == f"{starters} {child.name}", (child.name, starter.name)
-        if via == "processes":
-            # bounded flow runs of one process, each linked: the 80 steps of the budget take
-            # at least 4 flow runs of one 20-step round over the 2 learners, so at least one
-            # learner has run more than one, whichever learner took the larger share
-            learners = Counter(f.name for f in children if f.name.startswith("learner "))
-            assert sum(learners.values()) >= 4 and max(learners.values()) >= 2, learners
         # (the workers print what their flow runs' pull steps print)
         assert f"credentials from Secret block '{SECRET_BLOCK}'" in logs
     assert fsspec.filesystem("s3").ls(f"{bucket}/{run}"), "nothing reached the S3 bucket"

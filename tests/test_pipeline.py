@@ -66,6 +66,7 @@ from storage_layout.inspect import inspect_bucket
 from storage_layout.members import SeqNotReserved
 from storage_layout.store import RunStore
 from tests.iam import writes_outside_policy
+from tests.prefect_runs import subflow_of
 
 PIPELINE = {
     "round_steps": 20,
@@ -211,6 +212,13 @@ def test_a_two_region_run_on_s3_and_gcs_under_chaos(prefect_api, s3_server, gcs_
         assert {"learner us-east/0", "learner eu-west/1", "syncer us-east/0"} <= names
         tags = {t for f in flows for t in f.tags}
         assert {"region:us-east", "region:eu-west", "learner:3"} <= tags
+        # every learner and syncer flow run is a subflow of the launcher's, under the task
+        # run that started its process (tests/test_deploy.py: launched as deployments)
+        (launcher,) = [f for f in flows if "launcher" in f.tags]
+        assert {f"run:{run}", "launcher", "via:processes"} <= set(launcher.tags), launcher.tags
+        for child in flows:
+            if child.id != launcher.id:
+                subflow_of(client, child, launcher.id, "start")
         # A worker that died (killed, or crashed by a storage fault) could not end its
         # flow run: its launcher did, Crashed with why, and a flow run of that name
         # completed after it.
