@@ -186,15 +186,33 @@ def plot_goodput(cells: list, path: str) -> None:
     plt.close(fig)
 
 
+def _egress(bm: Any, steps: int, per_gb: float) -> dict[str, Any]:
+    """What dp and Decoupled DiLoCo move between the sites over ``steps`` steps
+    (``egress_bytes_per_step``), and its cost at ``per_gb`` dollars per GB."""
+    from diloco.bandwidth import egress_bytes_per_step
+
+    if per_gb < 0:
+        raise ConfigError("--egress-per-gb must not be negative")
+    egress: dict[str, Any] = {"steps": steps, "dollars_per_gb": per_gb}
+    for name, per_step in zip(("dp", "decoupled"), egress_bytes_per_step(bm), strict=True):
+        egress[name] = {"bytes": per_step * steps, "dollars": per_step * steps / 1e9 * per_gb}
+    return egress
+
+
+def _egress_table(egress: dict[str, Any]) -> Table:
+    cost = Table(title=f"egress between sites over {egress['steps']:,} steps at "
+                       f"${egress['dollars_per_gb']:g}/GB (docs/cost.md)")  # fmt: skip
+    for col in ("", "bytes", "cost"):
+        cost.add_column(col, justify="right")
+    for name, label in (("dp", "data-parallel"), ("decoupled", "Decoupled DiLoCo")):
+        cost.add_row(label, human_bytes(egress[name]["bytes"]), dollar(egress[name]["dollars"]))
+    return cost
+
+
 def cmd_plan_bandwidth(args: argparse.Namespace) -> int:
     from dataclasses import fields
 
-    from diloco.bandwidth import (
-        BandwidthModel,
-        bandwidth_plan,
-        breakeven_step_seconds,
-        egress_bytes_per_step,
-    )
+    from diloco.bandwidth import BandwidthModel, bandwidth_plan, breakeven_step_seconds
 
     bm = BandwidthModel(**{f.name: getattr(args, f.name) for f in fields(BandwidthModel)})
     if min(bm.params, bm.step_seconds, bm.fragments, bm.inner_steps) <= 0:
@@ -204,12 +222,7 @@ def cmd_plan_bandwidth(args: argparse.Namespace) -> int:
     base = bandwidth_plan(bm)
     timed = [bandwidth_plan(bm, g) for g in args.wan_gbps]
     breakeven = {g: breakeven_step_seconds(bm, g, args.target) for g in args.wan_gbps}
-    if args.egress_per_gb < 0:
-        raise ConfigError("--egress-per-gb must not be negative")
-    egress = {"steps": args.steps, "dollars_per_gb": args.egress_per_gb}
-    for name, per_step in zip(("dp", "decoupled"), egress_bytes_per_step(bm), strict=True):
-        egress[name] = {"bytes": per_step * args.steps,
-                        "dollars": per_step * args.steps / 1e9 * args.egress_per_gb}  # fmt: skip
+    egress = _egress(bm, args.steps, args.egress_per_gb)
     if args.json:
         print(json.dumps({"model": {f.name: getattr(bm, f.name) for f in fields(bm)},
                           "required": base.as_dict(), "egress": egress,
@@ -234,13 +247,7 @@ def cmd_plan_bandwidth(args: argparse.Namespace) -> int:
                 f"{base.decoupled_required_gbps:.3g} Gbps")  # fmt: skip
     req.add_row("ratio", "", f"{base.ratio:.1f}x")
     out.print(req)
-    cost = Table(title=f"egress between sites over {args.steps:,} steps at "
-                       f"${args.egress_per_gb:g}/GB (docs/cost.md)")  # fmt: skip
-    for col in ("", "bytes", "cost"):
-        cost.add_column(col, justify="right")
-    for name, label in (("dp", "data-parallel"), ("decoupled", "Decoupled DiLoCo")):
-        cost.add_row(label, human_bytes(egress[name]["bytes"]), dollar(egress[name]["dollars"]))
-    out.print(cost)
+    out.print(_egress_table(egress))
     if timed:
         t = Table(title="time per step at a given link")
         bound = f"{args.target:g}x while the step is under"

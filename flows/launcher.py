@@ -434,8 +434,9 @@ def _launch(
     summary["failed"], summary["given_up"] = list(failed), failed
     if cfg.pipeline.faults or chaos_plan.active:
         summary["chaos"] = failure_report(store, spec, folder, chaos.missed if chaos else [])
+    dp = summary["cost"]["dp_egress"] / summary["tokens"] if summary["tokens"] else None
     png = loss_plot_png(monitor.curve, f"run {run}", metrics.training_curve(),
-                        metrics.merged_staleness())  # fmt: skip
+                        metrics.merged_staleness(), metrics.cost_curve(), dp)  # fmt: skip
     store.home.put(f"{run}/metrics/loss.png", png)
     report(create_markdown_artifact, summary_markdown(summary, png),
            key=artifact_key(run, "summary"), description=f"run {run}: summary and loss curve")  # fmt: skip

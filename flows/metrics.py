@@ -220,7 +220,7 @@ class LiveMetrics:
         tokens = int(point["tokens"])
         last = self.points[-1] if self.points else None
         if last is None or tokens > last["tokens"]:
-            self.points.append({**point, "time": time.time()})
+            self.points.append({**point, "time": time.time(), "dollars": extra.get("cost/dollars")})
         if tokens <= int(self.written["tokens"]):
             return
         w, at = self.writer("global"), time.time()
@@ -296,6 +296,11 @@ class LiveMetrics:
         self._writers.clear()
 
     # the final curve --------------------------------------------------------------------
+    def cost_curve(self) -> list[tuple[float, float]]:
+        """What the run's traffic had cost (dollars) at the tokens of each point read."""
+        return [(float(p["tokens"]), float(p["dollars"])) for p in self.points
+                if p.get("dollars") is not None]  # fmt: skip
+
     def merged_staleness(self) -> list[int]:
         """The staleness of every contribution merged into a version read (versions behind
         the one it was merged into)."""

@@ -103,18 +103,22 @@ def loss_plot_png(
     title: str,
     training: list[tuple[float, float]] | None = None,
     staleness: list[int] | None = None,
+    costs: list[tuple[float, float]] | None = None,
+    dp_per_token: float | None = None,
 ) -> bytes:
-    """Three panels: the validation loss of each global model evaluated, at the tokens
+    """Four panels: the validation loss of each global model evaluated, at the tokens
     merged into it (with ``training``: (tokens, loss) pairs from the learners' history,
     the learners' training loss per round, at the tokens all learners had processed by
-    then); the same validation loss against the launch's wall time; and how stale the
-    merged contributions were (``staleness``: versions behind, one per contribution)."""
+    then); the same validation loss against the launch's wall time; how stale the merged
+    contributions were (``staleness``: versions behind, one per contribution); and what
+    the traffic had cost at each point (``costs``: (tokens, dollars)), beside what
+    data-parallel's egress would have (``dp_per_token``: dollars a token)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (tokens, wall, stale) = plt.subplots(1, 3, figsize=(13, 3.5))
+    fig, ((tokens, wall), (stale, cost)) = plt.subplots(2, 2, figsize=(11, 7))
     if training:
         tokens.plot([t for t, _ in training], [loss for _, loss in training], ".", ms=3,
                     alpha=0.35, color="tab:gray", label="learners' training loss (tokens processed)")  # fmt: skip
@@ -134,6 +138,16 @@ def loss_plot_png(
     stale.set_xlabel("staleness of a merged contribution (versions behind)")
     stale.set_ylabel("contributions")
     stale.grid(alpha=0.3, axis="y")
+    if costs:
+        cost.plot([t for t, _ in costs], [d for _, d in costs], marker=".", label="this run")
+        if dp_per_token:
+            ends = [0.0, max(t for t, _ in costs)]
+            cost.plot(ends, [dp_per_token * t for t in ends], "--", color="tab:red",
+                      label="data-parallel's egress, same tokens")  # fmt: skip
+        cost.legend(fontsize=7)
+    cost.set_xlabel("tokens merged")
+    cost.set_ylabel("traffic cost so far (US$, docs/cost.md)")
+    cost.grid(alpha=0.3)
     fig.suptitle(title)
     buf = io.BytesIO()
     fig.tight_layout()

@@ -92,18 +92,32 @@ def watch(names: list[str], futures: list[Any], monitor: Monitor, bar: Any, ever
             names.append(name)  # watched from now on like the others
             futures.append(future)
             pool.append(future.wrapped_future)
-        rows = worker_rows(monitor, statuses, verdicts)
-        display.workers(rows)
         if bar is not None:
             report(update_progress_artifact, bar, pct, progress_note(monitor, statuses, pace))
-            table = table or LiveTable(artifact_key(monitor.store.run, "workers"),
-                                       f"run {monitor.store.run}: what every worker is doing")  # fmt: skip
-            report(table.show, rows)
+        table = _show_workers(monitor, statuses, verdicts, display, bar, report, table)
         show_phases(display, statuses, point["versions"], point, pct, oom, pace)
         if metrics is not None:
             report(report_metrics, metrics, monitor, point, statuses, rates)
         if still is None:  # (else said above)
             started = _progress_line(log, statuses, point, pct, rates, oom, started)
+
+
+def _show_workers(monitor: Monitor, statuses: dict[str, dict], verdicts: dict[str, Verdict],
+                  display: Display, bar: Any, report: BestEffort, table: LiveTable | None
+                  ) -> LiveTable | None:  # fmt: skip
+    """What every worker is doing (``flows.worker_table``), in the display and, beside the
+    progress artifact (``bar``), in the run's workers' table artifact (``table``, made at
+    the first look); returns that table."""
+    rows = worker_rows(monitor, statuses, verdicts)
+    display.workers(rows)
+    if bar is None:
+        return table
+    run = monitor.store.run
+    table = table or LiveTable(
+        artifact_key(run, "workers"), f"run {run}: what every worker is doing"
+    )
+    report(table.show, rows)
+    return table
 
 
 def _stand_bys(monitor: Monitor, statuses: dict[str, dict], point: dict[str, Any],

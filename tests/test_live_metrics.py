@@ -129,12 +129,14 @@ def test_tensorboard_grows_with_the_history_and_a_relaunch_writes_no_point_twice
     _learner_store(regions, "learner-0").progress.put_round("learner-0", 3, _row(3, loss=1.0))
     again = LiveMetrics(home, spec, folder, tables=False)
     again.tick({"tokens": 2048, "loss": 4.0, "versions": {0: 2, 1: 1}})
-    again.tick({"tokens": 4096, "loss": 3.5, "versions": {0: 3, 1: 1}})
+    again.tick({"tokens": 4096, "loss": 3.5, "versions": {0: 3, 1: 1}}, {"cost/dollars": 0.25})
     again.close()
     assert _scalars(folder, "learner-0", "loss/train") == [(10, 3.0), (20, 2.0), (30, 1.0)]
     assert _scalars(folder, "learner-1", "loss/train") == [(10, 3.0), (20, 2.0), (30, 0.5)]
     assert _scalars(folder, "fragment-0", "versions/contributions") == [(1, 2.0), (2, 1.0)]
     assert _scalars(folder, "global", "loss/validation") == [(0, 5.5), (2048, 4.0), (4096, 3.5)]
+    assert _scalars(folder, "global", "cost/dollars") == [(4096, 0.25)]
+    assert again.cost_curve() == [(4096.0, 0.25)]  # the plot's cost panel: the points priced
     assert sorted(len(rows) for rows in again.rounds.values()) == [3, 3]
     # The end's training curve: each round at the tokens all learners had processed then.
     curve = again.training_curve()
@@ -262,8 +264,9 @@ def test_the_curve_holds_each_model_once_and_the_plot_has_the_learners_loss(tmp_
     )
     first = monitor.evaluate(monitor.statuses())
     assert monitor.evaluate(monitor.statuses()) is first and len(monitor.curve) == 1
-    png = loss_plot_png(monitor.curve, "run curve", [(100.0, 5.0), (200.0, 4.0)], [0, 1, 1, 3])
+    png = loss_plot_png(monitor.curve, "run curve", [(100.0, 5.0), (200.0, 4.0)], [0, 1, 1, 3],
+                        [(100.0, 0.01), (200.0, 0.03)], 1e-3)  # fmt: skip
     assert png.startswith(b"\x89PNG")
-    # three panels side by side: against tokens, against wall time, the staleness merged
+    # four panels: against tokens, against wall time, the staleness merged, the cost
     width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
-    assert (width, height) == (1300, 350)
+    assert (width, height) == (1100, 700)
