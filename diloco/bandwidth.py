@@ -27,7 +27,10 @@ one- or two-way counting, hits 235.7x: they give 42x to 336x.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from diloco.config import RunConfig
 
 Link = Literal["shared", "duplex"]
 
@@ -114,6 +117,23 @@ def bandwidth_plan(bm: BandwidthModel, wan_gbps: float | None = None) -> Bandwid
         exchange_steps=xbits / rate / dec_step,
         speedup=dp_step / dec_step,
     )
+
+
+# Bits per value on the wire, by the config's dtype names (a block's scale left out).
+WIRE_BITS = {"fp32": 32.0, "bf16": 16.0, "int8": 8.0, "int4": 4.0}
+
+
+def run_bandwidth_model(cfg: RunConfig, base: BandwidthModel | None = None) -> BandwidthModel:
+    """``base`` (the defaults) with what a run config fixes: its model's parameters, its
+    learners as the sites (one each), H, P, the outer gradients' dtype up and the
+    globals' down (their quantized difference with ``topology.downlink``)."""
+    from diloco.memory import param_count
+
+    t = cfg.topology
+    down = t.global_dtype if t.downlink == "full" else t.downlink
+    return replace(base or BandwidthModel(), params=float(param_count(cfg.model)),
+                   sites=t.learners, inner_steps=t.inner_steps, fragments=t.fragments,
+                   bits=WIRE_BITS[t.quantization], down_bits=WIRE_BITS[down])  # fmt: skip
 
 
 def egress_bytes_per_step(bm: BandwidthModel) -> tuple[float, float]:

@@ -17,10 +17,12 @@ from flows.train import console, stdout_console
 
 
 def _model_flag(parser: argparse.ArgumentParser, model: Any, name: str, kind: type,
-                text: str) -> None:  # fmt: skip
-    """``--NAME`` for field ``name`` of a planner model, defaulting to the model's value."""
+                text: str, given_only: bool = False) -> None:  # fmt: skip
+    """``--NAME`` for field ``name`` of a planner model, defaulting to the model's value
+    (``given_only``: None unless given, so that a run config can fill it in)."""
     default = getattr(model, name)
-    parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=default,
+    parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind,
+                        default=None if given_only else default,
                         help=f"{text} (default {default:g})")  # fmt: skip
 
 
@@ -80,7 +82,12 @@ def _add_plan_bandwidth(kinds: argparse._SubParsersAction) -> None:
         ("down_bits", float, "bits per value of merged fragments (down)"),
         ("dp_bits", float, "bits per value of dp's gradients"),
     ):
-        _model_flag(bw, bm, name, kind, text)
+        _model_flag(bw, bm, name, kind, text, given_only=True)
+    bw.add_argument("--preset", choices=sorted(PRESETS),
+                    help="take --params, --sites (its learners), --inner-steps, --fragments, "
+                    "--bits and --down-bits from this run config (flags given win)")  # fmt: skip
+    bw.add_argument("--config", help="the same from a TOML or JSON file of config fields")
+    bw.add_argument("--set", action="append", metavar="KEY=VALUE", help=SET_HELP)
     bw.add_argument("--link", choices=["shared", "duplex"], default=bm.link,
                     help="shared: in + out on one link (default); duplex: each direction at "
                     "the full rate")  # fmt: skip
@@ -210,11 +217,21 @@ def _egress_table(egress: dict[str, Any]) -> Table:
 
 
 def cmd_plan_bandwidth(args: argparse.Namespace) -> int:
-    from dataclasses import fields
+    from dataclasses import fields, replace
 
-    from diloco.bandwidth import BandwidthModel, bandwidth_plan, breakeven_step_seconds
+    from diloco.bandwidth import (
+        BandwidthModel,
+        bandwidth_plan,
+        breakeven_step_seconds,
+        run_bandwidth_model,
+    )
 
-    bm = BandwidthModel(**{f.name: getattr(args, f.name) for f in fields(BandwidthModel)})
+    bm = BandwidthModel()
+    if args.preset or args.config or args.set:  # a run's model, H, P and wire dtypes
+        cfg = load_config(preset=args.preset, file=args.config, overrides=list(args.set or []))
+        bm = run_bandwidth_model(cfg, bm)
+    given = {f.name: getattr(args, f.name) for f in fields(BandwidthModel)}
+    bm = replace(bm, **{k: v for k, v in given.items() if v is not None})
     if min(bm.params, bm.step_seconds, bm.fragments, bm.inner_steps) <= 0:
         raise ConfigError(
             "--params, --step-seconds, --fragments and --inner-steps must be positive"

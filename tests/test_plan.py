@@ -253,6 +253,24 @@ def test_cli_bandwidth_json(capsys):
     assert priced["dollars"] == pytest.approx(priced["bytes"] / 1e9 * 0.09)
 
 
+def test_cli_bandwidth_of_a_run_config(capsys):
+    """A run's own numbers: its model's parameters, its learners as the sites, H, P, the
+    wire dtypes up and down; a flag given wins over the config."""
+    from diloco.config import load_config
+    from diloco.memory import param_count
+
+    args = ["plan", "bandwidth", "--json", "--preset", "llama-tiny", "--set",
+            "topology.learners=3", "--set", "topology.downlink=int8", "--fragments", "4"]  # fmt: skip
+    assert main(args) == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    params = param_count(load_config("llama-tiny").model)
+    assert (model["params"], model["sites"], model["inner_steps"]) == (params, 3, 20)
+    assert (model["fragments"], model["bits"], model["down_bits"]) == (4, 4.0, 8.0)
+    assert main(["plan", "bandwidth", "--json"]) == 0  # no config: the paper's 5 B, 8 sites
+    model = json.loads(capsys.readouterr().out)["model"]
+    assert (model["params"], model["sites"], model["fragments"]) == (5e9, 8, 84)
+
+
 def test_cli_caps_the_quorum_and_refuses_zero(capsys):
     assert main(["plan", "goodput", "--learners", "2", "--quorum", "3", "--chips", "1000",
                  "--duration-hours", "1"]) == 0  # fmt: skip
