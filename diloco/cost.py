@@ -42,8 +42,9 @@ class Bill:
         return self.egress + self.requests
 
     def projected(self, done: float, budget: float) -> float | None:
-        """The total at the budget's end at this cost per token (None: nothing done)."""
-        return self.total * budget / done if done > 0 else None
+        """The total at the budget's end at this cost per token, never less than what was
+        spent (a run past its budget); None while nothing is done."""
+        return max(self.total, self.total * budget / done) if done > 0 else None
 
     def as_dict(self) -> dict[str, Any]:
         return {"pairs": self.pairs, "egress": self.egress, "requests": self.requests,

@@ -31,6 +31,7 @@ def test_bytes_are_priced_by_their_pair_and_requests_by_the_thousand():
     # At this cost per token, a budget 4 times what was done costs 4 times as much.
     assert spent.projected(1_000, 4_000) == pytest.approx(4 * spent.total)
     assert spent.projected(0, 4_000) is None  # nothing done: unknown, said so
+    assert spent.projected(5_000, 4_000) == spent.total  # past the budget: what was spent
 
 
 def test_data_parallels_ring_crosses_a_region_at_each_of_its_regions_hops():
