@@ -53,7 +53,7 @@ from flows.monitor import Monitor, RunStalled
 from flows.observe import BestEffort, artifact_key, outlive_the_reader, stopped, tag_flow_run
 from flows.run import Run
 from flows.run_lock import RunLock, RunTakenOver, held
-from flows.summary import loss_plot_png, run_summary, summary_markdown
+from flows.summary import run_plot, run_summary, summary_markdown
 from flows.supervision import STAND_BY, STOP_SECONDS, LaunchMode
 from flows.watch import (
     first_line,
@@ -434,9 +434,7 @@ def _launch(
     summary["failed"], summary["given_up"] = list(failed), failed
     if cfg.pipeline.faults or chaos_plan.active:
         summary["chaos"] = failure_report(store, spec, folder, chaos.missed if chaos else [])
-    dp = summary["cost"]["dp_egress"] / summary["tokens"] if summary["tokens"] else None
-    png = loss_plot_png(monitor.curve, f"run {run}", metrics.training_curve(),
-                        metrics.merged_staleness(), metrics.cost_curve(), dp)  # fmt: skip
+    png = run_plot(summary, monitor.curve, metrics, f"run {run}")
     store.home.put(f"{run}/metrics/loss.png", png)
     report(create_markdown_artifact, summary_markdown(summary, png),
            key=artifact_key(run, "summary"), description=f"run {run}: summary and loss curve")  # fmt: skip

@@ -156,6 +156,16 @@ def loss_plot_png(
     return buf.getvalue()
 
 
+def run_plot(summary: dict[str, Any], curve: list[dict[str, Any]], metrics: Any, title: str
+             ) -> bytes:  # fmt: skip
+    """``loss_plot_png`` of a run at its end: its curve, and what ``metrics`` (the launch's
+    ``LiveMetrics``) read; data-parallel's egress per token from the ``summary``."""
+    tokens = summary["tokens"]
+    dp = summary["cost"]["dp_egress"] / tokens if tokens else None
+    return loss_plot_png(curve, title, metrics.training_curve(), metrics.merged_staleness(),
+                         metrics.cost_curve(), dp)  # fmt: skip
+
+
 def summary_markdown(summary: dict[str, Any], png: bytes | None) -> str:
     rows = train_summary_rows(summary)
     lines = [f"# Run {summary['run']}", "", "| | |", "|---|---|"]

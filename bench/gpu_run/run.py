@@ -39,6 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench.learner.gpu import PEAKS  # noqa: E402  (the datasheets' dense bf16 peaks)
 from bench.machine import machine  # noqa: E402
 
 # The standard library's source the data set is made of: all of it on a GPU (about 30 MB
@@ -52,8 +53,6 @@ MODEL = {"gpu": ["model.context=1024", "data.batch_size=8", "topology.inner_step
                  "pipeline.spares=0", "pipeline.eval_seconds=5"]}  # fmt: skip
 VOCAB = {"gpu": 8192, "cpu": 512}
 TOKENS = {"gpu": 40_000_000, "cpu": 24_000}
-# Dense bf16 peak, FLOP/s, by the vendor's datasheet (SXM parts; bench/learner/gpu.py's).
-PEAKS = {"NVIDIA H100": 989.4e12, "NVIDIA H200": 989.4e12, "NVIDIA A100": 312e12}
 RESERVE = {"prepare": 0.55, "train": 0.45}  # of the time left, kept for the phases after
 
 
