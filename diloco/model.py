@@ -179,7 +179,18 @@ class ParamCodec:
 
     @classmethod
     def create(cls, cfg: ModelConfig, seed: int) -> tuple[ParamCodec, nnx.State]:
-        model = create_model(cfg, nnx.Rngs(seed))
+        """The codec and the initial parameters ``seed`` draws."""
+        return cls._of(create_model(cfg, nnx.Rngs(seed)))
+
+    @classmethod
+    def abstract(cls, cfg: ModelConfig) -> ParamCodec:
+        """The codec alone: the model's structure, names and shapes, traced without
+        computing a parameter (``nnx.eval_shape``; a process that reads its parameters
+        from a bucket draws none)."""
+        return cls._of(nnx.eval_shape(lambda: create_model(cfg, nnx.Rngs(0))))[0]
+
+    @classmethod
+    def _of(cls, model: nnx.Module) -> tuple[ParamCodec, nnx.State]:
         graphdef, state = nnx.split(model, nnx.Param)
         leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
         names = tuple(_path_name(p) for p, _ in leaves)

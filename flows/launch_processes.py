@@ -80,9 +80,7 @@ class Processes(LaunchMode):
         self.pids = self.logs / "pids.json"
         home = next(iter(regions))
         warm = {"run": run, "bucket": regions[home], "region": home}
-        self.spares = (
-            Spares(spares, self.logs / "spares.log", child_env(), warm) if spares else None
-        )
+        self.spares = Spares(spares, self.logs / "spares.log", child_env(), warm)
         self.supervise = as_task(self._supervise, name="worker", task_run_name="{name}")
         self.run_process = as_task(self._run_process, name="process", task_run_name="start {name}")
 
@@ -125,7 +123,7 @@ class Processes(LaunchMode):
             start = self.starts[key]
         # parent_env(): the process's flow runs are linked as subflows of this task run
         env = {**child_env(self.run, worker, self.secret, start, self.fault_env), **parent_env()}
-        proc, warm = (self.spares or Spares(0, log_path, env)).take(argv, log_path, env)
+        proc, warm = self.spares.take(argv, log_path, env)
         started = time.monotonic()
         watch = memory.Watch(proc.pid, started)  # why it died, should a signal end it
         run_log().info("%s started (pid %d%s); its output goes to %s", name, proc.pid,

@@ -58,7 +58,8 @@ def compile_step(model: Any, cfg: Any, go_on: Callable[[], None] = lambda: None)
     trainer = model.trainer
     top = cfg.topology
     with _COMPILING, compile_turn(cfg, "step", go_on):
-        params = trainer.place_params(model.init)
+        zeros = {n: np.zeros(v.shape, v.dtype) for n, v in model.shapes.items()}
+        params = trainer.place_params(zeros)
         batch = np.zeros((cfg.data.batch_size, cfg.model.context + 1), dtype=np.int32)
         trainer.step(params, trainer.init_opt_state(params), batch, 0)[2].block_until_ready()
         shapes = {}

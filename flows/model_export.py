@@ -11,7 +11,7 @@ run's data set's tokenizer file in ``tokenizer_file`` (its name), ``tokenizer`` 
 bytes, base64) and ``tokenizer_sha256``. (An export written before ``tokens`` existed is
 read as bytes.)
 ``load_exported`` returns ``(ModelConfig, params)``; the model is then
-``ParamCodec.create(config, 0)`` and ``codec.model(codec.from_flat(params))``.
+``ParamCodec.abstract(config)`` and ``codec.model(codec.from_flat(params))``.
 
 A Llama (``model.arch = "llama"``) is exported as a folder in the Hugging Face Llama
 layout instead, which ``transformers.LlamaForCausalLM.from_pretrained(folder)`` loads:
@@ -269,7 +269,7 @@ def _load(path: str) -> tuple[ModelConfig, FlatParams, dict[str, Any]]:
             params = from_hf(config, params)
         except KeyError as exc:
             raise ModelFileError(f"{path} does not hold the model its config says: {exc}") from None
-    codec, _ = ParamCodec.create(config, 0)
+    codec = ParamCodec.abstract(config)
     problems = shape_problems(codec, params)
     if problems:
         raise ModelFileError(
@@ -287,7 +287,7 @@ def _shape(config: ModelConfig) -> str:
 def open_exported(path: str) -> UsableModel:
     """An exported file (or a Llama's folder, with its tokenizer) as a ``UsableModel``."""
     config, params, meta = _load(path)
-    codec, _ = ParamCodec.create(config, 0)
+    codec = ParamCodec.abstract(config)
     if _hf_folder(path) is not None:
         tokenizer = _folder_tokenizer(path)
         if tokenizer is None and meta.get("tokens") == "tokenizer":

@@ -28,7 +28,10 @@ QUIET_SECONDS = 60.0  # one kind of failure to report is logged at most this oft
 
 def run_logger(fallback: str) -> Any:
     """Prefect's run logger inside a flow or task run, else the standard logger
-    ``fallback`` (the runtimes are also driven directly, in tests)."""
+    ``fallback`` (the runtimes are also driven directly, in tests). A process that has
+    not imported Prefect is in no run, and is spared its import (seconds)."""
+    if "prefect" not in sys.modules:
+        return logging.getLogger(fallback)
     from prefect import get_run_logger
 
     try:

@@ -47,9 +47,22 @@ class Model:
     """The compiled model of a run, built once per process."""
 
     codec: ParamCodec
-    init: dict[str, np.ndarray]
     plan: FragmentPlan
     trainer: InnerTrainer
+    cfg: RunConfig
+
+    @cached_property
+    def init(self) -> dict[str, np.ndarray]:
+        """The run's initial parameters (its seed's), drawn when first asked for: only
+        the launcher's version 0 needs their values (every other process reads its
+        parameters from the buckets)."""
+        return self.codec.to_flat(ParamCodec.create(self.cfg.model, self.cfg.seed)[1])
+
+    @property
+    def shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """Each parameter's shape and dtype (float32), by name."""
+        return {n: jax.ShapeDtypeStruct(s, np.float32)
+                for n, s in zip(self.codec.names, self.codec.shapes, strict=True)}  # fmt: skip
 
     @property
     def shares(self) -> list[float]:
@@ -61,11 +74,11 @@ class Model:
 @lru_cache(maxsize=2)
 def _model(cfg_json: str, fsdp: int) -> Model:
     cfg = RunConfig.model_validate_json(cfg_json)
-    codec, state = ParamCodec.create(cfg.model, cfg.seed)
+    codec = ParamCodec.abstract(cfg.model)
     topo = cfg.topology
     plan = plan_fragments(codec.sizes, topo.fragments, topo.fragment_strategy)
     trainer = InnerTrainer(codec, cfg.inner, cfg.steps_per_learner, fsdp=fsdp)
-    return Model(codec, codec.to_flat(state), plan, trainer)
+    return Model(codec, plan, trainer, cfg)
 
 
 _BUILDING = threading.Lock()
@@ -217,7 +230,7 @@ def bucket_store(
         writer, place=trainer.place_params,
         # The state's structure, shapes and dtypes only: no computation on the mesh (one
         # process of a learner over several reads a checkpoint alone) and no memory.
-        opt_template=lambda: jax.eval_shape(trainer.tx.init, model.init),
+        opt_template=lambda: jax.eval_shape(trainer.tx.init, model.shapes),
         downlink=cfg.topology.downlink, block_size=cfg.topology.block_size,
         syncer_memory_mb=cfg.pipeline.syncer_memory_mb,
         syncer_spool_mb=cfg.pipeline.syncer_spool_mb, faults=faults,

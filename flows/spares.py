@@ -5,9 +5,10 @@ times that on cores busy with training), then its model, compiled step and corpu
 spare (``python -m flows.worker standby``) has done all of that ahead of need and waits
 on its stdin for the command, environment and log of the worker it is to become.
 
-Spares are forked from a *zygote* (``python -m flows.worker zygote``) that did the imports
-once, so each costs only its warm-up: in a kill storm, spares no longer take a core's
-worth of imports from the learners training beside them. A forked spare is the zygote's
+Spares, and every worker the launcher starts, are forked from a *zygote* (``python -m
+flows.worker zygote``) that did the imports once, so each costs only its warm-up: a run of
+eight workers pays for its imports once, not eight times, and in a kill storm restarts
+no longer take a core's worth of imports from the learners training beside them. A forked spare is the zygote's
 child, not the launcher's: ``Forked`` is the part of ``subprocess.Popen`` the launcher
 uses, its exit status told by the zygote. Should the zygote die, spares start as
 processes of their own again (and a forked one's end is seen from its pid).
@@ -171,10 +172,12 @@ class Zygote:
 
 
 class Spares:
-    """Spare workers (see the module's docstring): ``count`` idle ones are kept, forked
-    from a zygote. A restarted worker takes one and skips the start-up; the pool is refilled
-    at once, off the restart's path. With ``count`` 0 (or none left) a worker starts cold,
-    through the same standby entry point.
+    """The launcher's worker processes, each forked from the zygote (see the module's
+    docstring), and ``count`` spares kept idle and warm beside them. A restarted worker
+    takes a spare and skips the start-up; the pool is refilled at once, off the restart's
+    path. With ``count`` 0 (or none left) a worker is forked when it is needed and warms
+    up as it starts, through the same standby entry point; should the zygote be gone, it
+    starts as a process of its own.
 
     Only what is read when used may differ from the spare's own environment (the keys,
     the fault plan's salt); Prefect's and JAX's settings are the launcher's for both."""
@@ -190,7 +193,7 @@ class Spares:
         # {"run", "bucket", "region"}: a spare also builds the run's model and compiles its
         # train step while it waits (``flows.learner_runtime.warm_up``).
         self.warm = warm
-        self.zygote = Zygote(self.log_path, env) if count > 0 else None
+        self.zygote: Zygote | None = Zygote(self.log_path, env)
         self.idle: list[Any] = []
         self.lock = threading.Lock()
         self.closed = False
