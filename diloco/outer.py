@@ -12,7 +12,7 @@ fragment. Conventions follow ALGORITHM.md:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ import numpy as np
 import optax
 
 from diloco.config import OuterConfig
+from diloco.merge import normalized
 from diloco.tensors import as_tensors
 from protocol.quantize import QuantizedTensor, dequantize
 
@@ -140,17 +141,62 @@ class Anchored:
 # --- outer optimizer and learner blend -------------------------------------------------
 
 
+def cgad_scale(alpha: float, cutoff: int) -> StalenessFn:
+    """CGAD's age scale (arXiv 2605.09126): ``sigma(s) = gamma(s) exp(-alpha s)``, the
+    cosine gate ``gamma(s) = (1 + cos(pi s / cutoff)) / 2`` below ``cutoff`` and 0 from
+    it: 1 for fresh work, falling smoothly to nothing at the cutoff."""
+
+    def sigma(s: int) -> float:
+        gate = 0.5 * (1.0 + math.cos(math.pi * s / cutoff)) if s < cutoff else 0.0
+        return gate * math.exp(-alpha * s)
+
+    return sigma
+
+
+@dataclass(frozen=True)
+class OuterOptimizer:
+    """An outer optimizer: its optax transform, and how much of a contribution ``s``
+    versions old reaches it (``age_scale``: a factor on the contribution's share of the
+    merge, which the staleness weights only share out; 1 at any age but for CGAD)."""
+
+    transform: Callable[[OuterConfig], optax.GradientTransformation]
+    age_scale: Callable[[OuterConfig], StalenessFn] = lambda cfg: constant_staleness()
+
+
+def _adam(cfg: OuterConfig) -> optax.GradientTransformation:
+    return optax.adam(cfg.lr, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps)
+
+
 # The outer optimizers by name (``outer.optimizer``): any optax transform whose state is
 # arrays of each parameter's shape and step counts (``tensors.state_slots``), which the
 # syncer steps a piece at a time. A new one is an entry here and in the config's names.
-OUTER_OPTIMIZERS: dict[str, Callable[[OuterConfig], optax.GradientTransformation]] = {
-    "sgd": lambda cfg: optax.sgd(cfg.lr, momentum=cfg.momentum or None, nesterov=cfg.nesterov),
-    "adam": lambda cfg: optax.adam(cfg.lr, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps),
+OUTER_OPTIMIZERS: dict[str, OuterOptimizer] = {
+    "sgd": OuterOptimizer(
+        lambda cfg: optax.sgd(cfg.lr, momentum=cfg.momentum or None, nesterov=cfg.nesterov)
+    ),
+    "adam": OuterOptimizer(_adam),
+    # Cosine-Gated Adam-Decay: Adam on outer gradients scaled by their age.
+    "cgad": OuterOptimizer(
+        _adam, lambda cfg: cgad_scale(cfg.cgad_alpha, cfg.cgad_cutoff or cfg.max_staleness + 1)
+    ),
 }
 
 
 def outer_optimizer(cfg: OuterConfig) -> optax.GradientTransformation:
-    return OUTER_OPTIMIZERS[cfg.optimizer](cfg)
+    return OUTER_OPTIMIZERS[cfg.optimizer].transform(cfg)
+
+
+def merge_weights(
+    contributions: Sequence[Contribution], staleness: Sequence[int], cfg: OuterConfig
+) -> np.ndarray:
+    """Each contribution's factor in the merged outer gradient: its token weight times
+    ``g(staleness)`` (``staleness_fn``), normalized to sum to one, times the optimizer's
+    age scale (``OuterOptimizer.age_scale``)."""
+    g, scale = staleness_fn(cfg), OUTER_OPTIMIZERS[cfg.optimizer].age_scale(cfg)
+    w = normalized(
+        [contribution_weight(c, s, g) for c, s in zip(contributions, staleness, strict=True)]
+    )
+    return w * np.array([scale(s) for s in staleness], np.float64)
 
 
 def blend(local: FlatParams, global_: FlatParams, alpha: float) -> FlatParams:

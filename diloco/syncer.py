@@ -27,14 +27,13 @@ import numpy as np
 import optax
 
 from diloco.config import OuterConfig
-from diloco.merge import MERGE_RULES, normalized
+from diloco.merge import MERGE_RULES
 from diloco.outer import (
     Anchored,
     Contribution,
     FlatParams,
-    contribution_weight,
+    merge_weights,
     outer_optimizer,
-    staleness_fn,
 )
 from diloco.tensors import (
     ArrayTensors,
@@ -102,7 +101,7 @@ class GlobalVersion:
     slots: list[Tensors]  # the outer optimizer's state, per parameter (``state_slots``)
     consumed: tuple[tuple[str, int], ...]  # (learner, seq) merged into this version
     cursor: dict[str, int]  # per learner, the highest seq processed (merged, replaced, rejected)
-    weights: dict[str, float]  # normalized merge weight per "learner/seq"
+    weights: dict[str, float]  # merge weight per "learner/seq" (``outer.merge_weights``)
     staleness: dict[str, int]
     tokens: int  # tokens behind the merged contributions (new work only)
     seconds: float  # learner time behind them (new work only), for goodput
@@ -167,7 +166,6 @@ class FragmentSyncer:
         # Per learner, the inner step of its newest merged contribution: the learners read
         # the run's progress from it (a shared budget ends when their sum reaches it).
         self.progress: dict[str, int] = {k: int(v) for k, v in (progress or {}).items()}
-        self.g = staleness_fn(cfg)
         self.pending: dict[tuple[str, int, int], Contribution] = {}  # by Contribution.anchor
         # Outcomes other than a merge, carried into the next version's record.
         self.rejections: list[tuple[str, int, str]] = []
@@ -329,10 +327,8 @@ class FragmentSyncer:
             return MergeOutcome(None, rejected)
 
         staleness = [self.version - c.base_version for c, _ in accepted]
-        weights = [
-            contribution_weight(c, s, self.g) for (c, _), s in zip(accepted, staleness, strict=True)
-        ]
-        self._write_next(accepted, normalized(weights))
+        weights = merge_weights([c for c, _ in accepted], staleness, self.cfg)
+        self._write_next(accepted, weights)
         self.version += 1
         self.steps += 1
         self.history[self.version] = self.params
@@ -344,7 +340,6 @@ class FragmentSyncer:
 
         for c, _ in accepted:
             self.progress[c.learner] = max(self.progress.get(c.learner, 0), c.step)
-        total = sum(weights)
         label = lambda c: f"{c.learner}/{c.seq}"  # noqa: E731
         return MergeOutcome(
             GlobalVersion(
@@ -354,7 +349,7 @@ class FragmentSyncer:
                 slots=self.slots,
                 consumed=tuple(c.key for c, _ in accepted),
                 cursor=dict(self.cursor),
-                weights={label(c): w / total for (c, _), w in zip(accepted, weights, strict=True)},
+                weights={label(c): float(w) for (c, _), w in zip(accepted, weights, strict=True)},
                 staleness={label(c): s for (c, _), s in zip(accepted, staleness, strict=True)},
                 tokens=sum(c.tokens for c, _ in accepted),
                 seconds=sum(c.seconds for c, _ in accepted),

@@ -1,5 +1,8 @@
 """The learner and syncer state machines, driven by hand."""
 
+import itertools
+import math
+
 import numpy as np
 import pytest
 
@@ -9,7 +12,7 @@ from diloco.fragments import plan_fragments
 from diloco.inner import InnerTrainer
 from diloco.learner import Learner
 from diloco.model import ParamCodec, is_embedding
-from diloco.outer import Contribution
+from diloco.outer import OUTER_OPTIMIZERS, Contribution
 from diloco.syncer import (
     FragmentSyncer,
     budget_spent,
@@ -238,6 +241,55 @@ def test_syncer_merges_weighted_and_steps_outer_optimizer():
     assert out.version.version == syncer.version == 1
     assert out.version.weights == pytest.approx({"a/1": 0.9, "b/1": 0.1})
     assert syncer.pending == {} and syncer.merge().version is None
+
+
+def test_cgad_scales_each_outer_gradient_by_its_age_before_adam():
+    """``outer.optimizer = "cgad"`` against CGAD's equations (arXiv 2605.09126), written
+    here in NumPy: each outer gradient's share of the merge (token weights, normalized)
+    times ``sigma(s) = (1 + cos(pi s / cutoff)) / 2 * exp(-alpha s)``, then Adam with its
+    bias correction, over three outer steps of contributions 0 to 2 versions old."""
+    shapes = {"w": (3,)}
+    alpha, cutoff = 0.2, 4
+    cfg = OuterConfig(optimizer="cgad", lr=0.01, cgad_alpha=alpha, cgad_cutoff=cutoff,
+                      staleness="constant", reference="delta")  # fmt: skip
+    syncer = FragmentSyncer(0, {"w": np.zeros(3, np.float32)}, cfg, ["a", "b"], is_embedding)
+    b1, b2, eps = cfg.adam_b1, cfg.adam_b2, cfg.adam_eps
+    theta, m, v = np.zeros(3), np.zeros(3), np.zeros(3)
+    rounds = [  # (learner, seq, base version, value, tokens, anchor seq)
+        [("a", 1, 0, 1.0, 300, 0), ("b", 1, 0, -2.0, 100, 0)],
+        [("a", 2, 1, 0.5, 200, 1)],
+        [("b", 2, 0, 3.0, 200, 1), ("a", 3, 2, 1.5, 100, 2)],
+    ]
+    for t, sends in enumerate(rounds, start=1):
+        for learner, seq, base, value, tokens, anchor in sends:
+            syncer.offer(contribution(learner, seq, base, value, shapes, tokens, 10, anchor))
+        out = syncer.merge().version
+        ages = [t - 1 - base for _, _, base, *_ in sends]
+        token_w = np.array([tokens * tokens / 10 for *_, tokens, _ in sends], np.float64)
+        share = token_w / token_w.sum()
+        sigma = [0.5 * (1 + math.cos(math.pi * s / cutoff)) * math.exp(-alpha * s) for s in ages]
+        delta = sum(
+            w * g * value for w, g, (_, _, _, value, _, _) in zip(share, sigma, sends, strict=True)
+        )
+        m, v = b1 * m + (1 - b1) * delta, b2 * v + (1 - b2) * delta**2
+        m_hat, v_hat = m / (1 - b1**t), v / (1 - b2**t)
+        theta = theta - cfg.lr * m_hat / (np.sqrt(v_hat) + eps)
+        np.testing.assert_allclose(out.params["w"], theta, rtol=1e-5, atol=1e-7)
+        labels = [f"{learner}/{seq}" for learner, seq, *_ in sends]
+        assert out.staleness == dict(zip(labels, ages, strict=True))
+        assert out.weights == pytest.approx(dict(zip(labels, share * sigma, strict=True)))
+
+
+def test_cgads_age_scale_is_one_when_fresh_and_gates_to_nothing_at_its_cutoff():
+    """sigma falls with age, reaches 0 at the cutoff and stays there; its default cutoff
+    is one past the oldest contribution a syncer admits (``outer.max_staleness``)."""
+    sigma = OUTER_OPTIMIZERS["cgad"].age_scale(OuterConfig(optimizer="cgad", max_staleness=3))
+    values = [sigma(s) for s in range(7)]
+    assert values[0] == 1.0 and values[4:] == [0.0, 0.0, 0.0]
+    assert all(a > b for a, b in itertools.pairwise(values[:5]))
+    assert values[3] > 0
+    same = OUTER_OPTIMIZERS["sgd"].age_scale(OuterConfig())
+    assert [same(s) for s in range(7)] == [1.0] * 7  # the others leave shares as they are
 
 
 def test_syncer_replaces_same_base_keeps_different_base_and_rejects_bad():

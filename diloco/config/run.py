@@ -93,10 +93,18 @@ class OuterConfig(Strict):
         0.0, description="outer SGD momentum; 0: none"
     )
     nesterov: bool = Field(True, description="Nesterov momentum (when momentum > 0)")
-    optimizer: Literal["sgd", "adam"] = Field(
+    optimizer: Literal["sgd", "adam", "cgad"] = Field(
         "sgd",
         description="the outer optimizer (diloco.outer.OUTER_OPTIMIZERS): sgd (lr, momentum, "
-        "nesterov) or adam (lr, adam_b1, adam_b2, adam_eps; its step count is the fragment's)",
+        "nesterov), adam (lr, adam_b1, adam_b2, adam_eps; its step count is the fragment's), "
+        "or cgad: adam on outer gradients scaled by their age (cgad_alpha, cgad_cutoff)",
+    )
+    cgad_alpha: Annotated[float, Field(ge=0)] = Field(
+        0.1, description="cgad: exp(-alpha s), the decay of a contribution s versions old"
+    )
+    cgad_cutoff: PositiveInt | None = Field(
+        None,
+        description="cgad: the age at which the cosine gate reaches 0; default max_staleness + 1",
     )
     adam_b1: Annotated[float, Field(ge=0, lt=1)] = Field(0.9, description="outer Adam's beta1")
     adam_b2: Annotated[float, Field(ge=0, lt=1)] = Field(0.999, description="outer Adam's beta2")
