@@ -128,8 +128,9 @@ class PipelineConfig(Strict):
     )
     spares: Annotated[int, Field(ge=0)] = Field(
         1,
-        description="worker processes started ahead of need, imports done, for a restarted "
-        "worker to take over; 0: start each cold",
+        description="worker processes kept warm ahead of need (model built, step compiled) "
+        "for a restarted worker to take over; 0: none (every worker is forked from the "
+        "launcher's zygote, imports done, and warms up as it starts)",
     )
     fsdp: int = Field(
         1,
