@@ -115,7 +115,8 @@ class Processes(LaunchMode):
     def _run_process(self, name: str, argv: list[str], log_path: str, worker: str) -> int:
         """Run one worker process (``worker``: its writer id, a learner's or ``syncer-N``)
         to its end; a non-zero exit fails the task run."""
-        if self.stopping.is_set():
+        spares = self.spares
+        if self.stopping.is_set() or spares is None:  # (None: the launch is over, closed)
             return 130
         key = name if name.endswith(STAND_BY) else worker or name  # (a stand-by: its own)
         with self.lock:
@@ -123,7 +124,7 @@ class Processes(LaunchMode):
             start = self.starts[key]
         # parent_env(): the process's flow runs are linked as subflows of this task run
         env = {**child_env(self.run, worker, self.secret, start, self.fault_env), **parent_env()}
-        proc, warm = self.spares.take(argv, log_path, env)
+        proc, warm = spares.take(argv, log_path, env)
         started = time.monotonic()
         watch = memory.Watch(proc.pid, started)  # why it died, should a signal end it
         run_log().info("%s started (pid %d%s); its output goes to %s", name, proc.pid,
