@@ -8,8 +8,8 @@ on its stdin for the command, environment and log of the worker it is to become.
 Spares, and every worker the launcher starts, are forked from a *zygote* (``python -m
 flows.worker zygote``) that did the imports once, so each costs only its warm-up: a run of
 eight workers pays for its imports once, not eight times, and in a kill storm restarts
-no longer take a core's worth of imports from the learners training beside them. A forked spare is the zygote's
-child, not the launcher's: ``Forked`` is the part of ``subprocess.Popen`` the launcher
+no longer take a core's worth of imports from the learners training beside them. A
+forked spare is the zygote's child, not the launcher's: ``Forked`` is the part of ``subprocess.Popen`` the launcher
 uses, its exit status told by the zygote. Should the zygote die, spares start as
 processes of their own again (and a forked one's end is seen from its pid).
 """
