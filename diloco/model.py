@@ -176,6 +176,7 @@ class ParamCodec:
     treedef: jax.tree_util.PyTreeDef
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[np.dtype, ...]
 
     @classmethod
     def create(cls, cfg: ModelConfig, seed: int) -> tuple[ParamCodec, nnx.State]:
@@ -195,7 +196,8 @@ class ParamCodec:
         leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
         names = tuple(_path_name(p) for p, _ in leaves)
         shapes = tuple(tuple(v.shape) for _, v in leaves)
-        return cls(graphdef, treedef, names, shapes), state
+        dtypes = tuple(np.dtype(v.dtype) for _, v in leaves)
+        return cls(graphdef, treedef, names, shapes, dtypes), state
 
     def to_flat(self, state: nnx.State) -> FlatParams:
         leaves = jax.tree_util.tree_leaves(state)

@@ -60,9 +60,10 @@ class Model:
 
     @property
     def shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
-        """Each parameter's shape and dtype (float32), by name."""
-        return {n: jax.ShapeDtypeStruct(s, np.float32)
-                for n, s in zip(self.codec.names, self.codec.shapes, strict=True)}  # fmt: skip
+        """Each parameter's shape and dtype, by name."""
+        codec = self.codec
+        return {n: jax.ShapeDtypeStruct(s, d)
+                for n, s, d in zip(codec.names, codec.shapes, codec.dtypes, strict=True)}  # fmt: skip
 
     @property
     def shares(self) -> list[float]:
