@@ -226,13 +226,13 @@ class InnerTrainer:
             labels = batch[:, 1:]
             return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
-        self._lr = lambda opt_state, position: inner_lr(
-            cfg, total_steps, state_age(opt_state), position
-        )
+        # One program (a handful of scalar operations run one by one would each be
+        # dispatched, and compiled on first use, in every process).
+        self._lr = jax.jit(lambda age, position: inner_lr(cfg, total_steps, age, position))
 
         def train_step(params, opt_state, batch, position):
             loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-            lr = self._lr(opt_state, position)
+            lr = inner_lr(cfg, total_steps, state_age(opt_state), position)
             updates, opt_state = self.tx.update(grads, opt_state, params)
             updates = jax.tree.map(lambda u: lr * u, updates)
             keep = lambda x: jax.lax.with_sharding_constraint(x, self.sharding(x.shape))  # noqa: E731
@@ -294,7 +294,7 @@ class InnerTrainer:
 
     def lr(self, opt_state: optax.OptState, position: float) -> float:
         """The rate of the next step from ``opt_state`` at ``position`` (for logs)."""
-        return float(self._lr(opt_state, np.float32(position)))
+        return float(self._lr(state_age(opt_state), np.float32(position)))
 
     def evaluate(self, params: JaxParams, batches: Sequence[np.ndarray]) -> float:
         """Mean next-byte cross-entropy (nats per byte) over ``batches``."""

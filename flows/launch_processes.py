@@ -163,7 +163,7 @@ class Processes(LaunchMode):
         that a launcher of the run that starts after this one died can stop what it left
         (``stop_predecessors``). Called with ``lock`` held."""
         pids = {name: p.pid for name, p in self.workers.items() if p.poll() is None}
-        if self.spares is not None and self.spares.zygote is not None:
+        if self.spares is not None:
             pids["zygote"] = self.spares.zygote.proc.pid
         pids[PARENT_ENV] = os.getpid()  # (each of them has it in its environment)
         try:

@@ -193,14 +193,14 @@ class Spares:
         # {"run", "bucket", "region"}: a spare also builds the run's model and compiles its
         # train step while it waits (``flows.learner_runtime.warm_up``).
         self.warm = warm
-        self.zygote: Zygote | None = Zygote(self.log_path, env)
+        self.zygote = Zygote(self.log_path, env)
         self.idle: list[Any] = []
         self.lock = threading.Lock()
         self.closed = False
         self._fill()
 
     def _spawn(self, log_path: Path | str, env: dict[str, str]) -> Any:
-        if self.zygote is not None and self.zygote.alive:
+        if self.zygote.alive:
             with contextlib.suppress(OSError):  # it just ended: start one of its own
                 return self.zygote.spawn(log_path, self.warm)
         with open(log_path, "ab") as out:
@@ -253,8 +253,7 @@ class Spares:
         """End the idle spares (a closed stdin tells a spare it is not needed)."""
         with self.lock:
             self.closed, idle, self.idle = True, self.idle, []
-        if self.zygote is not None:
-            self.zygote.close()
+        self.zygote.close()
         for proc in idle:
             try:
                 if not isinstance(proc, Forked):

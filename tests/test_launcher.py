@@ -562,21 +562,25 @@ def _logs(folder: Path) -> str:
 @pytest.mark.slow
 def test_a_run_whose_every_learner_hangs_ends_with_a_named_error(prefect_api, tmp_path):
     """Both learners hung (SIGSTOP: their processes alive, their heartbeats stopped) once
-    the first versions are out: the syncers take them for silent and fence them; the
+    versions are out: the syncers take them for silent and fence them; the
     launcher, seeing no new version, says why in one line instead of the progress line
     (who is fenced or silent), and, nobody being there to take the slots, ends the run with a named
     error rather than waiting for ever; the workers are stopped."""
     root, run = tmp_path / "runs", "hung"
     root.mkdir()
     log = root / "train.log"
+    # A short outer round (H = 2): the run is called standing still after 3 rounds without
+    # a version (and a silence), which at H = 10 on a busy machine is a minute and more.
     proc = _train(root, run, 50_000_000, dict(os.environ), log, learners=2, stall_seconds=2,
-                  sets=tuple(FAST_LIVENESS))  # fmt: skip
+                  sets=(*FAST_LIVENESS, "--set=topology.inner_steps=2"))  # fmt: skip
     regions = {r: f"file://{root / run / 'buckets' / r}" for r in ("us-east", "eu-west")}
     hung: list[int] = []
     try:
         store = until(lambda: (root / run / "buckets" / "us-east" / run / "spec.json").exists()
                       and RunStore(run, regions, "us-east"), "the run's spec")  # fmt: skip
-        until(lambda: (store.versions.latest_global(0) or 0) >= 2, "two versions of fragment 0")
+        # Several versions in: the learners' step time, which the wait scales with, is
+        # measured past their slow first steps by then.
+        until(lambda: (store.versions.latest_global(0) or 0) >= 6, "six versions of fragment 0")
         until(lambda: all(store.members.read_heartbeat(lid, r) for lid, r in run_slots(store.read_spec()).items()),
               "both learners to beat (a process hung before its first beat is only named)")  # fmt: skip
         hung = [pid for name, pid in _started(log).items() if name.startswith("learner")]
