@@ -43,7 +43,7 @@ from diloco.config import (
     parse_override,
     validate_config,
 )
-from flows.compile import share_compilations
+from flows.compile import share_compilations, user_cache
 from flows.display import Display
 from flows.display import current as current_display
 from flows.launch_chaos import failure_report, start_chaos, worker_faults
@@ -317,10 +317,11 @@ def _launch_mode(
 ) -> LaunchMode:
     """The launch mode ``via`` names (``flows.launch_modes.LAUNCH_MODES``), with the run's lock
     held and the run's contributions signed (``authenticate``)."""
-    # Workers share a persistent JAX compilation cache: a restarted learner does not
-    # compile its step again (the variables reach them, and the spares, through
-    # child_env()).
-    share_compilations(Path(logs).parent / "jax-cache")
+    # Workers share this machine's persistent JAX compilation cache, as a joiner and a
+    # deployment's learner do: a restarted learner, and the next run of the same model
+    # here, load their programs instead of compiling them (the variables reach the
+    # workers, and the spares, through child_env()).
+    share_compilations(user_cache() / "jax")
     kind = launch_mode(via)
     secret = authenticate(run, Path(logs).parent, kind.local, log, store)
     return kind.for_launch(run, regions, cfg, Path(logs), launch.stopping, log, secret, fault_plan)

@@ -1,7 +1,7 @@
 """The quick start's first run, commit against commit: `diloco train` with its defaults
-(the `tiny` preset, 4 learners over two `file://` regions) under a fresh run name, so
-every run starts with an empty JAX cache (`runs/RUN/jax-cache`), as a new user's first
-`./dev run` does. Per run: the whole command's seconds, the run's wall time, goodput and
+(the `tiny` preset, 4 learners over two `file://` regions) under a fresh run name and
+with an empty JAX cache (a new ``JAX_COMPILATION_CACHE_DIR`` each), as a new user's
+first `./dev run` does. Per run: the whole command's seconds, the run's wall time, goodput and
 the learners' share of time spent starting (`summary.json`'s `time_breakdown`).
 
     python bench/pipeline/startup.py --commits 5016ccc 022934a [--pairs 2]
@@ -32,6 +32,7 @@ from bench.machine import machine  # noqa: E402
 
 def run_once(tree: Path, root: Path, name: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="startup-jax-")  # empty
     env["PYTHONPATH"] = str(tree)
     start = time.perf_counter()
     done = subprocess.run(
