@@ -69,6 +69,7 @@ class FragmentState:
     anchor: DeviceParams  # the fragment's value right after that version was applied
     base_version: int
     anchor_seq: int = 0  # the learner's seq when the anchor was taken (Contribution.anchor_seq)
+    base_id: str | None = None  # base_version's id as read (None: none applied yet)
     tokens: int = 0
     steps: int = 0
     seconds: float = 0.0
@@ -209,6 +210,7 @@ class Learner:
             payload=payload,
             step=self.step,
             anchor_seq=frag.anchor_seq,
+            base_id=frag.base_id,
         )
 
     def may_apply(self, p: int) -> bool:
@@ -226,10 +228,13 @@ class Learner:
             if f.sent_at_step is not None and self.step >= f.sent_at_step + self.topology.tau
         ]
 
-    def apply_global(self, p: int, version: int, values: FlatParams) -> None:
-        """Take global version ``version`` of fragment ``p`` and re-anchor on it: blended
-        with the local values (``alpha``), or, with ``keep_unsent``, plus the local steps
-        taken since the send it answers, which then count towards the next contribution."""
+    def apply_global(
+        self, p: int, version: int, values: FlatParams, version_id: str | None = None
+    ) -> None:
+        """Take global version ``version`` (whose id is ``version_id``) of fragment ``p`` and
+        re-anchor on it: blended with the local values (``alpha``), or, with
+        ``keep_unsent``, plus the local steps taken since the send it answers, which then
+        count towards the next contribution."""
         frag = self.fragments[p]
         if version <= frag.base_version:
             return
@@ -248,6 +253,7 @@ class Learner:
                 seconds=frag.seconds * kept / frag.steps if frag.steps else 0.0,
                 carry=carry,
                 anchor_seq=self.seq,
+                base_id=version_id,
             )
         else:
             alpha = self.topology.alpha
@@ -259,9 +265,8 @@ class Learner:
                     for n in names
                 }
             )
-            state = FragmentState(
-                anchor=new, base_version=version, carry=carry, anchor_seq=self.seq
-            )
+            state = FragmentState(anchor=new, base_version=version, carry=carry,
+                                  anchor_seq=self.seq, base_id=version_id)  # fmt: skip
         self.params = {**self.params, **{n: self.trainer.place(v) for n, v in new.items()}}
         self.fragments[p] = state
 

@@ -95,6 +95,7 @@ class LearnerLoop:
         for p, g in newest.items():  # new anchors: nothing before the failure continues
             learner.fragments[p].base_version = g.version
             learner.fragments[p].anchor_seq = learner.seq
+            learner.fragments[p].base_id = g.id
         versions = [g.version for g in newest.values()]
         if ckpt is None and step == 0:
             source = f"global versions {versions}"
@@ -240,7 +241,7 @@ class LearnerLoop:
                 lrn.id, p, view.version, view.version - frag.base_version, sum(mine), nbytes,
                 self.clock.now(),
             )  # fmt: skip
-            lrn.apply_global(p, view.version, view.params)
+            lrn.apply_global(p, view.version, view.params, view.id)
             self.emit(record)
             count += 1
         return count

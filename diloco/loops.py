@@ -110,6 +110,11 @@ class GlobalView:
     meta: Mapping[str, Any] = field(default_factory=dict)
     nbytes: int | None = None  # what reading it moved; None: the whole version, wire dtype
 
+    @property
+    def id(self) -> str | None:
+        """Its ``records.version_id``, as its record holds it (None: one stored before)."""
+        return records.ids_of(self.meta).get(self.version)
+
 
 @dataclass(frozen=True)
 class StoredFragment:

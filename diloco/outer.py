@@ -48,6 +48,9 @@ class Contribution:
     # so (base_version, anchor_seq) names one trajectory: a learner that rejoins on the
     # version it had anchored on before it failed starts a new one, not a continuation.
     anchor_seq: int = 0
+    # The id of version ``base_version`` (``records.version_id``) as the learner read it
+    # applying that version; None: it applied none (``FragmentSyncer.unanchored``).
+    base_id: str | None = None
     # What a transport found scanning the payload as it read it (``validate.Scan``: its
     # norm, or a problem), so validation does not read it again; None: not scanned yet.
     scan: Any = field(default=None, repr=False, compare=False)

@@ -10,8 +10,9 @@ function each.
     sent      learner, fragment, seq, base_version, anchor_seq, step, tokens, steps,
               seconds, bytes, loss
     applied   learner, fragment, version, staleness, weight, bytes
-    version   fragment, version, consumed [[learner, seq]], cursor, weights, staleness,
-              tokens, seconds, merged, tokens_total, seconds_total,
+    version   fragment, version, ids {version: id} (this one's and those inside the
+              staleness window: ``version_id``), consumed [[learner, seq]], cursor,
+              weights, staleness, tokens, seconds, merged, tokens_total, seconds_total,
               rejected [[learner, seq, reason]], superseded [[learner, seq, by seq]],
               and lost_versions [v] when it replaces versions that cannot be read
     rejected  learner, fragment, seq, reason
@@ -22,6 +23,8 @@ function each.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -78,6 +81,7 @@ def version(
         "time": time,
         "fragment": gv.fragment,
         "version": gv.version,
+        "ids": {str(v): i for v, i in gv.ids.items()},
         "consumed": [list(k) for k in gv.consumed],
         "cursor": dict(gv.cursor),
         "weights": dict(gv.weights),
@@ -94,9 +98,32 @@ def version(
     }
 
 
+def version_id(fragment: int, version: int, consumed: Iterable[Sequence[Any]]) -> str:
+    """The name of global ``version`` of ``fragment``, which merged ``consumed`` ((learner,
+    seq) pairs). A learner learns it only by reading the version's record, as it applies
+    the version, and sends it back with every contribution made on it
+    (``Contribution.base_id``): the syncer merges no outer gradient measured from
+    parameters that were never a global version (a fresh or re-initialised learner's own
+    initialisation, a state restored from elsewhere)."""
+    text = json.dumps([fragment, version, sorted([str(w), int(s)] for w, s in consumed)])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def ids_of(record: Mapping[str, Any]) -> dict[int, str]:
+    """A version record's ``ids``, checked ({} for a record stored before they existed:
+    contributions made on those versions are merged unchecked)."""
+    ids = record.get("ids") or {}
+    if not isinstance(ids, Mapping) or not all(
+        isinstance(i, str) and str(v).isdigit() for v, i in ids.items()
+    ):
+        raise ValueError(f"version record of fragment {record.get('fragment')}: ids {ids!r}")
+    return {int(v): i for v, i in ids.items()}
+
+
 def initial_version(fragment: int, time: float) -> Record:
     """Version 0 of a fragment: the initial parameters, nothing merged."""
     return {
+        "ids": {"0": version_id(fragment, 0, [])},
         "event": "version", "time": time, "fragment": fragment, "version": 0, "consumed": [],
         "cursor": {}, "weights": {}, "staleness": {}, "tokens": 0, "seconds": 0.0, "merged": {},
         "progress": {}, "outer_steps": 0, "tokens_total": 0, "seconds_total": 0.0, "rejected": [],

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 import optax
 
+from diloco import records
 from diloco.config import OuterConfig
 from diloco.merge import MERGE_RULES
 from diloco.outer import (
@@ -108,6 +109,8 @@ class GlobalVersion:
     merged: dict[str, list[float]] = field(default_factory=dict)  # see FragmentSyncer.merged
     progress: dict[str, int] = field(default_factory=dict)  # see FragmentSyncer.progress
     steps: int = 0  # the fragment's outer steps, this version's included (FragmentSyncer.steps)
+    # Its ``records.version_id`` and those of the versions inside the staleness window.
+    ids: dict[int, str] = field(default_factory=dict)
     # The other outcomes decided since the previous version, so that the versions alone
     # account for every contribution (``storage_layout.audit``):
     rejected: tuple[tuple[str, int, str], ...] = ()  # (learner, seq, reason)
@@ -138,6 +141,7 @@ class FragmentSyncer:
         sink: SinkFactory | None = None,
         block_size: int = 128,
         steps: int | None = None,
+        ids: Mapping[int, str] | None = None,
     ):
         self.fragment = fragment
         self.cfg = cfg
@@ -174,6 +178,9 @@ class FragmentSyncer:
         self.norms: deque[float] = deque(maxlen=NORM_WINDOW)
         # Versions inside the staleness window, for the anchored merge.
         self.history: dict[int, Tensors] = {version: self.params}
+        # Their ids (``records.version_id``): a contribution names the one it was made on.
+        # None given: a new fragment's version 0; {}: versions stored before ids existed.
+        self.ids = dict({0: records.version_id(fragment, 0, [])} if ids is None else ids)
         # Per anchor (learner, base version, anchor seq): the last merged contribution, so a
         # later, cumulative one from the same anchor is merged as its increment only.
         self.merged_from: dict[tuple[str, int, int], tuple[Contribution, Tensors | None]] = {}
@@ -241,7 +248,22 @@ class FragmentSyncer:
 
     @property
     def present(self) -> set[str]:
-        return {c.learner for c in self.pending.values()}
+        """The learners with a pending contribution that counts towards the quorum: one
+        made on a version this syncer published (``unanchored``: never a lone fresh one)."""
+        return {c.learner for c in self.pending.values() if self.unanchored(c) is None}
+
+    def unanchored(self, c: Contribution) -> str | None:
+        """Why ``c`` was not made on the version it names (None: it was, or that version's
+        id is unknown: stored before ids existed). Its ``base_id`` is the id the learner
+        read with that version as it applied it; a learner that applied none (a fresh or
+        re-initialised member training from its own initialisation) has none to send,
+        and its outer gradient would pull the global towards those parameters."""
+        known = self.ids.get(c.base_version)
+        if known is None or c.base_id == known:
+            return None
+        return (f"made on no version the syncer published (base version {c.base_version} "
+                f"is {known}, it names {c.base_id}): a learner that applied no global "
+                "version, such as a fresh or re-initialised one")  # fmt: skip
 
     def _new_work(self, item: tuple[Contribution, Tensors]) -> tuple[Contribution, Tensors] | None:
         """The part of ``c`` not merged yet. A learner that sends again before it has
@@ -287,8 +309,14 @@ class FragmentSyncer:
             except ContributionRejected as exc:
                 rejected.append(exc)
                 continue
-            if cfg.reference == "anchored" and c.base_version not in self.history:
+            reason = self.unanchored(c)
+            if (
+                reason is None
+                and cfg.reference == "anchored"
+                and c.base_version not in self.history
+            ):
                 reason = f"base version {c.base_version} is no longer held"
+            if reason is not None:
                 rejected.append(ContributionRejected(c, reason))
                 continue
             accepted.append((c, PayloadTensors(payload_view(c.payload))))
@@ -329,14 +357,8 @@ class FragmentSyncer:
         staleness = [self.version - c.base_version for c, _ in accepted]
         weights = merge_weights([c for c, _ in accepted], staleness, self.cfg)
         self._write_next(accepted, weights)
-        self.version += 1
         self.steps += 1
-        self.history[self.version] = self.params
-        oldest = self.version - self.cfg.max_staleness
-        for old in [v for v in self.history if v < oldest]:
-            del self.history[old]
-        for key in [k for k in self.merged_from if k[1] < oldest]:
-            del self.merged_from[key]
+        self._advance([c.key for c, _ in accepted])
 
         for c, _ in accepted:
             self.progress[c.learner] = max(self.progress.get(c.learner, 0), c.step)
@@ -358,9 +380,24 @@ class FragmentSyncer:
                 steps=self.steps,
                 rejected=tuple(self._take(self.rejections)),
                 superseded=tuple(self._take(self.superseded)),
+                ids=dict(self.ids),
             ),
             rejected,
         )
+
+    def _advance(self, consumed: list[tuple[str, int]]) -> None:
+        """Number the version just written, which merged ``consumed``, and forget the
+        versions (master copies, ids, merge counters) that fell out of the window."""
+        self.version += 1
+        self.history[self.version] = self.params
+        self.ids[self.version] = records.version_id(self.fragment, self.version, consumed)
+        oldest = self.version - self.cfg.max_staleness
+        for v in [v for v in self.history if v < oldest]:
+            del self.history[v]
+        for v in [v for v in self.ids if v < oldest]:
+            del self.ids[v]
+        for key in [k for k in self.merged_from if k[1] < oldest]:
+            del self.merged_from[key]
 
     def _write_next(self, accepted: list[tuple[Contribution, Tensors]], w: list[float]) -> None:
         """Version v + 1's parameters and optimizer state, a piece at a time: for each
@@ -409,13 +446,12 @@ class FragmentSyncer:
         except BaseException:
             sink.abort()
             raise
-        self.version += 1
-        self.history[self.version] = self.params
+        self._advance([])
         return GlobalVersion(
             fragment=self.fragment, version=self.version, params=self.params,
             slots=self.slots, consumed=(), cursor=dict(self.cursor), weights={},
             staleness={}, tokens=0, seconds=0.0, merged=self.merged, progress=dict(self.progress),
-            steps=self.steps,
+            steps=self.steps, ids=dict(self.ids),
             rejected=tuple(self._take(self.rejections)),
             superseded=tuple(self._take(self.superseded)),
         )  # fmt: skip

@@ -84,7 +84,7 @@ class SyncerLoop:
             p, stored.params, outer, self.learners, is_embedding, version=stored.version,
             opt_leaves=stored.opt_leaves, cursor=stored.meta.get("cursor"),
             merged=stored.meta.get("merged"), progress=stored.meta.get("progress"),
-            steps=stored.meta.get("outer_steps"),
+            steps=stored.meta.get("outer_steps"), ids=records.ids_of(stored.meta),
             sink=getattr(self.transport, "version_sink", None),
             block_size=self.cfg.topology.block_size,
         )  # fmt: skip

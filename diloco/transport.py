@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from diloco import records
 from diloco.learner import LearnerCheckpoint
 from diloco.loops import GlobalView, StoredFragment, Unreadable
 from diloco.outer import Contribution, FlatParams
@@ -225,9 +226,10 @@ class MemoryStore:
         # fragment -> version -> (master params, optimizer leaves or None, record, wire view,
         # the delta from the version before or None)
         self.versions: dict[int, dict[int, tuple]] = {
-            p: {0: (dict(params), None, {"weights": {}}, wire_view(params, wire_dtype), None)}
+            p: {0: (dict(params), None, records.initial_version(p, 0.0),
+                    wire_view(params, wire_dtype), None)}
             for p, params in enumerate(init)
-        }
+        }  # fmt: skip
 
     def put_contribution(self, c: Contribution) -> None:
         self.sent[(c.learner, c.fragment)].append(c)

@@ -38,7 +38,9 @@ _COUNTERS = ("base_version", "anchor_seq", "step", "tokens", "steps", "seconds")
 def contribution_meta(c: Contribution) -> dict[str, Any]:
     # "data": the learner's data positions (its batches, one per inner step) whose steps
     # this send carries, [from, to): the audit shows them and checks none merged twice.
-    return {**{k: getattr(c, k) for k in _COUNTERS}, "data": [c.step - c.steps, c.step]}
+    # "base_id": the id of the version it was made on (``FragmentSyncer.unanchored``).
+    meta = {**{k: getattr(c, k) for k in _COUNTERS}, "data": [c.step - c.steps, c.step]}
+    return meta if c.base_id is None else {**meta, "base_id": c.base_id}
 
 
 class LearnerBuckets:

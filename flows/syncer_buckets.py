@@ -57,8 +57,15 @@ def contribution_from(
         learner=learner, fragment=fragment, seq=seq, base_version=int(meta["base_version"]),
         tokens=int(meta["tokens"]), steps=int(meta["steps"]), seconds=float(meta["seconds"]),
         payload=None if tensors is None else dict(tensors), step=int(meta.get("step", 0)),
-        anchor_seq=int(meta.get("anchor_seq", 0)),
+        anchor_seq=int(meta.get("anchor_seq", 0)), base_id=_base_id(meta.get("base_id")),
     )  # fmt: skip
+
+
+def _base_id(value: Any) -> str | None:
+    """A contribution's ``base_id`` (None: sent before ids existed), checked."""
+    if value is None or (isinstance(value, str) and len(value) == 16 and value.isalnum()):
+        return value
+    raise ValueError(f"base_id {value!r} is not a version id")
 
 
 class _Guarded:

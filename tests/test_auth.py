@@ -15,6 +15,7 @@ import pytest
 
 from diloco.config import load_config
 from diloco.outer import Contribution
+from diloco.records import version_id
 from flows.bucket_io import BucketStore
 from flows.launcher import authenticate
 from flows.learner_buckets import contribution_meta
@@ -274,7 +275,7 @@ def _contribution(model, p: int, learner: str, seq: int, seed: int) -> Contribut
         n: quantize(rng.normal(0, 1e-3, model.init[n].shape).astype(np.float32), "int4", 128)
         for n in model.plan[p]
     }
-    return Contribution(learner, p, seq, 0, 512, 1, 0.1, payload)
+    return Contribution(learner, p, seq, 0, 512, 1, 0.1, payload, base_id=version_id(p, 0, []))
 
 
 def test_a_forged_or_tampered_contribution_is_rejected_before_its_data_is_read(auth_run):

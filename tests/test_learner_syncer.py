@@ -1,16 +1,19 @@
 """The learner and syncer state machines, driven by hand."""
 
+import dataclasses
 import itertools
 import math
 
 import numpy as np
 import pytest
 
+from diloco import records
 from diloco.config import OuterConfig, load_config
 from diloco.data import ShardReader, load_corpus
 from diloco.fragments import plan_fragments
 from diloco.inner import InnerTrainer
 from diloco.learner import Learner
+from diloco.loops import GlobalView
 from diloco.model import ParamCodec, is_embedding
 from diloco.outer import OUTER_OPTIMIZERS, Contribution
 from diloco.syncer import (
@@ -21,6 +24,14 @@ from diloco.syncer import (
     quorum_met,
 )
 from protocol.quantize import quantize
+
+
+class merging(FragmentSyncer):
+    """A syncer for the merge's arithmetic: each contribution offered names the id of its
+    base version as a learner that applied it would (the check has tests of its own)."""
+
+    def offer(self, c: Contribution) -> None:
+        super().offer(dataclasses.replace(c, base_id=self.ids.get(c.base_version)))
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +243,7 @@ def contribution(learner, seq, base, value, shapes, tokens=100, steps=10, anchor
 def test_syncer_merges_weighted_and_steps_outer_optimizer():
     shapes = {"w": (3,)}
     cfg = OuterConfig(lr=1.0, momentum=0.0, nesterov=False, staleness="constant")
-    syncer = FragmentSyncer(0, {"w": np.zeros(3, np.float32)}, cfg, ["a", "b"], is_embedding)
+    syncer = merging(0, {"w": np.zeros(3, np.float32)}, cfg, ["a", "b"], is_embedding)
     syncer.offer(contribution("a", 1, 0, 1.0, shapes, tokens=300, steps=10))
     syncer.offer(contribution("b", 1, 0, 4.0, shapes, tokens=100, steps=10))
     out = syncer.merge()
@@ -252,7 +263,7 @@ def test_cgad_scales_each_outer_gradient_by_its_age_before_adam():
     alpha, cutoff = 0.2, 4
     cfg = OuterConfig(optimizer="cgad", lr=0.01, cgad_alpha=alpha, cgad_cutoff=cutoff,
                       staleness="constant", reference="delta")  # fmt: skip
-    syncer = FragmentSyncer(0, {"w": np.zeros(3, np.float32)}, cfg, ["a", "b"], is_embedding)
+    syncer = merging(0, {"w": np.zeros(3, np.float32)}, cfg, ["a", "b"], is_embedding)
     b1, b2, eps = cfg.adam_b1, cfg.adam_b2, cfg.adam_eps
     theta, m, v = np.zeros(3), np.zeros(3), np.zeros(3)
     rounds = [  # (learner, seq, base version, value, tokens, anchor seq)
@@ -292,11 +303,55 @@ def test_cgads_age_scale_is_one_when_fresh_and_gates_to_nothing_at_its_cutoff():
     assert [same(s) for s in range(7)] == [1.0] * 7  # the others leave shares as they are
 
 
+def test_a_learner_that_applied_no_global_is_never_merged_nor_counted_towards_a_quorum(setup):
+    """A learner's outer gradient is merged only if it was made on a version the syncer
+    published: it names that version's id (``records.version_id``), which it read
+    applying the version. A fresh or re-initialised learner that trained from its own
+    initialisation has none to name, whatever version it claims: it never forms a
+    quorum, alone or with others, nor moves the global (its gradient, measured from other
+    parameters than the global's, would pull the global towards them). One that applied
+    the version, as the learner loop does, is merged."""
+    _, _, init, _, plan, _ = setup
+    names = plan[0]
+    syncer = FragmentSyncer(0, {n: init[n] for n in names}, OuterConfig(), ["a", "b", "c", "d"],
+                            is_embedding)  # fmt: skip
+    on_v0 = contribution("d", 1, 0, 1e-3, {n: init[n].shape for n in names})
+    syncer.offer(dataclasses.replace(on_v0, base_id=records.version_id(0, 0, [])))
+    v1 = syncer.merge().version
+    record = records.version(v1, 0.0)
+    fresh, claims, member = (make_learner(setup, lid) for lid in "abc")
+    claims.fragments[0].base_version = 1  # claims version 1, trained from its own init
+    member.apply_global(0, 1, v1.params, GlobalView(0, 1, v1.params, record).id)
+    sends = []
+    for learner in (fresh, claims, member):
+        learner.train_step()
+        sends.append(learner.contribute(0))
+    assert [c.base_id for c in sends] == [None, None, v1.ids[1]]
+    for c in sends[:2]:
+        syncer.offer(c)
+    assert syncer.present == set() and not quorum_met(syncer.present, 1)
+    out = syncer.merge()
+    assert out.version is None  # nothing merged, nothing published
+    assert {r.contribution.learner for r in out.rejected} == {"a", "b"}
+    assert all("applied no global version" in r.reason for r in out.rejected)
+    syncer.offer(sends[2])
+    assert syncer.present == {"c"}
+    merged = syncer.merge()
+    assert merged.version.consumed == (("c", 1),) and merged.rejected == []
+    assert merged.version.ids == {**v1.ids, 2: records.version_id(0, 2, [("c", 1)])}
+    # A version stored before ids existed has none: what was made on it is merged
+    # unchecked. A record's ids are checked as they are read.
+    legacy = FragmentSyncer(0, {n: init[n] for n in names}, OuterConfig(), ["a"], is_embedding,
+                            ids=records.ids_of({"fragment": 0}))  # fmt: skip
+    legacy.offer(sends[0])
+    assert legacy.merge().version.consumed == (("a", 1),)
+    with pytest.raises(ValueError, match="fragment 0: ids"):
+        records.ids_of({"fragment": 0, "ids": {"one": 5}})
+
+
 def test_syncer_replaces_same_base_keeps_different_base_and_rejects_bad():
     shapes = {"w": (2,)}
-    syncer = FragmentSyncer(
-        0, {"w": np.zeros(2, np.float32)}, OuterConfig(), ["a", "b"], is_embedding
-    )
+    syncer = merging(0, {"w": np.zeros(2, np.float32)}, OuterConfig(), ["a", "b"], is_embedding)
     syncer.offer(contribution("a", 1, 0, 1.0, shapes))
     syncer.offer(contribution("a", 2, 0, 2.0, shapes))  # replaces seq 1 (same anchor)
     syncer.offer(contribution("a", 1, 0, 9.0, shapes))  # a late duplicate of an older seq: ignored
@@ -320,7 +375,7 @@ def test_a_learner_that_rejoins_on_the_version_it_had_is_new_work(merged_first):
     dropped as "nothing new")."""
     shapes = {"w": (2,)}
     cfg = OuterConfig(lr=1.0, momentum=0.0, nesterov=False, staleness="constant")
-    syncer = FragmentSyncer(0, {"w": np.zeros(2, np.float32)}, cfg, ["a"], is_embedding)
+    syncer = merging(0, {"w": np.zeros(2, np.float32)}, cfg, ["a"], is_embedding)
     syncer.offer(contribution("a", 1, 0, 1.0, shapes, tokens=400, steps=40))
     tokens = syncer.merge().version.tokens if merged_first else 0
     syncer.offer(contribution("a", 2, 0, 1.0, shapes, tokens=200, steps=20, anchor_seq=1))
@@ -346,7 +401,7 @@ def test_a_norm_far_above_the_recent_ones_is_rejected():
     and nothing is compared before there is a history."""
     shapes = {"w": (4,)}
     cfg = OuterConfig(staleness="constant", max_norm=1e9, max_norm_ratio=10.0)
-    syncer = FragmentSyncer(0, {"w": np.zeros(4, np.float32)}, cfg, ["a", "b"], is_embedding)
+    syncer = merging(0, {"w": np.zeros(4, np.float32)}, cfg, ["a", "b"], is_embedding)
     syncer.offer(contribution("a", 1, 0, 500.0, shapes, steps=10))  # no history: taken
     syncer.merge()
     for seq in range(2, 6):
@@ -366,7 +421,7 @@ def test_outcomes_no_merge_carries_are_sealed_into_a_last_version():
     """The run's end: what was rejected or replaced since the last version is published
     in a version that merges nothing (the parameters stay), so none goes unrecorded."""
     shapes = {"w": (2,)}
-    syncer = FragmentSyncer(0, {"w": np.ones(2, np.float32)}, OuterConfig(), ["a"], is_embedding)
+    syncer = merging(0, {"w": np.ones(2, np.float32)}, OuterConfig(), ["a"], is_embedding)
     assert syncer.seal() is None  # nothing to record
     syncer.offer(contribution("a", 1, 0, 1.0, shapes))
     syncer.offer(contribution("a", 2, 0, np.nan, shapes))  # replaces seq 1, then rejected
@@ -405,7 +460,7 @@ def test_resent_contribution_from_a_merged_anchor_counts_only_new_work(reference
     cfg = OuterConfig(
         lr=1.0, momentum=0.0, nesterov=False, staleness="constant", reference=reference
     )
-    syncer = FragmentSyncer(0, {"w": np.zeros(2, np.float32)}, cfg, ["a"], is_embedding)
+    syncer = merging(0, {"w": np.zeros(2, np.float32)}, cfg, ["a"], is_embedding)
     syncer.offer(contribution("a", 1, 0, 1.0, shapes, tokens=100, steps=10))
     first = syncer.merge().version
     np.testing.assert_allclose(first.params["w"], -1.0)
@@ -424,11 +479,11 @@ def test_merge_counters_survive_a_syncer_restart():
     version in between (cursor, momentum and ``merged`` counters): still no double count."""
     shapes = {"w": (2,)}
     cfg = OuterConfig(lr=1.0, momentum=0.0, nesterov=False, staleness="constant")
-    syncer = FragmentSyncer(0, {"w": np.zeros(2, np.float32)}, cfg, ["a"], is_embedding)
+    syncer = merging(0, {"w": np.zeros(2, np.float32)}, cfg, ["a"], is_embedding)
     syncer.offer(contribution("a", 1, 0, 1.0, shapes, tokens=100, steps=10))
     v1 = syncer.merge().version
     assert v1.merged == {"a/0/0": [1, 100, 10, 1.0]}
-    restarted = FragmentSyncer(0, v1.params, cfg, ["a"], is_embedding, version=1,
+    restarted = merging(0, v1.params, cfg, ["a"], is_embedding, version=1,
                                opt_leaves=syncer.opt_leaves, cursor=v1.cursor, merged=v1.merged)  # fmt: skip
     restarted.history[0] = {"w": np.zeros(2, np.float32)}  # what the flow reloads
     restarted.offer(contribution("a", 1, 0, 1.0, shapes, tokens=100, steps=10))  # seen: ignored
@@ -442,7 +497,7 @@ def test_merge_counters_survive_a_syncer_restart():
 def test_anchored_merge_rejects_a_base_it_no_longer_holds():
     shapes = {"w": (2,)}
     cfg = OuterConfig(staleness="constant", max_staleness=8)
-    syncer = FragmentSyncer(0, {"w": np.zeros(2, np.float32)}, cfg, ["a"], is_embedding, version=5)
+    syncer = merging(0, {"w": np.zeros(2, np.float32)}, cfg, ["a"], is_embedding, version=5)
     syncer.offer(contribution("a", 1, 3, 1.0, shapes))  # base 3: within bounds, not loaded
     outcome = syncer.merge()
     assert outcome.version is None

@@ -21,6 +21,7 @@ from diloco.learner_loop import LearnerLoop
 from diloco.loops import STEP, Wait, WallClock, drive
 from diloco.network import SimulatedNetwork
 from diloco.outer import Contribution
+from diloco.records import version_id
 from diloco.run_data import RunData
 from diloco.scheduler import Scheduler, VirtualClock
 from diloco.simulate import simulate
@@ -385,7 +386,8 @@ def test_a_queued_upload_a_newer_send_supersedes_is_skipped(tiny_run):
             payload = {n: quantize(np.full_like(model.init[n], 1e-3), "fp32")
                        for n in model.plan[fragment]}  # fmt: skip
             io.send(Contribution("learner-0", fragment, seq, 0, 64 * seq, seq, 0.1 * seq,
-                                 payload, step=seq, anchor_seq=anchor_seq))  # fmt: skip
+                                 payload, step=seq, anchor_seq=anchor_seq,
+                                 base_id=version_id(fragment, 0, [])))  # fmt: skip
 
         for seq, fragment, anchor in ((1, 0, 0), (2, 1, 0), (3, 0, 0), (4, 0, 3), (5, 0, 3)):
             send(seq, fragment, anchor)
@@ -455,7 +457,8 @@ def test_a_learner_whose_upload_is_refused_stops_writing_at_once(tiny_run):
         new.sent_so_far("learner-0")  # a newer process reserves the block above old's
         payload = {n: quantize(np.full_like(model.init[n], 1e-3), "fp32") for n in model.plan[0]}
         for seq in (first + SEQ_BLOCK, first + SEQ_BLOCK + 1):  # each needs a new block
-            old.io.send(Contribution("learner-0", 0, seq, 0, 64, 1, 0.1, payload, step=seq))
+            old.io.send(Contribution("learner-0", 0, seq, 0, 64, 1, 0.1, payload, step=seq,
+                                     base_id=version_id(0, 0, [])))  # fmt: skip
         old.io.save_checkpoint(old.loop.learner.checkpoint())
         old.io.flush()
         assert "reserved the numbers" in str(old.io.fenced)
@@ -483,7 +486,8 @@ def test_a_superseded_process_commits_nothing_even_inside_its_own_block(tiny_run
         new = bucket_store("r", regions, old.store.main.read_spec(), cfg, "learner-2", home="us")
         new.claim_generation("learner-2")  # the newer process starts: nothing sent yet
         payload = {n: quantize(np.full_like(model.init[n], 1e-3), "fp32") for n in model.plan[0]}
-        old.io.send(Contribution("learner-2", 0, first, 0, 64, 1, 0.1, payload, step=first))
+        old.io.send(Contribution("learner-2", 0, first, 0, 64, 1, 0.1, payload, step=first,
+                                 base_id=version_id(0, 0, [])))  # fmt: skip
         old.io.save_checkpoint(old.loop.learner.checkpoint())
         old.io.flush()
         assert "holds generation 2, this one 1" in str(old.io.fenced)

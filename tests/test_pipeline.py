@@ -37,6 +37,7 @@ from diloco.config import CostConfig, LivenessConfig, load_config
 from diloco.cost import bill
 from diloco.liveness import Liveness
 from diloco.outer import Contribution
+from diloco.records import version_id
 from diloco.tensors import materialize
 from diloco.transport import StoreLearnerView
 from flows import syncer_buckets, workers
@@ -626,7 +627,8 @@ def _contribution(model, p: int, learner: str, seq: int, rng) -> Contribution:
         n: quantize(rng.normal(0, 1e-3, model.init[n].shape).astype(np.float32), "int4", 128)
         for n in model.plan[p]
     }
-    return Contribution(learner, p, seq, 0, 512, 1, 0.1, payload, step=seq)
+    return Contribution(learner, p, seq, 0, 512, 1, 0.1, payload, step=seq,
+                        base_id=version_id(p, 0, []))  # fmt: skip
 
 
 def _local_run(tmp_path: Path, run: str, only_region: str | None = None):

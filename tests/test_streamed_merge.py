@@ -1,6 +1,8 @@
 """The syncer merges a piece at a time: the same bits whatever the piece size, the same
 bits as the whole-tensor rules, and nothing left changed by a merge that fails half way."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -12,6 +14,15 @@ from diloco.outer import Contribution, outer_optimizer
 from diloco.syncer import FragmentSyncer
 from diloco.tensors import MemorySink, materialize, pieces
 from protocol.quantize import dequantize, quantize
+
+
+class merging(FragmentSyncer):
+    """A syncer for the merge's arithmetic: each contribution offered names the id of its
+    base version as a learner that applied it would (the check has tests of its own)."""
+
+    def offer(self, c: Contribution) -> None:
+        super().offer(dataclasses.replace(c, base_id=self.ids.get(c.base_version)))
+
 
 SHAPES = {"blocks.0.up.kernel": (40, 33), "blocks.0.norm.scale": (33,), "embed.embedding": (7, 64)}
 
@@ -31,7 +42,7 @@ def _contribution(learner, seq, base, seed, kind="int4"):
 def _run(cfg, piece=None, monkeypatch=None):
     if piece is not None:
         monkeypatch.setattr(tensors_mod, "PIECE", piece)
-    s = FragmentSyncer(0, _init(), cfg, ["a", "b", "c"], lambda n: n.startswith("embed"))
+    s = merging(0, _init(), cfg, ["a", "b", "c"], lambda n: n.startswith("embed"))
     s.offer(_contribution("a", 1, 0, 1))
     s.offer(_contribution("b", 1, 0, 2))
     first = s.merge().version
@@ -61,7 +72,7 @@ def test_pieces_of_any_size_give_the_same_bits(reference, monkeypatch):
 
 def test_the_piecewise_merge_is_the_whole_tensor_rule_bit_for_bit():
     cfg = OuterConfig(lr=0.7, momentum=0.9)
-    s = FragmentSyncer(0, _init(), cfg, ["a", "b"], lambda n: False)
+    s = merging(0, _init(), cfg, ["a", "b"], lambda n: False)
     cs = [_contribution("a", 1, 0, 1), _contribution("b", 1, 0, 2)]
     for c in cs:
         s.offer(c)
@@ -114,7 +125,7 @@ def test_a_merge_that_fails_half_way_drops_what_it_wrote(monkeypatch):
     monkeypatch.setattr(tensors_mod, "PIECE", 256)
     log = []
     cfg = OuterConfig()
-    s = FragmentSyncer(0, _init(), cfg, ["a", "b"], lambda n: False,
+    s = merging(0, _init(), cfg, ["a", "b"], lambda n: False,
                        sink=lambda *a: _FailingSink(*a, log=log))  # fmt: skip
     before = {n: v.copy() for n, v in materialize(s.params).items()}
     s.offer(_contribution("a", 1, 0, 1))
@@ -136,7 +147,7 @@ def test_a_contribution_is_read_a_piece_at_a_time(monkeypatch):
             return super().read(name, start, stop)
 
     c = _contribution("a", 1, 0, 1)
-    s = FragmentSyncer(0, _init(), OuterConfig(reference="delta"), ["a"], lambda n: False)
+    s = merging(0, _init(), OuterConfig(reference="delta"), ["a"], lambda n: False)
     s.offer(Contribution(**{**c.__dict__, "payload": Counting(c.payload)}))
     gv = s.merge().version
     assert max(asked) <= 256 and sum(asked) == 2 * sum(np.prod(v) for v in SHAPES.values())
@@ -156,7 +167,7 @@ def test_the_current_version_is_read_once_a_piece_by_every_anchored_contribution
             reads.append((name, start, stop))
             return super().piece(name, start, stop)
 
-    s = FragmentSyncer(0, _init(), OuterConfig(lr=0.7, momentum=0.9), ["a", "b", "c"],
+    s = merging(0, _init(), OuterConfig(lr=0.7, momentum=0.9), ["a", "b", "c"],
                        lambda n: False)  # fmt: skip
     s.offer(_contribution("a", 1, 0, 1))
     s.merge()
@@ -222,7 +233,7 @@ def test_an_outer_adam_is_stepped_a_piece_at_a_time_as_optax_steps_it_whole(monk
     and the same bits whatever the piece size."""
     cfg = OuterConfig(optimizer="adam", lr=0.01, reference="delta")
     tx = outer_optimizer(cfg)
-    s = FragmentSyncer(0, _init(), cfg, ["a", "b"], lambda n: False)
+    s = merging(0, _init(), cfg, ["a", "b"], lambda n: False)
     params, state = _init(), tx.init(_init())
     for seq, seeds in ((1, (1, 2)), (2, (3, 4))):
         cs = [
@@ -271,6 +282,6 @@ def test_a_stored_step_count_that_is_not_a_count_is_named():
     error naming it, not an optimizer stepped from garbage."""
     for bad in ("3", -1, 2.5):
         with pytest.raises(ValueError, match="fragment 0 v4: outer_steps"):
-            FragmentSyncer(0, _init(), OuterConfig(optimizer="adam"), [], lambda n: False,
+            merging(0, _init(), OuterConfig(optimizer="adam"), [], lambda n: False,
                            version=4, steps=bad)  # fmt: skip
-    assert FragmentSyncer(0, _init(), OuterConfig(), [], lambda n: False, version=4).steps == 4
+    assert merging(0, _init(), OuterConfig(), [], lambda n: False, version=4).steps == 4

@@ -17,6 +17,7 @@ import pytest
 
 from diloco.config import OuterConfig
 from diloco.loops import Unreadable
+from diloco.records import ids_of
 from diloco.syncer import FragmentSyncer
 from diloco.tensors import materialize
 from flows.bucket_io import BucketStore
@@ -73,7 +74,8 @@ def _merge(store: BucketStore, streamed: bool = True) -> FragmentSyncer:
     params = stored.params if streamed else materialize(stored.params)
     slots = stored.opt_leaves if streamed else [materialize(s) for s in stored.opt_leaves]
     syncer = FragmentSyncer(0, params, OuterConfig(**OUTER), ["a", "b"], lambda n: False,
-                            version=stored.version, opt_leaves=slots, sink=sink)  # fmt: skip
+                            version=stored.version, opt_leaves=slots, sink=sink,
+                            ids=ids_of(stored.meta))  # fmt: skip
     for learner in ("a", "b"):
         for header in store.contributions(learner, 0, 0):
             c = store.read(header)

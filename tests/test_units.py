@@ -13,6 +13,7 @@ import pytest
 from diloco.config import LivenessConfig, load_config
 from diloco.dataset import open_dataset
 from diloco.prepare import prepare
+from diloco.records import version_id
 from diloco.units import MemoryLedger, Span, UnitPlan, UnitReader, cut, pool_unit
 from protocol.topology import run_slots
 from tests.test_dataset import STDLIB
@@ -984,7 +985,8 @@ def test_a_send_under_way_in_a_fenced_learner_lands_nowhere_once_its_data_is_giv
     def send(seq: int, step: int) -> None:
         payload = {n: quantize(np.full(model.init[n].shape, 1e-3, np.float32), "int4", 128)
                    for n in model.plan[0]}  # fmt: skip
-        learner.put_contribution(Contribution(lid, 0, seq, 0, 512, step, 0.1, payload, step=step))
+        learner.put_contribution(Contribution(lid, 0, seq, 0, 512, step, 0.1, payload, step=step,
+                                             base_id=version_id(0, 0, [])))  # fmt: skip
 
     send(first, 2)
     look = _syncer_looks("fly", regions, spec, cfg, plan, grace=0.0)

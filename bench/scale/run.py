@@ -231,8 +231,9 @@ def step_publish0(ctx: Ctx) -> dict:
             "rss_imports": base}  # fmt: skip
 
 
-def send(ctx: Ctx, store, learner: str, seq: int, base: int, rnd: int) -> dict:
-    """``learner``'s int4 outer gradient of round ``rnd``, anchored on version ``base``,
+def send(ctx: Ctx, store, learner: str, seq: int, base: int, base_id: str | None, rnd: int) -> dict:
+    """``learner``'s int4 outer gradient of round ``rnd``, anchored on version ``base``
+    (whose id is ``base_id``),
     made and quantized a piece at a time and streamed out
     (``RunStore.contributions.put_contribution_stream``, which calls the generator twice: hashing, then
     uploading), after the checks ``BucketStore.put_contribution`` makes (its seq
@@ -259,7 +260,7 @@ def send(ctx: Ctx, store, learner: str, seq: int, base: int, rnd: int) -> dict:
     steps = topo.inner_steps
     tokens = steps * ctx.cfg.data.batch_size * ctx.cfg.model.context
     c = Contribution(learner, ctx.fragment, seq, base, tokens, steps, float(steps), None,
-                     step=steps * rnd, anchor_seq=seq - 1)  # fmt: skip
+                     step=steps * rnd, anchor_seq=seq - 1, base_id=base_id)  # fmt: skip
     start = time.perf_counter()
     # BucketStore.put_contribution's checks; it takes whole tensors, so not it.
     store._reserved(learner, seq)
@@ -272,12 +273,15 @@ def send(ctx: Ctx, store, learner: str, seq: int, base: int, rnd: int) -> dict:
 
 
 def step_learner(ctx: Ctx) -> dict:
+    from diloco import records
+
     store = ctx.bucket_store(ctx.a["learner"])
     base = rss_now()
     learner = ctx.a["learner"]
     seq, _ = store.sent_so_far(learner)
     version = store.newest_version(learner, ctx.fragment)
-    out = send(ctx, store, learner, seq + 1, version, 1)
+    record = store.main.versions.global_marker(ctx.fragment, version).meta
+    out = send(ctx, store, learner, seq + 1, version, records.ids_of(record).get(version), 1)
     return {**out, "rss_imports": base, "bytes": store.traffic.uploaded}
 
 
@@ -474,10 +478,10 @@ def step_advance(ctx: Ctx) -> dict:
     loop = syncer_loop(ctx, syncer, timings)
     versions = []
     for rnd in range(ctx.a["first"], ctx.a["last"] + 1):
-        base = loop.syncers[ctx.fragment].version
+        on = loop.syncers[ctx.fragment]  # the version the learners anchor on
         for lid in learners:
             seqs[lid] += 1
-            send(ctx, stores[lid], lid, seqs[lid], base, rnd)
+            send(ctx, stores[lid], lid, seqs[lid], on.version, on.ids[on.version], rnd)
         versions.append(one_version(ctx, loop))
     return {"seconds": sum(v["version_seconds"] for v in versions),
             "version_seconds": [v["version_seconds"] for v in versions],
