@@ -188,17 +188,27 @@ def state_age(opt_state: optax.OptState) -> jax.Array:
     return optax.tree_utils.tree_get_all_with_path(opt_state, "count")[0][1]
 
 
-def inner_lr(cfg: InnerConfig, total_steps: int, age: jax.Array, position: jax.Array) -> jax.Array:
-    """The rate of an update: a linear warm-up from 0 over the optimizer state's first
-    ``warmup_steps`` updates (``age``), times a cosine decay from ``lr`` to
-    ``lr * min_lr_ratio`` over ``total_steps`` that follows ``position``. Where age and
-    position agree (one learner alone, or each on its own share), it is optax's
-    ``warmup_cosine_decay_schedule`` exactly."""
+def lr_schedule(cfg: InnerConfig, total_steps: int) -> np.ndarray:
+    """The inner rate's schedule as the compiled step takes it: an argument (peak rate,
+    decay steps, warm-up steps, final ratio), not constants in the program, so that one
+    compiled step serves every budget and rate (a run resumed with a larger budget loads
+    its step from the cache instead of compiling it again: minutes of a large model's
+    start). float32 holds step counts exactly up to 2^24."""
     warmup = cfg.warmup_steps
-    decay = optax.cosine_decay_schedule(
-        cfg.lr, decay_steps=max(total_steps, warmup + 1) - warmup, alpha=cfg.min_lr_ratio
-    )(jnp.maximum(position - warmup, 0.0))
-    return decay * jnp.minimum(age / warmup, 1.0) if warmup else decay
+    decay_steps = max(total_steps, warmup + 1) - warmup
+    return np.array([cfg.lr, decay_steps, warmup, cfg.min_lr_ratio], np.float32)
+
+
+def inner_lr(schedule: jax.Array, age: jax.Array, position: jax.Array) -> jax.Array:
+    """The rate of an update (``schedule`` from ``lr_schedule``): a linear warm-up from 0
+    over the optimizer state's first warm-up updates (``age``), times a cosine decay from
+    the peak rate to its final ratio of it that follows ``position``. Where age and
+    position agree (one learner alone, or each on its own share), it is optax's
+    ``warmup_cosine_decay_schedule``."""
+    lr, decay_steps, warmup, alpha = (schedule[i] for i in range(4))
+    done = jnp.clip(position - warmup, 0.0, decay_steps) / decay_steps
+    decay = lr * ((1.0 - alpha) * 0.5 * (1.0 + jnp.cos(jnp.pi * done)) + alpha)
+    return decay * jnp.where(warmup > 0, jnp.minimum(age / jnp.maximum(warmup, 1.0), 1.0), 1.0)
 
 
 class InnerTrainer:
@@ -226,13 +236,14 @@ class InnerTrainer:
             labels = batch[:, 1:]
             return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
+        self.schedule = jax.device_put(lr_schedule(cfg, total_steps), self.replicated)
         # One program (a handful of scalar operations run one by one would each be
         # dispatched, and compiled on first use, in every process).
-        self._lr = jax.jit(lambda age, position: inner_lr(cfg, total_steps, age, position))
+        self._lr = jax.jit(inner_lr)
 
-        def train_step(params, opt_state, batch, position):
+        def train_step(params, opt_state, batch, position, schedule):
             loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-            lr = inner_lr(cfg, total_steps, state_age(opt_state), position)
+            lr = inner_lr(schedule, state_age(opt_state), position)
             updates, opt_state = self.tx.update(grads, opt_state, params)
             updates = jax.tree.map(lambda u: lr * u, updates)
             keep = lambda x: jax.lax.with_sharding_constraint(x, self.sharding(x.shape))  # noqa: E731
@@ -288,13 +299,13 @@ class InnerTrainer:
         learner's own step, or the run's steps per learner). Returns new params, new
         optimizer state and the batch loss."""
         params, opt_state, loss = self._train_step(
-            params, opt_state, self.place_batch(batch), np.float32(position)
+            params, opt_state, self.place_batch(batch), np.float32(position), self.schedule
         )
         return params, opt_state, loss
 
     def lr(self, opt_state: optax.OptState, position: float) -> float:
         """The rate of the next step from ``opt_state`` at ``position`` (for logs)."""
-        return float(self._lr(state_age(opt_state), np.float32(position)))
+        return float(self._lr(self.schedule, state_age(opt_state), np.float32(position)))
 
     def evaluate(self, params: JaxParams, batches: Sequence[np.ndarray]) -> float:
         """Mean next-byte cross-entropy (nats per byte) over ``batches``."""

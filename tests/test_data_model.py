@@ -7,7 +7,7 @@ import pytest
 
 from diloco.config import InnerConfig, load_config
 from diloco.data import DataError, ShardReader, list_files, load_corpus, validation_batches
-from diloco.inner import InnerTrainer, inner_lr
+from diloco.inner import InnerTrainer, inner_lr, lr_schedule
 from diloco.model import ParamCodec
 from flows.state_io import optimizer_leaves, optimizer_state
 
@@ -85,10 +85,11 @@ def test_inner_rate_warms_up_on_the_state_and_decays_on_the_position(corpus):
     optax_schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, 10, 100, cfg.lr * cfg.min_lr_ratio
     )
-    for k in (0, 3, 9, 10, 11, 40, 99, 100, 130):  # in step: optax's schedule exactly
-        assert float(inner_lr(cfg, 100, k, k)) == pytest.approx(float(optax_schedule(k)))
-    assert float(inner_lr(cfg, 100, 3, 99)) == pytest.approx(0.3 * float(optax_schedule(99)))
-    assert float(inner_lr(cfg, 100, 50, 0)) == pytest.approx(cfg.lr)
+    schedule = lr_schedule(cfg, 100)
+    for k in (0, 3, 9, 10, 11, 40, 99, 100, 130):  # in step: optax's schedule
+        assert float(inner_lr(schedule, k, k)) == pytest.approx(float(optax_schedule(k)))
+    assert float(inner_lr(schedule, 3, 99)) == pytest.approx(0.3 * float(optax_schedule(99)))
+    assert float(inner_lr(schedule, 50, 0)) == pytest.approx(cfg.lr)
     # The step's update scales with the rate at the position it is given.
     tiny = load_config("tiny", overrides=["inner.warmup_steps=0"])
     codec, state = ParamCodec.create(tiny.model, 0)
@@ -100,9 +101,15 @@ def test_inner_rate_warms_up_on_the_state_and_decays_on_the_position(corpus):
         new, opt, _ = trainer.step(params, trainer.init_opt_state(params), batch, position)
         moved[position] = sum(float(np.abs(new[n] - params[n]).sum()) for n in params)
         assert trainer.lr(opt, position) == pytest.approx(
-            float(inner_lr(tiny.inner, 100, 1, position))
+            float(inner_lr(lr_schedule(tiny.inner, 100), 1, position))
         )
     assert moved[100.0] / moved[0.0] == pytest.approx(tiny.inner.min_lr_ratio, rel=1e-3)
+    # One program for every budget and rate (the schedule is an argument of the step): a
+    # run resumed with a larger budget loads its compiled step.
+    other = InnerTrainer(codec, tiny.inner.model_copy(update={"lr": 0.01}), total_steps=7)
+    args = (params, trainer.init_opt_state(params), trainer.place_batch(batch), np.float32(0))
+    programs = {t._train_step.lower(*args, t.schedule).as_text() for t in (trainer, other)}
+    assert len(programs) == 1
 
 
 def test_train_step_sharded_over_two_devices_and_loss_falls(corpus):
