@@ -1638,7 +1638,8 @@ def test_a_syncer_catches_a_full_region_up_with_backoff_and_says_so_once(
             assert syncer.merge_and_publish(0)["version"] == 1
             syncer.loop.transport.tend()  # a try to catch eu-west up: refused (ENOSPC)
             for lid in sent:  # more work, another version, and the loop looks on and on
-                c = replace(_contribution(model, 0, lid, 2, rng), base_version=1, anchor_seq=2)
+                c = replace(_contribution(model, 0, lid, 2, rng), base_version=1, anchor_seq=2,
+                            base_id=syncer.loop.syncers[0].ids[1])  # fmt: skip
                 RunStore("full", regions, "us-east", writer=lid).contributions.put_contribution(
                     lid, 0, 2, c.payload, contribution_meta(c)
                 )
