@@ -53,6 +53,7 @@ from flows.monitor import Monitor, RunStalled
 from flows.observe import BestEffort, artifact_key, outlive_the_reader, stopped, tag_flow_run
 from flows.run import Run
 from flows.run_lock import RunLock, RunTakenOver, held
+from flows.sinks import open_sinks
 from flows.summary import run_plot, run_summary, summary_markdown
 from flows.supervision import STAND_BY, STOP_SECONDS, LaunchMode
 from flows.watch import (
@@ -339,7 +340,8 @@ def _first_look(opened: Run, monitor: Monitor, store: RunStore, folder: Path,
              cfg.topology.learners, ", ".join(regions), first["loss"], first["versions"])  # fmt: skip
     display.phase("spec", "done", f"{cfg.topology.learners} learners in {', '.join(regions)}; "
                   f"validation loss {first['loss']:.4f}")  # fmt: skip
-    metrics = LiveMetrics(store, opened.spec, folder, log=log)  # runs/NAME/tensorboard
+    sinks = open_sinks(cfg.pipeline.sinks, run, folder, log)  # (W&B's files under folder)
+    metrics = LiveMetrics(store, opened.spec, folder, log=log, sinks=sinks)  # + tensorboard/
     log.info("live metrics: tensorboard --logdir %s", metrics.dir)
     report_metrics(metrics, monitor, first, monitor.statuses())
     bar = report(

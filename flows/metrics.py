@@ -15,6 +15,9 @@ TensorBoard run per source, so charts overlay them:
   staleness and largest merge weight, the rejected and superseded ones and the tokens
   it merged, against the version number.
 
+The same series go to the sinks ``pipeline.sinks`` names (``flows.sinks``: Weights &
+Biases, MLflow); one that fails is said once and dropped, and the run goes on.
+
 ``written.json`` beside them records what the event files hold (per learner its last
 round, per fragment its last version, the last evaluation's tokens), so a relaunch of
 the run adds only what is new.
@@ -27,9 +30,11 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from flows.sinks import Sink
 from protocol.topology import run_slots
 from storage_layout.history import global_versions
 from storage_layout.store import RunStore
@@ -50,8 +55,10 @@ class LiveMetrics:
         folder: Path | str,
         tables: bool = True,
         log: Any = log,
+        sinks: dict[str, Sink] | None = None,
     ):
         self.store, self.spec, self.log, self.tables = store, spec, log, tables
+        self.sinks = dict(sinks or {})
         self.learners: dict[str, str] = run_slots(spec)
         self.fragments = len(spec["fragments"])
         self.dir = Path(folder) / "tensorboard"
@@ -84,6 +91,7 @@ class LiveMetrics:
         writes a few points twice on the next launch, never loses one)."""
         for writer in self._writers.values():
             writer.flush()
+        self._to_sinks(lambda sink: sink.flush())
         self.dir.mkdir(parents=True, exist_ok=True)
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.written, sort_keys=True))
@@ -102,6 +110,19 @@ class LiveMetrics:
                 str(self.dir / name), flush_secs=3600, filename_suffix=suffix
             )
         return self._writers[name]
+
+    def scalar(self, series: str, tag: str, value: float, step: int, at: float) -> None:
+        """One point of ``series`` (a TensorBoard run) to its event file and every sink."""
+        self.writer(series).add_scalar(tag, value, step, walltime=at)
+        self._to_sinks(lambda sink: sink.scalar(series, tag, value, step, at))
+
+    def _to_sinks(self, call: Callable[[Sink], None]) -> None:
+        for name, sink in list(self.sinks.items()):
+            try:
+                call(sink)
+            except Exception as exc:  # the metrics are for people; the run goes on
+                self.log.warning("metrics to %s stopped (they stay in TensorBoard): %r", name, exc)
+                del self.sinks[name]
 
     # reading ----------------------------------------------------------------------------
     def read_rounds(self) -> dict[str, list[dict[str, Any]]]:
@@ -168,11 +189,9 @@ class LiveMetrics:
 
     def _write_rounds(self, lid: str, rows: list[dict[str, Any]]) -> None:
         done = int(self.written["rounds"].get(lid, 0))
-        w = None
         for row in rows:
             if row["round"] <= done:
                 continue
-            w = w or self.writer(lid)
             step, at = int(row.get("step", row["round"])), float(row.get("time", time.time()))
             scalars = {
                 "loss/train": row.get("loss"),
@@ -186,18 +205,16 @@ class LiveMetrics:
             }
             for tag, value in scalars.items():
                 if value is not None:
-                    w.add_scalar(tag, float(value), step, walltime=at)
+                    self.scalar(lid, tag, float(value), step, at)
             done = int(row["round"])
         self.written["rounds"][lid] = done
 
     def _write_versions(self, p: int, rows: list[dict[str, Any]]) -> None:
         done = int(self.written["versions"].get(str(p), 0))
-        w = None
         for meta in rows:
             v = int(meta.get("version", 0))
             if v <= done:
                 continue
-            w = w or self.writer(f"fragment-{p}")
             at = float(meta.get("time", time.time()))
             staleness = list((meta.get("staleness") or {}).values())
             weights = list((meta.get("weights") or {}).values())
@@ -212,7 +229,7 @@ class LiveMetrics:
             }
             for tag, value in scalars.items():
                 if value is not None:
-                    w.add_scalar(tag, float(value), v, walltime=at)
+                    self.scalar(f"fragment-{p}", tag, float(value), v, at)
             done = v
         self.written["versions"][str(p)] = done
 
@@ -223,14 +240,14 @@ class LiveMetrics:
             self.points.append({**point, "time": time.time(), "dollars": extra.get("cost/dollars")})
         if tokens <= int(self.written["tokens"]):
             return
-        w, at = self.writer("global"), time.time()
-        w.add_scalar("loss/validation", float(point["loss"]), tokens, walltime=at)
+        at = time.time()
+        self.scalar("global", "loss/validation", float(point["loss"]), tokens, at)
         if last is not None and tokens > last["tokens"]:
             rate = (tokens - last["tokens"]) / max(1e-9, at - last["time"])
-            w.add_scalar("throughput/tokens_merged_per_s", rate, tokens, walltime=at)
+            self.scalar("global", "throughput/tokens_merged_per_s", rate, tokens, at)
         for tag, value in extra.items():
             if value is not None:
-                w.add_scalar(tag, float(value), tokens, walltime=at)
+                self.scalar("global", tag, float(value), tokens, at)
         self.written["tokens"] = tokens
 
     # Prefect tables ---------------------------------------------------------------------
@@ -294,6 +311,8 @@ class LiveMetrics:
         for writer in self._writers.values():
             writer.close()
         self._writers.clear()
+        self._to_sinks(lambda sink: sink.close())
+        self.sinks.clear()
 
     # the final curve --------------------------------------------------------------------
     def cost_curve(self) -> list[tuple[float, float]]:

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from rich.console import Console
 from diloco.config import load_config
 from flows.display import Display, LiveDisplay, current, open_display
 from flows.metrics import LiveMetrics
+from flows.sinks import open_sinks
 from protocol.topology import run_slots
 from storage_layout.history import global_versions, learner_rounds, read_history
 from storage_layout.store import RunStore
@@ -150,6 +152,75 @@ def test_tensorboard_grows_with_the_history_and_a_relaunch_writes_no_point_twice
     assert again.merged_staleness() == merged and len(merged) >= 5
     versions = global_versions(home, 2)
     assert [m["version"] for m in versions.versions[0]] == [0, 1, 2]
+
+
+def _wandb_points(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every point the offline W&B runs under ``folder`` hold (what ``wandb sync`` would
+    upload), by key, against its series' step: their ``.wandb`` files read record by
+    record (W&B's log format: 32 KiB blocks of records, each a 7-byte header, then a
+    piece of a ``Record`` protobuf)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    points: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(folder.rglob("run-*.wandb")):
+        data, offset, held = path.read_bytes(), 7, b""  # (after the file's header)
+        while offset + 7 <= len(data):
+            if 32768 - offset % 32768 < 7:  # the rest of a block is padding
+                offset += 32768 - offset % 32768
+                continue
+            _, length, kind = struct.unpack_from("<IHB", data, offset)
+            held, offset = held + data[offset + 7 : offset + 7 + length], offset + 7 + length
+            if kind in (1, 4):  # a whole record, or a record's last piece
+                record, held = pb.Record.FromString(held), b""
+                row = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                       for i in record.history.item}  # fmt: skip
+                for key, value in row.items():
+                    series = key.split("/")[0]
+                    if "/" in key and key != f"{series}/step":
+                        points.setdefault(key, []).append((row[f"{series}/step"], value))
+            elif kind == 0:
+                break
+    return points
+
+
+def test_wandb_and_mlflow_get_what_tensorboard_gets_and_a_relaunch_goes_on_in_the_same_run(
+    tmp_path, monkeypatch
+):
+    """``pipeline.sinks = ["wandb", "mlflow"]``: W&B offline (no account) and MLflow over
+    a SQLite store get every point TensorBoard gets, each series against its own axis,
+    and a relaunch of the run writes only what is new, into the same W&B and MLflow run."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    regions = _regions(tmp_path)
+    home = RunStore("r", regions, "us", writer="launcher")
+    spec = {"learners": LEARNERS, "fragments": [["w"], ["w"]]}
+    for p in (0, 1):
+        _version(home, p, 0, 0)
+    for r in (1, 2):
+        _learner_store(regions, "learner-1").progress.put_round("learner-1", r, _row(r, 4.0 - r))
+    _version(home, 0, 1, 2)
+    folder = tmp_path / "runs" / "r"
+    for tokens, loss in ((0, 5.5), (2048, 4.0)):  # two launches of the run
+        live = LiveMetrics(home, spec, folder, tables=False,
+                           sinks=open_sinks(["wandb", "mlflow"], "r", folder, log=None))  # fmt: skip
+        live.tick({"tokens": tokens, "loss": loss, "versions": {0: 1, 1: 0}})
+        live.close()
+        if not tokens:  # new work between the launches
+            _learner_store(regions, "learner-1").progress.put_round("learner-1", 3, _row(3, 0.5))
+            _version(home, 0, 2, 1)
+    client = MlflowClient()
+    (run,) = client.search_runs([client.get_experiment_by_name("diloco").experiment_id])
+    wandb = _wandb_points(folder / "wandb")
+    for series, tag in (("learner-1", "loss/train"), ("fragment-0", "versions/contributions"),
+                        ("global", "loss/validation")):  # fmt: skip
+        board = _scalars(folder, series, tag)
+        assert len(board) > 1, (series, tag)
+        history = client.get_metric_history(run.info.run_id, f"{series}/{tag}")
+        assert sorted((m.step, round(m.value, 4)) for m in history) == board, (series, tag)
+        assert sorted(wandb[f"{series}/{tag}"]) == board, (series, tag)
 
 
 DRIVER = """

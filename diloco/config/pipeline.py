@@ -3,7 +3,7 @@ lagging (``liveness.*``): settings of a launch, not of the run's math."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -92,6 +92,12 @@ class PipelineConfig(Strict):
         le=65535,
         description="with learner_processes > 1: the port of learner m's coordinator is "
         "this plus m; null: a free port, picked at each start",
+    )
+    sinks: tuple[Literal["wandb", "mlflow"], ...] = Field(
+        (),
+        description="where the launcher sends the live metrics besides TensorBoard "
+        "(flows.sinks): wandb, mlflow (the extras of the same names); each set up by its own "
+        "environment (WANDB_PROJECT, WANDB_MODE, MLFLOW_TRACKING_URI, ...)",
     )
     round_steps: PositiveInt = Field(50, description="inner steps per round (one Prefect task run)")
     rounds_per_flow_run: PositiveInt = Field(
