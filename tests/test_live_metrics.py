@@ -205,7 +205,7 @@ def test_wandb_and_mlflow_get_what_tensorboard_gets_and_a_relaunch_goes_on_in_th
     folder = tmp_path / "runs" / "r"
     for tokens, loss in ((0, 5.5), (2048, 4.0)):  # two launches of the run
         live = LiveMetrics(home, spec, folder, tables=False,
-                           sinks=open_sinks(["wandb", "mlflow"], "r", folder, log=None))  # fmt: skip
+                           sinks=open_sinks(["wandb", "mlflow"], "r", folder, logging.getLogger()))  # fmt: skip
         live.tick({"tokens": tokens, "loss": loss, "versions": {0: 1, 1: 0}})
         live.close()
         if not tokens:  # new work between the launches
@@ -221,6 +221,14 @@ def test_wandb_and_mlflow_get_what_tensorboard_gets_and_a_relaunch_goes_on_in_th
         history = client.get_metric_history(run.info.run_id, f"{series}/{tag}")
         assert sorted((m.step, round(m.value, 4)) for m in history) == board, (series, tag)
         assert sorted(wandb[f"{series}/{tag}"]) == board, (series, tag)
+    # Every sink is named in the config (``pipeline.sinks``), and only those.
+    from typing import get_args
+
+    from diloco.config.pipeline import PipelineConfig
+    from flows.sinks import SINKS
+
+    named = get_args(PipelineConfig.model_fields["sinks"].annotation)[0]  # tuple[Literal, ...]
+    assert set(get_args(named)) == set(SINKS)
 
 
 DRIVER = """
