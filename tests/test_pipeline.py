@@ -1567,12 +1567,16 @@ def test_syncer_runtime_survives_a_region_that_is_down(tmp_path):
 
 @pytest.mark.slow
 def test_a_resume_keeps_the_runs_budget_and_a_larger_one_extends_it(prefect_api, tmp_path,
-                                                                    capsys):  # fmt: skip
+                                                                    capsys, monkeypatch):  # fmt: skip
     """Defect: resuming needed the exact original --tokens (the 1 M default was compared
     with the stored spec) and a budget could not be extended. Without --tokens a resume
     takes the stored spec, budget included; a larger --tokens extends the budget
     (recorded beside the spec, read by every learner and syncer: the learners done at the
-    old budget train on to the new one); a smaller one is refused by name."""
+    old budget train on to the new one); a smaller one is refused by name. The launches'
+    live metrics go to MLflow too (``pipeline.sinks``), into one MLflow run."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     sets = [x for k, v in PIPELINE.items() for x in ("--set", f"pipeline.{k}={v}")]
     sets += [
         "--set",
@@ -1580,6 +1584,7 @@ def test_a_resume_keeps_the_runs_budget_and_a_larger_one_extends_it(prefect_api,
         "--set",
         "pipeline.syncer_shards=1",
     ]  # (fewer processes)
+    sets += ["--set", 'pipeline.sinks=["mlflow"]']
     base = ["train", "--dir", str(tmp_path), "--run", "r", *sets]
     assert cli_main([*base, "--tokens", "20000"]) == 0
     capsys.readouterr()
@@ -1616,6 +1621,13 @@ def test_a_resume_keeps_the_runs_budget_and_a_larger_one_extends_it(prefect_api,
     assert audit_run("r", regions).ok
     assert cli_main(base) == 0
     assert f"complete (every learner is done, {tokens:,} tokens)" in capsys.readouterr().err
+    client = MlflowClient()
+    (logged,) = client.search_runs([client.get_experiment_by_name("diloco").experiment_id])
+    points = [
+        m.step for m in client.get_metric_history(logged.info.run_id, "global/loss/validation")
+    ]
+    assert len(points) == len(set(points)) and max(points) > 20_000, points  # none twice
+    assert client.get_metric_history(logged.info.run_id, "learner-0/loss/train")
 
 
 def test_a_syncer_catches_a_full_region_up_with_backoff_and_says_so_once(
