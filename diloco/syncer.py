@@ -179,8 +179,9 @@ class FragmentSyncer:
         # Versions inside the staleness window, for the anchored merge.
         self.history: dict[int, Tensors] = {version: self.params}
         # Their ids (``records.version_id``): a contribution names the one it was made on.
-        # None given: a new fragment's version 0; {}: versions stored before ids existed.
-        self.ids = dict({0: records.version_id(fragment, 0, [])} if ids is None else ids)
+        # None given at version 0: a new fragment's; {}: versions stored before ids.
+        fresh = ids is None and version == 0
+        self.ids = {0: records.version_id(fragment, 0, [])} if fresh else dict(ids or {})
         # Per anchor (learner, base version, anchor seq): the last merged contribution, so a
         # later, cumulative one from the same anchor is merged as its increment only.
         self.merged_from: dict[tuple[str, int, int], tuple[Contribution, Tensors | None]] = {}
