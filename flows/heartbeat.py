@@ -59,11 +59,15 @@ class Heartbeat:
                 return
 
     def _measure(self, step: int) -> float | None:
-        """The learner's seconds per step: an average over the steps seen between beats,
-        and at least the time the current step has taken so far (a step of minutes shows
-        at once, not when it ends)."""
+        """The learner's seconds per step: an average over the steps seen between beats
+        while it trains (the time it spends starting, compiling or checkpointing is not
+        a step's: counted, the run's limits that scale with it would start several times
+        too long), and at least the time the current step has taken so far (a step of
+        minutes shows at once, not when it ends)."""
         now = self.clock()
-        if self._step is None or step < self._step[0]:
+        if self.state != "training":
+            self._step = None  # the next window starts once it trains again
+        elif self._step is None or step < self._step[0]:
             self._step = (step, now)
         elif step > self._step[0]:
             per = (now - self._step[1]) / (step - self._step[0])

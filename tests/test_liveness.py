@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -166,6 +167,39 @@ def test_a_heartbeat_beats_from_its_thread_signed_and_stops_when_superseded(tmp_
     for bad in (b"[1, 2]", b"x" * 5000, json.dumps({"learner": "learner-0"}).encode()):
         key_path.write_bytes(bad)
         assert store.members.read_heartbeat("learner-0", key=key) is None
+
+
+def test_a_heartbeats_step_time_is_measured_while_the_learner_trains_only():
+    """A minute of compiling before the first step does not count as the first steps'
+    time: the run's lagging and standing-still limits, which scale with it, would start
+    hundreds of times too long."""
+    now, beats = [0.0], []
+
+    class Members:
+        def superseded(self, learner, generation):
+            return False
+
+        def write_heartbeat(self, beat, key):
+            beats.append(beat)
+
+    progress = {"step": 0}
+    hb = Heartbeat(Members(), "l0", 1, 3600.0, None, lambda: (progress["step"], 0),
+                   logging.getLogger(), clock=lambda: now[0])  # fmt: skip
+    try:
+        while not beats:  # (its thread's first beat, "starting")
+            time.sleep(0.01)
+        hb.state = "compiling"
+        hb.beat()
+        now[0] = 60.0  # a minute of compiling, then steps of 0.1 s
+        hb.state = "training"
+        hb.beat()
+        now[0], progress["step"] = 61.0, 10
+        hb.beat()
+        now[0], progress["step"] = 62.0, 20
+        hb.beat()
+    finally:
+        hb.close("done")
+    assert [b["step_seconds"] for b in beats[:5]] == [None, None, None, 0.1, 0.1]
 
 
 def test_a_failing_heartbeat_is_logged_and_goes_on(tmp_path, caplog):
