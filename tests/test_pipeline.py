@@ -1566,6 +1566,7 @@ def test_syncer_runtime_survives_a_region_that_is_down(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SADeprecationWarning")  # (MLflow's store)
 def test_a_resume_keeps_the_runs_budget_and_a_larger_one_extends_it(prefect_api, tmp_path,
                                                                     capsys, monkeypatch):  # fmt: skip
     """Defect: resuming needed the exact original --tokens (the 1 M default was compared
