@@ -123,6 +123,20 @@ class MergeOutcome:
     rejected: list[ContributionRejected] = field(default_factory=list)
 
 
+def _merged_from(
+    fragment: int, merged: Mapping[str, list[float]]
+) -> dict[tuple[str, int, int], tuple[Contribution, Tensors | None]]:
+    """``FragmentSyncer.merged_from`` from a version's ``merged`` counters (the outer
+    gradients are not stored: a re-sent contribution is then merged whole)."""
+    out: dict[tuple[str, int, int], tuple[Contribution, Tensors | None]] = {}
+    for key, (seq, tokens, steps, seconds) in merged.items():
+        learner, base, *anchor = key.split("/")  # (no anchor seq: stored before it existed)
+        c = Contribution(learner, fragment, int(seq), int(base), int(tokens), int(steps),
+                         float(seconds), {}, anchor_seq=int(anchor[0]) if anchor else 0)  # fmt: skip
+        out[c.anchor] = (c, None)
+    return out
+
+
 class FragmentSyncer:
     """Owns fragment ``fragment``: its global value, outer momentum and version counter."""
 
@@ -184,12 +198,7 @@ class FragmentSyncer:
         self.ids = {0: records.version_id(fragment, 0, [])} if fresh else dict(ids or {})
         # Per anchor (learner, base version, anchor seq): the last merged contribution, so a
         # later, cumulative one from the same anchor is merged as its increment only.
-        self.merged_from: dict[tuple[str, int, int], tuple[Contribution, Tensors | None]] = {}
-        for key, (seq, tokens, steps, seconds) in (merged or {}).items():
-            learner, base, *anchor = key.split("/")  # (no anchor seq: stored before it existed)
-            c = Contribution(learner, fragment, int(seq), int(base), int(tokens), int(steps),
-                             float(seconds), {}, anchor_seq=int(anchor[0]) if anchor else 0)  # fmt: skip
-            self.merged_from[c.anchor] = (c, None)
+        self.merged_from = _merged_from(fragment, merged or {})
 
     @property
     def merged(self) -> dict[str, list[float]]:

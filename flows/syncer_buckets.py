@@ -6,6 +6,7 @@ into the buckets and published."""
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
@@ -63,7 +64,7 @@ def contribution_from(
 
 def _base_id(value: Any) -> str | None:
     """A contribution's ``base_id`` (None: sent before ids existed), checked."""
-    if value is None or (isinstance(value, str) and len(value) == 16 and value.isalnum()):
+    if value is None or (isinstance(value, str) and re.fullmatch(r"[0-9a-f]{16}", value)):
         return value
     raise ValueError(f"base_id {value!r} is not a version id")
 
