@@ -74,8 +74,8 @@ class Heartbeat:
             avg = self.step_seconds
             self.step_seconds = per if avg is None else 0.7 * avg + 0.3 * per
             self._step = (step, now)
-        if self.step_seconds is None:
-            return None
+        if self.step_seconds is None or self._step is None:  # (not training: as measured)
+            return self.step_seconds
         return max(self.step_seconds, now - self._step[1])
 
     def beat(self, state: str | None = None) -> None:

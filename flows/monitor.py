@@ -74,9 +74,9 @@ class Monitor:
         self._unreported: Counter[str] = Counter()  # kind -> errors since then
         self._last_statuses: dict[str, dict[str, Any]] = {}
         self._last_versions: dict[int, int] = {}
-        # Syncer shard -> (its fragments' versions, when they last changed, the learners'
-        # steps then); and the shards reported stalled.
-        self.publishing: dict[str, tuple[tuple[int, ...], float, int]] = {}
+        # Syncer shard -> (its fragments' versions, when they last changed, each learner's
+        # step then); and the shards reported stalled.
+        self.publishing: dict[str, tuple[tuple[int, ...], float, dict[str, int]]] = {}
         self.stalled: set[str] = set()
         self.beats: dict[str, Any] = {}  # learner -> its newest heartbeat read (verdicts)
         # Who is alive and who takes part (diloco.liveness), on this launcher's clock; the
@@ -216,13 +216,14 @@ class Monitor:
         self, statuses: dict[str, dict[str, Any]], versions: dict[int, int]
     ) -> list[str]:
         """The syncer shards newly seen stalled: none of their fragments has had a new
-        version for ``pipeline.stall_seconds`` (as this launcher saw them) while the
-        learners trained on (their steps went up, and not every learner is done): a syncer
-        paused, hung or cut off from home. Each is warned about by name, once per stall,
-        and once more when it publishes again."""
+        version for ``pipeline.stall_seconds`` (as this launcher saw them) while a quorum
+        of the learners not done trained on (their steps went up; fewer, as while the
+        others still compile, is a syncer waiting for its quorum): a syncer paused, hung
+        or cut off from home. Each is warned about by name, once per stall, and once more
+        when it publishes again."""
         now = time.monotonic()
-        steps = self.steps(statuses)
-        training = any(s.get("state") != "done" for s in statuses.values())
+        steps = {k: int(s.get("step", 0)) for k, s in statuses.items()}
+        going = [k for k, s in statuses.items() if s.get("state") != "done"]
         out = []
         for name, fragments in self.syncers().items():
             held = tuple(versions.get(p, 0) for p in fragments)
@@ -235,8 +236,10 @@ class Monitor:
                                      " ".join(f"f{p}:v{v}" for p, v in zip(fragments, held, strict=True)))  # fmt: skip
                 continue
             _, since, steps_then = seen
+            trained = [k for k in going if steps[k] > steps_then.get(k, 0)]
             stall = self.stall_after()
-            if name in self.stalled or now - since < stall or steps <= steps_then or not training:
+            if (name in self.stalled or now - since < stall or not going
+                    or len(trained) < self.cfg.quorum_over(len(going))):  # fmt: skip
                 continue
             self.stalled.add(name)
             self.log.warning(
@@ -244,7 +247,8 @@ class Monitor:
                 "newest %s) while the learners trained %d steps: it may be paused, hung or "
                 "cut off from its home region",
                 name, fragments, now - since, stall,
-                " ".join(f"f{p}:v{v}" for p, v in zip(fragments, held, strict=True)), steps - steps_then,
+                " ".join(f"f{p}:v{v}" for p, v in zip(fragments, held, strict=True)),
+                sum(steps[k] - steps_then.get(k, 0) for k in trained),
             )  # fmt: skip
             out.append(name)
         return out

@@ -197,9 +197,12 @@ def test_a_heartbeats_step_time_is_measured_while_the_learner_trains_only():
         hb.beat()
         now[0], progress["step"] = 62.0, 20
         hb.beat()
+        hb.state = "paused"  # between flow runs: it beats on, its step time as measured
+        now[0] = 90.0
+        hb.beat()
     finally:
         hb.close("done")
-    assert [b["step_seconds"] for b in beats[:5]] == [None, None, None, 0.1, 0.1]
+    assert [b["step_seconds"] for b in beats[:6]] == [None, None, None, 0.1, 0.1, 0.1]
 
 
 def test_a_failing_heartbeat_is_logged_and_goes_on(tmp_path, caplog):

@@ -24,7 +24,7 @@ def test_each_learner_says_its_state_step_and_speed_and_each_syncer_its_versions
     seen = _Seen(
         cfg=SimpleNamespace(tokens_per_step=512),
         beats={"learner-0": SimpleNamespace(step_seconds=0.25)},
-        publishing={"syncer us/0": ((4, 4), 100.0, 30), "syncer us/1": ((7,), 160.0, 90)},
+        publishing={"syncer us/0": ((4, 4), 100.0, {}), "syncer us/1": ((7,), 160.0, {})},
         stalled={"syncer us/0"},
     )
     statuses = {"learner-0": {"state": "training", "step": 1200},
