@@ -156,6 +156,7 @@ class FragmentSyncer:
         block_size: int = 128,
         steps: int | None = None,
         ids: Mapping[int, str] | None = None,
+        warmup_steps: int = 0,
     ):
         self.fragment = fragment
         self.cfg = cfg
@@ -188,8 +189,13 @@ class FragmentSyncer:
         # Outcomes other than a merge, carried into the next version's record.
         self.rejections: list[tuple[str, int, str]] = []
         self.superseded: list[tuple[str, int, int]] = []
-        # Norms per inner step of the recently accepted contributions (an outlier check).
+        # Norms per inner step of the recently accepted contributions (an outlier check),
+        # of those made past the learners' warm-up only (``inner.warmup_steps``): while
+        # their learning rate rises, so does the norm per step (tiny's first sends, at
+        # step 2, were a tenth of those after it, and had every learner's next ones
+        # rejected as 13x the median).
         self.norms: deque[float] = deque(maxlen=NORM_WINDOW)
+        self.warmup_steps = warmup_steps
         # Versions inside the staleness window, for the anchored merge.
         self.history: dict[int, Tensors] = {version: self.params}
         # Their ids (``records.version_id``): a contribution names the one it was made on.
@@ -312,9 +318,11 @@ class FragmentSyncer:
         rejected: list[ContributionRejected] = []
         cfg = self.cfg
         for c in sorted(self.pending.values(), key=lambda c: (c.learner, c.seq)):
+            warm = c.step - c.steps >= self.warmup_steps  # (its steps all past the warm-up)
             try:
                 scan = check_contribution(c, self.shapes, self.learners, self.version,
-                                          cfg.max_staleness, cfg.max_norm, self.typical_norm,
+                                          cfg.max_staleness, cfg.max_norm,
+                                          self.typical_norm if warm else None,
                                           cfg.max_norm_ratio, self.block_size)  # fmt: skip
             except ContributionRejected as exc:
                 rejected.append(exc)
@@ -330,7 +338,8 @@ class FragmentSyncer:
                 rejected.append(ContributionRejected(c, reason))
                 continue
             accepted.append((c, PayloadTensors(payload_view(c.payload))))
-            self.norms.append(scan.norm / c.steps)
+            if warm:
+                self.norms.append(scan.norm / c.steps)
         for c in self.pending.values():
             self.cursor[c.learner] = max(self.cursor.get(c.learner, 0), c.seq)
         self.pending.clear()

@@ -86,7 +86,7 @@ class SyncerLoop:
             merged=stored.meta.get("merged"), progress=stored.meta.get("progress"),
             steps=stored.meta.get("outer_steps"), ids=records.ids_of(stored.meta),
             sink=getattr(self.transport, "version_sink", None),
-            block_size=self.cfg.topology.block_size,
+            block_size=self.cfg.topology.block_size, warmup_steps=self.cfg.inner.warmup_steps,
         )  # fmt: skip
         syncer.history.update({v: as_tensors(h) for v, h in stored.history.items()})
         if stored.lost:

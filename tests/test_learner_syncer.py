@@ -235,9 +235,12 @@ def test_resume_continues_at_a_step_after_the_sent_sequence_numbers(setup):
     assert (c.seq, c.step) == (4, 6)
 
 
-def contribution(learner, seq, base, value, shapes, tokens=100, steps=10, anchor_seq=0):
+def contribution(learner, seq, base, value, shapes, tokens=100, steps=10, anchor_seq=0,
+                 step=None):  # fmt: skip
+    """``learner``'s send ``seq`` (at inner step ``step``, by default ``seq * steps``)."""
     payload = {n: quantize(np.full(s, value, np.float32), "fp32") for n, s in shapes.items()}
-    return Contribution(learner, 0, seq, base, tokens, steps, 1.0, payload, anchor_seq=anchor_seq)
+    return Contribution(learner, 0, seq, base, tokens, steps, 1.0, payload,
+                        step=seq * steps if step is None else step, anchor_seq=anchor_seq)  # fmt: skip
 
 
 def test_syncer_merges_weighted_and_steps_outer_optimizer():
@@ -415,6 +418,29 @@ def test_a_norm_far_above_the_recent_ones_is_rejected():
     (bad,) = out.rejected
     assert bad.contribution.learner == "b" and "20x the median" in bad.reason
     assert out.version.rejected == (("b", 1, bad.reason),)
+
+
+def test_sends_made_in_the_learners_warm_up_neither_set_the_norm_median_nor_face_it():
+    """While the inner learning rate warms up, a learner's norm per step rises with it:
+    the first sends (a tenth of the next ones, in tiny) are not compared with the ones
+    after the warm-up, and do not make the median those are compared with."""
+    shapes = {"w": (4,)}
+    cfg = OuterConfig(staleness="constant", max_norm=1e9, max_norm_ratio=10.0)
+    syncer = merging(0, {"w": np.zeros(4, np.float32)}, cfg, ["a", "b"], is_embedding,
+                     warmup_steps=10)  # fmt: skip
+    for seq in range(1, 6):  # sends of 2 steps each, all within the warm-up
+        syncer.offer(contribution("a", seq, syncer.version, 0.1, shapes, steps=2, step=seq * 2))
+        syncer.merge()
+    assert syncer.typical_norm is None  # none of them counts
+    for seq in range(1, 6):  # past it, 12x the warm-up's norm per step: all merged
+        syncer.offer(contribution("b", seq, syncer.version, 6.0, shapes, step=10 + seq * 10))
+        assert syncer.merge().rejected == []
+    assert syncer.typical_norm == pytest.approx(1.2)  # |(6,6,6,6)| / 10 steps
+    # A send that reaches back into the warm-up is not held to it either.
+    syncer.offer(contribution("a", 6, syncer.version, 200.0, shapes, step=15))
+    assert syncer.merge().rejected == []
+    syncer.offer(contribution("b", 6, syncer.version, 200.0, shapes, step=70))
+    assert "33x the median" in syncer.merge().rejected[0].reason
 
 
 def test_outcomes_no_merge_carries_are_sealed_into_a_last_version():
