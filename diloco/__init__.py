@@ -19,6 +19,7 @@ _API = {
     "RunData": "diloco.run_data",
     "settle_assign": "diloco.run_data",
     "MERGE_RULES": "diloco.merge",
+    "merge_rule": "diloco.merge",
     "Contribution": "diloco.outer",
     "outer_optimizer": "diloco.outer",
     "FragmentSyncer": "diloco.syncer",

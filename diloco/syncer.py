@@ -28,7 +28,7 @@ import optax
 
 from diloco import records
 from diloco.config import OuterConfig
-from diloco.merge import MERGE_RULES
+from diloco.merge import merge_rule
 from diloco.outer import (
     Anchored,
     Contribution,
@@ -424,8 +424,10 @@ class FragmentSyncer:
         the rebase, the merge, the outer step and the write to the sink."""
         current = LastPiece(self.params)  # (read by the step and by anchored deltas)
         deltas = self._outer_gradients(accepted, current)
-        rule = MERGE_RULES[self.cfg.merge]
-        prepared = rule.prepare(deltas, w, self.shapes, self.is_embedding, self.block_size)
+        rule = merge_rule(self.cfg)
+        momentum = self.slots[0] if self.slots else None  # (the optimizer's first state)
+        prepared = rule.prepare(deltas, w, self.shapes, self.is_embedding, self.block_size,
+                                momentum)  # fmt: skip
         sink = self.sink(self.fragment, self.version + 1, self.shapes, self.slots_per_param)
 
         def read() -> Iterator[tuple[str, int, list[Any], np.ndarray, list[np.ndarray]]]:
@@ -438,7 +440,7 @@ class FragmentSyncer:
         def step(item: tuple[str, int, list[Any], np.ndarray, list[np.ndarray]]) -> None:
             name, start, parts, params, slots = item
             values = [Anchored.combine(v) if isinstance(v, tuple) else v for v in parts]
-            merged = rule.piece(name, values, w, prepared)
+            merged = rule.piece(name, values, w, prepared, slots[0] if slots else None)
             new, new_slots = step_piece(self.tx, name, params, slots, merged, self.steps)
             sink.write(name, start, new, new_slots)
 

@@ -9,7 +9,7 @@ import pytest
 
 from diloco.config import InnerConfig, MergeName, OuterConfig
 from diloco.inner import INNER_OPTIMIZERS, inner_optimizer, state_age
-from diloco.merge import MERGE_RULES, normalized
+from diloco.merge import MERGE_RULES, merge_rule, normalized
 from diloco.outer import (
     OUTER_OPTIMIZERS,
     Anchored,
@@ -58,16 +58,19 @@ def test_staleness_fn_reads_config():
     assert g(3) == pytest.approx(math.exp(-2.1))
 
 
-def _merge(rule, deltas, weights, is_embedding=lambda n: False, block_size=128):
+def _merge(rule, deltas, weights, is_embedding=lambda n: False, block_size=128,
+           momentum=None, **cfg):  # fmt: skip
     """Rule ``rule`` of ``MERGE_RULES`` over whole fragments, a piece at a time as a syncer
-    runs it."""
+    runs it (``momentum``: the outer optimizer's, which ``heloco`` reads)."""
     ds = [ArrayTensors(d) for d in deltas]
     shapes, w = ds[0].shapes, normalized(weights)
-    merge = MERGE_RULES[rule]
-    prepared = merge.prepare(ds, w, shapes, is_embedding, block_size)
+    merge = merge_rule(OuterConfig(merge=rule, momentum=0.9, **cfg))
+    m = None if momentum is None else ArrayTensors(momentum)
+    prepared = merge.prepare(ds, w, shapes, is_embedding, block_size, m)
     out = {n: np.zeros(s, np.float32).reshape(-1) for n, s in shapes.items()}
     for name, a, b in pieces(shapes, block_size):
-        out[name][a:b] = merge.piece(name, [d.piece(name, a, b) for d in ds], w, prepared)
+        out[name][a:b] = merge.piece(name, [d.piece(name, a, b) for d in ds], w, prepared,
+                                     None if m is None else m.piece(name, a, b))  # fmt: skip
     return {n: v.reshape(shapes[n]) for n, v in out.items()}
 
 
@@ -82,7 +85,7 @@ def rda_merge(deltas, weights, is_embedding):
 def test_every_merge_rule_and_outer_optimizer_is_named_in_the_config():
     assert set(MERGE_RULES) == set(MergeName.__args__)
     for name in MERGE_RULES:
-        assert OuterConfig(merge=name).merge == name
+        assert OuterConfig(merge=name, momentum=0.9).merge == name
     names = OuterConfig.model_fields["optimizer"].annotation.__args__
     assert set(OUTER_OPTIMIZERS) == set(names)
     for name in OUTER_OPTIMIZERS:
@@ -159,6 +162,59 @@ def test_rda_keeps_norm_that_averaging_shrinks():
 def test_rda_of_zero_vectors_is_zero():
     deltas = [{"w": np.zeros(3, np.float32)}] * 2
     np.testing.assert_array_equal(rda_merge(deltas, [1, 1], lambda n: False)["w"], np.zeros(3))
+
+
+def heloco_reference(delta, m, c_ok, k_s, beta_max, k_d, kappa, eps=1e-12):
+    """HeLoCo's corrected outer gradient of one block, as its equations write it."""
+    delta, m = delta.astype(np.float64).ravel(), m.astype(np.float64).ravel()
+    u, v = delta / np.linalg.norm(delta), m / np.linalg.norm(m)
+    c = float(u @ v)
+    conf = np.linalg.norm(delta) / (np.linalg.norm(delta) + kappa * np.linalg.norm(m) + eps)
+    if c >= c_ok:
+        return delta, c
+    if c < 0:
+        beta = min(k_s * (-c) * conf, beta_max)
+        return delta - beta * c * np.linalg.norm(delta) * v, c
+    lam = min(k_d * (1 - c) * conf, 1.0)
+    t = (1 - lam) * u + lam * v
+    return np.linalg.norm(delta) * t / max(np.linalg.norm(t), eps), c
+
+
+@pytest.mark.parametrize("block_size", [5, 128])
+def test_heloco_corrects_each_outer_gradient_against_the_momentum_as_its_equations_say(
+    block_size,
+):
+    """Three outer gradients of a tensor: one along the outer momentum (kept), one against
+    it (its opposed part shrunk), one nearly orthogonal (turned towards it at its own
+    length); then their weighted mean. Merged in pieces of 5 values or whole, to float
+    tolerance of the equations; and with no momentum yet, the plain mean."""
+    params = {"c_ok": 0.3, "k_s": 1.5, "beta_max": 0.8, "k_d": 0.7, "kappa": 0.5}
+    cfg = {f"heloco_{k}": v for k, v in params.items()}
+    m = rng.normal(size=(3, 5)).astype(np.float32)
+    noise = [rng.normal(size=(3, 5)) for _ in range(3)]
+    other = noise[2] - (noise[2].ravel() @ m.ravel()) / (m.ravel() @ m.ravel()) * m
+    deltas = [{"w": (m + 0.3 * noise[0]).astype(np.float32)},
+              {"w": (-0.5 * m + 0.4 * noise[1]).astype(np.float32)},
+              {"w": (other + 0.1 * m).astype(np.float32)}]  # fmt: skip
+    w = [3.0, 1.0, 2.0]
+    corrected = [heloco_reference(d["w"], m, **params) for d in deltas]
+    cosines = [c for _, c in corrected]
+    assert cosines[0] >= 0.3 and cosines[1] < 0 and 0 <= cosines[2] < 0.3, cosines
+    expected = sum(wi * x for wi, (x, _) in zip(normalized(w), corrected, strict=True))
+    merged = _merge("heloco", deltas, w, block_size=block_size, momentum={"w": m}, **cfg)
+    np.testing.assert_allclose(merged["w"].ravel(), expected, rtol=1e-5, atol=1e-6)
+    # The correction changed something: the mean differs.
+    assert np.abs(merged["w"] - weighted_mean(deltas, w)["w"]).max() > 1e-2
+    zero = {"w": np.zeros((3, 5), np.float32)}
+    np.testing.assert_array_equal(
+        _merge("heloco", deltas, w, momentum=zero, **cfg)["w"], weighted_mean(deltas, w)["w"]
+    )
+
+
+def test_heloco_needs_an_outer_momentum():
+    with pytest.raises(ValueError, match="merge heloco sets"):
+        OuterConfig(merge="heloco", momentum=0.0)
+    assert OuterConfig(merge="heloco", optimizer="adam").merge == "heloco"
 
 
 def test_anchored_delta():

@@ -95,10 +95,16 @@ def test_the_piecewise_merge_is_the_whole_tensor_rule_bit_for_bit():
     assert all(a.tobytes() == b.tobytes() for a, b in zip(leaves, s.opt_leaves, strict=True))
 
 
-def test_rda_pieces_agree_with_the_whole_tensor_rule(monkeypatch):
-    cfg = OuterConfig(merge="rda", reference="delta")
+@pytest.mark.parametrize("rule", ["rda", "heloco"])
+def test_rules_over_whole_tensors_agree_in_pieces(rule, monkeypatch):
+    """RDA's norms, HeLoCo's cosines with the momentum (its second merge has one)."""
+    cfg = OuterConfig(merge=rule, reference="delta", momentum=0.9)
     whole = _run(cfg)
     small = _run(cfg, piece=256, monkeypatch=monkeypatch)
+    if rule == "heloco":  # the second merge was corrected: not the mean's
+        plain = _run(OuterConfig(reference="delta", momentum=0.9))
+        name = "blocks.0.up.kernel"
+        assert not np.allclose(plain[1][0][name], whole[1][0][name], rtol=1e-4)
     for (p, _), (q, _) in zip(whole, small, strict=True):
         for n in SHAPES:  # sums of squares add up in another order: equal to rounding
             np.testing.assert_allclose(p[n], q[n], rtol=1e-6, atol=1e-7)

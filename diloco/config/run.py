@@ -80,7 +80,7 @@ class InnerConfig(Strict):
 
 StalenessName = Literal["constant", "polynomial", "exponential", "hinge"]
 QuantName = Literal["fp32", "bf16", "int8", "int4"]
-MergeName = Literal["mean", "rda"]  # diloco.merge.MERGE_RULES
+MergeName = Literal["mean", "rda", "heloco"]  # diloco.merge.MERGE_RULES
 
 
 class OuterConfig(Strict):
@@ -111,8 +111,25 @@ class OuterConfig(Strict):
     adam_eps: PositiveFloat = Field(1e-8, description="outer Adam's epsilon")
     merge: MergeName = Field(
         "mean",
-        description="how outer gradients combine: weighted mean, or rda (radial-directional "
-        "average per tensor, mean for embeddings)",
+        description="how outer gradients combine: weighted mean, rda (radial-directional "
+        "average per tensor, mean for embeddings), or heloco (each set against the outer "
+        "momentum per tensor before the mean: heloco_*; needs an optimizer with momentum)",
+    )
+    # HeLoCo (arXiv 2606.00271); its paper's values were not found: ours, docs/algorithm.md.
+    heloco_c_ok: Annotated[float, Field(ge=0, le=1)] = Field(
+        0.2, description="heloco: an outer gradient this aligned with the momentum is kept"
+    )
+    heloco_k_s: Annotated[float, Field(ge=0)] = Field(
+        1.0, description="heloco: how hard an opposed one's part against the momentum shrinks"
+    )
+    heloco_beta_max: Annotated[float, Field(ge=0, le=1)] = Field(
+        1.0, description="heloco: the most of that part shrunk (1: all of it)"
+    )
+    heloco_k_d: Annotated[float, Field(ge=0)] = Field(
+        1.0, description="heloco: how far a weakly aligned one turns towards the momentum"
+    )
+    heloco_kappa: Annotated[float, Field(ge=0)] = Field(
+        1.0, description="heloco: the momentum's norm in the confidence |D| / (|D| + kappa |m|)"
     )
     # docs/algorithm.md: "anchored" is best with stale work.
     reference: Literal["delta", "anchored"] = Field(
@@ -138,6 +155,14 @@ class OuterConfig(Strict):
         "the fragment's recent accepted ones (a learner gone wrong, or a forged update); "
         "0 turns it off",
     )
+
+    @model_validator(mode="after")
+    def _momentum_for_heloco(self) -> OuterConfig:
+        if self.merge == "heloco" and self.optimizer == "sgd" and self.momentum == 0:
+            raise ValueError("outer.merge heloco sets each outer gradient against the outer "
+                             "momentum: set outer.momentum above 0, or outer.optimizer adam "
+                             "or cgad")  # fmt: skip
+        return self
 
 
 class TopologyConfig(Strict):
