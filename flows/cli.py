@@ -61,7 +61,7 @@ from flows.cli_buckets import add_bucket_parsers, add_data_parser, run_store
 from flows.cli_model import add_model_parsers
 from flows.cli_plan import add_plan_parser
 from flows.observe import human_bytes
-from flows.train import console, stdout_console
+from flows.train import console, say_error, stdout_console
 
 
 def summary_table(summary: dict, title: str) -> Table:
@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, DataError, OSError, ValueError) as exc:
-        console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+        say_error(exc)
         return 2
     except KeyboardInterrupt:  # a Ctrl-C that no command turned into its own ending
         console.print("[yellow]interrupted[/]")

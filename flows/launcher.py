@@ -53,7 +53,7 @@ from flows.monitor import Monitor, RunStalled
 from flows.observe import BestEffort, artifact_key, outlive_the_reader, stopped, tag_flow_run
 from flows.run import Run
 from flows.run_lock import RunLock, RunTakenOver, held
-from flows.sinks import open_sinks
+from flows.sinks import check_sinks, open_sinks
 from flows.summary import run_plot, run_summary, summary_markdown
 from flows.supervision import STAND_BY, STOP_SECONDS, LaunchMode
 from flows.watch import (
@@ -249,6 +249,7 @@ def train_flow(
     tag_flow_run([f"run:{run}", "launcher", f"via:{via}"])
     launch_mode(via)  # (one that exists)
     cfg = launch_config(config, preset, overrides)
+    check_sinks(cfg.pipeline.sinks)  # (their libraries installed)
     logs = logs or str(default_run_dir(run) / "logs")
     launch = LAUNCH.get(None) or Launch()
     launch.stopping.clear()

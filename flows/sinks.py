@@ -16,11 +16,14 @@ or MLflow run. A new sink is a class here and its name in ``SINKS``.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
+
+from diloco.config import ConfigError
 
 MLFLOW_BATCH = 1000  # metrics per request (MLflow's limit)
 
@@ -44,6 +47,8 @@ def _run_id(run: str) -> str:
 
 class WandbSink:
     """Each series' points logged with that series' x axis as its step metric."""
+
+    library = "wandb"
 
     def __init__(self, run: str, folder: Path):
         import wandb
@@ -70,6 +75,8 @@ class WandbSink:
 class MlflowSink:
     """Points held and sent in batches at each flush, in the MLflow run tagged with the
     run's name (made on first launch)."""
+
+    library = "mlflow"
 
     def __init__(self, run: str, folder: Path):
         from mlflow.tracking import MlflowClient
@@ -100,6 +107,19 @@ class MlflowSink:
 SINKS = {"wandb": WandbSink, "mlflow": MlflowSink}
 
 
+def _not_installed(name: str, why: object) -> ConfigError:
+    return ConfigError(f"pipeline.sinks names {name}, whose library is not installed "
+                       f"({why}): pip install 'decoupled-diloco[{name}]'")  # fmt: skip
+
+
+def check_sinks(names: Iterable[str]) -> None:
+    """Before anything of a run starts: each sink's library is installed (else the error
+    ``open_sinks`` would give once the workers run)."""
+    for name in names:
+        if importlib.util.find_spec(SINKS[name].library) is None:
+            raise _not_installed(name, f"no module named {SINKS[name].library!r}")
+
+
 def open_sinks(names: Iterable[str], run: str, folder: Path, log: Any) -> dict[str, Sink]:
     """The sinks ``names`` of ``run``, their local files (W&B's) under ``folder``. One whose
     library is not installed is an error that says how to install it; one that cannot be
@@ -109,8 +129,7 @@ def open_sinks(names: Iterable[str], run: str, folder: Path, log: Any) -> dict[s
         try:
             sinks[name] = SINKS[name](run, folder / name)
         except ImportError as exc:
-            raise RuntimeError(f"pipeline.sinks names {name}, whose library is not installed "
-                               f"({exc}): pip install 'decoupled-diloco[{name}]'") from exc  # fmt: skip
+            raise _not_installed(name, exc) from exc
         except Exception as exc:
             log.warning("metrics to %s are off for this launch: %r", name, exc)
     return sinks

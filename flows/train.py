@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from diloco.config import ConfigError, RunConfig
 from flows.display import open_display
 from flows.launch_modes import launch_mode
 from flows.observe import human_bytes, train_summary_rows
+from flows.sinks import check_sinks
 from protocol.topology import (
     SLOT_EVERYWHERE,
     deal_learners,
@@ -37,6 +39,12 @@ if TYPE_CHECKING:  # (Prefect is imported only once PREFECT_HOME is set)
     from flows.run import Run
 
 console = Console(stderr=True, soft_wrap=True)
+
+
+def say_error(exc: BaseException) -> None:
+    """``error: ...`` on the terminal, the error's text as it is (a ``[wandb]`` in it is
+    not taken for markup)."""
+    console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
 
 
 def stdout_console() -> Console:
@@ -168,6 +176,7 @@ def train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: st
     """Run (or resume) ``run`` to the end of its budget; the exit status."""
     signal.signal(signal.SIGTERM, _raise_interrupt)  # clean up the server on `kill` too
     local = launch_mode(via).local  # (one that exists: before anything starts)
+    check_sinks(cfg.pipeline.sinks)  # (their libraries installed: the same)
     from flows.run import Run
     from flows.run_lock import RunLock, RunLocked
     from storage_layout.auth import claims_key, run_secret
@@ -195,7 +204,7 @@ def train(run: str, regions: dict[str, str], cfg: RunConfig, root: Path, via: st
     try:
         lock = RunLock(store, on_lost=lambda who: [x.interrupt() for x in launches]).acquire()
     except RunLocked as exc:
-        console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+        say_error(exc)
         return 2
     try:
         return _train(opened, root, via, launches)
@@ -277,7 +286,7 @@ def _train(opened: Run, root: Path, via: str, launches: list[Launch]) -> int:
                 summary = exc.summary
             except (launcher.RunTakenOver, StorageUnreachable, RunStalled) as exc:
                 launch.stop()
-                console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+                say_error(exc)
                 return 1
             except Exception as exc:
                 interrupted = launch.stopping.is_set()  # (before the stop below sets it)

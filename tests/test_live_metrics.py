@@ -234,6 +234,28 @@ def test_wandb_and_mlflow_get_what_tensorboard_gets_and_a_relaunch_goes_on_in_th
     assert set(get_args(named)) == set(SINKS)
 
 
+def test_a_sink_whose_library_is_missing_stops_the_run_before_anything_starts(
+    tmp_path, monkeypatch
+):
+    """``diloco train --set pipeline.sinks=["wandb"]`` without W&B installed: an error
+    that names the sink and how to install it, before the run's Prefect server, spec or
+    workers (it used to come from the launcher's first look, once the workers ran)."""
+    from flows.cli import main
+    from flows.sinks import SINKS
+
+    monkeypatch.setattr(SINKS["wandb"], "library", "wandb_not_installed_here")
+    argv = ["train", "--dir", str(tmp_path), "--run", "nosink", "--tokens", "20000",
+            "--set", 'pipeline.sinks=["wandb"]']  # fmt: skip
+    out = io.StringIO()
+    monkeypatch.setattr("flows.train.console", Console(file=out, width=300))
+    assert main(argv) == 2
+    said = out.getvalue()
+    assert "pipeline.sinks names wandb, whose library is not installed" in said, said
+    assert "pip install 'decoupled-diloco[wandb]'" in said, said
+    assert not (tmp_path / "nosink" / "prefect").exists()  # no server was started
+    assert not list(tmp_path.rglob("spec.json"))  # nor the run written
+
+
 DRIVER = """
 import json, sys
 from flows.learner_runtime import LearnerRuntime
