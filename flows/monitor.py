@@ -213,17 +213,18 @@ class Monitor:
                 for s in range(shards)}  # fmt: skip
 
     def stalled_syncers(
-        self, statuses: dict[str, dict[str, Any]], versions: dict[int, int]
-    ) -> list[str]:
+        self, statuses: dict[str, dict[str, Any]], versions: dict[int, int],
+        verdicts: dict[str, Verdict],
+    ) -> list[str]:  # fmt: skip
         """The syncer shards newly seen stalled: none of their fragments has had a new
         version for ``pipeline.stall_seconds`` (as this launcher saw them) while a quorum
-        of the learners not done trained on (their steps went up; fewer, as while the
-        others still compile, is a syncer waiting for its quorum): a syncer paused, hung
-        or cut off from home. Each is warned about by name, once per stall, and once more
-        when it publishes again."""
+        of the members (``verdicts``: counted, not done) trained on, their steps up (fewer,
+        as while the others still compile, is a syncer waiting for its quorum): a syncer
+        paused, hung or cut off from home. Each is warned about by name, once per stall,
+        and once more when it publishes again."""
         now = time.monotonic()
         steps = {k: int(s.get("step", 0)) for k, s in statuses.items()}
-        going = [k for k, s in statuses.items() if s.get("state") != "done"]
+        going = [k for k, v in verdicts.items() if v.counted and v.state != "done"]
         out = []
         for name, fragments in self.syncers().items():
             held = tuple(versions.get(p, 0) for p in fragments)
@@ -236,7 +237,7 @@ class Monitor:
                                      " ".join(f"f{p}:v{v}" for p, v in zip(fragments, held, strict=True)))  # fmt: skip
                 continue
             _, since, steps_then = seen
-            trained = [k for k in going if steps[k] > steps_then.get(k, 0)]
+            trained = [k for k in going if steps.get(k, 0) > steps_then.get(k, 0)]
             stall = self.stall_after()
             if (name in self.stalled or now - since < stall or not going
                     or len(trained) < self.cfg.quorum_over(len(going))):  # fmt: skip
@@ -248,7 +249,7 @@ class Monitor:
                 "cut off from its home region",
                 name, fragments, now - since, stall,
                 " ".join(f"f{p}:v{v}" for p, v in zip(fragments, held, strict=True)),
-                sum(steps[k] - steps_then.get(k, 0) for k in trained),
+                sum(steps.get(k, 0) - steps_then.get(k, 0) for k in trained),
             )  # fmt: skip
             out.append(name)
         return out

@@ -88,7 +88,7 @@ def watch(names: list[str], futures: list[Any], monitor: Monitor, bar: Any, ever
         pace = rates.text()
         verdicts = monitor.verdicts(statuses)
         still = _standstill(monitor, verdicts, point, pct, log)
-        for name, future in _stand_bys(monitor, statuses, point, stand_by):
+        for name, future in _stand_bys(monitor, statuses, verdicts, point, stand_by):
             names.append(name)  # watched from now on like the others
             futures.append(future)
             pool.append(future.wrapped_future)
@@ -120,11 +120,12 @@ def _show_workers(monitor: Monitor, statuses: dict[str, dict], verdicts: dict[st
     return table
 
 
-def _stand_bys(monitor: Monitor, statuses: dict[str, dict], point: dict[str, Any],
-               stand_by: Callable[[str], tuple[str, Any] | None] | None) -> list[tuple]:  # fmt: skip
+def _stand_bys(monitor: Monitor, statuses: dict[str, dict], verdicts: dict[str, Verdict],
+               point: dict[str, Any], stand_by: Callable[[str], tuple[str, Any] | None] | None
+               ) -> list[tuple]:  # fmt: skip
     """The name and future of a stand-by started for each syncer shard seen stalled (each
     warned about, with or without one)."""
-    stalled = monitor.stalled_syncers(statuses, point["versions"])
+    stalled = monitor.stalled_syncers(statuses, point["versions"], verdicts)
     started = [stand_by(name) for name in stalled] if stand_by is not None else []
     return [extra for extra in started if extra is not None]
 

@@ -27,6 +27,7 @@ from prefect.artifacts import create_progress_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from diloco.config import load_config
+from diloco.liveness import Verdict
 from flows import run_lock
 from flows.monitor import Monitor
 from flows.pace import MEMBERS_EVERY
@@ -607,38 +608,51 @@ def test_a_syncer_is_called_stalled_only_while_the_learners_train_past_its_versi
     tmp_path, caplog
 ):
     """The rule behind the paused-syncer warning: a shard whose fragments have had no new
-    version for ``stall_seconds`` while a quorum of the learners' steps went up is named,
+    version for ``stall_seconds`` while a quorum of the members' steps went up is named,
     once per stall; not while the learners stand still (starting, or all done) or fewer
-    than a quorum train, and it is said when it publishes again."""
+    than a quorum of the members train (the others compiling), and it is said when it
+    publishes again. Silent learners are no members: one learner beside them is a
+    quorum."""
     store = _lock_run(tmp_path, "stall")
     cfg = load_config("tiny", overrides=["budget.tokens=20000", "pipeline.stall_seconds=0.01",
                                          "pipeline.syncer_shards=2"])  # fmt: skip
-    monitor = Monitor(
-        Run(store.run, store.urls, store.client_region, store.read_spec(), cfg), store
-    )
+
+    def monitor() -> Monitor:
+        return Monitor(Run(store.run, store.urls, store.client_region, store.read_spec(), cfg),
+                       store)  # fmt: skip
+
     learners = list(run_slots(store.read_spec()))
 
     def steps(n: int, state: str = "training") -> dict:
         return {lid: {"step": n, "state": state} for lid in learners}
 
-    versions = {0: 1, 1: 1}
-    assert monitor.stalled_syncers(steps(10), versions) == []  # first sight
+    def stalled(m: Monitor, statuses: dict, versions: dict, silent=()) -> list[str]:
+        verdicts = {k: Verdict("silent", "no heartbeat") if k in silent else Verdict(s["state"])
+                    for k, s in statuses.items()}  # fmt: skip
+        return m.stalled_syncers(statuses, versions, verdicts)
+
+    versions, one = {0: 1, 1: 1}, monitor()
+    assert stalled(one, steps(10), versions) == []  # first sight
     time.sleep(0.05)  # past stall_seconds
-    assert monitor.stalled_syncers(steps(10), versions) == []  # nobody trained since
-    assert monitor.stalled_syncers(steps(10, "done"), versions) == []
+    assert stalled(one, steps(10), versions) == []  # nobody trained since
+    assert stalled(one, steps(10, "done"), versions) == []
     # One learner trained while the others still start: the syncer waits for its quorum.
     alone = {**steps(10), learners[0]: {"step": 50, "state": "training"}}
-    assert monitor.stalled_syncers(alone, versions) == []
+    assert stalled(one, alone, versions) == []
     with caplog.at_level("WARNING"):
-        stalled = monitor.stalled_syncers(steps(12), versions)
-        assert stalled == ["syncer us-east/0", "syncer us-east/1"]
-        assert monitor.stalled_syncers(steps(14), versions) == []  # named once per stall
-        assert monitor.stalled_syncers(steps(16), {0: 2, 1: 1}) == []
+        assert stalled(one, steps(12), versions) == ["syncer us-east/0", "syncer us-east/1"]
+        assert stalled(one, steps(14), versions) == []  # named once per stall
+        assert stalled(one, steps(16), {0: 2, 1: 1}) == []
     messages = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("syncer us-east/0 has published no version of fragments [0]")
                and "while the learners trained 8 steps" in m for m in messages), messages  # fmt: skip
     assert "syncer us-east/0 publishes again (versions f0:v2)" in messages
-    assert monitor.stalled == {"syncer us-east/1"}
+    assert one.stalled == {"syncer us-east/1"}
+    other = monitor()
+    assert stalled(other, steps(10), versions) == []
+    time.sleep(0.05)
+    assert stalled(other, alone, versions, silent=learners[1:]) == ["syncer us-east/0",
+                                                                     "syncer us-east/1"]  # fmt: skip
 
 
 def test_the_one_restart_policy_resets_on_progress_and_gives_a_worker_up_by_name(tmp_path):
@@ -887,8 +901,6 @@ def test_a_run_standing_still_is_said_why_and_ends_only_when_nobody_beats(tmp_pa
     the learners' rounds when those are longer than ``pipeline.stall_seconds``); then one
     line naming each learner's state. Hopeless only once every learner not done is
     silent by a heartbeat that stopped, never for learners that have not started."""
-    from diloco.liveness import Verdict
-
     store = _lock_run(tmp_path, "still")
     cfg = load_config("tiny", overrides=["budget.tokens=20000", "pipeline.stall_seconds=10"])
     now = [0.0]
@@ -1002,7 +1014,6 @@ def test_a_deployment_start_answered_503_is_waited_out_never_counted_a_crash(tmp
 def test_the_launcher_takes_no_heartbeat_that_is_not_its_learners(tmp_path):
     """The launcher judges a learner by its heartbeat only when the beat is signed with
     that learner's key (it holds the run secret): one written by anyone else is no beat."""
-    from diloco.liveness import Verdict
     from storage_layout.auth import Keys, learner_key, new_run_secret
 
     store = _lock_run(tmp_path, "beats")
