@@ -158,8 +158,7 @@ class FragmentSyncer:
         ids: Mapping[int, str] | None = None,
         warmup_steps: int = 0,
     ):
-        self.fragment = fragment
-        self.cfg = cfg
+        self.fragment, self.cfg = fragment, cfg
         self.learners = frozenset(learners)
         self.is_embedding = is_embedding
         self.tx = outer_optimizer(cfg)
@@ -167,7 +166,7 @@ class FragmentSyncer:
         # time: arrays in memory, or a version in a bucket (``flows.bucket_io``).
         self.params: Tensors = as_tensors(init)
         self.shapes = {n: tuple(s) for n, s in self.params.shapes.items()}
-        self.block_size = block_size
+        self.block_size, self.warmup_steps = block_size, warmup_steps
         self.sink: SinkFactory = sink or MemorySink
         self.slots_per_param = state_slots(self.tx, self.shapes)
         if opt_leaves is not None:  # resuming from a stored version
@@ -189,13 +188,9 @@ class FragmentSyncer:
         # Outcomes other than a merge, carried into the next version's record.
         self.rejections: list[tuple[str, int, str]] = []
         self.superseded: list[tuple[str, int, int]] = []
-        # Norms per inner step of the recently accepted contributions (an outlier check),
-        # of those made past the learners' warm-up only (``inner.warmup_steps``): while
-        # their learning rate rises, so does the norm per step (tiny's first sends, at
-        # step 2, were a tenth of those after it, and had every learner's next ones
-        # rejected as 13x the median).
+        # Norms per inner step of the recently accepted contributions made past the
+        # learners' warm-up (an outlier check: ``_admit``).
         self.norms: deque[float] = deque(maxlen=NORM_WINDOW)
-        self.warmup_steps = warmup_steps
         # Versions inside the staleness window, for the anchored merge.
         self.history: dict[int, Tensors] = {version: self.params}
         # Their ids (``records.version_id``): a contribution names the one it was made on.
@@ -318,7 +313,11 @@ class FragmentSyncer:
         rejected: list[ContributionRejected] = []
         cfg = self.cfg
         for c in sorted(self.pending.values(), key=lambda c: (c.learner, c.seq)):
-            warm = c.step - c.steps >= self.warmup_steps  # (its steps all past the warm-up)
+            # Held to the recent norms only with its steps all past the inner warm-up
+            # (``warmup_steps``): while the learning rate rises so does the norm per step
+            # (tiny's first sends, at step 2, were a tenth of the next ones, and had every
+            # learner's next sends rejected as 13x their median).
+            warm = c.step - c.steps >= self.warmup_steps
             try:
                 scan = check_contribution(c, self.shapes, self.learners, self.version,
                                           cfg.max_staleness, cfg.max_norm,
