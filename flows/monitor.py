@@ -21,6 +21,8 @@ from storage_layout.commit import CorruptVersion
 from storage_layout.store import RunStore
 from storage_layout.traffic import sum_traffic
 
+STARTUP = ("starting", "compiling", "resuming")  # a learner's start-up phases
+
 log = logging.getLogger(__name__)
 
 STORAGE_PATIENCE = 600.0  # seconds the summary waits for the home bucket to answer
@@ -202,6 +204,19 @@ class Monitor:
                 out[learner] = {"state": "vacant"}  # left to joiners, none has joined yet
         if not failed:
             self._last_statuses = out
+        return out
+
+    def phases(self, statuses: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """``statuses`` with the phase of each learner whose heartbeat (``verdicts``'
+        newest read) is newer and says it trains while its status says it starts: a status
+        is written once a round, so a learner in a long first round still says "resuming"
+        there (and the launcher took the run for starting up the whole time)."""
+        out = dict(statuses)
+        for learner, status in statuses.items():
+            beat = self.beats.get(learner)
+            if (beat is not None and beat.state == "training" and status.get("state") in STARTUP
+                    and beat.time > float(status.get("time", 0.0))):  # fmt: skip
+                out[learner] = {**status, "state": "training"}
         return out
 
     def syncers(self) -> dict[str, list[int]]:

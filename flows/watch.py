@@ -22,7 +22,7 @@ from diloco.liveness import Verdict
 from diloco.rate import Rate, duration_text, rate_text
 from flows.display import Display
 from flows.metrics import LiveMetrics
-from flows.monitor import Monitor, RunStalled, cross_region_bytes
+from flows.monitor import STARTUP, Monitor, RunStalled, cross_region_bytes
 from flows.observe import BestEffort, LiveTable, artifact_key
 from flows.supervision import STAND_BY
 from flows.worker_table import worker_rows
@@ -75,7 +75,8 @@ def watch(names: list[str], futures: list[Any], monitor: Monitor, bar: Any, ever
         if time.monotonic() - last_eval < every:
             if display.live and time.monotonic() - last_look >= LOOK_SECONDS:
                 last_look = time.monotonic()  # (a failed read shows the last state read)
-                show_phases(display, monitor.statuses(), monitor.versions(), oom=oom)
+                statuses = monitor.phases(monitor.statuses())  # (the beats of the last look)
+                show_phases(display, statuses, monitor.versions(), oom=oom)
             continue
         last_eval = last_look = time.monotonic()
         errors, statuses = monitor.errors, monitor.statuses()
@@ -87,6 +88,7 @@ def watch(names: list[str], futures: list[Any], monitor: Monitor, bar: Any, ever
         rates.add(time.monotonic(), point["tokens"], pct, steps, point["versions"])
         pace = rates.text()
         verdicts = monitor.verdicts(statuses)
+        statuses = monitor.phases(statuses)
         still = _standstill(monitor, verdicts, point, pct, log)
         for name, future in _stand_bys(monitor, statuses, verdicts, point, stand_by):
             names.append(name)  # watched from now on like the others
@@ -340,9 +342,6 @@ def report_metrics(
 
 # A learner's start-up phases, in order, as its status object names them (``starting``:
 # no word from it yet: its process starts, imports, opens its flow run).
-STARTUP = ("starting", "compiling", "resuming")
-
-
 def learner_phases(
     statuses: dict[str, dict[str, Any]], oom: Mapping[str, int] | None = None
 ) -> tuple[Counter, str]:

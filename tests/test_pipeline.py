@@ -27,6 +27,7 @@ import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import fsspec
 import httpx
@@ -883,6 +884,28 @@ def test_start_up_says_what_each_learner_is_doing(tmp_path):
     training = {k: {"state": "training"} for k in states}
     assert startup_line(training, {0: 0, 1: 0}).startswith("starting up | learners: 4 training")
     assert startup_line(training, {0: 1, 1: 0}) is None  # from here on: progress lines
+    # Defect: a learner's status is written once a round, so a slow learner said
+    # "resuming" through its whole first round, and the launcher logged "starting up"
+    # instead of progress lines for most of a run. Its heartbeat, newer, says it trains.
+    from flows.monitor import Monitor
+    from storage_layout.heartbeat import Heartbeat
+
+    def beat(state, when):
+        return Heartbeat(learner="x", generation=1, beat=1, period=1.0, state=state, step=3,
+                         sends=0, time=when)  # fmt: skip
+
+    looked = {"a": {"state": "resuming", "time": 10.0}, "b": {"state": "resuming", "time": 10.0},
+              "c": {"state": "killed", "time": 10.0}, "d": {"state": "resuming", "time": 10.0}}  # fmt: skip
+    beats = {"a": beat("training", 12.0), "b": beat("training", 9.0), "c": beat("training", 12.0),
+             "d": beat("compiling", 12.0)}  # fmt: skip
+    now = Monitor.phases(SimpleNamespace(beats=beats), looked)
+    assert {k: s["state"] for k, s in now.items()} == {
+        "a": "training",
+        "b": "resuming",
+        "c": "killed",
+        "d": "resuming",
+    }  # an older beat, a death the launcher saw, and a beat in start-up change nothing
+    assert looked["a"]["state"] == "resuming" and now["a"]["time"] == 10.0
 
 
 def test_a_crash_looping_worker_is_given_up_by_name_and_not_waited_for(tmp_path, prefect_api):
