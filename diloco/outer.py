@@ -190,16 +190,30 @@ def outer_optimizer(cfg: OuterConfig) -> optax.GradientTransformation:
 
 
 def merge_weights(
-    contributions: Sequence[Contribution], staleness: Sequence[int], cfg: OuterConfig
+    contributions: Sequence[Contribution],
+    staleness: Sequence[int],
+    cfg: OuterConfig,
+    since: Sequence[int] | None = None,
 ) -> np.ndarray:
     """Each contribution's factor in the merged outer gradient: its token weight times
     ``g(staleness)`` (``staleness_fn``), normalized to sum to one, times the optimizer's
-    age scale (``OuterOptimizer.age_scale``)."""
+    age scale (``OuterOptimizer.age_scale``), times its share of the work against what
+    was merged after its base version (``since``, in tokens: the anchored reference's).
+
+    That share, ``T / (T + since)`` with ``T`` the merge's tokens, is 1 for work made on
+    the newest version. An anchored outer gradient, ``current - base + delta``, also
+    carries the globals back from ``current`` to its base: merged alone and whole (a
+    straggler's last contribution, merged below the quorum at a run's end), it would set
+    the fragment to that learner's parameters, a few steps past an old version. With the
+    share, each contribution counts as the tokens it adds beside the ones ``current``
+    holds that it lacks: a weighted mean of the models, the newest version's included."""
     g, scale = staleness_fn(cfg), OUTER_OPTIMIZERS[cfg.optimizer].age_scale(cfg)
     w = normalized(
         [contribution_weight(c, s, g) for c, s in zip(contributions, staleness, strict=True)]
     )
-    return w * np.array([scale(s) for s in staleness], np.float64)
+    tokens = sum(c.tokens for c in contributions)
+    share = [1.0 if t == 0 else tokens / (tokens + t) for t in since or [0] * len(staleness)]
+    return w * np.array([scale(s) * f for s, f in zip(staleness, share, strict=True)], np.float64)
 
 
 def blend(local: FlatParams, global_: FlatParams, alpha: float) -> FlatParams:

@@ -82,6 +82,7 @@ def version(
         "fragment": gv.fragment,
         "version": gv.version,
         "ids": {str(v): i for v, i in gv.ids.items()},
+        "window_tokens": {str(v): t for v, t in gv.window_tokens.items()},
         "consumed": [list(k) for k in gv.consumed],
         "cursor": dict(gv.cursor),
         "weights": dict(gv.weights),
@@ -118,6 +119,20 @@ def ids_of(record: Mapping[str, Any]) -> dict[int, str]:
     ):
         raise ValueError(f"version record of fragment {record.get('fragment')}: ids {ids!r}")
     return {int(v): i for v, i in ids.items()}
+
+
+def window_tokens_of(record: Mapping[str, Any]) -> dict[int, int]:
+    """A version record's ``window_tokens`` (the tokens each version inside the staleness
+    window merged), checked ({} for a record stored before they existed: the work merged
+    after a contribution's base is then not known, and counts as none)."""
+    window = record.get("window_tokens") or {}
+    if not isinstance(window, Mapping) or not all(
+        str(v).isdigit() and type(t) is int and t >= 0 for v, t in window.items()
+    ):
+        raise ValueError(
+            f"version record of fragment {record.get('fragment')}: window_tokens {window!r}"
+        )
+    return {int(v): t for v, t in window.items()}
 
 
 def initial_version(fragment: int, time: float) -> Record:

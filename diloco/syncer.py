@@ -109,8 +109,10 @@ class GlobalVersion:
     merged: dict[str, list[float]] = field(default_factory=dict)  # see FragmentSyncer.merged
     progress: dict[str, int] = field(default_factory=dict)  # see FragmentSyncer.progress
     steps: int = 0  # the fragment's outer steps, this version's included (FragmentSyncer.steps)
-    # Its ``records.version_id`` and those of the versions inside the staleness window.
+    # Its ``records.version_id`` and those of the versions inside the staleness window,
+    # and the tokens each of those merged (``FragmentSyncer.window_tokens``).
     ids: dict[int, str] = field(default_factory=dict)
+    window_tokens: dict[int, int] = field(default_factory=dict)
     # The other outcomes decided since the previous version, so that the versions alone
     # account for every contribution (``storage_layout.audit``):
     rejected: tuple[tuple[str, int, str], ...] = ()  # (learner, seq, reason)
@@ -191,8 +193,9 @@ class FragmentSyncer:
         # Norms per inner step of the recently accepted contributions made past the
         # learners' warm-up (an outlier check: ``_admit``).
         self.norms: deque[float] = deque(maxlen=NORM_WINDOW)
-        # Versions inside the staleness window, for the anchored merge.
+        # Versions inside the staleness window: master copies, tokens merged (anchored).
         self.history: dict[int, Tensors] = {version: self.params}
+        self.window_tokens: dict[int, int] = {}
         # Their ids (``records.version_id``): a contribution names the one it was made on.
         # None given at version 0: a new fragment's; {}: versions stored before ids.
         fresh = ids is None and version == 0
@@ -373,10 +376,12 @@ class FragmentSyncer:
             return MergeOutcome(None, rejected)
 
         staleness = [self.version - c.base_version for c, _ in accepted]
-        weights = merge_weights([c for c, _ in accepted], staleness, self.cfg)
+        since = [self.merged_since(c) for c, _ in accepted]
+        weights = merge_weights([c for c, _ in accepted], staleness, self.cfg, since)
         self._write_next(accepted, weights)
         self.steps += 1
         self._advance([c.key for c, _ in accepted])
+        self.window_tokens[self.version] = sum(c.tokens for c, _ in accepted)
 
         for c, _ in accepted:
             self.progress[c.learner] = max(self.progress.get(c.learner, 0), c.step)
@@ -391,7 +396,7 @@ class FragmentSyncer:
                 cursor=dict(self.cursor),
                 weights={label(c): float(w) for (c, _), w in zip(accepted, weights, strict=True)},
                 staleness={label(c): s for (c, _), s in zip(accepted, staleness, strict=True)},
-                tokens=sum(c.tokens for c, _ in accepted),
+                tokens=self.window_tokens[self.version],
                 seconds=sum(c.seconds for c, _ in accepted),
                 merged=self.merged,
                 progress=dict(self.progress),
@@ -399,9 +404,20 @@ class FragmentSyncer:
                 rejected=tuple(self._take(self.rejections)),
                 superseded=tuple(self._take(self.superseded)),
                 ids=dict(self.ids),
+                window_tokens=dict(self.window_tokens),
             ),
             rejected,
         )
+
+    def merged_since(self, c: Contribution) -> int:
+        """The tokens merged after ``c``'s base version (to this one) that ``c``'s learner
+        did not train: the others' work, which an anchored outer gradient would carry back
+        (0 under the delta reference). Its own earlier sends from the same anchor, merged
+        meanwhile, are in its parameters (``c`` is then the increment: ``_new_work``)."""
+        if self.cfg.reference != "anchored":
+            return 0
+        own = self.merged_from[c.anchor][0].tokens - c.tokens
+        return max(0, sum(t for v, t in self.window_tokens.items() if v > c.base_version) - own)
 
     def _advance(self, consumed: list[tuple[str, int]]) -> None:
         """Number the version just written, which merged ``consumed``, and forget the
@@ -410,10 +426,9 @@ class FragmentSyncer:
         self.history[self.version] = self.params
         self.ids[self.version] = records.version_id(self.fragment, self.version, consumed)
         oldest = self.version - self.cfg.max_staleness
-        for v in [v for v in self.history if v < oldest]:
-            del self.history[v]
-        for v in [v for v in self.ids if v < oldest]:
-            del self.ids[v]
+        for window in (self.history, self.ids, self.window_tokens):
+            for v in [v for v in window if v < oldest]:
+                del window[v]
         for key in [k for k in self.merged_from if k[1] < oldest]:
             del self.merged_from[key]
 
@@ -471,7 +486,7 @@ class FragmentSyncer:
             fragment=self.fragment, version=self.version, params=self.params,
             slots=self.slots, consumed=(), cursor=dict(self.cursor), weights={},
             staleness={}, tokens=0, seconds=0.0, merged=self.merged, progress=dict(self.progress),
-            steps=self.steps, ids=dict(self.ids),
+            steps=self.steps, ids=dict(self.ids), window_tokens=dict(self.window_tokens),
             rejected=tuple(self._take(self.rejections)),
             superseded=tuple(self._take(self.superseded)),
         )  # fmt: skip

@@ -89,6 +89,7 @@ class SyncerLoop:
             block_size=self.cfg.topology.block_size, warmup_steps=self.cfg.inner.warmup_steps,
         )  # fmt: skip
         syncer.history.update({v: as_tensors(h) for v, h in stored.history.items()})
+        syncer.window_tokens.update(records.window_tokens_of(stored.meta))
         if stored.lost:
             syncer.version = max(stored.lost)  # numbering goes on above them
             self.lost[p] = sorted(stored.lost)
