@@ -1,6 +1,7 @@
 """Merge rules: how a syncer combines the accepted outer gradients of a fragment into
-the one its outer optimizer steps with, a piece at a time (``diloco.tensors``), the
-contributions' weights normalized to sum to one (``normalized``). A rule may read the
+the one its outer optimizer steps with, a piece at a time (``diloco.tensors``), by the
+contributions' weights (``diloco.outer.merge_weights``: summing to one, less for stale
+work that brings less than it carries back). A rule may read the
 outer optimizer's momentum (``reference``: its first state array, the direction the
 globals have been moving in; None where the optimizer keeps none).
 

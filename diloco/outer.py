@@ -197,22 +197,22 @@ def merge_weights(
 ) -> np.ndarray:
     """Each contribution's factor in the merged outer gradient: its token weight times
     ``g(staleness)`` (``staleness_fn``), normalized to sum to one, times the optimizer's
-    age scale (``OuterOptimizer.age_scale``), times its share of the work against what
-    was merged after its base version (``since``, in tokens: the anchored reference's).
+    age scale (``OuterOptimizer.age_scale``), times ``min(1, T / since)``: ``T`` the
+    merge's tokens, ``since`` the tokens merged after the contribution's base version
+    that its learner did not train (the anchored reference's; 0 for work made on the
+    newest version).
 
-    That share, ``T / (T + since)`` with ``T`` the merge's tokens, is 1 for work made on
-    the newest version. An anchored outer gradient, ``current - base + delta``, also
-    carries the globals back from ``current`` to its base: merged alone and whole (a
-    straggler's last contribution, merged below the quorum at a run's end), it would set
-    the fragment to that learner's parameters, a few steps past an old version. With the
-    share, each contribution counts as the tokens it adds beside the ones ``current``
-    holds that it lacks: a weighted mean of the models, the newest version's included."""
+    An anchored outer gradient, ``current - base + delta``, carries the globals back from
+    ``current`` towards its base as well: merged alone and whole (a straggler's last send,
+    merged below the quorum at a run's end), it set the fragment to that learner's
+    parameters, a few steps past an old version. With the factor, a merge carries the
+    globals back by no more tokens than it brings (``bench/quality/share.md``)."""
     g, scale = staleness_fn(cfg), OUTER_OPTIMIZERS[cfg.optimizer].age_scale(cfg)
     w = normalized(
         [contribution_weight(c, s, g) for c, s in zip(contributions, staleness, strict=True)]
     )
     tokens = sum(c.tokens for c in contributions)
-    share = [1.0 if t == 0 else tokens / (tokens + t) for t in since or [0] * len(staleness)]
+    share = [min(1.0, tokens / t) if t else 1.0 for t in since or [0] * len(staleness)]
     return w * np.array([scale(s) * f for s, f in zip(staleness, share, strict=True)], np.float64)
 
 
