@@ -160,9 +160,8 @@ class FragmentSyncer:
         ids: Mapping[int, str] | None = None,
         warmup_steps: int = 0,
     ):
-        self.fragment, self.cfg = fragment, cfg
+        self.fragment, self.cfg, self.is_embedding = fragment, cfg, is_embedding
         self.learners = frozenset(learners)
-        self.is_embedding = is_embedding
         self.tx = outer_optimizer(cfg)
         # The master copy (and below, the outer optimizer's state) is read a piece at a
         # time: arrays in memory, or a version in a bucket (``flows.bucket_io``).

@@ -74,9 +74,7 @@ def watch(names: list[str], futures: list[Any], monitor: Monitor, bar: Any, ever
             return ended
         if time.monotonic() - last_eval < every:
             if display.live and time.monotonic() - last_look >= LOOK_SECONDS:
-                last_look = time.monotonic()  # (a failed read shows the last state read)
-                statuses = monitor.phases(monitor.statuses())  # (the beats of the last look)
-                show_phases(display, statuses, monitor.versions(), oom=oom)
+                last_look = _look(display, monitor, oom)
             continue
         last_eval = last_look = time.monotonic()
         errors, statuses = monitor.errors, monitor.statuses()
@@ -102,6 +100,14 @@ def watch(names: list[str], futures: list[Any], monitor: Monitor, bar: Any, ever
             report(report_metrics, metrics, monitor, point, statuses, rates)
         if still is None:  # (else said above)
             started = _progress_line(log, statuses, point, pct, rates, oom, started)
+
+
+def _look(display: Display, monitor: Monitor, oom: Mapping[str, int] | None) -> float:
+    """The learners' phases in the live display between evaluations (by the heartbeats
+    of the last one; a failed read shows the last state read); returns when it looked."""
+    when = time.monotonic()
+    show_phases(display, monitor.phases(monitor.statuses()), monitor.versions(), oom=oom)
+    return when
 
 
 def _show_workers(monitor: Monitor, statuses: dict[str, dict], verdicts: dict[str, Verdict],
