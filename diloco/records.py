@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 Record = dict[str, Any]
@@ -113,26 +113,24 @@ def version_id(fragment: int, version: int, consumed: Iterable[Sequence[Any]]) -
 def ids_of(record: Mapping[str, Any]) -> dict[int, str]:
     """A version record's ``ids``, checked ({} for a record stored before they existed:
     contributions made on those versions are merged unchecked)."""
-    ids = record.get("ids") or {}
-    if not isinstance(ids, Mapping) or not all(
-        isinstance(i, str) and str(v).isdigit() for v, i in ids.items()
-    ):
-        raise ValueError(f"version record of fragment {record.get('fragment')}: ids {ids!r}")
-    return {int(v): i for v, i in ids.items()}
+    return _by_version(record, "ids", lambda i: isinstance(i, str))
 
 
 def window_tokens_of(record: Mapping[str, Any]) -> dict[int, int]:
     """A version record's ``window_tokens`` (the tokens each version inside the staleness
     window merged), checked ({} for a record stored before they existed: the work merged
     after a contribution's base is then not known, and counts as none)."""
-    window = record.get("window_tokens") or {}
+    return _by_version(record, "window_tokens", lambda t: type(t) is int and t >= 0)
+
+
+def _by_version(record: Mapping[str, Any], key: str, valid: Callable[[Any], bool]) -> dict:
+    """A version record's map ``key`` from version numbers to values ``valid`` accepts."""
+    window = record.get(key) or {}
     if not isinstance(window, Mapping) or not all(
-        str(v).isdigit() and type(t) is int and t >= 0 for v, t in window.items()
+        str(v).isdigit() and valid(x) for v, x in window.items()
     ):
-        raise ValueError(
-            f"version record of fragment {record.get('fragment')}: window_tokens {window!r}"
-        )
-    return {int(v): t for v, t in window.items()}
+        raise ValueError(f"version record of fragment {record.get('fragment')}: {key} {window!r}")
+    return {int(v): x for v, x in window.items()}
 
 
 def initial_version(fragment: int, time: float) -> Record:

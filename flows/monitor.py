@@ -21,7 +21,9 @@ from storage_layout.commit import CorruptVersion
 from storage_layout.store import RunStore
 from storage_layout.traffic import sum_traffic
 
-STARTUP = ("starting", "compiling", "resuming")  # a learner's start-up phases
+# A learner's start-up phases, in order, as its status object names them (``starting``:
+# no word from it yet: its process starts, imports, opens its flow run).
+STARTUP = ("starting", "compiling", "resuming")
 
 log = logging.getLogger(__name__)
 

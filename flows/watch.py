@@ -346,8 +346,6 @@ def report_metrics(
         monitor.storage_error("updating the live metrics", exc)
 
 
-# A learner's start-up phases, in order, as its status object names them (``starting``:
-# no word from it yet: its process starts, imports, opens its flow run).
 def learner_phases(
     statuses: dict[str, dict[str, Any]], oom: Mapping[str, int] | None = None
 ) -> tuple[Counter, str]:
